@@ -1,0 +1,80 @@
+//! Builds `csrc/shim.cpp`: the few libtorch entry points that `tch` 0.24 does
+//! not expose (autocast dtype, fused AdamW, multi-tensor gradient ops, the
+//! device allocator's statistics). It compiles against the same libtorch that
+//! torch-sys found, whose library folder torch-sys publishes as
+//! `DEP_TCH_LIBTORCH_LIB` (its `links = "tch"`).
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    git_revision();
+    println!("cargo:rerun-if-changed=csrc/shim.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect(
+        "torch-sys did not report libtorch's folder; run through ./x, which sets up libtorch",
+    ));
+    let root = lib
+        .parent()
+        .expect("libtorch lib folder has a parent")
+        .to_path_buf();
+    let include = root.join("include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").ok().unwrap_or_else(|| {
+        // Ask the PyTorch that torch-sys used, as torch-sys itself does.
+        Command::new(std::env::var("PYTHON_SYS_EXECUTABLE").unwrap_or_else(|_| "python".into()))
+            .args([
+                "-c",
+                "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))",
+            ])
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_owned())
+            .filter(|s| s == "0" || s == "1")
+            .unwrap_or_else(|| "1".into())
+    });
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/shim.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .flag_if_supported("-Wno-unused-parameter")
+        .warnings(false)
+        .compile("harness_shim");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=c10");
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+}
+
+/// Records the git revision (with `-dirty` for uncommitted changes) as
+/// HARNESS_GIT_REVISION, for the machine fingerprint of every result.
+fn git_revision() {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    let rev = match git(&["rev-parse", "HEAD"]) {
+        Some(rev) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{rev}-dirty")
+            } else {
+                rev
+            }
+        }
+        None => "unknown".into(),
+    };
+    println!("cargo:rustc-env=HARNESS_GIT_REVISION={rev}");
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        println!("cargo:rerun-if-changed={dir}/HEAD");
+        println!("cargo:rerun-if-changed={dir}/index");
+    }
+}

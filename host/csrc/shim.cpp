@@ -1,0 +1,135 @@
+// The libtorch entry points that tch 0.24 does not wrap. Each function takes
+// tch's tensor handles (`at::Tensor*`), catches every C++ exception and
+// returns it as a heap string (NULL on success) that Rust frees with
+// hx_free_error. Nothing here synchronises the device.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+typedef at::Tensor *tensor;
+
+static char *hx_err(const char *msg) { return strdup(msg); }
+
+#define HX_TRY(body)                                                           \
+  try {                                                                        \
+    body;                                                                      \
+    return nullptr;                                                            \
+  } catch (const std::exception &e) {                                          \
+    return hx_err(e.what());                                                   \
+  } catch (...) {                                                              \
+    return hx_err("unknown C++ exception");                                    \
+  }
+
+static std::vector<at::Tensor> hx_list(tensor *ts, int n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (int i = 0; i < n; i++) out.push_back(*ts[i]);
+  return out;
+}
+
+static at::DeviceType hx_device_type(int device_type) {
+  return device_type == 1 ? at::kCUDA : at::kCPU;
+}
+
+extern "C" {
+
+void hx_free_error(char *err) { free(err); }
+
+// Turns autocast on or off for one device type with the given compute dtype
+// (a c10::ScalarType code: 5 = Half, 15 = BFloat16), as torch.autocast does.
+char *hx_autocast_set(int device_type, int enabled, int dtype) {
+  HX_TRY({
+    auto dt = hx_device_type(device_type);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dt, enabled != 0);
+    if (!enabled) at::autocast::clear_cache();
+  })
+}
+
+// Clears the cast-weight cache that autocast keeps inside one forward pass.
+char *hx_autocast_clear_cache() { HX_TRY(at::autocast::clear_cache()) }
+
+// Sets every tensor's .grad to None (set_to_none=True in PyTorch), so the next
+// backward pass writes fresh gradients instead of adding into zeros.
+char *hx_grads_to_none(tensor *params, int n) {
+  HX_TRY({
+    for (int i = 0; i < n; i++) params[i]->mutable_grad().reset();
+  })
+}
+
+// Fills out[i] with params[i].grad (an undefined tensor where there is none).
+char *hx_grads(tensor *params, int n, tensor *out) {
+  HX_TRY({
+    for (int i = 0; i < n; i++) out[i] = new at::Tensor(params[i]->grad());
+  })
+}
+
+// Total 2-norm of the gradients, one multi-tensor pass, no host sync. If
+// max_norm > 0 the gradients are scaled by min(1, max_norm / (norm + 1e-6)),
+// as torch.nn.utils.clip_grad_norm_ does. Writes the norm (a 0-d float32
+// tensor on the gradients' device) to *norm_out.
+char *hx_clip_grad_norm(tensor *grads, int n, double max_norm, tensor *norm_out) {
+  HX_TRY({
+    auto gs = hx_list(grads, n);
+    auto norms = at::_foreach_norm(gs, 2);
+    auto total = at::linalg_vector_norm(at::stack(norms).to(at::kFloat), 2);
+    if (max_norm > 0) {
+      auto coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+      at::_foreach_mul_(gs, coef);
+    }
+    *norm_out = new at::Tensor(total);
+  })
+}
+
+// Unscales gradients in place by inv_scale and sets found_inf to 1 when any
+// element is inf or NaN (the first half of torch.amp.GradScaler.step).
+char *hx_unscale_check(tensor *grads, int n, tensor found_inf, tensor inv_scale) {
+  HX_TRY({
+    auto gs = hx_list(grads, n);
+    at::_amp_foreach_non_finite_check_and_unscale_(gs, *found_inf, *inv_scale);
+  })
+}
+
+// One AdamW step over all parameters with the fused multi-tensor kernel that
+// torch.optim.AdamW(fused=True) uses. found_inf may be NULL; when it is
+// nonzero the kernel skips the step (fp16 loss scaling).
+char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp_avg_sq,
+                     tensor *steps, int n, double lr, double beta1, double beta2,
+                     double weight_decay, double eps, tensor found_inf) {
+  HX_TRY({
+    std::optional<at::Tensor> fi;
+    if (found_inf) fi = *found_inf;
+    auto st = hx_list(steps, n);
+    // As torch.optim's _fused_adamw: the kernel reads the already-incremented
+    // step count; a skipped (overflowed) step takes the increment back.
+    at::_foreach_add_(st, 1);
+    at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
+                      hx_list(exp_avg_sq, n), {}, st, lr, beta1, beta2,
+                      weight_decay, eps, false, false, std::nullopt, fi);
+    if (found_inf) at::_foreach_sub_(st, std::vector<at::Tensor>(st.size(), *found_inf));
+  })
+}
+
+// The CUDA caching allocator's statistics for one device, in bytes:
+// out = {allocated now, allocated peak, reserved now, reserved peak}.
+char *hx_cuda_memory(int device, int64_t *out) {
+  HX_TRY({
+    auto *alloc = c10::getDeviceAllocator(at::kCUDA);
+    auto stats = alloc->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[agg].current;
+    out[1] = stats.allocated_bytes[agg].peak;
+    out[2] = stats.reserved_bytes[agg].current;
+    out[3] = stats.reserved_bytes[agg].peak;
+  })
+}
+
+// Resets the peaks that hx_cuda_memory reports.
+char *hx_cuda_reset_peak(int device) {
+  HX_TRY(c10::getDeviceAllocator(at::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device)))
+}
+
+}  // extern "C"

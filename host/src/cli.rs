@@ -1,0 +1,188 @@
+//! The command line: `harness run`, `harness validate`, `harness env`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::device;
+use crate::launch::{self, RunOptions};
+use crate::report;
+use crate::results::{self, EntryStatus};
+use crate::suite::{Suite, DEFAULT_SUITE};
+
+/// Exit codes of the `harness` binary.
+pub mod exit {
+    /// Everything ran and every entry succeeded.
+    pub const OK: i32 = 0;
+    /// The run finished, but at least one entry failed (see the result file).
+    pub const ENTRY_FAILED: i32 = 1;
+    /// The suite file is invalid (`harness validate` says why).
+    pub const INVALID_SUITE: i32 = 2;
+    /// Harness itself could not run (I/O, device set-up, bad arguments).
+    pub const ERROR: i32 = 3;
+}
+
+/// Benchmark harness for distributed-training strategies.
+#[derive(Debug, Parser)]
+#[command(name = "harness", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a suite and write its results (default: suites/cpu.toml).
+    Run(RunArgs),
+    /// Check a suite file without running it.
+    Validate {
+        /// The suite to check.
+        suite: PathBuf,
+    },
+    /// Show what harness sees: CPU, GPUs, driver, CUDA, libtorch, NCCL.
+    Env {
+        /// Print JSON (the fingerprint that result files carry).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Arguments of `harness run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The suite to run.
+    #[arg(default_value = DEFAULT_SUITE)]
+    pub suite: PathBuf,
+    /// Result file to write (default: results/<suite>-<UTC time>.json).
+    #[arg(short, long)]
+    pub out: Option<PathBuf>,
+    /// Continue an interrupted run: with --out, that file; otherwise the newest
+    /// incomplete result of this suite under --results-dir.
+    #[arg(long)]
+    pub resume: bool,
+    /// Folder for result files.
+    #[arg(long, default_value = "results")]
+    pub results_dir: PathBuf,
+    /// No progress bar or per-entry lines; the summary table is still printed.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+/// Runs the parsed command; returns the process exit code.
+pub fn main(cli: Cli) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Validate { suite } => match Suite::load(&suite) {
+            Ok(s) => {
+                let plan = s.plan();
+                println!(
+                    "{}: ok ({} workloads, {} strategies, {} entries)",
+                    suite.display(),
+                    s.spec.workloads.len(),
+                    s.strategies().len(),
+                    plan.entries.len()
+                );
+                Ok(exit::OK)
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                Ok(exit::INVALID_SUITE)
+            }
+        },
+        Command::Env { json } => {
+            let f = device::fingerprint();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&f)?);
+            } else {
+                print_env(&f);
+            }
+            Ok(exit::OK)
+        }
+        Command::Run(args) => run(args),
+    }
+}
+
+fn run(args: RunArgs) -> anyhow::Result<i32> {
+    let suite = match Suite::load(&args.suite) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(exit::INVALID_SUITE);
+        }
+    };
+    let name = &suite.spec.suite.name;
+    let out = match (&args.out, args.resume) {
+        (Some(o), _) => o.clone(),
+        (None, true) => results::find_resumable(&args.results_dir, name).ok_or_else(|| {
+            anyhow::anyhow!("no incomplete result of suite `{name}` under {}\nhint: name the file with --out, or run without --resume", args.results_dir.display())
+        })?,
+        (None, false) => results::default_path(&args.results_dir, name),
+    };
+    if !args.resume && out.exists() {
+        anyhow::bail!(
+            "{} already exists\nhint: pass --resume to continue it, or choose another --out",
+            out.display()
+        );
+    }
+    let result = launch::run_suite(
+        &suite,
+        &RunOptions {
+            out: out.clone(),
+            resume: args.resume,
+            quiet: args.quiet,
+        },
+    )?;
+    println!("{}", report::summary_table(&result));
+    println!("results: {}", out.display());
+    let failed = result
+        .entries
+        .iter()
+        .filter(|e| matches!(e.status, EntryStatus::Failed { .. }))
+        .count();
+    Ok(if failed > 0 {
+        exit::ENTRY_FAILED
+    } else {
+        exit::OK
+    })
+}
+
+fn print_env(f: &device::Fingerprint) {
+    let na = |o: &Option<String>| o.clone().unwrap_or_else(|| "not found".into());
+    println!("harness   {} ({})", f.harness_version, f.git_revision);
+    println!("host      {} ({})", f.hostname, f.os);
+    println!(
+        "cpu       {} ({} cores), {} memory",
+        f.cpu,
+        f.cpu_cores,
+        report::bytes(f.memory_bytes)
+    );
+    if f.gpus.is_empty() {
+        println!("gpus      none usable (training runs on CPU)");
+    }
+    for g in &f.gpus {
+        println!(
+            "gpu {}     {} ({}, compute {})",
+            g.index,
+            g.name,
+            report::bytes(g.memory_bytes),
+            g.compute_capability
+        );
+    }
+    println!("driver    {}", na(&f.driver));
+    println!(
+        "cuda      {} (libtorch build){}",
+        na(&f.cuda),
+        f.cuda_driver_api
+            .as_ref()
+            .map(|v| format!(", driver supports {v}"))
+            .unwrap_or_default()
+    );
+    println!(
+        "libtorch  {}{}",
+        na(&f.libtorch),
+        device::libtorch_dir()
+            .map(|d| format!(" at {}", d.display()))
+            .unwrap_or_default()
+    );
+    println!("nccl      {}", na(&f.nccl));
+}

@@ -1,0 +1,305 @@
+//! Running a plan: entries one after another on this process's rank, each
+//! isolated so that a failing entry (error, panic, out of memory) is recorded
+//! as failed and the run goes on; the result file is rewritten atomically
+//! after every entry, so a killed run keeps what it finished.
+
+use std::cell::RefCell;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::device;
+use crate::results::{EntryResult, EntryStatus, RunResult};
+use crate::suite::Suite;
+use crate::train::{self, EntryContext, Progress};
+
+/// How a run is asked for.
+pub struct RunOptions {
+    /// The result file (created, or continued with `resume`).
+    pub out: PathBuf,
+    /// Continue `out`: run only the entries it lacks.
+    pub resume: bool,
+    /// Show no progress bar.
+    pub quiet: bool,
+}
+
+thread_local! {
+    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Runs every planned entry that `out` lacks; returns the final result.
+pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
+    let meta = &suite.spec.suite;
+    let device = device::select(meta.device)?;
+    if let Some(n) = meta.threads {
+        tch::set_num_threads(n as i32);
+    }
+    let machine = device::fingerprint();
+    let mut result = if opts.resume {
+        let r = RunResult::read(&opts.out)?;
+        if r.suite.sha256 != suite.sha256 {
+            anyhow::bail!(
+                "{} was made from a different version of {} (sha256 {} vs {}); resume needs the same suite file\nhint: run without --resume to start a new result file",
+                opts.out.display(),
+                suite.path.display(),
+                short(&r.suite.sha256),
+                short(&suite.sha256)
+            );
+        }
+        if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
+            eprintln!("warning: resuming on a different machine than {} was started on; its entries will carry mixed fingerprints", opts.out.display());
+        }
+        r
+    } else {
+        let mut r = RunResult::new(suite, machine);
+        r.write_atomic(&opts.out)?;
+        r
+    };
+    let done = result.done_ids();
+    let plan = suite.plan();
+    let todo: Vec<_> = plan
+        .entries
+        .iter()
+        .filter(|e| !done.contains(&e.id))
+        .collect();
+    let device_name = match device {
+        tch::Device::Cpu => "cpu".to_owned(),
+        _ => result
+            .machine
+            .gpus
+            .first()
+            .map_or("cuda".into(), |g| format!("cuda:0 ({})", g.name)),
+    };
+    let peak = meta.peak_tflops.or_else(|| {
+        result
+            .machine
+            .gpus
+            .first()
+            .and_then(|g| device::peak_tflops(&g.name, true))
+    });
+    if !opts.quiet {
+        eprintln!(
+            "harness: suite `{}` ({} of {} entries to run) on {device_name} -> {}",
+            meta.name,
+            todo.len(),
+            plan.entries.len(),
+            opts.out.display()
+        );
+    }
+
+    let suite_dir = suite
+        .path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    let prev_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|info| {
+        let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
+            s.to_string()
+        } else if let Some(s) = info.payload().downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "panic".into()
+        };
+        LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
+    }));
+
+    for (i, entry) in todo.iter().enumerate() {
+        let w = &suite.spec.workloads[entry.workload];
+        let peak_for = if w.precision == crate::suite::Precision::Fp32 {
+            meta.peak_tflops.or_else(|| {
+                result
+                    .machine
+                    .gpus
+                    .first()
+                    .and_then(|g| device::peak_tflops(&g.name, false))
+            })
+        } else {
+            peak
+        };
+        let ctx = EntryContext {
+            workload: w,
+            entry,
+            suite_dir: &suite_dir,
+            device,
+            warmup_steps: meta.warmup_steps,
+            peak_tflops: peak_for,
+        };
+        let bar = progress_bar(
+            opts.quiet,
+            &format!("[{}/{}] {}", i + 1, todo.len(), entry.id),
+            w.steps,
+            w.time_budget_s,
+        );
+        let mut last_print = std::time::Instant::now();
+        let mut on_progress =
+            |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            train::run_entry(&ctx, &mut on_progress)
+        }));
+        bar.finish_and_clear();
+        let (status, metrics, histograms) = match outcome {
+            Ok(Ok(out)) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
+            Ok(Err(e)) => (
+                EntryStatus::Failed {
+                    error: format!("{e:#}"),
+                },
+                None,
+                Default::default(),
+            ),
+            Err(_) => {
+                let msg = LAST_PANIC
+                    .with(|p| p.borrow_mut().take())
+                    .unwrap_or_else(|| "panic".into());
+                (
+                    EntryStatus::Failed {
+                        error: clean_panic(&msg),
+                    },
+                    None,
+                    Default::default(),
+                )
+            }
+        };
+        if !opts.quiet {
+            match (&status, &metrics) {
+                (EntryStatus::Ok, Some(m)) => eprintln!(
+                    "  {} ok: {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
+                    entry.id,
+                    m.steps,
+                    m.final_train_loss.unwrap_or(f64::NAN),
+                    m.final_eval_loss.unwrap_or(f64::NAN),
+                    m.loss_floor
+                        .map(|f| format!(", floor {f:.4}"))
+                        .unwrap_or_default(),
+                    m.tokens_per_s
+                ),
+                (EntryStatus::Failed { error }, _) => eprintln!("  {} FAILED: {error}", entry.id),
+                _ => {}
+            }
+        }
+        result.entries.push(EntryResult {
+            id: entry.id.clone(),
+            workload: w.name.clone(),
+            strategy: entry.strategy.name.clone(),
+            repeat: entry.repeat,
+            seed: entry.seed,
+            status,
+            device: device_name.clone(),
+            metrics,
+            histograms,
+        });
+        // Plan order, whatever order resume ran things in.
+        let order = |id: &str| {
+            plan.entries
+                .iter()
+                .position(|p| p.id == id)
+                .unwrap_or(usize::MAX)
+        };
+        result.entries.sort_by_key(|e| order(&e.id));
+        result.write_atomic(&opts.out)?;
+    }
+    std::panic::set_hook(prev_hook);
+    Ok(result)
+}
+
+fn short(s: &str) -> &str {
+    &s[..s.len().min(12)]
+}
+
+/// libtorch errors arrive as panics of tch with a C++ backtrace; keep the
+/// first line that says what happened.
+fn clean_panic(msg: &str) -> String {
+    let msg = msg.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
+    // tch formats its error with Debug: Torch("first line\nException raised...").
+    let msg = msg
+        .strip_prefix("Torch(\"")
+        .map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
+    let first = msg
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("panic");
+    if first.contains("out of memory") {
+        format!("out of memory: {first}")
+    } else {
+        first.to_owned()
+    }
+}
+
+fn progress_bar(
+    quiet: bool,
+    prefix: &str,
+    steps: Option<u64>,
+    budget_s: Option<f64>,
+) -> ProgressBar {
+    let (len, template) = match (steps, budget_s) {
+        (Some(s), _) => (s, "{prefix} [{bar:30}] step {pos}/{len} {msg} ETA {eta}"),
+        (None, Some(b)) => ((b * 10.0) as u64, "{prefix} [{bar:30}] {msg} ETA {eta}"),
+        _ => (0, "{prefix} {msg}"),
+    };
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(template)
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(prefix.to_owned());
+    bar.set_draw_target(if quiet {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    });
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
+}
+
+fn update_bar(
+    bar: &ProgressBar,
+    p: &Progress,
+    last_print: &mut std::time::Instant,
+    id: &str,
+    quiet: bool,
+) {
+    let msg = format!(
+        "loss {} | {}",
+        p.loss.map_or("-".into(), |l| format!("{l:.4}")),
+        p.tokens_per_s
+            .map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
+    );
+    match (p.total_steps, p.time_budget) {
+        (Some(_), _) => bar.set_position(p.step),
+        (None, Some(_)) => bar.set_position((p.elapsed.as_secs_f64() * 10.0) as u64),
+        _ => {}
+    }
+    bar.set_message(msg.clone());
+    // Without a terminal (CI logs, pipes) the bar is hidden: print a line
+    // every 10 seconds instead, so long runs still show they are alive.
+    if !quiet
+        && bar.is_hidden()
+        && last_print.elapsed() >= Duration::from_secs(10)
+        && !bar.is_finished()
+    {
+        *last_print = std::time::Instant::now();
+        eprintln!(
+            "  {id}: step {}{} {msg}",
+            p.step,
+            p.total_steps.map(|s| format!("/{s}")).unwrap_or_default()
+        );
+    }
+}
+
+/// 12345.6 -> "12.3k".
+pub fn human(x: f64) -> String {
+    if x >= 1e9 {
+        format!("{:.2}G", x / 1e9)
+    } else if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.1}")
+    }
+}

@@ -1,0 +1,19 @@
+//! `harness`: a benchmark harness that scores distributed-training strategies.
+//!
+//! The modules follow the data (../DESIGN.md): [`cli`] -> [`suite`] (parse,
+//! validate, expand to a plan) -> [`launch`] (run entries, keep results) ->
+//! [`device`] -> [`train`] (model, data, optimizer, step loop) with
+//! [`strategy`] (the decisions strategies make) -> [`measure`] (HDR
+//! histograms, timers) -> [`results`] (schema, atomic writes) -> [`report`].
+//! [`torch_ext`] wraps the libtorch calls that `tch` lacks.
+
+pub mod cli;
+pub mod device;
+pub mod launch;
+pub mod measure;
+pub mod report;
+pub mod results;
+pub mod strategy;
+pub mod suite;
+pub mod torch_ext;
+pub mod train;

@@ -1,0 +1,359 @@
+//! Measuring: per-phase latency histograms, CUDA-event timelines read one step
+//! late, and memory figures.
+//!
+//! On CPU a phase is the monotonic time between two marks. On CUDA each mark
+//! records an event on libtorch's stream (the legacy default stream, which
+//! harness never changes); the events of step k are read after step k+1 has
+//! been enqueued, so measuring never stalls the device.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use hdrhistogram::serialization::{Deserializer, Serializer, V2Serializer};
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+/// The phases of a training step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Preparing and uploading the batch (host time).
+    Data,
+    Forward,
+    Backward,
+    /// Gradient reduction by the compressor, collectives included.
+    Communicate,
+    Optimizer,
+    /// Batch-size and checkpoint policy hooks (host time).
+    Strategy,
+}
+
+impl Phase {
+    /// Every phase, in step order.
+    pub const ALL: [Phase; 6] = [
+        Phase::Data,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Communicate,
+        Phase::Optimizer,
+        Phase::Strategy,
+    ];
+
+    /// The phase's name in results.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Data => "data",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Communicate => "communicate",
+            Phase::Optimizer => "optimizer",
+            Phase::Strategy => "strategy",
+        }
+    }
+}
+
+/// A latency histogram in nanoseconds (3 significant digits, 1 ns to 1 h).
+pub fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Records a duration, clamped into the histogram's range.
+pub fn record(h: &mut Histogram<u64>, d: Duration) {
+    h.saturating_record((d.as_nanos() as u64).max(1));
+}
+
+/// Serializes a histogram (HdrHistogram V2 format, base64).
+pub fn encode(h: &Histogram<u64>) -> String {
+    let mut buf = Vec::new();
+    V2Serializer::new()
+        .serialize(h, &mut buf)
+        .expect("serializing to memory cannot fail");
+    base64::engine::general_purpose::STANDARD.encode(buf)
+}
+
+/// Reads a histogram written by [`encode`].
+pub fn decode(s: &str) -> anyhow::Result<Histogram<u64>> {
+    let bytes = base64::engine::general_purpose::STANDARD.decode(s)?;
+    Ok(Deserializer::new().deserialize(&mut bytes.as_slice())?)
+}
+
+/// Percentiles of a latency histogram, in milliseconds.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+impl LatencySummary {
+    /// Summarises a nanosecond histogram.
+    pub fn of(h: &Histogram<u64>) -> LatencySummary {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        LatencySummary {
+            count: h.len(),
+            mean_ms: h.mean() / 1e6,
+            p50_ms: ms(h.value_at_quantile(0.5)),
+            p90_ms: ms(h.value_at_quantile(0.9)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            p999_ms: ms(h.value_at_quantile(0.999)),
+            max_ms: ms(h.max()),
+        }
+    }
+}
+
+/// One step's phase marks, on the host or as CUDA events.
+enum Marks {
+    Host(Vec<(Phase, Duration)>),
+    Cuda(Vec<(Phase, cuda::Event, cuda::Event)>),
+}
+
+/// Times the phases of steps into histograms.
+pub struct PhaseTimer {
+    cuda: bool,
+    /// Device phases whose events are not read yet: (step, marks).
+    pending: Option<Marks>,
+    current: Marks,
+    open: Option<(Phase, Instant, Option<cuda::Event>)>,
+    spare: Vec<cuda::Event>,
+    pub histograms: BTreeMap<Phase, Histogram<u64>>,
+    /// Whether the current step counts (false during warm-up).
+    recording: bool,
+}
+
+impl PhaseTimer {
+    /// A timer for CPU (`cuda == false`) or for the current CUDA context.
+    pub fn new(cuda: bool) -> PhaseTimer {
+        let histograms = Phase::ALL.iter().map(|p| (*p, new_histogram())).collect();
+        PhaseTimer {
+            cuda,
+            pending: None,
+            current: Self::empty(cuda),
+            open: None,
+            spare: Vec::new(),
+            histograms,
+            recording: false,
+        }
+    }
+
+    fn empty(cuda: bool) -> Marks {
+        if cuda {
+            Marks::Cuda(Vec::new())
+        } else {
+            Marks::Host(Vec::new())
+        }
+    }
+
+    fn event(&mut self) -> anyhow::Result<cuda::Event> {
+        match self.spare.pop() {
+            Some(e) => Ok(e),
+            None => cuda::Event::new(),
+        }
+    }
+
+    /// Starts a step; `recording` says whether its times go into histograms.
+    pub fn begin_step(&mut self, recording: bool) {
+        self.recording = recording;
+    }
+
+    /// Starts a phase. Host phases (data, strategy) always use the host clock.
+    pub fn start(&mut self, phase: Phase) -> anyhow::Result<()> {
+        let ev = if self.cuda && Self::on_device(phase) {
+            let e = self.event()?;
+            e.record()?;
+            Some(e)
+        } else {
+            None
+        };
+        self.open = Some((phase, Instant::now(), ev));
+        Ok(())
+    }
+
+    fn on_device(phase: Phase) -> bool {
+        !matches!(phase, Phase::Data | Phase::Strategy)
+    }
+
+    /// Ends the phase started last.
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        let Some((phase, t0, ev)) = self.open.take() else {
+            return Ok(());
+        };
+        match ev {
+            Some(start) => {
+                let end = self.event()?;
+                end.record()?;
+                if let Marks::Cuda(v) = &mut self.current {
+                    v.push((phase, start, end));
+                }
+            }
+            None => {
+                let d = t0.elapsed();
+                if self.recording {
+                    if let Some(h) = self.histograms.get_mut(&phase) {
+                        record(h, d);
+                    }
+                }
+                if let Marks::Host(v) = &mut self.current {
+                    v.push((phase, d));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a step: reads the previous step's device events (which completed
+    /// before this step's work, all of it already enqueued).
+    pub fn end_step(&mut self) -> anyhow::Result<()> {
+        let done = std::mem::replace(&mut self.current, Self::empty(self.cuda));
+        let was_recording = self.recording;
+        if let Some(prev) = self.pending.take() {
+            self.read(prev, true)?;
+        }
+        if was_recording {
+            self.pending = Some(done);
+        } else {
+            self.recycle(done);
+        }
+        Ok(())
+    }
+
+    /// Reads whatever is still pending (call at the end of training).
+    pub fn flush(&mut self) -> anyhow::Result<()> {
+        if let Some(prev) = self.pending.take() {
+            self.read(prev, true)?;
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, marks: Marks, recording: bool) -> anyhow::Result<()> {
+        if let Marks::Cuda(v) = marks {
+            // Per phase, sum the intervals of the step (several micro-batches).
+            let mut sums: BTreeMap<Phase, f64> = BTreeMap::new();
+            for (phase, s, e) in &v {
+                e.synchronize()?;
+                *sums.entry(*phase).or_default() += cuda::Event::elapsed_ms(s, e)? as f64;
+            }
+            if recording {
+                for (phase, ms) in sums {
+                    if let Some(h) = self.histograms.get_mut(&phase) {
+                        record(h, Duration::from_secs_f64(ms / 1e3));
+                    }
+                }
+            }
+            for (_, s, e) in v {
+                self.spare.push(s);
+                self.spare.push(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn recycle(&mut self, marks: Marks) {
+        if let Marks::Cuda(v) = marks {
+            for (_, s, e) in v {
+                self.spare.push(s);
+                self.spare.push(e);
+            }
+        }
+    }
+}
+
+/// CUDA events through the driver API (cudarc), on libtorch's stream.
+pub mod cuda {
+    use cudarc::driver::{result, sys};
+
+    /// A CUDA event, destroyed on drop.
+    pub struct Event(sys::CUevent);
+
+    impl Event {
+        /// Creates an event in the current context.
+        pub fn new() -> anyhow::Result<Event> {
+            Ok(Event(result::event::create(
+                sys::CUevent_flags::CU_EVENT_DEFAULT,
+            )?))
+        }
+
+        /// Records the event on the legacy default stream, libtorch's
+        /// default (harness never switches libtorch's current stream).
+        pub fn record(&self) -> anyhow::Result<()> {
+            // SAFETY: self.0 is a live event of the current context; the null
+            // stream is always valid.
+            unsafe { result::event::record(self.0, std::ptr::null_mut())? };
+            Ok(())
+        }
+
+        /// Waits until the event has completed.
+        pub fn synchronize(&self) -> anyhow::Result<()> {
+            // SAFETY: live event.
+            unsafe { result::event::synchronize(self.0)? };
+            Ok(())
+        }
+
+        /// Milliseconds between two completed events.
+        pub fn elapsed_ms(start: &Event, end: &Event) -> anyhow::Result<f32> {
+            // SAFETY: both events are live and were recorded.
+            Ok(unsafe { result::event::elapsed(start.0, end.0)? })
+        }
+    }
+
+    impl Drop for Event {
+        fn drop(&mut self) {
+            // SAFETY: the event is owned and destroyed once.
+            let _ = unsafe { result::event::destroy(self.0) };
+        }
+    }
+}
+
+/// The process's peak resident set size in bytes (VmHWM).
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_kb("VmHWM:").map(|kb| kb * 1024)
+}
+
+/// Resets the kernel's peak-RSS counter, so the next reading covers one entry.
+pub fn reset_peak_rss() {
+    // Linux >= 4.0: writing 5 to clear_refs resets VmHWM to the current RSS.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn proc_status_kb(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_round_trip_through_base64() {
+        let mut h = new_histogram();
+        for v in [1_000u64, 2_000, 3_000, 1_000_000, 5_000_000_000] {
+            h.record(v).unwrap();
+        }
+        let back = decode(&encode(&h)).unwrap();
+        assert_eq!(back.len(), h.len());
+        assert_eq!(back.value_at_quantile(0.5), h.value_at_quantile(0.5));
+        assert_eq!(back.max(), h.max());
+    }
+
+    #[test]
+    fn host_phases_land_in_their_histograms() {
+        let mut t = PhaseTimer::new(false);
+        for step in 0..5 {
+            t.begin_step(step >= 2);
+            t.start(Phase::Forward).unwrap();
+            std::thread::sleep(Duration::from_millis(2));
+            t.stop().unwrap();
+            t.end_step().unwrap();
+        }
+        t.flush().unwrap();
+        let h = &t.histograms[&Phase::Forward];
+        assert_eq!(h.len(), 3, "warm-up steps are not recorded");
+        assert!(h.min() >= 2_000_000);
+    }
+}

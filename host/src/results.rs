@@ -1,0 +1,354 @@
+//! Result files: the JSON a run leaves under `results/`, written atomically
+//! after every entry. The format is documented in `docs/results-format.md`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::Fingerprint;
+use crate::measure::LatencySummary;
+use crate::suite::{PlanEntry, Suite};
+
+/// Version of the result format.
+///
+/// Changelog:
+/// - 1: first version (suite, plan, entries with metrics and HDR histograms,
+///   machine fingerprint).
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Errors reading or writing result files.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultsError {
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a harness result file: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path} has result format {found}; this harness reads format {FORMAT_VERSION} and older (upgrade harness)")]
+    TooNew { path: PathBuf, found: u32 },
+}
+
+/// A whole run: what was asked, where, and what came out.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunResult {
+    pub format_version: u32,
+    pub suite: SuiteRecord,
+    pub machine: Fingerprint,
+    pub plan: Vec<PlanEntry>,
+    pub entries: Vec<EntryResult>,
+    /// True once every planned entry has a result.
+    pub complete: bool,
+    pub started_at: String,
+    pub updated_at: String,
+}
+
+/// The suite as it was run.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SuiteRecord {
+    pub name: String,
+    pub path: String,
+    pub sha256: String,
+    /// The suite file's full text, so a result explains itself.
+    pub text: String,
+}
+
+/// How an entry ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum EntryStatus {
+    Ok,
+    Failed { error: String },
+}
+
+/// One entry's outcome.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EntryResult {
+    pub id: String,
+    pub workload: String,
+    pub strategy: String,
+    pub repeat: u32,
+    pub seed: u64,
+    #[serde(flatten)]
+    pub status: EntryStatus,
+    pub device: String,
+    pub metrics: Option<Metrics>,
+    /// Serialized HDR histograms (V2, base64), nanoseconds: "step" and one
+    /// per phase.
+    pub histograms: BTreeMap<String, String>,
+}
+
+/// The figures of one entry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct Metrics {
+    pub model: serde_json::Value,
+    pub parameters: i64,
+    pub precision: String,
+    pub steps: u64,
+    /// Steps left out of timing at the start.
+    pub warmup_steps: u64,
+    pub tokens: u64,
+    pub samples: u64,
+    /// Wall time of training, evaluation excluded.
+    pub train_time_s: f64,
+    /// Throughput after warm-up.
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub step: Option<LatencySummary>,
+    pub phases: BTreeMap<String, LatencySummary>,
+    pub flops_per_token: f64,
+    pub achieved_tflops: f64,
+    /// Model FLOPs utilisation against `peak_tflops`, if a peak is known.
+    pub mfu: Option<f64>,
+    pub peak_tflops: Option<f64>,
+    pub memory: MemoryRecord,
+    pub final_train_loss: Option<f64>,
+    pub final_eval_loss: Option<f64>,
+    /// The best reachable loss of the data, when known.
+    pub loss_floor: Option<f64>,
+    pub target_loss: Option<f64>,
+    /// Training seconds until the eval loss first reached the target.
+    pub time_to_target_s: Option<f64>,
+    pub steps_to_target: Option<u64>,
+    /// (step, training seconds, train loss), subsampled to at most 512 points.
+    pub loss_curve: Vec<(u64, f64, f64)>,
+    /// (step, training seconds, eval loss) at every evaluation.
+    pub eval_curve: Vec<(u64, f64, f64)>,
+    /// fp16: steps skipped because gradients overflowed.
+    pub skipped_steps: u64,
+    pub bytes_on_wire: u64,
+    pub strategy_runtime: String,
+}
+
+/// Memory high-water marks.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct MemoryRecord {
+    /// Peak resident set of the process during the entry.
+    pub peak_rss_bytes: Option<u64>,
+    /// CUDA caching allocator: peak bytes in tensors.
+    pub peak_device_allocated_bytes: Option<i64>,
+    /// CUDA caching allocator: peak bytes reserved from the driver.
+    pub peak_device_reserved_bytes: Option<i64>,
+}
+
+/// Current UTC time, RFC 3339.
+pub fn now() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+impl RunResult {
+    /// An empty result for a suite about to run.
+    pub fn new(suite: &Suite, machine: Fingerprint) -> RunResult {
+        let t = now();
+        RunResult {
+            format_version: FORMAT_VERSION,
+            suite: SuiteRecord {
+                name: suite.spec.suite.name.clone(),
+                path: suite.path.display().to_string(),
+                sha256: suite.sha256.clone(),
+                text: suite.source.clone(),
+            },
+            machine,
+            plan: suite.plan().entries,
+            entries: Vec::new(),
+            complete: false,
+            started_at: t.clone(),
+            updated_at: t,
+        }
+    }
+
+    /// Reads a result file, refusing formats newer than this build's.
+    pub fn read(path: &Path) -> Result<RunResult, ResultsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ResultsError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let probe: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| ResultsError::Parse {
+                path: path.into(),
+                source,
+            })?;
+        let found = probe
+            .get("format_version")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as u32;
+        if found > FORMAT_VERSION {
+            return Err(ResultsError::TooNew {
+                path: path.into(),
+                found,
+            });
+        }
+        serde_json::from_value(probe).map_err(|source| ResultsError::Parse {
+            path: path.into(),
+            source,
+        })
+    }
+
+    /// Ids of entries that have a result.
+    pub fn done_ids(&self) -> std::collections::BTreeSet<String> {
+        self.entries.iter().map(|e| e.id.clone()).collect()
+    }
+
+    /// Writes the file atomically: a temporary file in the same folder,
+    /// fsync, rename over the target, fsync of the folder. A reader (or a
+    /// crash) sees the old file or the new one, never half of one.
+    pub fn write_atomic(&mut self, path: &Path) -> Result<(), ResultsError> {
+        self.updated_at = now();
+        self.complete = self
+            .plan
+            .iter()
+            .all(|p| self.entries.iter().any(|e| e.id == p.id));
+        let json = serde_json::to_vec_pretty(self).expect("results serialize");
+        write_atomic(path, &json)
+    }
+}
+
+/// Atomic replace of `path` with `bytes` (see [`RunResult::write_atomic`]).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ResultsError> {
+    let err = |source| ResultsError::Write {
+        path: path.into(),
+        source,
+    };
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".harness-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(err)?;
+    tmp.write_all(bytes).map_err(err)?;
+    tmp.as_file().sync_all().map_err(err)?;
+    tmp.persist(path).map_err(|e| err(e.error))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(err)?;
+    Ok(())
+}
+
+/// The newest incomplete result in `dir` for a suite name, for `--resume`.
+pub fn find_resumable(dir: &Path, suite_name: &str) -> Option<PathBuf> {
+    let mut best: Option<(String, PathBuf)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        if p.extension().and_then(|x| x.to_str()) != Some("json") {
+            continue;
+        }
+        if let Ok(r) = RunResult::read(&p) {
+            if r.suite.name == suite_name
+                && !r.complete
+                && best.as_ref().is_none_or(|(t, _)| r.started_at > *t)
+            {
+                best = Some((r.started_at, p));
+            }
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// The default path of a new result file.
+pub fn default_path(dir: &Path, suite_name: &str) -> PathBuf {
+    let stamp = time::OffsetDateTime::now_utc()
+        .format(time::macros::format_description!(
+            "[year][month][day]T[hour][minute][second]Z"
+        ))
+        .unwrap_or_default();
+    dir.join(format!("{suite_name}-{stamp}.json"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> RunResult {
+        let suite = Suite::parse(
+            Path::new("s.toml"),
+            "[suite]\nname='s'\n[[workload]]\nname='w'\nmodel={kind='mlp',preset='tiny'}\ndata={kind='synthetic',vocab=8}\nbatch=2\nseq_len=4\nsteps=2\noptimizer={kind='sgd',lr=0.1}\n".into(),
+        )
+        .unwrap();
+        let machine = Fingerprint {
+            hostname: "h".into(),
+            os: "Linux".into(),
+            cpu: "c".into(),
+            cpu_cores: 2,
+            memory_bytes: 1,
+            gpus: vec![],
+            driver: None,
+            cuda: None,
+            cuda_driver_api: None,
+            libtorch: Some("2.11.0".into()),
+            nccl: None,
+            harness_version: "0".into(),
+            git_revision: "r".into(),
+        };
+        let mut r = RunResult::new(&suite, machine);
+        let mut h = crate::measure::new_histogram();
+        h.record(12345).unwrap();
+        r.entries.push(EntryResult {
+            id: "w/baseline/r0".into(),
+            workload: "w".into(),
+            strategy: "baseline".into(),
+            repeat: 0,
+            seed: 1,
+            status: EntryStatus::Ok,
+            device: "cpu".into(),
+            metrics: Some(Metrics {
+                steps: 2,
+                tokens_per_s: 1.5,
+                loss_curve: vec![(1, 0.1, 2.0)],
+                ..Default::default()
+            }),
+            histograms: [("step".to_owned(), crate::measure::encode(&h))].into(),
+        });
+        r
+    }
+
+    #[test]
+    fn result_files_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.json");
+        let mut r = sample();
+        r.write_atomic(&p).unwrap();
+        assert!(r.complete);
+        let back = RunResult::read(&p).unwrap();
+        assert_eq!(back, r);
+        let h = crate::measure::decode(&back.entries[0].histograms["step"]).unwrap();
+        assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn newer_formats_are_refused_with_a_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.json");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["format_version"] = (FORMAT_VERSION + 1).into();
+        std::fs::write(&p, v.to_string()).unwrap();
+        let e = RunResult::read(&p).unwrap_err().to_string();
+        assert!(e.contains("upgrade harness"), "{e}");
+    }
+
+    #[test]
+    fn atomic_write_leaves_no_temporary_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.json");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

@@ -1,0 +1,1059 @@
+//! Suites: the TOML a user writes, checked and expanded into a [`Plan`].
+//!
+//! [`Suite::load`] parses (unknown keys and wrong types are errors, thanks to
+//! `deny_unknown_fields`), then [`Suite::validate`] checks values against each
+//! other. Every problem is reported as a [`SuiteError`] that renders with the
+//! file, line and column, the offending source line and a hint. The format is
+//! documented in `docs/suite-format.md`.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The suite that `harness run` uses when none is named.
+pub const DEFAULT_SUITE: &str = "suites/cpu.toml";
+
+/// A parsed suite file, as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuiteSpec {
+    /// Suite-wide settings.
+    pub suite: SuiteMeta,
+    /// What is trained.
+    #[serde(rename = "workload")]
+    pub workloads: Vec<Workload>,
+    /// How it is trained (crossed with every workload it applies to).
+    #[serde(rename = "strategy", default)]
+    pub strategies: Vec<Strategy>,
+}
+
+/// The `[suite]` table.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuiteMeta {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub device: DeviceKind,
+    #[serde(default = "one")]
+    pub world_size: u32,
+    #[serde(default = "one")]
+    pub repeats: u32,
+    #[serde(default)]
+    pub seed: u64,
+    /// Steps at the start of each entry left out of latency and throughput.
+    #[serde(default = "default_warmup")]
+    pub warmup_steps: u64,
+    /// Peak dense TFLOP/s used for MFU when the device is not in the table.
+    #[serde(default)]
+    pub peak_tflops: Option<f64>,
+    /// CPU threads for libtorch's intra-op pool (default: all cores).
+    #[serde(default)]
+    pub threads: Option<u32>,
+}
+
+fn one() -> u32 {
+    1
+}
+fn default_warmup() -> u64 {
+    3
+}
+
+/// Where a suite runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CUDA when a GPU is usable, else CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// One `[[workload]]`: model, data and training recipe.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub name: String,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    /// Micro-batch size per rank, in sequences (samples).
+    pub batch: u32,
+    /// Tokens per sequence (for the encoder: positions per sample).
+    pub seq_len: u32,
+    #[serde(default = "one")]
+    pub grad_accum: u32,
+    /// Optimizer steps to run; with `time_budget_s` too, whichever ends first.
+    #[serde(default)]
+    pub steps: Option<u64>,
+    #[serde(default)]
+    pub time_budget_s: Option<f64>,
+    #[serde(default)]
+    pub precision: Precision,
+    pub optimizer: OptimizerSpec,
+    #[serde(default)]
+    pub schedule: ScheduleSpec,
+    /// Clip the global gradient norm to this value.
+    #[serde(default)]
+    pub grad_clip: Option<f64>,
+    /// Evaluate every this many steps (0: only at the end).
+    #[serde(default)]
+    pub eval_every: u64,
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: u32,
+    /// Absolute target for the eval loss.
+    #[serde(default)]
+    pub target_loss: Option<f64>,
+    /// Target as a margin above the data's known loss floor.
+    #[serde(default)]
+    pub target_above_floor: Option<f64>,
+}
+
+fn default_eval_batches() -> u32 {
+    8
+}
+
+/// `model = { kind = "gpt", preset = "tiny" }`; explicit sizes override the preset.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub kind: ModelKind,
+    #[serde(default)]
+    pub preset: Option<String>,
+    #[serde(default)]
+    pub n_layer: Option<u32>,
+    #[serde(default)]
+    pub n_head: Option<u32>,
+    #[serde(default)]
+    pub d_model: Option<u32>,
+    #[serde(default)]
+    pub d_ff: Option<u32>,
+    #[serde(default)]
+    pub dropout: Option<f64>,
+}
+
+/// The model families of the training core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Decoder-only transformer (GPT-2 style, tied embedding).
+    Gpt,
+    /// `nn.TransformerEncoder` with a regression head (CLAIMS.md section 5).
+    Encoder,
+    /// Token MLP: embedding, one hidden layer, logits of the next token.
+    Mlp,
+}
+
+/// Where batches come from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum DataSpec {
+    /// Seeded Markov-chain tokens whose entropy rate (the loss floor) is known.
+    Synthetic {
+        vocab: u32,
+        #[serde(default = "default_branching")]
+        branching: u32,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
+    /// Token files in the llm.c / nanoGPT `.bin` format (u16 tokens).
+    Bin {
+        train: PathBuf,
+        #[serde(default)]
+        val: Option<PathBuf>,
+        /// Fraction of `train` held out for eval when `val` is not given.
+        #[serde(default = "default_val_fraction")]
+        val_fraction: f64,
+        /// Model vocabulary (default 50304, GPT-2's rounded up).
+        #[serde(default)]
+        vocab: Option<u32>,
+    },
+    /// Gaussian inputs, targets a fixed linear map of them plus noise of known
+    /// variance (the MSE floor).
+    Regression {
+        #[serde(default = "default_noise")]
+        noise: f64,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
+}
+
+fn default_branching() -> u32 {
+    4
+}
+fn default_val_fraction() -> f64 {
+    0.05
+}
+fn default_noise() -> f64 {
+    0.1
+}
+
+/// Arithmetic precision of the step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bf16 autocast, fp32 master weights.
+    Bf16,
+    /// fp16 autocast with dynamic loss scaling.
+    Fp16,
+}
+
+/// `optimizer = { kind = "adamw", lr = 6e-4, ... }`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum OptimizerSpec {
+    Adamw {
+        lr: f64,
+        #[serde(default = "default_betas")]
+        betas: [f64; 2],
+        #[serde(default = "default_eps")]
+        eps: f64,
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    Sgd {
+        lr: f64,
+        #[serde(default)]
+        momentum: f64,
+        #[serde(default)]
+        nesterov: bool,
+        #[serde(default)]
+        weight_decay: f64,
+    },
+}
+
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+
+impl OptimizerSpec {
+    /// Peak learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerSpec::Adamw { lr, .. } | OptimizerSpec::Sgd { lr, .. } => *lr,
+        }
+    }
+}
+
+/// Learning-rate schedule: linear warm-up, then a decay to `min_lr_ratio`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    #[serde(default)]
+    pub warmup_steps: u64,
+    #[serde(default)]
+    pub decay: Decay,
+    #[serde(default = "default_min_lr_ratio")]
+    pub min_lr_ratio: f64,
+}
+
+impl Default for ScheduleSpec {
+    fn default() -> Self {
+        ScheduleSpec {
+            warmup_steps: 0,
+            decay: Decay::Constant,
+            min_lr_ratio: default_min_lr_ratio(),
+        }
+    }
+}
+
+fn default_min_lr_ratio() -> f64 {
+    0.1
+}
+
+/// Shape of the decay after warm-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decay {
+    #[default]
+    Constant,
+    Cosine,
+    Linear,
+}
+
+/// One `[[strategy]]`: the strategy settings an entry trains with.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Strategy {
+    pub name: String,
+    /// The entry others are compared with (at most one per suite).
+    #[serde(default)]
+    pub baseline: bool,
+    #[serde(default = "default_compressor")]
+    pub compressor: String,
+    #[serde(default = "default_batch_policy")]
+    pub batch_policy: String,
+    #[serde(default = "default_checkpoint")]
+    pub checkpoint: String,
+    /// Workloads this strategy applies to (default: all).
+    #[serde(default)]
+    pub workloads: Option<Vec<String>>,
+}
+
+fn default_compressor() -> String {
+    "allreduce".into()
+}
+fn default_batch_policy() -> String {
+    "fixed".into()
+}
+fn default_checkpoint() -> String {
+    "none".into()
+}
+
+impl Strategy {
+    /// The strategy used when a suite lists none.
+    pub fn default_baseline() -> Self {
+        Strategy {
+            name: "baseline".into(),
+            baseline: true,
+            compressor: default_compressor(),
+            batch_policy: default_batch_policy(),
+            checkpoint: default_checkpoint(),
+            workloads: None,
+        }
+    }
+}
+
+/// Built-in strategy names (plugins extend these in a later version).
+pub const COMPRESSORS: &[&str] = &["allreduce"];
+/// Built-in batch policies.
+pub const BATCH_POLICIES: &[&str] = &["fixed"];
+/// Built-in checkpoint policies.
+pub const CHECKPOINT_POLICIES: &[&str] = &["none"];
+
+/// A loaded, validated suite with its source.
+#[derive(Debug, Clone)]
+pub struct Suite {
+    pub path: PathBuf,
+    pub source: String,
+    /// sha256 of the file's bytes, hex.
+    pub sha256: String,
+    pub spec: SuiteSpec,
+}
+
+/// A problem in a suite file, with where it is.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct SuiteError {
+    pub path: PathBuf,
+    pub source_text: String,
+    pub span: Option<Range<usize>>,
+    pub message: String,
+    pub hint: Option<String>,
+}
+
+/// Several problems found by validation, reported together.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct SuiteErrors(pub Vec<SuiteError>);
+
+impl fmt::Display for SuiteErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl SuiteError {
+    /// Line and column (1-based) of the start of the span.
+    pub fn line_col(&self) -> Option<(usize, usize)> {
+        let start = self.span.as_ref()?.start.min(self.source_text.len());
+        let before = &self.source_text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        Some((line, col))
+    }
+}
+
+impl fmt::Display for SuiteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use codespan_reporting::diagnostic::{Diagnostic, Label};
+        use codespan_reporting::files::SimpleFile;
+        use codespan_reporting::term;
+        let name = self.path.display().to_string();
+        let loc = match self.line_col() {
+            Some((l, c)) => format!("{name}:{l}:{c}"),
+            None => name.clone(),
+        };
+        let mut diag = Diagnostic::error().with_message(format!("{loc}: {}", self.message));
+        if let Some(span) = &self.span {
+            let end = span.end.max(span.start + 1).min(self.source_text.len());
+            let start = span.start.min(end);
+            diag = diag.with_labels(vec![Label::primary((), start..end)]);
+        }
+        if let Some(h) = &self.hint {
+            diag = diag.with_notes(vec![format!("hint: {h}")]);
+        }
+        let file = SimpleFile::new(name, self.source_text.as_str());
+        let mut out = Vec::new();
+        let config = term::Config::default();
+        if term::emit(&mut out, &config, &file, &diag).is_err() {
+            return write!(f, "error: {loc}: {}", self.message);
+        }
+        f.write_str(String::from_utf8_lossy(&out).trim_end())
+    }
+}
+
+/// A path into the TOML document: keys and array indices.
+#[derive(Debug, Clone)]
+enum Seg {
+    Key(&'static str),
+    Index(usize),
+}
+
+struct Checker<'a> {
+    path: &'a Path,
+    source: &'a str,
+    doc: Option<toml_edit::Document<String>>,
+    errors: Vec<SuiteError>,
+}
+
+impl<'a> Checker<'a> {
+    fn span_of(&self, segs: &[Seg]) -> Option<Range<usize>> {
+        let doc = self.doc.as_ref()?;
+        let mut item: &toml_edit::Item = doc.as_item();
+        let mut best = item.span();
+        for seg in segs {
+            let next = match seg {
+                Seg::Key(k) => item.get(*k),
+                Seg::Index(i) => item.get(*i),
+            };
+            match next {
+                Some(n) => {
+                    item = n;
+                    if let Some(s) = n.span() {
+                        best = Some(s);
+                    }
+                }
+                None => break,
+            }
+        }
+        best
+    }
+
+    fn err(&mut self, segs: &[Seg], message: impl Into<String>, hint: Option<String>) {
+        let span = self.span_of(segs);
+        self.errors.push(SuiteError {
+            path: self.path.to_path_buf(),
+            source_text: self.source.to_owned(),
+            span,
+            message: message.into(),
+            hint,
+        });
+    }
+}
+
+impl Suite {
+    /// Reads and checks a suite file.
+    pub fn load(path: &Path) -> Result<Suite, SuiteErrors> {
+        let source = std::fs::read_to_string(path).map_err(|e| {
+            SuiteErrors(vec![SuiteError {
+                path: path.to_path_buf(),
+                source_text: String::new(),
+                span: None,
+                message: format!("cannot read the suite: {e}"),
+                hint: Some("give the path of a suite file, e.g. suites/cpu.toml".into()),
+            }])
+        })?;
+        Suite::parse(path, source)
+    }
+
+    /// Parses and checks suite text (`path` only names it in messages).
+    pub fn parse(path: &Path, source: String) -> Result<Suite, SuiteErrors> {
+        let spec: SuiteSpec = match toml::from_str(&source) {
+            Ok(s) => s,
+            Err(e) => {
+                let message = e.message().trim().to_owned();
+                let hint = parse_hint(&message);
+                return Err(SuiteErrors(vec![SuiteError {
+                    path: path.to_path_buf(),
+                    source_text: source.clone(),
+                    span: e.span(),
+                    message,
+                    hint,
+                }]));
+            }
+        };
+        let sha256 = hex::encode(Sha256::digest(source.as_bytes()));
+        let suite = Suite {
+            path: path.to_path_buf(),
+            source,
+            sha256,
+            spec,
+        };
+        suite.validate()?;
+        Ok(suite)
+    }
+
+    /// Checks values against each other; all problems are returned at once.
+    pub fn validate(&self) -> Result<(), SuiteErrors> {
+        let mut c = Checker {
+            path: &self.path,
+            source: &self.source,
+            doc: self.source.parse::<toml_edit::Document<String>>().ok(),
+            errors: Vec::new(),
+        };
+        let s = &self.spec;
+        let meta = &s.suite;
+        use Seg::*;
+        if meta.name.trim().is_empty() {
+            c.err(&[Key("suite"), Key("name")], "the suite needs a name", None);
+        }
+        if meta.repeats == 0 {
+            c.err(
+                &[Key("suite"), Key("repeats")],
+                "`repeats` must be at least 1",
+                None,
+            );
+        }
+        if meta.world_size == 0 {
+            c.err(
+                &[Key("suite"), Key("world_size")],
+                "`world_size` must be at least 1",
+                None,
+            );
+        } else if meta.world_size > 1 {
+            c.err(
+                &[Key("suite"), Key("world_size")],
+                format!("world_size = {} is not supported by this version of harness", meta.world_size),
+                Some("this version trains on one rank; data parallelism over NCCL arrives in a later version (issue 5)".into()),
+            );
+        }
+        if let Some(p) = meta.peak_tflops {
+            if !(p.is_finite() && p > 0.0) {
+                c.err(
+                    &[Key("suite"), Key("peak_tflops")],
+                    "`peak_tflops` must be a positive number",
+                    None,
+                );
+            }
+        }
+        if meta.threads == Some(0) {
+            c.err(
+                &[Key("suite"), Key("threads")],
+                "`threads` must be at least 1",
+                Some("leave it out to use every core".into()),
+            );
+        }
+        if s.workloads.is_empty() {
+            c.err(
+                &[],
+                "the suite has no [[workload]]",
+                Some("add at least one [[workload]] table".into()),
+            );
+        }
+        let mut names = BTreeSet::new();
+        for (i, w) in s.workloads.iter().enumerate() {
+            let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
+            if !names.insert(w.name.as_str()) {
+                c.err(
+                    &at("name"),
+                    format!("workload name `{}` is used twice", w.name),
+                    Some("give each workload its own name".into()),
+                );
+            }
+            if !valid_name(&w.name) {
+                c.err(
+                    &at("name"),
+                    format!("workload name `{}` is not a plain name", w.name),
+                    Some("use letters, digits, '-', '_' and '.'".into()),
+                );
+            }
+            if w.batch == 0 {
+                c.err(&at("batch"), "`batch` must be at least 1", None);
+            }
+            if w.seq_len == 0 {
+                c.err(&at("seq_len"), "`seq_len` must be at least 1", None);
+            }
+            if w.grad_accum == 0 {
+                c.err(&at("grad_accum"), "`grad_accum` must be at least 1", None);
+            }
+            match (w.steps, w.time_budget_s) {
+                (None, None) => c.err(
+                    &[Key("workload"), Index(i)],
+                    format!(
+                        "workload `{}` has neither `steps` nor `time_budget_s`",
+                        w.name
+                    ),
+                    Some("say how long to train, e.g. `steps = 200`".into()),
+                ),
+                (Some(0), _) => c.err(&at("steps"), "`steps` must be at least 1", None),
+                (_, Some(t)) if !(t.is_finite() && t > 0.0) => c.err(
+                    &at("time_budget_s"),
+                    "`time_budget_s` must be a positive number of seconds",
+                    None,
+                ),
+                _ => {}
+            }
+            if w.eval_batches == 0 {
+                c.err(
+                    &at("eval_batches"),
+                    "`eval_batches` must be at least 1",
+                    None,
+                );
+            }
+            match &w.optimizer {
+                OptimizerSpec::Adamw {
+                    lr,
+                    betas,
+                    eps,
+                    weight_decay,
+                } => {
+                    check_lr(&mut c, &at("optimizer"), *lr);
+                    if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("betas")],
+                            "AdamW `betas` must each lie in [0, 1)",
+                            Some("the usual values are [0.9, 0.95] or [0.9, 0.999]".into()),
+                        );
+                    }
+                    if !(eps.is_finite() && *eps > 0.0) {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("eps")],
+                            "`eps` must be positive",
+                            None,
+                        );
+                    }
+                    if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
+                        c.err(
+                            &[
+                                Key("workload"),
+                                Index(i),
+                                Key("optimizer"),
+                                Key("weight_decay"),
+                            ],
+                            "`weight_decay` must be zero or positive",
+                            None,
+                        );
+                    }
+                }
+                OptimizerSpec::Sgd {
+                    lr,
+                    momentum,
+                    weight_decay,
+                    nesterov,
+                } => {
+                    check_lr(&mut c, &at("optimizer"), *lr);
+                    if !(0.0..1.0).contains(momentum) {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("momentum")],
+                            "`momentum` must lie in [0, 1)",
+                            None,
+                        );
+                    }
+                    if *nesterov && *momentum == 0.0 {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("nesterov")],
+                            "Nesterov momentum needs `momentum` > 0",
+                            None,
+                        );
+                    }
+                    if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
+                        c.err(
+                            &[
+                                Key("workload"),
+                                Index(i),
+                                Key("optimizer"),
+                                Key("weight_decay"),
+                            ],
+                            "`weight_decay` must be zero or positive",
+                            None,
+                        );
+                    }
+                }
+            }
+            if !(0.0..=1.0).contains(&w.schedule.min_lr_ratio) {
+                c.err(
+                    &[
+                        Key("workload"),
+                        Index(i),
+                        Key("schedule"),
+                        Key("min_lr_ratio"),
+                    ],
+                    "`min_lr_ratio` must lie in [0, 1]",
+                    None,
+                );
+            }
+            if let (Some(steps), true) = (w.steps, w.schedule.warmup_steps > 0) {
+                if w.schedule.warmup_steps >= steps {
+                    c.err(
+                        &[
+                            Key("workload"),
+                            Index(i),
+                            Key("schedule"),
+                            Key("warmup_steps"),
+                        ],
+                        format!(
+                            "warm-up ({} steps) is not shorter than the run ({steps} steps)",
+                            w.schedule.warmup_steps
+                        ),
+                        None,
+                    );
+                }
+            }
+            if let Some(g) = w.grad_clip {
+                if !(g.is_finite() && g > 0.0) {
+                    c.err(
+                        &at("grad_clip"),
+                        "`grad_clip` must be a positive norm",
+                        Some("leave it out to disable clipping".into()),
+                    );
+                }
+            }
+            if w.target_loss.is_some() && w.target_above_floor.is_some() {
+                c.err(
+                    &at("target_above_floor"),
+                    "give `target_loss` or `target_above_floor`, not both",
+                    None,
+                );
+            }
+            if let Some(t) = w.target_above_floor {
+                if !(t.is_finite() && t >= 0.0) {
+                    c.err(
+                        &at("target_above_floor"),
+                        "`target_above_floor` must be zero or positive",
+                        None,
+                    );
+                }
+                if matches!(w.data, DataSpec::Bin { .. }) {
+                    c.err(
+                        &at("target_above_floor"),
+                        "token files have no known loss floor",
+                        Some("use an absolute `target_loss` for `kind = \"bin\"` data".into()),
+                    );
+                }
+            }
+            if let Some(t) = w.target_loss {
+                if !t.is_finite() {
+                    c.err(&at("target_loss"), "`target_loss` must be a number", None);
+                }
+            }
+            // Model and data fit together.
+            let model_at = [Key("workload"), Index(i), Key("model")];
+            let data_at = [Key("workload"), Index(i), Key("data")];
+            match (&w.model.kind, &w.data) {
+                (ModelKind::Encoder, DataSpec::Regression { .. }) => {}
+                (ModelKind::Encoder, _) => c.err(
+                    &data_at,
+                    "the encoder model trains on `kind = \"regression\"` data",
+                    None,
+                ),
+                (_, DataSpec::Regression { .. }) => c.err(
+                    &data_at,
+                    "regression data needs `model.kind = \"encoder\"`",
+                    Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
+                ),
+                _ => {}
+            }
+            match &w.data {
+                DataSpec::Synthetic {
+                    vocab, branching, ..
+                } => {
+                    if *vocab < 2 {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("data"), Key("vocab")],
+                            "`vocab` must be at least 2",
+                            None,
+                        );
+                    } else if *branching == 0 || branching > vocab {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("data"), Key("branching")],
+                            format!("`branching` must lie in 1..={vocab} (the vocabulary)"),
+                            None,
+                        );
+                    }
+                }
+                DataSpec::Bin {
+                    train,
+                    val,
+                    val_fraction,
+                    vocab,
+                } => {
+                    let base = self.path.parent().unwrap_or(Path::new("."));
+                    for (k, p) in [("train", Some(train)), ("val", val.as_ref())] {
+                        if let Some(p) = p {
+                            let full = if p.is_absolute() {
+                                p.clone()
+                            } else {
+                                base.join(p)
+                            };
+                            if !full.is_file() {
+                                c.err(
+                                    &[Key("workload"), Index(i), Key("data"), Key(k)],
+                                    format!("token file {} does not exist", full.display()),
+                                    Some("paths are relative to the suite file".into()),
+                                );
+                            }
+                        }
+                    }
+                    if val.is_none() && !(*val_fraction > 0.0 && *val_fraction < 0.5) {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("data"), Key("val_fraction")],
+                            "`val_fraction` must lie in (0, 0.5)",
+                            None,
+                        );
+                    }
+                    if let Some(v) = vocab {
+                        if *v < 2 || *v > 65536 {
+                            c.err(
+                                &[Key("workload"), Index(i), Key("data"), Key("vocab")],
+                                "`vocab` must lie in 2..=65536 (tokens are u16)",
+                                None,
+                            );
+                        }
+                    }
+                }
+                DataSpec::Regression { noise, .. } => {
+                    if !(noise.is_finite() && *noise >= 0.0) {
+                        c.err(
+                            &[Key("workload"), Index(i), Key("data"), Key("noise")],
+                            "`noise` must be zero or positive",
+                            None,
+                        );
+                    }
+                }
+            }
+            if let Err((msg, hint)) =
+                crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len)
+            {
+                c.err(&model_at, msg, hint);
+            }
+            if let Some(d) = w.model.dropout {
+                if !(0.0..1.0).contains(&d) {
+                    c.err(
+                        &[Key("workload"), Index(i), Key("model"), Key("dropout")],
+                        "`dropout` must lie in [0, 1)",
+                        None,
+                    );
+                }
+            }
+            if w.precision == Precision::Fp16 && matches!(w.optimizer, OptimizerSpec::Sgd { .. }) {
+                // Loss scaling is wired to the fused AdamW's skip-on-overflow.
+                c.err(
+                    &at("precision"),
+                    "fp16 with loss scaling needs the AdamW optimizer",
+                    Some("use `precision = \"bf16\"` with SGD".into()),
+                );
+            }
+        }
+        let mut snames = BTreeSet::new();
+        let mut baselines = 0;
+        for (i, st) in s.strategies.iter().enumerate() {
+            let at = |k: &'static str| [Key("strategy"), Index(i), Key(k)];
+            if !snames.insert(st.name.as_str()) {
+                c.err(
+                    &at("name"),
+                    format!("strategy name `{}` is used twice", st.name),
+                    None,
+                );
+            }
+            if !valid_name(&st.name) {
+                c.err(
+                    &at("name"),
+                    format!("strategy name `{}` is not a plain name", st.name),
+                    Some("use letters, digits, '-', '_' and '.'".into()),
+                );
+            }
+            baselines += st.baseline as u32;
+            for (key, value, known) in [
+                ("compressor", &st.compressor, COMPRESSORS),
+                ("batch_policy", &st.batch_policy, BATCH_POLICIES),
+                ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES),
+            ] {
+                if !known.contains(&value.as_str()) {
+                    c.err(
+                        &at(key),
+                        format!("unknown {key} `{value}`"),
+                        Some(format!("built in: {}", known.join(", "))),
+                    );
+                }
+            }
+            if let Some(ws) = &st.workloads {
+                for w in ws {
+                    if !names.contains(w.as_str()) {
+                        c.err(&at("workloads"), format!("strategy `{}` names workload `{w}`, which the suite does not define", st.name), Some(format!("workloads here: {}", names.iter().copied().collect::<Vec<_>>().join(", "))));
+                    }
+                }
+            }
+        }
+        if baselines > 1 {
+            c.err(
+                &[Key("strategy")],
+                "more than one strategy says `baseline = true`",
+                Some("mark exactly one strategy as the baseline".into()),
+            );
+        }
+        if c.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(SuiteErrors(c.errors))
+        }
+    }
+
+    /// The strategies in effect (the default baseline when none are listed).
+    pub fn strategies(&self) -> Vec<Strategy> {
+        if self.spec.strategies.is_empty() {
+            vec![Strategy::default_baseline()]
+        } else {
+            self.spec.strategies.clone()
+        }
+    }
+
+    /// Expands workloads x strategies x repeats into the entries to run.
+    pub fn plan(&self) -> Plan {
+        let mut entries = Vec::new();
+        let strategies = self.strategies();
+        for r in 0..self.spec.suite.repeats {
+            for (wi, w) in self.spec.workloads.iter().enumerate() {
+                for st in &strategies {
+                    if let Some(ws) = &st.workloads {
+                        if !ws.iter().any(|n| n == &w.name) {
+                            continue;
+                        }
+                    }
+                    // Same seed for every strategy of one repeat: a paired
+                    // comparison sees the same initial weights and data.
+                    let seed = mix_seed(self.spec.suite.seed, &w.name, r);
+                    entries.push(PlanEntry {
+                        id: format!("{}/{}/r{}", w.name, st.name, r),
+                        workload: wi,
+                        strategy: st.clone(),
+                        repeat: r,
+                        seed,
+                    });
+                }
+            }
+        }
+        Plan { entries }
+    }
+}
+
+fn check_lr(c: &mut Checker<'_>, at: &[Seg], lr: f64) {
+    if !(lr.is_finite() && lr > 0.0) {
+        let mut segs = at.to_vec();
+        segs.push(Seg::Key("lr"));
+        c.err(
+            &segs,
+            "`lr` must be a positive number",
+            Some("typical values: 1e-3 for small models, 6e-4 for GPT-2 124M".into()),
+        );
+    }
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
+
+fn parse_hint(message: &str) -> Option<String> {
+    if message.contains("unknown field") {
+        Some("check the spelling; docs/suite-format.md lists every key".into())
+    } else if message.contains("missing field") {
+        Some("add the key; docs/suite-format.md says what it means".into())
+    } else if message.contains("invalid type") {
+        Some("check the value's type (strings need quotes; numbers do not)".into())
+    } else if message.contains("unknown variant") {
+        Some("use one of the values listed above".into())
+    } else {
+        None
+    }
+}
+
+/// A deterministic 64-bit seed from the suite seed, a name and a repeat index.
+pub fn mix_seed(seed: u64, name: &str, repeat: u32) -> u64 {
+    let mut h = Sha256::new();
+    h.update(seed.to_le_bytes());
+    h.update(name.as_bytes());
+    h.update(repeat.to_le_bytes());
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().expect("sha256 has 32 bytes")) >> 1
+}
+
+/// What a suite runs, in order.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub entries: Vec<PlanEntry>,
+}
+
+/// One training run: a workload under one strategy, one repeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanEntry {
+    pub id: String,
+    /// Index into the suite's workloads.
+    pub workload: usize,
+    pub strategy: Strategy,
+    pub repeat: u32,
+    pub seed: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(src: &str) -> Result<Suite, SuiteErrors> {
+        Suite::parse(Path::new("test.toml"), src.to_owned())
+    }
+
+    const OK: &str = r#"
+[suite]
+name = "t"
+repeats = 2
+
+[[workload]]
+name = "w"
+model = { kind = "gpt", preset = "tiny" }
+data = { kind = "synthetic", vocab = 64 }
+batch = 4
+seq_len = 16
+steps = 10
+optimizer = { kind = "adamw", lr = 1e-3 }
+
+[[strategy]]
+name = "a"
+baseline = true
+
+[[strategy]]
+name = "b"
+"#;
+
+    #[test]
+    fn plan_crosses_workloads_strategies_and_repeats() {
+        let s = parse(OK).unwrap();
+        let p = s.plan();
+        let ids: Vec<_> = p.entries.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(ids, ["w/a/r0", "w/b/r0", "w/a/r1", "w/b/r1"]);
+        // Paired seeds: same within a repeat, different across repeats.
+        assert_eq!(p.entries[0].seed, p.entries[1].seed);
+        assert_ne!(p.entries[0].seed, p.entries[2].seed);
+    }
+
+    #[test]
+    fn errors_point_at_line_and_column() {
+        let bad = OK.replace("batch = 4", "batch = 0");
+        let e = parse(&bad).unwrap_err();
+        assert_eq!(e.0.len(), 1);
+        assert_eq!(e.0[0].line_col(), Some((10, 9)));
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_with_location() {
+        let bad = OK.replace("seq_len = 16", "seq_len = 16\nsteps_ = 3");
+        let e = parse(&bad).unwrap_err();
+        assert!(e.0[0].message.contains("unknown field `steps_`"), "{}", e);
+        assert_eq!(e.0[0].line_col().unwrap().0, 12);
+    }
+}

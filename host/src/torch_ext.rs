@@ -1,0 +1,307 @@
+//! Safe wrappers over `csrc/shim.cpp`: the libtorch calls `tch` 0.24 lacks
+//! (bf16/fp16 autocast, fused AdamW, multi-tensor gradient norm, loss-scale
+//! unscaling, the CUDA caching allocator's statistics).
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use tch::{Kind, Tensor};
+
+mod ffi {
+    use super::*;
+    extern "C" {
+        pub fn hx_free_error(err: *mut c_char);
+        pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
+        pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
+        pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void)
+            -> *mut c_char;
+        pub fn hx_clip_grad_norm(
+            grads: *const *mut c_void,
+            n: c_int,
+            max_norm: f64,
+            norm_out: *mut *mut c_void,
+        ) -> *mut c_char;
+        pub fn hx_unscale_check(
+            grads: *const *mut c_void,
+            n: c_int,
+            found_inf: *mut c_void,
+            inv_scale: *mut c_void,
+        ) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn hx_fused_adamw(
+            params: *const *mut c_void,
+            grads: *const *mut c_void,
+            exp_avg: *const *mut c_void,
+            exp_avg_sq: *const *mut c_void,
+            steps: *const *mut c_void,
+            n: c_int,
+            lr: f64,
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+            found_inf: *mut c_void,
+        ) -> *mut c_char;
+        pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
+        pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
+    }
+}
+
+/// An exception thrown by libtorch inside the shim.
+#[derive(Debug, thiserror::Error)]
+#[error("libtorch: {0}")]
+pub struct TorchError(pub String);
+
+fn check(err: *mut c_char) -> Result<(), TorchError> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string from strdup in the
+    // shim, owned by us until hx_free_error releases it.
+    let msg = unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: err came from strdup and is freed exactly once.
+    unsafe { ffi::hx_free_error(err) };
+    Err(TorchError(msg.lines().next().unwrap_or("").to_owned()))
+}
+
+fn ptrs(ts: &[Tensor]) -> Vec<*mut c_void> {
+    ts.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+fn len(ts: &[Tensor]) -> c_int {
+    c_int::try_from(ts.len()).expect("fewer than 2^31 tensors")
+}
+
+/// Which device type autocast applies to.
+#[derive(Debug, Clone, Copy)]
+pub enum AutocastDevice {
+    Cpu = 0,
+    Cuda = 1,
+}
+
+/// Enables autocast for one device type with a compute dtype (BFloat16 or
+/// Half), or disables it. Global to the thread, as `torch.autocast`.
+pub fn set_autocast(device: AutocastDevice, kind: Option<Kind>) -> Result<(), TorchError> {
+    let (enabled, dtype) = match kind {
+        Some(k) => (1, scalar_type(k)),
+        None => (0, scalar_type(Kind::BFloat16)),
+    };
+    // SAFETY: plain values; the shim catches every exception.
+    check(unsafe { ffi::hx_autocast_set(device as c_int, enabled, dtype) })
+}
+
+/// c10::ScalarType codes of the autocast dtypes.
+fn scalar_type(k: Kind) -> c_int {
+    match k {
+        Kind::Half => 5,
+        Kind::BFloat16 => 15,
+        other => panic!("autocast dtype must be Half or BFloat16, not {other:?}"),
+    }
+}
+
+/// Sets every parameter's `.grad` to None.
+pub fn grads_to_none(params: &[Tensor]) -> Result<(), TorchError> {
+    let p = ptrs(params);
+    // SAFETY: p holds live at::Tensor pointers owned by `params`, which
+    // outlives the call; the shim only resets their grad fields.
+    check(unsafe { ffi::hx_grads_to_none(p.as_ptr(), len(params)) })
+}
+
+/// The parameters' gradients (undefined tensors where none was computed).
+pub fn grads(params: &[Tensor]) -> Result<Vec<Tensor>, TorchError> {
+    let p = ptrs(params);
+    let mut out: Vec<*mut c_void> = vec![std::ptr::null_mut(); params.len()];
+    // SAFETY: p is valid as above; out has room for n pointers, which the shim
+    // fills with new at::Tensor objects that we take ownership of below.
+    check(unsafe { ffi::hx_grads(p.as_ptr(), len(params), out.as_mut_ptr()) })?;
+    // SAFETY: each pointer is a heap at::Tensor from the shim; tch frees it.
+    Ok(out
+        .into_iter()
+        .map(|t| unsafe { Tensor::from_ptr(t as *mut _) })
+        .collect())
+}
+
+/// Global gradient 2-norm (a device scalar, no sync); clips when `max_norm`.
+pub fn clip_grad_norm(grads: &[Tensor], max_norm: Option<f64>) -> Result<Tensor, TorchError> {
+    let g = ptrs(grads);
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: g points at live tensors; out receives a new at::Tensor.
+    check(unsafe {
+        ffi::hx_clip_grad_norm(g.as_ptr(), len(grads), max_norm.unwrap_or(0.0), &mut out)
+    })?;
+    // SAFETY: out is a heap at::Tensor from the shim.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// Divides gradients by the loss scale in place; `found_inf` becomes 1 if any
+/// gradient is not finite.
+pub fn unscale_check(
+    grads: &[Tensor],
+    found_inf: &Tensor,
+    inv_scale: &Tensor,
+) -> Result<(), TorchError> {
+    let g = ptrs(grads);
+    // SAFETY: all pointers are live tensors for the duration of the call.
+    check(unsafe {
+        ffi::hx_unscale_check(
+            g.as_ptr(),
+            len(grads),
+            found_inf.as_ptr() as *mut c_void,
+            inv_scale.as_ptr() as *mut c_void,
+        )
+    })
+}
+
+/// Hyper-parameters of one AdamW step.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// One fused AdamW step (`torch.optim.AdamW(fused=True)`'s kernel).
+pub fn fused_adamw(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avg: &[Tensor],
+    exp_avg_sq: &[Tensor],
+    steps: &[Tensor],
+    h: AdamWStep,
+    found_inf: Option<&Tensor>,
+) -> Result<(), TorchError> {
+    let n = params.len();
+    assert!(grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n && steps.len() == n);
+    let (p, g, m, v, s) = (
+        ptrs(params),
+        ptrs(grads),
+        ptrs(exp_avg),
+        ptrs(exp_avg_sq),
+        ptrs(steps),
+    );
+    let fi = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
+    // SAFETY: five arrays of n live tensor pointers (lengths asserted above),
+    // fi null or live; the kernel updates params and states in place.
+    check(unsafe {
+        ffi::hx_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            len(params),
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.weight_decay,
+            h.eps,
+            fi,
+        )
+    })
+}
+
+/// The CUDA caching allocator's figures for one device, in bytes.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct CudaMemory {
+    pub allocated: i64,
+    pub peak_allocated: i64,
+    pub reserved: i64,
+    pub peak_reserved: i64,
+}
+
+/// Reads the allocator statistics (CUDA must be initialised).
+pub fn cuda_memory(device: usize) -> Result<CudaMemory, TorchError> {
+    let mut out = [0i64; 4];
+    // SAFETY: out has the four slots the shim writes.
+    check(unsafe { ffi::hx_cuda_memory(device as c_int, out.as_mut_ptr()) })?;
+    Ok(CudaMemory {
+        allocated: out[0],
+        peak_allocated: out[1],
+        reserved: out[2],
+        peak_reserved: out[3],
+    })
+}
+
+/// Resets the allocator's peak figures.
+pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
+    // SAFETY: plain value; exceptions are caught in the shim.
+    check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn fused_adamw_matches_the_textbook_update() {
+        let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
+        let g = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
+        let (m, v, s) = (
+            p.zeros_like(),
+            p.zeros_like(),
+            Tensor::zeros([], (Kind::Float, Device::Cpu)),
+        );
+        let h = AdamWStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            weight_decay: 0.01,
+            eps: 1e-8,
+        };
+        let before: Vec<f32> = Vec::try_from(&p).unwrap();
+        fused_adamw(
+            &[p.shallow_clone()],
+            &[g.shallow_clone()],
+            &[m],
+            &[v],
+            &[s],
+            h,
+            None,
+        )
+        .unwrap();
+        let after: Vec<f32> = Vec::try_from(&p).unwrap();
+        let gs: Vec<f32> = Vec::try_from(&g).unwrap();
+        for i in 0..3 {
+            // First step: m_hat = g, v_hat = g^2, update = lr * g / (|g| + eps).
+            let want = before[i] * (1.0 - 0.1 * 0.01) - 0.1 * gs[i] / (gs[i].abs() + 1e-8);
+            assert!(
+                (after[i] - want).abs() < 1e-6,
+                "{i}: {} vs {want}",
+                after[i]
+            );
+        }
+    }
+
+    #[test]
+    fn clip_grad_norm_scales_to_the_limit() {
+        let a = Tensor::from_slice(&[3.0f32]);
+        let b = Tensor::from_slice(&[4.0f32]);
+        let n = clip_grad_norm(&[a.shallow_clone(), b.shallow_clone()], Some(1.0)).unwrap();
+        assert!((n.double_value(&[]) - 5.0).abs() < 1e-6);
+        assert!((a.double_value(&[0]) - 0.6).abs() < 1e-5);
+        assert!((b.double_value(&[0]) - 0.8).abs() < 1e-5);
+    }
+
+    #[test]
+    fn errors_from_libtorch_are_reported_not_thrown() {
+        let p = Tensor::from_slice(&[1.0f32, 2.0]);
+        let g = Tensor::from_slice(&[1.0f32]); // wrong shape
+        let (m, v, s) = (
+            p.zeros_like(),
+            p.zeros_like(),
+            Tensor::zeros([], (Kind::Float, Device::Cpu)),
+        );
+        let h = AdamWStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            weight_decay: 0.0,
+            eps: 1e-8,
+        };
+        assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None).is_err());
+    }
+}

@@ -1,0 +1,630 @@
+//! Batches: seeded synthetic sources with a known loss floor, and token files.
+//!
+//! * [`MarkovChain`]: first-order Markov tokens. Each state has `branching`
+//!   successors with random probabilities; the sequence starts from the
+//!   stationary distribution, so the process is stationary and the best
+//!   possible next-token loss is exactly the chain's entropy rate
+//!   `H = sum_s pi(s) H(P(s, .))` (nats).
+//! * [`TokenFile`]: llm.c `.bin` files (256 x i32 header, magic 20240520,
+//!   then u16 tokens) or nanoGPT's headerless u16 files, memory-mapped.
+//! * Regression: Gaussian inputs, target `w . mean_t(x) * sqrt(T) + noise * e`;
+//!   the MSE floor is `noise^2`.
+
+use std::path::{Path, PathBuf};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tch::{Device, Kind, Tensor};
+
+use crate::suite::DataSpec;
+
+/// GPT-2's vocabulary rounded up to a multiple of 64 (nanoGPT's choice).
+pub const DEFAULT_BIN_VOCAB: u32 = 50304;
+/// Magic number of llm.c token files.
+pub const LLMC_MAGIC: i32 = 20240520;
+
+/// A first-order Markov chain over `vocab` tokens.
+#[derive(Debug, Clone)]
+pub struct MarkovChain {
+    vocab: usize,
+    k: usize,
+    succ: Vec<u32>,
+    /// Cumulative probabilities, `k` per state.
+    cum: Vec<f64>,
+    probs: Vec<f64>,
+    stationary: Vec<f64>,
+    stationary_cum: Vec<f64>,
+}
+
+impl MarkovChain {
+    /// A seeded chain. Every state `s` has `s + 1 mod vocab` among its
+    /// successors (so the chain is irreducible); state 0 also has itself
+    /// when `branching > 1` (so it is aperiodic).
+    pub fn new(vocab: usize, branching: usize, seed: u64) -> Self {
+        assert!(vocab >= 2 && (1..=vocab).contains(&branching));
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let k = branching;
+        let mut succ = Vec::with_capacity(vocab * k);
+        let mut probs = Vec::with_capacity(vocab * k);
+        for s in 0..vocab {
+            let mut chosen = vec![((s + 1) % vocab) as u32];
+            if s == 0 && k > 1 {
+                chosen.push(0);
+            }
+            while chosen.len() < k {
+                let t = rng.random_range(0..vocab as u32);
+                if !chosen.contains(&t) {
+                    chosen.push(t);
+                }
+            }
+            // Dirichlet(1) weights: normalised exponentials.
+            let w: Vec<f64> = (0..k)
+                .map(|_| -(1.0 - rng.random::<f64>()).ln() + 1e-3)
+                .collect();
+            let total: f64 = w.iter().sum();
+            succ.extend(chosen);
+            probs.extend(w.iter().map(|x| x / total));
+        }
+        let mut cum = Vec::with_capacity(vocab * k);
+        for s in 0..vocab {
+            let mut acc = 0.0;
+            for j in 0..k {
+                acc += probs[s * k + j];
+                cum.push(acc);
+            }
+        }
+        let stationary = stationary(vocab, k, &succ, &probs);
+        let mut stationary_cum = Vec::with_capacity(vocab);
+        let mut acc = 0.0;
+        for p in &stationary {
+            acc += p;
+            stationary_cum.push(acc);
+        }
+        MarkovChain {
+            vocab,
+            k,
+            succ,
+            cum,
+            probs,
+            stationary,
+            stationary_cum,
+        }
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The stationary distribution.
+    pub fn stationary(&self) -> &[f64] {
+        &self.stationary
+    }
+
+    /// Transition probability P(s -> t).
+    pub fn prob(&self, s: usize, t: usize) -> f64 {
+        (0..self.k)
+            .filter(|&j| self.succ[s * self.k + j] as usize == t)
+            .map(|j| self.probs[s * self.k + j])
+            .sum()
+    }
+
+    /// Entropy rate in nats: the lowest expected next-token loss.
+    pub fn entropy_rate(&self) -> f64 {
+        (0..self.vocab)
+            .map(|s| {
+                let h: f64 = self.probs[s * self.k..(s + 1) * self.k]
+                    .iter()
+                    .filter(|&&p| p > 0.0)
+                    .map(|&p| -p * p.ln())
+                    .sum();
+                self.stationary[s] * h
+            })
+            .sum()
+    }
+
+    fn draw(cum: &[f64], u: f64) -> usize {
+        cum.partition_point(|&c| c <= u).min(cum.len() - 1)
+    }
+
+    /// Appends a stationary sequence of `len` tokens to `out`.
+    pub fn sample_into(&self, rng: &mut impl Rng, len: usize, out: &mut Vec<i64>) {
+        let mut s = Self::draw(&self.stationary_cum, rng.random::<f64>());
+        for _ in 0..len {
+            out.push(s as i64);
+            let j = Self::draw(&self.cum[s * self.k..(s + 1) * self.k], rng.random::<f64>());
+            s = self.succ[s * self.k + j] as usize;
+        }
+    }
+}
+
+/// Stationary distribution by lazy power iteration, pi <- (pi + pi P) / 2,
+/// which converges for any irreducible chain, periodic or not.
+fn stationary(vocab: usize, k: usize, succ: &[u32], probs: &[f64]) -> Vec<f64> {
+    let mut pi = vec![1.0 / vocab as f64; vocab];
+    let mut next = vec![0.0; vocab];
+    for _ in 0..1_000_000 {
+        next.iter_mut().for_each(|x| *x = 0.0);
+        for s in 0..vocab {
+            for j in 0..k {
+                next[succ[s * k + j] as usize] += pi[s] * probs[s * k + j];
+            }
+        }
+        let mut diff = 0.0;
+        for s in 0..vocab {
+            let v = 0.5 * (pi[s] + next[s]);
+            diff += (v - pi[s]).abs();
+            pi[s] = v;
+        }
+        if diff < 1e-15 {
+            break;
+        }
+    }
+    let total: f64 = pi.iter().sum();
+    pi.iter_mut().for_each(|x| *x /= total);
+    pi
+}
+
+/// A memory-mapped u16 token file.
+pub struct TokenFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    offset: usize,
+    len: usize,
+}
+
+/// Errors reading token files.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("cannot open token file {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("token file {path} is malformed: {why}")]
+    Malformed { path: PathBuf, why: String },
+    #[error("token file {path} holds token {token}, outside the model's vocabulary of {vocab}; set `vocab` in the data table")]
+    TokenOutOfRange {
+        path: PathBuf,
+        token: u16,
+        vocab: u32,
+    },
+}
+
+impl TokenFile {
+    /// Opens and maps a token file, detecting the llm.c header.
+    pub fn open(path: &Path) -> Result<TokenFile, DataError> {
+        let f = std::fs::File::open(path).map_err(|source| DataError::Open {
+            path: path.into(),
+            source,
+        })?;
+        // SAFETY: the file is mapped read-only and only read as bytes; a
+        // concurrent truncation by another process is outside our control,
+        // as with any memory-mapped reader (nanoGPT's np.memmap included).
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| DataError::Open {
+            path: path.into(),
+            source,
+        })?;
+        let bad = |why: String| DataError::Malformed {
+            path: path.into(),
+            why,
+        };
+        let header = 256 * 4;
+        let (offset, len) = if map.len() >= header
+            && i32::from_le_bytes(map[0..4].try_into().expect("4 bytes")) == LLMC_MAGIC
+        {
+            let version = i32::from_le_bytes(map[4..8].try_into().expect("4 bytes"));
+            let n = i32::from_le_bytes(map[8..12].try_into().expect("4 bytes"));
+            if version != 1 {
+                return Err(bad(format!(
+                    "llm.c header version {version}; only version 1 (u16 tokens) is supported"
+                )));
+            }
+            if n < 0 || header + 2 * n as usize > map.len() {
+                return Err(bad(format!(
+                    "header says {n} tokens but the file holds {}",
+                    (map.len() - header) / 2
+                )));
+            }
+            (header, n as usize)
+        } else {
+            if map.len() % 2 != 0 {
+                return Err(bad("odd number of bytes for a u16 token file".into()));
+            }
+            (0, map.len() / 2)
+        };
+        Ok(TokenFile {
+            path: path.into(),
+            map,
+            offset,
+            len,
+        })
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the file holds no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Token `i`.
+    pub fn get(&self, i: usize) -> u16 {
+        let p = self.offset + 2 * i;
+        u16::from_le_bytes([self.map[p], self.map[p + 1]])
+    }
+
+    /// The path it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// One batch on the training device.
+pub struct Batch {
+    pub input: Tensor,
+    pub target: Tensor,
+    /// Tokens (or positions) in the batch.
+    pub tokens: usize,
+    pub samples: usize,
+}
+
+enum Source {
+    Markov {
+        chain: MarkovChain,
+    },
+    File {
+        train: TokenFile,
+        train_range: (usize, usize),
+        val: Option<TokenFile>,
+        val_range: (usize, usize),
+        vocab: u32,
+    },
+    Regression {
+        dim: usize,
+        noise: f64,
+        w: Tensor,
+    },
+}
+
+/// The data stream of one entry: training batches and a fixed eval set.
+pub struct Data {
+    source: Source,
+    rng: ChaCha8Rng,
+    eval_seed: u64,
+    seq_len: usize,
+    device: Device,
+}
+
+impl Data {
+    /// Builds the stream for a workload. `dim` is the encoder's input width.
+    pub fn new(
+        spec: &DataSpec,
+        suite_dir: &Path,
+        seq_len: usize,
+        dim: usize,
+        seed: u64,
+        device: Device,
+    ) -> anyhow::Result<Data> {
+        let source = match spec {
+            DataSpec::Synthetic {
+                vocab,
+                branching,
+                seed: s,
+            } => {
+                // The chain is the task: fixed by the suite's data seed (or a
+                // default), not by the repeat, so every repeat learns the same
+                // distribution from different samples and initialisations.
+                Source::Markov {
+                    chain: MarkovChain::new(
+                        *vocab as usize,
+                        *branching as usize,
+                        s.unwrap_or(0x5eed),
+                    ),
+                }
+            }
+            DataSpec::Bin {
+                train,
+                val,
+                val_fraction,
+                vocab,
+            } => {
+                let resolve = |p: &PathBuf| {
+                    if p.is_absolute() {
+                        p.clone()
+                    } else {
+                        suite_dir.join(p)
+                    }
+                };
+                let train = TokenFile::open(&resolve(train))?;
+                let vocab = vocab.unwrap_or(DEFAULT_BIN_VOCAB);
+                let val = val
+                    .as_ref()
+                    .map(|p| TokenFile::open(&resolve(p)))
+                    .transpose()?;
+                let (train_range, val_range) = match &val {
+                    Some(v) => ((0, train.len()), (0, v.len())),
+                    None => {
+                        let cut = ((train.len() as f64) * (1.0 - val_fraction)) as usize;
+                        ((0, cut), (cut, train.len()))
+                    }
+                };
+                for (file, range) in [(Some(&train), train_range), (val.as_ref(), val_range)] {
+                    let file = file.unwrap_or(&train);
+                    if range.1 - range.0 < seq_len + 1 {
+                        anyhow::bail!("token file {} has {} tokens in its split, fewer than one sequence of {} + 1", file.path().display(), range.1 - range.0, seq_len);
+                    }
+                    // Check a sample of tokens against the vocabulary up front.
+                    let step = ((range.1 - range.0) / 4096).max(1);
+                    for i in (range.0..range.1).step_by(step) {
+                        let t = file.get(i);
+                        if t as u32 >= vocab {
+                            return Err(DataError::TokenOutOfRange {
+                                path: file.path().into(),
+                                token: t,
+                                vocab,
+                            }
+                            .into());
+                        }
+                    }
+                }
+                Source::File {
+                    train,
+                    train_range,
+                    val,
+                    val_range,
+                    vocab,
+                }
+            }
+            DataSpec::Regression { noise, seed: s } => {
+                let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(0x5eed));
+                let w: Vec<f32> = (0..dim).map(|_| normal(&mut rng) as f32).collect();
+                let w = Tensor::from_slice(&w);
+                let w = (&w / w.norm()).to_device(device);
+                Source::Regression {
+                    dim,
+                    noise: *noise,
+                    w,
+                }
+            }
+        };
+        Ok(Data {
+            source,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            eval_seed: seed ^ 0xe7a1_5eed,
+            seq_len,
+            device,
+        })
+    }
+
+    /// The best reachable loss, when the source knows it.
+    pub fn loss_floor(&self) -> Option<f64> {
+        match &self.source {
+            Source::Markov { chain } => Some(chain.entropy_rate()),
+            Source::Regression { noise, .. } => Some(noise * noise),
+            Source::File { .. } => None,
+        }
+    }
+
+    /// Vocabulary of token sources.
+    pub fn vocab(&self) -> Option<u32> {
+        match &self.source {
+            Source::Markov { chain } => Some(chain.vocab() as u32),
+            Source::File { vocab, .. } => Some(*vocab),
+            Source::Regression { .. } => None,
+        }
+    }
+
+    /// The next training batch of `batch` samples.
+    pub fn next_train(&mut self, batch: usize) -> Batch {
+        let mut rng = std::mem::replace(&mut self.rng, ChaCha8Rng::seed_from_u64(0));
+        let b = self.make(batch, &mut rng, false);
+        self.rng = rng;
+        b
+    }
+
+    /// The fixed eval set: `n` batches, the same at every evaluation.
+    pub fn eval_set(&mut self, n: usize, batch: usize) -> Vec<Batch> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.eval_seed);
+        (0..n).map(|_| self.make(batch, &mut rng, true)).collect()
+    }
+
+    /// The training RNG's position, for checkpoints and logs.
+    pub fn position(&self) -> u128 {
+        self.rng.get_word_pos()
+    }
+
+    fn make(&self, batch: usize, rng: &mut ChaCha8Rng, eval: bool) -> Batch {
+        let t = self.seq_len;
+        match &self.source {
+            Source::Markov { chain } => {
+                let mut buf = Vec::with_capacity(batch * (t + 1));
+                for _ in 0..batch {
+                    chain.sample_into(rng, t + 1, &mut buf);
+                }
+                self.tokens_to_batch(buf, batch)
+            }
+            Source::File {
+                train,
+                train_range,
+                val,
+                val_range,
+                ..
+            } => {
+                let (file, range) = if eval {
+                    (val.as_ref().unwrap_or(train), *val_range)
+                } else {
+                    (train, *train_range)
+                };
+                let mut buf = Vec::with_capacity(batch * (t + 1));
+                for _ in 0..batch {
+                    let start = rng.random_range(range.0..=range.1 - (t + 1));
+                    buf.extend((start..start + t + 1).map(|i| file.get(i) as i64));
+                }
+                self.tokens_to_batch(buf, batch)
+            }
+            Source::Regression { dim, noise, w } => {
+                // Drawn on the CPU from our own seeded stream, so the data do
+                // not depend on libtorch's global generator.
+                let n = batch * t * dim;
+                let xs: Vec<f32> = (0..n).map(|_| normal(rng) as f32).collect();
+                let es: Vec<f32> = (0..batch).map(|_| normal(rng) as f32).collect();
+                let x = Tensor::from_slice(&xs).view([batch as i64, t as i64, *dim as i64]);
+                let x = upload(x, self.device);
+                let e = upload(Tensor::from_slice(&es), self.device);
+                let y =
+                    x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * *noise;
+                Batch {
+                    input: x,
+                    target: y,
+                    tokens: batch * t,
+                    samples: batch,
+                }
+            }
+        }
+    }
+
+    fn tokens_to_batch(&self, buf: Vec<i64>, batch: usize) -> Batch {
+        let t = self.seq_len as i64;
+        let all = upload(
+            Tensor::from_slice(&buf).view([batch as i64, t + 1]),
+            self.device,
+        );
+        Batch {
+            input: all.narrow(1, 0, t),
+            target: all.narrow(1, 1, t),
+            tokens: batch * self.seq_len,
+            samples: batch,
+        }
+    }
+}
+
+/// Host-to-device copy through pinned memory, asynchronous on CUDA so the
+/// host can prepare the next batch while the device trains.
+fn upload(t: Tensor, device: Device) -> Tensor {
+    match device {
+        Device::Cpu => t,
+        d => t.pin_memory(d).to_device_(d, t.kind(), true, false),
+    }
+}
+
+/// A standard normal sample (Box-Muller).
+fn normal(rng: &mut impl Rng) -> f64 {
+    let u1: f64 = 1.0 - rng.random::<f64>();
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Joint entropy H(X_1..X_n) of the stationary chain, by enumerating every
+    /// sequence of length n.
+    fn joint_entropy(c: &MarkovChain, n: usize) -> f64 {
+        let v = c.vocab();
+        let mut h = 0.0;
+        let mut seq = vec![0usize; n];
+        loop {
+            let mut p = c.stationary()[seq[0]];
+            for i in 1..n {
+                p *= c.prob(seq[i - 1], seq[i]);
+            }
+            if p > 0.0 {
+                h -= p * p.ln();
+            }
+            // Next sequence in lexicographic order.
+            let mut i = n;
+            loop {
+                if i == 0 {
+                    return h;
+                }
+                i -= 1;
+                seq[i] += 1;
+                if seq[i] < v {
+                    break;
+                }
+                seq[i] = 0;
+            }
+        }
+    }
+
+    #[test]
+    fn entropy_rate_matches_brute_force() {
+        for (v, k, seed) in [(3, 2, 1), (4, 3, 7), (5, 2, 42), (4, 1, 3)] {
+            let c = MarkovChain::new(v, k, seed);
+            // Stationary: H(X_n | X_1..X_{n-1}) = H_n - H_{n-1} equals the
+            // entropy rate for every n >= 2.
+            for n in 2..=6 {
+                let cond = joint_entropy(&c, n) - joint_entropy(&c, n - 1);
+                assert!(
+                    (cond - c.entropy_rate()).abs() < 1e-10,
+                    "v={v} k={k} n={n}: {cond} vs {}",
+                    c.entropy_rate()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stationary_distribution_is_invariant() {
+        let c = MarkovChain::new(50, 4, 9);
+        let pi = c.stationary();
+        for t in 0..50 {
+            let next: f64 = (0..50).map(|s| pi[s] * c.prob(s, t)).sum();
+            assert!((next - pi[t]).abs() < 1e-12);
+        }
+        assert!((pi.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn samples_have_the_computed_cross_entropy() {
+        // The true model's average log-loss on samples converges to the rate.
+        let c = MarkovChain::new(64, 4, 11);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut seq = Vec::new();
+        c.sample_into(&mut rng, 400_000, &mut seq);
+        let nll: f64 = seq
+            .windows(2)
+            .map(|w| -c.prob(w[0] as usize, w[1] as usize).ln())
+            .sum::<f64>()
+            / (seq.len() - 1) as f64;
+        assert!(
+            (nll - c.entropy_rate()).abs() < 0.01,
+            "{nll} vs {}",
+            c.entropy_rate()
+        );
+    }
+
+    #[test]
+    fn token_files_with_and_without_llmc_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokens: Vec<u16> = (0..1000).map(|i| (i * 7 % 300) as u16).collect();
+        let raw = dir.path().join("raw.bin");
+        std::fs::write(
+            &raw,
+            tokens
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let llmc = dir.path().join("llmc.bin");
+        let mut bytes = Vec::new();
+        let mut header = [0i32; 256];
+        header[0] = LLMC_MAGIC;
+        header[1] = 1;
+        header[2] = tokens.len() as i32;
+        bytes.extend(header.iter().flat_map(|x| x.to_le_bytes()));
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        std::fs::write(&llmc, bytes).unwrap();
+        for p in [raw, llmc] {
+            let f = TokenFile::open(&p).unwrap();
+            assert_eq!(f.len(), 1000);
+            assert!((0..1000).all(|i| f.get(i) == tokens[i]));
+        }
+    }
+}

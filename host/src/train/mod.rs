@@ -1,0 +1,400 @@
+//! The training core: one entry's model, data, optimizer and step loop.
+//!
+//! A step: data -> forward -> backward (x grad_accum) -> communicate (the
+//! compressor) -> optimizer -> strategy hooks. The loss of step k is read
+//! from the device after step k+1 is enqueued, so the host never waits on a
+//! step it has just launched; evaluation pauses the training clock.
+
+pub mod data;
+pub mod model;
+pub mod optim;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
+use crate::results::{MemoryRecord, Metrics};
+use crate::strategy::{SingleRank, StepTelemetry, Strategies};
+use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
+use crate::torch_ext::{self, AutocastDevice};
+use data::Data;
+use model::{Model, ModelConfig};
+use optim::{learning_rate, LossScaler, Optimizer};
+
+/// What a running entry reports to the user, after each step.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    pub step: u64,
+    pub total_steps: Option<u64>,
+    pub elapsed: Duration,
+    pub time_budget: Option<Duration>,
+    pub loss: Option<f64>,
+    pub tokens_per_s: Option<f64>,
+}
+
+/// Everything an entry needs besides its workload.
+pub struct EntryContext<'a> {
+    pub workload: &'a Workload,
+    pub entry: &'a PlanEntry,
+    pub suite_dir: &'a Path,
+    pub device: Device,
+    pub warmup_steps: u64,
+    pub peak_tflops: Option<f64>,
+}
+
+/// The outcome of a finished entry.
+pub struct EntryOutput {
+    pub metrics: Metrics,
+    pub histograms: BTreeMap<String, String>,
+}
+
+/// Turns autocast off again when an entry ends, however it ends.
+struct AutocastGuard(Option<AutocastDevice>);
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        if let Some(d) = self.0 {
+            let _ = torch_ext::set_autocast(d, None);
+        }
+    }
+}
+
+/// Trains one entry to the end and measures it.
+pub fn run_entry(
+    ctx: &EntryContext<'_>,
+    progress: &mut dyn FnMut(&Progress),
+) -> anyhow::Result<EntryOutput> {
+    let w = ctx.workload;
+    let device = ctx.device;
+    let cuda = device.is_cuda();
+    tch::manual_seed(ctx.entry.seed as i64);
+
+    // Model and data.
+    let encoder_dim = if w.model.kind == ModelKind::Encoder {
+        ModelConfig::resolve(&w.model, 2, w.seq_len)
+            .map(|c| c.d_model)
+            .unwrap_or(512) as usize
+    } else {
+        0
+    };
+    let mut data = Data::new(
+        &w.data,
+        ctx.suite_dir,
+        w.seq_len as usize,
+        encoder_dim,
+        ctx.entry.seed,
+        device,
+    )?;
+    let vocab = data.vocab().unwrap_or(2);
+    let cfg =
+        ModelConfig::resolve(&w.model, vocab, w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+    let vs = nn::VarStore::new(device);
+    let model = Model::new(&vs.root(), &cfg);
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
+    let mut optimizer = Optimizer::new(&w.optimizer, &params);
+    let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
+    let mut strategies = Strategies::built_in(&ctx.entry.strategy, w.batch, w.grad_accum)?;
+    let mut comm = SingleRank;
+
+    // Precision: autocast as torch.autocast does it; weights stay fp32.
+    let ac_device = if cuda {
+        AutocastDevice::Cuda
+    } else {
+        AutocastDevice::Cpu
+    };
+    let _autocast = match w.precision {
+        Precision::Fp32 => AutocastGuard(None),
+        Precision::Bf16 => {
+            torch_ext::set_autocast(ac_device, Some(Kind::BFloat16))?;
+            AutocastGuard(Some(ac_device))
+        }
+        Precision::Fp16 => {
+            torch_ext::set_autocast(ac_device, Some(Kind::Half))?;
+            AutocastGuard(Some(ac_device))
+        }
+    };
+
+    let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
+    let target = match (w.target_loss, w.target_above_floor, data.loss_floor()) {
+        (Some(t), _, _) => Some(t),
+        (None, Some(m), Some(f)) => Some(f + m),
+        _ => None,
+    };
+
+    measure::reset_peak_rss();
+    if cuda {
+        tch::Cuda::synchronize(0);
+        torch_ext::cuda_reset_peak(0)?;
+    }
+    let mut timer = PhaseTimer::new(cuda);
+    let mut step_hist = measure::new_histogram();
+    let (batch, accum) = (w.batch, w.grad_accum);
+    let (mut cur_batch, mut cur_accum) = (batch, accum);
+
+    let start = Instant::now();
+    let mut eval_time = Duration::ZERO;
+    let train_elapsed = |eval_time: Duration| start.elapsed().saturating_sub(eval_time);
+    let mut measured_from: Option<(Duration, u64, u64)> = None; // (train time, tokens, samples) at warm-up end
+    let (mut tokens, mut samples) = (0u64, 0u64);
+    let mut pending_loss: Option<(u64, f64, Tensor)> = None;
+    let mut loss_curve = Vec::new();
+    let mut eval_curve = Vec::new();
+    let mut last_loss = None;
+    let mut reached: Option<(u64, f64)> = None;
+    let mut last_iter = Instant::now();
+    let budget = w.time_budget_s.map(Duration::from_secs_f64);
+    let mut step = 0u64;
+
+    let read_loss =
+        |p: (u64, f64, Tensor), curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
+            let v = p.2.double_value(&[]);
+            if !v.is_finite() {
+                anyhow::bail!("the training loss became {v} at step {}", p.0);
+            }
+            curve.push((p.0, p.1, v));
+            Ok(v)
+        };
+
+    loop {
+        let elapsed = train_elapsed(eval_time);
+        if w.steps.is_some_and(|s| step >= s) || budget.is_some_and(|b| elapsed >= b) {
+            break;
+        }
+        if step == ctx.warmup_steps {
+            if cuda {
+                tch::Cuda::synchronize(0);
+            }
+            measured_from = Some((train_elapsed(eval_time), tokens, samples));
+        }
+        let recording = step >= ctx.warmup_steps;
+        timer.begin_step(recording);
+        let progress_frac = {
+            let by_steps = w.steps.map(|s| step as f64 / s as f64).unwrap_or(0.0);
+            let by_time = budget
+                .map(|b| elapsed.as_secs_f64() / b.as_secs_f64())
+                .unwrap_or(0.0);
+            by_steps.max(by_time)
+        };
+        let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac);
+
+        torch_ext::grads_to_none(&params)?;
+        let mut step_loss: Option<Tensor> = None;
+        for _ in 0..cur_accum {
+            timer.start(Phase::Data)?;
+            let b = data.next_train(cur_batch as usize);
+            timer.stop()?;
+            timer.start(Phase::Forward)?;
+            let loss = model.loss(&b.input, &b.target, true);
+            timer.stop()?;
+            timer.start(Phase::Backward)?;
+            let mut scaled = &loss / cur_accum as f64;
+            if let Some(s) = &scaler {
+                scaled = scaled * &s.scale;
+            }
+            scaled.backward();
+            timer.stop()?;
+            let l = loss.detach() / cur_accum as f64;
+            step_loss = Some(match step_loss {
+                Some(acc) => acc + l,
+                None => l,
+            });
+            tokens += b.tokens as u64;
+            samples += b.samples as u64;
+        }
+        let mut grads = torch_ext::grads(&params)?;
+        if let Some(i) = grads.iter().position(|g| !g.defined()) {
+            anyhow::bail!("parameter {i} received no gradient");
+        }
+
+        timer.start(Phase::Communicate)?;
+        strategies
+            .compressor
+            .reduce(&mut grads, &mut comm)
+            .context("the compressor failed")?;
+        timer.stop()?;
+
+        timer.start(Phase::Optimizer)?;
+        if let Some(s) = &mut scaler {
+            s.unscale(&grads)?;
+        }
+        if w.grad_clip.is_some() {
+            let _norm = torch_ext::clip_grad_norm(&grads, w.grad_clip)?;
+        }
+        optimizer.step(&params, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
+        if let Some(s) = &mut scaler {
+            s.update();
+        }
+        timer.stop()?;
+        drop(grads);
+
+        // The previous step's loss: the device has this step queued already.
+        if let Some(p) = pending_loss.take() {
+            last_loss = Some(read_loss(p, &mut loss_curve)?);
+        }
+        let now = train_elapsed(eval_time);
+        pending_loss = step_loss.map(|l| (step, now.as_secs_f64(), l));
+
+        timer.start(Phase::Strategy)?;
+        let telemetry = StepTelemetry {
+            step,
+            loss: last_loss.unwrap_or(f64::NAN),
+            step_time_s: last_iter.elapsed().as_secs_f64(),
+            memory_used_bytes: measure::peak_rss_bytes().unwrap_or(0),
+            memory_total_bytes: 0,
+            tokens_per_s: 0.0,
+        };
+        (cur_batch, cur_accum) = strategies.batch.next(&telemetry);
+        let _save = strategies.checkpoint.should_save(&telemetry);
+        timer.stop()?;
+        timer.end_step()?;
+
+        let iter = last_iter.elapsed();
+        last_iter = Instant::now();
+        if recording {
+            measure::record(&mut step_hist, iter);
+        }
+        step += 1;
+
+        let tps = measured_from.map(|(t0, tok0, _)| {
+            (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9)
+        });
+        progress(&Progress {
+            step,
+            total_steps: w.steps,
+            elapsed: now,
+            time_budget: budget,
+            loss: last_loss,
+            tokens_per_s: tps,
+        });
+
+        if w.eval_every > 0 && step % w.eval_every == 0 && w.steps != Some(step) {
+            let t_eval = Instant::now();
+            let t_train = train_elapsed(eval_time).as_secs_f64();
+            let ev = evaluate(&model, &eval_set);
+            eval_time += t_eval.elapsed();
+            eval_curve.push((step, t_train, ev));
+            if let (Some(t), None) = (target, reached) {
+                if ev <= t {
+                    reached = Some((step, t_train));
+                }
+            }
+            last_iter = Instant::now();
+        }
+    }
+    if let Some(p) = pending_loss.take() {
+        last_loss = Some(read_loss(p, &mut loss_curve)?);
+    }
+    if cuda {
+        tch::Cuda::synchronize(0);
+    }
+    timer.flush()?;
+    let train_time = train_elapsed(eval_time);
+    let t_train = train_time.as_secs_f64();
+    let final_eval = evaluate(&model, &eval_set);
+    eval_curve.push((step, t_train, final_eval));
+    if let (Some(t), None) = (target, reached) {
+        if final_eval <= t {
+            reached = Some((step, t_train));
+        }
+    }
+
+    // Throughput after warm-up (or over everything if warm-up never ended).
+    let (t0, tok0, s0) = measured_from.unwrap_or((Duration::ZERO, 0, 0));
+    let window = train_time.saturating_sub(t0).as_secs_f64().max(1e-9);
+    let tokens_per_s = (tokens - tok0) as f64 / window;
+    let samples_per_s = (samples - s0) as f64 / window;
+    let flops_per_token = cfg.flops_per_token(n_params);
+    let achieved_tflops = flops_per_token * tokens_per_s / 1e12;
+    let peak = ctx.peak_tflops;
+
+    let memory = MemoryRecord {
+        peak_rss_bytes: measure::peak_rss_bytes(),
+        peak_device_allocated_bytes: if cuda {
+            Some(torch_ext::cuda_memory(0)?.peak_allocated)
+        } else {
+            None
+        },
+        peak_device_reserved_bytes: if cuda {
+            Some(torch_ext::cuda_memory(0)?.peak_reserved)
+        } else {
+            None
+        },
+    };
+    let mut histograms = BTreeMap::new();
+    let mut phases = BTreeMap::new();
+    histograms.insert("step".to_owned(), measure::encode(&step_hist));
+    for (p, h) in &timer.histograms {
+        if h.is_empty() {
+            continue;
+        }
+        histograms.insert(p.name().to_owned(), measure::encode(h));
+        phases.insert(p.name().to_owned(), LatencySummary::of(h));
+    }
+    let metrics = Metrics {
+        model: serde_json::to_value(&cfg)?,
+        parameters: n_params,
+        precision: format!("{:?}", w.precision).to_lowercase(),
+        steps: step,
+        warmup_steps: ctx.warmup_steps.min(step),
+        tokens,
+        samples,
+        train_time_s: t_train,
+        tokens_per_s,
+        samples_per_s,
+        step: (!step_hist.is_empty()).then(|| LatencySummary::of(&step_hist)),
+        phases,
+        flops_per_token,
+        achieved_tflops,
+        mfu: peak.map(|p| achieved_tflops / p),
+        peak_tflops: peak,
+        memory,
+        final_train_loss: last_loss,
+        final_eval_loss: Some(final_eval),
+        loss_floor: data.loss_floor(),
+        target_loss: target,
+        time_to_target_s: reached.map(|r| r.1),
+        steps_to_target: reached.map(|r| r.0),
+        loss_curve: subsample(loss_curve, 512),
+        eval_curve,
+        skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
+        bytes_on_wire: crate::strategy::Collective::bytes_sent(&comm),
+        strategy_runtime: "built-in".into(),
+    };
+    Ok(EntryOutput {
+        metrics,
+        histograms,
+    })
+}
+
+/// Mean loss over the fixed eval set (no gradients, no dropout).
+fn evaluate(model: &Model, set: &[data::Batch]) -> f64 {
+    tch::no_grad(|| {
+        let total = set
+            .iter()
+            .map(|b| model.loss(&b.input, &b.target, false).to_kind(Kind::Double))
+            .fold(None, |acc: Option<Tensor>, l| {
+                Some(acc.map_or(l.shallow_clone(), |a| a + l))
+            });
+        total.map_or(f64::NAN, |t| t.double_value(&[]) / set.len() as f64)
+    })
+}
+
+/// Keeps at most `max` points, evenly spaced, always the last.
+fn subsample<T: Clone>(v: Vec<T>, max: usize) -> Vec<T> {
+    if v.len() <= max {
+        return v;
+    }
+    let n = v.len();
+    let mut out: Vec<T> = (0..max - 1)
+        .map(|i| v[i * (n - 1) / (max - 1)].clone())
+        .collect();
+    out.push(v[n - 1].clone());
+    out
+}

@@ -1,0 +1,342 @@
+//! The models of the training core, written with `tch`.
+//!
+//! * `gpt`: decoder-only transformer as GPT-2 (pre-LayerNorm, learned
+//!   positions, GELU(tanh), tied embedding), causal attention through
+//!   `scaled_dot_product_attention` (flash / memory-efficient kernels on CUDA).
+//! * `encoder`: `nn.TransformerEncoder` (post-LayerNorm, ReLU, batch first)
+//!   with a mean-pool regression head, as in CLAIMS.md section 5.
+//! * `mlp`: a token MLP that predicts the next token from the current one.
+
+use serde::Serialize;
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::suite::{ModelKind, ModelSpec};
+
+/// A model's resolved shape.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelConfig {
+    pub kind: ModelKind,
+    pub preset: Option<String>,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub d_model: i64,
+    pub d_ff: i64,
+    pub vocab: i64,
+    pub seq_len: i64,
+    pub dropout: f64,
+}
+
+/// Presets: (kind, name, layers, heads, width, feed-forward width).
+pub const PRESETS: &[(ModelKind, &str, i64, i64, i64, i64)] = &[
+    (ModelKind::Gpt, "tiny", 2, 4, 128, 512),
+    (ModelKind::Gpt, "small", 4, 4, 256, 1024),
+    (ModelKind::Gpt, "gpt2-124m", 12, 12, 768, 3072),
+    (ModelKind::Gpt, "gpt2-350m", 24, 16, 1024, 4096),
+    (ModelKind::Gpt, "1.3b", 24, 16, 2048, 8192),
+    (ModelKind::Encoder, "tiny", 2, 4, 64, 256),
+    (ModelKind::Encoder, "claims5", 6, 8, 512, 2048),
+    (ModelKind::Mlp, "tiny", 1, 1, 64, 256),
+    (ModelKind::Mlp, "small", 1, 1, 256, 1024),
+];
+
+impl ModelConfig {
+    /// Resolves a suite's model table; errors carry a message and a hint.
+    pub fn resolve(
+        spec: &ModelSpec,
+        vocab: u32,
+        seq_len: u32,
+    ) -> Result<ModelConfig, (String, Option<String>)> {
+        let names = |k: ModelKind| {
+            PRESETS
+                .iter()
+                .filter(|p| p.0 == k)
+                .map(|p| p.1)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let base = match &spec.preset {
+            Some(name) => match PRESETS.iter().find(|p| p.0 == spec.kind && p.1 == name) {
+                Some(p) => Some(*p),
+                None => {
+                    return Err((
+                        format!("unknown {:?} preset `{name}`", spec.kind).to_lowercase(),
+                        Some(format!("presets: {}", names(spec.kind))),
+                    ))
+                }
+            },
+            None => None,
+        };
+        let pick = |v: Option<u32>,
+                    from_preset: Option<i64>,
+                    key: &str|
+         -> Result<i64, (String, Option<String>)> {
+            match (v, from_preset) {
+                (Some(v), _) => Ok(v as i64),
+                (None, Some(p)) => Ok(p),
+                (None, None) => Err((
+                    format!("the model needs `preset` or `{key}`"),
+                    Some(format!("presets: {}", names(spec.kind))),
+                )),
+            }
+        };
+        let n_layer = pick(spec.n_layer, base.map(|p| p.2), "n_layer")?;
+        let n_head = pick(spec.n_head, base.map(|p| p.3), "n_head")?;
+        let d_model = pick(spec.d_model, base.map(|p| p.4), "d_model")?;
+        let d_ff = spec
+            .d_ff
+            .map(i64::from)
+            .or(base.map(|p| p.5))
+            .unwrap_or(4 * d_model);
+        if n_layer < 1 || n_head < 1 || d_model < 1 || d_ff < 1 {
+            return Err(("model sizes must be at least 1".into(), None));
+        }
+        if spec.kind != ModelKind::Mlp && d_model % n_head != 0 {
+            return Err((
+                format!("d_model ({d_model}) is not a multiple of n_head ({n_head})"),
+                Some("each head gets d_model / n_head channels".into()),
+            ));
+        }
+        Ok(ModelConfig {
+            kind: spec.kind,
+            preset: spec.preset.clone(),
+            n_layer,
+            n_head,
+            d_model,
+            d_ff,
+            vocab: vocab as i64,
+            seq_len: seq_len as i64,
+            dropout: spec.dropout.unwrap_or(0.0),
+        })
+    }
+
+    /// Training FLOPs per token (per position for the encoder): 6 x matmul
+    /// parameters + 12 x layers x width x sequence for attention, the
+    /// convention of GPU.md's PyTorch figures (PaLM's appendix B).
+    pub fn flops_per_token(&self, params: i64) -> f64 {
+        match self.kind {
+            ModelKind::Gpt | ModelKind::Encoder => {
+                6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64
+            }
+            // The embedding lookup does no multiply-adds.
+            ModelKind::Mlp => 6.0 * (params - self.vocab * self.d_model) as f64,
+        }
+    }
+}
+
+fn linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
+    let cfg = nn::LinearConfig {
+        ws_init: nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+        bs_init: Some(nn::Init::Const(0.0)),
+        bias: true,
+    };
+    nn::linear(p, i, o, cfg)
+}
+
+fn layer_norm(p: nn::Path, d: i64) -> nn::LayerNorm {
+    nn::layer_norm(p, vec![d], Default::default())
+}
+
+pub struct GptBlock {
+    ln1: nn::LayerNorm,
+    c_attn: nn::Linear,
+    attn_proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    c_fc: nn::Linear,
+    mlp_proj: nn::Linear,
+}
+
+/// The models, one enum so the step loop needs no dynamic dispatch.
+pub enum Model {
+    Gpt {
+        cfg: ModelConfig,
+        wte: nn::Embedding,
+        wpe: nn::Embedding,
+        blocks: Vec<GptBlock>,
+        ln_f: nn::LayerNorm,
+    },
+    Encoder {
+        cfg: ModelConfig,
+        layers: Vec<EncoderLayer>,
+        head: nn::Linear,
+    },
+    Mlp {
+        cfg: ModelConfig,
+        emb: nn::Embedding,
+        fc: nn::Linear,
+        out: nn::Linear,
+    },
+}
+
+/// One `nn.TransformerEncoderLayer` (post-norm).
+pub struct EncoderLayer {
+    in_proj: nn::Linear,
+    out_proj: nn::Linear,
+    norm1: nn::LayerNorm,
+    lin1: nn::Linear,
+    lin2: nn::Linear,
+    norm2: nn::LayerNorm,
+}
+
+impl Model {
+    /// Builds a model's variables under `p` (initialisation as nanoGPT:
+    /// N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)), zero biases).
+    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Model {
+        let d = cfg.d_model;
+        let std = 0.02;
+        let proj_std = 0.02 / ((2 * cfg.n_layer) as f64).sqrt();
+        let emb_cfg = nn::EmbeddingConfig {
+            ws_init: nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+            ..Default::default()
+        };
+        match cfg.kind {
+            ModelKind::Gpt => {
+                let wte = nn::embedding(p / "wte", cfg.vocab, d, emb_cfg);
+                let wpe = nn::embedding(p / "wpe", cfg.seq_len, d, emb_cfg);
+                let blocks = (0..cfg.n_layer)
+                    .map(|i| {
+                        let b = p / "h" / i;
+                        GptBlock {
+                            ln1: layer_norm(&b / "ln_1", d),
+                            c_attn: linear(&b / "attn" / "c_attn", d, 3 * d, std),
+                            attn_proj: linear(&b / "attn" / "c_proj", d, d, proj_std),
+                            ln2: layer_norm(&b / "ln_2", d),
+                            c_fc: linear(&b / "mlp" / "c_fc", d, cfg.d_ff, std),
+                            mlp_proj: linear(&b / "mlp" / "c_proj", cfg.d_ff, d, proj_std),
+                        }
+                    })
+                    .collect();
+                Model::Gpt {
+                    cfg: cfg.clone(),
+                    wte,
+                    wpe,
+                    blocks,
+                    ln_f: layer_norm(p / "ln_f", d),
+                }
+            }
+            ModelKind::Encoder => {
+                let layers = (0..cfg.n_layer)
+                    .map(|i| {
+                        let l = p / "layers" / i;
+                        EncoderLayer {
+                            in_proj: linear(&l / "self_attn" / "in_proj", d, 3 * d, std),
+                            out_proj: linear(&l / "self_attn" / "out_proj", d, d, proj_std),
+                            norm1: layer_norm(&l / "norm1", d),
+                            lin1: linear(&l / "linear1", d, cfg.d_ff, std),
+                            lin2: linear(&l / "linear2", cfg.d_ff, d, proj_std),
+                            norm2: layer_norm(&l / "norm2", d),
+                        }
+                    })
+                    .collect();
+                Model::Encoder {
+                    cfg: cfg.clone(),
+                    layers,
+                    head: linear(p / "head", d, 1, std),
+                }
+            }
+            ModelKind::Mlp => Model::Mlp {
+                cfg: cfg.clone(),
+                emb: nn::embedding(p / "emb", cfg.vocab, d, emb_cfg),
+                fc: linear(p / "fc", d, cfg.d_ff, std),
+                out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
+            },
+        }
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Model::Gpt { cfg, .. } | Model::Encoder { cfg, .. } | Model::Mlp { cfg, .. } => cfg,
+        }
+    }
+
+    /// Forward pass and loss (cross-entropy in nats, or MSE for regression).
+    pub fn loss(&self, input: &Tensor, target: &Tensor, train: bool) -> Tensor {
+        match self {
+            Model::Gpt {
+                cfg,
+                wte,
+                wpe,
+                blocks,
+                ln_f,
+            } => {
+                let (b, t) = input.size2().expect("token batches are 2-d");
+                let pos = Tensor::arange(t, (Kind::Int64, input.device()));
+                let mut x = wte.forward(input) + wpe.forward(&pos);
+                x = x.dropout(cfg.dropout, train);
+                let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
+                for blk in blocks {
+                    let qkv = blk.c_attn.forward(&blk.ln1.forward(&x));
+                    let qkv = qkv.view([b, t, 3, h, hd]).permute([2, 0, 3, 1, 4]);
+                    let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+                    let p = if train { cfg.dropout } else { 0.0 };
+                    let y = Tensor::scaled_dot_product_attention::<Tensor>(
+                        &q, &k, &v, None, p, true, None, false,
+                    );
+                    let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
+                    x = x + blk.attn_proj.forward(&y).dropout(cfg.dropout, train);
+                    let m = blk.c_fc.forward(&blk.ln2.forward(&x)).gelu("tanh");
+                    x = x + blk.mlp_proj.forward(&m).dropout(cfg.dropout, train);
+                }
+                let x = ln_f.forward(&x);
+                let logits = x.matmul(&wte.ws.tr());
+                logits
+                    .view([b * t, cfg.vocab])
+                    .cross_entropy_loss::<Tensor>(
+                        &target.reshape([b * t]),
+                        None,
+                        tch::Reduction::Mean,
+                        -100,
+                        0.0,
+                    )
+            }
+            Model::Encoder { cfg, layers, head } => {
+                let (b, t, _) = input.size3().expect("regression batches are 3-d");
+                let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
+                let mut x = input.shallow_clone();
+                for l in layers {
+                    let qkv = l
+                        .in_proj
+                        .forward(&x)
+                        .view([b, t, 3, h, hd])
+                        .permute([2, 0, 3, 1, 4]);
+                    let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+                    let p = if train { cfg.dropout } else { 0.0 };
+                    let y = Tensor::scaled_dot_product_attention::<Tensor>(
+                        &q, &k, &v, None, p, false, None, false,
+                    );
+                    let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
+                    x = l
+                        .norm1
+                        .forward(&(x + l.out_proj.forward(&y).dropout(cfg.dropout, train)));
+                    let f = l
+                        .lin2
+                        .forward(&l.lin1.forward(&x).relu().dropout(cfg.dropout, train));
+                    x = l.norm2.forward(&(x + f.dropout(cfg.dropout, train)));
+                }
+                let pred = head.forward(&x.mean_dim(1, false, None)).view([b]);
+                pred.to_kind(Kind::Float)
+                    .mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean)
+            }
+            Model::Mlp { cfg, emb, fc, out } => {
+                let (b, t) = input.size2().expect("token batches are 2-d");
+                let logits = out.forward(&fc.forward(&emb.forward(input)).gelu("tanh"));
+                logits
+                    .view([b * t, cfg.vocab])
+                    .cross_entropy_loss::<Tensor>(
+                        &target.reshape([b * t]),
+                        None,
+                        tch::Reduction::Mean,
+                        -100,
+                        0.0,
+                    )
+            }
+        }
+    }
+}

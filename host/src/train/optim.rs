@@ -1,0 +1,253 @@
+//! Optimizers (AdamW through the fused kernel, SGD with momentum), the
+//! learning-rate schedule and fp16 dynamic loss scaling.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::suite::{Decay, OptimizerSpec, ScheduleSpec};
+use crate::torch_ext::{self, AdamWStep};
+
+/// An optimizer over a fixed list of parameters.
+pub enum Optimizer {
+    AdamW {
+        /// Indices of parameters with weight decay (matrices) and without
+        /// (biases, norms), as nanoGPT groups them.
+        groups: [Vec<usize>; 2],
+        exp_avg: Vec<Tensor>,
+        exp_avg_sq: Vec<Tensor>,
+        steps: Vec<Tensor>,
+        betas: [f64; 2],
+        eps: f64,
+        weight_decay: f64,
+    },
+    Sgd {
+        bufs: Vec<Option<Tensor>>,
+        momentum: f64,
+        nesterov: bool,
+        weight_decay: f64,
+    },
+}
+
+fn pick(ts: &[Tensor], idx: &[usize]) -> Vec<Tensor> {
+    idx.iter().map(|&i| ts[i].shallow_clone()).collect()
+}
+
+impl Optimizer {
+    /// Creates the optimizer state for `params`.
+    pub fn new(spec: &OptimizerSpec, params: &[Tensor]) -> Optimizer {
+        match spec {
+            OptimizerSpec::Adamw {
+                betas,
+                eps,
+                weight_decay,
+                ..
+            } => {
+                let (decay, no_decay): (Vec<usize>, Vec<usize>) =
+                    (0..params.len()).partition(|&i| params[i].dim() >= 2);
+                Optimizer::AdamW {
+                    groups: [decay, no_decay],
+                    exp_avg: params.iter().map(|p| p.zeros_like()).collect(),
+                    exp_avg_sq: params.iter().map(|p| p.zeros_like()).collect(),
+                    steps: params
+                        .iter()
+                        .map(|p| Tensor::zeros([], (Kind::Float, p.device())))
+                        .collect(),
+                    betas: *betas,
+                    eps: *eps,
+                    weight_decay: *weight_decay,
+                }
+            }
+            OptimizerSpec::Sgd {
+                momentum,
+                nesterov,
+                weight_decay,
+                ..
+            } => Optimizer::Sgd {
+                bufs: params.iter().map(|_| None).collect(),
+                momentum: *momentum,
+                nesterov: *nesterov,
+                weight_decay: *weight_decay,
+            },
+        }
+    }
+
+    /// One update at learning rate `lr`. With `found_inf` (fp16), an
+    /// overflowed step is skipped by the kernel itself, without a host sync.
+    pub fn step(
+        &mut self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        lr: f64,
+        found_inf: Option<&Tensor>,
+    ) -> anyhow::Result<()> {
+        match self {
+            Optimizer::AdamW {
+                groups,
+                exp_avg,
+                exp_avg_sq,
+                steps,
+                betas,
+                eps,
+                weight_decay,
+            } => {
+                for (g, wd) in groups.iter().zip([*weight_decay, 0.0]) {
+                    if g.is_empty() {
+                        continue;
+                    }
+                    let h = AdamWStep {
+                        lr,
+                        beta1: betas[0],
+                        beta2: betas[1],
+                        weight_decay: wd,
+                        eps: *eps,
+                    };
+                    torch_ext::fused_adamw(
+                        &pick(params, g),
+                        &pick(grads, g),
+                        &pick(exp_avg, g),
+                        &pick(exp_avg_sq, g),
+                        &pick(steps, g),
+                        h,
+                        found_inf,
+                    )?;
+                }
+            }
+            Optimizer::Sgd {
+                bufs,
+                momentum,
+                nesterov,
+                weight_decay,
+            } => {
+                anyhow::ensure!(
+                    found_inf.is_none(),
+                    "SGD does not support fp16 loss scaling"
+                );
+                tch::no_grad(|| {
+                    for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+                        let mut d = if *weight_decay > 0.0 {
+                            g + p * *weight_decay
+                        } else {
+                            g.shallow_clone()
+                        };
+                        if *momentum > 0.0 {
+                            let buf = match &mut bufs[i] {
+                                Some(b) => {
+                                    let _ = b.g_mul_scalar_(*momentum).g_add_(&d);
+                                    b.shallow_clone()
+                                }
+                                None => {
+                                    let b = d.copy();
+                                    bufs[i] = Some(b.shallow_clone());
+                                    b
+                                }
+                            };
+                            d = if *nesterov { d + buf * *momentum } else { buf };
+                        }
+                        let mut p = p.shallow_clone();
+                        let _ = p.g_add_(&(d * -lr));
+                    }
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Learning rate at `step`, given the run's progress in [0, 1] (by steps or
+/// by time budget, whichever is further along).
+pub fn learning_rate(base: f64, s: &ScheduleSpec, step: u64, progress: f64) -> f64 {
+    if step < s.warmup_steps {
+        return base * (step + 1) as f64 / s.warmup_steps as f64;
+    }
+    let min = base * s.min_lr_ratio;
+    let p = progress.clamp(0.0, 1.0);
+    match s.decay {
+        Decay::Constant => base,
+        Decay::Linear => base - (base - min) * p,
+        Decay::Cosine => min + 0.5 * (1.0 + (std::f64::consts::PI * p).cos()) * (base - min),
+    }
+}
+
+/// Dynamic loss scaling for fp16, as torch.amp.GradScaler (init 2^16,
+/// growth 2 every 2000 clean steps, backoff 0.5), all on the device.
+pub struct LossScaler {
+    pub scale: Tensor,
+    growth_tracker: Tensor,
+    pub found_inf: Tensor,
+    /// Count of skipped steps, accumulated on the device.
+    skipped: Tensor,
+}
+
+impl LossScaler {
+    /// A scaler on `device`.
+    pub fn new(device: Device) -> LossScaler {
+        LossScaler {
+            scale: Tensor::full([], 65536.0, (Kind::Float, device)),
+            growth_tracker: Tensor::zeros([], (Kind::Int, device)),
+            found_inf: Tensor::zeros([], (Kind::Float, device)),
+            skipped: Tensor::zeros([], (Kind::Float, device)),
+        }
+    }
+
+    /// Unscales gradients and flags overflow (before clipping and the step).
+    pub fn unscale(&mut self, grads: &[Tensor]) -> anyhow::Result<()> {
+        let _ = self.found_inf.zero_();
+        let inv = self.scale.reciprocal();
+        torch_ext::unscale_check(grads, &self.found_inf, &inv)?;
+        Ok(())
+    }
+
+    /// Updates the scale after a step.
+    pub fn update(&mut self) {
+        let _ = self.skipped.g_add_(&self.found_inf);
+        let _ = self.scale.internal_amp_update_scale_(
+            &self.growth_tracker,
+            &self.found_inf,
+            2.0,
+            0.5,
+            2000,
+        );
+    }
+
+    /// Steps skipped so far (reads the device).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped.double_value(&[]) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_the_floor() {
+        let s = ScheduleSpec {
+            warmup_steps: 10,
+            decay: Decay::Cosine,
+            min_lr_ratio: 0.1,
+        };
+        assert!((learning_rate(1.0, &s, 0, 0.0) - 0.1).abs() < 1e-12);
+        assert!((learning_rate(1.0, &s, 9, 0.09) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(1.0, &s, 10, 0.0) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(1.0, &s, 55, 0.5) - 0.55).abs() < 1e-12);
+        assert!((learning_rate(1.0, &s, 100, 1.0) - 0.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn sgd_with_momentum_matches_the_formula() {
+        let p = Tensor::from_slice(&[1.0f32]);
+        let g = Tensor::from_slice(&[0.5f32]);
+        let spec = OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None)
+            .unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None)
+            .unwrap();
+        // buf1 = 0.5, buf2 = 0.9 * 0.5 + 0.5 = 0.95; p = 1 - 0.1 * (0.5 + 0.95)
+        assert!((p.double_value(&[0]) - 0.855).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sourced by ./x: makes the libtorch environment that `tch` 0.24 builds and runs
+# against (PyTorch 2.11.0 from PyPI, see ../shared/GPU.md) and exports the
+# variables cargo needs. The environment lives outside the clone, in
+# $HARNESS_CACHE (default ~/.cache/harness), so repeat runs reuse it.
+set -euo pipefail
+TORCH_VERSION=2.11.0
+HARNESS_CACHE=${HARNESS_CACHE:-$HOME/.cache/harness}
+VENV="$HARNESS_CACHE/torch-$TORCH_VERSION"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "harness: installing torch==$TORCH_VERSION into $VENV (once; about 4.6 GB)" >&2
+  rm -rf "$VENV"
+  mkdir -p "$HARNESS_CACHE"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+fi
+SP=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+export PATH="$VENV/bin:$PATH"
+export LIBTORCH_USE_PYTORCH=1
+export LIBTORCH_BYPASS_VERSION_CHECK=${LIBTORCH_BYPASS_VERSION_CHECK:-0}
+NV_LIBS=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' : || true)
+export LD_LIBRARY_PATH="$SP/torch/lib:${NV_LIBS}${LD_LIBRARY_PATH:-}"
