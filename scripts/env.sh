@@ -3,7 +3,7 @@
 # against (PyTorch 2.11.0 from PyPI, see ../shared/GPU.md) and exports the
 # variables cargo needs. The environment lives outside the clone, in
 # $HARNESS_CACHE (default ~/.cache/harness), so repeat runs reuse it.
-set -euo pipefail
+
 TORCH_VERSION=2.11.0
 HARNESS_CACHE=${HARNESS_CACHE:-$HOME/.cache/harness}
 VENV="$HARNESS_CACHE/torch-$TORCH_VERSION"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine (the device tool): harness's suites/gpu.toml and the
+# same model in PyTorch (bench/pytorch_gpt.py), alternating twice, then
+# torch.compile once, and prints a comparison table. Needs a harness binary
+# built elsewhere ($HARNESS_BIN, default .carry/harness) and PyTorch 2.11.
+# Writes everything under ${OUT:-bench-out}.
+set -euo pipefail
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+BIN=${HARNESS_BIN:-.carry/harness}
+SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+export LD_LIBRARY_PATH="$SP/torch/lib:$(ls -d "$SP"/nvidia/*/lib | tr '\n' :)${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+SUITE=${SUITE:-suites/gpu.toml}
+"$BIN" env | tee "$OUT/env.txt"
+for r in 1 2; do
+  "$BIN" run "$SUITE" --out "$OUT/harness-$r.json" --quiet > "$OUT/harness-$r.txt" 2>&1 || { cat "$OUT/harness-$r.txt"; exit 1; }
+  python3 bench/pytorch_gpt.py --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
+done
+python3 bench/pytorch_gpt.py --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
+python3 bench/summarize.py "$OUT"

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""PyTorch reference for harness's `gpt` model: the same GPT-2 architecture,
+recipe and measurement, in eager PyTorch (or torch.compile with --compile).
+
+Architecture as host/src/train/model.rs: pre-LayerNorm blocks, learned
+positions, GELU(tanh), causal scaled_dot_product_attention, tied embedding,
+biases, no dropout. Recipe as suites/gpu.toml: bf16 autocast, AdamW(fused)
+betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
+The timed loop never synchronises inside a step (the strongest eager
+baseline); tokens/s is counted after the warm-up steps.
+
+Prints one JSON object (and writes it to --json).
+"""
+import argparse, json, math, time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        qkv = self.c_attn(self.ln_1(x)).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, heads, d, vocab, seq):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        for n, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if n.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif n.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.h:
+            x = blk(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt2-124m", choices=PRESETS)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    layers, heads, d = PRESETS[a.preset]
+    model = GPT(layers, heads, d, a.vocab, a.seq).to(dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    step_fn = torch.compile(model) if a.compile else model
+    data = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq + 1), device=dev)
+
+    def step(i):
+        x, y = data[i, :, :-1], data[i, :, 1:]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(a.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        loss = step(i)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = a.steps * a.batch * a.seq
+    tps = tokens / dt
+    flops_per_token = 6 * n_params + 12 * layers * d * a.seq
+    out = {
+        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+        "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
+        "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "ms_per_step": 1e3 * dt / a.steps,
+        "achieved_tflops": flops_per_token * tps / 1e12,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "final_loss": loss.item(),
+    }
+    print(json.dumps(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

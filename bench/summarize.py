@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Prints harness vs PyTorch tokens/s from a folder of bench outputs
+(harness-*.json result files, pytorch-*.json from pytorch_gpt.py)."""
+import glob, json, os, sys
+
+d = sys.argv[1] if len(sys.argv) > 1 else "bench-out"
+rows = []
+for p in sorted(glob.glob(os.path.join(d, "harness-*.json"))):
+    r = json.load(open(p))
+    for e in r["entries"]:
+        m = e.get("metrics") or {}
+        if e["status"] != "ok":
+            rows.append((os.path.basename(p) + ":" + e["id"], 0, 0, 0, 0, "FAILED " + e.get("error", "")))
+            continue
+        mem = m["memory"].get("peak_device_allocated_bytes") or 0
+        rows.append((os.path.basename(p) + ":" + e["id"], m["tokens_per_s"], m["step"]["p50_ms"], m.get("mfu") or 0, mem, ""))
+for p in sorted(glob.glob(os.path.join(d, "pytorch-*.json"))):
+    r = json.load(open(p))
+    rows.append((os.path.basename(p), r["tokens_per_s"], r["ms_per_step"], r["achieved_tflops"] / 989.4, r["peak_allocated_bytes"], ""))
+print(f"{'run':60s} {'tokens/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'peak GiB':>8s}")
+for name, tps, ms, mfu, mem, note in rows:
+    print(f"{name:60s} {tps:10.0f} {ms:8.2f} {100*mfu:5.1f}% {mem/2**30:8.2f} {note}")
+h = [r[1] for r in rows if r[0].startswith("harness") and "gpt2-124m-bf16" in r[0] and r[1] > 0]
+e = [r[1] for r in rows if r[0].startswith("pytorch-eager")]
+c = [r[1] for r in rows if r[0].startswith("pytorch-compile")]
+if h and e:
+    print(f"harness / pytorch eager (mean of runs): {sum(h)/len(h) / (sum(e)/len(e)):.3f}")
+if h and c:
+    print(f"harness / torch.compile: {sum(h)/len(h) / (sum(c)/len(c)):.3f}")
