@@ -14,6 +14,9 @@ for p in sorted(glob.glob(os.path.join(d, "harness-*.json"))):
             continue
         mem = m["memory"].get("peak_device_allocated_bytes") or 0
         rows.append((os.path.basename(p) + ":" + e["id"], m["tokens_per_s"], m["step"]["p50_ms"], m.get("mfu") or 0, mem, ""))
+        ph = " ".join(f"{k}={v['mean_ms']:.2f}" for k, v in m["phases"].items())
+        hp = " ".join(f"{k}={v['mean_ms']:.2f}" for k, v in m.get("host_phases", {}).items())
+        print(f"{os.path.basename(p)} {e['id']}: device ms {ph} | host ms {hp}")
 for p in sorted(glob.glob(os.path.join(d, "pytorch-*.json"))):
     r = json.load(open(p))
     rows.append((os.path.basename(p), r["tokens_per_s"], r["ms_per_step"], r["achieved_tflops"] / 989.4, r["peak_allocated_bytes"], ""))

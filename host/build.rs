@@ -10,21 +10,15 @@ fn main() {
     git_revision();
     println!("cargo:rerun-if-changed=csrc/shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
-    let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect(
-        "torch-sys did not report libtorch's folder; run through ./x, which sets up libtorch",
-    ));
-    let root = lib
-        .parent()
-        .expect("libtorch lib folder has a parent")
-        .to_path_buf();
+    let lib = PathBuf::from(
+        std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys did not report libtorch's folder; run through ./x, which sets up libtorch"),
+    );
+    let root = lib.parent().expect("libtorch lib folder has a parent").to_path_buf();
     let include = root.join("include");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").ok().unwrap_or_else(|| {
         // Ask the PyTorch that torch-sys used, as torch-sys itself does.
         Command::new(std::env::var("PYTHON_SYS_EXECUTABLE").unwrap_or_else(|_| "python".into()))
-            .args([
-                "-c",
-                "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))",
-            ])
+            .args(["-c", "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"])
             .output()
             .ok()
             .and_then(|o| String::from_utf8(o.stdout).ok())
@@ -62,8 +56,7 @@ fn git_revision() {
     };
     let rev = match git(&["rev-parse", "HEAD"]) {
         Some(rev) => {
-            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
             if dirty {
                 format!("{rev}-dirty")
             } else {

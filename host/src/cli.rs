@@ -114,75 +114,40 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     let out = match (&args.out, args.resume) {
         (Some(o), _) => o.clone(),
         (None, true) => results::find_resumable(&args.results_dir, name).ok_or_else(|| {
-            anyhow::anyhow!("no incomplete result of suite `{name}` under {}\nhint: name the file with --out, or run without --resume", args.results_dir.display())
+            anyhow::anyhow!(
+                "no incomplete result of suite `{name}` under {}\nhint: name the file with --out, or run without --resume",
+                args.results_dir.display()
+            )
         })?,
         (None, false) => results::default_path(&args.results_dir, name),
     };
     if !args.resume && out.exists() {
-        anyhow::bail!(
-            "{} already exists\nhint: pass --resume to continue it, or choose another --out",
-            out.display()
-        );
+        anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
     }
-    let result = launch::run_suite(
-        &suite,
-        &RunOptions {
-            out: out.clone(),
-            resume: args.resume,
-            quiet: args.quiet,
-        },
-    )?;
+    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet })?;
     println!("{}", report::summary_table(&result));
     println!("results: {}", out.display());
-    let failed = result
-        .entries
-        .iter()
-        .filter(|e| matches!(e.status, EntryStatus::Failed { .. }))
-        .count();
-    Ok(if failed > 0 {
-        exit::ENTRY_FAILED
-    } else {
-        exit::OK
-    })
+    let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
+    Ok(if failed > 0 { exit::ENTRY_FAILED } else { exit::OK })
 }
 
 fn print_env(f: &device::Fingerprint) {
     let na = |o: &Option<String>| o.clone().unwrap_or_else(|| "not found".into());
     println!("harness   {} ({})", f.harness_version, f.git_revision);
     println!("host      {} ({})", f.hostname, f.os);
-    println!(
-        "cpu       {} ({} cores), {} memory",
-        f.cpu,
-        f.cpu_cores,
-        report::bytes(f.memory_bytes)
-    );
+    println!("cpu       {} ({} cores), {} memory", f.cpu, f.cpu_cores, report::bytes(f.memory_bytes));
     if f.gpus.is_empty() {
         println!("gpus      none usable (training runs on CPU)");
     }
     for g in &f.gpus {
-        println!(
-            "gpu {}     {} ({}, compute {})",
-            g.index,
-            g.name,
-            report::bytes(g.memory_bytes),
-            g.compute_capability
-        );
+        println!("gpu {}     {} ({}, compute {})", g.index, g.name, report::bytes(g.memory_bytes), g.compute_capability);
     }
     println!("driver    {}", na(&f.driver));
     println!(
         "cuda      {} (libtorch build){}",
         na(&f.cuda),
-        f.cuda_driver_api
-            .as_ref()
-            .map(|v| format!(", driver supports {v}"))
-            .unwrap_or_default()
+        f.cuda_driver_api.as_ref().map(|v| format!(", driver supports {v}")).unwrap_or_default()
     );
-    println!(
-        "libtorch  {}{}",
-        na(&f.libtorch),
-        device::libtorch_dir()
-            .map(|d| format!(" at {}", d.display()))
-            .unwrap_or_default()
-    );
+    println!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default());
     println!("nccl      {}", na(&f.nccl));
 }

@@ -21,8 +21,7 @@ pub fn init_cuda() -> bool {
         // register the CUDA backend with the already-loaded libtorch_cpu of
         // the same installation (found through LD_LIBRARY_PATH / rpath). The
         // handle is leaked on purpose: the library must stay for the process.
-        let lib =
-            unsafe { libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libc_flags()) };
+        let lib = unsafe { libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libc_flags()) };
         match lib {
             Ok(l) => {
                 std::mem::forget(l);
@@ -48,19 +47,12 @@ pub enum DeviceError {
 pub fn select(kind: DeviceKind) -> Result<Device, DeviceError> {
     match kind {
         DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Auto => Ok(if init_cuda() {
-            Device::Cuda(0)
-        } else {
-            Device::Cpu
-        }),
+        DeviceKind::Auto => Ok(if init_cuda() { Device::Cuda(0) } else { Device::Cpu }),
         DeviceKind::Cuda => {
             if init_cuda() {
                 Ok(Device::Cuda(0))
             } else {
-                let why = if libtorch_dir()
-                    .map(|d| d.join("libtorch_cuda.so").exists())
-                    .unwrap_or(false)
-                {
+                let why = if libtorch_dir().map(|d| d.join("libtorch_cuda.so").exists()).unwrap_or(false) {
                     "libtorch has CUDA support but found no GPU or driver".to_owned()
                 } else {
                     "this libtorch has no CUDA library".to_owned()
@@ -104,34 +96,21 @@ pub struct Fingerprint {
 pub fn fingerprint() -> Fingerprint {
     let cuda = init_cuda();
     let torch_dir = libtorch_dir();
-    let (libtorch, cuda_build) = torch_dir
-        .as_deref()
-        .map(torch_versions)
-        .unwrap_or((None, None));
+    let (libtorch, cuda_build) = torch_dir.as_deref().map(torch_versions).unwrap_or((None, None));
     Fingerprint {
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_default(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default(),
         os: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| format!("Linux {}", s.trim()))
             .unwrap_or_else(|_| std::env::consts::OS.into()),
         cpu: cpu_model(),
-        cpu_cores: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        cpu_cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         memory_bytes: meminfo_kb("MemTotal:").unwrap_or(0) * 1024,
         gpus: if cuda { gpus() } else { Vec::new() },
-        driver: std::fs::read_to_string("/proc/driver/nvidia/version")
-            .ok()
-            .and_then(|s| {
-                s.lines().next().and_then(|l| {
-                    l.split_whitespace()
-                        .find(|w| {
-                            w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')
-                        })
-                        .map(str::to_owned)
-                })
-            }),
+        driver: std::fs::read_to_string("/proc/driver/nvidia/version").ok().and_then(|s| {
+            s.lines().next().and_then(|l| {
+                l.split_whitespace().find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')).map(str::to_owned)
+            })
+        }),
         cuda: cuda_build,
         cuda_driver_api: if cuda { cuda_driver_version() } else { None },
         libtorch,
@@ -144,23 +123,13 @@ pub fn fingerprint() -> Fingerprint {
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_owned())
-        })
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_owned()))
         .unwrap_or_else(|| std::env::consts::ARCH.into())
 }
 
 fn meminfo_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines()
-        .find(|l| l.starts_with(key))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+    s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The folder of the libtorch loaded into this process (from /proc/self/maps).
@@ -174,10 +143,7 @@ pub fn libtorch_dir() -> Option<PathBuf> {
 
 /// libtorch and CUDA versions from the PyTorch installation's version.py.
 fn torch_versions(lib_dir: &Path) -> (Option<String>, Option<String>) {
-    let Some(text) = lib_dir
-        .parent()
-        .and_then(|d| std::fs::read_to_string(d.join("version.py")).ok())
-    else {
+    let Some(text) = lib_dir.parent().and_then(|d| std::fs::read_to_string(d.join("version.py")).ok()) else {
         return (None, None);
     };
     let field = |name: &str| {
@@ -202,10 +168,8 @@ fn gpus() -> Vec<GpuInfo> {
             // SAFETY: dev is a device handle returned by get() above.
             let memory_bytes = unsafe { result::device::total_mem(dev) }.ok()? as u64;
             let attr = |a| unsafe { result::device::get_attribute(dev, a) }.ok();
-            let major =
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-            let minor =
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             Some(GpuInfo {
                 index: i as usize,
                 name: result::device::get_name(dev).ok()?,
@@ -219,9 +183,7 @@ fn gpus() -> Vec<GpuInfo> {
 fn cuda_driver_version() -> Option<String> {
     let mut v = 0;
     // SAFETY: writes one int; the driver library is loaded (CUDA is usable).
-    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
-        .result()
-        .ok()?;
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }.result().ok()?;
     Some(format!("{}.{}", v / 1000, (v % 1000) / 10))
 }
 
@@ -232,8 +194,7 @@ fn nccl_version() -> Option<String> {
     // NCCL's own; ncclGetVersion(int*) writes one int.
     unsafe {
         let lib = libloading::Library::new("libnccl.so.2").ok()?;
-        let f: libloading::Symbol<unsafe extern "C" fn(*mut i32) -> i32> =
-            lib.get(b"ncclGetVersion").ok()?;
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut i32) -> i32> = lib.get(b"ncclGetVersion").ok()?;
         let mut v = 0;
         if f(&mut v) != 0 {
             return None;
@@ -257,8 +218,5 @@ pub const PEAK_TFLOPS: &[(&str, f64, f64)] = &[
 
 /// The peak a GPU reaches at a precision, if it is in the table.
 pub fn peak_tflops(gpu_name: &str, low_precision: bool) -> Option<f64> {
-    PEAK_TFLOPS
-        .iter()
-        .find(|(n, _, _)| gpu_name.contains(n))
-        .map(|(_, lp, fp32)| if low_precision { *lp } else { *fp32 })
+    PEAK_TFLOPS.iter().find(|(n, _, _)| gpu_name.contains(n)).map(|(_, lp, fp32)| if low_precision { *lp } else { *fp32 })
 }

@@ -49,7 +49,10 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             );
         }
         if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
-            eprintln!("warning: resuming on a different machine than {} was started on; its entries will carry mixed fingerprints", opts.out.display());
+            eprintln!(
+                "warning: resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
+                opts.out.display()
+            );
         }
         r
     } else {
@@ -59,26 +62,12 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     };
     let done = result.done_ids();
     let plan = suite.plan();
-    let todo: Vec<_> = plan
-        .entries
-        .iter()
-        .filter(|e| !done.contains(&e.id))
-        .collect();
+    let todo: Vec<_> = plan.entries.iter().filter(|e| !done.contains(&e.id)).collect();
     let device_name = match device {
         tch::Device::Cpu => "cpu".to_owned(),
-        _ => result
-            .machine
-            .gpus
-            .first()
-            .map_or("cuda".into(), |g| format!("cuda:0 ({})", g.name)),
+        _ => result.machine.gpus.first().map_or("cuda".into(), |g| format!("cuda:0 ({})", g.name)),
     };
-    let peak = meta.peak_tflops.or_else(|| {
-        result
-            .machine
-            .gpus
-            .first()
-            .and_then(|g| device::peak_tflops(&g.name, true))
-    });
+    let peak = meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, true)));
     if !opts.quiet {
         eprintln!(
             "harness: suite `{}` ({} of {} entries to run) on {device_name} -> {}",
@@ -89,12 +78,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         );
     }
 
-    let suite_dir = suite
-        .path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .to_path_buf();
+    let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let prev_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|info| {
         let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
@@ -110,57 +94,23 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     for (i, entry) in todo.iter().enumerate() {
         let w = &suite.spec.workloads[entry.workload];
         let peak_for = if w.precision == crate::suite::Precision::Fp32 {
-            meta.peak_tflops.or_else(|| {
-                result
-                    .machine
-                    .gpus
-                    .first()
-                    .and_then(|g| device::peak_tflops(&g.name, false))
-            })
+            meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, false)))
         } else {
             peak
         };
-        let ctx = EntryContext {
-            workload: w,
-            entry,
-            suite_dir: &suite_dir,
-            device,
-            warmup_steps: meta.warmup_steps,
-            peak_tflops: peak_for,
-        };
-        let bar = progress_bar(
-            opts.quiet,
-            &format!("[{}/{}] {}", i + 1, todo.len(), entry.id),
-            w.steps,
-            w.time_budget_s,
-        );
+        let ctx =
+            EntryContext { workload: w, entry, suite_dir: &suite_dir, device, warmup_steps: meta.warmup_steps, peak_tflops: peak_for };
+        let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();
-        let mut on_progress =
-            |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            train::run_entry(&ctx, &mut on_progress)
-        }));
+        let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(&ctx, &mut on_progress)));
         bar.finish_and_clear();
         let (status, metrics, histograms) = match outcome {
             Ok(Ok(out)) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
-            Ok(Err(e)) => (
-                EntryStatus::Failed {
-                    error: format!("{e:#}"),
-                },
-                None,
-                Default::default(),
-            ),
+            Ok(Err(e)) => (EntryStatus::Failed { error: format!("{e:#}") }, None, Default::default()),
             Err(_) => {
-                let msg = LAST_PANIC
-                    .with(|p| p.borrow_mut().take())
-                    .unwrap_or_else(|| "panic".into());
-                (
-                    EntryStatus::Failed {
-                        error: clean_panic(&msg),
-                    },
-                    None,
-                    Default::default(),
-                )
+                let msg = LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| "panic".into());
+                (EntryStatus::Failed { error: clean_panic(&msg) }, None, Default::default())
             }
         };
         if !opts.quiet {
@@ -171,9 +121,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
                     m.steps,
                     m.final_train_loss.unwrap_or(f64::NAN),
                     m.final_eval_loss.unwrap_or(f64::NAN),
-                    m.loss_floor
-                        .map(|f| format!(", floor {f:.4}"))
-                        .unwrap_or_default(),
+                    m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
                     m.tokens_per_s
                 ),
                 (EntryStatus::Failed { error }, _) => eprintln!("  {} FAILED: {error}", entry.id),
@@ -192,12 +140,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             histograms,
         });
         // Plan order, whatever order resume ran things in.
-        let order = |id: &str| {
-            plan.entries
-                .iter()
-                .position(|p| p.id == id)
-                .unwrap_or(usize::MAX)
-        };
+        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
         result.entries.sort_by_key(|e| order(&e.id));
         result.write_atomic(&opts.out)?;
     }
@@ -214,14 +157,8 @@ fn short(s: &str) -> &str {
 fn clean_panic(msg: &str) -> String {
     let msg = msg.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
     // tch formats its error with Debug: Torch("first line\nException raised...").
-    let msg = msg
-        .strip_prefix("Torch(\"")
-        .map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
-    let first = msg
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("panic");
+    let msg = msg.strip_prefix("Torch(\"").map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
+    let first = msg.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("panic");
     if first.contains("out of memory") {
         format!("out of memory: {first}")
     } else {
@@ -229,45 +166,25 @@ fn clean_panic(msg: &str) -> String {
     }
 }
 
-fn progress_bar(
-    quiet: bool,
-    prefix: &str,
-    steps: Option<u64>,
-    budget_s: Option<f64>,
-) -> ProgressBar {
+fn progress_bar(quiet: bool, prefix: &str, steps: Option<u64>, budget_s: Option<f64>) -> ProgressBar {
     let (len, template) = match (steps, budget_s) {
         (Some(s), _) => (s, "{prefix} [{bar:30}] step {pos}/{len} {msg} ETA {eta}"),
         (None, Some(b)) => ((b * 10.0) as u64, "{prefix} [{bar:30}] {msg} ETA {eta}"),
         _ => (0, "{prefix} {msg}"),
     };
     let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template(template)
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
     bar.set_prefix(prefix.to_owned());
-    bar.set_draw_target(if quiet {
-        ProgressDrawTarget::hidden()
-    } else {
-        ProgressDrawTarget::stderr()
-    });
+    bar.set_draw_target(if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() });
     bar.enable_steady_tick(Duration::from_millis(250));
     bar
 }
 
-fn update_bar(
-    bar: &ProgressBar,
-    p: &Progress,
-    last_print: &mut std::time::Instant,
-    id: &str,
-    quiet: bool,
-) {
+fn update_bar(bar: &ProgressBar, p: &Progress, last_print: &mut std::time::Instant, id: &str, quiet: bool) {
     let msg = format!(
         "loss {} | {}",
         p.loss.map_or("-".into(), |l| format!("{l:.4}")),
-        p.tokens_per_s
-            .map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
+        p.tokens_per_s.map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
     );
     match (p.total_steps, p.time_budget) {
         (Some(_), _) => bar.set_position(p.step),
@@ -277,17 +194,9 @@ fn update_bar(
     bar.set_message(msg.clone());
     // Without a terminal (CI logs, pipes) the bar is hidden: print a line
     // every 10 seconds instead, so long runs still show they are alive.
-    if !quiet
-        && bar.is_hidden()
-        && last_print.elapsed() >= Duration::from_secs(10)
-        && !bar.is_finished()
-    {
+    if !quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
         *last_print = std::time::Instant::now();
-        eprintln!(
-            "  {id}: step {}{} {msg}",
-            p.step,
-            p.total_steps.map(|s| format!("/{s}")).unwrap_or_default()
-        );
+        eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
     }
 }
 

@@ -31,14 +31,7 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in step order.
-    pub const ALL: [Phase; 6] = [
-        Phase::Data,
-        Phase::Forward,
-        Phase::Backward,
-        Phase::Communicate,
-        Phase::Optimizer,
-        Phase::Strategy,
-    ];
+    pub const ALL: [Phase; 6] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Communicate, Phase::Optimizer, Phase::Strategy];
 
     /// The phase's name in results.
     pub fn name(self) -> &'static str {
@@ -66,9 +59,7 @@ pub fn record(h: &mut Histogram<u64>, d: Duration) {
 /// Serializes a histogram (HdrHistogram V2 format, base64).
 pub fn encode(h: &Histogram<u64>) -> String {
     let mut buf = Vec::new();
-    V2Serializer::new()
-        .serialize(h, &mut buf)
-        .expect("serializing to memory cannot fail");
+    V2Serializer::new().serialize(h, &mut buf).expect("serializing to memory cannot fail");
     base64::engine::general_purpose::STANDARD.encode(buf)
 }
 
@@ -121,6 +112,9 @@ pub struct PhaseTimer {
     open: Option<(Phase, Instant, Option<cuda::Event>)>,
     spare: Vec<cuda::Event>,
     pub histograms: BTreeMap<Phase, Histogram<u64>>,
+    /// On CUDA: host time spent issuing each device phase. A host time close
+    /// to the device time means the step is bound by kernel launches.
+    pub host_histograms: BTreeMap<Phase, Histogram<u64>>,
     /// Whether the current step counts (false during warm-up).
     recording: bool,
 }
@@ -129,6 +123,11 @@ impl PhaseTimer {
     /// A timer for CPU (`cuda == false`) or for the current CUDA context.
     pub fn new(cuda: bool) -> PhaseTimer {
         let histograms = Phase::ALL.iter().map(|p| (*p, new_histogram())).collect();
+        let host_histograms = if cuda {
+            Phase::ALL.iter().filter(|p| Self::on_device(**p)).map(|p| (*p, new_histogram())).collect()
+        } else {
+            BTreeMap::new()
+        };
         PhaseTimer {
             cuda,
             pending: None,
@@ -136,6 +135,7 @@ impl PhaseTimer {
             open: None,
             spare: Vec::new(),
             histograms,
+            host_histograms,
             recording: false,
         }
     }
@@ -186,6 +186,11 @@ impl PhaseTimer {
             Some(start) => {
                 let end = self.event()?;
                 end.record()?;
+                if self.recording {
+                    if let Some(h) = self.host_histograms.get_mut(&phase) {
+                        record(h, t0.elapsed());
+                    }
+                }
                 if let Marks::Cuda(v) = &mut self.current {
                     v.push((phase, start, end));
                 }
@@ -272,9 +277,7 @@ pub mod cuda {
     impl Event {
         /// Creates an event in the current context.
         pub fn new() -> anyhow::Result<Event> {
-            Ok(Event(result::event::create(
-                sys::CUevent_flags::CU_EVENT_DEFAULT,
-            )?))
+            Ok(Event(result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?))
         }
 
         /// Records the event on the legacy default stream, libtorch's

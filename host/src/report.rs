@@ -29,22 +29,13 @@ pub fn summary_table(r: &RunResult) -> String {
         };
         let row: Vec<String> = match &e.metrics {
             Some(m) => {
-                let mem = m
-                    .memory
-                    .peak_device_allocated_bytes
-                    .map(|b| b as u64)
-                    .or(m.memory.peak_rss_bytes)
-                    .map_or("-".into(), bytes);
+                let mem = m.memory.peak_device_allocated_bytes.map(|b| b as u64).or(m.memory.peak_rss_bytes).map_or("-".into(), bytes);
                 vec![
                     e.id.clone(),
                     status,
                     human(m.tokens_per_s),
-                    m.step
-                        .as_ref()
-                        .map_or("-".into(), |s| format!("{:.2}", s.p50_ms)),
-                    m.step
-                        .as_ref()
-                        .map_or("-".into(), |s| format!("{:.2}", s.p99_ms)),
+                    m.step.as_ref().map_or("-".into(), |s| format!("{:.2}", s.p50_ms)),
+                    m.step.as_ref().map_or("-".into(), |s| format!("{:.2}", s.p99_ms)),
                     m.mfu.map_or("-".into(), |x| format!("{:.1}%", 100.0 * x)),
                     mem,
                     opt(m.final_eval_loss),

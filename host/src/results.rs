@@ -22,20 +22,11 @@ pub const FORMAT_VERSION: u32 = 1;
 #[derive(Debug, thiserror::Error)]
 pub enum ResultsError {
     #[error("cannot write {path}: {source}")]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Write { path: PathBuf, source: std::io::Error },
     #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("{path} is not a harness result file: {source}")]
-    Parse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    Parse { path: PathBuf, source: serde_json::Error },
     #[error("{path} has result format {found}; this harness reads format {FORMAT_VERSION} and older (upgrade harness)")]
     TooNew { path: PathBuf, found: u32 },
 }
@@ -84,8 +75,8 @@ pub struct EntryResult {
     pub status: EntryStatus,
     pub device: String,
     pub metrics: Option<Metrics>,
-    /// Serialized HDR histograms (V2, base64), nanoseconds: "step" and one
-    /// per phase.
+    /// Serialized HDR histograms (V2, base64), nanoseconds: "step", one per
+    /// phase, and on CUDA "host.<phase>" for the host side of device phases.
     pub histograms: BTreeMap<String, String>,
 }
 
@@ -107,6 +98,9 @@ pub struct Metrics {
     pub samples_per_s: f64,
     pub step: Option<LatencySummary>,
     pub phases: BTreeMap<String, LatencySummary>,
+    /// CUDA only: host time spent issuing each device phase.
+    #[serde(default)]
+    pub host_phases: BTreeMap<String, LatencySummary>,
     pub flops_per_token: f64,
     pub achieved_tflops: f64,
     /// Model FLOPs utilisation against `peak_tflops`, if a peak is known.
@@ -144,9 +138,7 @@ pub struct MemoryRecord {
 
 /// Current UTC time, RFC 3339.
 pub fn now() -> String {
-    time::OffsetDateTime::now_utc()
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
+    time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
 }
 
 impl RunResult {
@@ -172,29 +164,13 @@ impl RunResult {
 
     /// Reads a result file, refusing formats newer than this build's.
     pub fn read(path: &Path) -> Result<RunResult, ResultsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ResultsError::Read {
-            path: path.into(),
-            source,
-        })?;
-        let probe: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| ResultsError::Parse {
-                path: path.into(),
-                source,
-            })?;
-        let found = probe
-            .get("format_version")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0) as u32;
+        let text = std::fs::read_to_string(path).map_err(|source| ResultsError::Read { path: path.into(), source })?;
+        let probe: serde_json::Value = serde_json::from_str(&text).map_err(|source| ResultsError::Parse { path: path.into(), source })?;
+        let found = probe.get("format_version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
         if found > FORMAT_VERSION {
-            return Err(ResultsError::TooNew {
-                path: path.into(),
-                found,
-            });
+            return Err(ResultsError::TooNew { path: path.into(), found });
         }
-        serde_json::from_value(probe).map_err(|source| ResultsError::Parse {
-            path: path.into(),
-            source,
-        })
+        serde_json::from_value(probe).map_err(|source| ResultsError::Parse { path: path.into(), source })
     }
 
     /// Ids of entries that have a result.
@@ -207,10 +183,7 @@ impl RunResult {
     /// crash) sees the old file or the new one, never half of one.
     pub fn write_atomic(&mut self, path: &Path) -> Result<(), ResultsError> {
         self.updated_at = now();
-        self.complete = self
-            .plan
-            .iter()
-            .all(|p| self.entries.iter().any(|e| e.id == p.id));
+        self.complete = self.plan.iter().all(|p| self.entries.iter().any(|e| e.id == p.id));
         let json = serde_json::to_vec_pretty(self).expect("results serialize");
         write_atomic(path, &json)
     }
@@ -218,26 +191,14 @@ impl RunResult {
 
 /// Atomic replace of `path` with `bytes` (see [`RunResult::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ResultsError> {
-    let err = |source| ResultsError::Write {
-        path: path.into(),
-        source,
-    };
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let err = |source| ResultsError::Write { path: path.into(), source };
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(err)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".harness-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(err)?;
+    let mut tmp = tempfile::Builder::new().prefix(".harness-").suffix(".tmp").tempfile_in(dir).map_err(err)?;
     tmp.write_all(bytes).map_err(err)?;
     tmp.as_file().sync_all().map_err(err)?;
     tmp.persist(path).map_err(|e| err(e.error))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(err)?;
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;
     Ok(())
 }
 
@@ -250,10 +211,7 @@ pub fn find_resumable(dir: &Path, suite_name: &str) -> Option<PathBuf> {
             continue;
         }
         if let Ok(r) = RunResult::read(&p) {
-            if r.suite.name == suite_name
-                && !r.complete
-                && best.as_ref().is_none_or(|(t, _)| r.started_at > *t)
-            {
+            if r.suite.name == suite_name && !r.complete && best.as_ref().is_none_or(|(t, _)| r.started_at > *t) {
                 best = Some((r.started_at, p));
             }
         }
@@ -264,9 +222,7 @@ pub fn find_resumable(dir: &Path, suite_name: &str) -> Option<PathBuf> {
 /// The default path of a new result file.
 pub fn default_path(dir: &Path, suite_name: &str) -> PathBuf {
     let stamp = time::OffsetDateTime::now_utc()
-        .format(time::macros::format_description!(
-            "[year][month][day]T[hour][minute][second]Z"
-        ))
+        .format(time::macros::format_description!("[year][month][day]T[hour][minute][second]Z"))
         .unwrap_or_default();
     dir.join(format!("{suite_name}-{stamp}.json"))
 }
@@ -307,12 +263,7 @@ mod tests {
             seed: 1,
             status: EntryStatus::Ok,
             device: "cpu".into(),
-            metrics: Some(Metrics {
-                steps: 2,
-                tokens_per_s: 1.5,
-                loss_curve: vec![(1, 0.1, 2.0)],
-                ..Default::default()
-            }),
+            metrics: Some(Metrics { steps: 2, tokens_per_s: 1.5, loss_curve: vec![(1, 0.1, 2.0)], ..Default::default() }),
             histograms: [("step".to_owned(), crate::measure::encode(&h))].into(),
         });
         r

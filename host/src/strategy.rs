@@ -118,11 +118,7 @@ pub struct Strategies {
 impl Strategies {
     /// Instantiates the built-in strategies named by a suite entry (names
     /// are checked by suite validation).
-    pub fn built_in(
-        s: &crate::suite::Strategy,
-        batch: u32,
-        accum: u32,
-    ) -> anyhow::Result<Strategies> {
+    pub fn built_in(s: &crate::suite::Strategy, batch: u32, accum: u32) -> anyhow::Result<Strategies> {
         let compressor: Box<dyn Compressor> = match s.compressor.as_str() {
             "allreduce" => Box::new(AllReduce),
             other => anyhow::bail!("unknown compressor `{other}`"),
@@ -135,10 +131,6 @@ impl Strategies {
             "none" => Box::new(NoCheckpoint),
             other => anyhow::bail!("unknown checkpoint policy `{other}`"),
         };
-        Ok(Strategies {
-            compressor,
-            batch,
-            checkpoint,
-        })
+        Ok(Strategies { compressor, batch, checkpoint })
     }
 }

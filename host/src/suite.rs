@@ -259,11 +259,7 @@ pub struct ScheduleSpec {
 
 impl Default for ScheduleSpec {
     fn default() -> Self {
-        ScheduleSpec {
-            warmup_steps: 0,
-            decay: Decay::Constant,
-            min_lr_ratio: default_min_lr_ratio(),
-        }
+        ScheduleSpec { warmup_steps: 0, decay: Decay::Constant, min_lr_ratio: default_min_lr_ratio() }
     }
 }
 
@@ -488,12 +484,7 @@ impl Suite {
             }
         };
         let sha256 = hex::encode(Sha256::digest(source.as_bytes()));
-        let suite = Suite {
-            path: path.to_path_buf(),
-            source,
-            sha256,
-            spec,
-        };
+        let suite = Suite { path: path.to_path_buf(), source, sha256, spec };
         suite.validate()?;
         Ok(suite)
     }
@@ -513,18 +504,10 @@ impl Suite {
             c.err(&[Key("suite"), Key("name")], "the suite needs a name", None);
         }
         if meta.repeats == 0 {
-            c.err(
-                &[Key("suite"), Key("repeats")],
-                "`repeats` must be at least 1",
-                None,
-            );
+            c.err(&[Key("suite"), Key("repeats")], "`repeats` must be at least 1", None);
         }
         if meta.world_size == 0 {
-            c.err(
-                &[Key("suite"), Key("world_size")],
-                "`world_size` must be at least 1",
-                None,
-            );
+            c.err(&[Key("suite"), Key("world_size")], "`world_size` must be at least 1", None);
         } else if meta.world_size > 1 {
             c.err(
                 &[Key("suite"), Key("world_size")],
@@ -534,36 +517,20 @@ impl Suite {
         }
         if let Some(p) = meta.peak_tflops {
             if !(p.is_finite() && p > 0.0) {
-                c.err(
-                    &[Key("suite"), Key("peak_tflops")],
-                    "`peak_tflops` must be a positive number",
-                    None,
-                );
+                c.err(&[Key("suite"), Key("peak_tflops")], "`peak_tflops` must be a positive number", None);
             }
         }
         if meta.threads == Some(0) {
-            c.err(
-                &[Key("suite"), Key("threads")],
-                "`threads` must be at least 1",
-                Some("leave it out to use every core".into()),
-            );
+            c.err(&[Key("suite"), Key("threads")], "`threads` must be at least 1", Some("leave it out to use every core".into()));
         }
         if s.workloads.is_empty() {
-            c.err(
-                &[],
-                "the suite has no [[workload]]",
-                Some("add at least one [[workload]] table".into()),
-            );
+            c.err(&[], "the suite has no [[workload]]", Some("add at least one [[workload]] table".into()));
         }
         let mut names = BTreeSet::new();
         for (i, w) in s.workloads.iter().enumerate() {
             let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
             if !names.insert(w.name.as_str()) {
-                c.err(
-                    &at("name"),
-                    format!("workload name `{}` is used twice", w.name),
-                    Some("give each workload its own name".into()),
-                );
+                c.err(&at("name"), format!("workload name `{}` is used twice", w.name), Some("give each workload its own name".into()));
             }
             if !valid_name(&w.name) {
                 c.err(
@@ -584,34 +551,20 @@ impl Suite {
             match (w.steps, w.time_budget_s) {
                 (None, None) => c.err(
                     &[Key("workload"), Index(i)],
-                    format!(
-                        "workload `{}` has neither `steps` nor `time_budget_s`",
-                        w.name
-                    ),
+                    format!("workload `{}` has neither `steps` nor `time_budget_s`", w.name),
                     Some("say how long to train, e.g. `steps = 200`".into()),
                 ),
                 (Some(0), _) => c.err(&at("steps"), "`steps` must be at least 1", None),
-                (_, Some(t)) if !(t.is_finite() && t > 0.0) => c.err(
-                    &at("time_budget_s"),
-                    "`time_budget_s` must be a positive number of seconds",
-                    None,
-                ),
+                (_, Some(t)) if !(t.is_finite() && t > 0.0) => {
+                    c.err(&at("time_budget_s"), "`time_budget_s` must be a positive number of seconds", None)
+                }
                 _ => {}
             }
             if w.eval_batches == 0 {
-                c.err(
-                    &at("eval_batches"),
-                    "`eval_batches` must be at least 1",
-                    None,
-                );
+                c.err(&at("eval_batches"), "`eval_batches` must be at least 1", None);
             }
             match &w.optimizer {
-                OptimizerSpec::Adamw {
-                    lr,
-                    betas,
-                    eps,
-                    weight_decay,
-                } => {
+                OptimizerSpec::Adamw { lr, betas, eps, weight_decay } => {
                     check_lr(&mut c, &at("optimizer"), *lr);
                     if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
                         c.err(
@@ -621,38 +574,20 @@ impl Suite {
                         );
                     }
                     if !(eps.is_finite() && *eps > 0.0) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("eps")],
-                            "`eps` must be positive",
-                            None,
-                        );
+                        c.err(&[Key("workload"), Index(i), Key("optimizer"), Key("eps")], "`eps` must be positive", None);
                     }
                     if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
                         c.err(
-                            &[
-                                Key("workload"),
-                                Index(i),
-                                Key("optimizer"),
-                                Key("weight_decay"),
-                            ],
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
                             "`weight_decay` must be zero or positive",
                             None,
                         );
                     }
                 }
-                OptimizerSpec::Sgd {
-                    lr,
-                    momentum,
-                    weight_decay,
-                    nesterov,
-                } => {
+                OptimizerSpec::Sgd { lr, momentum, weight_decay, nesterov } => {
                     check_lr(&mut c, &at("optimizer"), *lr);
                     if !(0.0..1.0).contains(momentum) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("momentum")],
-                            "`momentum` must lie in [0, 1)",
-                            None,
-                        );
+                        c.err(&[Key("workload"), Index(i), Key("optimizer"), Key("momentum")], "`momentum` must lie in [0, 1)", None);
                     }
                     if *nesterov && *momentum == 0.0 {
                         c.err(
@@ -663,12 +598,7 @@ impl Suite {
                     }
                     if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
                         c.err(
-                            &[
-                                Key("workload"),
-                                Index(i),
-                                Key("optimizer"),
-                                Key("weight_decay"),
-                            ],
+                            &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
                             "`weight_decay` must be zero or positive",
                             None,
                         );
@@ -676,57 +606,28 @@ impl Suite {
                 }
             }
             if !(0.0..=1.0).contains(&w.schedule.min_lr_ratio) {
-                c.err(
-                    &[
-                        Key("workload"),
-                        Index(i),
-                        Key("schedule"),
-                        Key("min_lr_ratio"),
-                    ],
-                    "`min_lr_ratio` must lie in [0, 1]",
-                    None,
-                );
+                c.err(&[Key("workload"), Index(i), Key("schedule"), Key("min_lr_ratio")], "`min_lr_ratio` must lie in [0, 1]", None);
             }
             if let (Some(steps), true) = (w.steps, w.schedule.warmup_steps > 0) {
                 if w.schedule.warmup_steps >= steps {
                     c.err(
-                        &[
-                            Key("workload"),
-                            Index(i),
-                            Key("schedule"),
-                            Key("warmup_steps"),
-                        ],
-                        format!(
-                            "warm-up ({} steps) is not shorter than the run ({steps} steps)",
-                            w.schedule.warmup_steps
-                        ),
+                        &[Key("workload"), Index(i), Key("schedule"), Key("warmup_steps")],
+                        format!("warm-up ({} steps) is not shorter than the run ({steps} steps)", w.schedule.warmup_steps),
                         None,
                     );
                 }
             }
             if let Some(g) = w.grad_clip {
                 if !(g.is_finite() && g > 0.0) {
-                    c.err(
-                        &at("grad_clip"),
-                        "`grad_clip` must be a positive norm",
-                        Some("leave it out to disable clipping".into()),
-                    );
+                    c.err(&at("grad_clip"), "`grad_clip` must be a positive norm", Some("leave it out to disable clipping".into()));
                 }
             }
             if w.target_loss.is_some() && w.target_above_floor.is_some() {
-                c.err(
-                    &at("target_above_floor"),
-                    "give `target_loss` or `target_above_floor`, not both",
-                    None,
-                );
+                c.err(&at("target_above_floor"), "give `target_loss` or `target_above_floor`, not both", None);
             }
             if let Some(t) = w.target_above_floor {
                 if !(t.is_finite() && t >= 0.0) {
-                    c.err(
-                        &at("target_above_floor"),
-                        "`target_above_floor` must be zero or positive",
-                        None,
-                    );
+                    c.err(&at("target_above_floor"), "`target_above_floor` must be zero or positive", None);
                 }
                 if matches!(w.data, DataSpec::Bin { .. }) {
                     c.err(
@@ -746,11 +647,7 @@ impl Suite {
             let data_at = [Key("workload"), Index(i), Key("data")];
             match (&w.model.kind, &w.data) {
                 (ModelKind::Encoder, DataSpec::Regression { .. }) => {}
-                (ModelKind::Encoder, _) => c.err(
-                    &data_at,
-                    "the encoder model trains on `kind = \"regression\"` data",
-                    None,
-                ),
+                (ModelKind::Encoder, _) => c.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
                 (_, DataSpec::Regression { .. }) => c.err(
                     &data_at,
                     "regression data needs `model.kind = \"encoder\"`",
@@ -759,15 +656,9 @@ impl Suite {
                 _ => {}
             }
             match &w.data {
-                DataSpec::Synthetic {
-                    vocab, branching, ..
-                } => {
+                DataSpec::Synthetic { vocab, branching, .. } => {
                     if *vocab < 2 {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("data"), Key("vocab")],
-                            "`vocab` must be at least 2",
-                            None,
-                        );
+                        c.err(&[Key("workload"), Index(i), Key("data"), Key("vocab")], "`vocab` must be at least 2", None);
                     } else if *branching == 0 || branching > vocab {
                         c.err(
                             &[Key("workload"), Index(i), Key("data"), Key("branching")],
@@ -776,20 +667,11 @@ impl Suite {
                         );
                     }
                 }
-                DataSpec::Bin {
-                    train,
-                    val,
-                    val_fraction,
-                    vocab,
-                } => {
+                DataSpec::Bin { train, val, val_fraction, vocab } => {
                     let base = self.path.parent().unwrap_or(Path::new("."));
                     for (k, p) in [("train", Some(train)), ("val", val.as_ref())] {
                         if let Some(p) = p {
-                            let full = if p.is_absolute() {
-                                p.clone()
-                            } else {
-                                base.join(p)
-                            };
+                            let full = if p.is_absolute() { p.clone() } else { base.join(p) };
                             if !full.is_file() {
                                 c.err(
                                     &[Key("workload"), Index(i), Key("data"), Key(k)],
@@ -800,11 +682,7 @@ impl Suite {
                         }
                     }
                     if val.is_none() && !(*val_fraction > 0.0 && *val_fraction < 0.5) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("data"), Key("val_fraction")],
-                            "`val_fraction` must lie in (0, 0.5)",
-                            None,
-                        );
+                        c.err(&[Key("workload"), Index(i), Key("data"), Key("val_fraction")], "`val_fraction` must lie in (0, 0.5)", None);
                     }
                     if let Some(v) = vocab {
                         if *v < 2 || *v > 65536 {
@@ -818,26 +696,16 @@ impl Suite {
                 }
                 DataSpec::Regression { noise, .. } => {
                     if !(noise.is_finite() && *noise >= 0.0) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("data"), Key("noise")],
-                            "`noise` must be zero or positive",
-                            None,
-                        );
+                        c.err(&[Key("workload"), Index(i), Key("data"), Key("noise")], "`noise` must be zero or positive", None);
                     }
                 }
             }
-            if let Err((msg, hint)) =
-                crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len)
-            {
+            if let Err((msg, hint)) = crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len) {
                 c.err(&model_at, msg, hint);
             }
             if let Some(d) = w.model.dropout {
                 if !(0.0..1.0).contains(&d) {
-                    c.err(
-                        &[Key("workload"), Index(i), Key("model"), Key("dropout")],
-                        "`dropout` must lie in [0, 1)",
-                        None,
-                    );
+                    c.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
                 }
             }
             if w.precision == Precision::Fp16 && matches!(w.optimizer, OptimizerSpec::Sgd { .. }) {
@@ -854,11 +722,7 @@ impl Suite {
         for (i, st) in s.strategies.iter().enumerate() {
             let at = |k: &'static str| [Key("strategy"), Index(i), Key(k)];
             if !snames.insert(st.name.as_str()) {
-                c.err(
-                    &at("name"),
-                    format!("strategy name `{}` is used twice", st.name),
-                    None,
-                );
+                c.err(&at("name"), format!("strategy name `{}` is used twice", st.name), None);
             }
             if !valid_name(&st.name) {
                 c.err(
@@ -874,17 +738,17 @@ impl Suite {
                 ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES),
             ] {
                 if !known.contains(&value.as_str()) {
-                    c.err(
-                        &at(key),
-                        format!("unknown {key} `{value}`"),
-                        Some(format!("built in: {}", known.join(", "))),
-                    );
+                    c.err(&at(key), format!("unknown {key} `{value}`"), Some(format!("built in: {}", known.join(", "))));
                 }
             }
             if let Some(ws) = &st.workloads {
                 for w in ws {
                     if !names.contains(w.as_str()) {
-                        c.err(&at("workloads"), format!("strategy `{}` names workload `{w}`, which the suite does not define", st.name), Some(format!("workloads here: {}", names.iter().copied().collect::<Vec<_>>().join(", "))));
+                        c.err(
+                            &at("workloads"),
+                            format!("strategy `{}` names workload `{w}`, which the suite does not define", st.name),
+                            Some(format!("workloads here: {}", names.iter().copied().collect::<Vec<_>>().join(", "))),
+                        );
                     }
                 }
             }
@@ -945,18 +809,12 @@ fn check_lr(c: &mut Checker<'_>, at: &[Seg], lr: f64) {
     if !(lr.is_finite() && lr > 0.0) {
         let mut segs = at.to_vec();
         segs.push(Seg::Key("lr"));
-        c.err(
-            &segs,
-            "`lr` must be a positive number",
-            Some("typical values: 1e-3 for small models, 6e-4 for GPT-2 124M".into()),
-        );
+        c.err(&segs, "`lr` must be a positive number", Some("typical values: 1e-3 for small models, 6e-4 for GPT-2 124M".into()));
     }
 }
 
 fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
 
 fn parse_hint(message: &str) -> Option<String> {

@@ -12,20 +12,9 @@ mod ffi {
         pub fn hx_free_error(err: *mut c_char);
         pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
         pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
-        pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void)
-            -> *mut c_char;
-        pub fn hx_clip_grad_norm(
-            grads: *const *mut c_void,
-            n: c_int,
-            max_norm: f64,
-            norm_out: *mut *mut c_void,
-        ) -> *mut c_char;
-        pub fn hx_unscale_check(
-            grads: *const *mut c_void,
-            n: c_int,
-            found_inf: *mut c_void,
-            inv_scale: *mut c_void,
-        ) -> *mut c_char;
+        pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_clip_grad_norm(grads: *const *mut c_void, n: c_int, max_norm: f64, norm_out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_unscale_check(grads: *const *mut c_void, n: c_int, found_inf: *mut c_void, inv_scale: *mut c_void) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
         pub fn hx_fused_adamw(
             params: *const *mut c_void,
@@ -57,9 +46,7 @@ fn check(err: *mut c_char) -> Result<(), TorchError> {
     }
     // SAFETY: a non-null return is a NUL-terminated string from strdup in the
     // shim, owned by us until hx_free_error releases it.
-    let msg = unsafe { CStr::from_ptr(err) }
-        .to_string_lossy()
-        .into_owned();
+    let msg = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
     // SAFETY: err came from strdup and is freed exactly once.
     unsafe { ffi::hx_free_error(err) };
     Err(TorchError(msg.lines().next().unwrap_or("").to_owned()))
@@ -116,10 +103,7 @@ pub fn grads(params: &[Tensor]) -> Result<Vec<Tensor>, TorchError> {
     // fills with new at::Tensor objects that we take ownership of below.
     check(unsafe { ffi::hx_grads(p.as_ptr(), len(params), out.as_mut_ptr()) })?;
     // SAFETY: each pointer is a heap at::Tensor from the shim; tch frees it.
-    Ok(out
-        .into_iter()
-        .map(|t| unsafe { Tensor::from_ptr(t as *mut _) })
-        .collect())
+    Ok(out.into_iter().map(|t| unsafe { Tensor::from_ptr(t as *mut _) }).collect())
 }
 
 /// Global gradient 2-norm (a device scalar, no sync); clips when `max_norm`.
@@ -127,30 +111,17 @@ pub fn clip_grad_norm(grads: &[Tensor], max_norm: Option<f64>) -> Result<Tensor,
     let g = ptrs(grads);
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: g points at live tensors; out receives a new at::Tensor.
-    check(unsafe {
-        ffi::hx_clip_grad_norm(g.as_ptr(), len(grads), max_norm.unwrap_or(0.0), &mut out)
-    })?;
+    check(unsafe { ffi::hx_clip_grad_norm(g.as_ptr(), len(grads), max_norm.unwrap_or(0.0), &mut out) })?;
     // SAFETY: out is a heap at::Tensor from the shim.
     Ok(unsafe { Tensor::from_ptr(out as *mut _) })
 }
 
 /// Divides gradients by the loss scale in place; `found_inf` becomes 1 if any
 /// gradient is not finite.
-pub fn unscale_check(
-    grads: &[Tensor],
-    found_inf: &Tensor,
-    inv_scale: &Tensor,
-) -> Result<(), TorchError> {
+pub fn unscale_check(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<(), TorchError> {
     let g = ptrs(grads);
     // SAFETY: all pointers are live tensors for the duration of the call.
-    check(unsafe {
-        ffi::hx_unscale_check(
-            g.as_ptr(),
-            len(grads),
-            found_inf.as_ptr() as *mut c_void,
-            inv_scale.as_ptr() as *mut c_void,
-        )
-    })
+    check(unsafe { ffi::hx_unscale_check(g.as_ptr(), len(grads), found_inf.as_ptr() as *mut c_void, inv_scale.as_ptr() as *mut c_void) })
 }
 
 /// Hyper-parameters of one AdamW step.
@@ -175,13 +146,7 @@ pub fn fused_adamw(
 ) -> Result<(), TorchError> {
     let n = params.len();
     assert!(grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n && steps.len() == n);
-    let (p, g, m, v, s) = (
-        ptrs(params),
-        ptrs(grads),
-        ptrs(exp_avg),
-        ptrs(exp_avg_sq),
-        ptrs(steps),
-    );
+    let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(exp_avg), ptrs(exp_avg_sq), ptrs(steps));
     let fi = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
     // SAFETY: five arrays of n live tensor pointers (lengths asserted above),
     // fi null or live; the kernel updates params and states in place.
@@ -217,12 +182,7 @@ pub fn cuda_memory(device: usize) -> Result<CudaMemory, TorchError> {
     let mut out = [0i64; 4];
     // SAFETY: out has the four slots the shim writes.
     check(unsafe { ffi::hx_cuda_memory(device as c_int, out.as_mut_ptr()) })?;
-    Ok(CudaMemory {
-        allocated: out[0],
-        peak_allocated: out[1],
-        reserved: out[2],
-        peak_reserved: out[3],
-    })
+    Ok(CudaMemory { allocated: out[0], peak_allocated: out[1], reserved: out[2], peak_reserved: out[3] })
 }
 
 /// Resets the allocator's peak figures.
@@ -240,39 +200,16 @@ mod tests {
     fn fused_adamw_matches_the_textbook_update() {
         let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
         let g = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
-        let (m, v, s) = (
-            p.zeros_like(),
-            p.zeros_like(),
-            Tensor::zeros([], (Kind::Float, Device::Cpu)),
-        );
-        let h = AdamWStep {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.999,
-            weight_decay: 0.01,
-            eps: 1e-8,
-        };
+        let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
+        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
         let before: Vec<f32> = Vec::try_from(&p).unwrap();
-        fused_adamw(
-            &[p.shallow_clone()],
-            &[g.shallow_clone()],
-            &[m],
-            &[v],
-            &[s],
-            h,
-            None,
-        )
-        .unwrap();
+        fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m], &[v], &[s], h, None).unwrap();
         let after: Vec<f32> = Vec::try_from(&p).unwrap();
         let gs: Vec<f32> = Vec::try_from(&g).unwrap();
         for i in 0..3 {
             // First step: m_hat = g, v_hat = g^2, update = lr * g / (|g| + eps).
             let want = before[i] * (1.0 - 0.1 * 0.01) - 0.1 * gs[i] / (gs[i].abs() + 1e-8);
-            assert!(
-                (after[i] - want).abs() < 1e-6,
-                "{i}: {} vs {want}",
-                after[i]
-            );
+            assert!((after[i] - want).abs() < 1e-6, "{i}: {} vs {want}", after[i]);
         }
     }
 
@@ -290,18 +227,8 @@ mod tests {
     fn errors_from_libtorch_are_reported_not_thrown() {
         let p = Tensor::from_slice(&[1.0f32, 2.0]);
         let g = Tensor::from_slice(&[1.0f32]); // wrong shape
-        let (m, v, s) = (
-            p.zeros_like(),
-            p.zeros_like(),
-            Tensor::zeros([], (Kind::Float, Device::Cpu)),
-        );
-        let h = AdamWStep {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.999,
-            weight_decay: 0.0,
-            eps: 1e-8,
-        };
+        let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
+        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None).is_err());
     }
 }

@@ -11,6 +11,7 @@
 //!   the MSE floor is `noise^2`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -58,9 +59,7 @@ impl MarkovChain {
                 }
             }
             // Dirichlet(1) weights: normalised exponentials.
-            let w: Vec<f64> = (0..k)
-                .map(|_| -(1.0 - rng.random::<f64>()).ln() + 1e-3)
-                .collect();
+            let w: Vec<f64> = (0..k).map(|_| -(1.0 - rng.random::<f64>()).ln() + 1e-3).collect();
             let total: f64 = w.iter().sum();
             succ.extend(chosen);
             probs.extend(w.iter().map(|x| x / total));
@@ -80,15 +79,7 @@ impl MarkovChain {
             acc += p;
             stationary_cum.push(acc);
         }
-        MarkovChain {
-            vocab,
-            k,
-            succ,
-            cum,
-            probs,
-            stationary,
-            stationary_cum,
-        }
+        MarkovChain { vocab, k, succ, cum, probs, stationary, stationary_cum }
     }
 
     /// Vocabulary size.
@@ -103,21 +94,14 @@ impl MarkovChain {
 
     /// Transition probability P(s -> t).
     pub fn prob(&self, s: usize, t: usize) -> f64 {
-        (0..self.k)
-            .filter(|&j| self.succ[s * self.k + j] as usize == t)
-            .map(|j| self.probs[s * self.k + j])
-            .sum()
+        (0..self.k).filter(|&j| self.succ[s * self.k + j] as usize == t).map(|j| self.probs[s * self.k + j]).sum()
     }
 
     /// Entropy rate in nats: the lowest expected next-token loss.
     pub fn entropy_rate(&self) -> f64 {
         (0..self.vocab)
             .map(|s| {
-                let h: f64 = self.probs[s * self.k..(s + 1) * self.k]
-                    .iter()
-                    .filter(|&&p| p > 0.0)
-                    .map(|&p| -p * p.ln())
-                    .sum();
+                let h: f64 = self.probs[s * self.k..(s + 1) * self.k].iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
                 self.stationary[s] * h
             })
             .sum()
@@ -177,54 +161,31 @@ pub struct TokenFile {
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("cannot open token file {path}: {source}")]
-    Open {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Open { path: PathBuf, source: std::io::Error },
     #[error("token file {path} is malformed: {why}")]
     Malformed { path: PathBuf, why: String },
     #[error("token file {path} holds token {token}, outside the model's vocabulary of {vocab}; set `vocab` in the data table")]
-    TokenOutOfRange {
-        path: PathBuf,
-        token: u16,
-        vocab: u32,
-    },
+    TokenOutOfRange { path: PathBuf, token: u16, vocab: u32 },
 }
 
 impl TokenFile {
     /// Opens and maps a token file, detecting the llm.c header.
     pub fn open(path: &Path) -> Result<TokenFile, DataError> {
-        let f = std::fs::File::open(path).map_err(|source| DataError::Open {
-            path: path.into(),
-            source,
-        })?;
+        let f = std::fs::File::open(path).map_err(|source| DataError::Open { path: path.into(), source })?;
         // SAFETY: the file is mapped read-only and only read as bytes; a
         // concurrent truncation by another process is outside our control,
         // as with any memory-mapped reader (nanoGPT's np.memmap included).
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| DataError::Open {
-            path: path.into(),
-            source,
-        })?;
-        let bad = |why: String| DataError::Malformed {
-            path: path.into(),
-            why,
-        };
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| DataError::Open { path: path.into(), source })?;
+        let bad = |why: String| DataError::Malformed { path: path.into(), why };
         let header = 256 * 4;
-        let (offset, len) = if map.len() >= header
-            && i32::from_le_bytes(map[0..4].try_into().expect("4 bytes")) == LLMC_MAGIC
-        {
+        let (offset, len) = if map.len() >= header && i32::from_le_bytes(map[0..4].try_into().expect("4 bytes")) == LLMC_MAGIC {
             let version = i32::from_le_bytes(map[4..8].try_into().expect("4 bytes"));
             let n = i32::from_le_bytes(map[8..12].try_into().expect("4 bytes"));
             if version != 1 {
-                return Err(bad(format!(
-                    "llm.c header version {version}; only version 1 (u16 tokens) is supported"
-                )));
+                return Err(bad(format!("llm.c header version {version}; only version 1 (u16 tokens) is supported")));
             }
             if n < 0 || header + 2 * n as usize > map.len() {
-                return Err(bad(format!(
-                    "header says {n} tokens but the file holds {}",
-                    (map.len() - header) / 2
-                )));
+                return Err(bad(format!("header says {n} tokens but the file holds {}", (map.len() - header) / 2)));
             }
             (header, n as usize)
         } else {
@@ -233,12 +194,7 @@ impl TokenFile {
             }
             (0, map.len() / 2)
         };
-        Ok(TokenFile {
-            path: path.into(),
-            map,
-            offset,
-            len,
-        })
+        Ok(TokenFile { path: path.into(), map, offset, len })
     }
 
     /// Number of tokens.
@@ -272,234 +228,236 @@ pub struct Batch {
     pub samples: usize,
 }
 
-enum Source {
-    Markov {
-        chain: MarkovChain,
-    },
-    File {
-        train: TokenFile,
-        train_range: (usize, usize),
-        val: Option<TokenFile>,
-        val_range: (usize, usize),
-        vocab: u32,
-    },
-    Regression {
-        dim: usize,
-        noise: f64,
-        w: Tensor,
-    },
+/// Where samples come from; shared with the prefetch thread.
+enum SampleSource {
+    Markov(MarkovChain),
+    File { file: TokenFile, range: (usize, usize) },
+    Gaussian { dim: usize },
+}
+
+/// One training sample, made on the host.
+enum Sample {
+    /// `seq_len + 1` tokens.
+    Tokens(Vec<i64>),
+    /// `seq_len x dim` inputs and one unit-normal noise draw for the target.
+    Gaussian(Vec<f32>, f32),
+}
+
+impl SampleSource {
+    fn sample(&self, rng: &mut ChaCha8Rng, t: usize) -> Sample {
+        match self {
+            SampleSource::Markov(chain) => {
+                let mut buf = Vec::with_capacity(t + 1);
+                chain.sample_into(rng, t + 1, &mut buf);
+                Sample::Tokens(buf)
+            }
+            SampleSource::File { file, range } => {
+                let start = rng.random_range(range.0..=range.1 - (t + 1));
+                Sample::Tokens((start..start + t + 1).map(|i| file.get(i) as i64).collect())
+            }
+            SampleSource::Gaussian { dim } => {
+                let x = (0..t * dim).map(|_| normal(rng) as f32).collect();
+                Sample::Gaussian(x, normal(rng) as f32)
+            }
+        }
+    }
+}
+
+/// Samples are made ahead on a background thread (as a DataLoader worker
+/// would), so the training thread only uploads them; the order is fixed by
+/// the seed alone, whatever batch sizes are asked for.
+struct Prefetch {
+    rx: Option<std::sync::mpsc::Receiver<Sample>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Prefetch {
+    fn start(source: Arc<SampleSource>, seed: u64, t: usize, depth: usize) -> Prefetch {
+        let (tx, rx) = std::sync::mpsc::sync_channel(depth);
+        let worker = std::thread::Builder::new()
+            .name("harness-data".into())
+            .spawn(move || {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                // Ends when the receiver is dropped.
+                while tx.send(source.sample(&mut rng, t)).is_ok() {}
+            })
+            .expect("spawning the data thread");
+        Prefetch { rx: Some(rx), worker: Some(worker) }
+    }
+
+    fn next(&self) -> Sample {
+        self.rx.as_ref().and_then(|rx| rx.recv().ok()).expect("the data thread ended early")
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        drop(self.rx.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
 }
 
 /// The data stream of one entry: training batches and a fixed eval set.
 pub struct Data {
-    source: Source,
-    rng: ChaCha8Rng,
+    train: Prefetch,
+    eval: Arc<SampleSource>,
     eval_seed: u64,
+    floor: Option<f64>,
+    vocab: Option<u32>,
+    /// Regression: the fixed unit vector and the noise level.
+    regression: Option<(Tensor, f64)>,
     seq_len: usize,
+    consumed: u64,
     device: Device,
 }
 
 impl Data {
     /// Builds the stream for a workload. `dim` is the encoder's input width.
-    pub fn new(
-        spec: &DataSpec,
-        suite_dir: &Path,
-        seq_len: usize,
-        dim: usize,
-        seed: u64,
-        device: Device,
-    ) -> anyhow::Result<Data> {
-        let source = match spec {
-            DataSpec::Synthetic {
-                vocab,
-                branching,
-                seed: s,
-            } => {
+    pub fn new(spec: &DataSpec, suite_dir: &Path, seq_len: usize, dim: usize, seed: u64, device: Device) -> anyhow::Result<Data> {
+        let t = seq_len;
+        let (train, eval, floor, vocab, regression) = match spec {
+            DataSpec::Synthetic { vocab, branching, seed: s } => {
                 // The chain is the task: fixed by the suite's data seed (or a
                 // default), not by the repeat, so every repeat learns the same
                 // distribution from different samples and initialisations.
-                Source::Markov {
-                    chain: MarkovChain::new(
-                        *vocab as usize,
-                        *branching as usize,
-                        s.unwrap_or(0x5eed),
-                    ),
-                }
+                let chain = MarkovChain::new(*vocab as usize, *branching as usize, s.unwrap_or(0x5eed));
+                let floor = chain.entropy_rate();
+                let src = Arc::new(SampleSource::Markov(chain));
+                (src.clone(), src, Some(floor), Some(*vocab), None)
             }
-            DataSpec::Bin {
-                train,
-                val,
-                val_fraction,
-                vocab,
-            } => {
-                let resolve = |p: &PathBuf| {
-                    if p.is_absolute() {
-                        p.clone()
-                    } else {
-                        suite_dir.join(p)
-                    }
-                };
-                let train = TokenFile::open(&resolve(train))?;
+            DataSpec::Bin { train, val, val_fraction, vocab } => {
+                let resolve = |p: &PathBuf| if p.is_absolute() { p.clone() } else { suite_dir.join(p) };
                 let vocab = vocab.unwrap_or(DEFAULT_BIN_VOCAB);
-                let val = val
-                    .as_ref()
-                    .map(|p| TokenFile::open(&resolve(p)))
-                    .transpose()?;
-                let (train_range, val_range) = match &val {
-                    Some(v) => ((0, train.len()), (0, v.len())),
+                let train_file = TokenFile::open(&resolve(train))?;
+                let (train_src, eval_src) = match val {
+                    Some(v) => {
+                        let v = TokenFile::open(&resolve(v))?;
+                        let (n, m) = (train_file.len(), v.len());
+                        (SampleSource::File { file: train_file, range: (0, n) }, SampleSource::File { file: v, range: (0, m) })
+                    }
                     None => {
-                        let cut = ((train.len() as f64) * (1.0 - val_fraction)) as usize;
-                        ((0, cut), (cut, train.len()))
+                        let n = train_file.len();
+                        let cut = ((n as f64) * (1.0 - val_fraction)) as usize;
+                        let again = TokenFile::open(train_file.path())?;
+                        (SampleSource::File { file: train_file, range: (0, cut) }, SampleSource::File { file: again, range: (cut, n) })
                     }
                 };
-                for (file, range) in [(Some(&train), train_range), (val.as_ref(), val_range)] {
-                    let file = file.unwrap_or(&train);
-                    if range.1 - range.0 < seq_len + 1 {
-                        anyhow::bail!("token file {} has {} tokens in its split, fewer than one sequence of {} + 1", file.path().display(), range.1 - range.0, seq_len);
-                    }
-                    // Check a sample of tokens against the vocabulary up front.
-                    let step = ((range.1 - range.0) / 4096).max(1);
-                    for i in (range.0..range.1).step_by(step) {
-                        let t = file.get(i);
-                        if t as u32 >= vocab {
-                            return Err(DataError::TokenOutOfRange {
-                                path: file.path().into(),
-                                token: t,
-                                vocab,
-                            }
-                            .into());
-                        }
+                for src in [&train_src, &eval_src] {
+                    if let SampleSource::File { file, range } = src {
+                        check_split(file, *range, t, vocab)?;
                     }
                 }
-                Source::File {
-                    train,
-                    train_range,
-                    val,
-                    val_range,
-                    vocab,
-                }
+                (Arc::new(train_src), Arc::new(eval_src), None, Some(vocab), None)
             }
             DataSpec::Regression { noise, seed: s } => {
                 let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(0x5eed));
                 let w: Vec<f32> = (0..dim).map(|_| normal(&mut rng) as f32).collect();
                 let w = Tensor::from_slice(&w);
                 let w = (&w / w.norm()).to_device(device);
-                Source::Regression {
-                    dim,
-                    noise: *noise,
-                    w,
-                }
+                let src = Arc::new(SampleSource::Gaussian { dim });
+                (src.clone(), src, Some(noise * noise), None, Some((w, *noise)))
             }
         };
+        // Deep enough for a few batches of the largest sizes in our suites.
+        let depth = 256;
         Ok(Data {
-            source,
-            rng: ChaCha8Rng::seed_from_u64(seed),
+            train: Prefetch::start(train, seed, t, depth),
+            eval,
             eval_seed: seed ^ 0xe7a1_5eed,
-            seq_len,
+            floor,
+            vocab,
+            regression,
+            seq_len: t,
+            consumed: 0,
             device,
         })
     }
 
     /// The best reachable loss, when the source knows it.
     pub fn loss_floor(&self) -> Option<f64> {
-        match &self.source {
-            Source::Markov { chain } => Some(chain.entropy_rate()),
-            Source::Regression { noise, .. } => Some(noise * noise),
-            Source::File { .. } => None,
-        }
+        self.floor
     }
 
     /// Vocabulary of token sources.
     pub fn vocab(&self) -> Option<u32> {
-        match &self.source {
-            Source::Markov { chain } => Some(chain.vocab() as u32),
-            Source::File { vocab, .. } => Some(*vocab),
-            Source::Regression { .. } => None,
-        }
+        self.vocab
+    }
+
+    /// Training samples taken so far (the stream's position).
+    pub fn position(&self) -> u64 {
+        self.consumed
     }
 
     /// The next training batch of `batch` samples.
     pub fn next_train(&mut self, batch: usize) -> Batch {
-        let mut rng = std::mem::replace(&mut self.rng, ChaCha8Rng::seed_from_u64(0));
-        let b = self.make(batch, &mut rng, false);
-        self.rng = rng;
-        b
+        let samples: Vec<Sample> = (0..batch).map(|_| self.train.next()).collect();
+        self.consumed += batch as u64;
+        self.to_batch(samples)
     }
 
     /// The fixed eval set: `n` batches, the same at every evaluation.
     pub fn eval_set(&mut self, n: usize, batch: usize) -> Vec<Batch> {
         let mut rng = ChaCha8Rng::seed_from_u64(self.eval_seed);
-        (0..n).map(|_| self.make(batch, &mut rng, true)).collect()
+        (0..n)
+            .map(|_| {
+                let samples = (0..batch).map(|_| self.eval.sample(&mut rng, self.seq_len)).collect();
+                self.to_batch(samples)
+            })
+            .collect()
     }
 
-    /// The training RNG's position, for checkpoints and logs.
-    pub fn position(&self) -> u128 {
-        self.rng.get_word_pos()
-    }
-
-    fn make(&self, batch: usize, rng: &mut ChaCha8Rng, eval: bool) -> Batch {
-        let t = self.seq_len;
-        match &self.source {
-            Source::Markov { chain } => {
-                let mut buf = Vec::with_capacity(batch * (t + 1));
-                for _ in 0..batch {
-                    chain.sample_into(rng, t + 1, &mut buf);
+    fn to_batch(&self, samples: Vec<Sample>) -> Batch {
+        let (b, t) = (samples.len(), self.seq_len);
+        match &self.regression {
+            None => {
+                let mut buf = Vec::with_capacity(b * (t + 1));
+                for s in samples {
+                    if let Sample::Tokens(v) = s {
+                        buf.extend(v);
+                    }
                 }
-                self.tokens_to_batch(buf, batch)
+                let all = upload(Tensor::from_slice(&buf).view([b as i64, t as i64 + 1]), self.device);
+                Batch { input: all.narrow(1, 0, t as i64), target: all.narrow(1, 1, t as i64), tokens: b * t, samples: b }
             }
-            Source::File {
-                train,
-                train_range,
-                val,
-                val_range,
-                ..
-            } => {
-                let (file, range) = if eval {
-                    (val.as_ref().unwrap_or(train), *val_range)
-                } else {
-                    (train, *train_range)
-                };
-                let mut buf = Vec::with_capacity(batch * (t + 1));
-                for _ in 0..batch {
-                    let start = rng.random_range(range.0..=range.1 - (t + 1));
-                    buf.extend((start..start + t + 1).map(|i| file.get(i) as i64));
+            Some((w, noise)) => {
+                let dim = w.size()[0];
+                let mut xs = Vec::with_capacity(b * t * dim as usize);
+                let mut es = Vec::with_capacity(b);
+                for s in samples {
+                    if let Sample::Gaussian(x, e) = s {
+                        xs.extend(x);
+                        es.push(e);
+                    }
                 }
-                self.tokens_to_batch(buf, batch)
-            }
-            Source::Regression { dim, noise, w } => {
-                // Drawn on the CPU from our own seeded stream, so the data do
-                // not depend on libtorch's global generator.
-                let n = batch * t * dim;
-                let xs: Vec<f32> = (0..n).map(|_| normal(rng) as f32).collect();
-                let es: Vec<f32> = (0..batch).map(|_| normal(rng) as f32).collect();
-                let x = Tensor::from_slice(&xs).view([batch as i64, t as i64, *dim as i64]);
-                let x = upload(x, self.device);
+                let x = upload(Tensor::from_slice(&xs).view([b as i64, t as i64, dim]), self.device);
                 let e = upload(Tensor::from_slice(&es), self.device);
-                let y =
-                    x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * *noise;
-                Batch {
-                    input: x,
-                    target: y,
-                    tokens: batch * t,
-                    samples: batch,
-                }
+                let y = x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * *noise;
+                Batch { input: x, target: y, tokens: b * t, samples: b }
             }
         }
     }
+}
 
-    fn tokens_to_batch(&self, buf: Vec<i64>, batch: usize) -> Batch {
-        let t = self.seq_len as i64;
-        let all = upload(
-            Tensor::from_slice(&buf).view([batch as i64, t + 1]),
-            self.device,
+/// A split must hold one sequence, and its tokens must fit the vocabulary
+/// (checked on a sample of 4096 positions up front).
+fn check_split(file: &TokenFile, range: (usize, usize), t: usize, vocab: u32) -> anyhow::Result<()> {
+    if range.1 - range.0 < t + 1 {
+        anyhow::bail!(
+            "token file {} has {} tokens in its split, fewer than one sequence of {t} + 1",
+            file.path().display(),
+            range.1 - range.0
         );
-        Batch {
-            input: all.narrow(1, 0, t),
-            target: all.narrow(1, 1, t),
-            tokens: batch * self.seq_len,
-            samples: batch,
+    }
+    let step = ((range.1 - range.0) / 4096).max(1);
+    for i in (range.0..range.1).step_by(step) {
+        let tok = file.get(i);
+        if tok as u32 >= vocab {
+            return Err(DataError::TokenOutOfRange { path: file.path().into(), token: tok, vocab }.into());
         }
     }
+    Ok(())
 }
 
 /// Host-to-device copy through pinned memory, asynchronous on CUDA so the
@@ -560,11 +518,7 @@ mod tests {
             // entropy rate for every n >= 2.
             for n in 2..=6 {
                 let cond = joint_entropy(&c, n) - joint_entropy(&c, n - 1);
-                assert!(
-                    (cond - c.entropy_rate()).abs() < 1e-10,
-                    "v={v} k={k} n={n}: {cond} vs {}",
-                    c.entropy_rate()
-                );
+                assert!((cond - c.entropy_rate()).abs() < 1e-10, "v={v} k={k} n={n}: {cond} vs {}", c.entropy_rate());
             }
         }
     }
@@ -587,16 +541,8 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let mut seq = Vec::new();
         c.sample_into(&mut rng, 400_000, &mut seq);
-        let nll: f64 = seq
-            .windows(2)
-            .map(|w| -c.prob(w[0] as usize, w[1] as usize).ln())
-            .sum::<f64>()
-            / (seq.len() - 1) as f64;
-        assert!(
-            (nll - c.entropy_rate()).abs() < 0.01,
-            "{nll} vs {}",
-            c.entropy_rate()
-        );
+        let nll: f64 = seq.windows(2).map(|w| -c.prob(w[0] as usize, w[1] as usize).ln()).sum::<f64>() / (seq.len() - 1) as f64;
+        assert!((nll - c.entropy_rate()).abs() < 0.01, "{nll} vs {}", c.entropy_rate());
     }
 
     #[test]
@@ -604,14 +550,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let tokens: Vec<u16> = (0..1000).map(|i| (i * 7 % 300) as u16).collect();
         let raw = dir.path().join("raw.bin");
-        std::fs::write(
-            &raw,
-            tokens
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+        std::fs::write(&raw, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<_>>()).unwrap();
         let llmc = dir.path().join("llmc.bin");
         let mut bytes = Vec::new();
         let mut header = [0i32; 256];

@@ -64,10 +64,7 @@ impl Drop for AutocastGuard {
 }
 
 /// Trains one entry to the end and measures it.
-pub fn run_entry(
-    ctx: &EntryContext<'_>,
-    progress: &mut dyn FnMut(&Progress),
-) -> anyhow::Result<EntryOutput> {
+pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) -> anyhow::Result<EntryOutput> {
     let w = ctx.workload;
     let device = ctx.device;
     let cuda = device.is_cuda();
@@ -75,23 +72,13 @@ pub fn run_entry(
 
     // Model and data.
     let encoder_dim = if w.model.kind == ModelKind::Encoder {
-        ModelConfig::resolve(&w.model, 2, w.seq_len)
-            .map(|c| c.d_model)
-            .unwrap_or(512) as usize
+        ModelConfig::resolve(&w.model, 2, w.seq_len).map(|c| c.d_model).unwrap_or(512) as usize
     } else {
         0
     };
-    let mut data = Data::new(
-        &w.data,
-        ctx.suite_dir,
-        w.seq_len as usize,
-        encoder_dim,
-        ctx.entry.seed,
-        device,
-    )?;
+    let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, encoder_dim, ctx.entry.seed, device)?;
     let vocab = data.vocab().unwrap_or(2);
-    let cfg =
-        ModelConfig::resolve(&w.model, vocab, w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+    let cfg = ModelConfig::resolve(&w.model, vocab, w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
     let vs = nn::VarStore::new(device);
     let model = Model::new(&vs.root(), &cfg);
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -104,11 +91,7 @@ pub fn run_entry(
     let mut comm = SingleRank;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
-    let ac_device = if cuda {
-        AutocastDevice::Cuda
-    } else {
-        AutocastDevice::Cpu
-    };
+    let ac_device = if cuda { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
     let _autocast = match w.precision {
         Precision::Fp32 => AutocastGuard(None),
         Precision::Bf16 => {
@@ -152,15 +135,14 @@ pub fn run_entry(
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let mut step = 0u64;
 
-    let read_loss =
-        |p: (u64, f64, Tensor), curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
-            let v = p.2.double_value(&[]);
-            if !v.is_finite() {
-                anyhow::bail!("the training loss became {v} at step {}", p.0);
-            }
-            curve.push((p.0, p.1, v));
-            Ok(v)
-        };
+    let read_loss = |p: (u64, f64, Tensor), curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
+        let v = p.2.double_value(&[]);
+        if !v.is_finite() {
+            anyhow::bail!("the training loss became {v} at step {}", p.0);
+        }
+        curve.push((p.0, p.1, v));
+        Ok(v)
+    };
 
     loop {
         let elapsed = train_elapsed(eval_time);
@@ -177,9 +159,7 @@ pub fn run_entry(
         timer.begin_step(recording);
         let progress_frac = {
             let by_steps = w.steps.map(|s| step as f64 / s as f64).unwrap_or(0.0);
-            let by_time = budget
-                .map(|b| elapsed.as_secs_f64() / b.as_secs_f64())
-                .unwrap_or(0.0);
+            let by_time = budget.map(|b| elapsed.as_secs_f64() / b.as_secs_f64()).unwrap_or(0.0);
             by_steps.max(by_time)
         };
         let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac);
@@ -214,10 +194,7 @@ pub fn run_entry(
         }
 
         timer.start(Phase::Communicate)?;
-        strategies
-            .compressor
-            .reduce(&mut grads, &mut comm)
-            .context("the compressor failed")?;
+        strategies.compressor.reduce(&mut grads, &mut comm).context("the compressor failed")?;
         timer.stop()?;
 
         timer.start(Phase::Optimizer)?;
@@ -262,17 +239,8 @@ pub fn run_entry(
         }
         step += 1;
 
-        let tps = measured_from.map(|(t0, tok0, _)| {
-            (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9)
-        });
-        progress(&Progress {
-            step,
-            total_steps: w.steps,
-            elapsed: now,
-            time_budget: budget,
-            loss: last_loss,
-            tokens_per_s: tps,
-        });
+        let tps = measured_from.map(|(t0, tok0, _)| (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9));
+        progress(&Progress { step, total_steps: w.steps, elapsed: now, time_budget: budget, loss: last_loss, tokens_per_s: tps });
 
         if w.eval_every > 0 && step % w.eval_every == 0 && w.steps != Some(step) {
             let t_eval = Instant::now();
@@ -316,16 +284,8 @@ pub fn run_entry(
 
     let memory = MemoryRecord {
         peak_rss_bytes: measure::peak_rss_bytes(),
-        peak_device_allocated_bytes: if cuda {
-            Some(torch_ext::cuda_memory(0)?.peak_allocated)
-        } else {
-            None
-        },
-        peak_device_reserved_bytes: if cuda {
-            Some(torch_ext::cuda_memory(0)?.peak_reserved)
-        } else {
-            None
-        },
+        peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(0)?.peak_allocated) } else { None },
+        peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(0)?.peak_reserved) } else { None },
     };
     let mut histograms = BTreeMap::new();
     let mut phases = BTreeMap::new();
@@ -336,6 +296,14 @@ pub fn run_entry(
         }
         histograms.insert(p.name().to_owned(), measure::encode(h));
         phases.insert(p.name().to_owned(), LatencySummary::of(h));
+    }
+    let mut host_phases = BTreeMap::new();
+    for (p, h) in &timer.host_histograms {
+        if h.is_empty() {
+            continue;
+        }
+        histograms.insert(format!("host.{}", p.name()), measure::encode(h));
+        host_phases.insert(p.name().to_owned(), LatencySummary::of(h));
     }
     let metrics = Metrics {
         model: serde_json::to_value(&cfg)?,
@@ -350,6 +318,7 @@ pub fn run_entry(
         samples_per_s,
         step: (!step_hist.is_empty()).then(|| LatencySummary::of(&step_hist)),
         phases,
+        host_phases,
         flops_per_token,
         achieved_tflops,
         mfu: peak.map(|p| achieved_tflops / p),
@@ -367,10 +336,7 @@ pub fn run_entry(
         bytes_on_wire: crate::strategy::Collective::bytes_sent(&comm),
         strategy_runtime: "built-in".into(),
     };
-    Ok(EntryOutput {
-        metrics,
-        histograms,
-    })
+    Ok(EntryOutput { metrics, histograms })
 }
 
 /// Mean loss over the fixed eval set (no gradients, no dropout).
@@ -379,9 +345,7 @@ fn evaluate(model: &Model, set: &[data::Batch]) -> f64 {
         let total = set
             .iter()
             .map(|b| model.loss(&b.input, &b.target, false).to_kind(Kind::Double))
-            .fold(None, |acc: Option<Tensor>, l| {
-                Some(acc.map_or(l.shallow_clone(), |a| a + l))
-            });
+            .fold(None, |acc: Option<Tensor>, l| Some(acc.map_or(l.shallow_clone(), |a| a + l)));
         total.map_or(f64::NAN, |t| t.double_value(&[]) / set.len() as f64)
     })
 }
@@ -392,9 +356,7 @@ fn subsample<T: Clone>(v: Vec<T>, max: usize) -> Vec<T> {
         return v;
     }
     let n = v.len();
-    let mut out: Vec<T> = (0..max - 1)
-        .map(|i| v[i * (n - 1) / (max - 1)].clone())
-        .collect();
+    let mut out: Vec<T> = (0..max - 1).map(|i| v[i * (n - 1) / (max - 1)].clone()).collect();
     out.push(v[n - 1].clone());
     out
 }

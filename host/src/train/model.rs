@@ -42,19 +42,8 @@ pub const PRESETS: &[(ModelKind, &str, i64, i64, i64, i64)] = &[
 
 impl ModelConfig {
     /// Resolves a suite's model table; errors carry a message and a hint.
-    pub fn resolve(
-        spec: &ModelSpec,
-        vocab: u32,
-        seq_len: u32,
-    ) -> Result<ModelConfig, (String, Option<String>)> {
-        let names = |k: ModelKind| {
-            PRESETS
-                .iter()
-                .filter(|p| p.0 == k)
-                .map(|p| p.1)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+    pub fn resolve(spec: &ModelSpec, vocab: u32, seq_len: u32) -> Result<ModelConfig, (String, Option<String>)> {
+        let names = |k: ModelKind| PRESETS.iter().filter(|p| p.0 == k).map(|p| p.1).collect::<Vec<_>>().join(", ");
         let base = match &spec.preset {
             Some(name) => match PRESETS.iter().find(|p| p.0 == spec.kind && p.1 == name) {
                 Some(p) => Some(*p),
@@ -67,27 +56,17 @@ impl ModelConfig {
             },
             None => None,
         };
-        let pick = |v: Option<u32>,
-                    from_preset: Option<i64>,
-                    key: &str|
-         -> Result<i64, (String, Option<String>)> {
+        let pick = |v: Option<u32>, from_preset: Option<i64>, key: &str| -> Result<i64, (String, Option<String>)> {
             match (v, from_preset) {
                 (Some(v), _) => Ok(v as i64),
                 (None, Some(p)) => Ok(p),
-                (None, None) => Err((
-                    format!("the model needs `preset` or `{key}`"),
-                    Some(format!("presets: {}", names(spec.kind))),
-                )),
+                (None, None) => Err((format!("the model needs `preset` or `{key}`"), Some(format!("presets: {}", names(spec.kind))))),
             }
         };
         let n_layer = pick(spec.n_layer, base.map(|p| p.2), "n_layer")?;
         let n_head = pick(spec.n_head, base.map(|p| p.3), "n_head")?;
         let d_model = pick(spec.d_model, base.map(|p| p.4), "d_model")?;
-        let d_ff = spec
-            .d_ff
-            .map(i64::from)
-            .or(base.map(|p| p.5))
-            .unwrap_or(4 * d_model);
+        let d_ff = spec.d_ff.map(i64::from).or(base.map(|p| p.5)).unwrap_or(4 * d_model);
         if n_layer < 1 || n_head < 1 || d_model < 1 || d_ff < 1 {
             return Err(("model sizes must be at least 1".into(), None));
         }
@@ -115,24 +94,24 @@ impl ModelConfig {
     /// convention of GPU.md's PyTorch figures (PaLM's appendix B).
     pub fn flops_per_token(&self, params: i64) -> f64 {
         match self.kind {
-            ModelKind::Gpt | ModelKind::Encoder => {
-                6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64
-            }
+            ModelKind::Gpt | ModelKind::Encoder => 6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64,
             // The embedding lookup does no multiply-adds.
             ModelKind::Mlp => 6.0 * (params - self.vocab * self.d_model) as f64,
         }
     }
 }
 
+/// Dropout that issues no kernel at all when it would do nothing.
+fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
+    if train && p > 0.0 {
+        x.dropout(p, true)
+    } else {
+        x
+    }
+}
+
 fn linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
-    let cfg = nn::LinearConfig {
-        ws_init: nn::Init::Randn {
-            mean: 0.0,
-            stdev: std,
-        },
-        bs_init: Some(nn::Init::Const(0.0)),
-        bias: true,
-    };
+    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: std }, bs_init: Some(nn::Init::Const(0.0)), bias: true };
     nn::linear(p, i, o, cfg)
 }
 
@@ -151,24 +130,9 @@ pub struct GptBlock {
 
 /// The models, one enum so the step loop needs no dynamic dispatch.
 pub enum Model {
-    Gpt {
-        cfg: ModelConfig,
-        wte: nn::Embedding,
-        wpe: nn::Embedding,
-        blocks: Vec<GptBlock>,
-        ln_f: nn::LayerNorm,
-    },
-    Encoder {
-        cfg: ModelConfig,
-        layers: Vec<EncoderLayer>,
-        head: nn::Linear,
-    },
-    Mlp {
-        cfg: ModelConfig,
-        emb: nn::Embedding,
-        fc: nn::Linear,
-        out: nn::Linear,
-    },
+    Gpt { cfg: ModelConfig, wte: nn::Embedding, wpe: nn::Embedding, blocks: Vec<GptBlock>, ln_f: nn::LayerNorm },
+    Encoder { cfg: ModelConfig, layers: Vec<EncoderLayer>, head: nn::Linear },
+    Mlp { cfg: ModelConfig, emb: nn::Embedding, fc: nn::Linear, out: nn::Linear },
 }
 
 /// One `nn.TransformerEncoderLayer` (post-norm).
@@ -188,13 +152,7 @@ impl Model {
         let d = cfg.d_model;
         let std = 0.02;
         let proj_std = 0.02 / ((2 * cfg.n_layer) as f64).sqrt();
-        let emb_cfg = nn::EmbeddingConfig {
-            ws_init: nn::Init::Randn {
-                mean: 0.0,
-                stdev: std,
-            },
-            ..Default::default()
-        };
+        let emb_cfg = nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: std }, ..Default::default() };
         match cfg.kind {
             ModelKind::Gpt => {
                 let wte = nn::embedding(p / "wte", cfg.vocab, d, emb_cfg);
@@ -212,13 +170,7 @@ impl Model {
                         }
                     })
                     .collect();
-                Model::Gpt {
-                    cfg: cfg.clone(),
-                    wte,
-                    wpe,
-                    blocks,
-                    ln_f: layer_norm(p / "ln_f", d),
-                }
+                Model::Gpt { cfg: cfg.clone(), wte, wpe, blocks, ln_f: layer_norm(p / "ln_f", d) }
             }
             ModelKind::Encoder => {
                 let layers = (0..cfg.n_layer)
@@ -234,11 +186,7 @@ impl Model {
                         }
                     })
                     .collect();
-                Model::Encoder {
-                    cfg: cfg.clone(),
-                    layers,
-                    head: linear(p / "head", d, 1, std),
-                }
+                Model::Encoder { cfg: cfg.clone(), layers, head: linear(p / "head", d, 1, std) }
             }
             ModelKind::Mlp => Model::Mlp {
                 cfg: cfg.clone(),
@@ -259,83 +207,60 @@ impl Model {
     /// Forward pass and loss (cross-entropy in nats, or MSE for regression).
     pub fn loss(&self, input: &Tensor, target: &Tensor, train: bool) -> Tensor {
         match self {
-            Model::Gpt {
-                cfg,
-                wte,
-                wpe,
-                blocks,
-                ln_f,
-            } => {
+            Model::Gpt { cfg, wte, wpe, blocks, ln_f } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let pos = Tensor::arange(t, (Kind::Int64, input.device()));
                 let mut x = wte.forward(input) + wpe.forward(&pos);
-                x = x.dropout(cfg.dropout, train);
+                x = dropout(x, cfg.dropout, train);
                 let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
                 for blk in blocks {
                     let qkv = blk.c_attn.forward(&blk.ln1.forward(&x));
                     let qkv = qkv.view([b, t, 3, h, hd]).permute([2, 0, 3, 1, 4]);
                     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
                     let p = if train { cfg.dropout } else { 0.0 };
-                    let y = Tensor::scaled_dot_product_attention::<Tensor>(
-                        &q, &k, &v, None, p, true, None, false,
-                    );
+                    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, true, None, false);
                     let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
-                    x = x + blk.attn_proj.forward(&y).dropout(cfg.dropout, train);
+                    x = x + dropout(blk.attn_proj.forward(&y), cfg.dropout, train);
                     let m = blk.c_fc.forward(&blk.ln2.forward(&x)).gelu("tanh");
-                    x = x + blk.mlp_proj.forward(&m).dropout(cfg.dropout, train);
+                    x = x + dropout(blk.mlp_proj.forward(&m), cfg.dropout, train);
                 }
                 let x = ln_f.forward(&x);
                 let logits = x.matmul(&wte.ws.tr());
-                logits
-                    .view([b * t, cfg.vocab])
-                    .cross_entropy_loss::<Tensor>(
-                        &target.reshape([b * t]),
-                        None,
-                        tch::Reduction::Mean,
-                        -100,
-                        0.0,
-                    )
+                logits.view([b * t, cfg.vocab]).cross_entropy_loss::<Tensor>(
+                    &target.reshape([b * t]),
+                    None,
+                    tch::Reduction::Mean,
+                    -100,
+                    0.0,
+                )
             }
             Model::Encoder { cfg, layers, head } => {
                 let (b, t, _) = input.size3().expect("regression batches are 3-d");
                 let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
                 let mut x = input.shallow_clone();
                 for l in layers {
-                    let qkv = l
-                        .in_proj
-                        .forward(&x)
-                        .view([b, t, 3, h, hd])
-                        .permute([2, 0, 3, 1, 4]);
+                    let qkv = l.in_proj.forward(&x).view([b, t, 3, h, hd]).permute([2, 0, 3, 1, 4]);
                     let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
                     let p = if train { cfg.dropout } else { 0.0 };
-                    let y = Tensor::scaled_dot_product_attention::<Tensor>(
-                        &q, &k, &v, None, p, false, None, false,
-                    );
+                    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, false, None, false);
                     let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
-                    x = l
-                        .norm1
-                        .forward(&(x + l.out_proj.forward(&y).dropout(cfg.dropout, train)));
-                    let f = l
-                        .lin2
-                        .forward(&l.lin1.forward(&x).relu().dropout(cfg.dropout, train));
-                    x = l.norm2.forward(&(x + f.dropout(cfg.dropout, train)));
+                    x = l.norm1.forward(&(x + dropout(l.out_proj.forward(&y), cfg.dropout, train)));
+                    let f = l.lin2.forward(&dropout(l.lin1.forward(&x).relu(), cfg.dropout, train));
+                    x = l.norm2.forward(&(x + dropout(f, cfg.dropout, train)));
                 }
                 let pred = head.forward(&x.mean_dim(1, false, None)).view([b]);
-                pred.to_kind(Kind::Float)
-                    .mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean)
+                pred.to_kind(Kind::Float).mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean)
             }
             Model::Mlp { cfg, emb, fc, out } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let logits = out.forward(&fc.forward(&emb.forward(input)).gelu("tanh"));
-                logits
-                    .view([b * t, cfg.vocab])
-                    .cross_entropy_loss::<Tensor>(
-                        &target.reshape([b * t]),
-                        None,
-                        tch::Reduction::Mean,
-                        -100,
-                        0.0,
-                    )
+                logits.view([b * t, cfg.vocab]).cross_entropy_loss::<Tensor>(
+                    &target.reshape([b * t]),
+                    None,
+                    tch::Reduction::Mean,
+                    -100,
+                    0.0,
+                )
             }
         }
     }

@@ -35,33 +35,19 @@ impl Optimizer {
     /// Creates the optimizer state for `params`.
     pub fn new(spec: &OptimizerSpec, params: &[Tensor]) -> Optimizer {
         match spec {
-            OptimizerSpec::Adamw {
-                betas,
-                eps,
-                weight_decay,
-                ..
-            } => {
-                let (decay, no_decay): (Vec<usize>, Vec<usize>) =
-                    (0..params.len()).partition(|&i| params[i].dim() >= 2);
+            OptimizerSpec::Adamw { betas, eps, weight_decay, .. } => {
+                let (decay, no_decay): (Vec<usize>, Vec<usize>) = (0..params.len()).partition(|&i| params[i].dim() >= 2);
                 Optimizer::AdamW {
                     groups: [decay, no_decay],
                     exp_avg: params.iter().map(|p| p.zeros_like()).collect(),
                     exp_avg_sq: params.iter().map(|p| p.zeros_like()).collect(),
-                    steps: params
-                        .iter()
-                        .map(|p| Tensor::zeros([], (Kind::Float, p.device())))
-                        .collect(),
+                    steps: params.iter().map(|p| Tensor::zeros([], (Kind::Float, p.device()))).collect(),
                     betas: *betas,
                     eps: *eps,
                     weight_decay: *weight_decay,
                 }
             }
-            OptimizerSpec::Sgd {
-                momentum,
-                nesterov,
-                weight_decay,
-                ..
-            } => Optimizer::Sgd {
+            OptimizerSpec::Sgd { momentum, nesterov, weight_decay, .. } => Optimizer::Sgd {
                 bufs: params.iter().map(|_| None).collect(),
                 momentum: *momentum,
                 nesterov: *nesterov,
@@ -72,34 +58,14 @@ impl Optimizer {
 
     /// One update at learning rate `lr`. With `found_inf` (fp16), an
     /// overflowed step is skipped by the kernel itself, without a host sync.
-    pub fn step(
-        &mut self,
-        params: &[Tensor],
-        grads: &[Tensor],
-        lr: f64,
-        found_inf: Option<&Tensor>,
-    ) -> anyhow::Result<()> {
+    pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, found_inf: Option<&Tensor>) -> anyhow::Result<()> {
         match self {
-            Optimizer::AdamW {
-                groups,
-                exp_avg,
-                exp_avg_sq,
-                steps,
-                betas,
-                eps,
-                weight_decay,
-            } => {
+            Optimizer::AdamW { groups, exp_avg, exp_avg_sq, steps, betas, eps, weight_decay } => {
                 for (g, wd) in groups.iter().zip([*weight_decay, 0.0]) {
                     if g.is_empty() {
                         continue;
                     }
-                    let h = AdamWStep {
-                        lr,
-                        beta1: betas[0],
-                        beta2: betas[1],
-                        weight_decay: wd,
-                        eps: *eps,
-                    };
+                    let h = AdamWStep { lr, beta1: betas[0], beta2: betas[1], weight_decay: wd, eps: *eps };
                     torch_ext::fused_adamw(
                         &pick(params, g),
                         &pick(grads, g),
@@ -111,23 +77,11 @@ impl Optimizer {
                     )?;
                 }
             }
-            Optimizer::Sgd {
-                bufs,
-                momentum,
-                nesterov,
-                weight_decay,
-            } => {
-                anyhow::ensure!(
-                    found_inf.is_none(),
-                    "SGD does not support fp16 loss scaling"
-                );
+            Optimizer::Sgd { bufs, momentum, nesterov, weight_decay } => {
+                anyhow::ensure!(found_inf.is_none(), "SGD does not support fp16 loss scaling");
                 tch::no_grad(|| {
                     for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-                        let mut d = if *weight_decay > 0.0 {
-                            g + p * *weight_decay
-                        } else {
-                            g.shallow_clone()
-                        };
+                        let mut d = if *weight_decay > 0.0 { g + p * *weight_decay } else { g.shallow_clone() };
                         if *momentum > 0.0 {
                             let buf = match &mut bufs[i] {
                                 Some(b) => {
@@ -199,13 +153,7 @@ impl LossScaler {
     /// Updates the scale after a step.
     pub fn update(&mut self) {
         let _ = self.skipped.g_add_(&self.found_inf);
-        let _ = self.scale.internal_amp_update_scale_(
-            &self.growth_tracker,
-            &self.found_inf,
-            2.0,
-            0.5,
-            2000,
-        );
+        let _ = self.scale.internal_amp_update_scale_(&self.growth_tracker, &self.found_inf, 2.0, 0.5, 2000);
     }
 
     /// Steps skipped so far (reads the device).
@@ -220,11 +168,7 @@ mod tests {
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_floor() {
-        let s = ScheduleSpec {
-            warmup_steps: 10,
-            decay: Decay::Cosine,
-            min_lr_ratio: 0.1,
-        };
+        let s = ScheduleSpec { warmup_steps: 10, decay: Decay::Cosine, min_lr_ratio: 0.1 };
         assert!((learning_rate(1.0, &s, 0, 0.0) - 0.1).abs() < 1e-12);
         assert!((learning_rate(1.0, &s, 9, 0.09) - 1.0).abs() < 1e-12);
         assert!((learning_rate(1.0, &s, 10, 0.0) - 1.0).abs() < 1e-12);
@@ -236,17 +180,10 @@ mod tests {
     fn sgd_with_momentum_matches_the_formula() {
         let p = Tensor::from_slice(&[1.0f32]);
         let g = Tensor::from_slice(&[0.5f32]);
-        let spec = OptimizerSpec::Sgd {
-            lr: 0.1,
-            momentum: 0.9,
-            nesterov: false,
-            weight_decay: 0.0,
-        };
+        let spec = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
         let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None)
-            .unwrap();
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None)
-            .unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None).unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None).unwrap();
         // buf1 = 0.5, buf2 = 0.9 * 0.5 + 0.5 = 0.95; p = 1 - 0.1 * (0.5 + 0.95)
         assert!((p.double_value(&[0]) - 0.855).abs() < 1e-6);
     }
