@@ -45,11 +45,14 @@ char *hx_autocast_set(int device_type, int enabled, int dtype) {
     auto dt = hx_device_type(device_type);
     at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
     at::autocast::set_autocast_enabled(dt, enabled != 0);
-    if (!enabled) at::autocast::clear_cache();
+    at::autocast::clear_cache();
   })
 }
 
 // Clears the cast-weight cache that autocast keeps inside one forward pass.
+// torch.autocast does this when its context exits; with autocast left on for
+// a whole run the caller must do it after every forward, or the next forward
+// would reuse bf16 copies of weights the optimizer has since updated.
 char *hx_autocast_clear_cache() { HX_TRY(at::autocast::clear_cache()) }
 
 // Sets every tensor's .grad to None (set_to_none=True in PyTorch), so the next
@@ -112,6 +115,11 @@ char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp
     if (found_inf) at::_foreach_sub_(st, std::vector<at::Tensor>(st.size(), *found_inf));
   })
 }
+
+// A pinned (page-locked) copy of a CPU tensor, from libtorch's caching host
+// allocator. tch's pin_memory passes the deprecated device argument, which
+// makes libtorch print a warning on every call.
+char *hx_pin_memory(tensor t, tensor *out) { HX_TRY(*out = new at::Tensor(t->pin_memory())) }
 
 // The CUDA caching allocator's statistics for one device, in bytes:
 // out = {allocated now, allocated peak, reserved now, reserved peak}.

@@ -11,6 +11,7 @@ mod ffi {
     extern "C" {
         pub fn hx_free_error(err: *mut c_char);
         pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
+        pub fn hx_autocast_clear_cache() -> *mut c_char;
         pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
         pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_clip_grad_norm(grads: *const *mut c_void, n: c_int, max_norm: f64, norm_out: *mut *mut c_void) -> *mut c_char;
@@ -30,6 +31,7 @@ mod ffi {
             eps: f64,
             found_inf: *mut c_void,
         ) -> *mut c_char;
+        pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
     }
@@ -76,6 +78,13 @@ pub fn set_autocast(device: AutocastDevice, kind: Option<Kind>) -> Result<(), To
     };
     // SAFETY: plain values; the shim catches every exception.
     check(unsafe { ffi::hx_autocast_set(device as c_int, enabled, dtype) })
+}
+
+/// Drops autocast's cached low-precision copies of the weights; call after
+/// every forward pass while autocast is on (see csrc/shim.cpp).
+pub fn autocast_clear_cache() -> Result<(), TorchError> {
+    // SAFETY: no arguments; exceptions are caught in the shim.
+    check(unsafe { ffi::hx_autocast_clear_cache() })
 }
 
 /// c10::ScalarType codes of the autocast dtypes.
@@ -166,6 +175,15 @@ pub fn fused_adamw(
             fi,
         )
     })
+}
+
+/// A page-locked copy of a CPU tensor (for asynchronous uploads).
+pub fn pin_memory(t: &Tensor) -> Result<Tensor, TorchError> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: t is live; out receives a new at::Tensor.
+    check(unsafe { ffi::hx_pin_memory(t.as_ptr() as *mut c_void, &mut out) })?;
+    // SAFETY: out is a heap at::Tensor from the shim.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
 }
 
 /// The CUDA caching allocator's figures for one device, in bytes.

@@ -465,7 +465,11 @@ fn check_split(file: &TokenFile, range: (usize, usize), t: usize, vocab: u32) ->
 fn upload(t: Tensor, device: Device) -> Tensor {
     match device {
         Device::Cpu => t,
-        d => t.pin_memory(d).to_device_(d, t.kind(), true, false),
+        d => match crate::torch_ext::pin_memory(&t) {
+            Ok(p) => p.to_device_(d, t.kind(), true, false),
+            // Pinned memory can run out; a synchronous copy still works.
+            Err(_) => t.to_device(d),
+        },
     }
 }
 

@@ -104,6 +104,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         }
     };
 
+    let autocast_on = w.precision != Precision::Fp32;
     let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
     let target = match (w.target_loss, w.target_above_floor, data.loss_floor()) {
         (Some(t), _, _) => Some(t),
@@ -126,7 +127,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     let train_elapsed = |eval_time: Duration| start.elapsed().saturating_sub(eval_time);
     let mut measured_from: Option<(Duration, u64, u64)> = None; // (train time, tokens, samples) at warm-up end
     let (mut tokens, mut samples) = (0u64, 0u64);
-    let mut pending_loss: Option<(u64, f64, Tensor)> = None;
+    let mut pending_loss: Option<PendingLoss> = None;
     let mut loss_curve = Vec::new();
     let mut eval_curve = Vec::new();
     let mut last_loss = None;
@@ -135,12 +136,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let mut step = 0u64;
 
-    let read_loss = |p: (u64, f64, Tensor), curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
-        let v = p.2.double_value(&[]);
+    let read_loss = |p: PendingLoss, curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
+        let v = p.read()?;
         if !v.is_finite() {
-            anyhow::bail!("the training loss became {v} at step {}", p.0);
+            anyhow::bail!("the training loss became {v} at step {}", p.step);
         }
-        curve.push((p.0, p.1, v));
+        curve.push((p.step, p.time_s, v));
         Ok(v)
     };
 
@@ -172,15 +173,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
             timer.stop()?;
             timer.start(Phase::Forward)?;
             let loss = model.loss(&b.input, &b.target, true);
+            if autocast_on {
+                torch_ext::autocast_clear_cache()?;
+            }
             timer.stop()?;
             timer.start(Phase::Backward)?;
-            let mut scaled = &loss / cur_accum as f64;
+            let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
             if let Some(s) = &scaler {
                 scaled = scaled * &s.scale;
             }
             scaled.backward();
             timer.stop()?;
-            let l = loss.detach() / cur_accum as f64;
+            let l = if cur_accum > 1 { loss.detach() / cur_accum as f64 } else { loss.detach() };
             step_loss = Some(match step_loss {
                 Some(acc) => acc + l,
                 None => l,
@@ -216,7 +220,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
             last_loss = Some(read_loss(p, &mut loss_curve)?);
         }
         let now = train_elapsed(eval_time);
-        pending_loss = step_loss.map(|l| (step, now.as_secs_f64(), l));
+        pending_loss = step_loss.map(|l| PendingLoss::start(step, now.as_secs_f64(), &l)).transpose()?;
 
         timer.start(Phase::Strategy)?;
         let telemetry = StepTelemetry {
@@ -245,7 +249,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         if w.eval_every > 0 && step % w.eval_every == 0 && w.steps != Some(step) {
             let t_eval = Instant::now();
             let t_train = train_elapsed(eval_time).as_secs_f64();
-            let ev = evaluate(&model, &eval_set);
+            let ev = evaluate(&model, &eval_set, autocast_on)?;
             eval_time += t_eval.elapsed();
             eval_curve.push((step, t_train, ev));
             if let (Some(t), None) = (target, reached) {
@@ -265,7 +269,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     timer.flush()?;
     let train_time = train_elapsed(eval_time);
     let t_train = train_time.as_secs_f64();
-    let final_eval = evaluate(&model, &eval_set);
+    let final_eval = evaluate(&model, &eval_set, autocast_on)?;
     eval_curve.push((step, t_train, final_eval));
     if let (Some(t), None) = (target, reached) {
         if final_eval <= t {
@@ -339,15 +343,51 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     Ok(EntryOutput { metrics, histograms })
 }
 
+/// A step's loss on its way to the host. On CUDA it is copied into pinned
+/// memory behind an event, so reading it later waits for that copy only;
+/// `.item()` would wait for everything queued on the stream, the next step
+/// included, and leave the device idle while the host prepares another.
+struct PendingLoss {
+    step: u64,
+    time_s: f64,
+    host: Tensor,
+    done: Option<measure::cuda::Event>,
+}
+
+impl PendingLoss {
+    fn start(step: u64, time_s: f64, loss: &Tensor) -> anyhow::Result<PendingLoss> {
+        if loss.device().is_cuda() {
+            let host = loss.to_device_(Device::Cpu, Kind::Float, true, false);
+            let done = measure::cuda::Event::new()?;
+            done.record()?;
+            Ok(PendingLoss { step, time_s, host, done: Some(done) })
+        } else {
+            Ok(PendingLoss { step, time_s, host: loss.shallow_clone(), done: None })
+        }
+    }
+
+    fn read(&self) -> anyhow::Result<f64> {
+        if let Some(e) = &self.done {
+            e.synchronize()?;
+        }
+        Ok(self.host.double_value(&[]))
+    }
+}
+
 /// Mean loss over the fixed eval set (no gradients, no dropout).
-fn evaluate(model: &Model, set: &[data::Batch]) -> f64 {
-    tch::no_grad(|| {
-        let total = set
-            .iter()
-            .map(|b| model.loss(&b.input, &b.target, false).to_kind(Kind::Double))
-            .fold(None, |acc: Option<Tensor>, l| Some(acc.map_or(l.shallow_clone(), |a| a + l)));
-        total.map_or(f64::NAN, |t| t.double_value(&[]) / set.len() as f64)
-    })
+fn evaluate(model: &Model, set: &[data::Batch], autocast_on: bool) -> anyhow::Result<f64> {
+    let mut total: Option<Tensor> = None;
+    for b in set {
+        let l = tch::no_grad(|| model.loss(&b.input, &b.target, false)).to_kind(Kind::Double);
+        if autocast_on {
+            torch_ext::autocast_clear_cache()?;
+        }
+        total = Some(match total {
+            Some(t) => t + l,
+            None => l,
+        });
+    }
+    Ok(total.map_or(f64::NAN, |t| t.double_value(&[]) / set.len() as f64))
 }
 
 /// Keeps at most `max` points, evenly spaced, always the last.

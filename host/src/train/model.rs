@@ -101,6 +101,20 @@ impl ModelConfig {
     }
 }
 
+/// Mean next-token cross-entropy of `[n, vocab]` logits.
+///
+/// On CUDA, fp16 logits go straight into log-softmax with fp32 output
+/// (`_log_softmax(half_to_float)`, not an autocast op), skipping the fp32
+/// copy of the logits that autocast's cross_entropy writes first; libtorch
+/// 2.11 has that conversion for Half only, so bf16 takes the autocast path.
+fn token_loss(logits: &Tensor, target: &Tensor) -> Tensor {
+    if logits.kind() == Kind::Half && logits.device().is_cuda() {
+        logits.internal_log_softmax(-1, true).nll_loss(target)
+    } else {
+        logits.cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)
+    }
+}
+
 /// Dropout that issues no kernel at all when it would do nothing.
 fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
     if train && p > 0.0 {
@@ -226,13 +240,7 @@ impl Model {
                 }
                 let x = ln_f.forward(&x);
                 let logits = x.matmul(&wte.ws.tr());
-                logits.view([b * t, cfg.vocab]).cross_entropy_loss::<Tensor>(
-                    &target.reshape([b * t]),
-                    None,
-                    tch::Reduction::Mean,
-                    -100,
-                    0.0,
-                )
+                token_loss(&logits.view([b * t, cfg.vocab]), &target.reshape([b * t]))
             }
             Model::Encoder { cfg, layers, head } => {
                 let (b, t, _) = input.size3().expect("regression batches are 3-d");
@@ -254,13 +262,7 @@ impl Model {
             Model::Mlp { cfg, emb, fc, out } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let logits = out.forward(&fc.forward(&emb.forward(input)).gelu("tanh"));
-                logits.view([b * t, cfg.vocab]).cross_entropy_loss::<Tensor>(
-                    &target.reshape([b * t]),
-                    None,
-                    tch::Reduction::Mean,
-                    -100,
-                    0.0,
-                )
+                token_loss(&logits.view([b * t, cfg.vocab]), &target.reshape([b * t]))
             }
         }
     }
