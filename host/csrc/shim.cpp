@@ -55,6 +55,9 @@ char *hx_autocast_set(int device_type, int enabled, int dtype) {
 // would reuse bf16 copies of weights the optimizer has since updated.
 char *hx_autocast_clear_cache() { HX_TRY(at::autocast::clear_cache()) }
 
+// Backpropagates a given gradient from a non-scalar tensor: out.backward(grad).
+char *hx_backward(tensor out, tensor grad) { HX_TRY(out->backward(*grad)) }
+
 // Sets every tensor's .grad to None (set_to_none=True in PyTorch), so the next
 // backward pass writes fresh gradients instead of adding into zeros.
 char *hx_grads_to_none(tensor *params, int n) {

@@ -9,6 +9,7 @@
 
 pub mod cli;
 pub mod device;
+pub mod kernels;
 pub mod launch;
 pub mod measure;
 pub mod report;

@@ -123,6 +123,10 @@ pub struct Metrics {
     pub skipped_steps: u64,
     pub bytes_on_wire: u64,
     pub strategy_runtime: String,
+    /// Whether the loss came from harness's fused cross-entropy kernel
+    /// (bf16 on CUDA) rather than libtorch's cross_entropy.
+    #[serde(default)]
+    pub fused_cross_entropy: bool,
 }
 
 /// Memory high-water marks.

@@ -12,6 +12,7 @@ mod ffi {
         pub fn hx_free_error(err: *mut c_char);
         pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
         pub fn hx_autocast_clear_cache() -> *mut c_char;
+        pub fn hx_backward(out: *mut c_void, grad: *mut c_void) -> *mut c_char;
         pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
         pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_clip_grad_norm(grads: *const *mut c_void, n: c_int, max_norm: f64, norm_out: *mut *mut c_void) -> *mut c_char;
@@ -94,6 +95,12 @@ fn scalar_type(k: Kind) -> c_int {
         Kind::BFloat16 => 15,
         other => panic!("autocast dtype must be Half or BFloat16, not {other:?}"),
     }
+}
+
+/// Runs the backward pass from `out` seeded with `grad` (same shape).
+pub fn backward_with_grad(out: &Tensor, grad: &Tensor) -> Result<(), TorchError> {
+    // SAFETY: both pointers are live tensors for the duration of the call.
+    check(unsafe { ffi::hx_backward(out.as_ptr() as *mut c_void, grad.as_ptr() as *mut c_void) })
 }
 
 /// Sets every parameter's `.grad` to None.

@@ -20,6 +20,7 @@ use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
 use crate::results::{MemoryRecord, Metrics};
 use crate::strategy::{SingleRank, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
+use crate::kernels;
 use crate::torch_ext::{self, AutocastDevice};
 use data::Data;
 use model::{Model, ModelConfig};
@@ -105,6 +106,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     };
 
     let autocast_on = w.precision != Precision::Fp32;
+    // bf16 on CUDA: the loss and its gradient come from one fused kernel.
+    let fused_ce = cuda && w.precision == Precision::Bf16 && w.model.kind != ModelKind::Encoder && crate::kernels::available();
     let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
     let target = match (w.target_loss, w.target_above_floor, data.loss_floor()) {
         (Some(t), _, _) => Some(t),
@@ -172,17 +175,30 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
             let b = data.next_train(cur_batch as usize);
             timer.stop()?;
             timer.start(Phase::Forward)?;
-            let loss = model.loss(&b.input, &b.target, true);
+            let (loss, seed) = match model.forward(&b.input, &b.target, true) {
+                model::Output::Logits { logits, target } if fused_ce => {
+                    let scale = scaler.as_ref().map(|s| &s.scale);
+                    let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / cur_accum as f32, scale)?;
+                    (loss, Some((logits, grad)))
+                }
+                model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
+                model::Output::Loss(l) => (l, None),
+            };
             if autocast_on {
                 torch_ext::autocast_clear_cache()?;
             }
             timer.stop()?;
             timer.start(Phase::Backward)?;
-            let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
-            if let Some(s) = &scaler {
-                scaled = scaled * &s.scale;
+            match seed {
+                Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
+                None => {
+                    let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
+                    if let Some(s) = &scaler {
+                        scaled = scaled * &s.scale;
+                    }
+                    scaled.backward();
+                }
             }
-            scaled.backward();
             timer.stop()?;
             let l = if cur_accum > 1 { loss.detach() / cur_accum as f64 } else { loss.detach() };
             step_loss = Some(match step_loss {
@@ -339,6 +355,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
         bytes_on_wire: crate::strategy::Collective::bytes_sent(&comm),
         strategy_runtime: "built-in".into(),
+        fused_cross_entropy: fused_ce,
     };
     Ok(EntryOutput { metrics, histograms })
 }

@@ -107,7 +107,7 @@ impl ModelConfig {
 /// (`_log_softmax(half_to_float)`, not an autocast op), skipping the fp32
 /// copy of the logits that autocast's cross_entropy writes first; libtorch
 /// 2.11 has that conversion for Half only, so bf16 takes the autocast path.
-fn token_loss(logits: &Tensor, target: &Tensor) -> Tensor {
+pub fn token_loss(logits: &Tensor, target: &Tensor) -> Tensor {
     if logits.kind() == Kind::Half && logits.device().is_cuda() {
         logits.internal_log_softmax(-1, true).nll_loss(target)
     } else {
@@ -140,6 +140,14 @@ pub struct GptBlock {
     ln2: nn::LayerNorm,
     c_fc: nn::Linear,
     mlp_proj: nn::Linear,
+}
+
+/// What a forward pass ends with.
+pub enum Output {
+    /// A scalar loss with its graph.
+    Loss(Tensor),
+    /// `[n, vocab]` next-token logits and their `[n]` targets.
+    Logits { logits: Tensor, target: Tensor },
 }
 
 /// The models, one enum so the step loop needs no dynamic dispatch.
@@ -220,6 +228,15 @@ impl Model {
 
     /// Forward pass and loss (cross-entropy in nats, or MSE for regression).
     pub fn loss(&self, input: &Tensor, target: &Tensor, train: bool) -> Tensor {
+        match self.forward(input, target, train) {
+            Output::Loss(l) => l,
+            Output::Logits { logits, target } => token_loss(&logits, &target),
+        }
+    }
+
+    /// Forward pass up to the loss: token models stop at the logits, so the
+    /// caller may compute the loss with a fused kernel.
+    pub fn forward(&self, input: &Tensor, target: &Tensor, train: bool) -> Output {
         match self {
             Model::Gpt { cfg, wte, wpe, blocks, ln_f } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
@@ -240,7 +257,7 @@ impl Model {
                 }
                 let x = ln_f.forward(&x);
                 let logits = x.matmul(&wte.ws.tr());
-                token_loss(&logits.view([b * t, cfg.vocab]), &target.reshape([b * t]))
+                Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Model::Encoder { cfg, layers, head } => {
                 let (b, t, _) = input.size3().expect("regression batches are 3-d");
@@ -257,12 +274,12 @@ impl Model {
                     x = l.norm2.forward(&(x + dropout(f, cfg.dropout, train)));
                 }
                 let pred = head.forward(&x.mean_dim(1, false, None)).view([b]);
-                pred.to_kind(Kind::Float).mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean)
+                Output::Loss(pred.to_kind(Kind::Float).mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean))
             }
             Model::Mlp { cfg, emb, fc, out } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let logits = out.forward(&fc.forward(&emb.forward(input)).gelu("tanh"));
-                token_loss(&logits.view([b * t, cfg.vocab]), &target.reshape([b * t]))
+                Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
         }
     }
