@@ -17,6 +17,7 @@ use tch::{Kind, Tensor};
 
 const SOURCE: &str = r#"
 typedef unsigned short bf16;
+#define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ bf16 f2bf(float f) {
   unsigned int u = __float_as_uint(f);
@@ -26,8 +27,8 @@ __device__ __forceinline__ bf16 f2bf(float f) {
 }
 // Merge two (max, sum of exp(x - max)) pairs.
 __device__ __forceinline__ void merge(float &m, float &s, float m2, float s2) {
-  if (m2 == -INFINITY) return;
-  if (m == -INFINITY) { m = m2; s = s2; return; }
+  if (m2 == NEG_INF) return;
+  if (m == NEG_INF) { m = m2; s = s2; return; }
   if (m2 > m) { s = s * __expf(m - m2) + s2; m = m2; } else { s += s2 * __expf(m2 - m); }
 }
 __device__ __forceinline__ void add(float &m, float &s, float v) {
@@ -44,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(1024) ce_bf16(
   const bf16* x = logits + row * (size_t)V;
   bf16* g = grad + row * (size_t)V;
   const bool vec = (V % 8) == 0;
-  float m = -INFINITY, s = 0.f;
+  float m = NEG_INF, s = 0.f;
   if (vec) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     for (int i = threadIdx.x; i < V / 8; i += blockDim.x) {
@@ -66,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(1024) ce_bf16(
   if (lane == 0) { sm[warp] = m; ss[warp] = s; }
   __syncthreads();
   if (warp == 0) {
-    m = lane < nwarps ? sm[lane] : -INFINITY; s = lane < nwarps ? ss[lane] : 0.f;
+    m = lane < nwarps ? sm[lane] : NEG_INF; s = lane < nwarps ? ss[lane] : 0.f;
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -123,10 +124,7 @@ fn loaded() -> Result<&'static Loaded, String> {
         let cap = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"));
         let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("NVRTC: {e:?}"))?;
-        let image = CString::new(ptx.to_src()).map_err(|e| e.to_string())?;
+        let image = CString::new(compile(major, minor)?).map_err(|e| e.to_string())?;
         // SAFETY: image is NUL-terminated PTX text; the module lives for the
         // process (kept in the static).
         let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
@@ -136,6 +134,21 @@ fn loaded() -> Result<&'static Loaded, String> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
+fn compile(major: i32, minor: i32) -> Result<String, String> {
+    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
+        .map_err(|_| "libnvrtc could not be loaded".to_owned())?
+        .map_err(|e| format!("NVRTC: {e:?}"))?;
+    Ok(ptx.to_src())
+}
+
+/// Why the fused kernels cannot be used, if they cannot.
+pub fn unavailable_reason() -> Option<String> {
+    loaded().err()
 }
 
 /// Whether the fused kernels can be used (CUDA present and NVRTC works).
@@ -196,6 +209,13 @@ mod tests {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             false
         }
+    }
+
+    #[test]
+    fn kernel_source_compiles_for_hopper() {
+        // NVRTC runs without a GPU; the CPU test environment has libnvrtc.
+        let ptx = compile(9, 0).unwrap();
+        assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
     }
 
     #[test]

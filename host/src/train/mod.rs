@@ -107,7 +107,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
 
     let autocast_on = w.precision != Precision::Fp32;
     // bf16 on CUDA: the loss and its gradient come from one fused kernel.
-    let fused_ce = cuda && w.precision == Precision::Bf16 && w.model.kind != ModelKind::Encoder && crate::kernels::available();
+    let fused_ce = cuda && w.precision == Precision::Bf16 && w.model.kind != ModelKind::Encoder && kernels::available();
+    if cuda && w.precision == Precision::Bf16 && !fused_ce {
+        if let Some(why) = kernels::unavailable_reason() {
+            eprintln!("warning: fused cross-entropy unavailable ({why}); using libtorch's");
+        }
+    }
     let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
     let target = match (w.target_loss, w.target_above_floor, data.loss_floor()) {
         (Some(t), _, _) => Some(t),
