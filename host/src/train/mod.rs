@@ -199,7 +199,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
                 None => {
                     let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
                     if let Some(s) = &scaler {
-                        scaled = scaled * &s.scale;
+                        scaled = &scaled * &s.scale;
                     }
                     scaled.backward();
                 }

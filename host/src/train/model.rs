@@ -115,6 +115,11 @@ pub fn token_loss(logits: &Tensor, target: &Tensor) -> Tensor {
     }
 }
 
+/// `x + f`, a new tensor (see the GPT block).
+fn residual(x: &Tensor, f: Tensor) -> Tensor {
+    x + f
+}
+
 /// Dropout that issues no kernel at all when it would do nothing.
 fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
     if train && p > 0.0 {
@@ -251,9 +256,11 @@ impl Model {
                     let p = if train { cfg.dropout } else { 0.0 };
                     let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, true, None, false);
                     let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
-                    x = x + dropout(blk.attn_proj.forward(&y), cfg.dropout, train);
+                    // Out of place on purpose: tch's `+=` adds in place, which
+                    // would overwrite a tensor autograd saved for backward.
+                    x = residual(&x, dropout(blk.attn_proj.forward(&y), cfg.dropout, train));
                     let m = blk.c_fc.forward(&blk.ln2.forward(&x)).gelu("tanh");
-                    x = x + dropout(blk.mlp_proj.forward(&m), cfg.dropout, train);
+                    x = residual(&x, dropout(blk.mlp_proj.forward(&m), cfg.dropout, train));
                 }
                 let x = ln_f.forward(&x);
                 let logits = x.matmul(&wte.ws.tr());
