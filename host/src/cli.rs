@@ -18,7 +18,8 @@ pub mod exit {
     pub const ENTRY_FAILED: i32 = 1;
     /// The suite file is invalid (`harness validate` says why).
     pub const INVALID_SUITE: i32 = 2;
-    /// Harness itself could not run (I/O, device set-up, bad arguments).
+    /// Harness itself could not run (I/O, device set-up, resume mismatch).
+    /// Command-line usage errors exit with 2, from the argument parser.
     pub const ERROR: i32 = 3;
 }
 

@@ -129,7 +129,8 @@ fn loaded() -> Result<&'static Loaded, String> {
         // process (kept in the static).
         let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
         // SAFETY: module is loaded; the name is NUL-terminated.
-        let ce_bf16 = unsafe { result::module::get_function(module, CString::new("ce_bf16").expect("no NUL")) }.map_err(|e| format!("{e:?}"))?;
+        let ce_bf16 =
+            unsafe { result::module::get_function(module, CString::new("ce_bf16").expect("no NUL")) }.map_err(|e| format!("{e:?}"))?;
         Ok(Loaded { _module: module, ce_bf16 })
     })
     .as_ref()

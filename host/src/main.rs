@@ -2,6 +2,11 @@
 use clap::Parser;
 
 fn main() {
+    // Die quietly on a closed pipe (`harness env | head`), as Unix tools do,
+    // instead of panicking on the failed print.
+    // SAFETY: restoring the default disposition of one signal before any
+    // thread starts; no handler code is involved.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = harness::cli::Cli::parse();
     let code = match harness::cli::main(cli) {
         Ok(code) => code,

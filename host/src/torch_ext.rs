@@ -162,6 +162,14 @@ pub fn fused_adamw(
 ) -> Result<(), TorchError> {
     let n = params.len();
     assert!(grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n && steps.len() == n);
+    // The fused kernel trusts its inputs (the CPU one does not check shapes),
+    // so mismatches are refused here rather than read out of bounds.
+    for i in 0..n {
+        let shape = params[i].size();
+        if grads[i].size() != shape || exp_avg[i].size() != shape || exp_avg_sq[i].size() != shape {
+            return Err(TorchError(format!("AdamW: parameter {i} has shape {shape:?} but its gradient or state differs")));
+        }
+    }
     let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(exp_avg), ptrs(exp_avg_sq), ptrs(steps));
     let fi = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
     // SAFETY: five arrays of n live tensor pointers (lengths asserted above),
@@ -250,8 +258,15 @@ mod tests {
 
     #[test]
     fn errors_from_libtorch_are_reported_not_thrown() {
+        // An integer gradient: libtorch's norm throws; we get an Err.
+        let e = clip_grad_norm(&[Tensor::from_slice(&[1i64, 2])], Some(1.0)).unwrap_err();
+        assert!(e.0.contains("norm"), "{e}");
+    }
+
+    #[test]
+    fn adamw_refuses_mismatched_shapes() {
         let p = Tensor::from_slice(&[1.0f32, 2.0]);
-        let g = Tensor::from_slice(&[1.0f32]); // wrong shape
+        let g = Tensor::from_slice(&[1.0f32]);
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
         let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None).is_err());

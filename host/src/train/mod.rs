@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
 use crate::results::{MemoryRecord, Metrics};
 use crate::strategy::{SingleRank, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
-use crate::kernels;
 use crate::torch_ext::{self, AutocastDevice};
 use data::Data;
 use model::{Model, ModelConfig};

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Every check CI runs (`./x test`, which sources scripts/env.sh first so that
+# libtorch is installed and on the library path).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test (release: the tests train real models)"
+# Snapshot mismatches fail instead of writing .snap.new files.
+CI=${CI:-true} cargo test --workspace --release
+echo "== bench scripts parse"
+python3 -m py_compile bench/pytorch_gpt.py bench/summarize.py
+bash -n bench/gpu_vs_pytorch.sh
+echo "all checks passed"

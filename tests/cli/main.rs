@@ -1,0 +1,64 @@
+//! End-to-end tests of the `harness` binary: they run it as a user would and
+//! read what it leaves behind.
+
+mod errors;
+mod resume;
+mod run;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The repository root (suites/ lives there).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
+}
+
+/// A `harness` command run from `dir`.
+pub fn harness(dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));
+    c.current_dir(dir);
+    c
+}
+
+/// Runs to completion and returns the output.
+pub fn run_ok(c: &mut Command) -> Output {
+    let out = c.output().expect("harness starts");
+    assert!(
+        out.status.success(),
+        "harness failed ({:?})\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Writes `text` to `dir/name` and returns the path.
+pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write fixture");
+    p
+}
+
+/// A small suite: `workloads` is appended after a CPU `[suite]` table.
+pub fn suite(name: &str, extra_meta: &str, workloads: &str) -> String {
+    format!("[suite]\nname = \"{name}\"\ndevice = \"cpu\"\nwarmup_steps = 2\nthreads = 1\n{extra_meta}\n{workloads}")
+}
+
+/// A tiny token workload with the given name, steps and extra keys.
+pub fn tiny_gpt(name: &str, steps: u32, extra: &str) -> String {
+    format!(
+        r#"
+[[workload]]
+name = "{name}"
+model = {{ kind = "gpt", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
+batch = 8
+seq_len = 32
+steps = {steps}
+optimizer = {{ kind = "adamw", lr = 3e-3, betas = [0.9, 0.95] }}
+eval_batches = 2
+{extra}
+"#
+    )
+}

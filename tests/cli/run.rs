@@ -1,0 +1,157 @@
+//! `harness run` end to end.
+
+use harness::results::{EntryStatus, RunResult};
+
+use crate::*;
+
+#[test]
+fn default_suite_learns_towards_the_floor_and_records_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cpu.json");
+    let o = run_ok(harness(&repo_root()).args(["run", "--quiet", "--out"]).arg(&out));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("tokens/s") && table.contains("time to target"), "{table}");
+
+    let r = RunResult::read(&out).unwrap();
+    assert!(r.complete);
+    assert_eq!(r.suite.name, "cpu");
+    assert_eq!(r.suite.text, std::fs::read_to_string(repo_root().join("suites/cpu.toml")).unwrap());
+    assert!(r.machine.libtorch.as_deref().unwrap_or("").starts_with("2.11"), "{:?}", r.machine.libtorch);
+    assert_eq!(r.entries.len(), r.plan.len());
+    for e in &r.entries {
+        assert_eq!(e.status, EntryStatus::Ok, "{}", e.id);
+        let m = e.metrics.as_ref().unwrap();
+        let floor = m.loss_floor.expect("synthetic data has a known floor");
+        let first = m.loss_curve.first().unwrap().2;
+        let eval = m.final_eval_loss.unwrap();
+        // Starts near ln(vocab), ends within the suite's target of the floor.
+        assert!(first > floor + 3.0, "{}: first loss {first}, floor {floor}", e.id);
+        assert!(eval <= m.target_loss.unwrap(), "{}: eval {eval}, target {:?}", e.id, m.target_loss);
+        assert!(m.time_to_target_s.is_some() && m.steps_to_target.is_some());
+        assert!(m.tokens_per_s > 0.0 && m.train_time_s > 0.0);
+        // Histograms decode and agree with the summary.
+        let h = harness::measure::decode(&e.histograms["step"]).unwrap();
+        assert_eq!(h.len(), m.steps - m.warmup_steps);
+        let p50 = h.value_at_quantile(0.5) as f64 / 1e6;
+        assert!((p50 - m.step.as_ref().unwrap().p50_ms).abs() < 1e-9);
+        for phase in ["data", "forward", "backward", "optimizer"] {
+            assert!(e.histograms.contains_key(phase), "{}: no {phase} histogram", e.id);
+        }
+        assert!(m.memory.peak_rss_bytes.unwrap() > 0);
+    }
+}
+
+#[test]
+fn bf16_autocast_learns_like_fp32() {
+    // Pins a bug: with autocast left on for a whole run, its cache of bf16
+    // weight copies must be cleared after every forward, or training keeps
+    // using the initial weights.
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("fp32", 120, "precision = \"fp32\"") + &tiny_gpt("bf16", 120, "precision = \"bf16\"");
+    let s = write(dir.path(), "s.toml", &suite("prec", "", &w));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let eval = |i: usize| r.entries[i].metrics.as_ref().unwrap().final_eval_loss.unwrap();
+    let floor = r.entries[0].metrics.as_ref().unwrap().loss_floor.unwrap();
+    assert!(eval(0) < floor + 0.5, "fp32 did not learn: {} (floor {floor})", eval(0));
+    assert!((eval(1) - eval(0)).abs() < 0.1, "bf16 {} vs fp32 {}", eval(1), eval(0));
+}
+
+#[test]
+fn a_failing_entry_is_recorded_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("first", 10, "") + &tiny_gpt("diverges", 30, "").replace("lr = 3e-3", "lr = 1e12") + &tiny_gpt("last", 10, "");
+    let s = write(dir.path(), "s.toml", &suite("fail", "", &w));
+    let out = harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(harness::cli::exit::ENTRY_FAILED));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    assert!(r.complete);
+    let status: Vec<_> = r.entries.iter().map(|e| (e.id.as_str(), matches!(e.status, EntryStatus::Ok))).collect();
+    assert_eq!(status, [("first/baseline/r0", true), ("diverges/baseline/r0", false), ("last/baseline/r0", true)]);
+    let EntryStatus::Failed { error } = &r.entries[1].status else { unreachable!() };
+    assert!(error.contains("training loss became"), "{error}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("diverges/baseline/r0: the training loss became"));
+}
+
+#[test]
+fn token_files_train_with_a_held_out_split() {
+    let dir = tempfile::tempdir().unwrap();
+    // llm.c format: 256 x i32 header, then u16 tokens (a learnable cycle).
+    let tokens: Vec<u16> = (0..20_000u32).map(|i| ((i * 7) % 61) as u16).collect();
+    let mut bytes = Vec::new();
+    let mut header = [0i32; 256];
+    header[0] = 20240520;
+    header[1] = 1;
+    header[2] = tokens.len() as i32;
+    bytes.extend(header.iter().flat_map(|x| x.to_le_bytes()));
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    std::fs::write(dir.path().join("train.bin"), bytes).unwrap();
+    let w = tiny_gpt("bin", 60, "target_loss = 0.5").replace(
+        "data = { kind = \"synthetic\", vocab = 64, branching = 2 }",
+        "data = { kind = \"bin\", train = \"train.bin\", vocab = 64 }",
+    );
+    let s = write(dir.path(), "s.toml", &suite("bin", "", &w));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m = r.entries[0].metrics.as_ref().unwrap();
+    assert_eq!(m.loss_floor, None);
+    assert!(m.final_eval_loss.unwrap() < 0.5, "{:?}", m.final_eval_loss);
+}
+
+#[test]
+fn encoder_regression_approaches_its_noise_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = r#"
+[[workload]]
+name = "enc"
+model = { kind = "encoder", preset = "tiny" }
+data = { kind = "regression", noise = 0.3 }
+batch = 16
+seq_len = 8
+steps = 150
+optimizer = { kind = "adamw", lr = 2e-3 }
+eval_batches = 4
+target_above_floor = 0.15
+"#;
+    let s = write(dir.path(), "s.toml", &suite("enc", "", w));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m = r.entries[0].metrics.as_ref().unwrap();
+    assert!((m.loss_floor.unwrap() - 0.09).abs() < 1e-12);
+    // Targets have unit variance: an untrained model sits near 1.0.
+    assert!(m.final_eval_loss.unwrap() <= m.target_loss.unwrap(), "eval {:?} target {:?}", m.final_eval_loss, m.target_loss);
+}
+
+#[test]
+fn cuda_suites_fail_clearly_without_a_gpu() {
+    if harness::device::init_cuda() {
+        eprintln!("skipped: this machine has a GPU; the test checks the message on machines without one");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = write(dir.path(), "s.toml", &suite("c", "", &tiny_gpt("w", 5, "")).replace("device = \"cpu\"", "device = \"cuda\""));
+    let out = harness(dir.path()).arg("run").arg(&s).output().unwrap();
+    assert_eq!(out.status.code(), Some(harness::cli::exit::ERROR));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("asks for `device = \"cuda\"` but no CUDA device is usable"), "{err}");
+    // Nothing half-made is left behind.
+    assert!(!dir.path().join("results").exists());
+}
+
+#[test]
+fn env_reports_the_libtorch_it_runs_on() {
+    let o = run_ok(harness(&repo_root()).args(["env", "--json"]));
+    let f: harness::device::Fingerprint = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(f.libtorch.unwrap().starts_with("2.11"));
+    assert!(f.cpu_cores >= 1);
+    let o = run_ok(harness(&repo_root()).arg("env"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("libtorch  2.11"));
+}
+
+#[test]
+fn every_command_has_help() {
+    for args in [&["--help"][..], &["run", "--help"], &["validate", "--help"], &["env", "--help"]] {
+        let o = run_ok(harness(&repo_root()).args(args));
+        assert!(String::from_utf8_lossy(&o.stdout).contains("Usage: harness"), "{args:?}");
+    }
+}
