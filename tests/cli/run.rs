@@ -155,3 +155,19 @@ fn every_command_has_help() {
         assert!(String::from_utf8_lossy(&o.stdout).contains("Usage: harness"), "{args:?}");
     }
 }
+
+#[test]
+fn accumulation_and_time_budgets_count_what_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("accum", 6, "grad_accum = 3") + &tiny_gpt("budget", 1, "time_budget_s = 1.5").replace("steps = 1\n", "");
+    let s = write(dir.path(), "s.toml", &suite("acc", "", &w));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m = r.entries[0].metrics.as_ref().unwrap();
+    // 6 optimizer steps x 3 micro-batches x 8 sequences x 32 tokens.
+    assert_eq!((m.steps, m.samples, m.tokens), (6, 6 * 3 * 8, 6 * 3 * 8 * 32));
+    assert_eq!(m.loss_curve.len(), 6);
+    let b = r.entries[1].metrics.as_ref().unwrap();
+    assert!(b.steps > 3, "a 1.5 s budget ran only {} steps", b.steps);
+    assert!(b.train_time_s >= 1.5 && b.train_time_s < 3.0, "train time {}", b.train_time_s);
+}
