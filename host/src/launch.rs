@@ -67,7 +67,6 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         tch::Device::Cpu => "cpu".to_owned(),
         _ => result.machine.gpus.first().map_or("cuda".into(), |g| format!("cuda:0 ({})", g.name)),
     };
-    let peak = meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, true)));
     if !opts.quiet {
         eprintln!(
             "harness: suite `{}` ({} of {} entries to run) on {device_name} -> {}",
@@ -79,27 +78,26 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     }
 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
-    let prev_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|info| {
-        let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
-            s.to_string()
-        } else if let Some(s) = info.payload().downcast_ref::<String>() {
-            s.clone()
-        } else {
-            "panic".into()
-        };
-        LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
-    }));
+    let memory_total_bytes = match device {
+        tch::Device::Cpu => result.machine.memory_bytes,
+        _ => result.machine.gpus.first().map_or(0, |g| g.memory_bytes),
+    };
+    let _quiet_panics = QuietPanics::install();
 
     for (i, entry) in todo.iter().enumerate() {
         let w = &suite.spec.workloads[entry.workload];
-        let peak_for = if w.precision == crate::suite::Precision::Fp32 {
-            meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, false)))
-        } else {
-            peak
+        // The suite's figure wins; else the GPU table at the entry's precision.
+        let low_precision = w.precision != crate::suite::Precision::Fp32;
+        let peak_for = meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, low_precision)));
+        let ctx = EntryContext {
+            workload: w,
+            entry,
+            suite_dir: &suite_dir,
+            device,
+            warmup_steps: meta.warmup_steps,
+            peak_tflops: peak_for,
+            memory_total_bytes,
         };
-        let ctx =
-            EntryContext { workload: w, entry, suite_dir: &suite_dir, device, warmup_steps: meta.warmup_steps, peak_tflops: peak_for };
         let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();
         let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
@@ -144,8 +142,41 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         result.entries.sort_by_key(|e| order(&e.id));
         result.write_atomic(&opts.out)?;
     }
-    std::panic::set_hook(prev_hook);
     Ok(result)
+}
+
+/// While alive, panics (libtorch errors surface as panics in tch) are not
+/// printed but kept for the entry's failure message; the previous hook comes
+/// back on drop, however the run ends.
+struct QuietPanics {
+    prev: Option<PanicHook>,
+}
+
+type PanicHook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send + 'static>;
+
+impl QuietPanics {
+    fn install() -> QuietPanics {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|info| {
+            let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
+                s.to_string()
+            } else if let Some(s) = info.payload().downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "panic".into()
+            };
+            LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
+        }));
+        QuietPanics { prev: Some(prev) }
+    }
+}
+
+impl Drop for QuietPanics {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev.take() {
+            std::panic::set_hook(prev);
+        }
+    }
 }
 
 fn short(s: &str) -> &str {

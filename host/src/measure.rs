@@ -316,6 +316,11 @@ pub fn peak_rss_bytes() -> Option<u64> {
     proc_status_kb("VmHWM:").map(|kb| kb * 1024)
 }
 
+/// The process's resident set size now, in bytes (VmRSS).
+pub fn rss_bytes() -> Option<u64> {
+    proc_status_kb("VmRSS:").map(|kb| kb * 1024)
+}
+
 /// Resets the kernel's peak-RSS counter, so the next reading covers one entry.
 pub fn reset_peak_rss() {
     // Linux >= 4.0: writing 5 to clear_refs resets VmHWM to the current RSS.

@@ -45,6 +45,8 @@ pub struct EntryContext<'a> {
     pub device: Device,
     pub warmup_steps: u64,
     pub peak_tflops: Option<f64>,
+    /// Memory of the training device (GPU memory, or the host's RAM).
+    pub memory_total_bytes: u64,
 }
 
 /// The outcome of a finished entry.
@@ -244,16 +246,27 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         pending_loss = step_loss.map(|l| PendingLoss::start(step, now.as_secs_f64(), &l)).transpose()?;
 
         timer.start(Phase::Strategy)?;
+        let tps = measured_from.map(|(t0, tok0, _)| (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9));
         let telemetry = StepTelemetry {
             step,
             loss: last_loss.unwrap_or(f64::NAN),
             step_time_s: last_iter.elapsed().as_secs_f64(),
-            memory_used_bytes: measure::peak_rss_bytes().unwrap_or(0),
-            memory_total_bytes: 0,
-            tokens_per_s: 0.0,
+            memory_used_bytes: if cuda { torch_ext::cuda_memory(0)?.allocated as u64 } else { measure::rss_bytes().unwrap_or(0) },
+            memory_total_bytes: ctx.memory_total_bytes,
+            tokens_per_s: tps.unwrap_or(0.0),
         };
         (cur_batch, cur_accum) = strategies.batch.next(&telemetry);
-        let _save = strategies.checkpoint.should_save(&telemetry);
+        anyhow::ensure!(
+            cur_batch >= 1 && cur_accum >= 1,
+            "the batch policy returned batch {cur_batch} x {cur_accum} accumulation steps; both must be at least 1"
+        );
+        // No built-in policy saves; checkpoint writing arrives with the
+        // checkpoint-policy work, and until then a request to save is an error
+        // rather than silently ignored.
+        anyhow::ensure!(
+            !strategies.checkpoint.should_save(&telemetry),
+            "the checkpoint policy asked to save, and this version cannot write checkpoints"
+        );
         timer.stop()?;
         timer.end_step()?;
 
@@ -264,7 +277,6 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         }
         step += 1;
 
-        let tps = measured_from.map(|(t0, tok0, _)| (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9));
         progress(&Progress { step, total_steps: w.steps, elapsed: now, time_budget: budget, loss: last_loss, tokens_per_s: tps });
 
         if w.eval_every > 0 && step % w.eval_every == 0 && w.steps != Some(step) {
