@@ -41,6 +41,22 @@ pub enum Command {
         /// The suite to check.
         suite: PathBuf,
     },
+    /// Score result files: write LEADERBOARD.md and index.html.
+    Report {
+        /// Result files, or folders to search for them (*.json).
+        #[arg(required = true)]
+        results: Vec<PathBuf>,
+        /// Where to write LEADERBOARD.md and index.html.
+        #[arg(long, default_value = "results")]
+        out_dir: PathBuf,
+    },
+    /// Compare two result files side by side, with ratios and significance.
+    Compare {
+        /// The reference (A).
+        a: PathBuf,
+        /// The candidate (B).
+        b: PathBuf,
+    },
     /// Show what harness sees: CPU, GPUs, driver, CUDA, libtorch, NCCL.
     Env {
         /// Print JSON (the fingerprint that result files carry).
@@ -100,6 +116,23 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Run(args) => run(args),
+        Command::Report { results, out_dir } => {
+            let (loaded, sources) = load_results(&results)?;
+            let boards = report::boards(&loaded);
+            let md = report::leaderboard_markdown(&boards, &sources);
+            let html = report::html::page(&boards, &sources);
+            let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
+            results::write_atomic(&md_path, md.as_bytes())?;
+            results::write_atomic(&html_path, html.as_bytes())?;
+            println!("{} result files, {} tables -> {}, {}", loaded.len(), boards.len(), md_path.display(), html_path.display());
+            Ok(exit::OK)
+        }
+        Command::Compare { a, b } => {
+            let ra = results::RunResult::read(&a)?;
+            let rb = results::RunResult::read(&b)?;
+            print!("{}", report::compare_table(&[ra], &[rb]));
+            Ok(exit::OK)
+        }
     }
 }
 
@@ -130,6 +163,39 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     println!("results: {}", out.display());
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
     Ok(if failed > 0 { exit::ENTRY_FAILED } else { exit::OK })
+}
+
+/// Reads result files; folders are searched (not recursively) for *.json,
+/// skipping JSON files that are not harness results (bench outputs).
+fn load_results(paths: &[PathBuf]) -> anyhow::Result<(Vec<results::RunResult>, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut sources = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut files: Vec<PathBuf> =
+                std::fs::read_dir(p)?.flatten().map(|e| e.path()).filter(|f| f.extension().is_some_and(|x| x == "json")).collect();
+            files.sort();
+            for f in files {
+                match results::RunResult::read(&f) {
+                    Ok(r) => {
+                        sources.push(f.display().to_string());
+                        out.push(r);
+                    }
+                    Err(results::ResultsError::Parse { .. }) => eprintln!("note: {} is not a harness result file; skipped", f.display()),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        } else {
+            out.push(results::RunResult::read(p)?);
+            sources.push(p.display().to_string());
+        }
+    }
+    anyhow::ensure!(
+        !out.is_empty(),
+        "no result files found in {}",
+        paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
+    Ok((out, sources))
 }
 
 fn print_env(f: &device::Fingerprint) {

@@ -123,6 +123,13 @@ pub struct Metrics {
     pub skipped_steps: u64,
     pub bytes_on_wire: u64,
     pub strategy_runtime: String,
+    /// (step, micro-batch, accumulation steps) at the start and at every
+    /// change the batch policy made.
+    #[serde(default)]
+    pub batch_changes: Vec<(u64, u32, u32)>,
+    /// Checkpoints written during the entry.
+    #[serde(default)]
+    pub checkpoints_written: u64,
     /// Whether the loss came from harness's fused cross-entropy kernel
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]

@@ -131,6 +131,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     let mut step_hist = measure::new_histogram();
     let (batch, accum) = (w.batch, w.grad_accum);
     let (mut cur_batch, mut cur_accum) = (batch, accum);
+    let mut batch_changes = vec![(0u64, batch, accum)];
 
     let start = Instant::now();
     let mut eval_time = Duration::ZERO;
@@ -255,7 +256,11 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
             memory_total_bytes: ctx.memory_total_bytes,
             tokens_per_s: tps.unwrap_or(0.0),
         };
-        (cur_batch, cur_accum) = strategies.batch.next(&telemetry);
+        let next = strategies.batch.next(&telemetry);
+        if next != (cur_batch, cur_accum) {
+            batch_changes.push((step + 1, next.0, next.1));
+        }
+        (cur_batch, cur_accum) = next;
         anyhow::ensure!(
             cur_batch >= 1 && cur_accum >= 1,
             "the batch policy returned batch {cur_batch} x {cur_accum} accumulation steps; both must be at least 1"
@@ -373,6 +378,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         bytes_on_wire: crate::strategy::Collective::bytes_sent(&comm),
         strategy_runtime: "built-in".into(),
         fused_cross_entropy: fused_ce,
+        batch_changes,
+        checkpoints_written: 0,
     };
     Ok(EntryOutput { metrics, histograms })
 }

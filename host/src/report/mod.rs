@@ -1,0 +1,471 @@
+//! Reports: the summary table printed at the end of `harness run`, and the
+//! scores across result files: the leaderboard (`harness report`, Markdown and
+//! a self-contained HTML page with SVG plots) and `harness compare`.
+//!
+//! Entries are grouped by (suite, workload, strategy, device); the repeats of
+//! a group are summarised with [`stats`] and every metric is compared with the
+//! group of the suite's baseline strategy on the same workload and device.
+
+pub mod html;
+pub mod stats;
+
+use std::collections::BTreeMap;
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
+
+use crate::launch::human;
+use crate::results::{EntryStatus, Metrics, RunResult};
+use stats::{Summary, Verdict};
+
+/// A table of every entry: throughput, latency, MFU, memory, loss, target.
+pub fn summary_table(r: &RunResult) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header([
+        "entry",
+        "status",
+        "tokens/s",
+        "step p50 ms",
+        "step p99 ms",
+        "MFU",
+        "peak mem",
+        "eval loss",
+        "floor",
+        "target",
+        "time to target",
+    ]);
+    for e in &r.entries {
+        let status = match &e.status {
+            EntryStatus::Ok => "ok".to_owned(),
+            EntryStatus::Failed { .. } => "FAILED".to_owned(),
+        };
+        let row: Vec<String> = match &e.metrics {
+            Some(m) => {
+                let mem = m.memory.peak_device_allocated_bytes.map(|b| b as u64).or(m.memory.peak_rss_bytes).map_or("-".into(), bytes);
+                vec![
+                    e.id.clone(),
+                    status,
+                    human(m.tokens_per_s),
+                    m.step.as_ref().map_or("-".into(), |s| format!("{:.2}", s.p50_ms)),
+                    m.step.as_ref().map_or("-".into(), |s| format!("{:.2}", s.p99_ms)),
+                    m.mfu.map_or("-".into(), |x| format!("{:.1}%", 100.0 * x)),
+                    mem,
+                    opt(m.final_eval_loss),
+                    opt(m.loss_floor),
+                    opt(m.target_loss),
+                    match (m.target_loss, m.time_to_target_s) {
+                        (None, _) => "-".into(),
+                        (Some(_), Some(s)) => format!("{s:.1} s"),
+                        (Some(_), None) => "missed".into(),
+                    },
+                ]
+            }
+            None => {
+                let mut v = vec![e.id.clone(), status];
+                v.extend(std::iter::repeat_n("-".to_owned(), 9));
+                v
+            }
+        };
+        t.add_row(row.into_iter().map(Cell::new));
+    }
+    for c in 2..11 {
+        if let Some(col) = t.column_mut(c) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    let mut out = t.to_string();
+    for e in &r.entries {
+        if let EntryStatus::Failed { error } = &e.status {
+            out.push_str(&format!("\n{}: {error}", e.id));
+        }
+    }
+    out
+}
+
+fn opt(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.4}"))
+}
+
+/// 1536 -> "1.5 KiB".
+pub fn bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
+}
+
+/// One strategy on one workload: every repeat found in the result files.
+#[derive(Debug, Clone)]
+pub struct Group {
+    pub suite: String,
+    pub workload: String,
+    pub strategy: String,
+    pub device: String,
+    pub baseline: bool,
+    /// (compressor, batch policy, checkpoint policy) names.
+    pub parts: (String, String, String),
+    pub runs: Vec<Metrics>,
+    /// Step histograms (base64) of the runs, in the same order.
+    pub step_histograms: Vec<String>,
+    /// Errors of repeats that failed.
+    pub failures: Vec<String>,
+}
+
+/// A metric's direction: which way is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Better {
+    Higher,
+    Lower,
+}
+
+/// The scored metrics, in the order of the leaderboard's columns.
+pub const METRICS: &[(&str, Better)] = &[
+    ("time to target s", Better::Lower),
+    ("tokens/s", Better::Higher),
+    ("step p50 ms", Better::Lower),
+    ("step p99 ms", Better::Lower),
+    ("step p99.9 ms", Better::Lower),
+    ("MFU", Better::Higher),
+    ("peak memory", Better::Lower),
+    ("bytes/step", Better::Lower),
+    ("goodput steps/s", Better::Higher),
+];
+
+fn metric_value(m: &Metrics, name: &str) -> Option<f64> {
+    let step = m.step.as_ref();
+    match name {
+        "time to target s" => m.time_to_target_s,
+        "tokens/s" => Some(m.tokens_per_s),
+        "step p50 ms" => step.map(|s| s.p50_ms),
+        "step p99 ms" => step.map(|s| s.p99_ms),
+        "step p99.9 ms" => step.map(|s| s.p999_ms),
+        "MFU" => m.mfu,
+        "peak memory" => m.memory.peak_device_allocated_bytes.map(|b| b as f64).or(m.memory.peak_rss_bytes.map(|b| b as f64)),
+        "bytes/step" => (m.steps > 0).then(|| m.bytes_on_wire as f64 / m.steps as f64),
+        // Goodput needs injected failures, which this version does not run.
+        "goodput steps/s" => None,
+        _ => None,
+    }
+}
+
+/// A group's scores and how they compare with the baseline.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub group: Group,
+    /// Per metric (same order as [`METRICS`]).
+    pub summaries: Vec<Option<Summary>>,
+    pub verdicts: Vec<Option<(f64, Verdict)>>,
+    /// Repeats that reached the target, of those that ran.
+    pub reached: (usize, usize),
+    pub has_target: bool,
+    pub rank: Option<usize>,
+    /// Engagement checks that failed.
+    pub flags: Vec<String>,
+}
+
+/// One leaderboard table: a workload of a suite on one device.
+#[derive(Debug, Clone)]
+pub struct Board {
+    pub suite: String,
+    pub workload: String,
+    pub device: String,
+    pub rows: Vec<Row>,
+}
+
+/// Groups every entry of the result files.
+pub fn groups(results: &[RunResult]) -> Vec<Group> {
+    let mut map: BTreeMap<(String, String, String, String), Group> = BTreeMap::new();
+    for r in results {
+        for e in &r.entries {
+            let strategy = r.plan.iter().find(|p| p.id == e.id).map(|p| p.strategy.clone());
+            let key = (r.suite.name.clone(), e.workload.clone(), e.strategy.clone(), e.device.clone());
+            let g = map.entry(key).or_insert_with(|| Group {
+                suite: r.suite.name.clone(),
+                workload: e.workload.clone(),
+                strategy: e.strategy.clone(),
+                device: e.device.clone(),
+                baseline: strategy.as_ref().is_some_and(|s| s.baseline),
+                parts: strategy
+                    .as_ref()
+                    .map_or_else(Default::default, |s| (s.compressor.clone(), s.batch_policy.clone(), s.checkpoint.clone())),
+                runs: Vec::new(),
+                step_histograms: Vec::new(),
+                failures: Vec::new(),
+            });
+            match (&e.status, &e.metrics) {
+                (EntryStatus::Ok, Some(m)) => {
+                    g.runs.push(m.clone());
+                    g.step_histograms.push(e.histograms.get("step").cloned().unwrap_or_default());
+                }
+                (EntryStatus::Failed { error }, _) => g.failures.push(error.clone()),
+                _ => {}
+            }
+        }
+    }
+    map.into_values().collect()
+}
+
+/// Scores, compares and ranks the groups; one board per workload and device.
+pub fn boards(results: &[RunResult]) -> Vec<Board> {
+    let mut by_board: BTreeMap<(String, String, String), Vec<Group>> = BTreeMap::new();
+    for g in groups(results) {
+        by_board.entry((g.suite.clone(), g.workload.clone(), g.device.clone())).or_default().push(g);
+    }
+    by_board
+        .into_iter()
+        .map(|((suite, workload, device), gs)| {
+            let mut rows: Vec<Row> = gs.into_iter().map(score).collect();
+            let base = rows.iter().position(|r| r.group.baseline);
+            if let Some(b) = base {
+                let base_sums = rows[b].summaries.clone();
+                let base_parts = rows[b].group.parts.clone();
+                let base_bytes = rows[b].summaries[7].as_ref().map(|s| s.olympic_mean);
+                for (i, row) in rows.iter_mut().enumerate() {
+                    row.verdicts = row
+                        .summaries
+                        .iter()
+                        .zip(&base_sums)
+                        .map(|(c, b)| match (c, b) {
+                            (Some(c), Some(b)) if i != base.unwrap_or(usize::MAX) && b.olympic_mean != 0.0 => {
+                                Some((c.olympic_mean / b.olympic_mean, stats::compare(c, b)))
+                            }
+                            _ => None,
+                        })
+                        .collect();
+                    // A group that missed the target in any repeat has no
+                    // time-to-target score, so nothing to compare either.
+                    if row.has_target && row.reached.0 < row.reached.1 {
+                        row.verdicts[0] = None;
+                    }
+                    row.flags = engagement(&row.group, &base_parts, row.summaries[7].as_ref().map(|s| s.olympic_mean), base_bytes);
+                }
+            } else {
+                for row in rows.iter_mut() {
+                    row.verdicts = vec![None; METRICS.len()];
+                    row.flags = engagement(&row.group, &Default::default(), None, None);
+                }
+            }
+            rank(&mut rows);
+            Board { suite, workload, device, rows }
+        })
+        .collect()
+}
+
+fn score(group: Group) -> Row {
+    let summaries = METRICS
+        .iter()
+        .map(|(name, _)| {
+            let xs: Vec<f64> = group.runs.iter().filter_map(|m| metric_value(m, name)).collect();
+            Summary::of(&xs)
+        })
+        .collect();
+    let has_target = group.runs.iter().any(|m| m.target_loss.is_some());
+    let reached = (group.runs.iter().filter(|m| m.time_to_target_s.is_some()).count(), group.runs.len() + group.failures.len());
+    Row { group, summaries, verdicts: vec![None; METRICS.len()], reached, has_target, rank: None, flags: Vec::new() }
+}
+
+/// Time to target first: only groups whose every repeat reached the target
+/// get a rank, ordered by their olympic-mean time; when the workload sets no
+/// target, groups are ranked by tokens/s. Others are listed unranked.
+fn rank(rows: &mut [Row]) {
+    let any_target = rows.iter().any(|r| r.has_target);
+    let key = |r: &Row| -> Option<f64> {
+        if any_target {
+            if r.reached.0 == r.reached.1 && r.reached.1 > 0 {
+                r.summaries[0].as_ref().map(|s| s.olympic_mean)
+            } else {
+                None
+            }
+        } else {
+            r.summaries[1].as_ref().map(|s| -s.olympic_mean)
+        }
+    };
+    rows.sort_by(|a, b| match (key(a), key(b)) {
+        (Some(x), Some(y)) => x.total_cmp(&y),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => a.group.strategy.cmp(&b.group.strategy),
+    });
+    let mut next = 1;
+    for r in rows.iter_mut() {
+        if key(r).is_some() {
+            r.rank = Some(next);
+            next += 1;
+        }
+    }
+}
+
+/// Did the strategy change what it claims to change, compared with the
+/// baseline? A compressor must cut bytes on the wire, a batch policy must
+/// change the batch, a checkpoint policy must write checkpoints.
+fn engagement(g: &Group, base_parts: &(String, String, String), bytes: Option<f64>, base_bytes: Option<f64>) -> Vec<String> {
+    let mut flags = Vec::new();
+    if g.runs.is_empty() {
+        return flags;
+    }
+    if g.parts.0 != "allreduce" && g.parts.0 != base_parts.0 {
+        match (bytes, base_bytes) {
+            (Some(b), Some(base)) if base > 0.0 && b >= 0.95 * base => {
+                flags.push(format!("compressor `{}` sent {:.0}% of the baseline's bytes", g.parts.0, 100.0 * b / base))
+            }
+            (_, Some(0.0)) => {
+                flags.push(format!("compressor `{}`: the baseline moved no bytes (one rank), so compression is unverified", g.parts.0))
+            }
+            _ => {}
+        }
+    }
+    if g.parts.1 != "fixed" && g.runs.iter().all(|m| m.batch_changes.len() <= 1) {
+        flags.push(format!("batch policy `{}` never changed the batch", g.parts.1));
+    }
+    if g.parts.2 != "none" && g.runs.iter().all(|m| m.checkpoints_written == 0) {
+        flags.push(format!("checkpoint policy `{}` wrote no checkpoint", g.parts.2));
+    }
+    flags
+}
+
+/// Formats a metric's summary for tables.
+pub fn fmt_summary(name: &str, s: &Option<Summary>) -> String {
+    let Some(s) = s else { return "-".into() };
+    let f = |x: f64| match name {
+        "tokens/s" => sig4(x),
+        "MFU" => format!("{:.1}%", 100.0 * x),
+        "peak memory" | "bytes/step" => bytes(x.max(0.0) as u64),
+        "time to target s" => format!("{x:.2}"),
+        _ => format!("{x:.3}"),
+    };
+    match s.ci95 {
+        Some((lo, hi)) if s.n >= 2 => format!("{} [{}, {}]", f(s.olympic_mean), f(lo), f(hi)),
+        _ => format!("{} (n=1)", f(s.olympic_mean)),
+    }
+}
+
+/// Four significant digits with a k / M / G suffix: 31_312.5 -> "31.31k".
+fn sig4(x: f64) -> String {
+    let (v, unit) = match x.abs() {
+        a if a >= 1e9 => (x / 1e9, "G"),
+        a if a >= 1e6 => (x / 1e6, "M"),
+        a if a >= 1e4 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    let decimals = if v.abs() >= 1000.0 {
+        0
+    } else if v.abs() >= 100.0 {
+        1
+    } else if v.abs() >= 10.0 {
+        2
+    } else {
+        3
+    };
+    format!("{v:.decimals$}{unit}")
+}
+
+fn fmt_verdict(v: &Option<(f64, Verdict)>) -> String {
+    match v {
+        None => "-".into(),
+        Some((r, v)) => format!(
+            "{r:.3}x {}",
+            match v {
+                Verdict::Higher => "higher",
+                Verdict::Lower => "lower",
+                Verdict::NotSignificant => "n.s.",
+                Verdict::TooFewRepeats => "(too few repeats)",
+            }
+        ),
+    }
+}
+
+/// The Markdown leaderboard: one ranked table per suite, workload and device.
+pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
+    let mut out = String::from("# Leaderboard\n\n");
+    out.push_str("Generated by `harness report` from the result files below; do not edit by hand.\n");
+    out.push_str("Values are olympic means over repeats with bootstrap 95% intervals; a difference from the baseline is called\n");
+    out.push_str("(higher / lower) only when the two intervals do not overlap, otherwise it is n.s. (not significant).\n\n");
+    for s in sources {
+        out.push_str(&format!("- `{s}`\n"));
+    }
+    let mut suite = "";
+    for b in boards {
+        if b.suite != suite {
+            suite = &b.suite;
+            out.push_str(&format!("\n## Suite `{}`\n", b.suite));
+        }
+        out.push_str(&format!("\n### `{}` on {}\n\n", b.workload, b.device));
+        let mut header = vec!["rank", "strategy", "target reached"];
+        header.extend(METRICS.iter().map(|m| m.0));
+        header.extend(["tokens/s vs baseline", "time to target vs baseline", "flags"]);
+        out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
+        for r in &b.rows {
+            let mut cells = vec![
+                r.rank.map_or("-".into(), |k| k.to_string()),
+                format!("{}{}", r.group.strategy, if r.group.baseline { " (baseline)" } else { "" }),
+                if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() },
+            ];
+            for (i, (name, _)) in METRICS.iter().enumerate() {
+                cells.push(if i == 0 && r.has_target && r.reached.0 < r.reached.1 {
+                    "no score (missed)".into()
+                } else {
+                    fmt_summary(name, &r.summaries[i])
+                });
+            }
+            cells.push(fmt_verdict(&r.verdicts[1]));
+            cells.push(fmt_verdict(&r.verdicts[0]));
+            let mut flags = r.flags.clone();
+            flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
+            cells.push(if flags.is_empty() { "-".into() } else { flags.join("; ") });
+            out.push_str(&format!("| {} |\n", cells.join(" | ").replace('\n', " ")));
+        }
+    }
+    out
+}
+
+/// `harness compare`: every group of `a` next to the matching group of `b`
+/// (same workload, and the same strategy when both have it).
+pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
+    let ga = groups(a);
+    let gb = groups(b);
+    let mut out = String::new();
+    for x in &ga {
+        let y = gb.iter().find(|y| y.workload == x.workload && y.strategy == x.strategy).or_else(|| {
+            let same_workload: Vec<_> = gb.iter().filter(|y| y.workload == x.workload).collect();
+            (same_workload.len() == 1).then(|| same_workload[0])
+        });
+        let Some(y) = y else { continue };
+        let (rx, ry) = (score(x.clone()), score(y.clone()));
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED);
+        t.set_header(["metric", &format!("A: {}", x.strategy), &format!("B: {}", y.strategy), "B / A", "difference"]);
+        for (i, (name, better)) in METRICS.iter().enumerate() {
+            let (sa, sb) = (&rx.summaries[i], &ry.summaries[i]);
+            if sa.is_none() && sb.is_none() {
+                continue;
+            }
+            let (ratio, verdict) = match (sa, sb) {
+                (Some(p), Some(q)) if p.olympic_mean != 0.0 => {
+                    let v = stats::compare(q, p);
+                    let word = match (v, better) {
+                        (Verdict::Higher, Better::Higher) | (Verdict::Lower, Better::Lower) => "B better (significant)",
+                        (Verdict::Higher, Better::Lower) | (Verdict::Lower, Better::Higher) => "B worse (significant)",
+                        (Verdict::NotSignificant, _) => "not significant",
+                        (Verdict::TooFewRepeats, _) => "too few repeats",
+                    };
+                    (format!("{:.3}", q.olympic_mean / p.olympic_mean), word.to_owned())
+                }
+                _ => ("-".into(), "-".into()),
+            };
+            t.add_row([name.to_string(), fmt_summary(name, sa), fmt_summary(name, sb), ratio, verdict]);
+        }
+        out.push_str(&format!("{} / {} on {} vs {}\n{t}\n\n", x.suite, x.workload, x.device, y.device));
+    }
+    if out.is_empty() {
+        out.push_str("no workload appears in both A and B\n");
+    }
+    out
+}
