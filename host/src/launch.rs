@@ -114,8 +114,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         if !opts.quiet {
             match (&status, &metrics) {
                 (EntryStatus::Ok, Some(m)) => eprintln!(
-                    "  {} ok: {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
+                    "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
                     entry.id,
+                    entry.seed,
                     m.steps,
                     m.final_train_loss.unwrap_or(f64::NAN),
                     m.final_eval_loss.unwrap_or(f64::NAN),

@@ -127,6 +127,10 @@ pub struct Metrics {
     /// change the batch policy made.
     #[serde(default)]
     pub batch_changes: Vec<(u64, u32, u32)>,
+    /// Useful steps per wall second under injected failures; None when the
+    /// entry injected none.
+    #[serde(default)]
+    pub goodput_steps_per_s: Option<f64>,
     /// Checkpoints written during the entry.
     #[serde(default)]
     pub checkpoints_written: u64,

@@ -150,8 +150,7 @@ fn metric_value(m: &Metrics, name: &str) -> Option<f64> {
         "MFU" => m.mfu,
         "peak memory" => m.memory.peak_device_allocated_bytes.map(|b| b as f64).or(m.memory.peak_rss_bytes.map(|b| b as f64)),
         "bytes/step" => (m.steps > 0).then(|| m.bytes_on_wire as f64 / m.steps as f64),
-        // Goodput needs injected failures, which this version does not run.
-        "goodput steps/s" => None,
+        "goodput steps/s" => m.goodput_steps_per_s,
         _ => None,
     }
 }
@@ -441,7 +440,15 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
         let (rx, ry) = (score(x.clone()), score(y.clone()));
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED);
-        t.set_header(["metric", &format!("A: {}", x.strategy), &format!("B: {}", y.strategy), "B / A", "difference"]);
+        t.set_header([
+            "metric",
+            &format!("A: {}", x.strategy),
+            "A median",
+            &format!("B: {}", y.strategy),
+            "B median",
+            "B / A",
+            "difference",
+        ]);
         for (i, (name, better)) in METRICS.iter().enumerate() {
             let (sa, sb) = (&rx.summaries[i], &ry.summaries[i]);
             if sa.is_none() && sb.is_none() {
@@ -460,7 +467,12 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
                 }
                 _ => ("-".into(), "-".into()),
             };
-            t.add_row([name.to_string(), fmt_summary(name, sa), fmt_summary(name, sb), ratio, verdict]);
+            let med = |s: &Option<Summary>| {
+                s.as_ref().map_or("-".into(), |s| {
+                    fmt_summary(name, &Some(Summary { n: 1, olympic_mean: s.median, median: s.median, ci95: None })).replace(" (n=1)", "")
+                })
+            };
+            t.add_row([name.to_string(), fmt_summary(name, sa), med(sa), fmt_summary(name, sb), med(sb), ratio, verdict]);
         }
         out.push_str(&format!("{} / {} on {} vs {}\n{t}\n\n", x.suite, x.workload, x.device, y.device));
     }

@@ -380,6 +380,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         fused_cross_entropy: fused_ce,
         batch_changes,
         checkpoints_written: 0,
+        goodput_steps_per_s: None,
     };
     Ok(EntryOutput { metrics, histograms })
 }
