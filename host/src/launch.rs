@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
 use crate::results::{EntryResult, EntryStatus, RunResult};
 use crate::suite::Suite;
-use crate::train::{self, EntryContext, Progress};
+use crate::train::{self, EntryContext, EntryOutput, Progress};
 
 /// How a run is asked for.
 pub struct RunOptions {
@@ -82,6 +83,13 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         tch::Device::Cpu => result.machine.memory_bytes,
         _ => result.machine.gpus.first().map_or(0, |g| g.memory_bytes),
     };
+    let world = meta.world_size as usize;
+    if world > 1 && device != tch::Device::Cpu {
+        anyhow::bail!(
+            "world_size = {world} on {device:?}: multi-GPU data parallelism over NCCL is not built yet\nhint: use `device = \"cpu\"` for thread ranks (a test backend), or world_size = 1"
+        );
+    }
+    let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
     let _quiet_panics = QuietPanics::install();
 
     for (i, entry) in todo.iter().enumerate() {
@@ -97,19 +105,21 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             warmup_steps: meta.warmup_steps,
             peak_tflops: peak_for,
             memory_total_bytes,
+            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
         };
         let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();
         let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(&ctx, &mut on_progress)));
+        let link = entry.strategy.link;
+        let outcome = if world == 1 {
+            run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
+        } else {
+            run_threads(&ctx, world, link, timeout, &mut on_progress)
+        };
         bar.finish_and_clear();
         let (status, metrics, histograms) = match outcome {
-            Ok(Ok(out)) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
-            Ok(Err(e)) => (EntryStatus::Failed { error: format!("{e:#}") }, None, Default::default()),
-            Err(_) => {
-                let msg = LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| "panic".into());
-                (EntryStatus::Failed { error: clean_panic(&msg) }, None, Default::default())
-            }
+            Ok(out) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
+            Err(error) => (EntryStatus::Failed { error }, None, Default::default()),
         };
         if !opts.quiet {
             match (&status, &metrics) {
@@ -178,6 +188,60 @@ impl Drop for QuietPanics {
             std::panic::set_hook(prev);
         }
     }
+}
+
+/// Runs one rank of an entry; errors and panics become the failure message,
+/// and the other ranks are released from their collectives.
+fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> Result<EntryOutput, String> {
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(ctx, comm, progress)));
+    let err = match outcome {
+        Ok(Ok(out)) => return Ok(out),
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(_) => clean_panic(&LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| "panic".into())),
+    };
+    comm.abort(&err);
+    Err(err)
+}
+
+/// CPU data parallelism: one thread per rank, an in-process collective.
+/// Rank 0's figures are kept, with throughput summed over the ranks.
+fn run_threads(
+    ctx: &EntryContext<'_>,
+    world: usize,
+    link: Option<Link>,
+    timeout: Duration,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<EntryOutput, String> {
+    let group = InProcessGroup::new(world, timeout);
+    let (first, others) = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..world)
+            .map(|r| {
+                let mut comm = group.rank(r, link);
+                s.spawn(move || run_rank(ctx, &mut comm, &mut |_| {}))
+            })
+            .collect();
+        let first = run_rank(ctx, &mut group.rank(0, link), progress);
+        let others: Vec<Result<EntryOutput, String>> =
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect();
+        (first, others)
+    });
+    // The first real error, not the "aborted" echoes it caused elsewhere.
+    let errors: Vec<(usize, &String)> =
+        std::iter::once(&first).chain(&others).enumerate().filter_map(|(r, o)| o.as_ref().err().map(|e| (r, e))).collect();
+    if let Some((r, e)) = errors.iter().find(|(_, e)| !e.contains("was aborted")).or(errors.first()) {
+        return Err(format!("rank {r}: {e}"));
+    }
+    let mut out = first.map_err(|e| format!("rank 0: {e}"))?;
+    let m = &mut out.metrics;
+    for o in others.iter().flatten() {
+        m.tokens += o.metrics.tokens;
+        m.samples += o.metrics.samples;
+        m.tokens_per_s += o.metrics.tokens_per_s;
+        m.samples_per_s += o.metrics.samples_per_s;
+    }
+    m.achieved_tflops = m.flops_per_token * m.tokens_per_s / 1e12;
+    m.mfu = m.peak_tflops.map(|p| m.achieved_tflops / (p * world as f64));
+    Ok(out)
 }
 
 fn short(s: &str) -> &str {

@@ -2,12 +2,13 @@
 //!
 //! The modules follow the data (../DESIGN.md): [`cli`] -> [`suite`] (parse,
 //! validate, expand to a plan) -> [`launch`] (run entries, keep results) ->
-//! [`device`] -> [`train`] (model, data, optimizer, step loop) with
+//! [`device`] / [`comm`] -> [`train`] (model, data, optimizer, step loop) with
 //! [`strategy`] (the decisions strategies make) -> [`measure`] (HDR
 //! histograms, timers) -> [`results`] (schema, atomic writes) -> [`report`].
 //! [`torch_ext`] wraps the libtorch calls that `tch` lacks.
 
 pub mod cli;
+pub mod comm;
 pub mod device;
 pub mod kernels;
 pub mod launch;

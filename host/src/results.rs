@@ -121,7 +121,26 @@ pub struct Metrics {
     pub eval_curve: Vec<(u64, f64, f64)>,
     /// fp16: steps skipped because gradients overflowed.
     pub skipped_steps: u64,
+    /// Bytes this rank sent in training collectives (ring accounting).
     pub bytes_on_wire: u64,
+    /// Ranks that trained this entry (throughput counts all of them).
+    #[serde(default = "one")]
+    pub world_size: u32,
+    /// Training collectives this rank issued.
+    #[serde(default)]
+    pub collectives: u64,
+    /// Measured latency of each collective.
+    #[serde(default)]
+    pub collective: Option<LatencySummary>,
+    /// Latency after link emulation, when a link was emulated.
+    #[serde(default)]
+    pub collective_emulated: Option<LatencySummary>,
+    /// All-reduce bus bandwidth, GB/s (nccl-tests: bytes / time x 2(n-1)/n).
+    #[serde(default)]
+    pub busbw_gbs: Option<f64>,
+    /// The same under link emulation.
+    #[serde(default)]
+    pub busbw_emulated_gbs: Option<f64>,
     pub strategy_runtime: String,
     /// (step, micro-batch, accumulation steps) at the start and at every
     /// change the batch policy made.
@@ -138,6 +157,10 @@ pub struct Metrics {
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]
     pub fused_cross_entropy: bool,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// Memory high-water marks.

@@ -18,41 +18,12 @@ pub struct StepTelemetry {
     pub tokens_per_s: f64,
 }
 
-/// The collectives a compressor may use, run and accounted for by the host.
-pub trait Collective {
-    /// This rank's index.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn world_size(&self) -> usize;
-    /// Sums `t` over ranks in place.
-    fn all_reduce_sum(&mut self, t: &mut Tensor) -> anyhow::Result<()>;
-    /// Bytes this rank has sent so far.
-    fn bytes_sent(&self) -> u64;
-}
-
-/// A single rank: collectives are the identity and move no bytes.
-#[derive(Debug, Default)]
-pub struct SingleRank;
-
-impl Collective for SingleRank {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        1
-    }
-    fn all_reduce_sum(&mut self, _t: &mut Tensor) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn bytes_sent(&self) -> u64 {
-        0
-    }
-}
+pub use crate::comm::{Collective, SingleRank};
 
 /// Reduces gradients across ranks, leaving the average in place.
 pub trait Compressor {
-    /// Reduces one bucket of gradients.
-    fn reduce(&mut self, grads: &mut [Tensor], comm: &mut dyn Collective) -> anyhow::Result<()>;
+    /// Reduces one bucket: the flattened gradients of consecutive parameters.
+    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective) -> anyhow::Result<()>;
 }
 
 /// Decides the next micro-batch size and accumulation steps.
@@ -72,15 +43,13 @@ pub trait CheckpointPolicy {
 pub struct AllReduce;
 
 impl Compressor for AllReduce {
-    fn reduce(&mut self, grads: &mut [Tensor], comm: &mut dyn Collective) -> anyhow::Result<()> {
+    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective) -> anyhow::Result<()> {
         let n = comm.world_size();
         if n == 1 {
             return Ok(());
         }
-        for g in grads.iter_mut() {
-            comm.all_reduce_sum(g)?;
-            let _ = g.divide_scalar_(n as f64);
-        }
+        comm.all_reduce_sum(bucket)?;
+        let _ = bucket.divide_scalar_(n as f64);
         Ok(())
     }
 }

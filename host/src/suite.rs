@@ -55,6 +55,19 @@ pub struct SuiteMeta {
     /// CPU threads for libtorch's intra-op pool (default: all cores).
     #[serde(default)]
     pub threads: Option<u32>,
+    /// Gradient bucket size for data parallelism, MiB (PyTorch DDP's 25).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: f64,
+    /// A collective not finished within this many seconds fails the entry.
+    #[serde(default = "default_collective_timeout")]
+    pub collective_timeout_s: f64,
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
+}
+fn default_collective_timeout() -> f64 {
+    60.0
 }
 
 fn one() -> u32 {
@@ -294,6 +307,10 @@ pub struct Strategy {
     /// Workloads this strategy applies to (default: all).
     #[serde(default)]
     pub workloads: Option<Vec<String>>,
+    /// Emulated link between ranks: collectives are stretched to what a
+    /// ring over it would take.
+    #[serde(default)]
+    pub link: Option<crate::comm::Link>,
 }
 
 fn default_compressor() -> String {
@@ -316,6 +333,7 @@ impl Strategy {
             batch_policy: default_batch_policy(),
             checkpoint: default_checkpoint(),
             workloads: None,
+            link: None,
         }
     }
 }
@@ -508,12 +526,12 @@ impl Suite {
         }
         if meta.world_size == 0 {
             c.err(&[Key("suite"), Key("world_size")], "`world_size` must be at least 1", None);
-        } else if meta.world_size > 1 {
-            c.err(
-                &[Key("suite"), Key("world_size")],
-                format!("world_size = {} is not supported by this version of harness", meta.world_size),
-                Some("this version trains on one rank; data parallelism over NCCL arrives in a later version (issue 5)".into()),
-            );
+        }
+        if !(meta.bucket_mb.is_finite() && meta.bucket_mb > 0.0) {
+            c.err(&[Key("suite"), Key("bucket_mb")], "`bucket_mb` must be a positive size in MiB", None);
+        }
+        if !(meta.collective_timeout_s.is_finite() && meta.collective_timeout_s > 0.0) {
+            c.err(&[Key("suite"), Key("collective_timeout_s")], "`collective_timeout_s` must be a positive number of seconds", None);
         }
         if let Some(p) = meta.peak_tflops {
             if !(p.is_finite() && p > 0.0) {
@@ -732,6 +750,18 @@ impl Suite {
                 );
             }
             baselines += st.baseline as u32;
+            if let Some(l) = &st.link {
+                if !(l.gbps.is_finite() && l.gbps > 0.0 && l.latency_us.is_finite() && l.latency_us >= 0.0) {
+                    c.err(
+                        &at("link"),
+                        "a link needs `gbps` > 0 and `latency_us` >= 0",
+                        Some("e.g. link = { gbps = 10, latency_us = 5 }".into()),
+                    );
+                }
+                if meta.world_size < 2 {
+                    c.err(&at("link"), "an emulated link needs world_size >= 2", None);
+                }
+            }
             for (key, value, known) in [
                 ("compressor", &st.compressor, COMPRESSORS),
                 ("batch_policy", &st.batch_policy, BATCH_POLICIES),

@@ -35,6 +35,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         batch_policy: "fixed".into(),
         checkpoint: "none".into(),
         workloads: None,
+        link: None,
     }
 }
 

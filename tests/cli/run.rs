@@ -172,3 +172,35 @@ fn accumulation_and_time_budgets_count_what_ran() {
     assert!(b.steps > 3, "a 1.5 s budget ran only {} steps", b.steps);
     assert!(b.train_time_s >= 1.5 && b.train_time_s < 3.0, "train time {}", b.train_time_s);
 }
+
+#[test]
+fn cpu_data_parallel_ranks_share_the_work_and_count_their_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("dp", 80, "target_above_floor = 0.5");
+    let meta = "world_size = 2\n\n[[strategy]]\nname = \"ddp\"\nbaseline = true\n\n[[strategy]]\nname = \"slow-link\"\nlink = { gbps = 0.05, latency_us = 100 }\n";
+    // Strategies must follow the workloads in the file.
+    let text = suite("dp", "world_size = 2", &w) + &meta.replace("world_size = 2\n", "");
+    let s = write(dir.path(), "s.toml", &text);
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let (fast, slow) = (r.entries[0].metrics.as_ref().unwrap(), r.entries[1].metrics.as_ref().unwrap());
+    for m in [fast, slow] {
+        assert_eq!(m.world_size, 2);
+        // Both ranks' samples count: 80 steps x 2 ranks x 8 sequences.
+        assert_eq!(m.samples, 80 * 2 * 8);
+        // One 25 MiB bucket holds the tiny model: one all-reduce per step,
+        // each sending 2(n-1)/n = all of the fp32 gradients.
+        assert_eq!(m.collectives, 80);
+        assert_eq!(m.bytes_on_wire, 80 * 4 * m.parameters as u64);
+        assert!(m.final_eval_loss.unwrap() <= m.target_loss.unwrap(), "{:?} vs {:?}", m.final_eval_loss, m.target_loss);
+        assert!(m.busbw_gbs.unwrap() > 0.0);
+    }
+    // 0.05 Gbps: each all-reduce of ~0.5 MB takes ~80 ms instead of well under 1 ms.
+    let emu = slow.collective_emulated.as_ref().expect("emulated latencies recorded");
+    assert!(emu.p50_ms > 10.0 * slow.collective.as_ref().unwrap().p50_ms, "{emu:?}");
+    assert!(slow.busbw_emulated_gbs.unwrap() < 0.1 * slow.busbw_gbs.unwrap());
+    assert!(slow.step.as_ref().unwrap().p50_ms > fast.step.as_ref().unwrap().p50_ms + 20.0);
+    assert!(fast.collective_emulated.is_none());
+    // Same seeds, same data, same averaged gradients: the link changes time, not learning.
+    assert_eq!(fast.final_eval_loss, slow.final_eval_loss);
+}

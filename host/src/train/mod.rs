@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
 use crate::results::{MemoryRecord, Metrics};
-use crate::strategy::{SingleRank, StepTelemetry, Strategies};
+use crate::strategy::{StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
 use data::Data;
@@ -47,6 +48,8 @@ pub struct EntryContext<'a> {
     pub peak_tflops: Option<f64>,
     /// Memory of the training device (GPU memory, or the host's RAM).
     pub memory_total_bytes: u64,
+    /// Gradient bucket size for data parallelism.
+    pub bucket_bytes: u64,
 }
 
 /// The outcome of a finished entry.
@@ -67,11 +70,10 @@ impl Drop for AutocastGuard {
 }
 
 /// Trains one entry to the end and measures it.
-pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) -> anyhow::Result<EntryOutput> {
+pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> anyhow::Result<EntryOutput> {
     let w = ctx.workload;
     let device = ctx.device;
     let cuda = device.is_cuda();
-    tch::manual_seed(ctx.entry.seed as i64);
 
     // Model and data.
     let encoder_dim = if w.model.kind == ModelKind::Encoder {
@@ -79,19 +81,38 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     } else {
         0
     };
-    let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, encoder_dim, ctx.entry.seed, device)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    // Every rank draws its own samples; the model starts from rank 0's.
+    let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
+    let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, encoder_dim, data_seed, device)?;
     let vocab = data.vocab().unwrap_or(2);
     let cfg = ModelConfig::resolve(&w.model, vocab, w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
-    let vs = nn::VarStore::new(device);
-    let model = Model::new(&vs.root(), &cfg);
+    // libtorch's generator is global to the process: thread ranks take turns
+    // so that each initialisation sees exactly the entry's seed.
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let (vs, model) = {
+        let _turn = INIT.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(ctx.entry.seed as i64);
+        let vs = nn::VarStore::new(device);
+        let model = Model::new(&vs.root(), &cfg);
+        (vs, model)
+    };
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    if world > 1 {
+        tch::no_grad(|| -> anyhow::Result<()> {
+            for p in &params {
+                comm.broadcast(&mut p.shallow_clone(), 0)?;
+            }
+            Ok(())
+        })?;
+    }
+    let buckets = buckets(&params, ctx.bucket_bytes);
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     let mut optimizer = Optimizer::new(&w.optimizer, &params);
     let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
     let mut strategies = Strategies::built_in(&ctx.entry.strategy, w.batch, w.grad_accum)?;
-    let mut comm = SingleRank;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
     let ac_device = if cuda { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
@@ -158,7 +179,15 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
 
     loop {
         let elapsed = train_elapsed(eval_time);
-        if w.steps.is_some_and(|s| step >= s) || budget.is_some_and(|b| elapsed >= b) {
+        let mut stop = w.steps.is_some_and(|s| step >= s) || budget.is_some_and(|b| elapsed >= b);
+        if world > 1 && budget.is_some() {
+            // Ranks must agree on when a time budget ends, or one would wait
+            // in a collective for ranks that have stopped.
+            let mut flag = Tensor::from_slice(&[stop as i32 as f32]).to_device(device);
+            comm.all_reduce_sum(&mut flag)?;
+            stop = flag.double_value(&[0]) > 0.0;
+        }
+        if stop {
             break;
         }
         if step == ctx.warmup_steps {
@@ -222,7 +251,21 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         }
 
         timer.start(Phase::Communicate)?;
-        strategies.compressor.reduce(&mut grads, &mut comm).context("the compressor failed")?;
+        if world > 1 {
+            for idx in &buckets {
+                // One flat buffer per bucket, as DDP's gradient buckets.
+                let parts: Vec<Tensor> = idx.iter().map(|&i| grads[i].view([-1])).collect();
+                let mut flat = Tensor::cat(&parts, 0);
+                strategies.compressor.reduce(&mut flat, comm).context("the compressor failed")?;
+                let mut off = 0;
+                for &i in idx {
+                    let n = grads[i].numel() as i64;
+                    let part = flat.narrow(0, off, n).view_as(&grads[i]);
+                    grads[i].copy_(&part);
+                    off += n;
+                }
+            }
+        }
         timer.stop()?;
 
         timer.start(Phase::Optimizer)?;
@@ -332,6 +375,10 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
     let mut histograms = BTreeMap::new();
     let mut phases = BTreeMap::new();
     histograms.insert("step".to_owned(), measure::encode(&step_hist));
+    if comm.stats().collectives > 0 {
+        histograms.insert("collective".to_owned(), measure::encode(&comm.stats().latency));
+        histograms.insert("collective.emulated".to_owned(), measure::encode(&comm.stats().emulated));
+    }
     for (p, h) in &timer.histograms {
         if h.is_empty() {
             continue;
@@ -375,7 +422,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         loss_curve: subsample(loss_curve, 512),
         eval_curve,
         skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
-        bytes_on_wire: crate::strategy::Collective::bytes_sent(&comm),
+        bytes_on_wire: comm.stats().bytes_sent,
+        world_size: world as u32,
+        collectives: comm.stats().collectives,
+        collective: (comm.stats().collectives > 0).then(|| LatencySummary::of(&comm.stats().latency)),
+        collective_emulated: (comm.stats().collectives > 0 && comm.stats().emulated_total != comm.stats().measured_total)
+            .then(|| LatencySummary::of(&comm.stats().emulated)),
+        busbw_gbs: comm.stats().bandwidth_gbs(world, false).map(|b| b.1),
+        busbw_emulated_gbs: comm
+            .stats()
+            .bandwidth_gbs(world, true)
+            .map(|b| b.1)
+            .filter(|_| comm.stats().emulated_total != comm.stats().measured_total),
         strategy_runtime: "built-in".into(),
         fused_cross_entropy: fused_ce,
         batch_changes,
@@ -383,6 +441,27 @@ pub fn run_entry(ctx: &EntryContext<'_>, progress: &mut dyn FnMut(&Progress)) ->
         goodput_steps_per_s: None,
     };
     Ok(EntryOutput { metrics, histograms })
+}
+
+/// Groups consecutive parameters into buckets of at most `max_bytes` of
+/// gradients (a parameter larger than that gets a bucket of its own).
+fn buckets(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut size = 0u64;
+    for (i, p) in params.iter().enumerate() {
+        let b = (p.numel() * p.kind().elt_size_in_bytes()) as u64;
+        match out.last_mut() {
+            Some(cur) if size + b <= max_bytes => {
+                cur.push(i);
+                size += b;
+            }
+            _ => {
+                out.push(vec![i]);
+                size = b;
+            }
+        }
+    }
+    out
 }
 
 /// A step's loss on its way to the host. On CUDA it is copied into pinned

@@ -1,0 +1,429 @@
+//! Collectives between ranks, run and accounted for by the host.
+//!
+//! [`SingleRank`] is the one-rank case. [`InProcessGroup`] makes ranks out of
+//! threads of one process with a shared-memory collective: the CPU backend
+//! for tests and the CPU suite, not a way to scale (a test and demo backend,
+//! as DESIGN.md says). Every collective is timed into an HDR histogram and its
+//! bytes on the wire are counted with the nccl-tests conventions (ring
+//! all-reduce: each rank sends 2(n-1)/n of the buffer). A [`Link`] stretches
+//! each collective to what an alpha-beta model of a ring over that link
+//! predicts; both the measured and the emulated times are kept.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use crate::measure;
+
+/// A collective that failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    #[error("{op} #{seq} timed out after {timeout_s:.0} s on rank {rank}: rank(s) {missing:?} never joined")]
+    Timeout { op: &'static str, seq: u64, rank: usize, missing: Vec<usize>, timeout_s: f64 },
+    #[error("{op} #{seq} on rank {rank} was aborted: {reason}")]
+    Aborted { op: &'static str, seq: u64, rank: usize, reason: String },
+}
+
+/// A link between ranks, for emulation: bandwidth and one-way latency.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    pub gbps: f64,
+    #[serde(default)]
+    pub latency_us: f64,
+}
+
+impl Link {
+    /// Time of a ring all-reduce of `bytes` over `n` ranks on this link:
+    /// 2(n-1) steps, each paying the latency and moving bytes/n.
+    pub fn all_reduce_time(&self, bytes: u64, n: usize) -> Duration {
+        if n < 2 {
+            return Duration::ZERO;
+        }
+        let steps = 2.0 * (n - 1) as f64;
+        let secs = steps * self.latency_us * 1e-6 + steps / n as f64 * bytes as f64 * 8.0 / (self.gbps * 1e9);
+        Duration::from_secs_f64(secs)
+    }
+}
+
+/// What a rank's collectives cost.
+#[derive(Debug, Clone)]
+pub struct CommStats {
+    pub collectives: u64,
+    /// Bytes this rank sent in training collectives (setup broadcasts excluded).
+    pub bytes_sent: u64,
+    /// Bytes of the buffers reduced (the nccl-tests "size").
+    pub bytes_reduced: u64,
+    /// Measured time of each collective, ns.
+    pub latency: Histogram<u64>,
+    /// Time after link emulation, ns (equal to `latency` without a link).
+    pub emulated: Histogram<u64>,
+    pub measured_total: Duration,
+    pub emulated_total: Duration,
+}
+
+impl Default for CommStats {
+    fn default() -> Self {
+        CommStats {
+            collectives: 0,
+            bytes_sent: 0,
+            bytes_reduced: 0,
+            latency: measure::new_histogram(),
+            emulated: measure::new_histogram(),
+            measured_total: Duration::ZERO,
+            emulated_total: Duration::ZERO,
+        }
+    }
+}
+
+impl CommStats {
+    /// Algorithm bandwidth (bytes reduced / time) and bus bandwidth
+    /// (algbw x 2(n-1)/n), in GB/s, over all all-reduces (nccl-tests).
+    pub fn bandwidth_gbs(&self, n: usize, emulated: bool) -> Option<(f64, f64)> {
+        let t = if emulated { self.emulated_total } else { self.measured_total }.as_secs_f64();
+        if t <= 0.0 || self.bytes_reduced == 0 {
+            return None;
+        }
+        let alg = self.bytes_reduced as f64 / t / 1e9;
+        Some((alg, alg * 2.0 * (n as f64 - 1.0) / n as f64))
+    }
+}
+
+/// The collectives a rank can use.
+pub trait Collective {
+    /// This rank's index.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Sums `t` over ranks, in place.
+    fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError>;
+    /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
+    fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    /// Fails every other rank's pending and future collectives.
+    fn abort(&self, reason: &str);
+    /// What the collectives cost so far.
+    fn stats(&self) -> &CommStats;
+}
+
+/// One rank alone: collectives are the identity and move nothing.
+#[derive(Debug, Default)]
+pub struct SingleRank {
+    stats: CommStats,
+}
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&mut self, _t: &mut Tensor) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _t: &mut Tensor, _root: usize) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn abort(&self, _reason: &str) {}
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// Collectives completed by every rank.
+    seq: u64,
+    slots: Vec<Option<Tensor>>,
+    arrived: usize,
+    departed: usize,
+    result: Option<Tensor>,
+    /// True between the last arrival and the last departure.
+    scattering: bool,
+    aborted: Option<String>,
+}
+
+/// Ranks as threads of this process (CPU backend).
+pub struct InProcessGroup {
+    n: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+// SAFETY: the tensors in `State` are only touched under the mutex, and a
+// rank's tensor is read by the summing thread while that rank waits inside
+// the same collective; at::Tensor's reference counting is atomic.
+unsafe impl Sync for InProcessGroup {}
+unsafe impl Send for InProcessGroup {}
+
+impl InProcessGroup {
+    /// A group of `n` ranks whose collectives give up after `timeout`.
+    pub fn new(n: usize, timeout: Duration) -> Arc<InProcessGroup> {
+        let state = State { slots: (0..n).map(|_| None).collect(), ..Default::default() };
+        Arc::new(InProcessGroup { n, timeout, state: Mutex::new(state), cv: Condvar::new() })
+    }
+
+    /// The handle of rank `rank`.
+    pub fn rank(self: &Arc<Self>, rank: usize, link: Option<Link>) -> InProcessComm {
+        InProcessComm { group: self.clone(), rank, link, stats: CommStats::default() }
+    }
+
+    /// Runs one collective: every rank deposits its tensor, the last one
+    /// combines them with `combine`, every rank copies the result back.
+    /// Waits for a change of the state until `deadline`; fails on abort or
+    /// when the deadline passes, naming the ranks that never arrived.
+    fn wait<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        deadline: Instant,
+        op: &'static str,
+        seq: u64,
+        rank: usize,
+    ) -> Result<MutexGuard<'a, State>, CommError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (st, res) = self.cv.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner());
+        if let Some(reason) = &st.aborted {
+            return Err(CommError::Aborted { op, seq, rank, reason: reason.clone() });
+        }
+        if res.timed_out() && Instant::now() >= deadline {
+            let missing = st.slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(i, _)| i).collect();
+            return Err(CommError::Timeout { op, seq, rank, missing, timeout_s: self.timeout.as_secs_f64() });
+        }
+        Ok(st)
+    }
+
+    fn run<'a>(
+        &'a self,
+        op: &'static str,
+        rank: usize,
+        t: &mut Tensor,
+        combine: &dyn Fn(&[Option<Tensor>]) -> Tensor,
+    ) -> Result<(), CommError> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let deadline = Instant::now() + self.timeout;
+        if let Some(reason) = &st.aborted {
+            return Err(CommError::Aborted { op, seq: st.seq, rank, reason: reason.clone() });
+        }
+        // The previous collective must be fully handed out first; this one's
+        // number is known only then.
+        while st.scattering {
+            let seq = st.seq;
+            st = self.wait(st, deadline, op, seq, rank)?;
+        }
+        let seq = st.seq;
+        let wait = |st: MutexGuard<'a, State>| self.wait(st, deadline, op, seq, rank);
+        st.slots[rank] = Some(t.shallow_clone());
+        st.arrived += 1;
+        if st.arrived == self.n {
+            let r = combine(&st.slots);
+            st.result = Some(r);
+            st.scattering = true;
+            self.cv.notify_all();
+        } else {
+            while !(st.scattering && st.seq == seq) {
+                st = wait(st)?;
+            }
+        }
+        let result = st.result.as_ref().map(Tensor::shallow_clone).expect("result set before scattering");
+        st.departed += 1;
+        if st.departed == self.n {
+            st.slots.iter_mut().for_each(|s| *s = None);
+            st.arrived = 0;
+            st.departed = 0;
+            st.result = None;
+            st.scattering = false;
+            st.seq += 1;
+            self.cv.notify_all();
+        }
+        drop(st);
+        tch::no_grad(|| t.copy_(&result));
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.aborted.get_or_insert_with(|| reason.to_owned());
+        self.cv.notify_all();
+    }
+}
+
+/// One rank's handle on an [`InProcessGroup`].
+pub struct InProcessComm {
+    group: Arc<InProcessGroup>,
+    rank: usize,
+    link: Option<Link>,
+    stats: CommStats,
+}
+
+impl Collective for InProcessComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.n
+    }
+
+    fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+        let n = self.group.n;
+        let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let t0 = Instant::now();
+        self.group.run("all_reduce", self.rank, t, &|slots| {
+            let mut acc = slots[0].as_ref().expect("every rank deposited").copy();
+            for s in &slots[1..] {
+                let _ = acc.g_add_(s.as_ref().expect("every rank deposited"));
+            }
+            acc
+        })?;
+        let measured = t0.elapsed();
+        let target = self.link.map_or(measured, |l| l.all_reduce_time(bytes, n).max(measured));
+        if target > measured {
+            std::thread::sleep(target - measured);
+        }
+        let s = &mut self.stats;
+        s.collectives += 1;
+        s.bytes_reduced += bytes;
+        s.bytes_sent += 2 * (n as u64 - 1) * bytes / n as u64;
+        measure::record(&mut s.latency, measured);
+        measure::record(&mut s.emulated, target);
+        s.measured_total += measured;
+        s.emulated_total += target;
+        Ok(())
+    }
+
+    fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+        self.group.run("broadcast", self.rank, t, &|slots| slots[root].as_ref().expect("root deposited").copy())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.group.abort(&format!("rank {} failed: {reason}", self.rank));
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spawn<F>(n: usize, timeout: Duration, f: F) -> Vec<Result<Vec<f32>, CommError>>
+    where
+        F: Fn(&mut InProcessComm) -> Result<Vec<f32>, CommError> + Send + Sync + 'static,
+    {
+        let g = InProcessGroup::new(n, timeout);
+        let f = Arc::new(f);
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (g, f) = (g.clone(), f.clone());
+                std::thread::spawn(move || f(&mut g.rank(r, None)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn all_reduce_sums_over_ranks_many_times() {
+        let out = spawn(4, Duration::from_secs(10), |c| {
+            let mut last = Vec::new();
+            for k in 0..50 {
+                let mut t = Tensor::from_slice(&[c.rank() as f32, k as f32, 1.0]);
+                c.all_reduce_sum(&mut t)?;
+                last = Vec::<f32>::try_from(&t).unwrap();
+                assert_eq!(last, vec![6.0, 4.0 * k as f32, 4.0], "rank {} round {k}", c.rank());
+            }
+            assert_eq!(c.stats().collectives, 50);
+            // 12 bytes per reduce, 2 * 3/4 of it sent per rank.
+            assert_eq!(c.stats().bytes_reduced, 50 * 12);
+            assert_eq!(c.stats().bytes_sent, 50 * (2 * 3 * 12 / 4));
+            Ok(last)
+        });
+        assert!(out.iter().all(|r| r.is_ok()));
+    }
+
+    #[test]
+    fn broadcast_copies_the_root() {
+        let out = spawn(3, Duration::from_secs(10), |c| {
+            let mut t = Tensor::from_slice(&[c.rank() as f32 + 10.0]);
+            c.broadcast(&mut t, 1)?;
+            Ok(Vec::<f32>::try_from(&t).unwrap())
+        });
+        for r in out {
+            assert_eq!(r.unwrap(), vec![11.0]);
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_with_its_number() {
+        let out = spawn(3, Duration::from_millis(300), |c| {
+            if c.rank() == 2 {
+                return Ok(vec![]); // never joins
+            }
+            let mut t = Tensor::from_slice(&[1.0f32]);
+            c.all_reduce_sum(&mut t).map(|_| vec![])
+        });
+        for r in &out[..2] {
+            match r {
+                Err(CommError::Timeout { missing, op, .. }) => {
+                    assert_eq!(missing, &vec![2]);
+                    assert_eq!(*op, "all_reduce");
+                }
+                other => panic!("expected a timeout, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn abort_releases_waiting_ranks_at_once() {
+        let t0 = Instant::now();
+        let out = spawn(2, Duration::from_secs(30), |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                c.abort("out of memory");
+                return Ok(vec![]);
+            }
+            let mut t = Tensor::from_slice(&[1.0f32]);
+            c.all_reduce_sum(&mut t).map(|_| vec![])
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let e = out[0].as_ref().unwrap_err().to_string();
+        assert!(e.contains("rank 1 failed: out of memory"), "{e}");
+    }
+
+    #[test]
+    fn link_model_matches_the_ring_formula() {
+        // 10 Gbps, 5 us, 8 ranks, 100 MB: 14 x 5 us + 14/8 x 0.8 Gb / 10 Gbps.
+        let l = Link { gbps: 10.0, latency_us: 5.0 };
+        let t = l.all_reduce_time(100_000_000, 8).as_secs_f64();
+        assert!((t - (14.0 * 5e-6 + 14.0 / 8.0 * 0.08)).abs() < 1e-9, "{t}");
+        assert_eq!(l.all_reduce_time(1, 1), Duration::ZERO);
+    }
+
+    #[test]
+    fn emulated_links_stretch_collectives() {
+        let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let link = Link { gbps: 0.001, latency_us: 0.0 }; // 1 Mbps
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    let mut c = g.rank(r, Some(link));
+                    let mut t = Tensor::zeros([1000], (tch::Kind::Float, tch::Device::Cpu));
+                    c.all_reduce_sum(&mut t).unwrap();
+                    c.stats().clone()
+                })
+            })
+            .collect();
+        for h in hs {
+            let s = h.join().unwrap();
+            // 4000 bytes, 2 x 1/2 of it over 1 Mbps = 32 ms.
+            assert!(s.emulated_total >= Duration::from_millis(32), "{:?}", s.emulated_total);
+            assert!(s.measured_total < s.emulated_total);
+        }
+    }
+}
