@@ -11,7 +11,7 @@ baseline); tokens/s is counted after the warm-up steps.
 
 Prints one JSON object (and writes it to --json).
 """
-import argparse, json, math, time
+import argparse, json, math, os, time
 
 import torch
 import torch.nn as nn
@@ -74,6 +74,12 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.manual_seed(0)
+    # Under torchrun: DDP over NCCL, one process per GPU (as harness's ranks).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
     dev = "cuda"
     layers, heads, d = PRESETS[a.preset]
     model = GPT(layers, heads, d, a.vocab, a.seq).to(dev)
@@ -82,7 +88,8 @@ def main():
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    step_fn = torch.compile(model) if a.compile else model
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25) if world > 1 else model
+    step_fn = torch.compile(ddp) if a.compile else ddp
     data = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq + 1), device=dev)
 
     def step(i):
@@ -104,11 +111,12 @@ def main():
         loss = step(i)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    tokens = a.steps * a.batch * a.seq
+    tokens = a.steps * a.batch * a.seq * world
     tps = tokens / dt
     flops_per_token = 6 * n_params + 12 * layers * d * a.seq
     out = {
-        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "impl": ("pytorch-compile" if a.compile else "pytorch-eager") + (f"-ddp{world}" if world > 1 else ""),
+        "world_size": world,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
         "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "ms_per_step": 1e3 * dt / a.steps,
@@ -117,7 +125,12 @@ def main():
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
         "final_loss": loss.item(),
     }
+    if rank != 0:
+        torch.distributed.destroy_process_group()
+        return
     print(json.dumps(out))
+    if world > 1:
+        torch.distributed.destroy_process_group()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

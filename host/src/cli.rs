@@ -155,10 +155,28 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         })?,
         (None, false) => results::default_path(&args.results_dir, name),
     };
-    if !args.resume && out.exists() {
+    let is_follower = launch::RankEnv::from_env()?.is_some_and(|e| e.rank != 0);
+    if !args.resume && out.exists() && !is_follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
     }
-    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet })?;
+    let world = suite.spec.suite.world_size as usize;
+    let rank_env = launch::RankEnv::from_env()?;
+    if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
+        // One process per GPU, each joining as a rank; rank 0 writes `out`.
+        let mut child_args: Vec<std::ffi::OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.clone().into()];
+        if args.resume {
+            child_args.push("--resume".into());
+        }
+        if args.quiet {
+            child_args.push("--quiet".into());
+        }
+        return launch::launch_local_ranks(world, &child_args);
+    }
+    let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
+    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower })?;
+    if follower {
+        return Ok(exit::OK);
+    }
     println!("{}", report::summary_table(&result));
     println!("results: {}", out.display());
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();

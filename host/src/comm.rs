@@ -104,8 +104,8 @@ pub trait Collective {
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Fails every other rank's pending and future collectives.
     fn abort(&self, reason: &str);
-    /// What the collectives cost so far.
-    fn stats(&self) -> &CommStats;
+    /// What the collectives cost so far (device timings are read back here).
+    fn stats(&mut self) -> &CommStats;
 }
 
 /// One rank alone: collectives are the identity and move nothing.
@@ -128,7 +128,7 @@ impl Collective for SingleRank {
         Ok(())
     }
     fn abort(&self, _reason: &str) {}
-    fn stats(&self) -> &CommStats {
+    fn stats(&mut self) -> &CommStats {
         &self.stats
     }
 }
@@ -303,7 +303,7 @@ impl Collective for InProcessComm {
         self.group.abort(&format!("rank {} failed: {reason}", self.rank));
     }
 
-    fn stats(&self) -> &CommStats {
+    fn stats(&mut self) -> &CommStats {
         &self.stats
     }
 }
@@ -424,6 +424,197 @@ mod tests {
             // 4000 bytes, 2 x 1/2 of it over 1 Mbps = 32 ms.
             assert!(s.emulated_total >= Duration::from_millis(32), "{:?}", s.emulated_total);
             assert!(s.measured_total < s.emulated_total);
+        }
+    }
+}
+
+/// NCCL through the `libnccl.so.2` that libtorch itself loaded (dlopen by
+/// soname returns that library; loading another NCCL beside it fails with
+/// "corrupted comm object", GPU.md). Collectives are issued on the legacy
+/// default stream, libtorch's stream, so they are ordered with the step's
+/// kernels without any synchronisation.
+pub mod nccl {
+    use std::ffi::{c_char, c_int, c_void, CStr};
+    use std::sync::OnceLock;
+
+    use tch::{Kind, Tensor};
+
+    use super::{Collective, CommError, CommStats};
+    use crate::measure::{self, cuda::Event};
+
+    /// ncclUniqueId: 128 opaque bytes.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct UniqueId(pub [c_char; 128]);
+
+    type CommT = *mut c_void;
+
+    struct Lib {
+        _lib: libloading::Library,
+        get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
+        init_rank: unsafe extern "C" fn(*mut CommT, c_int, UniqueId, c_int) -> c_int,
+        all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
+        broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
+        abort: unsafe extern "C" fn(CommT) -> c_int,
+        destroy: unsafe extern "C" fn(CommT) -> c_int,
+        error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    }
+
+    fn lib() -> Result<&'static Lib, String> {
+        static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+        LIB.get_or_init(|| {
+            // SAFETY: loading NCCL runs its initialisers only; each symbol is
+            // read with the C signature of nccl.h (NCCL 2.x).
+            unsafe {
+                let lib = libloading::Library::new("libnccl.so.2").map_err(|e| format!("cannot load libnccl.so.2: {e}"))?;
+                macro_rules! sym {
+                    ($name:literal) => {
+                        *lib.get($name).map_err(|e| format!("libnccl.so.2 lacks {}: {e}", String::from_utf8_lossy($name)))?
+                    };
+                }
+                Ok(Lib {
+                    get_unique_id: sym!(b"ncclGetUniqueId"),
+                    init_rank: sym!(b"ncclCommInitRank"),
+                    all_reduce: sym!(b"ncclAllReduce"),
+                    broadcast: sym!(b"ncclBroadcast"),
+                    abort: sym!(b"ncclCommAbort"),
+                    destroy: sym!(b"ncclCommDestroy"),
+                    error_string: sym!(b"ncclGetErrorString"),
+                    _lib: lib,
+                })
+            }
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+
+    fn check(code: c_int, what: &str) -> anyhow::Result<()> {
+        if code == 0 {
+            return Ok(());
+        }
+        let l = lib().map_err(anyhow::Error::msg)?;
+        // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
+        let msg = unsafe { CStr::from_ptr((l.error_string)(code)) }.to_string_lossy().into_owned();
+        anyhow::bail!("{what}: NCCL error {code}: {msg}")
+    }
+
+    /// A fresh unique id (rank 0 makes it and shares it through the rendezvous).
+    pub fn unique_id() -> anyhow::Result<UniqueId> {
+        let l = lib().map_err(anyhow::Error::msg)?;
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: writes 128 bytes into id.
+        check(unsafe { (l.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
+        Ok(id)
+    }
+
+    fn dtype(k: Kind) -> Option<c_int> {
+        Some(match k {
+            Kind::Float => 7,
+            Kind::Half => 6,
+            Kind::BFloat16 => 9,
+            Kind::Double => 8,
+            Kind::Int => 2,
+            Kind::Int64 => 4,
+            _ => return None,
+        })
+    }
+
+    /// One rank's NCCL communicator on the current CUDA device.
+    pub struct NcclComm {
+        comm: CommT,
+        rank: usize,
+        n: usize,
+        stats: CommStats,
+        /// (bytes, start, end) of collectives not yet read back.
+        pending: Vec<(u64, Event, Event)>,
+    }
+
+    impl NcclComm {
+        /// Joins the communicator `id` as `rank` of `n` (blocks until all join).
+        pub fn new(id: UniqueId, rank: usize, n: usize) -> anyhow::Result<NcclComm> {
+            let l = lib().map_err(anyhow::Error::msg)?;
+            let mut comm: CommT = std::ptr::null_mut();
+            // SAFETY: comm receives a communicator handle; id is by value.
+            check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
+            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
+        }
+
+        fn op(
+            &mut self,
+            t: &Tensor,
+            f: impl FnOnce(&Lib, *mut c_void, usize, c_int) -> c_int,
+            what: &'static str,
+        ) -> Result<(), CommError> {
+            let fail = |reason: String| CommError::Aborted { op: what, seq: self.stats.collectives, rank: self.rank, reason };
+            let l = lib().map_err(fail)?;
+            if !t.is_contiguous() || !t.device().is_cuda() {
+                return Err(fail("NCCL needs a contiguous CUDA tensor".into()));
+            }
+            let dt = dtype(t.kind()).ok_or_else(|| fail(format!("NCCL cannot reduce {:?}", t.kind())))?;
+            let code = f(l, t.data_ptr(), t.numel(), dt);
+            check(code, what).map_err(|e| fail(e.to_string()))
+        }
+    }
+
+    impl Collective for NcclComm {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world_size(&self) -> usize {
+            self.n
+        }
+        fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+            let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            let timed = Event::new().and_then(|s| s.record().map(|_| s)).ok();
+            let comm = self.comm;
+            // SAFETY: in place on t's device memory (send = receive buffer),
+            // `count` elements of the given type; the legacy default stream.
+            self.op(t, |l, p, count, dt| unsafe { (l.all_reduce)(p, p, count, dt, 0, comm, std::ptr::null_mut()) }, "all_reduce")?;
+            if let Some(start) = timed {
+                if let Ok(end) = Event::new().and_then(|e| e.record().map(|_| e)) {
+                    self.pending.push((bytes, start, end));
+                }
+            }
+            let n = self.n as u64;
+            self.stats.collectives += 1;
+            self.stats.bytes_reduced += bytes;
+            self.stats.bytes_sent += 2 * (n - 1) * bytes / n;
+            Ok(())
+        }
+        fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+            let comm = self.comm;
+            // SAFETY: in place on t's device memory; the legacy default stream.
+            self.op(t, |l, p, count, dt| unsafe { (l.broadcast)(p, p, count, dt, root as c_int, comm, std::ptr::null_mut()) }, "broadcast")
+        }
+        fn abort(&self, _reason: &str) {
+            if let Ok(l) = lib() {
+                // SAFETY: aborting a live communicator; other ranks' pending
+                // collectives fail instead of hanging.
+                unsafe { (l.abort)(self.comm) };
+            }
+        }
+        fn stats(&mut self) -> &CommStats {
+            for (_, s, e) in self.pending.drain(..) {
+                if e.synchronize().is_ok() {
+                    if let Ok(ms) = Event::elapsed_ms(&s, &e) {
+                        let d = std::time::Duration::from_secs_f64(ms as f64 / 1e3);
+                        measure::record(&mut self.stats.latency, d);
+                        measure::record(&mut self.stats.emulated, d);
+                        self.stats.measured_total += d;
+                        self.stats.emulated_total += d;
+                    }
+                }
+            }
+            &self.stats
+        }
+    }
+
+    impl Drop for NcclComm {
+        fn drop(&mut self) {
+            if let Ok(l) = lib() {
+                // SAFETY: the communicator is owned and destroyed once.
+                unsafe { (l.destroy)(self.comm) };
+            }
         }
     }
 }

@@ -43,14 +43,15 @@ pub enum DeviceError {
     NoCuda { why: String },
 }
 
-/// Picks the training device for a suite's setting.
-pub fn select(kind: DeviceKind) -> Result<Device, DeviceError> {
+/// Picks the training device for a suite's setting; `local_rank` is the GPU
+/// of this process (0 unless several ranks share the host).
+pub fn select(kind: DeviceKind, local_rank: usize) -> Result<Device, DeviceError> {
     match kind {
         DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Auto => Ok(if init_cuda() { Device::Cuda(0) } else { Device::Cpu }),
+        DeviceKind::Auto => Ok(if init_cuda() { Device::Cuda(local_rank) } else { Device::Cpu }),
         DeviceKind::Cuda => {
             if init_cuda() {
-                Ok(Device::Cuda(0))
+                Ok(Device::Cuda(local_rank))
             } else {
                 let why = if libtorch_dir().map(|d| d.join("libtorch_cuda.so").exists()).unwrap_or(false) {
                     "libtorch has CUDA support but found no GPU or driver".to_owned()
@@ -61,6 +62,30 @@ pub fn select(kind: DeviceKind) -> Result<Device, DeviceError> {
             }
         }
     }
+}
+
+/// Makes GPU `index`'s primary context current on this thread, so that
+/// harness's own driver calls (events, kernels, NCCL) use the GPU that
+/// libtorch trains on.
+pub fn make_current(index: usize) -> anyhow::Result<()> {
+    use cudarc::driver::result;
+    result::init()?;
+    let dev = result::device::get(index as i32)?;
+    // SAFETY: dev is a valid device; the retained primary context lives for
+    // the process (libtorch uses the same one), and is made current here.
+    unsafe {
+        let ctx = result::primary_ctx::retain(dev)?;
+        result::ctx::set_current(ctx)?;
+    }
+    Ok(())
+}
+
+/// How many GPUs the driver sees (0 without CUDA).
+pub fn gpu_count() -> usize {
+    if !init_cuda() {
+        return 0;
+    }
+    cudarc::driver::result::init().ok().and_then(|_| cudarc::driver::result::device::get_count().ok()).unwrap_or(0) as usize
 }
 
 /// One GPU as the driver describes it.

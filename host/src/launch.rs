@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
+use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RunResult};
 use crate::suite::Suite;
 use crate::train::{self, EntryContext, EntryOutput, Progress};
@@ -30,15 +31,97 @@ thread_local! {
     static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
+/// This process's place among ranks started by a launcher: torchrun's
+/// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
+/// Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR and
+/// MASTER_PORT set by the job script).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankEnv {
+    pub rank: usize,
+    pub world: usize,
+    pub local_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+}
+
+impl RankEnv {
+    /// Reads the launcher variables; None when this process was not started
+    /// as one rank of several.
+    pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
+        let var = |k: &str| std::env::var(k).ok();
+        let (rank, world, local) = match (var("RANK"), var("WORLD_SIZE")) {
+            (Some(r), Some(w)) => (r, w, var("LOCAL_RANK").unwrap_or_else(|| "0".into())),
+            _ => match (var("SLURM_PROCID"), var("SLURM_NTASKS")) {
+                (Some(r), Some(w)) => (r, w, var("SLURM_LOCALID").unwrap_or_else(|| "0".into())),
+                _ => return Ok(None),
+            },
+        };
+        let num = |name: &str, v: &str| v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"));
+        let master_addr = var("MASTER_ADDR").ok_or_else(|| anyhow::anyhow!("launched as rank {rank} but MASTER_ADDR is not set\nhint: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every rank"))?;
+        let port = var("MASTER_PORT").unwrap_or_else(|| "29500".into());
+        Ok(Some(RankEnv {
+            rank: num("RANK", &rank)?,
+            world: num("WORLD_SIZE", &world)?,
+            local_rank: num("LOCAL_RANK", &local)?,
+            master_addr,
+            master_port: port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port"))?,
+        }))
+    }
+}
+
+/// Starts one process per local GPU, each a rank of `world` with torchrun's
+/// variables, and waits for all; rank 0 writes the result file. Returns the
+/// exit code of the first rank that failed (or 0).
+pub fn launch_local_ranks(world: usize, args: &[std::ffi::OsString]) -> anyhow::Result<i32> {
+    let gpus = device::gpu_count();
+    anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for r in 0..world {
+        let mut c = std::process::Command::new(&exe);
+        c.args(args)
+            .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string());
+        if r > 0 {
+            c.stdout(std::process::Stdio::null());
+        }
+        children.push(c.spawn()?);
+    }
+    let mut code = 0;
+    for mut ch in children {
+        let status = ch.wait()?;
+        if code == 0 && !status.success() {
+            code = status.code().unwrap_or(crate::cli::exit::ERROR);
+        }
+    }
+    Ok(code)
+}
+
 /// Runs every planned entry that `out` lacks; returns the final result.
 pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
-    let device = device::select(meta.device)?;
+    let world = meta.world_size as usize;
+    let rank_env = RankEnv::from_env()?;
+    let (rank, local_rank) = rank_env.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
+    let device = device::select(meta.device, local_rank)?;
+    let dist = device.is_cuda() && world > 1;
+    if dist {
+        let env = rank_env
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("a multi-GPU suite must run under a launcher (harness run starts one itself)"))?;
+        anyhow::ensure!(env.world == world, "WORLD_SIZE={} but the suite says world_size = {world}", env.world);
+        device::make_current(local_rank)?;
+    }
+    let writes = rank == 0;
     if let Some(n) = meta.threads {
         tch::set_num_threads(n as i32);
     }
     let machine = device::fingerprint();
-    let mut result = if opts.resume {
+    let mut result = if opts.resume && writes {
         let r = RunResult::read(&opts.out)?;
         if r.suite.sha256 != suite.sha256 {
             anyhow::bail!(
@@ -58,15 +141,43 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         r
     } else {
         let mut r = RunResult::new(suite, machine);
-        r.write_atomic(&opts.out)?;
+        if writes {
+            r.write_atomic(&opts.out)?;
+        }
         r
+    };
+    let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
+    // Ranks of a multi-GPU run agree on the entries through rank 0's store.
+    let store = match (&rank_env, dist) {
+        (Some(env), true) => {
+            if rank == 0 {
+                rendezvous::serve(&format!("0.0.0.0:{}", env.master_port))?;
+            }
+            Some(rendezvous::Client { addr: format!("{}:{}", env.master_addr, env.master_port), rank, timeout })
+        }
+        _ => None,
     };
     let done = result.done_ids();
     let plan = suite.plan();
-    let todo: Vec<_> = plan.entries.iter().filter(|e| !done.contains(&e.id)).collect();
+    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
+    if let Some(c) = &store {
+        if rank == 0 {
+            c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
+        } else {
+            todo_ids = serde_json::from_slice(&c.get("todo")?)?;
+        }
+    }
+    let todo: Vec<_> = plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect();
     let device_name = match device {
         tch::Device::Cpu => "cpu".to_owned(),
-        _ => result.machine.gpus.first().map_or("cuda".into(), |g| format!("cuda:0 ({})", g.name)),
+        _ => {
+            let name = result.machine.gpus.get(local_rank).map_or("cuda".into(), |g| format!("cuda ({})", g.name));
+            if dist {
+                format!("{world} x {name}")
+            } else {
+                name
+            }
+        }
     };
     if !opts.quiet {
         eprintln!(
@@ -83,13 +194,6 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         tch::Device::Cpu => result.machine.memory_bytes,
         _ => result.machine.gpus.first().map_or(0, |g| g.memory_bytes),
     };
-    let world = meta.world_size as usize;
-    if world > 1 && device != tch::Device::Cpu {
-        anyhow::bail!(
-            "world_size = {world} on {device:?}: multi-GPU data parallelism over NCCL is not built yet\nhint: use `device = \"cpu\"` for thread ranks (a test backend), or world_size = 1"
-        );
-    }
-    let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
     let _quiet_panics = QuietPanics::install();
 
     for (i, entry) in todo.iter().enumerate() {
@@ -111,7 +215,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         let mut last_print = std::time::Instant::now();
         let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
         let link = entry.strategy.link;
-        let outcome = if world == 1 {
+        let outcome = if let Some(c) = &store {
+            run_nccl(&ctx, c, rank, world, &mut on_progress)?
+        } else if world == 1 {
             run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
         } else {
             run_threads(&ctx, world, link, timeout, &mut on_progress)
@@ -151,7 +257,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         // Plan order, whatever order resume ran things in.
         let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
         result.entries.sort_by_key(|e| order(&e.id));
-        result.write_atomic(&opts.out)?;
+        if writes {
+            result.write_atomic(&opts.out)?;
+        }
     }
     Ok(result)
 }
@@ -225,23 +333,90 @@ fn run_threads(
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect();
         (first, others)
     });
-    // The first real error, not the "aborted" echoes it caused elsewhere.
-    let errors: Vec<(usize, &String)> =
-        std::iter::once(&first).chain(&others).enumerate().filter_map(|(r, o)| o.as_ref().err().map(|e| (r, e))).collect();
+    let others: Vec<Result<RankFigures, String>> = others.into_iter().map(|o| o.map(|o| RankFigures::of(&o))).collect();
+    combine(first, &others, world)
+}
+
+/// What rank 0 needs of another rank's entry.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct RankFigures {
+    tokens: u64,
+    samples: u64,
+    tokens_per_s: f64,
+    samples_per_s: f64,
+}
+
+impl RankFigures {
+    fn of(o: &EntryOutput) -> RankFigures {
+        let m = &o.metrics;
+        RankFigures { tokens: m.tokens, samples: m.samples, tokens_per_s: m.tokens_per_s, samples_per_s: m.samples_per_s }
+    }
+}
+
+/// Rank 0's figures with throughput summed over ranks; the first real error
+/// (not the "aborted" echoes it caused elsewhere) if any rank failed.
+fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, String>], world: usize) -> Result<EntryOutput, String> {
+    let errors: Vec<(usize, &String)> = std::iter::once(first.as_ref().err())
+        .chain(others.iter().map(|o| o.as_ref().err()))
+        .enumerate()
+        .filter_map(|(r, e)| e.map(|e| (r, e)))
+        .collect();
     if let Some((r, e)) = errors.iter().find(|(_, e)| !e.contains("was aborted")).or(errors.first()) {
         return Err(format!("rank {r}: {e}"));
     }
     let mut out = first.map_err(|e| format!("rank 0: {e}"))?;
     let m = &mut out.metrics;
     for o in others.iter().flatten() {
-        m.tokens += o.metrics.tokens;
-        m.samples += o.metrics.samples;
-        m.tokens_per_s += o.metrics.tokens_per_s;
-        m.samples_per_s += o.metrics.samples_per_s;
+        m.tokens += o.tokens;
+        m.samples += o.samples;
+        m.tokens_per_s += o.tokens_per_s;
+        m.samples_per_s += o.samples_per_s;
     }
     m.achieved_tflops = m.flops_per_token * m.tokens_per_s / 1e12;
     m.mfu = m.peak_tflops.map(|p| m.achieved_tflops / (p * world as f64));
     Ok(out)
+}
+
+/// One rank of a multi-GPU entry: NCCL communicator from rank 0's unique
+/// id, training, then figures to rank 0 through the store. Rendezvous
+/// failures end the run (`Err`); training failures fail the entry.
+fn run_nccl(
+    ctx: &EntryContext<'_>,
+    store: &rendezvous::Client,
+    rank: usize,
+    world: usize,
+    progress: &mut dyn FnMut(&Progress),
+) -> anyhow::Result<Result<EntryOutput, String>> {
+    use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
+    let key = format!("nccl/{}", ctx.entry.id);
+    let id = if rank == 0 {
+        let id = unique_id()?;
+        store.set(&key, &id.0.iter().map(|&b| b as u8).collect::<Vec<u8>>())?;
+        id
+    } else {
+        let bytes = store.get(&key)?;
+        anyhow::ensure!(bytes.len() == 128, "the NCCL id from rank 0 has {} bytes, not 128", bytes.len());
+        let mut id = UniqueId([0; 128]);
+        for (d, s) in id.0.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        id
+    };
+    let out = match NcclComm::new(id, rank, world) {
+        Ok(mut comm) => run_rank(ctx, &mut comm, progress),
+        Err(e) => Err(format!("{e:#}")),
+    };
+    let done = |r: usize| format!("done/{}/{r}", ctx.entry.id);
+    if rank != 0 {
+        let figures: Result<RankFigures, String> = out.as_ref().map(RankFigures::of).map_err(Clone::clone);
+        store.set(&done(rank), &serde_json::to_vec(&figures)?)?;
+        return Ok(out);
+    }
+    let mut others = Vec::new();
+    for r in 1..world {
+        others.push(serde_json::from_slice::<Result<RankFigures, String>>(&store.get(&done(r))?)?);
+    }
+    Ok(combine(out, &others, world))
 }
 
 fn short(s: &str) -> &str {

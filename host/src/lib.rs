@@ -13,6 +13,7 @@ pub mod device;
 pub mod kernels;
 pub mod launch;
 pub mod measure;
+pub mod rendezvous;
 pub mod report;
 pub mod results;
 pub mod strategy;

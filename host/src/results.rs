@@ -135,6 +135,9 @@ pub struct Metrics {
     /// Latency after link emulation, when a link was emulated.
     #[serde(default)]
     pub collective_emulated: Option<LatencySummary>,
+    /// Size in bytes of each gradient bucket reduced per step (world > 1).
+    #[serde(default)]
+    pub bucket_bytes: Vec<u64>,
     /// All-reduce bus bandwidth, GB/s (nccl-tests: bytes / time x 2(n-1)/n).
     #[serde(default)]
     pub busbw_gbs: Option<f64>,

@@ -74,6 +74,10 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let w = ctx.workload;
     let device = ctx.device;
     let cuda = device.is_cuda();
+    let dev_index = match device {
+        Device::Cuda(i) => i,
+        _ => 0,
+    };
 
     // Model and data.
     let encoder_dim = if w.model.kind == ModelKind::Encoder {
@@ -145,8 +149,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
 
     measure::reset_peak_rss();
     if cuda {
-        tch::Cuda::synchronize(0);
-        torch_ext::cuda_reset_peak(0)?;
+        tch::Cuda::synchronize(dev_index as i64);
+        torch_ext::cuda_reset_peak(dev_index)?;
     }
     let mut timer = PhaseTimer::new(cuda);
     let mut step_hist = measure::new_histogram();
@@ -192,7 +196,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
         if step == ctx.warmup_steps {
             if cuda {
-                tch::Cuda::synchronize(0);
+                tch::Cuda::synchronize(dev_index as i64);
             }
             measured_from = Some((train_elapsed(eval_time), tokens, samples));
         }
@@ -295,7 +299,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             step,
             loss: last_loss.unwrap_or(f64::NAN),
             step_time_s: last_iter.elapsed().as_secs_f64(),
-            memory_used_bytes: if cuda { torch_ext::cuda_memory(0)?.allocated as u64 } else { measure::rss_bytes().unwrap_or(0) },
+            memory_used_bytes: if cuda { torch_ext::cuda_memory(dev_index)?.allocated as u64 } else { measure::rss_bytes().unwrap_or(0) },
             memory_total_bytes: ctx.memory_total_bytes,
             tokens_per_s: tps.unwrap_or(0.0),
         };
@@ -345,7 +349,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         last_loss = Some(read_loss(p, &mut loss_curve)?);
     }
     if cuda {
-        tch::Cuda::synchronize(0);
+        tch::Cuda::synchronize(dev_index as i64);
     }
     timer.flush()?;
     let train_time = train_elapsed(eval_time);
@@ -367,17 +371,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let achieved_tflops = flops_per_token * tokens_per_s / 1e12;
     let peak = ctx.peak_tflops;
 
+    let cs = comm.stats().clone();
     let memory = MemoryRecord {
         peak_rss_bytes: measure::peak_rss_bytes(),
-        peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(0)?.peak_allocated) } else { None },
-        peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(0)?.peak_reserved) } else { None },
+        peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_allocated) } else { None },
+        peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved) } else { None },
     };
     let mut histograms = BTreeMap::new();
     let mut phases = BTreeMap::new();
     histograms.insert("step".to_owned(), measure::encode(&step_hist));
-    if comm.stats().collectives > 0 {
-        histograms.insert("collective".to_owned(), measure::encode(&comm.stats().latency));
-        histograms.insert("collective.emulated".to_owned(), measure::encode(&comm.stats().emulated));
+    if cs.collectives > 0 {
+        histograms.insert("collective".to_owned(), measure::encode(&cs.latency));
+        histograms.insert("collective.emulated".to_owned(), measure::encode(&cs.emulated));
     }
     for (p, h) in &timer.histograms {
         if h.is_empty() {
@@ -422,18 +427,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         loss_curve: subsample(loss_curve, 512),
         eval_curve,
         skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
-        bytes_on_wire: comm.stats().bytes_sent,
+        bytes_on_wire: cs.bytes_sent,
         world_size: world as u32,
-        collectives: comm.stats().collectives,
-        collective: (comm.stats().collectives > 0).then(|| LatencySummary::of(&comm.stats().latency)),
-        collective_emulated: (comm.stats().collectives > 0 && comm.stats().emulated_total != comm.stats().measured_total)
-            .then(|| LatencySummary::of(&comm.stats().emulated)),
-        busbw_gbs: comm.stats().bandwidth_gbs(world, false).map(|b| b.1),
-        busbw_emulated_gbs: comm
-            .stats()
-            .bandwidth_gbs(world, true)
-            .map(|b| b.1)
-            .filter(|_| comm.stats().emulated_total != comm.stats().measured_total),
+        bucket_bytes: if world > 1 {
+            buckets.iter().map(|b| b.iter().map(|&i| (params[i].numel() * params[i].kind().elt_size_in_bytes()) as u64).sum()).collect()
+        } else {
+            Vec::new()
+        },
+        collectives: cs.collectives,
+        collective: (cs.collectives > 0).then(|| LatencySummary::of(&cs.latency)),
+        collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),
+        busbw_gbs: cs.bandwidth_gbs(world, false).map(|b| b.1),
+        busbw_emulated_gbs: comm.stats().bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
         strategy_runtime: "built-in".into(),
         fused_cross_entropy: fused_ce,
         batch_changes,
