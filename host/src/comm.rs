@@ -57,6 +57,8 @@ pub struct CommStats {
     pub bytes_sent: u64,
     /// Bytes of the buffers reduced (the nccl-tests "size").
     pub bytes_reduced: u64,
+    /// Bytes reduced by the collectives in the timings (after warm-up).
+    pub bytes_timed: u64,
     /// Measured time of each collective, ns.
     pub latency: Histogram<u64>,
     /// Time after link emulation, ns (equal to `latency` without a link).
@@ -71,6 +73,7 @@ impl Default for CommStats {
             collectives: 0,
             bytes_sent: 0,
             bytes_reduced: 0,
+            bytes_timed: 0,
             latency: measure::new_histogram(),
             emulated: measure::new_histogram(),
             measured_total: Duration::ZERO,
@@ -80,14 +83,22 @@ impl Default for CommStats {
 }
 
 impl CommStats {
+    fn clear_timings(&mut self) {
+        self.latency.reset();
+        self.emulated.reset();
+        self.measured_total = Duration::ZERO;
+        self.emulated_total = Duration::ZERO;
+        self.bytes_timed = 0;
+    }
+
     /// Algorithm bandwidth (bytes reduced / time) and bus bandwidth
     /// (algbw x 2(n-1)/n), in GB/s, over all all-reduces (nccl-tests).
     pub fn bandwidth_gbs(&self, n: usize, emulated: bool) -> Option<(f64, f64)> {
         let t = if emulated { self.emulated_total } else { self.measured_total }.as_secs_f64();
-        if t <= 0.0 || self.bytes_reduced == 0 {
+        if t <= 0.0 || self.bytes_timed == 0 {
             return None;
         }
-        let alg = self.bytes_reduced as f64 / t / 1e9;
+        let alg = self.bytes_timed as f64 / t / 1e9;
         Some((alg, alg * 2.0 * (n as f64 - 1.0) / n as f64))
     }
 }
@@ -106,6 +117,9 @@ pub trait Collective {
     fn abort(&self, reason: &str);
     /// What the collectives cost so far (device timings are read back here).
     fn stats(&mut self) -> &CommStats;
+    /// Forgets the timings so far (not the counts or bytes): called when
+    /// warm-up ends, so NCCL's lazy set-up stays out of the latencies.
+    fn reset_timings(&mut self);
 }
 
 /// One rank alone: collectives are the identity and move nothing.
@@ -131,6 +145,7 @@ impl Collective for SingleRank {
     fn stats(&mut self) -> &CommStats {
         &self.stats
     }
+    fn reset_timings(&mut self) {}
 }
 
 #[derive(Default)]
@@ -287,6 +302,7 @@ impl Collective for InProcessComm {
         let s = &mut self.stats;
         s.collectives += 1;
         s.bytes_reduced += bytes;
+        s.bytes_timed += bytes;
         s.bytes_sent += 2 * (n as u64 - 1) * bytes / n as u64;
         measure::record(&mut s.latency, measured);
         measure::record(&mut s.emulated, target);
@@ -305,6 +321,10 @@ impl Collective for InProcessComm {
 
     fn stats(&mut self) -> &CommStats {
         &self.stats
+    }
+
+    fn reset_timings(&mut self) {
+        self.stats.clear_timings();
     }
 }
 
@@ -594,10 +614,11 @@ pub mod nccl {
             }
         }
         fn stats(&mut self) -> &CommStats {
-            for (_, s, e) in self.pending.drain(..) {
+            for (bytes, s, e) in self.pending.drain(..) {
                 if e.synchronize().is_ok() {
                     if let Ok(ms) = Event::elapsed_ms(&s, &e) {
                         let d = std::time::Duration::from_secs_f64(ms as f64 / 1e3);
+                        self.stats.bytes_timed += bytes;
                         measure::record(&mut self.stats.latency, d);
                         measure::record(&mut self.stats.emulated, d);
                         self.stats.measured_total += d;
@@ -606,6 +627,11 @@ pub mod nccl {
                 }
             }
             &self.stats
+        }
+        fn reset_timings(&mut self) {
+            // Pending device timings belong to warm-up too.
+            self.pending.clear();
+            self.stats.clear_timings();
         }
     }
 

@@ -199,6 +199,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 tch::Cuda::synchronize(dev_index as i64);
             }
             measured_from = Some((train_elapsed(eval_time), tokens, samples));
+            comm.reset_timings();
         }
         let recording = step >= ctx.warmup_steps;
         timer.begin_step(recording);
