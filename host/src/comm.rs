@@ -539,8 +539,36 @@ pub mod nccl {
         })
     }
 
+    /// Aborts a communicator from another thread (the watchdog): NCCL kernels
+    /// waiting for a dead peer exit, and later calls on it fail.
+    #[derive(Clone)]
+    pub struct AbortHandle {
+        comm: CommT,
+        aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    // SAFETY: ncclCommAbort may be called from any thread (NCCL's documented
+    // way to break a hang); the flag makes it happen at most once.
+    unsafe impl Send for AbortHandle {}
+    unsafe impl Sync for AbortHandle {}
+
+    impl AbortHandle {
+        /// Aborts once; later calls do nothing.
+        pub fn abort(&self) {
+            if self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            if let Ok(l) = lib() {
+                // SAFETY: the communicator is live (not destroyed: Drop checks
+                // the same flag) and aborted exactly once.
+                unsafe { (l.abort)(self.comm) };
+            }
+        }
+    }
+
     /// One rank's NCCL communicator on the current CUDA device.
     pub struct NcclComm {
+        aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
         comm: CommT,
         rank: usize,
         n: usize,
@@ -556,7 +584,12 @@ pub mod nccl {
             let mut comm: CommT = std::ptr::null_mut();
             // SAFETY: comm receives a communicator handle; id is by value.
             check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
-            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
+            Ok(NcclComm { aborted: Default::default(), comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
+        }
+
+        /// A handle that aborts this communicator from another thread.
+        pub fn abort_handle(&self) -> AbortHandle {
+            AbortHandle { comm: self.comm, aborted: self.aborted.clone() }
         }
 
         fn op(
@@ -607,11 +640,7 @@ pub mod nccl {
             self.op(t, |l, p, count, dt| unsafe { (l.broadcast)(p, p, count, dt, root as c_int, comm, std::ptr::null_mut()) }, "broadcast")
         }
         fn abort(&self, _reason: &str) {
-            if let Ok(l) = lib() {
-                // SAFETY: aborting a live communicator; other ranks' pending
-                // collectives fail instead of hanging.
-                unsafe { (l.abort)(self.comm) };
-            }
+            self.abort_handle().abort();
         }
         fn stats(&mut self) -> &CommStats {
             for (bytes, s, e) in self.pending.drain(..) {
@@ -637,6 +666,9 @@ pub mod nccl {
 
     impl Drop for NcclComm {
         fn drop(&mut self) {
+            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+                return; // ncclCommAbort already released it
+            }
             if let Ok(l) = lib() {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };

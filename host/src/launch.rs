@@ -195,6 +195,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         _ => result.machine.gpus.first().map_or(0, |g| g.memory_bytes),
     };
     let _quiet_panics = QuietPanics::install();
+    // Set when a rank died or hung: the next entry could not form a
+    // communicator, so the run stops after recording this one.
+    let mut ranks_lost = false;
 
     for (i, entry) in todo.iter().enumerate() {
         let w = &suite.spec.workloads[entry.workload];
@@ -216,7 +219,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
         let link = entry.strategy.link;
         let outcome = if let Some(c) = &store {
-            run_nccl(&ctx, c, rank, world, &mut on_progress)?
+            run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost)?
         } else if world == 1 {
             run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
         } else {
@@ -259,6 +262,16 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         result.entries.sort_by_key(|e| order(&e.id));
         if writes {
             result.write_atomic(&opts.out)?;
+        }
+        if ranks_lost {
+            let why = match &result.entries.iter().find(|e| e.id == entry.id).map(|e| &e.status) {
+                Some(EntryStatus::Failed { error }) => error.clone(),
+                _ => "a rank was lost".into(),
+            };
+            anyhow::bail!(
+                "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
+                opts.out.display()
+            );
         }
     }
     Ok(result)
@@ -386,6 +399,7 @@ fn run_nccl(
     rank: usize,
     world: usize,
     progress: &mut dyn FnMut(&Progress),
+    ranks_lost: &mut bool,
 ) -> anyhow::Result<Result<EntryOutput, String>> {
     use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
     let key = format!("nccl/{}", ctx.entry.id);
@@ -403,7 +417,22 @@ fn run_nccl(
         id
     };
     let out = match NcclComm::new(id, rank, world) {
-        Ok(mut comm) => run_rank(ctx, &mut comm, progress),
+        Ok(mut comm) => {
+            let dog = Watchdog::start(comm.abort_handle(), store.clone(), &ctx.entry.id, rank, world);
+            let mut tick = |p: &Progress| {
+                dog.beat(p.step);
+                progress(p)
+            };
+            let out = run_rank(ctx, &mut comm, &mut tick);
+            match dog.stop() {
+                // The watchdog's diagnosis replaces NCCL's error after abort.
+                Some(why) => {
+                    *ranks_lost = true;
+                    Err(why)
+                }
+                None => out,
+            }
+        }
         Err(e) => Err(format!("{e:#}")),
     };
     let done = |r: usize| format!("done/{}/{r}", ctx.entry.id);
@@ -414,9 +443,107 @@ fn run_nccl(
     }
     let mut others = Vec::new();
     for r in 1..world {
-        others.push(serde_json::from_slice::<Result<RankFigures, String>>(&store.get(&done(r))?)?);
+        others.push(match store.get(&done(r)) {
+            Ok(bytes) => serde_json::from_slice::<Result<RankFigures, String>>(&bytes)?,
+            Err(e) => {
+                *ranks_lost = true;
+                Err(format!("rank {r} never reported the end of the entry ({e})"))
+            }
+        });
     }
     Ok(combine(out, &others, world))
+}
+
+/// Watches a rank's progress during a multi-GPU entry. Each rank publishes
+/// its step to the rendezvous every two seconds; when a rank's own steps stop
+/// for longer than the collective timeout (a peer died or hangs, so an NCCL
+/// collective never completes), the watchdog names the ranks whose published
+/// step is behind or missing, and aborts the communicator so that the stuck
+/// collective returns and every rank can exit with that message.
+struct Watchdog {
+    state: std::sync::Arc<WatchState>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+struct WatchState {
+    t0: std::time::Instant,
+    step: std::sync::atomic::AtomicU64,
+    last_ms: std::sync::atomic::AtomicU64,
+    stop: std::sync::atomic::AtomicBool,
+    fired: std::sync::Mutex<Option<String>>,
+}
+
+impl Watchdog {
+    fn start(abort: crate::comm::nccl::AbortHandle, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
+        use std::sync::atomic::Ordering::SeqCst;
+        let state = std::sync::Arc::new(WatchState {
+            t0: std::time::Instant::now(),
+            step: Default::default(),
+            last_ms: Default::default(),
+            stop: Default::default(),
+            fired: Default::default(),
+        });
+        let (st, entry) = (state.clone(), entry.to_owned());
+        let ms = {
+            let st = st.clone();
+            move || st.t0.elapsed().as_millis() as u64
+        };
+        let thread = std::thread::spawn(move || {
+            let timeout_ms = store.timeout.as_millis() as u64;
+            let beat_key = |r: usize| format!("beat/{entry}/{r}");
+            let mut published = 0u64;
+            while !st.stop.load(SeqCst) {
+                std::thread::sleep(Duration::from_millis(250));
+                let now = ms();
+                if now >= published + 2000 {
+                    published = now;
+                    let _ = store.set(&beat_key(rank), st.step.load(SeqCst).to_string().as_bytes());
+                }
+                let idle = now.saturating_sub(st.last_ms.load(SeqCst));
+                if idle > timeout_ms {
+                    let mine = st.step.load(SeqCst);
+                    let quick = rendezvous::Client { timeout: Duration::from_secs(2), ..store.clone() };
+                    let mut behind = Vec::new();
+                    let mut unreachable = false;
+                    for r in (0..world).filter(|&r| r != rank) {
+                        match quick.get(&beat_key(r)) {
+                            Ok(v) if String::from_utf8_lossy(&v).parse::<u64>().is_ok_and(|s| s + 1 >= mine) => {}
+                            Ok(_) | Err(rendezvous::RendezvousError::Timeout { .. }) => behind.push(r),
+                            Err(_) => unreachable = true,
+                        }
+                    }
+                    let who = if unreachable {
+                        "rank 0 (which serves the rendezvous) is unreachable".to_owned()
+                    } else if behind.is_empty() {
+                        "every rank published a recent step; a collective hangs".to_owned()
+                    } else {
+                        format!("rank(s) {behind:?} stopped making progress")
+                    };
+                    let msg = format!("rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}; the communicator was aborted", idle as f64 / 1e3);
+                    *st.fired.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
+                    abort.abort();
+                    break;
+                }
+            }
+        });
+        Watchdog { state, thread: Some(thread) }
+    }
+
+    /// Records that a step finished.
+    fn beat(&self, step: u64) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.state.step.store(step, SeqCst);
+        self.state.last_ms.store(self.state.t0.elapsed().as_millis() as u64, SeqCst);
+    }
+
+    /// Stops watching; returns the diagnosis if the watchdog fired.
+    fn stop(mut self) -> Option<String> {
+        self.state.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.state.fired.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 fn short(s: &str) -> &str {
