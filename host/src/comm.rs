@@ -475,7 +475,6 @@ pub mod nccl {
         init_rank: unsafe extern "C" fn(*mut CommT, c_int, UniqueId, c_int) -> c_int,
         all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
         broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
-        abort: unsafe extern "C" fn(CommT) -> c_int,
         destroy: unsafe extern "C" fn(CommT) -> c_int,
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     }
@@ -497,7 +496,6 @@ pub mod nccl {
                     init_rank: sym!(b"ncclCommInitRank"),
                     all_reduce: sym!(b"ncclAllReduce"),
                     broadcast: sym!(b"ncclBroadcast"),
-                    abort: sym!(b"ncclCommAbort"),
                     destroy: sym!(b"ncclCommDestroy"),
                     error_string: sym!(b"ncclGetErrorString"),
                     _lib: lib,
@@ -539,36 +537,8 @@ pub mod nccl {
         })
     }
 
-    /// Aborts a communicator from another thread (the watchdog): NCCL kernels
-    /// waiting for a dead peer exit, and later calls on it fail.
-    #[derive(Clone)]
-    pub struct AbortHandle {
-        comm: CommT,
-        aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    }
-
-    // SAFETY: ncclCommAbort may be called from any thread (NCCL's documented
-    // way to break a hang); the flag makes it happen at most once.
-    unsafe impl Send for AbortHandle {}
-    unsafe impl Sync for AbortHandle {}
-
-    impl AbortHandle {
-        /// Aborts once; later calls do nothing.
-        pub fn abort(&self) {
-            if self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                return;
-            }
-            if let Ok(l) = lib() {
-                // SAFETY: the communicator is live (not destroyed: Drop checks
-                // the same flag) and aborted exactly once.
-                unsafe { (l.abort)(self.comm) };
-            }
-        }
-    }
-
     /// One rank's NCCL communicator on the current CUDA device.
     pub struct NcclComm {
-        aborted: std::sync::Arc<std::sync::atomic::AtomicBool>,
         comm: CommT,
         rank: usize,
         n: usize,
@@ -584,12 +554,7 @@ pub mod nccl {
             let mut comm: CommT = std::ptr::null_mut();
             // SAFETY: comm receives a communicator handle; id is by value.
             check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
-            Ok(NcclComm { aborted: Default::default(), comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
-        }
-
-        /// A handle that aborts this communicator from another thread.
-        pub fn abort_handle(&self) -> AbortHandle {
-            AbortHandle { comm: self.comm, aborted: self.aborted.clone() }
+            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
         }
 
         fn op(
@@ -640,7 +605,9 @@ pub mod nccl {
             self.op(t, |l, p, count, dt| unsafe { (l.broadcast)(p, p, count, dt, root as c_int, comm, std::ptr::null_mut()) }, "broadcast")
         }
         fn abort(&self, _reason: &str) {
-            self.abort_handle().abort();
+            // Not ncclCommAbort: on the H200s it left the CUDA context with an
+            // illegal-address error that later crashed libtorch. A rank that
+            // fails stops issuing collectives; its peers' watchdogs end them.
         }
         fn stats(&mut self) -> &CommStats {
             for (bytes, s, e) in self.pending.drain(..) {
@@ -666,9 +633,6 @@ pub mod nccl {
 
     impl Drop for NcclComm {
         fn drop(&mut self) {
-            if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
-                return; // ncclCommAbort already released it
-            }
             if let Ok(l) = lib() {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };

@@ -219,7 +219,28 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
         let link = entry.strategy.link;
         let outcome = if let Some(c) = &store {
-            run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost)?
+            // What the watchdog writes if this entry hangs on a lost rank.
+            let on_fire: Box<dyn FnOnce(&str) + Send> = if writes {
+                let (mut snap, out) = (result.clone(), opts.out.clone());
+                let failed = EntryResult {
+                    id: entry.id.clone(),
+                    workload: w.name.clone(),
+                    strategy: entry.strategy.name.clone(),
+                    repeat: entry.repeat,
+                    seed: entry.seed,
+                    status: EntryStatus::Failed { error: String::new() },
+                    device: device_name.clone(),
+                    metrics: None,
+                    histograms: Default::default(),
+                };
+                Box::new(move |msg: &str| {
+                    snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
+                    let _ = snap.write_atomic(&out);
+                })
+            } else {
+                Box::new(|_: &str| {})
+            };
+            run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost, on_fire)?
         } else if world == 1 {
             run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
         } else {
@@ -400,6 +421,7 @@ fn run_nccl(
     world: usize,
     progress: &mut dyn FnMut(&Progress),
     ranks_lost: &mut bool,
+    on_fire: Box<dyn FnOnce(&str) + Send>,
 ) -> anyhow::Result<Result<EntryOutput, String>> {
     use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
     let key = format!("nccl/{}", ctx.entry.id);
@@ -418,20 +440,14 @@ fn run_nccl(
     };
     let out = match NcclComm::new(id, rank, world) {
         Ok(mut comm) => {
-            let dog = Watchdog::start(comm.abort_handle(), store.clone(), &ctx.entry.id, rank, world);
+            let dog = Watchdog::start(on_fire, store.clone(), &ctx.entry.id, rank, world);
             let mut tick = |p: &Progress| {
                 dog.beat(p.step);
                 progress(p)
             };
             let out = run_rank(ctx, &mut comm, &mut tick);
-            match dog.stop() {
-                // The watchdog's diagnosis replaces NCCL's error after abort.
-                Some(why) => {
-                    *ranks_lost = true;
-                    Err(why)
-                }
-                None => out,
-            }
+            dog.stop();
+            out
         }
         Err(e) => Err(format!("{e:#}")),
     };
@@ -458,8 +474,10 @@ fn run_nccl(
 /// its step to the rendezvous every two seconds; when a rank's own steps stop
 /// for longer than the collective timeout (a peer died or hangs, so an NCCL
 /// collective never completes), the watchdog names the ranks whose published
-/// step is behind or missing, and aborts the communicator so that the stuck
-/// collective returns and every rank can exit with that message.
+/// step is behind or missing, records the failed entry (rank 0) and ends the
+/// process: a CUDA context stuck in a collective cannot be recovered in place
+/// (ncclCommAbort left it with an illegal-address error on the H200s, and
+/// libtorch then aborted), which is also how PyTorch's NCCL watchdog ends.
 struct Watchdog {
     state: std::sync::Arc<WatchState>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -470,18 +488,16 @@ struct WatchState {
     step: std::sync::atomic::AtomicU64,
     last_ms: std::sync::atomic::AtomicU64,
     stop: std::sync::atomic::AtomicBool,
-    fired: std::sync::Mutex<Option<String>>,
 }
 
 impl Watchdog {
-    fn start(abort: crate::comm::nccl::AbortHandle, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
+    fn start(on_fire: Box<dyn FnOnce(&str) + Send>, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
         use std::sync::atomic::Ordering::SeqCst;
         let state = std::sync::Arc::new(WatchState {
             t0: std::time::Instant::now(),
             step: Default::default(),
             last_ms: Default::default(),
             stop: Default::default(),
-            fired: Default::default(),
         });
         let (st, entry) = (state.clone(), entry.to_owned());
         let ms = {
@@ -519,10 +535,13 @@ impl Watchdog {
                     } else {
                         format!("rank(s) {behind:?} stopped making progress")
                     };
-                    let msg = format!("rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}; the communicator was aborted", idle as f64 / 1e3);
-                    *st.fired.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
-                    abort.abort();
-                    break;
+                    let msg = format!(
+                        "rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}",
+                        idle as f64 / 1e3
+                    );
+                    eprintln!("harness: {msg}; stopping this rank");
+                    on_fire(&msg);
+                    std::process::exit(crate::cli::exit::ERROR);
                 }
             }
         });
@@ -536,13 +555,12 @@ impl Watchdog {
         self.state.last_ms.store(self.state.t0.elapsed().as_millis() as u64, SeqCst);
     }
 
-    /// Stops watching; returns the diagnosis if the watchdog fired.
-    fn stop(mut self) -> Option<String> {
+    /// Stops watching.
+    fn stop(mut self) {
         self.state.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        self.state.fired.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
 
