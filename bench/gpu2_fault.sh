@@ -3,11 +3,7 @@
 # SIGKILLed during a long one. Rank 0 must stop within the collective timeout
 # with a message naming rank 1, keep the finished entry, and exit non-zero.
 set -uo pipefail
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-BIN=${HARNESS_BIN:-.carry/harness}
-SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-export LD_LIBRARY_PATH="$SP/torch/lib:$(ls -d "$SP"/nvidia/*/lib | tr '\n' :)${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 S="$OUT/fault.toml"
 cat > "$S" <<'TOML'
 [suite]

@@ -5,11 +5,7 @@
 # all_reduce bus bandwidth; prints a table. Needs $HARNESS_BIN (default
 # .carry/harness) and PyTorch 2.11. Writes under ${OUT:-bench-out}.
 set -euo pipefail
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-BIN=${HARNESS_BIN:-.carry/harness}
-SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-export LD_LIBRARY_PATH="$SP/torch/lib:$(ls -d "$SP"/nvidia/*/lib | tr '\n' :)${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
 "$BIN" run suites/gpu2.toml --out "$OUT/harness-2gpu.json" --quiet > "$OUT/harness-2gpu.txt" 2>&1 || { cat "$OUT/harness-2gpu.txt"; exit 1; }
 CUDA_VISIBLE_DEVICES=0 "$BIN" run suites/gpu.toml --out "$OUT/harness-1gpu.json" --quiet > /dev/null 2>&1 || echo "1-GPU run failed"

@@ -5,11 +5,7 @@
 # built elsewhere ($HARNESS_BIN, default .carry/harness) and PyTorch 2.11.
 # Writes everything under ${OUT:-bench-out}.
 set -euo pipefail
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-BIN=${HARNESS_BIN:-.carry/harness}
-SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-export LD_LIBRARY_PATH="$SP/torch/lib:$(ls -d "$SP"/nvidia/*/lib | tr '\n' :)${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 SUITE=${SUITE:-suites/gpu.toml}
 "$BIN" env | tee "$OUT/env.txt"
 for r in 1 2; do

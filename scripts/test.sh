@@ -18,6 +18,6 @@ echo "== cargo test (release: the tests train real models)"
 # Snapshot mismatches fail instead of writing .snap.new files.
 CI=${CI:-true} cargo test --workspace --release
 echo "== bench scripts parse"
-python3 -m py_compile bench/pytorch_gpt.py bench/summarize.py
-bash -n bench/gpu_vs_pytorch.sh
+python3 -m py_compile bench/*.py
+for f in bench/*.sh; do bash -n "$f"; done
 echo "all checks passed"
