@@ -543,18 +543,23 @@ pub mod nccl {
         rank: usize,
         n: usize,
         stats: CommStats,
-        /// (bytes, start, end) of collectives not yet read back.
-        pending: Vec<(u64, Event, Event)>,
+        /// (bytes, start, after NCCL, after link emulation) not yet read back.
+        pending: Vec<(u64, Event, Event, Event)>,
+        /// Emulated link, and the device word its clock stamps go to.
+        link: Option<(super::Link, Tensor)>,
     }
 
     impl NcclComm {
         /// Joins the communicator `id` as `rank` of `n` (blocks until all join).
-        pub fn new(id: UniqueId, rank: usize, n: usize) -> anyhow::Result<NcclComm> {
+        /// With a `link`, every all-reduce is stretched on the device timeline
+        /// to what the link's ring model predicts (see `kernels::spin_until`).
+        pub fn new(id: UniqueId, rank: usize, n: usize, link: Option<super::Link>, device: tch::Device) -> anyhow::Result<NcclComm> {
             let l = lib().map_err(anyhow::Error::msg)?;
             let mut comm: CommT = std::ptr::null_mut();
             // SAFETY: comm receives a communicator handle; id is by value.
             check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
-            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new() })
+            let link = link.map(|k| (k, Tensor::zeros([1], (Kind::Int64, device))));
+            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new(), link })
         }
 
         fn op(
@@ -583,16 +588,23 @@ pub mod nccl {
         }
         fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError> {
             let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-            let timed = Event::new().and_then(|s| s.record().map(|_| s)).ok();
+            let rank = self.rank;
+            let fail = move |e: anyhow::Error| CommError::Aborted { op: "all_reduce", seq: 0, rank, reason: e.to_string() };
+            let event = || Event::new().and_then(|e| e.record().map(|_| e));
+            let start = event().map_err(fail)?;
+            if let Some((_, at)) = &self.link {
+                crate::kernels::stamp(at).map_err(fail)?;
+            }
             let comm = self.comm;
             // SAFETY: in place on t's device memory (send = receive buffer),
             // `count` elements of the given type; the legacy default stream.
             self.op(t, |l, p, count, dt| unsafe { (l.all_reduce)(p, p, count, dt, 0, comm, std::ptr::null_mut()) }, "all_reduce")?;
-            if let Some(start) = timed {
-                if let Ok(end) = Event::new().and_then(|e| e.record().map(|_| e)) {
-                    self.pending.push((bytes, start, end));
-                }
+            let mid = event().map_err(fail)?;
+            if let Some((link, at)) = &self.link {
+                crate::kernels::spin_until(at, link.all_reduce_time(bytes, self.n).as_nanos() as u64).map_err(fail)?;
             }
+            let end = event().map_err(fail)?;
+            self.pending.push((bytes, start, mid, end));
             let n = self.n as u64;
             self.stats.collectives += 1;
             self.stats.bytes_reduced += bytes;
@@ -610,16 +622,17 @@ pub mod nccl {
             // fails stops issuing collectives; its peers' watchdogs end them.
         }
         fn stats(&mut self) -> &CommStats {
-            for (bytes, s, e) in self.pending.drain(..) {
-                if e.synchronize().is_ok() {
-                    if let Ok(ms) = Event::elapsed_ms(&s, &e) {
-                        let d = std::time::Duration::from_secs_f64(ms as f64 / 1e3);
-                        self.stats.bytes_timed += bytes;
-                        measure::record(&mut self.stats.latency, d);
-                        measure::record(&mut self.stats.emulated, d);
-                        self.stats.measured_total += d;
-                        self.stats.emulated_total += d;
-                    }
+            let secs = |a: &Event, b: &Event| Event::elapsed_ms(a, b).ok().map(|ms| std::time::Duration::from_secs_f64(ms as f64 / 1e3));
+            for (bytes, s, m, e) in self.pending.drain(..) {
+                if e.synchronize().is_err() {
+                    continue;
+                }
+                if let (Some(measured), Some(emulated)) = (secs(&s, &m), secs(&s, &e)) {
+                    self.stats.bytes_timed += bytes;
+                    measure::record(&mut self.stats.latency, measured);
+                    measure::record(&mut self.stats.emulated, emulated);
+                    self.stats.measured_total += measured;
+                    self.stats.emulated_total += emulated;
                 }
             }
             &self.stats

@@ -102,11 +102,26 @@ extern "C" __global__ void __launch_bounds__(1024) ce_bf16(
   }
   if (threadIdx.x == 0) loss_rows[row] = lse - bf2f(x[t]);
 }
+
+// Link emulation on the device timeline: stamp() records the GPU clock before
+// a collective; spin_until() after it waits until `ns` have passed since that
+// stamp, so the collective appears to take at least what the modelled link
+// would need. One thread; nothing else runs on the stream meanwhile.
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}
+extern "C" __global__ void stamp(unsigned long long* at) { *at = now_ns(); }
+extern "C" __global__ void spin_until(const unsigned long long* at, unsigned long long ns) {
+  const unsigned long long end = *at + ns;
+  while (now_ns() < end) { __nanosleep(1000); }
+}
 "#;
 
 struct Loaded {
     _module: sys::CUmodule,
     ce_bf16: sys::CUfunction,
+    stamp: sys::CUfunction,
+    spin_until: sys::CUfunction,
 }
 
 // SAFETY: CUmodule and CUfunction are driver handles valid in every thread
@@ -128,10 +143,11 @@ fn loaded() -> Result<&'static Loaded, String> {
         // SAFETY: image is NUL-terminated PTX text; the module lives for the
         // process (kept in the static).
         let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
-        // SAFETY: module is loaded; the name is NUL-terminated.
-        let ce_bf16 =
-            unsafe { result::module::get_function(module, CString::new("ce_bf16").expect("no NUL")) }.map_err(|e| format!("{e:?}"))?;
-        Ok(Loaded { _module: module, ce_bf16 })
+        let get = |name: &str| {
+            // SAFETY: module is loaded; the name is NUL-terminated.
+            unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
+        };
+        Ok(Loaded { _module: module, ce_bf16: get("ce_bf16")?, stamp: get("stamp")?, spin_until: get("spin_until")? })
     })
     .as_ref()
     .map_err(Clone::clone)
@@ -198,6 +214,28 @@ pub fn cross_entropy_bf16(logits: &Tensor, target: &Tensor, factor: f32, scale: 
     Ok((rows.mean(Kind::Float), grad))
 }
 
+/// Records the GPU clock into `at` (one int64 on the device), in stream order.
+pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
+    let mut p = at.data_ptr();
+    let mut params: [*mut c_void; 1] = [&mut p as *mut _ as *mut c_void];
+    // SAFETY: `at` is a live device tensor of at least 8 bytes; one thread
+    // writes one u64; the legacy default stream orders it.
+    unsafe { result::launch_kernel(k.stamp, (1, 1, 1), (1, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    Ok(())
+}
+
+/// Holds the stream until `ns` nanoseconds after the clock stored in `at`.
+pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
+    let mut p = at.data_ptr();
+    let mut ns = ns;
+    let mut params: [*mut c_void; 2] = [&mut p as *mut _ as *mut c_void, &mut ns as *mut _ as *mut c_void];
+    // SAFETY: as in `stamp`; the kernel only reads the stamp.
+    unsafe { result::launch_kernel(k.spin_until, (1, 1, 1), (1, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +255,7 @@ mod tests {
         // NVRTC runs without a GPU; the CPU test environment has libnvrtc.
         let ptx = compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
+        assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
     }
 
     #[test]

@@ -438,7 +438,7 @@ fn run_nccl(
         }
         id
     };
-    let out = match NcclComm::new(id, rank, world) {
+    let out = match NcclComm::new(id, rank, world, ctx.entry.strategy.link, ctx.device) {
         Ok(mut comm) => {
             let dog = Watchdog::start(on_fire, store.clone(), &ctx.entry.id, rank, world);
             let mut tick = |p: &Progress| {
