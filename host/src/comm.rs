@@ -627,7 +627,8 @@ pub mod nccl {
                 if e.synchronize().is_err() {
                     continue;
                 }
-                if let (Some(measured), Some(emulated)) = (secs(&s, &m), secs(&s, &e)) {
+                let emulated = if self.link.is_some() { secs(&s, &e) } else { secs(&s, &m) };
+                if let (Some(measured), Some(emulated)) = (secs(&s, &m), emulated) {
                     self.stats.bytes_timed += bytes;
                     measure::record(&mut self.stats.latency, measured);
                     measure::record(&mut self.stats.emulated, emulated);
