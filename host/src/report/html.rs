@@ -18,6 +18,8 @@ struct Frame {
     w: f64,
     h: f64,
     left: f64,
+    /// Room for the last x tick label.
+    right: f64,
     bottom: f64,
     x: (f64, f64),
     y: (f64, f64),
@@ -26,17 +28,17 @@ struct Frame {
 impl Frame {
     fn new(x: (f64, f64), y: (f64, f64)) -> Frame {
         let widen = |(a, b): (f64, f64)| if (b - a).abs() < 1e-12 { (a - 1.0, b + 1.0) } else { (a, b) };
-        Frame { w: 560.0, h: 300.0, left: 70.0, bottom: 40.0, x: widen(x), y: widen(y) }
+        Frame { w: 560.0, h: 300.0, left: 70.0, right: 28.0, bottom: 40.0, x: widen(x), y: widen(y) }
     }
     fn px(&self, x: f64) -> f64 {
-        self.left + (x - self.x.0) / (self.x.1 - self.x.0) * (self.w - self.left - 10.0)
+        self.left + (x - self.x.0) / (self.x.1 - self.x.0) * (self.w - self.left - self.right)
     }
     fn py(&self, y: f64) -> f64 {
         (self.h - self.bottom) - (y - self.y.0) / (self.y.1 - self.y.0) * (self.h - self.bottom - 10.0)
     }
     /// Axes, ticks and labels; `fx` formats x tick values.
     fn axes(&self, out: &mut String, xlabel: &str, ylabel: &str, fx: &dyn Fn(f64) -> String) {
-        let (x0, y0, x1, y1) = (self.left, self.h - self.bottom, self.w - 10.0, 10.0);
+        let (x0, y0, x1, y1) = (self.left, self.h - self.bottom, self.w - self.right, 10.0);
         let _ = write!(out, r##"<path d="M{x0} {y1} V{y0} H{x1}" stroke="#333" fill="none"/>"##);
         for i in 0..=4 {
             let fy = self.y.0 + (self.y.1 - self.y.0) * i as f64 / 4.0;
@@ -210,7 +212,7 @@ fn loss_curves(id: &str, rows: &[Row]) -> String {
             out,
             r##"<line x1="{}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#888" stroke-dasharray="6 4"><title>loss floor {fl:.4}</title></line>"##,
             f.left,
-            f.w - 10.0
+            f.w - f.right
         );
     }
     for (i, c) in curves.iter().enumerate() {
