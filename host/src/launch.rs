@@ -14,7 +14,7 @@ use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RunResult};
-use crate::suite::Suite;
+use crate::suite::{PlanEntry, Suite};
 use crate::train::{self, EntryContext, EntryOutput, Progress};
 
 /// How a run is asked for.
@@ -168,10 +168,12 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         }
     }
     let todo: Vec<_> = plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect();
+    // The GPU this rank trains on (None on the CPU).
+    let gpu = if device.is_cuda() { result.machine.gpus.get(local_rank).cloned() } else { None };
     let device_name = match device {
         tch::Device::Cpu => "cpu".to_owned(),
         _ => {
-            let name = result.machine.gpus.get(local_rank).map_or("cuda".into(), |g| format!("cuda ({})", g.name));
+            let name = gpu.as_ref().map_or("cuda".into(), |g| format!("cuda ({})", g.name));
             if dist {
                 format!("{world} x {name}")
             } else {
@@ -192,7 +194,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let memory_total_bytes = match device {
         tch::Device::Cpu => result.machine.memory_bytes,
-        _ => result.machine.gpus.first().map_or(0, |g| g.memory_bytes),
+        _ => gpu.as_ref().map_or(0, |g| g.memory_bytes),
     };
     let _quiet_panics = QuietPanics::install();
     // Set when a rank died or hung: the next entry could not form a
@@ -203,7 +205,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         let w = &suite.spec.workloads[entry.workload];
         // The suite's figure wins; else the GPU table at the entry's precision.
         let low_precision = w.precision != crate::suite::Precision::Fp32;
-        let peak_for = meta.peak_tflops.or_else(|| result.machine.gpus.first().and_then(|g| device::peak_tflops(&g.name, low_precision)));
+        let peak_for = meta.peak_tflops.or_else(|| gpu.as_ref().and_then(|g| device::peak_tflops(&g.name, low_precision)));
         let ctx = EntryContext {
             workload: w,
             entry,
@@ -222,17 +224,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             // What the watchdog writes if this entry hangs on a lost rank.
             let on_fire: Box<dyn FnOnce(&str) + Send> = if writes {
                 let (mut snap, out) = (result.clone(), opts.out.clone());
-                let failed = EntryResult {
-                    id: entry.id.clone(),
-                    workload: w.name.clone(),
-                    strategy: entry.strategy.name.clone(),
-                    repeat: entry.repeat,
-                    seed: entry.seed,
-                    status: EntryStatus::Failed { error: String::new() },
-                    device: device_name.clone(),
-                    metrics: None,
-                    histograms: Default::default(),
-                };
+                let failed = entry_result(entry, &w.name, &device_name, Err(String::new()));
                 Box::new(move |msg: &str| {
                     snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
                     let _ = snap.write_atomic(&out);
@@ -247,12 +239,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             run_threads(&ctx, world, link, timeout, &mut on_progress)
         };
         bar.finish_and_clear();
-        let (status, metrics, histograms) = match outcome {
-            Ok(out) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
-            Err(error) => (EntryStatus::Failed { error }, None, Default::default()),
-        };
+        let record = entry_result(entry, &w.name, &device_name, outcome);
         if !opts.quiet {
-            match (&status, &metrics) {
+            match (&record.status, &record.metrics) {
                 (EntryStatus::Ok, Some(m)) => eprintln!(
                     "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
                     entry.id,
@@ -267,28 +256,19 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
                 _ => {}
             }
         }
-        result.entries.push(EntryResult {
-            id: entry.id.clone(),
-            workload: w.name.clone(),
-            strategy: entry.strategy.name.clone(),
-            repeat: entry.repeat,
-            seed: entry.seed,
-            status,
-            device: device_name.clone(),
-            metrics,
-            histograms,
-        });
+        let lost_because = match (&record.status, ranks_lost) {
+            (EntryStatus::Failed { error }, true) => Some(error.clone()),
+            (_, true) => Some("a rank was lost".to_owned()),
+            _ => None,
+        };
+        result.entries.push(record);
         // Plan order, whatever order resume ran things in.
         let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
         result.entries.sort_by_key(|e| order(&e.id));
         if writes {
             result.write_atomic(&opts.out)?;
         }
-        if ranks_lost {
-            let why = match &result.entries.iter().find(|e| e.id == entry.id).map(|e| &e.status) {
-                Some(EntryStatus::Failed { error }) => error.clone(),
-                _ => "a rank was lost".into(),
-            };
+        if let Some(why) = lost_because {
             anyhow::bail!(
                 "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
                 opts.out.display()
@@ -296,6 +276,25 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         }
     }
     Ok(result)
+}
+
+/// The record of one entry, from what its run returned.
+fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result<EntryOutput, String>) -> EntryResult {
+    let (status, metrics, histograms) = match outcome {
+        Ok(out) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
+        Err(error) => (EntryStatus::Failed { error }, None, Default::default()),
+    };
+    EntryResult {
+        id: entry.id.clone(),
+        workload: workload.to_owned(),
+        strategy: entry.strategy.name.clone(),
+        repeat: entry.repeat,
+        seed: entry.seed,
+        status,
+        device: device.to_owned(),
+        metrics,
+        histograms,
+    }
 }
 
 /// While alive, panics (libtorch errors surface as panics in tch) are not

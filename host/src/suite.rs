@@ -196,6 +196,17 @@ pub enum DataSpec {
     },
 }
 
+impl DataSpec {
+    /// The token vocabulary the data implies (None for regression data).
+    pub fn vocab(&self) -> Option<u32> {
+        match self {
+            DataSpec::Synthetic { vocab, .. } => Some(*vocab),
+            DataSpec::Bin { vocab, .. } => Some(vocab.unwrap_or(crate::train::data::DEFAULT_BIN_VOCAB)),
+            DataSpec::Regression { .. } => None,
+        }
+    }
+}
+
 fn default_branching() -> u32 {
     4
 }

@@ -305,7 +305,6 @@ pub struct Data {
     eval: Arc<SampleSource>,
     eval_seed: u64,
     floor: Option<f64>,
-    vocab: Option<u32>,
     /// Regression: the fixed unit vector and the noise level.
     regression: Option<(Tensor, f64)>,
     seq_len: usize,
@@ -317,7 +316,7 @@ impl Data {
     /// Builds the stream for a workload. `dim` is the encoder's input width.
     pub fn new(spec: &DataSpec, suite_dir: &Path, seq_len: usize, dim: usize, seed: u64, device: Device) -> anyhow::Result<Data> {
         let t = seq_len;
-        let (train, eval, floor, vocab, regression) = match spec {
+        let (train, eval, floor, regression) = match spec {
             DataSpec::Synthetic { vocab, branching, seed: s } => {
                 // The chain is the task: fixed by the suite's data seed (or a
                 // default), not by the repeat, so every repeat learns the same
@@ -325,11 +324,11 @@ impl Data {
                 let chain = MarkovChain::new(*vocab as usize, *branching as usize, s.unwrap_or(0x5eed));
                 let floor = chain.entropy_rate();
                 let src = Arc::new(SampleSource::Markov(chain));
-                (src.clone(), src, Some(floor), Some(*vocab), None)
+                (src.clone(), src, Some(floor), None)
             }
-            DataSpec::Bin { train, val, val_fraction, vocab } => {
+            DataSpec::Bin { train, val, val_fraction, .. } => {
                 let resolve = |p: &PathBuf| if p.is_absolute() { p.clone() } else { suite_dir.join(p) };
-                let vocab = vocab.unwrap_or(DEFAULT_BIN_VOCAB);
+                let vocab = spec.vocab().unwrap_or(DEFAULT_BIN_VOCAB);
                 let train_file = TokenFile::open(&resolve(train))?;
                 let (train_src, eval_src) = match val {
                     Some(v) => {
@@ -349,7 +348,7 @@ impl Data {
                         check_split(file, *range, t, vocab)?;
                     }
                 }
-                (Arc::new(train_src), Arc::new(eval_src), None, Some(vocab), None)
+                (Arc::new(train_src), Arc::new(eval_src), None, None)
             }
             DataSpec::Regression { noise, seed: s } => {
                 let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(0x5eed));
@@ -357,7 +356,7 @@ impl Data {
                 let w = Tensor::from_slice(&w);
                 let w = (&w / w.norm()).to_device(device);
                 let src = Arc::new(SampleSource::Gaussian { dim });
-                (src.clone(), src, Some(noise * noise), None, Some((w, *noise)))
+                (src.clone(), src, Some(noise * noise), Some((w, *noise)))
             }
         };
         // Deep enough for a few batches of the largest sizes in our suites.
@@ -367,7 +366,6 @@ impl Data {
             eval,
             eval_seed: seed ^ 0xe7a1_5eed,
             floor,
-            vocab,
             regression,
             seq_len: t,
             consumed: 0,
@@ -378,11 +376,6 @@ impl Data {
     /// The best reachable loss, when the source knows it.
     pub fn loss_floor(&self) -> Option<f64> {
         self.floor
-    }
-
-    /// Vocabulary of token sources.
-    pub fn vocab(&self) -> Option<u32> {
-        self.vocab
     }
 
     /// Training samples taken so far (the stream's position).

@@ -79,18 +79,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         _ => 0,
     };
 
-    // Model and data.
-    let encoder_dim = if w.model.kind == ModelKind::Encoder {
-        ModelConfig::resolve(&w.model, 2, w.seq_len).map(|c| c.d_model).unwrap_or(512) as usize
-    } else {
-        0
-    };
+    // Model and data. The encoder reads vectors of its own width.
+    let cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
     let (rank, world) = (comm.rank(), comm.world_size());
     // Every rank draws its own samples; the model starts from rank 0's.
     let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
-    let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, encoder_dim, data_seed, device)?;
-    let vocab = data.vocab().unwrap_or(2);
-    let cfg = ModelConfig::resolve(&w.model, vocab, w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+    let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
     // libtorch's generator is global to the process: thread ranks take turns
     // so that each initialisation sees exactly the entry's seed.
     static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -120,7 +114,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
     let ac_device = if cuda { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
-    let _autocast = match w.precision {
+    let autocast = match w.precision {
         Precision::Fp32 => AutocastGuard(None),
         Precision::Bf16 => {
             torch_ext::set_autocast(ac_device, Some(Kind::BFloat16))?;
@@ -132,7 +126,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
     };
 
-    let autocast_on = w.precision != Precision::Fp32;
+    let autocast_on = autocast.0.is_some();
     // bf16 on CUDA: the loss and its gradient come from one fused kernel.
     let fused_ce = cuda && w.precision == Precision::Bf16 && w.model.kind != ModelKind::Encoder && kernels::available();
     if cuda && w.precision == Precision::Bf16 && !fused_ce {
