@@ -97,18 +97,18 @@ impl LatencySummary {
     }
 }
 
-/// One step's phase marks, on the host or as CUDA events.
-enum Marks {
-    Host(Vec<(Phase, Duration)>),
-    Cuda(Vec<(Phase, cuda::Event, cuda::Event)>),
-}
+/// Device intervals of one step: (phase, start event, end event).
+type Marks = Vec<(Phase, cuda::Event, cuda::Event)>;
 
-/// Times the phases of steps into histograms.
+/// Times the phases of steps into histograms, one value per phase per step
+/// (the micro-batches of gradient accumulation are summed).
 pub struct PhaseTimer {
     cuda: bool,
-    /// Device phases whose events are not read yet: (step, marks).
-    pending: Option<Marks>,
+    /// The previous step's device intervals, read once this step is queued.
+    pending: Marks,
     current: Marks,
+    /// This step's host time per phase (for device phases: time to issue them).
+    host: BTreeMap<Phase, Duration>,
     open: Option<(Phase, Instant, Option<cuda::Event>)>,
     spare: Vec<cuda::Event>,
     pub histograms: BTreeMap<Phase, Histogram<u64>>,
@@ -117,6 +117,8 @@ pub struct PhaseTimer {
     pub host_histograms: BTreeMap<Phase, Histogram<u64>>,
     /// Whether the current step counts (false during warm-up).
     recording: bool,
+    /// Whether `pending` belongs to a step that counts.
+    pending_recording: bool,
 }
 
 impl PhaseTimer {
@@ -130,21 +132,15 @@ impl PhaseTimer {
         };
         PhaseTimer {
             cuda,
-            pending: None,
-            current: Self::empty(cuda),
+            pending: Vec::new(),
+            current: Vec::new(),
+            host: BTreeMap::new(),
             open: None,
             spare: Vec::new(),
             histograms,
             host_histograms,
             recording: false,
-        }
-    }
-
-    fn empty(cuda: bool) -> Marks {
-        if cuda {
-            Marks::Cuda(Vec::new())
-        } else {
-            Marks::Host(Vec::new())
+            pending_recording: false,
         }
     }
 
@@ -182,88 +178,57 @@ impl PhaseTimer {
         let Some((phase, t0, ev)) = self.open.take() else {
             return Ok(());
         };
-        match ev {
-            Some(start) => {
-                let end = self.event()?;
-                end.record()?;
-                if self.recording {
-                    if let Some(h) = self.host_histograms.get_mut(&phase) {
-                        record(h, t0.elapsed());
-                    }
-                }
-                if let Marks::Cuda(v) = &mut self.current {
-                    v.push((phase, start, end));
-                }
-            }
-            None => {
-                let d = t0.elapsed();
-                if self.recording {
-                    if let Some(h) = self.histograms.get_mut(&phase) {
-                        record(h, d);
-                    }
-                }
-                if let Marks::Host(v) = &mut self.current {
-                    v.push((phase, d));
-                }
-            }
+        *self.host.entry(phase).or_default() += t0.elapsed();
+        if let Some(start) = ev {
+            let end = self.event()?;
+            end.record()?;
+            self.current.push((phase, start, end));
         }
         Ok(())
     }
 
-    /// Ends a step: reads the previous step's device events (which completed
-    /// before this step's work, all of it already enqueued).
+    /// Ends a step: records its host times, and reads the previous step's
+    /// device events (which completed before this step's work, all of it
+    /// already enqueued).
     pub fn end_step(&mut self) -> anyhow::Result<()> {
-        let done = std::mem::replace(&mut self.current, Self::empty(self.cuda));
-        let was_recording = self.recording;
-        if let Some(prev) = self.pending.take() {
-            self.read(prev, true)?;
+        let host = std::mem::take(&mut self.host);
+        if self.recording {
+            for (phase, d) in host {
+                // Device phases: the device time comes from events; the
+                // host time goes to the host histograms.
+                let hist = if self.cuda && Self::on_device(phase) { &mut self.host_histograms } else { &mut self.histograms };
+                if let Some(h) = hist.get_mut(&phase) {
+                    record(h, d);
+                }
+            }
         }
-        if was_recording {
-            self.pending = Some(done);
-        } else {
-            self.recycle(done);
-        }
+        self.flush()?;
+        self.pending = std::mem::take(&mut self.current);
+        self.pending_recording = self.recording;
         Ok(())
     }
 
-    /// Reads whatever is still pending (call at the end of training).
+    /// Reads the pending device events (also called at the end of training).
     pub fn flush(&mut self) -> anyhow::Result<()> {
-        if let Some(prev) = self.pending.take() {
-            self.read(prev, true)?;
-        }
-        Ok(())
-    }
-
-    fn read(&mut self, marks: Marks, recording: bool) -> anyhow::Result<()> {
-        if let Marks::Cuda(v) = marks {
-            // Per phase, sum the intervals of the step (several micro-batches).
-            let mut sums: BTreeMap<Phase, f64> = BTreeMap::new();
-            for (phase, s, e) in &v {
+        let marks = std::mem::take(&mut self.pending);
+        // Per phase, sum the intervals of the step (several micro-batches).
+        let mut sums: BTreeMap<Phase, f64> = BTreeMap::new();
+        for (phase, s, e) in &marks {
+            if self.pending_recording {
                 e.synchronize()?;
                 *sums.entry(*phase).or_default() += cuda::Event::elapsed_ms(s, e)? as f64;
             }
-            if recording {
-                for (phase, ms) in sums {
-                    if let Some(h) = self.histograms.get_mut(&phase) {
-                        record(h, Duration::from_secs_f64(ms / 1e3));
-                    }
-                }
+        }
+        for (phase, ms) in sums {
+            if let Some(h) = self.histograms.get_mut(&phase) {
+                record(h, Duration::from_secs_f64(ms / 1e3));
             }
-            for (_, s, e) in v {
-                self.spare.push(s);
-                self.spare.push(e);
-            }
+        }
+        for (_, s, e) in marks {
+            self.spare.push(s);
+            self.spare.push(e);
         }
         Ok(())
-    }
-
-    fn recycle(&mut self, marks: Marks) {
-        if let Marks::Cuda(v) = marks {
-            for (_, s, e) in v {
-                self.spare.push(s);
-                self.spare.push(e);
-            }
-        }
     }
 }
 
