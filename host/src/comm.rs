@@ -169,12 +169,6 @@ pub struct InProcessGroup {
     cv: Condvar,
 }
 
-// SAFETY: the tensors in `State` are only touched under the mutex, and a
-// rank's tensor is read by the summing thread while that rank waits inside
-// the same collective; at::Tensor's reference counting is atomic.
-unsafe impl Sync for InProcessGroup {}
-unsafe impl Send for InProcessGroup {}
-
 impl InProcessGroup {
     /// A group of `n` ranks whose collectives give up after `timeout`.
     pub fn new(n: usize, timeout: Duration) -> Arc<InProcessGroup> {
