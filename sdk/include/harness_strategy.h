@@ -1,0 +1,211 @@
+/*
+ * harness_strategy.h: the native plugin ABI of harness, the C mirror of the
+ * WIT contract harness:strategy@0.1.0 (sdk/wit/strategy.wit).
+ *
+ * A native plugin is a shared library exporting the functions declared at
+ * the end of this file. The host calls harness_abi_version() before any other
+ * symbol and refuses a library whose version differs from its own, naming
+ * both. Native plugins are trusted code: they run unsandboxed in the host
+ * process and results label them "native (unsandboxed)".
+ *
+ * Tensors are uint64_t handles owned by the host; 0 is no tensor. Every host
+ * call goes through harness_host.op with an op code; the codes map one to one
+ * onto the WIT functions, plus HARNESS_OP_DATA_PTR and HARNESS_OP_CUDA_STREAM,
+ * which only native plugins get. Handles an op returns belong to the plugin,
+ * which releases each with harness_host.drop_tensor.
+ *
+ * Rust authors do not use this header: harness-sdk's export! macro produces
+ * these symbols from the same source that builds the WASM component.
+ */
+#ifndef HARNESS_STRATEGY_H
+#define HARNESS_STRATEGY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* major << 16 | minor of the contract (0.1). */
+#define HARNESS_ABI_VERSION 1
+
+/* Status codes of plugin exports and of harness_host.op. */
+#define HARNESS_STATUS_OK 0
+#define HARNESS_STATUS_ERROR 1 /* message through last_error */
+#define HARNESS_STATUS_PANIC 2 /* the plugin panicked or threw */
+
+/* harness_plugin_kind() values. */
+#define HARNESS_KIND_COMPRESSOR 1
+#define HARNESS_KIND_BATCH_POLICY 2
+#define HARNESS_KIND_CHECKPOINT_POLICY 3
+
+/* dtype indices (the WIT dtype enum, in order). */
+#define HARNESS_DTYPE_F32 0
+#define HARNESS_DTYPE_F16 1
+#define HARNESS_DTYPE_BF16 2
+#define HARNESS_DTYPE_F64 3
+#define HARNESS_DTYPE_I64 4
+#define HARNESS_DTYPE_I32 5
+#define HARNESS_DTYPE_U8 6
+#define HARNESS_DTYPE_BOOL 7
+
+/* Host ops. Inputs: tensors (self first), floats, ints, data; outputs in
+ * harness_op_result. "-> t" means one new tensor in tensors[0]. */
+#define HARNESS_OP_SHAPE 1              /* [self] -> ints: dims */
+#define HARNESS_OP_NUMEL 2              /* [self] -> scalar */
+#define HARNESS_OP_DTYPE 3              /* [self] -> scalar: dtype index */
+#define HARNESS_OP_DEVICE 4             /* [self] -> scalar: 0 cpu, 1 cuda */
+#define HARNESS_OP_ASSIGN 5             /* [self, src]: copy src into self, in place */
+#define HARNESS_OP_DUPLICATE 6          /* [self] -> t */
+#define HARNESS_OP_ADD 7                /* [self, other] -> t */
+#define HARNESS_OP_SUB 8                /* [self, other] -> t */
+#define HARNESS_OP_MUL 9                /* [self, other] -> t */
+#define HARNESS_OP_DIV 10               /* [self, other] -> t */
+#define HARNESS_OP_ADD_SCALAR 11        /* [self], floats [s] -> t */
+#define HARNESS_OP_MUL_SCALAR 12        /* [self], floats [s] -> t */
+#define HARNESS_OP_ABS 13               /* [self] -> t */
+#define HARNESS_OP_SIGN 14              /* [self] -> t */
+#define HARNESS_OP_FLOOR 15             /* [self] -> t */
+#define HARNESS_OP_SQRT 16              /* [self] -> t */
+#define HARNESS_OP_LESS_THAN 17         /* [self, other] -> t (1.0 / 0.0) */
+#define HARNESS_OP_CAST 18              /* [self], ints [dtype] -> t */
+#define HARNESS_OP_RESHAPE 19           /* [self], ints: shape (-1 infers) -> t */
+#define HARNESS_OP_TRANSPOSE 20         /* [self], ints [a, b] -> t */
+#define HARNESS_OP_NARROW 21            /* [self], ints [dim, start, len] -> t */
+#define HARNESS_OP_TOPK 22              /* [self], ints [k] -> tensors [values, i64 indices] */
+#define HARNESS_OP_GATHER 23            /* [self, index] -> t */
+#define HARNESS_OP_SCATTER_ADD 24       /* [self, index, src] -> t */
+#define HARNESS_OP_SUM 25               /* [self] -> scalar */
+#define HARNESS_OP_NORM 26              /* [self] -> scalar */
+#define HARNESS_OP_MEAN_ABS 27          /* [self] -> scalar */
+#define HARNESS_OP_MATMUL 28            /* [self, other] -> t */
+#define HARNESS_OP_ORTHONORMALIZE 29    /* [self] -> t (Q of reduced QR) */
+#define HARNESS_OP_PACK_SIGNS 30        /* [self] -> t (u8, 8 signs a byte) */
+#define HARNESS_OP_READ_F32 31          /* [self] -> data (metered) */
+#define HARNESS_OP_ZEROS 32             /* [like], ints [dtype, dims...] -> t */
+#define HARNESS_OP_RAND_UNIFORM 33      /* [like], ints [seed, dims...] -> t */
+#define HARNESS_OP_RAND_NORMAL 34       /* [like], ints [seed, dims...] -> t */
+#define HARNESS_OP_RAND_INDICES 35      /* [like], ints [n, k, seed] -> t */
+#define HARNESS_OP_FROM_F32 36          /* [like], data, ints: shape -> t */
+#define HARNESS_OP_UNPACK_SIGNS 37      /* [packed], ints [numel] -> t */
+#define HARNESS_OP_RANK 38              /* -> scalar */
+#define HARNESS_OP_WORLD_SIZE 39        /* -> scalar */
+#define HARNESS_OP_ALL_REDUCE_SUM 40    /* [t], in place */
+#define HARNESS_OP_ALL_GATHER 41        /* [t] -> t */
+#define HARNESS_OP_BROADCAST 42         /* [t], ints [root], in place */
+#define HARNESS_OP_REDUCE_SCATTER_SUM 43 /* [t] -> t */
+#define HARNESS_OP_DATA_PTR 44          /* [t] -> ptr (native only) */
+#define HARNESS_OP_CUDA_STREAM 45       /* -> ptr: the host's CUDA stream (native only) */
+
+typedef struct harness_op_args {
+    const uint64_t *tensors;
+    size_t n_tensors;
+    const double *floats;
+    size_t n_floats;
+    const int64_t *ints;
+    size_t n_ints;
+    const float *data;
+    size_t n_data;
+} harness_op_args;
+
+/* ints and data point into host memory valid until the next op call. */
+typedef struct harness_op_result {
+    uint64_t tensors[2];
+    double scalar;
+    const int64_t *ints;
+    size_t n_ints;
+    const float *data;
+    size_t n_data;
+    void *ptr;
+} harness_op_result;
+
+/* What the host lends a plugin instance. */
+typedef struct harness_host {
+    uint32_t abi_version;
+    void *ctx;
+    int32_t (*op)(void *ctx, uint32_t op, const harness_op_args *args, harness_op_result *out);
+    void (*drop_tensor)(void *ctx, uint64_t t);
+    const uint8_t *(*last_error)(void *ctx, size_t *len);
+    void (*log)(void *ctx, uint32_t level, const uint8_t *msg, size_t len); /* 0 debug, 1 info, 2 warn */
+} harness_host;
+
+typedef struct harness_bucket_info {
+    uint64_t step;
+    uint32_t index;
+    uint32_t count;
+} harness_bucket_info;
+
+typedef struct harness_batch {
+    uint32_t micro_batch;
+    uint32_t accum_steps;
+    double lr_scale;
+} harness_batch;
+
+typedef struct harness_step_telemetry {
+    uint64_t step;
+    double loss;
+    double step_time_s;
+    double elapsed_s;
+    uint64_t memory_used_bytes;
+    uint64_t memory_total_bytes;
+    double tokens_per_s;
+    uint32_t micro_batch;
+    uint32_t accum_steps;
+    uint32_t world_size;
+    uint8_t has_grad_sq_norm;
+    uint8_t has_local_grad_sq_norm;
+    uint8_t out_of_memory;
+    double grad_sq_norm;
+    double local_grad_sq_norm;
+} harness_step_telemetry;
+
+typedef struct harness_checkpoint_history {
+    uint8_t has_last_cost_s;
+    double last_cost_s;
+    const uint64_t *saved;
+    size_t n_saved;
+    const uint64_t *failures;
+    size_t n_failures;
+    double since_last_s;
+} harness_checkpoint_history;
+
+/* The host points delete at room for n_saved steps; the plugin sets n_delete. */
+typedef struct harness_decision {
+    uint8_t save;
+    uint64_t *delete_steps;
+    size_t n_delete;
+} harness_decision;
+
+typedef struct harness_info {
+    const uint8_t *name;
+    size_t name_len;
+    const uint8_t *version;
+    size_t version_len;
+} harness_info;
+
+typedef void (*harness_sink)(void *ctx, const uint8_t *data, size_t len);
+
+/* Exported by every native plugin. */
+uint32_t harness_abi_version(void);
+uint32_t harness_plugin_kind(void);
+void *harness_plugin_create(const harness_host *host); /* NULL on failure */
+void harness_plugin_destroy(void *self);
+void harness_plugin_info(void *self, harness_info *out);
+int32_t harness_plugin_configure(void *self, const uint8_t *toml, size_t len);
+const uint8_t *harness_plugin_last_error(void *self, size_t *len);
+int32_t harness_plugin_state_save(void *self, harness_sink sink, void *sink_ctx);
+int32_t harness_plugin_state_load(void *self, const uint8_t *data, size_t len);
+
+/* Exported by the plugin of the matching kind. */
+int32_t harness_compress(void *self, uint64_t bucket, const harness_bucket_info *info);
+int32_t harness_batch_initial(void *self, const harness_batch *configured, harness_batch *out);
+int32_t harness_batch_next(void *self, const harness_step_telemetry *t, harness_batch *out);
+int32_t harness_checkpoint_decide(void *self, const harness_step_telemetry *t, const harness_checkpoint_history *h,
+                                  harness_decision *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* HARNESS_STRATEGY_H */

@@ -1,0 +1,96 @@
+//! Plain data of the contract: what the host passes to callbacks and what
+//! policies return.
+
+/// Where a gradient bucket sits in the step (WIT `bucket-info`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BucketInfo {
+    /// Step being computed (0-based).
+    pub step: u64,
+    /// This bucket's index.
+    pub index: u32,
+    /// Number of buckets.
+    pub count: u32,
+}
+
+/// A batch decision (WIT `batch`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Batch {
+    /// Micro-batch size per rank (1 ..= the workload's `max_batch`).
+    pub micro_batch: u32,
+    /// Micro-batches accumulated per optimizer step (>= 1).
+    pub accum_steps: u32,
+    /// Multiplier on the schedule's learning rate (finite, > 0).
+    pub lr_scale: f64,
+}
+
+/// What the host tells policies after each optimizer step (WIT
+/// `step-telemetry`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Telemetry {
+    /// Steps completed (the first call sees 1).
+    pub step: u64,
+    /// Training loss of the latest step whose loss has been read back (NaN
+    /// before the first one).
+    pub loss: f64,
+    /// Wall time of the last step, seconds.
+    pub step_time_s: f64,
+    /// Seconds since training started (evaluation excluded).
+    pub elapsed_s: f64,
+    /// Device memory in use (CPU: resident set), bytes.
+    pub memory_used_bytes: u64,
+    /// Device memory in total (CPU: physical memory), bytes.
+    pub memory_total_bytes: u64,
+    /// Training throughput since warm-up, tokens (or samples) per second.
+    pub tokens_per_s: f64,
+    /// Micro-batch size per rank of the last step.
+    pub micro_batch: u32,
+    /// Accumulation steps of the last step.
+    pub accum_steps: u32,
+    /// Number of ranks.
+    pub world_size: u32,
+    /// Squared L2 norm of the averaged gradient of the last step, when the
+    /// host computed it.
+    pub grad_sq_norm: Option<f64>,
+    /// Mean over ranks of the squared L2 norm of each rank's own gradient
+    /// before averaging, when the host computed it.
+    pub local_grad_sq_norm: Option<f64>,
+    /// True when the last step ran out of memory and was retried with a
+    /// smaller batch.
+    pub out_of_memory: bool,
+}
+
+/// What the host knows about checkpoints and failures so far (WIT
+/// `checkpoint-history`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CheckpointHistory {
+    /// Seconds the last checkpoint write took, as the host measured it.
+    pub last_cost_s: Option<f64>,
+    /// Steps of the checkpoints on disk, oldest first.
+    pub saved: Vec<u64>,
+    /// Steps at which failures happened.
+    pub failures: Vec<u64>,
+    /// Seconds since the last checkpoint (or since the start).
+    pub since_last_s: f64,
+}
+
+/// A checkpoint decision (WIT `decision`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Decision {
+    /// Save a checkpoint of the current step now.
+    pub save: bool,
+    /// Steps of saved checkpoints to delete (each must be in
+    /// [`CheckpointHistory::saved`]).
+    pub delete: Vec<u64>,
+}
+
+impl Decision {
+    /// Neither save nor delete.
+    pub fn none() -> Decision {
+        Decision::default()
+    }
+
+    /// Save now, delete nothing.
+    pub fn save() -> Decision {
+        Decision { save: true, delete: Vec::new() }
+    }
+}

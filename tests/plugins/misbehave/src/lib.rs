@@ -1,0 +1,100 @@
+//! A compressor that misbehaves on purpose, for the host's sandbox and
+//! error-handling tests. Config:
+//!
+//! - `mode`: `ok` (behaves like `allreduce`), `trap` (a WASM trap; natively a
+//!   panic, since aborting would take the host down), `panic`, `loop` (spins
+//!   forever without host calls; natively nothing can interrupt it, so use it
+//!   with the WASM build), `alloc` (grows a `Vec` without bound,
+//!   touching every page; natively that exhausts the host process's memory,
+//!   so use it with the WASM build), `nan` (leaves NaN in the bucket),
+//!   `wrong-shape` (assigns a tensor of another shape to the bucket),
+//!   `reject` (configure fails);
+//! - `at`: `compress` (default) or `configure`: where `trap`, `panic`,
+//!   `loop` and `alloc` happen. `nan` and `wrong-shape` need a bucket, so
+//!   they happen in `compress`.
+
+use harness_sdk::{tensor, BucketInfo, Collective, Compressor, Config, Error, Plugin, Tensor};
+
+const MODES: [&str; 8] = ["ok", "trap", "panic", "loop", "alloc", "nan", "wrong-shape", "reject"];
+
+/// See the crate docs.
+pub struct Misbehave {
+    mode: String,
+}
+
+impl Plugin for Misbehave {
+    const NAME: &'static str = "misbehave";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn configure(config: &Config) -> Result<Self, Error> {
+        config.check_keys(&["mode", "at"])?;
+        let mode = config.get_or("mode", "ok".to_owned())?;
+        if !MODES.contains(&mode.as_str()) {
+            return Err(Error::new(format!("unknown mode `{mode}` (modes: {})", MODES.join(", "))));
+        }
+        if mode == "reject" {
+            return Err(Error::new("mode `reject`: this plugin rejects its config on purpose"));
+        }
+        match config.get_or("at", "compress".to_owned())?.as_str() {
+            "compress" => {}
+            "configure" => misbehave(&mode),
+            other => return Err(Error::new(format!("unknown `at` = `{other}` (configure, compress)"))),
+        }
+        Ok(Misbehave { mode })
+    }
+}
+
+/// The misbehaviours that need no bucket; returns for the others.
+fn misbehave(mode: &str) {
+    match mode {
+        "trap" => trap(),
+        "panic" => panic!("mode `panic`: this plugin panics on purpose"),
+        "loop" => {
+            let mut i = 0u64;
+            loop {
+                i = std::hint::black_box(i.wrapping_add(1));
+            }
+        }
+        "alloc" => {
+            let mut hoard: Vec<Vec<u8>> = Vec::new();
+            loop {
+                let mut chunk = vec![0u8; 1 << 20];
+                for byte in chunk.iter_mut().step_by(4096) {
+                    *byte = 1;
+                }
+                hoard.push(std::hint::black_box(chunk));
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+fn trap() -> ! {
+    core::arch::wasm32::unreachable()
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn trap() -> ! {
+    panic!("mode `trap`: this plugin traps on purpose (a panic natively)")
+}
+
+impl Compressor for Misbehave {
+    fn compress(&mut self, bucket: &Tensor, comm: &Collective, _info: BucketInfo) -> Result<(), Error> {
+        misbehave(&self.mode);
+        match self.mode.as_str() {
+            "nan" => bucket.assign(&bucket.mul_scalar(f64::NAN)),
+            "wrong-shape" => bucket.assign(&tensor::zeros(&[bucket.numel() + 1], bucket.dtype(), bucket)),
+            _ => {
+                comm.all_reduce_sum(bucket);
+                let world = comm.world_size();
+                if world > 1 {
+                    bucket.assign(&bucket.mul_scalar(1.0 / f64::from(world)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+harness_sdk::export!(Misbehave as compressor);
