@@ -7,6 +7,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 typedef at::Tensor *tensor;
@@ -141,6 +142,28 @@ char *hx_cuda_memory(int device, int64_t *out) {
 // Resets the peaks that hx_cuda_memory reports.
 char *hx_cuda_reset_peak(int device) {
   HX_TRY(c10::getDeviceAllocator(at::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device)))
+}
+
+// Seeded random numbers for plugins from a private generator (a clone of the
+// device's default generator, then reseeded), so the same seed gives the same
+// numbers and training's own random stream is left alone. kind: 0 uniform
+// [0, 1) f32, 1 standard normal f32, 2 a random permutation of sizes[0] (i64).
+char *hx_rand_seeded(int kind, const int64_t *sizes, int ndim, uint64_t seed, int device_type, int device_index, tensor *out) {
+  HX_TRY({
+    at::Device dev(hx_device_type(device_type), static_cast<c10::DeviceIndex>(device_type == 1 ? device_index : -1));
+    at::Generator gen = at::globalContext().defaultGenerator(dev).clone();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_current_seed(seed);
+    }
+    auto opts = at::TensorOptions().device(dev);
+    at::IntArrayRef sz(sizes, ndim);
+    at::Tensor t;
+    if (kind == 0) t = at::rand(sz, gen, opts.dtype(at::kFloat));
+    else if (kind == 1) t = at::randn(sz, gen, opts.dtype(at::kFloat));
+    else t = at::randperm(sizes[0], gen, opts.dtype(at::kLong));
+    *out = new at::Tensor(t);
+  })
 }
 
 }  // extern "C"

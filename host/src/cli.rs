@@ -57,11 +57,50 @@ pub enum Command {
         /// The candidate (B).
         b: PathBuf,
     },
+    /// Strategy plugins: scaffold a new one, or inspect an artifact.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
     /// Show what harness sees: CPU, GPUs, driver, CUDA, libtorch, NCCL.
     Env {
         /// Print JSON (the fingerprint that result files carry).
         #[arg(long)]
         json: bool,
+    },
+}
+
+/// `harness plugin ...`.
+#[derive(Debug, Subcommand)]
+pub enum PluginCommand {
+    /// Create a plugin crate that builds to WASM and native, with a suite
+    /// that runs it.
+    New {
+        /// compressor, batch-policy or checkpoint-policy.
+        #[arg(value_parser = ["compressor", "batch-policy", "checkpoint-policy"])]
+        kind: String,
+        /// The plugin's name (a folder of that name is created).
+        name: String,
+        /// Where to create the folder.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The harness-sdk crate to depend on (default: this harness's own).
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
+    /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
+    /// to pin in a suite.
+    Inspect {
+        /// A `.wasm` component or a native library.
+        path: PathBuf,
+    },
+    /// Measure the host -> plugin hook round trip of artifacts (p50/p99).
+    Bench {
+        /// `.wasm` components or native libraries (batch policies or
+        /// compressors).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Timed calls per artifact.
+        #[arg(long, default_value_t = 200_000)]
+        calls: u64,
     },
 }
 
@@ -91,6 +130,21 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Validate { suite } => match Suite::load(&suite) {
             Ok(s) => {
+                let dir = s.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                let set = crate::plugin::PluginSet::new(&s.spec.plugins, dir);
+                let mut bad = 0;
+                for r in set.check_all() {
+                    match r {
+                        Ok(m) => println!("plugin `{}` {} ({}, {:?}): {}", m.name, m.version, m.kind.name(), m.transport, m.path.display()),
+                        Err(e) => {
+                            bad += 1;
+                            eprintln!("error: {e}");
+                        }
+                    }
+                }
+                if bad > 0 {
+                    return Ok(exit::INVALID_SUITE);
+                }
                 let plan = s.plan();
                 println!(
                     "{}: ok ({} workloads, {} strategies, {} entries)",
@@ -116,6 +170,24 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Run(args) => run(args),
+        Command::Plugin(PluginCommand::Inspect { path }) => {
+            let m = crate::plugin::inspect(&path)?;
+            print!("{}", crate::plugin::scaffold::manifest_toml(&m));
+            Ok(exit::OK)
+        }
+        Command::Plugin(PluginCommand::Bench { paths, calls }) => {
+            let rows = crate::plugin::bench::run(&paths, calls)?;
+            print!("{}", crate::plugin::bench::table(&rows));
+            Ok(exit::OK)
+        }
+        Command::Plugin(PluginCommand::New { kind, name, dir, sdk }) => {
+            let sdk = sdk.unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../sdk")));
+            let made = crate::plugin::scaffold::create(&kind, &name, &dir, &sdk)?;
+            println!("created {}", made.display());
+            println!("build:  cd {} && cargo build --release --target wasm32-wasip2", made.display());
+            println!("run:    harness run {}/suite.toml", made.display());
+            Ok(exit::OK)
+        }
         Command::Report { results, out_dir } => {
             let (loaded, sources) = load_results(&results)?;
             let boards = report::boards(&loaded);

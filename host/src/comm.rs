@@ -113,6 +113,16 @@ pub trait Collective {
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError>;
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    /// Gathers every rank's `t` (same shape on all ranks) into one new tensor of `world_size * t.numel()` elements, rank order, 1-D.
+    fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        let _ = t;
+        Err(CommError::Aborted { op: "all_gather", seq: 0, rank: self.rank(), reason: "not supported by this backend yet".into() })
+    }
+    /// Sums `t` (numel divisible by world_size) over ranks and returns this rank's 1-D chunk (numel / world_size elements, rank order).
+    fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        let _ = t;
+        Err(CommError::Aborted { op: "reduce_scatter", seq: 0, rank: self.rank(), reason: "not supported by this backend yet".into() })
+    }
     /// Fails every other rank's pending and future collectives.
     fn abort(&self, reason: &str);
     /// What the collectives cost so far (device timings are read back here).
@@ -140,6 +150,12 @@ impl Collective for SingleRank {
     }
     fn broadcast(&mut self, _t: &mut Tensor, _root: usize) -> Result<(), CommError> {
         Ok(())
+    }
+    fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        Ok(t.reshape([-1]).copy())
+    }
+    fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        Ok(t.reshape([-1]).copy())
     }
     fn abort(&self, _reason: &str) {}
     fn stats(&mut self) -> &CommStats {

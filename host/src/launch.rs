@@ -197,6 +197,8 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         _ => gpu.as_ref().map_or(0, |g| g.memory_bytes),
     };
     let _quiet_panics = QuietPanics::install();
+    // Loaded on first use: a broken plugin fails only the entries using it.
+    let plugins = crate::plugin::PluginSet::new(&suite.spec.plugins, &suite_dir);
     // Set when a rank died or hung: the next entry could not form a
     // communicator, so the run stops after recording this one.
     let mut ranks_lost = false;
@@ -215,6 +217,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             peak_tflops: peak_for,
             memory_total_bytes,
             bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
+            plugins: &plugins,
         };
         let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();

@@ -13,6 +13,7 @@ pub mod device;
 pub mod kernels;
 pub mod launch;
 pub mod measure;
+pub mod plugin;
 pub mod rendezvous;
 pub mod report;
 pub mod results;

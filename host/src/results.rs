@@ -144,7 +144,11 @@ pub struct Metrics {
     /// The same under link emulation.
     #[serde(default)]
     pub busbw_emulated_gbs: Option<f64>,
+    /// "built-in", "wasm", or "native (unsandboxed)" when any plugin is native.
     pub strategy_runtime: String,
+    /// The plugins the entry ran, with the time inside their calls.
+    #[serde(default)]
+    pub plugins: Vec<crate::plugin::PluginRecord>,
     /// (step, micro-batch, accumulation steps) at the start and at every
     /// change the batch policy made.
     #[serde(default)]

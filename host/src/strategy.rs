@@ -1,41 +1,86 @@
 //! Strategies: the three decisions a training run delegates (how gradients
 //! are reduced, how large the next batch is, when to checkpoint), as traits.
 //!
-//! This version ships the built-in strategies (plain all-reduce, a fixed
-//! batch size, no checkpoints); the plugin SDK implements the same traits
-//! for WASM and native plugins.
+//! The built-in strategies (plain all-reduce, a fixed batch size, no
+//! checkpoints) implement these traits directly; plugins (WASM or native,
+//! `crate::plugin`) implement them through adapters that time and validate
+//! every call.
 
 use tch::Tensor;
 
-/// What the host tells policies after each step.
+/// What the host tells policies after each step (the WIT `step-telemetry`).
 #[derive(Debug, Clone, Default)]
 pub struct StepTelemetry {
     pub step: u64,
     pub loss: f64,
     pub step_time_s: f64,
+    pub elapsed_s: f64,
     pub memory_used_bytes: u64,
     pub memory_total_bytes: u64,
     pub tokens_per_s: f64,
+    pub micro_batch: u32,
+    pub accum_steps: u32,
+    pub world_size: u32,
+    pub grad_sq_norm: Option<f64>,
+    pub local_grad_sq_norm: Option<f64>,
+    pub out_of_memory: bool,
 }
+
+/// Where a gradient bucket sits in the step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BucketCtx {
+    /// Step being computed (0-based).
+    pub step: u64,
+    pub index: usize,
+    pub count: usize,
+}
+
+/// A batch decision (the WIT `batch`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchDecision {
+    pub micro_batch: u32,
+    pub accum_steps: u32,
+    /// Multiplier on the scheduled learning rate.
+    pub lr_scale: f64,
+}
+
+/// A plugin's record and its call-time histogram (encoded), for results.
+pub type PluginReport = (crate::plugin::PluginRecord, String);
 
 pub use crate::comm::{Collective, SingleRank};
 
 /// Reduces gradients across ranks, leaving the average in place.
 pub trait Compressor {
     /// Reduces one bucket: the flattened gradients of consecutive parameters.
-    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective) -> anyhow::Result<()>;
+    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> anyhow::Result<()>;
+    /// A plugin's record, if this is a plugin.
+    fn plugin_record(&mut self) -> Option<PluginReport> {
+        None
+    }
 }
 
-/// Decides the next micro-batch size and accumulation steps.
+/// Decides the micro-batch size, accumulation steps and learning-rate scale.
 pub trait BatchPolicy {
-    /// Called after every step; returns (micro-batch, accumulation steps).
-    fn next(&mut self, t: &StepTelemetry) -> (u32, u32);
+    /// Before the first step, given the workload's batch.
+    fn initial(&mut self, configured: BatchDecision) -> anyhow::Result<BatchDecision> {
+        Ok(configured)
+    }
+    /// Called after every step.
+    fn next(&mut self, t: &StepTelemetry) -> anyhow::Result<BatchDecision>;
+    /// A plugin's record, if this is a plugin.
+    fn plugin_record(&mut self) -> Option<PluginReport> {
+        None
+    }
 }
 
 /// Decides when to checkpoint.
 pub trait CheckpointPolicy {
     /// Called after every step; true means save now.
-    fn should_save(&mut self, t: &StepTelemetry) -> bool;
+    fn should_save(&mut self, t: &StepTelemetry) -> anyhow::Result<bool>;
+    /// A plugin's record, if this is a plugin.
+    fn plugin_record(&mut self) -> Option<PluginReport> {
+        None
+    }
 }
 
 /// Plain all-reduce of full-precision gradients, then division by the world.
@@ -43,7 +88,7 @@ pub trait CheckpointPolicy {
 pub struct AllReduce;
 
 impl Compressor for AllReduce {
-    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective) -> anyhow::Result<()> {
+    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, _ctx: &BucketCtx) -> anyhow::Result<()> {
         let n = comm.world_size();
         if n == 1 {
             return Ok(());
@@ -62,8 +107,8 @@ pub struct FixedBatch {
 }
 
 impl BatchPolicy for FixedBatch {
-    fn next(&mut self, _t: &StepTelemetry) -> (u32, u32) {
-        (self.batch, self.accum)
+    fn next(&mut self, _t: &StepTelemetry) -> anyhow::Result<BatchDecision> {
+        Ok(BatchDecision { micro_batch: self.batch, accum_steps: self.accum, lr_scale: 1.0 })
     }
 }
 
@@ -72,8 +117,8 @@ impl BatchPolicy for FixedBatch {
 pub struct NoCheckpoint;
 
 impl CheckpointPolicy for NoCheckpoint {
-    fn should_save(&mut self, _t: &StepTelemetry) -> bool {
-        false
+    fn should_save(&mut self, _t: &StepTelemetry) -> anyhow::Result<bool> {
+        Ok(false)
     }
 }
 
@@ -85,21 +130,50 @@ pub struct Strategies {
 }
 
 impl Strategies {
-    /// Instantiates the built-in strategies named by a suite entry (names
-    /// are checked by suite validation).
-    pub fn built_in(s: &crate::suite::Strategy, batch: u32, accum: u32) -> anyhow::Result<Strategies> {
+    /// Instantiates the strategies a suite entry names: built-in ones, or
+    /// configured instances of the suite's plugins (names are checked by
+    /// suite validation). `check_finite`: validate compressor outputs for
+    /// NaN/inf (off under fp16 loss scaling).
+    pub fn build(
+        s: &crate::suite::Strategy,
+        batch: u32,
+        accum: u32,
+        plugins: &crate::plugin::PluginSet,
+        device: tch::Device,
+        check_finite: bool,
+    ) -> anyhow::Result<Strategies> {
+        use crate::plugin::{Kind, PluginBatch, PluginCheckpoint, PluginCompressor};
         let compressor: Box<dyn Compressor> = match s.compressor.as_str() {
             "allreduce" => Box::new(AllReduce),
+            name if plugins.has(name) => Box::new(PluginCompressor::new(
+                plugins.instance(name, "compressor", Kind::Compressor, s.compressor_config.as_ref(), device)?,
+                check_finite,
+            )),
             other => anyhow::bail!("unknown compressor `{other}`"),
         };
         let batch: Box<dyn BatchPolicy> = match s.batch_policy.as_str() {
             "fixed" => Box::new(FixedBatch { batch, accum }),
+            name if plugins.has(name) => Box::new(PluginBatch {
+                plugin: plugins.instance(name, "batch_policy", Kind::BatchPolicy, s.batch_policy_config.as_ref(), device)?,
+            }),
             other => anyhow::bail!("unknown batch policy `{other}`"),
         };
         let checkpoint: Box<dyn CheckpointPolicy> = match s.checkpoint.as_str() {
             "none" => Box::new(NoCheckpoint),
+            name if plugins.has(name) => Box::new(PluginCheckpoint {
+                plugin: plugins.instance(name, "checkpoint", Kind::CheckpointPolicy, s.checkpoint_config.as_ref(), device)?,
+                saved: Vec::new(),
+                failures: Vec::new(),
+                last_cost_s: None,
+                since_last_s: 0.0,
+            }),
             other => anyhow::bail!("unknown checkpoint policy `{other}`"),
         };
         Ok(Strategies { compressor, batch, checkpoint })
+    }
+
+    /// The plugins' records and call histograms.
+    pub fn plugin_reports(&mut self) -> Vec<PluginReport> {
+        [self.compressor.plugin_record(), self.batch.plugin_record(), self.checkpoint.plugin_record()].into_iter().flatten().collect()
     }
 }

@@ -29,6 +29,49 @@ pub struct SuiteSpec {
     /// How it is trained (crossed with every workload it applies to).
     #[serde(rename = "strategy", default)]
     pub strategies: Vec<Strategy>,
+    /// Plugins the strategies may name (`[[plugin]]`).
+    #[serde(rename = "plugin", default)]
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// One `[[plugin]]`: a strategy plugin artifact, and optionally its pinned
+/// manifest fields (`harness plugin inspect` prints them).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    /// The name strategies use for it.
+    pub name: String,
+    /// The artifact, relative to the suite file: a `.wasm` component, or a
+    /// native shared library (`.so`, `.dylib`).
+    pub path: PathBuf,
+    /// Pinned sha256 of the artifact (hex).
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// Pinned plugin version (what the plugin reports).
+    #[serde(default)]
+    pub version: Option<String>,
+    /// Pinned kind: "compressor", "batch-policy" or "checkpoint-policy".
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// WASM only: memory cap of each instance, MiB.
+    #[serde(default = "default_plugin_memory_mb")]
+    pub memory_mb: u32,
+    /// WASM only: deadline of each call, milliseconds.
+    #[serde(default = "default_plugin_deadline_ms")]
+    pub deadline_ms: u64,
+    /// Most host tensor memory one instance may hold, MiB.
+    #[serde(default = "default_plugin_tensor_mb")]
+    pub tensor_mb: u64,
+}
+
+fn default_plugin_memory_mb() -> u32 {
+    256
+}
+fn default_plugin_deadline_ms() -> u64 {
+    10_000
+}
+fn default_plugin_tensor_mb() -> u64 {
+    8192
 }
 
 /// The `[suite]` table.
@@ -315,6 +358,15 @@ pub struct Strategy {
     pub batch_policy: String,
     #[serde(default = "default_checkpoint")]
     pub checkpoint: String,
+    /// Configuration handed to the compressor plugin's `configure`.
+    #[serde(default)]
+    pub compressor_config: Option<toml::Table>,
+    /// Configuration handed to the batch-policy plugin's `configure`.
+    #[serde(default)]
+    pub batch_policy_config: Option<toml::Table>,
+    /// Configuration handed to the checkpoint-policy plugin's `configure`.
+    #[serde(default)]
+    pub checkpoint_config: Option<toml::Table>,
     /// Workloads this strategy applies to (default: all).
     #[serde(default)]
     pub workloads: Option<Vec<String>>,
@@ -343,13 +395,16 @@ impl Strategy {
             compressor: default_compressor(),
             batch_policy: default_batch_policy(),
             checkpoint: default_checkpoint(),
+            compressor_config: None,
+            batch_policy_config: None,
+            checkpoint_config: None,
             workloads: None,
             link: None,
         }
     }
 }
 
-/// Built-in strategy names (plugins extend these in a later version).
+/// Built-in strategy names (`[[plugin]]` names extend these).
 pub const COMPRESSORS: &[&str] = &["allreduce"];
 /// Built-in batch policies.
 pub const BATCH_POLICIES: &[&str] = &["fixed"];
@@ -746,6 +801,56 @@ impl Suite {
                 );
             }
         }
+        let mut pnames = BTreeSet::new();
+        for (i, p) in s.plugins.iter().enumerate() {
+            let at = |k: &'static str| [Key("plugin"), Index(i), Key(k)];
+            if !pnames.insert(p.name.as_str()) {
+                c.err(&at("name"), format!("plugin name `{}` is used twice", p.name), None);
+            }
+            if !valid_name(&p.name) {
+                c.err(
+                    &at("name"),
+                    format!("plugin name `{}` is not a plain name", p.name),
+                    Some("use letters, digits, '-', '_' and '.'".into()),
+                );
+            }
+            if COMPRESSORS.contains(&p.name.as_str())
+                || BATCH_POLICIES.contains(&p.name.as_str())
+                || CHECKPOINT_POLICIES.contains(&p.name.as_str())
+            {
+                c.err(
+                    &at("name"),
+                    format!("plugin name `{}` is the name of a built-in strategy", p.name),
+                    Some("choose another name".into()),
+                );
+            }
+            if let Some(k) = &p.kind {
+                if !["compressor", "batch-policy", "checkpoint-policy"].contains(&k.as_str()) {
+                    c.err(
+                        &at("kind"),
+                        format!("unknown plugin kind `{k}`"),
+                        Some("one of: compressor, batch-policy, checkpoint-policy".into()),
+                    );
+                }
+            }
+            if let Some(h) = &p.sha256 {
+                if h.len() != 64 || !h.chars().all(|ch| ch.is_ascii_hexdigit()) {
+                    c.err(&at("sha256"), "`sha256` must be 64 hex digits", Some("`harness plugin inspect PATH` prints it".into()));
+                }
+            }
+            if p.memory_mb == 0 {
+                c.err(&at("memory_mb"), "`memory_mb` must be at least 1", None);
+            }
+            if p.deadline_ms == 0 {
+                c.err(&at("deadline_ms"), "`deadline_ms` must be at least 1", None);
+            }
+            if p.tensor_mb == 0 {
+                c.err(&at("tensor_mb"), "`tensor_mb` must be at least 1", None);
+            }
+            if p.path.as_os_str().is_empty() {
+                c.err(&at("path"), "`path` must name the plugin's artifact", None);
+            }
+        }
         let mut snames = BTreeSet::new();
         let mut baselines = 0;
         for (i, st) in s.strategies.iter().enumerate() {
@@ -773,13 +878,32 @@ impl Suite {
                     c.err(&at("link"), "an emulated link needs world_size >= 2", None);
                 }
             }
-            for (key, value, known) in [
-                ("compressor", &st.compressor, COMPRESSORS),
-                ("batch_policy", &st.batch_policy, BATCH_POLICIES),
-                ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES),
+            for (key, value, known, kind, config) in [
+                ("compressor", &st.compressor, COMPRESSORS, "compressor", ("compressor_config", &st.compressor_config)),
+                ("batch_policy", &st.batch_policy, BATCH_POLICIES, "batch-policy", ("batch_policy_config", &st.batch_policy_config)),
+                ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES, "checkpoint-policy", ("checkpoint_config", &st.checkpoint_config)),
             ] {
-                if !known.contains(&value.as_str()) {
-                    c.err(&at(key), format!("unknown {key} `{value}`"), Some(format!("built in: {}", known.join(", "))));
+                let plugin = s.plugins.iter().find(|p| &p.name == value);
+                if !known.contains(&value.as_str()) && plugin.is_none() {
+                    let plugins: Vec<&str> = s.plugins.iter().map(|p| p.name.as_str()).collect();
+                    let hint = if plugins.is_empty() {
+                        format!("built in: {}; or declare a [[plugin]] with this name", known.join(", "))
+                    } else {
+                        format!("built in: {}; plugins in this suite: {}", known.join(", "), plugins.join(", "))
+                    };
+                    c.err(&at(key), format!("unknown {key} `{value}`"), Some(hint));
+                }
+                if let Some(Some(pk)) = plugin.map(|p| p.kind.as_deref()) {
+                    if pk != kind {
+                        c.err(&at(key), format!("plugin `{value}` is pinned as a {pk}, not a {kind}"), None);
+                    }
+                }
+                if config.1.is_some() && plugin.is_none() {
+                    c.err(
+                        &at(config.0),
+                        format!("`{}` configures a plugin, and `{value}` is built in", config.0),
+                        Some("built-in strategies take no configuration".into()),
+                    );
                 }
             }
             if let Some(ws) = &st.workloads {

@@ -35,6 +35,15 @@ mod ffi {
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn hx_rand_seeded(
+            kind: c_int,
+            sizes: *const i64,
+            ndim: c_int,
+            seed: u64,
+            device_type: c_int,
+            device_index: c_int,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
     }
 }
 
@@ -224,6 +233,32 @@ pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
     check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
 }
 
+/// What [`rand_seeded`] draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RandKind {
+    /// Uniform in [0, 1), f32.
+    Uniform = 0,
+    /// Standard normal, f32.
+    Normal = 1,
+    /// A random permutation of `0..sizes[0]`, i64.
+    Permutation = 2,
+}
+
+/// Random numbers from a private generator seeded with `seed` on `device`:
+/// the same seed gives the same numbers, and training's random stream is
+/// not touched.
+pub fn rand_seeded(kind: RandKind, sizes: &[i64], seed: u64, device: tch::Device) -> Result<Tensor, TorchError> {
+    let (ty, index) = match device {
+        tch::Device::Cuda(i) => (1, i as c_int),
+        _ => (0, -1),
+    };
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: sizes outlives the call; out receives a new at::Tensor.
+    check(unsafe { ffi::hx_rand_seeded(kind as c_int, sizes.as_ptr(), sizes.len() as c_int, seed, ty, index, &mut out) })?;
+    // SAFETY: out is a heap at::Tensor from the shim, owned from here on.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +296,24 @@ mod tests {
         // An integer gradient: libtorch's norm throws; we get an Err.
         let e = clip_grad_norm(&[Tensor::from_slice(&[1i64, 2])], Some(1.0)).unwrap_err();
         assert!(e.0.contains("norm"), "{e}");
+    }
+
+    #[test]
+    fn seeded_random_repeats_and_leaves_the_global_stream_alone() {
+        tch::manual_seed(7);
+        let before = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        tch::manual_seed(7);
+        let a = rand_seeded(RandKind::Uniform, &[1000], 42, Device::Cpu).unwrap();
+        let b = rand_seeded(RandKind::Uniform, &[1000], 42, Device::Cpu).unwrap();
+        let after = Tensor::rand([4], (Kind::Float, Device::Cpu));
+        assert!(a.equal(&b));
+        assert!(!a.equal(&rand_seeded(RandKind::Uniform, &[1000], 43, Device::Cpu).unwrap()));
+        assert!(before.equal(&after), "the global generator moved");
+        let p = rand_seeded(RandKind::Permutation, &[50], 1, Device::Cpu).unwrap();
+        let sorted = p.sort(0, false).0;
+        assert!(sorted.equal(&Tensor::arange(50, (Kind::Int64, Device::Cpu))));
+        let n = rand_seeded(RandKind::Normal, &[20000], 3, Device::Cpu).unwrap();
+        assert!(n.mean(Kind::Float).double_value(&[]).abs() < 0.05);
     }
 
     #[test]

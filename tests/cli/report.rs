@@ -34,6 +34,9 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         compressor: compressor.into(),
         batch_policy: "fixed".into(),
         checkpoint: "none".into(),
+        compressor_config: None,
+        batch_policy_config: None,
+        checkpoint_config: None,
         workloads: None,
         link: None,
     }

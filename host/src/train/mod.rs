@@ -13,14 +13,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
 use crate::results::{MemoryRecord, Metrics};
-use crate::strategy::{StepTelemetry, Strategies};
+use crate::strategy::{BatchDecision, BucketCtx, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
 use data::Data;
@@ -50,6 +49,8 @@ pub struct EntryContext<'a> {
     pub memory_total_bytes: u64,
     /// Gradient bucket size for data parallelism.
     pub bucket_bytes: u64,
+    /// The suite's plugins.
+    pub plugins: &'a crate::plugin::PluginSet,
 }
 
 /// The outcome of a finished entry.
@@ -110,7 +111,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     let mut optimizer = Optimizer::new(&w.optimizer, &params);
     let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
-    let mut strategies = Strategies::built_in(&ctx.entry.strategy, w.batch, w.grad_accum)?;
+    let mut strategies =
+        Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
     let ac_device = if cuda { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
@@ -148,9 +150,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     }
     let mut timer = PhaseTimer::new(cuda);
     let mut step_hist = measure::new_histogram();
-    let (batch, accum) = (w.batch, w.grad_accum);
-    let (mut cur_batch, mut cur_accum) = (batch, accum);
-    let mut batch_changes = vec![(0u64, batch, accum)];
+    let first = strategies.batch.initial(BatchDecision { micro_batch: w.batch, accum_steps: w.grad_accum, lr_scale: 1.0 })?;
+    let (mut cur_batch, mut cur_accum, mut lr_scale) = (first.micro_batch, first.accum_steps, first.lr_scale);
+    let mut batch_changes = vec![(0u64, cur_batch, cur_accum)];
 
     let start = Instant::now();
     let mut eval_time = Duration::ZERO;
@@ -202,7 +204,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             let by_time = budget.map(|b| elapsed.as_secs_f64() / b.as_secs_f64()).unwrap_or(0.0);
             by_steps.max(by_time)
         };
-        let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac);
+        let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac) * lr_scale;
 
         torch_ext::grads_to_none(&params)?;
         let mut step_loss: Option<Tensor> = None;
@@ -250,12 +252,15 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
 
         timer.start(Phase::Communicate)?;
-        if world > 1 {
-            for idx in &buckets {
+        // The compressor sees every bucket, on one rank too: its cost is
+        // part of the strategy (the built-in all-reduce returns at once).
+        {
+            for (bi, idx) in buckets.iter().enumerate() {
                 // One flat buffer per bucket, as DDP's gradient buckets.
                 let parts: Vec<Tensor> = idx.iter().map(|&i| grads[i].view([-1])).collect();
                 let mut flat = Tensor::cat(&parts, 0);
-                strategies.compressor.reduce(&mut flat, comm).context("the compressor failed")?;
+                let bctx = BucketCtx { step, index: bi, count: buckets.len() };
+                strategies.compressor.reduce(&mut flat, comm, &bctx)?;
                 let mut off = 0;
                 for &i in idx {
                     let n = grads[i].numel() as i64;
@@ -291,18 +296,25 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         timer.start(Phase::Strategy)?;
         let tps = measured_from.map(|(t0, tok0, _)| (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9));
         let telemetry = StepTelemetry {
-            step,
+            step: step + 1,
             loss: last_loss.unwrap_or(f64::NAN),
             step_time_s: last_iter.elapsed().as_secs_f64(),
+            elapsed_s: now.as_secs_f64(),
             memory_used_bytes: if cuda { torch_ext::cuda_memory(dev_index)?.allocated as u64 } else { measure::rss_bytes().unwrap_or(0) },
             memory_total_bytes: ctx.memory_total_bytes,
             tokens_per_s: tps.unwrap_or(0.0),
+            micro_batch: cur_batch,
+            accum_steps: cur_accum,
+            world_size: world as u32,
+            grad_sq_norm: None,
+            local_grad_sq_norm: None,
+            out_of_memory: false,
         };
-        let next = strategies.batch.next(&telemetry);
-        if next != (cur_batch, cur_accum) {
-            batch_changes.push((step + 1, next.0, next.1));
+        let next = strategies.batch.next(&telemetry)?;
+        if (next.micro_batch, next.accum_steps) != (cur_batch, cur_accum) {
+            batch_changes.push((step + 1, next.micro_batch, next.accum_steps));
         }
-        (cur_batch, cur_accum) = next;
+        (cur_batch, cur_accum, lr_scale) = (next.micro_batch, next.accum_steps, next.lr_scale);
         anyhow::ensure!(
             cur_batch >= 1 && cur_accum >= 1,
             "the batch policy returned batch {cur_batch} x {cur_accum} accumulation steps; both must be at least 1"
@@ -311,7 +323,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         // checkpoint-policy work, and until then a request to save is an error
         // rather than silently ignored.
         anyhow::ensure!(
-            !strategies.checkpoint.should_save(&telemetry),
+            !strategies.checkpoint.should_save(&telemetry)?,
             "the checkpoint policy asked to save, and this version cannot write checkpoints"
         );
         timer.stop()?;
@@ -373,6 +385,17 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved) } else { None },
     };
     let mut histograms = BTreeMap::new();
+    let reports = strategies.plugin_reports();
+    let runtime = match reports.iter().map(|r| r.0.manifest.transport).collect::<std::collections::BTreeSet<_>>() {
+        t if t.is_empty() => "built-in".to_owned(),
+        t if t.contains(&crate::plugin::Transport::Native) => "native (unsandboxed)".to_owned(),
+        _ => "wasm".to_owned(),
+    };
+    let mut plugin_records = Vec::new();
+    for (rec, hist) in reports {
+        histograms.insert(format!("plugin.{}", rec.slot), hist);
+        plugin_records.push(rec);
+    }
     let mut phases = BTreeMap::new();
     histograms.insert("step".to_owned(), measure::encode(&step_hist));
     if cs.collectives > 0 {
@@ -434,7 +457,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),
         busbw_gbs: cs.bandwidth_gbs(world, false).map(|b| b.1),
         busbw_emulated_gbs: comm.stats().bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
-        strategy_runtime: "built-in".into(),
+        strategy_runtime: runtime,
+        plugins: plugin_records,
         fused_cross_entropy: fused_ce,
         batch_changes,
         checkpoints_written: 0,

@@ -1,0 +1,523 @@
+//! Strategy plugins: WASM components (sandboxed) and native libraries
+//! (unsandboxed) behind one contract, `sdk/wit/strategy.wit` and its C mirror
+//! `sdk/include/harness_strategy.h`.
+//!
+//! A suite declares plugins with `[[plugin]]`; [`PluginSet`] loads each
+//! artifact once per process (lazily, so a broken plugin fails only the
+//! entries that use it), checks the contract version before anything else,
+//! and makes one instance per entry and rank. The adapters here implement the
+//! host's strategy traits, time every call into the plugin (HDR), validate
+//! what the plugin returns, and turn traps, panics, deadlines and errors into
+//! entry failures that name the plugin, the call and the cause.
+
+pub mod bench;
+pub mod native;
+pub mod ops;
+pub mod scaffold;
+pub mod wasm;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use harness_sdk::abi;
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tch::{Device, Kind as TKind, Tensor};
+
+use crate::comm::Collective;
+use crate::measure::{self, LatencySummary};
+use crate::strategy::{BatchDecision, BatchPolicy, BucketCtx, CheckpointPolicy, Compressor, StepTelemetry};
+use crate::suite::PluginSpec;
+use ops::{CommPtr, HostSide};
+
+/// The three plugin kinds (WIT worlds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    Compressor,
+    BatchPolicy,
+    CheckpointPolicy,
+}
+
+impl Kind {
+    /// The WIT world name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Compressor => "compressor",
+            Kind::BatchPolicy => "batch-policy",
+            Kind::CheckpointPolicy => "checkpoint-policy",
+        }
+    }
+}
+
+/// How a plugin runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Transport {
+    #[serde(rename = "wasm")]
+    Wasm,
+    #[serde(rename = "native (unsandboxed)")]
+    Native,
+}
+
+/// What identifies a plugin artifact; `harness plugin inspect` prints it and
+/// a suite's `[[plugin]]` can pin its fields.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub name: String,
+    pub version: String,
+    pub kind: Kind,
+    pub transport: Transport,
+    /// WASM: the WIT package version; native: the ABI version.
+    pub abi: String,
+    pub sha256: String,
+    pub path: PathBuf,
+}
+
+/// What one plugin did in an entry (results format, `metrics.plugins`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PluginRecord {
+    /// compressor, batch_policy or checkpoint.
+    pub slot: String,
+    #[serde(flatten)]
+    pub manifest: Manifest,
+    /// Calls into the plugin, and the time inside them.
+    pub calls: u64,
+    pub call: Option<LatencySummary>,
+    /// Host ops the plugin ran.
+    pub host_ops: u64,
+    /// Bytes the plugin copied into its own memory (`read-f32`).
+    pub read_bytes: u64,
+}
+
+/// Writes a plugin's log line to stderr.
+pub fn log_line(plugin: &str, level: u32, msg: &str) {
+    let l = match level {
+        0 => "debug",
+        1 => "info",
+        _ => "warn",
+    };
+    eprintln!("[plugin {plugin}] {l}: {msg}");
+}
+
+enum Artifact {
+    Wasm(wasm::Artifact),
+    Native(native::Artifact),
+}
+
+struct Loaded {
+    artifact: Artifact,
+    manifest: Manifest,
+    spec: PluginSpec,
+}
+
+/// The suite's plugins, loaded on first use and shared by ranks.
+pub struct PluginSet {
+    specs: Vec<PluginSpec>,
+    dir: PathBuf,
+    loaded: Mutex<HashMap<String, Arc<Result<Loaded, String>>>>,
+}
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+/// Loads an artifact by extension and asks it who it is.
+fn open(path: &Path) -> Result<(Artifact, Manifest)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let is_wasm = path.extension().is_some_and(|e| e == "wasm");
+    let (artifact, kind, transport, abi_v) = if is_wasm {
+        let a = wasm::load(&bytes)?;
+        let (k, c) = (a.kind, a.contract.clone());
+        (Artifact::Wasm(a), k, Transport::Wasm, c)
+    } else {
+        let a = native::load(path)?;
+        let k = a.kind;
+        (Artifact::Native(a), k, Transport::Native, abi::ABI_VERSION.to_string())
+    };
+    // Name and version come from a throwaway instance.
+    let mut probe = instantiate(&artifact, HostSide::new("probe", Device::Cpu, 1 << 20), 64 << 20, Duration::from_secs(10))?;
+    let (name, version) = probe.info().context("calling `info`")?;
+    Ok((artifact, Manifest { name, version, kind, transport, abi: abi_v, sha256, path: path.to_owned() }))
+}
+
+/// Loads `path` and returns its manifest (for `harness plugin inspect`).
+pub fn inspect(path: &Path) -> Result<Manifest> {
+    open(path).map(|(_, m)| m).with_context(|| format!("{} is not a usable plugin", path.display()))
+}
+
+fn instantiate(a: &Artifact, host: HostSide, memory_bytes: usize, deadline: Duration) -> Result<Inst> {
+    Ok(match a {
+        Artifact::Wasm(w) => Inst::Wasm(Box::new(wasm::Instance::new(w, host, wasm::Limits { memory_bytes, deadline })?)),
+        Artifact::Native(n) => Inst::Native(native::Instance::new(n, host)?),
+    })
+}
+
+impl PluginSet {
+    /// The plugins of a suite whose file lives in `dir`.
+    pub fn new(specs: &[PluginSpec], dir: &Path) -> PluginSet {
+        PluginSet { specs: specs.to_vec(), dir: dir.to_owned(), loaded: Mutex::new(HashMap::new()) }
+    }
+
+    /// No plugins (built-in strategies only).
+    pub fn empty() -> PluginSet {
+        PluginSet::new(&[], Path::new("."))
+    }
+
+    /// True if `name` is a declared plugin.
+    pub fn has(&self, name: &str) -> bool {
+        self.specs.iter().any(|s| s.name == name)
+    }
+
+    fn load(&self, name: &str) -> Arc<Result<Loaded, String>> {
+        let mut map = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(name.to_owned())
+            .or_insert_with(|| {
+                let spec = self.specs.iter().find(|s| s.name == name).cloned();
+                Arc::new(spec.ok_or_else(|| format!("no [[plugin]] is named `{name}`")).and_then(|spec| {
+                    let path = self.dir.join(&spec.path);
+                    let describe = || format!("plugin `{name}` ({})", path.display());
+                    let (artifact, manifest) = open(&path).map_err(|e| format!("{} cannot be loaded: {e:#}", describe()))?;
+                    if let Some(h) = &spec.sha256 {
+                        if !h.eq_ignore_ascii_case(&manifest.sha256) {
+                            return Err(format!("{}: sha256 is {}, and the suite pins {h}", describe(), manifest.sha256));
+                        }
+                    }
+                    if let Some(v) = &spec.version {
+                        if *v != manifest.version {
+                            return Err(format!("{}: version is {}, and the suite pins {v}", describe(), manifest.version));
+                        }
+                    }
+                    Ok(Loaded { artifact, manifest, spec })
+                }))
+            })
+            .clone()
+    }
+
+    /// Loads every declared plugin and returns the manifests or the first
+    /// problems (for `harness validate`).
+    pub fn check_all(&self) -> Vec<Result<Manifest, String>> {
+        self.specs
+            .iter()
+            .map(|s| match &*self.load(&s.name) {
+                Ok(l) => Ok(l.manifest.clone()),
+                Err(e) => Err(e.clone()),
+            })
+            .collect()
+    }
+
+    /// A configured instance of plugin `name` for one entry and rank.
+    pub fn instance(&self, name: &str, slot: &str, want: Kind, config: Option<&toml::Table>, device: Device) -> Result<Plugin> {
+        let loaded = self.load(name);
+        let l = loaded.as_ref().as_ref().map_err(|e| anyhow!("{e}"))?;
+        if l.manifest.kind != want {
+            bail!("plugin `{name}` ({}) is a {}, and `{slot}` needs a {}", l.spec.path.display(), l.manifest.kind.name(), want.name());
+        }
+        let host = HostSide::new(&l.manifest.name, device, l.spec.tensor_mb << 20);
+        let inst = instantiate(&l.artifact, host, (l.spec.memory_mb as usize) << 20, Duration::from_millis(l.spec.deadline_ms))
+            .with_context(|| format!("{} plugin `{name}` could not be instantiated", want.name()))?;
+        let mut p = Plugin {
+            inst,
+            manifest: l.manifest.clone(),
+            slot: slot.into(),
+            suite_name: name.into(),
+            hist: measure::new_histogram(),
+            calls: 0,
+        };
+        let text = toml::to_string(&config.cloned().unwrap_or_default()).context("serialising the plugin config")?;
+        p.call("configure", |i| i.configure(&text))?;
+        Ok(p)
+    }
+}
+
+enum Inst {
+    Wasm(Box<wasm::Instance>),
+    Native(native::Instance),
+}
+
+impl Inst {
+    fn host(&mut self) -> &mut HostSide {
+        match self {
+            Inst::Wasm(w) => w.host(),
+            Inst::Native(n) => n.host(),
+        }
+    }
+    fn info(&mut self) -> Result<(String, String)> {
+        match self {
+            Inst::Wasm(w) => w.info(),
+            Inst::Native(n) => n.info(),
+        }
+    }
+    fn configure(&mut self, toml: &str) -> Result<Result<(), String>> {
+        match self {
+            Inst::Wasm(w) => w.configure(toml),
+            Inst::Native(n) => n.configure(toml),
+        }
+    }
+}
+
+/// One configured plugin instance.
+pub struct Plugin {
+    inst: Inst,
+    pub manifest: Manifest,
+    slot: String,
+    suite_name: String,
+    hist: Histogram<u64>,
+    calls: u64,
+}
+
+impl Plugin {
+    /// Calls into the plugin, timing the call and naming the plugin, the call
+    /// and the cause in any failure.
+    fn call<R>(&mut self, what: &str, f: impl FnOnce(&mut Inst) -> Result<Result<R, String>>) -> Result<R> {
+        let t0 = Instant::now();
+        let r = f(&mut self.inst);
+        measure::record(&mut self.hist, t0.elapsed());
+        self.calls += 1;
+        match r {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(msg)) => Err(anyhow!("{} returned an error from `{what}`: {msg}", self.who())),
+            Err(e) => Err(anyhow!("{} failed in `{what}`: {e:#}", self.who())),
+        }
+    }
+
+    fn who(&self) -> String {
+        let transport = match self.manifest.transport {
+            Transport::Wasm => "wasm",
+            Transport::Native => "native",
+        };
+        format!("{} plugin `{}` ({transport}, {})", self.manifest.kind.name(), self.suite_name, self.manifest.path.display())
+    }
+
+    fn fail(&self, what: &str, msg: impl std::fmt::Display) -> anyhow::Error {
+        anyhow!("{} returned an invalid result from `{what}`: {msg}", self.who())
+    }
+
+    /// The record for the results.
+    pub fn record(&mut self) -> PluginRecord {
+        let meter = self.inst.host().meter.clone();
+        PluginRecord {
+            slot: self.slot.clone(),
+            manifest: self.manifest.clone(),
+            calls: self.calls,
+            call: (!self.hist.is_empty()).then(|| LatencySummary::of(&self.hist)),
+            host_ops: meter.ops,
+            read_bytes: meter.read_bytes,
+        }
+    }
+
+    /// The call-time histogram.
+    pub fn histogram(&self) -> &Histogram<u64> {
+        &self.hist
+    }
+}
+
+fn telemetry_wit(t: &StepTelemetry) -> wasm::wit_types::StepTelemetry {
+    wasm::wit_types::StepTelemetry {
+        step: t.step,
+        loss: t.loss,
+        step_time_s: t.step_time_s,
+        elapsed_s: t.elapsed_s,
+        memory_used_bytes: t.memory_used_bytes,
+        memory_total_bytes: t.memory_total_bytes,
+        tokens_per_s: t.tokens_per_s,
+        micro_batch: t.micro_batch,
+        accum_steps: t.accum_steps,
+        world_size: t.world_size,
+        grad_sq_norm: t.grad_sq_norm,
+        local_grad_sq_norm: t.local_grad_sq_norm,
+        out_of_memory: t.out_of_memory,
+    }
+}
+
+fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
+    abi::StepTelemetry {
+        step: t.step,
+        loss: t.loss,
+        step_time_s: t.step_time_s,
+        elapsed_s: t.elapsed_s,
+        memory_used_bytes: t.memory_used_bytes,
+        memory_total_bytes: t.memory_total_bytes,
+        tokens_per_s: t.tokens_per_s,
+        micro_batch: t.micro_batch,
+        accum_steps: t.accum_steps,
+        world_size: t.world_size,
+        has_grad_sq_norm: t.grad_sq_norm.is_some() as u8,
+        has_local_grad_sq_norm: t.local_grad_sq_norm.is_some() as u8,
+        out_of_memory: t.out_of_memory as u8,
+        grad_sq_norm: t.grad_sq_norm.unwrap_or(0.0),
+        local_grad_sq_norm: t.local_grad_sq_norm.unwrap_or(0.0),
+    }
+}
+
+/// A compressor plugin behind the host's [`Compressor`] trait.
+pub struct PluginCompressor {
+    pub plugin: Plugin,
+    /// Check the reduced bucket for NaN/inf (off under fp16 loss scaling,
+    /// whose overflow steps are expected and skipped by the scaler).
+    check_finite: bool,
+    /// CUDA: non-finite counts of the current step, read a step late.
+    pending: Option<Tensor>,
+}
+
+impl PluginCompressor {
+    /// Wraps a compressor plugin.
+    pub fn new(plugin: Plugin, check_finite: bool) -> PluginCompressor {
+        PluginCompressor { plugin, check_finite, pending: None }
+    }
+
+    fn check(&mut self, bucket: &Tensor, ctx: &BucketCtx) -> Result<()> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        let bad = bucket.isfinite().logical_not().sum(TKind::Int64);
+        if !bucket.device().is_cuda() {
+            let n = bad.int64_value(&[]);
+            if n > 0 {
+                return Err(self.plugin.fail("compress", format!("{n} non-finite values in bucket {} at step {}", ctx.index, ctx.step)));
+            }
+            return Ok(());
+        }
+        // On a GPU the count stays on the device and is read a step later,
+        // when the device is long past it: no synchronisation in the step.
+        self.pending = Some(match self.pending.take() {
+            Some(acc) => acc + bad,
+            None => bad,
+        });
+        Ok(())
+    }
+}
+
+impl Compressor for PluginCompressor {
+    fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> Result<()> {
+        if ctx.index == 0 {
+            if let Some(prev) = self.pending.take() {
+                let n = prev.int64_value(&[]);
+                if n > 0 {
+                    return Err(self
+                        .plugin
+                        .fail("compress", format!("{n} non-finite values in its output at step {}", ctx.step.saturating_sub(1))));
+                }
+            }
+        }
+        let shape = bucket.size();
+        let kind = bucket.kind();
+        let host = self.plugin.inst.host();
+        let id = host.lend(bucket);
+        // SAFETY: cleared below, before `comm`'s borrow ends; the plugin runs
+        // on this thread.
+        host.set_comm(Some(unsafe { CommPtr::new(comm) }));
+        let info = (ctx.step, ctx.index as u32, ctx.count as u32);
+        let r = self.plugin.call("compress", |i| match i {
+            Inst::Wasm(w) => w.compress(id, wasm::wit_compress::BucketInfo { step: info.0, index: info.1, count: info.2 }),
+            Inst::Native(n) => n.compress(id, abi::BucketInfo { step: info.0, index: info.1, count: info.2 }),
+        });
+        let host = self.plugin.inst.host();
+        host.set_comm(None);
+        host.give_back(id);
+        r?;
+        if bucket.size() != shape || bucket.kind() != kind {
+            return Err(self.plugin.fail("compress", "the bucket changed shape or dtype"));
+        }
+        self.check(bucket, ctx)
+    }
+
+    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
+        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
+    }
+}
+
+/// Largest micro-batch or accumulation a batch policy may ask for.
+pub const MAX_BATCH: u32 = 1 << 16;
+
+/// A batch-policy plugin behind the host's [`BatchPolicy`] trait.
+pub struct PluginBatch {
+    pub plugin: Plugin,
+}
+
+impl PluginBatch {
+    fn validate(&self, what: &str, b: BatchDecision) -> Result<BatchDecision> {
+        if !(1..=MAX_BATCH).contains(&b.micro_batch) || !(1..=MAX_BATCH).contains(&b.accum_steps) {
+            return Err(self.plugin.fail(
+                what,
+                format!("micro-batch {} x {} accumulation steps; both must lie in 1..={MAX_BATCH}", b.micro_batch, b.accum_steps),
+            ));
+        }
+        if !(b.lr_scale.is_finite() && b.lr_scale > 0.0) {
+            return Err(self.plugin.fail(what, format!("lr-scale {} is not a finite positive number", b.lr_scale)));
+        }
+        Ok(b)
+    }
+}
+
+impl BatchPolicy for PluginBatch {
+    fn initial(&mut self, configured: BatchDecision) -> Result<BatchDecision> {
+        let c = configured;
+        let b = self.plugin.call("initial", |i| match i {
+            Inst::Wasm(w) => w
+                .batch_initial(wasm::wit_batch::Batch { micro_batch: c.micro_batch, accum_steps: c.accum_steps, lr_scale: c.lr_scale })
+                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+            Inst::Native(n) => n
+                .batch_initial(abi::Batch { micro_batch: c.micro_batch, accum_steps: c.accum_steps, lr_scale: c.lr_scale })
+                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+        })?;
+        self.validate("initial", b)
+    }
+
+    fn next(&mut self, t: &StepTelemetry) -> Result<BatchDecision> {
+        let b = self.plugin.call("next", |i| match i {
+            Inst::Wasm(w) => w
+                .batch_next(&telemetry_wit(t))
+                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+            Inst::Native(n) => n
+                .batch_next(&telemetry_abi(t))
+                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+        })?;
+        self.validate("next", b)
+    }
+
+    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
+        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
+    }
+}
+
+/// A checkpoint-policy plugin behind the host's [`CheckpointPolicy`] trait.
+pub struct PluginCheckpoint {
+    pub plugin: Plugin,
+    pub saved: Vec<u64>,
+    pub failures: Vec<u64>,
+    pub last_cost_s: Option<f64>,
+    pub since_last_s: f64,
+}
+
+impl CheckpointPolicy for PluginCheckpoint {
+    fn should_save(&mut self, t: &StepTelemetry) -> Result<bool> {
+        let (saved, failures, cost, since) = (self.saved.clone(), self.failures.clone(), self.last_cost_s, self.since_last_s);
+        let (save, delete) = self.plugin.call("decide", |i| match i {
+            Inst::Wasm(w) => {
+                let h = wasm::wit_checkpoint::CheckpointHistory {
+                    last_cost_s: cost,
+                    saved: saved.clone(),
+                    failures: failures.clone(),
+                    since_last_s: since,
+                };
+                w.checkpoint_decide(&telemetry_wit(t), &h).map(|r| r.map(|d| (d.save, d.delete)))
+            }
+            Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), &saved, &failures, cost, since),
+        })?;
+        if let Some(d) = delete.iter().find(|d| !saved.contains(d)) {
+            return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
+        }
+        Ok(save)
+    }
+
+    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
+        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
+    }
+}

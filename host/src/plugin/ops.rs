@@ -1,0 +1,559 @@
+//! The host ops plugins call, one implementation behind both transports.
+//!
+//! A plugin holds tensor ids; [`HostSide::exec`] runs an [`Op`] on the
+//! tensors those ids name, where they live (CPU or GPU), validates its
+//! arguments so that a bad call becomes an error and never a libtorch abort
+//! or a device-side assert, and meters what crosses into the guest.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use harness_sdk::abi::Op;
+use tch::{Device, Kind, Tensor};
+
+use crate::comm::Collective;
+use crate::torch_ext::{self, RandKind};
+
+/// Element types in the order of the WIT `dtype` enum.
+pub const KINDS: [Kind; 8] = [Kind::Float, Kind::Half, Kind::BFloat16, Kind::Double, Kind::Int64, Kind::Int, Kind::Uint8, Kind::Bool];
+
+/// The WIT dtype index of a kind.
+pub fn dtype_index(k: Kind) -> Result<usize> {
+    KINDS.iter().position(|&x| x == k).ok_or_else(|| anyhow!("tensor dtype {k:?} is not in the contract"))
+}
+
+fn kind_of(i: i64) -> Result<Kind> {
+    usize::try_from(i).ok().and_then(|i| KINDS.get(i).copied()).ok_or_else(|| anyhow!("dtype index {i} is not in 0..8"))
+}
+
+/// A pointer to the collective of the call in progress. Set only for the
+/// duration of a compressor call, by the code that holds the `&mut`.
+#[derive(Clone, Copy)]
+pub struct CommPtr(*mut (dyn Collective + 'static));
+
+impl CommPtr {
+    /// Erases the borrow's lifetime.
+    ///
+    /// # Safety
+    /// The pointer must be cleared (`HostSide::set_comm(None)`) before the
+    /// borrow ends, and used only on this thread meanwhile.
+    pub unsafe fn new(comm: &mut dyn Collective) -> CommPtr {
+        // SAFETY: only the lifetime is erased; see the contract above.
+        CommPtr(unsafe { std::mem::transmute::<*mut dyn Collective, *mut (dyn Collective + 'static)>(comm as *mut dyn Collective) })
+    }
+}
+
+// SAFETY: the pointer is only dereferenced on the thread that lent it,
+// during the call that lent it (see `HostSide::lend_comm`).
+unsafe impl Send for CommPtr {}
+
+/// What a call moved into the guest and how many ops it ran.
+#[derive(Debug, Clone, Default)]
+pub struct Meter {
+    pub ops: u64,
+    /// Bytes copied into guest memory by `read-f32`.
+    pub read_bytes: u64,
+    pub read_time: Duration,
+}
+
+/// Outputs of one op.
+#[derive(Debug, Default)]
+pub struct Out {
+    /// Ids of new tensors (now in the table).
+    pub ids: Vec<u32>,
+    pub scalar: f64,
+    pub ints: Vec<i64>,
+    pub data: Vec<f32>,
+    pub ptr: usize,
+}
+
+/// The host side of one plugin instance: its tensors and its meter.
+pub struct HostSide {
+    tensors: HashMap<u32, Tensor>,
+    /// Ids of tensors the host lent for the current call.
+    lent: Vec<u32>,
+    next: u32,
+    live_bytes: u64,
+    /// Most bytes of tensors the plugin may hold at once.
+    pub max_bytes: u64,
+    comm: Option<CommPtr>,
+    pub meter: Meter,
+    /// The plugin's name, for log lines.
+    pub name: String,
+    /// The device new tensors default to (the training device).
+    pub device: Device,
+}
+
+fn bytes_of(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+fn dims(ints: &[i64]) -> Result<Vec<i64>> {
+    ensure!(ints.iter().all(|&d| d >= 0), "dimensions must be >= 0, got {ints:?}");
+    let n = ints.iter().try_fold(1i64, |a, &d| a.checked_mul(d)).ok_or_else(|| anyhow!("shape {ints:?} overflows"))?;
+    ensure!(n <= 1 << 34, "shape {ints:?} has {n} elements, more than a plugin may create");
+    Ok(ints.to_vec())
+}
+
+impl HostSide {
+    /// A host side for plugin `name` whose tensors may total `max_bytes`.
+    pub fn new(name: &str, device: Device, max_bytes: u64) -> HostSide {
+        HostSide {
+            tensors: HashMap::new(),
+            lent: Vec::new(),
+            next: 1,
+            live_bytes: 0,
+            max_bytes,
+            comm: None,
+            meter: Meter::default(),
+            name: name.into(),
+            device,
+        }
+    }
+
+    fn next_id(&mut self) -> u32 {
+        while self.next == 0 || self.tensors.contains_key(&self.next) {
+            self.next = self.next.wrapping_add(1);
+        }
+        let id = self.next;
+        self.next = self.next.wrapping_add(1);
+        id
+    }
+
+    /// Adds a tensor and returns its id.
+    pub fn insert(&mut self, t: Tensor) -> Result<u32> {
+        let b = bytes_of(&t);
+        ensure!(
+            self.live_bytes + b <= self.max_bytes,
+            "the plugin would hold {} MiB of tensors, more than its cap of {} MiB",
+            (self.live_bytes + b) >> 20,
+            self.max_bytes >> 20
+        );
+        let id = self.next_id();
+        self.live_bytes += b;
+        self.tensors.insert(id, t);
+        Ok(id)
+    }
+
+    /// Lends a tensor the host owns (a gradient bucket) for one call; the
+    /// returned id must be given back with [`HostSide::give_back`]. Lent
+    /// tensors do not count against the cap.
+    pub fn lend(&mut self, t: &Tensor) -> u32 {
+        let id = self.next_id();
+        self.lent.push(id);
+        self.tensors.insert(id, t.shallow_clone());
+        id
+    }
+
+    /// Drops a tensor id (a plugin releasing its handle; a lent tensor's
+    /// borrow ends with the call instead).
+    pub fn remove(&mut self, id: u32) {
+        if self.lent.contains(&id) {
+            return;
+        }
+        if let Some(t) = self.tensors.remove(&id) {
+            self.live_bytes = self.live_bytes.saturating_sub(bytes_of(&t));
+        }
+    }
+
+    /// Ends the loan of [`HostSide::lend`].
+    pub fn give_back(&mut self, id: u32) {
+        self.lent.retain(|&l| l != id);
+        self.tensors.remove(&id);
+    }
+
+    /// Tensors the plugin holds now.
+    pub fn live(&self) -> (usize, u64) {
+        (self.tensors.len(), self.live_bytes)
+    }
+
+    /// Lends the collective to the plugin call about to run (`None` after
+    /// it). The caller keeps the collective borrowed until it clears it.
+    pub fn set_comm(&mut self, comm: Option<CommPtr>) {
+        self.comm = comm;
+    }
+
+    fn comm(&mut self) -> Result<&mut dyn Collective> {
+        let p = self.comm.ok_or_else(|| anyhow!("collectives are only available inside `compress`"))?;
+        // SAFETY: set by `set_comm` for the duration of the call on this
+        // thread; nothing else holds the collective meanwhile.
+        Ok(unsafe { &mut *p.0 })
+    }
+
+    fn get(&self, id: u32) -> Result<&Tensor> {
+        self.tensors.get(&id).ok_or_else(|| anyhow!("tensor handle {id} is not live"))
+    }
+
+    /// Runs one op. `ids[0]` is `self` for methods.
+    pub fn exec(&mut self, op: Op, ids: &[u32], floats: &[f64], ints: &[i64], data: &[f32]) -> Result<Out> {
+        self.meter.ops += 1;
+        self.exec_inner(op, ids, floats, ints, data).with_context(|| format!("host op `{}`", op.wit_name()))
+    }
+
+    fn exec_inner(&mut self, op: Op, ids: &[u32], floats: &[f64], ints: &[i64], data: &[f32]) -> Result<Out> {
+        use Op::*;
+        let need = |n_ids: usize, n_floats: usize, n_ints: Option<usize>| -> Result<()> {
+            ensure!(ids.len() == n_ids, "takes {n_ids} tensor(s), got {}", ids.len());
+            ensure!(floats.len() == n_floats, "takes {n_floats} float(s), got {}", floats.len());
+            if let Some(k) = n_ints {
+                ensure!(ints.len() == k, "takes {k} integer(s), got {}", ints.len());
+            }
+            Ok(())
+        };
+        let t = |i: usize| -> Result<Tensor> { Ok(self.get(ids[i])?.shallow_clone()) };
+        let mut out = Out::default();
+        let mut new: Vec<Tensor> = Vec::new();
+        let same_device = |a: &Tensor, b: &Tensor| -> Result<()> {
+            ensure!(a.device() == b.device(), "tensors on different devices ({:?} and {:?})", a.device(), b.device());
+            Ok(())
+        };
+        match op {
+            Shape => {
+                need(1, 0, Some(0))?;
+                out.ints = t(0)?.size();
+            }
+            Numel => {
+                need(1, 0, Some(0))?;
+                out.scalar = t(0)?.numel() as f64;
+            }
+            Dtype => {
+                need(1, 0, Some(0))?;
+                out.scalar = dtype_index(t(0)?.kind())? as f64;
+            }
+            Device => {
+                need(1, 0, Some(0))?;
+                out.scalar = if t(0)?.device().is_cuda() { 1.0 } else { 0.0 };
+            }
+            Assign => {
+                need(2, 0, Some(0))?;
+                let (mut dst, src) = (t(0)?, t(1)?);
+                ensure!(dst.size() == src.size(), "shapes differ: self {:?}, src {:?}", dst.size(), src.size());
+                same_device(&dst, &src)?;
+                tch::no_grad(|| dst.f_copy_(&src))?;
+            }
+            Duplicate => {
+                need(1, 0, Some(0))?;
+                new.push(t(0)?.copy());
+            }
+            Add | Sub | Mul | Div | LessThan | Matmul => {
+                need(2, 0, Some(0))?;
+                let (a, b) = (t(0)?, t(1)?);
+                same_device(&a, &b)?;
+                new.push(match op {
+                    Add => a.f_add(&b)?,
+                    Sub => a.f_sub(&b)?,
+                    Mul => a.f_mul(&b)?,
+                    Div => a.f_div(&b)?,
+                    LessThan => a.f_lt_tensor(&b)?.f_to_kind(a.kind())?,
+                    _ => {
+                        ensure!(a.dim() == 2 && b.dim() == 2, "matmul takes 2-D tensors, got {:?} and {:?}", a.size(), b.size());
+                        a.f_matmul(&b)?
+                    }
+                });
+            }
+            AddScalar | MulScalar => {
+                need(1, 1, Some(0))?;
+                let a = t(0)?;
+                new.push(if op == AddScalar { a.f_add_scalar(floats[0])? } else { a.f_mul_scalar(floats[0])? });
+            }
+            Abs | Sign | Floor | Sqrt => {
+                need(1, 0, Some(0))?;
+                let a = t(0)?;
+                new.push(match op {
+                    Abs => a.f_abs()?,
+                    Sign => a.f_sign()?,
+                    Floor => a.f_floor()?,
+                    _ => a.f_sqrt()?,
+                });
+            }
+            Cast => {
+                need(1, 0, Some(1))?;
+                new.push(t(0)?.f_to_kind(kind_of(ints[0])?)?);
+            }
+            Reshape => {
+                need(1, 0, None)?;
+                ensure!(ints.iter().filter(|&&d| d == -1).count() <= 1 && ints.iter().all(|&d| d >= -1), "bad shape {ints:?}");
+                new.push(t(0)?.f_reshape(ints)?);
+            }
+            Transpose => {
+                need(1, 0, Some(2))?;
+                let a = t(0)?;
+                let d = a.dim() as i64;
+                ensure!((0..d).contains(&ints[0]) && (0..d).contains(&ints[1]), "dims {:?} out of range for {d}-D", &ints[..2]);
+                new.push(a.f_transpose(ints[0], ints[1])?.f_contiguous()?);
+            }
+            Narrow => {
+                need(1, 0, Some(3))?;
+                let a = t(0)?;
+                let (dim, start, len) = (ints[0], ints[1], ints[2]);
+                ensure!((0..a.dim() as i64).contains(&dim), "dim {dim} out of range for {}-D", a.dim());
+                let size = a.size()[dim as usize];
+                ensure!(start >= 0 && len >= 0 && start + len <= size, "[{start}, {start}+{len}) out of 0..{size}");
+                new.push(a.f_narrow(dim, start, len)?);
+            }
+            Topk => {
+                need(1, 0, Some(1))?;
+                let a = t(0)?.f_reshape([-1])?;
+                let k = ints[0];
+                ensure!(k >= 1 && k <= a.numel() as i64, "k = {k} is not in 1..={}", a.numel());
+                let (v, i) = a.f_topk(k, 0, true, false)?;
+                new.push(v);
+                new.push(i);
+            }
+            Gather => {
+                need(2, 0, Some(0))?;
+                let (a, idx) = (t(0)?.f_reshape([-1])?, t(1)?);
+                self.check_index(&idx, a.numel() as i64)?;
+                same_device(&a, &idx)?;
+                new.push(a.f_index_select(0, &idx)?);
+            }
+            ScatterAdd => {
+                need(3, 0, Some(0))?;
+                let (a, idx, src) = (t(0)?, t(1)?, t(2)?);
+                self.check_index(&idx, a.numel() as i64)?;
+                same_device(&a, &idx)?;
+                same_device(&a, &src)?;
+                ensure!(src.dim() == 1 && src.numel() == idx.numel(), "src {:?} must be 1-D like index {:?}", src.size(), idx.size());
+                let src = src.f_to_kind(a.kind())?;
+                new.push(a.f_reshape([-1])?.f_scatter_add(0, &idx, &src)?);
+            }
+            Sum | Norm | MeanAbs => {
+                need(1, 0, Some(0))?;
+                let a = t(0)?.f_to_kind(Kind::Double)?;
+                out.scalar = match op {
+                    Sum => a.f_sum(Kind::Double)?,
+                    Norm => a.f_norm()?,
+                    _ => a.f_abs()?.f_mean(Kind::Double)?,
+                }
+                .f_double_value(&[])?;
+            }
+            Orthonormalize => {
+                need(1, 0, Some(0))?;
+                let a = t(0)?;
+                ensure!(a.dim() == 2, "orthonormalize takes a 2-D tensor, got {:?}", a.size());
+                let k = a.kind();
+                let (q, _r) = Tensor::f_linalg_qr(&a.f_to_kind(Kind::Float)?, "reduced")?;
+                new.push(q.f_to_kind(k)?);
+            }
+            PackSigns => {
+                need(1, 0, Some(0))?;
+                let a = t(0)?.f_reshape([-1])?;
+                let n = a.numel() as i64;
+                let pad = (8 - n % 8) % 8;
+                let bits = a.f_ge(0.0)?.f_to_kind(Kind::Uint8)?;
+                let bits = if pad > 0 {
+                    Tensor::f_cat(&[bits.shallow_clone(), bits.f_new_zeros([pad], (Kind::Uint8, a.device()))?], 0)?
+                } else {
+                    bits
+                };
+                let weights = Tensor::f_from_slice(&[1u8, 2, 4, 8, 16, 32, 64, 128])?.f_to_device(a.device())?;
+                new.push(bits.f_reshape([-1, 8])?.f_mul(&weights)?.f_sum_dim_intlist(1, false, Kind::Uint8)?);
+            }
+            UnpackSigns => {
+                need(1, 0, Some(1))?;
+                let p = t(0)?;
+                let n = ints[0];
+                ensure!(p.kind() == Kind::Uint8 && p.dim() == 1, "packed signs must be 1-D u8, got {:?} {:?}", p.kind(), p.size());
+                ensure!(n >= 0 && (n + 7) / 8 <= p.numel() as i64, "{n} signs do not fit in {} bytes", p.numel());
+                let weights = Tensor::f_from_slice(&[1u8, 2, 4, 8, 16, 32, 64, 128])?.f_to_device(p.device())?;
+                let bits = p.f_reshape([-1, 1])?.f_bitwise_and_tensor(&weights)?.f_ne(0)?.f_reshape([-1])?.f_narrow(0, 0, n)?;
+                new.push(bits.f_to_kind(Kind::Float)?.f_mul_scalar(2.0)?.f_add_scalar(-1.0)?);
+            }
+            ReadF32 => {
+                need(1, 0, Some(0))?;
+                let t0 = Instant::now();
+                let a = t(0)?.f_reshape([-1])?.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?;
+                out.data = Vec::<f32>::try_from(&a)?;
+                self.meter.read_bytes += 4 * out.data.len() as u64;
+                self.meter.read_time += t0.elapsed();
+            }
+            Zeros => {
+                need(1, 0, None)?;
+                ensure!(!ints.is_empty(), "takes a dtype and dimensions");
+                let like = t(0)?;
+                new.push(Tensor::f_zeros(dims(&ints[1..])?, (kind_of(ints[0])?, like.device()))?);
+            }
+            RandUniform | RandNormal => {
+                need(1, 0, None)?;
+                ensure!(!ints.is_empty(), "takes a seed and dimensions");
+                let like = t(0)?;
+                let kind = if op == RandUniform { RandKind::Uniform } else { RandKind::Normal };
+                new.push(torch_ext::rand_seeded(kind, &dims(&ints[1..])?, ints[0] as u64, like.device())?);
+            }
+            RandIndices => {
+                need(1, 0, Some(3))?;
+                let (n, k, seed) = (ints[0], ints[1], ints[2]);
+                ensure!(n >= 0 && (0..=n).contains(&k), "k = {k} indices out of n = {n}");
+                dims(&[n])?;
+                let like = t(0)?;
+                let perm = torch_ext::rand_seeded(RandKind::Permutation, &[n], seed as u64, like.device())?;
+                new.push(perm.f_narrow(0, 0, k)?);
+            }
+            FromF32 => {
+                need(1, 0, None)?;
+                let shape = dims(ints)?;
+                let n: i64 = shape.iter().product();
+                ensure!(n == data.len() as i64, "{} floats do not fill shape {shape:?}", data.len());
+                let like = t(0)?;
+                new.push(Tensor::f_from_slice(data)?.f_reshape(&shape)?.f_to_device(like.device())?);
+            }
+            Rank | WorldSize => {
+                need(0, 0, Some(0))?;
+                let c = self.comm()?;
+                out.scalar = if op == Rank { c.rank() } else { c.world_size() } as f64;
+            }
+            AllReduceSum | Broadcast => {
+                need(1, 0, Some(if op == Broadcast { 1 } else { 0 }))?;
+                let mut a = t(0)?;
+                ensure!(a.is_contiguous(), "collectives need a contiguous tensor (reshape or duplicate it first)");
+                let c = self.comm()?;
+                if op == Broadcast {
+                    let root = ints[0];
+                    ensure!((0..c.world_size() as i64).contains(&root), "root {root} is not a rank (world size {})", c.world_size());
+                    c.broadcast(&mut a, root as usize)?;
+                } else {
+                    c.all_reduce_sum(&mut a)?;
+                }
+            }
+            AllGather | ReduceScatterSum => {
+                need(1, 0, Some(0))?;
+                let a = t(0)?.f_contiguous()?;
+                let c = self.comm()?;
+                if op == AllGather {
+                    new.push(c.all_gather(&a)?);
+                } else {
+                    let n = c.world_size() as i64;
+                    ensure!(a.numel() as i64 % n == 0, "{} elements are not divisible by the world size {n}", a.numel());
+                    new.push(c.reduce_scatter_sum(&a)?);
+                }
+            }
+            DataPtr => {
+                need(1, 0, Some(0))?;
+                out.ptr = t(0)?.data_ptr() as usize;
+            }
+            CudaStream => {
+                need(0, 0, Some(0))?;
+                // harness orders all device work on libtorch's legacy default stream.
+                out.ptr = 0;
+            }
+        }
+        for n in new {
+            out.ids.push(self.insert(n)?);
+        }
+        Ok(out)
+    }
+
+    /// Indices must be 1-D i64 within `0..n`: checked before libtorch sees
+    /// them, because an out-of-range index on a GPU is a device-side assert
+    /// that ends the CUDA context. Costs one small read-back.
+    fn check_index(&self, idx: &Tensor, n: i64) -> Result<()> {
+        ensure!(idx.kind() == Kind::Int64 && idx.dim() == 1, "index must be 1-D i64, got {:?} {:?}", idx.kind(), idx.size());
+        if idx.numel() == 0 {
+            return Ok(());
+        }
+        let mm = Tensor::f_stack(&[idx.f_min()?, idx.f_max()?], 0)?.f_to_device(tch::Device::Cpu)?;
+        let (lo, hi) = (mm.f_int64_value(&[0])?, mm.f_int64_value(&[1])?);
+        if lo < 0 || hi >= n {
+            bail!("index values span {lo}..={hi}, outside 0..{n}");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::SingleRank;
+
+    fn host() -> HostSide {
+        HostSide::new("test", Device::Cpu, 1 << 30)
+    }
+
+    fn vals(h: &HostSide, id: u32) -> Vec<f32> {
+        Vec::<f32>::try_from(h.get(id).unwrap().to_kind(Kind::Float).reshape([-1])).unwrap()
+    }
+
+    #[test]
+    fn topk_gather_scatter_round_trip() {
+        let mut h = host();
+        let g = h.insert(Tensor::from_slice(&[0.5f32, -3.0, 2.0, 0.1, -0.2])).unwrap();
+        let abs = h.exec(Op::Abs, &[g], &[], &[], &[]).unwrap().ids[0];
+        let tk = h.exec(Op::Topk, &[abs], &[], &[2], &[]).unwrap();
+        let (idx, _) = (tk.ids[1], tk.ids[0]);
+        let picked = h.exec(Op::Gather, &[g, idx], &[], &[], &[]).unwrap().ids[0];
+        let mut got = vals(&h, picked);
+        got.sort_by(f32::total_cmp);
+        assert_eq!(got, vec![-3.0, 2.0]);
+        let zeros = h.exec(Op::Zeros, &[g], &[], &[0, 5], &[]).unwrap().ids[0];
+        let sparse = h.exec(Op::ScatterAdd, &[zeros, idx, picked], &[], &[], &[]).unwrap().ids[0];
+        assert_eq!(vals(&h, sparse), vec![0.0, -3.0, 2.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn bad_calls_are_errors_that_name_the_op() {
+        let mut h = host();
+        let a = h.insert(Tensor::from_slice(&[1.0f32, 2.0, 3.0])).unwrap();
+        let b = h.insert(Tensor::from_slice(&[1.0f32, 2.0])).unwrap();
+        let e = h.exec(Op::Assign, &[a, b], &[], &[], &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("tensor.assign") && format!("{e:#}").contains("shapes differ"), "{e:#}");
+        let bad = h.insert(Tensor::from_slice(&[0i64, 7])).unwrap();
+        let e = h.exec(Op::Gather, &[a, bad], &[], &[], &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("outside 0..3"), "{e:#}");
+        let e = h.exec(Op::Topk, &[a], &[], &[4], &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("k = 4"), "{e:#}");
+        let e = h.exec(Op::AllReduceSum, &[a], &[], &[], &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("only available inside `compress`"), "{e:#}");
+        assert!(h.exec(Op::Add, &[a, 999], &[], &[], &[]).is_err());
+    }
+
+    #[test]
+    fn signs_pack_and_unpack() {
+        let mut h = host();
+        let x: Vec<f32> = (0..11).map(|i| if i % 3 == 0 { -1.5 } else { 0.25 * i as f32 }).collect();
+        let a = h.insert(Tensor::from_slice(&x)).unwrap();
+        let p = h.exec(Op::PackSigns, &[a], &[], &[], &[]).unwrap().ids[0];
+        assert_eq!(h.get(p).unwrap().size(), vec![2]);
+        let u = h.exec(Op::UnpackSigns, &[p], &[], &[11], &[]).unwrap().ids[0];
+        let want: Vec<f32> = x.iter().map(|v| if *v >= 0.0 { 1.0 } else { -1.0 }).collect();
+        assert_eq!(vals(&h, u), want);
+    }
+
+    #[test]
+    fn orthonormalize_gives_orthonormal_columns() {
+        let mut h = host();
+        let like = h.insert(Tensor::zeros([1], (Kind::Float, Device::Cpu))).unwrap();
+        let m = h.exec(Op::RandNormal, &[like], &[], &[5, 8, 3], &[]).unwrap().ids[0];
+        let q = h.exec(Op::Orthonormalize, &[m], &[], &[], &[]).unwrap().ids[0];
+        let q = h.get(q).unwrap();
+        let qtq = q.transpose(0, 1).matmul(q);
+        assert!(qtq.allclose(&Tensor::eye(3, (Kind::Float, Device::Cpu)), 1e-5, 1e-5, false));
+    }
+
+    #[test]
+    fn reads_are_metered_and_the_cap_holds() {
+        let mut h = HostSide::new("t", Device::Cpu, 1024);
+        let a = h.insert(Tensor::ones([100], (Kind::Float, Device::Cpu))).unwrap();
+        let out = h.exec(Op::ReadF32, &[a], &[], &[], &[]).unwrap();
+        assert_eq!(out.data.len(), 100);
+        assert_eq!(h.meter.read_bytes, 400);
+        let e = h.exec(Op::Zeros, &[a], &[], &[0, 1000], &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("cap"), "{e:#}");
+        h.remove(a);
+        assert_eq!(h.live(), (0, 0));
+    }
+
+    #[test]
+    fn collectives_run_on_the_lent_communicator() {
+        let mut h = host();
+        let mut comm = SingleRank::default();
+        let a = h.insert(Tensor::from_slice(&[1.0f32, 2.0])).unwrap();
+        // SAFETY: cleared below while `comm` is still borrowed.
+        h.set_comm(Some(unsafe { CommPtr::new(&mut comm) }));
+        let ws = h.exec(Op::WorldSize, &[], &[], &[], &[]).unwrap().scalar;
+        let g = h.exec(Op::AllGather, &[a], &[], &[], &[]).unwrap().ids[0];
+        h.set_comm(None);
+        assert_eq!(ws, 1.0);
+        assert_eq!(vals(&h, g), vec![1.0, 2.0]);
+    }
+}

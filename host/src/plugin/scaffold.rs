@@ -1,0 +1,136 @@
+//! `harness plugin new` and `harness plugin inspect`: a plugin crate that
+//! builds and runs as generated, and the manifest of an artifact.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::{Manifest, Transport};
+
+struct Template {
+    cargo: &'static str,
+    lib: &'static str,
+    readme: &'static str,
+}
+
+fn template(kind: &str) -> Result<Template> {
+    Ok(match kind {
+        "compressor" => Template {
+            cargo: include_str!("../../../sdk/templates/compressor/Cargo.toml.tmpl"),
+            lib: include_str!("../../../sdk/templates/compressor/src/lib.rs.tmpl"),
+            readme: include_str!("../../../sdk/templates/compressor/README.md.tmpl"),
+        },
+        "batch-policy" => Template {
+            cargo: include_str!("../../../sdk/templates/batch-policy/Cargo.toml.tmpl"),
+            lib: include_str!("../../../sdk/templates/batch-policy/src/lib.rs.tmpl"),
+            readme: include_str!("../../../sdk/templates/batch-policy/README.md.tmpl"),
+        },
+        "checkpoint-policy" => Template {
+            cargo: include_str!("../../../sdk/templates/checkpoint-policy/Cargo.toml.tmpl"),
+            lib: include_str!("../../../sdk/templates/checkpoint-policy/src/lib.rs.tmpl"),
+            readme: include_str!("../../../sdk/templates/checkpoint-policy/README.md.tmpl"),
+        },
+        other => bail!("unknown plugin kind `{other}` (compressor, batch-policy or checkpoint-policy)"),
+    })
+}
+
+/// A small CPU suite that runs the generated plugin against the built-in
+/// baseline (two thread ranks for a compressor, so its collectives run).
+fn suite(kind: &str, name: &str, crate_name: &str) -> String {
+    let slot = match kind {
+        "compressor" => "compressor",
+        "batch-policy" => "batch_policy",
+        _ => "checkpoint",
+    };
+    let world = if kind == "compressor" { 2 } else { 1 };
+    format!(
+        r#"# Runs the `{name}` plugin next to the built-in baseline on CPU.
+# Build the plugin first: cargo build --release --target wasm32-wasip2
+[suite]
+name = "{name}-smoke"
+device = "cpu"
+seed = 1
+world_size = {world}
+warmup_steps = 5
+
+[[workload]]
+name = "mlp-tiny"
+model = {{ kind = "mlp", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 256, branching = 4 }}
+batch = 32
+seq_len = 64
+steps = 100
+optimizer = {{ kind = "adamw", lr = 1e-2, weight_decay = 0.0 }}
+eval_batches = 2
+
+[[plugin]]
+name = "{name}"
+path = "target/wasm32-wasip2/release/{crate_name}.wasm"
+
+[[strategy]]
+name = "baseline"
+baseline = true
+
+[[strategy]]
+name = "with-{name}"
+{slot} = "{name}"
+"#
+    )
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// Writes a new plugin crate `dir/name`; returns its folder.
+pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path) -> Result<PathBuf> {
+    if !valid_name(name) {
+        bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
+    }
+    let t = template(kind)?;
+    let root = dir.join(name);
+    if root.exists() {
+        bail!("{} already exists; choose another name or --dir", root.display());
+    }
+    let sdk = std::fs::canonicalize(sdk).with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?;
+    let crate_name = name.replace('-', "_");
+    let fill = |s: &str| {
+        s.replace("{{name}}", name)
+            .replace("{{crate_name}}", &crate_name)
+            .replace("{{sdk_path}}", &sdk.display().to_string().replace('\\', "/"))
+    };
+    std::fs::create_dir_all(root.join("src")).with_context(|| format!("cannot create {}", root.display()))?;
+    let files = [
+        ("Cargo.toml", fill(t.cargo)),
+        ("src/lib.rs", fill(t.lib)),
+        ("README.md", fill(t.readme)),
+        ("suite.toml", suite(kind, name, &crate_name)),
+        (".gitignore", "/target\n/results\n".to_owned()),
+    ];
+    for (f, text) in files {
+        std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
+    }
+    Ok(root)
+}
+
+/// The manifest as a `[[plugin]]` table that pins it.
+pub fn manifest_toml(m: &Manifest) -> String {
+    let transport = match m.transport {
+        Transport::Wasm => "wasm component (sandboxed)",
+        Transport::Native => "native library (unsandboxed)",
+    };
+    let abi = match m.transport {
+        Transport::Wasm => format!("harness:strategy@{}", m.abi),
+        Transport::Native => format!("native ABI {}", m.abi),
+    };
+    format!(
+        "# {transport}, {abi}\n[[plugin]]\nname = \"{}\"\npath = \"{}\"\nkind = \"{}\"\nversion = \"{}\"\nsha256 = \"{}\"\n",
+        m.name,
+        m.path.display(),
+        m.kind.name(),
+        m.version,
+        m.sha256
+    )
+}

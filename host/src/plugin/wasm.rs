@@ -1,0 +1,545 @@
+//! WASM plugins: wasmtime components, sandboxed.
+//!
+//! One [`Engine`] per process (epoch interruption on, one ticker thread);
+//! each artifact is compiled once and pre-instantiated ([`InstancePre`]);
+//! each plugin instance (one per entry and rank) gets its own [`Store`] with
+//! a memory cap, a per-call deadline, and a WASI context that grants nothing
+//! (no files, network, environment or clocks beyond what WASI p2 forces;
+//! stderr goes to a small in-memory pipe so a guest's panic message can be
+//! reported).
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context, Result};
+use harness_sdk::abi::Op;
+use wasmtime::component::{Component, HasSelf, InstancePre, Linker, Resource, ResourceTable};
+use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::ops::{HostSide, KINDS};
+use super::Kind as PluginKind;
+
+/// Host-side type of the WIT `tensor` resource: the resource's rep is the
+/// id in [`HostSide`]'s table.
+pub struct TensorRes;
+
+#[allow(missing_docs, clippy::all)]
+mod bindings {
+    pub mod compressor {
+        wasmtime::component::bindgen!({
+            path: "../sdk/wit",
+            world: "compressor",
+            imports: { default: trappable },
+            with: { "harness:strategy/tensor.tensor": super::super::TensorRes },
+            anyhow: true,
+        });
+    }
+    pub mod batch_policy {
+        wasmtime::component::bindgen!({
+            path: "../sdk/wit",
+            world: "batch-policy",
+            imports: { default: trappable },
+            with: {
+                "harness:strategy/log": super::compressor::harness::strategy::log,
+                "harness:strategy/types": super::compressor::harness::strategy::types,
+            },
+            anyhow: true,
+        });
+    }
+    pub mod checkpoint_policy {
+        wasmtime::component::bindgen!({
+            path: "../sdk/wit",
+            world: "checkpoint-policy",
+            imports: { default: trappable },
+            with: {
+                "harness:strategy/log": super::compressor::harness::strategy::log,
+                "harness:strategy/types": super::compressor::harness::strategy::types,
+            },
+            anyhow: true,
+        });
+    }
+}
+
+pub use bindings::batch_policy::exports::harness::strategy::batch_sizing as wit_batch;
+pub use bindings::checkpoint_policy::exports::harness::strategy::checkpointing as wit_checkpoint;
+pub use bindings::compressor::exports::harness::strategy::gradient_compression as wit_compress;
+pub use bindings::compressor::harness::strategy::types as wit_types;
+use bindings::compressor::harness::strategy::{collective, log, tensor};
+
+/// Ticks per second of the epoch clock that deadlines count in.
+const TICKS_PER_S: u64 = 100;
+
+/// The process's engine; a thread advances its epoch every 10 ms.
+pub fn engine() -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let mut cfg = wasmtime::Config::new();
+        cfg.epoch_interruption(true);
+        cfg.wasm_component_model(true);
+        let engine = Engine::new(&cfg).expect("a wasmtime engine with the default configuration");
+        let e = engine.clone();
+        std::thread::Builder::new()
+            .name("wasm-epoch".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(1000 / TICKS_PER_S));
+                e.increment_epoch();
+            })
+            .expect("spawning the epoch thread");
+        engine
+    })
+}
+
+/// The per-store state.
+pub struct State {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limits: StoreLimits,
+    stderr: MemoryOutputPipe,
+    pub host: HostSide,
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+/// A compiled component, ready to instantiate.
+pub struct Artifact {
+    pre: InstancePre<State>,
+    pub kind: PluginKind,
+    /// The contract version the component was built against.
+    pub contract: String,
+}
+
+fn interface_version(name: &str) -> Option<(&str, &str)> {
+    // "harness:strategy/plugin@0.1.0" -> ("plugin", "0.1.0")
+    let rest = name.strip_prefix("harness:strategy/")?;
+    rest.split_once('@')
+}
+
+/// Compiles a component and checks what it exports.
+pub fn load(bytes: &[u8]) -> Result<Artifact> {
+    let engine = engine();
+    let component =
+        Component::new(engine, bytes).map_err(anyhow::Error::from).context("not a WebAssembly component (build for wasm32-wasip2)")?;
+    let ty = component.component_type();
+    let mut kind = None;
+    let mut contract = None;
+    for (name, _) in ty.exports(engine) {
+        if let Some((iface, version)) = interface_version(name) {
+            contract.get_or_insert_with(|| version.to_owned());
+            kind = kind.or(match iface {
+                "gradient-compression" => Some(PluginKind::Compressor),
+                "batch-sizing" => Some(PluginKind::BatchPolicy),
+                "checkpointing" => Some(PluginKind::CheckpointPolicy),
+                _ => None,
+            });
+        }
+    }
+    let contract = contract.ok_or_else(|| anyhow!("it exports no harness:strategy interface: not a harness plugin"))?;
+    if contract != harness_sdk::CONTRACT_VERSION {
+        anyhow::bail!(
+            "it was built against contract harness:strategy@{contract}, and this harness speaks @{}; rebuild it with a matching harness-sdk",
+            harness_sdk::CONTRACT_VERSION
+        );
+    }
+    let kind = kind.ok_or_else(|| anyhow!("it exports none of gradient-compression, batch-sizing, checkpointing"))?;
+    let mut linker: Linker<State> = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    match kind {
+        PluginKind::Compressor => bindings::compressor::Compressor::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?,
+        PluginKind::BatchPolicy => bindings::batch_policy::BatchPolicy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?,
+        PluginKind::CheckpointPolicy => {
+            bindings::checkpoint_policy::CheckpointPolicy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?
+        }
+    }
+    let pre = linker.instantiate_pre(&component).map_err(anyhow::Error::from).context("its imports cannot be satisfied by the sandbox")?;
+    Ok(Artifact { pre, kind, contract })
+}
+
+/// Sandbox limits of one instance.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub memory_bytes: usize,
+    pub deadline: Duration,
+}
+
+enum World {
+    Compressor(bindings::compressor::Compressor),
+    Batch(bindings::batch_policy::BatchPolicy),
+    Checkpoint(bindings::checkpoint_policy::CheckpointPolicy),
+}
+
+/// One instance: a store and the component's exports.
+pub struct Instance {
+    store: Store<State>,
+    world: World,
+    deadline_ticks: u64,
+    deadline: Duration,
+    memory_bytes: usize,
+}
+
+impl Instance {
+    /// Instantiates `a` with its own store.
+    pub fn new(a: &Artifact, host: HostSide, limits: Limits) -> Result<Instance> {
+        let stderr = MemoryOutputPipe::new(64 << 10);
+        let wasi = WasiCtx::builder().stderr(stderr.clone()).build();
+        let lim = StoreLimitsBuilder::new().memory_size(limits.memory_bytes).trap_on_grow_failure(true).instances(4).tables(64).build();
+        let state = State { wasi, table: ResourceTable::new(), limits: lim, stderr, host };
+        let mut store = Store::new(engine(), state);
+        store.limiter(|s| &mut s.limits);
+        store.epoch_deadline_trap();
+        let deadline_ticks = (limits.deadline.as_millis() as u64 * TICKS_PER_S).div_ceil(1000).max(1) + 1;
+        store.set_epoch_deadline(deadline_ticks);
+        let instance = a.pre.instantiate(&mut store).map_err(anyhow::Error::from).context("instantiating the component")?;
+        let world = match a.kind {
+            PluginKind::Compressor => World::Compressor(bindings::compressor::Compressor::new(&mut store, &instance)?),
+            PluginKind::BatchPolicy => World::Batch(bindings::batch_policy::BatchPolicy::new(&mut store, &instance)?),
+            PluginKind::CheckpointPolicy => World::Checkpoint(bindings::checkpoint_policy::CheckpointPolicy::new(&mut store, &instance)?),
+        };
+        Ok(Instance { store, world, deadline_ticks, deadline: limits.deadline, memory_bytes: limits.memory_bytes })
+    }
+
+    /// The host side (tensor table, meter).
+    pub fn host(&mut self) -> &mut HostSide {
+        &mut self.store.data_mut().host
+    }
+
+    /// Runs one export with a fresh deadline and turns traps into messages.
+    fn call<R>(&mut self, f: impl FnOnce(&mut Store<State>, &World) -> wasmtime::Result<R>) -> Result<R> {
+        self.store.set_epoch_deadline(self.deadline_ticks);
+        let r = f(&mut self.store, &self.world);
+        r.map_err(|e| self.explain(e))
+    }
+
+    fn explain(&mut self, e: wasmtime::Error) -> anyhow::Error {
+        let stderr = String::from_utf8_lossy(&self.store.data().stderr.contents()).into_owned();
+        let panic = panic_message(&stderr);
+        // The chain without wasmtime's backtrace frame (it names addresses).
+        let chain: Vec<String> =
+            e.chain().map(|c| c.to_string()).filter(|c| !c.starts_with("error while executing at wasm backtrace")).collect();
+        let text = chain.join(": ");
+        let cap = || format!("it tried to grow its memory past the cap of {} MiB", self.memory_bytes >> 20);
+        let cause = match e.downcast_ref::<wasmtime::Trap>() {
+            Some(wasmtime::Trap::Interrupt) => {
+                format!("it ran past its per-call deadline of {} ms and was interrupted", self.deadline.as_millis())
+            }
+            Some(wasmtime::Trap::AllocationTooLarge) => cap(),
+            Some(wasmtime::Trap::UnreachableCodeReached) => match panic {
+                Some(p) => format!("it panicked{p}"),
+                None => "it trapped (unreachable instruction)".to_owned(),
+            },
+            Some(t) => format!("it trapped: {t}"),
+            None if text.contains("growing memory") || text.contains("memory growth") => cap(),
+            None => text,
+        };
+        anyhow!(cause)
+    }
+
+    /// `plugin.info`.
+    pub fn info(&mut self) -> Result<(String, String)> {
+        self.call(|s, w| {
+            let i = match w {
+                World::Compressor(b) => b.harness_strategy_plugin().call_info(s)?,
+                World::Batch(b) => {
+                    let i = b.harness_strategy_plugin().call_info(s)?;
+                    return Ok((i.name, i.version));
+                }
+                World::Checkpoint(b) => {
+                    let i = b.harness_strategy_plugin().call_info(s)?;
+                    return Ok((i.name, i.version));
+                }
+            };
+            Ok((i.name, i.version))
+        })
+    }
+
+    /// `plugin.configure`.
+    pub fn configure(&mut self, toml: &str) -> Result<Result<(), String>> {
+        self.call(|s, w| match w {
+            World::Compressor(b) => b.harness_strategy_plugin().call_configure(s, toml),
+            World::Batch(b) => b.harness_strategy_plugin().call_configure(s, toml),
+            World::Checkpoint(b) => b.harness_strategy_plugin().call_configure(s, toml),
+        })
+    }
+
+    /// `plugin.state-save`.
+    pub fn state_save(&mut self) -> Result<Vec<u8>> {
+        self.call(|s, w| match w {
+            World::Compressor(b) => b.harness_strategy_plugin().call_state_save(s),
+            World::Batch(b) => b.harness_strategy_plugin().call_state_save(s),
+            World::Checkpoint(b) => b.harness_strategy_plugin().call_state_save(s),
+        })
+    }
+
+    /// `plugin.state-load`.
+    pub fn state_load(&mut self, state: &[u8]) -> Result<Result<(), String>> {
+        self.call(|s, w| match w {
+            World::Compressor(b) => b.harness_strategy_plugin().call_state_load(s, state),
+            World::Batch(b) => b.harness_strategy_plugin().call_state_load(s, state),
+            World::Checkpoint(b) => b.harness_strategy_plugin().call_state_load(s, state),
+        })
+    }
+
+    /// `gradient-compression.compress` on a lent tensor id.
+    pub fn compress(&mut self, bucket: u32, info: wit_compress::BucketInfo) -> Result<Result<(), String>> {
+        self.call(|s, w| match w {
+            World::Compressor(b) => b.harness_strategy_gradient_compression().call_compress(s, Resource::new_borrow(bucket), info),
+            _ => unreachable!("compress on a plugin of another kind"),
+        })
+    }
+
+    /// `batch-sizing.initial`.
+    pub fn batch_initial(&mut self, configured: wit_batch::Batch) -> Result<Result<wit_batch::Batch, String>> {
+        self.call(|s, w| match w {
+            World::Batch(b) => b.harness_strategy_batch_sizing().call_initial(s, configured),
+            _ => unreachable!("batch call on a plugin of another kind"),
+        })
+    }
+
+    /// `batch-sizing.next`.
+    pub fn batch_next(&mut self, t: &wit_types::StepTelemetry) -> Result<Result<wit_batch::Batch, String>> {
+        self.call(|s, w| match w {
+            World::Batch(b) => b.harness_strategy_batch_sizing().call_next(s, *t),
+            _ => unreachable!("batch call on a plugin of another kind"),
+        })
+    }
+
+    /// `checkpointing.decide`.
+    pub fn checkpoint_decide(
+        &mut self,
+        t: &wit_types::StepTelemetry,
+        h: &wit_checkpoint::CheckpointHistory,
+    ) -> Result<Result<wit_checkpoint::Decision, String>> {
+        self.call(|s, w| match w {
+            World::Checkpoint(b) => b.harness_strategy_checkpointing().call_decide(s, *t, h),
+            _ => unreachable!("checkpoint call on a plugin of another kind"),
+        })
+    }
+}
+
+// ---- host functions -------------------------------------------------------
+
+type R<T> = anyhow::Result<T>;
+type T = Resource<TensorRes>;
+
+fn own(id: u32) -> T {
+    Resource::new_own(id)
+}
+
+fn u64s(v: &[u64]) -> Vec<i64> {
+    v.iter().map(|&x| x.min(i64::MAX as u64) as i64).collect()
+}
+
+impl State {
+    fn one(&mut self, op: Op, ids: &[u32], floats: &[f64], ints: &[i64]) -> R<T> {
+        Ok(own(self.host.exec(op, ids, floats, ints, &[])?.ids[0]))
+    }
+    fn scalar(&mut self, op: Op, ids: &[u32]) -> R<f64> {
+        Ok(self.host.exec(op, ids, &[], &[], &[])?.scalar)
+    }
+}
+
+fn dtype_to_wit(i: usize) -> wit_types::Dtype {
+    use wit_types::Dtype::*;
+    [F32, F16, Bf16, F64, I64, I32, U8, Boolean][i]
+}
+
+fn dtype_from_wit(d: wit_types::Dtype) -> i64 {
+    use wit_types::Dtype::*;
+    match d {
+        F32 => 0,
+        F16 => 1,
+        Bf16 => 2,
+        F64 => 3,
+        I64 => 4,
+        I32 => 5,
+        U8 => 6,
+        Boolean => 7,
+    }
+}
+
+const _: () = assert!(KINDS.len() == 8);
+
+impl wit_types::Host for State {}
+
+impl tensor::HostTensor for State {
+    fn shape(&mut self, s: T) -> R<Vec<u64>> {
+        Ok(self.host.exec(Op::Shape, &[s.rep()], &[], &[], &[])?.ints.into_iter().map(|d| d as u64).collect())
+    }
+    fn numel(&mut self, s: T) -> R<u64> {
+        Ok(self.scalar(Op::Numel, &[s.rep()])? as u64)
+    }
+    fn dtype(&mut self, s: T) -> R<wit_types::Dtype> {
+        Ok(dtype_to_wit(self.scalar(Op::Dtype, &[s.rep()])? as usize))
+    }
+    fn device(&mut self, s: T) -> R<wit_types::DeviceKind> {
+        Ok(if self.scalar(Op::Device, &[s.rep()])? == 1.0 { wit_types::DeviceKind::Cuda } else { wit_types::DeviceKind::Cpu })
+    }
+    fn assign(&mut self, s: T, src: T) -> R<()> {
+        self.host.exec(Op::Assign, &[s.rep(), src.rep()], &[], &[], &[])?;
+        Ok(())
+    }
+    fn duplicate(&mut self, s: T) -> R<T> {
+        self.one(Op::Duplicate, &[s.rep()], &[], &[])
+    }
+    fn add(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::Add, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn sub(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::Sub, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn mul(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::Mul, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn div(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::Div, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn add_scalar(&mut self, s: T, x: f64) -> R<T> {
+        self.one(Op::AddScalar, &[s.rep()], &[x], &[])
+    }
+    fn mul_scalar(&mut self, s: T, x: f64) -> R<T> {
+        self.one(Op::MulScalar, &[s.rep()], &[x], &[])
+    }
+    fn abs(&mut self, s: T) -> R<T> {
+        self.one(Op::Abs, &[s.rep()], &[], &[])
+    }
+    fn sign(&mut self, s: T) -> R<T> {
+        self.one(Op::Sign, &[s.rep()], &[], &[])
+    }
+    fn floor(&mut self, s: T) -> R<T> {
+        self.one(Op::Floor, &[s.rep()], &[], &[])
+    }
+    fn sqrt(&mut self, s: T) -> R<T> {
+        self.one(Op::Sqrt, &[s.rep()], &[], &[])
+    }
+    fn less_than(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::LessThan, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn cast(&mut self, s: T, to: wit_types::Dtype) -> R<T> {
+        self.one(Op::Cast, &[s.rep()], &[], &[dtype_from_wit(to)])
+    }
+    fn reshape(&mut self, s: T, shape: Vec<i64>) -> R<T> {
+        self.one(Op::Reshape, &[s.rep()], &[], &shape)
+    }
+    fn transpose(&mut self, s: T, a: u32, b: u32) -> R<T> {
+        self.one(Op::Transpose, &[s.rep()], &[], &[a as i64, b as i64])
+    }
+    fn narrow(&mut self, s: T, dim: u32, start: u64, len: u64) -> R<T> {
+        self.one(Op::Narrow, &[s.rep()], &[], &[dim as i64, start.min(i64::MAX as u64) as i64, len.min(i64::MAX as u64) as i64])
+    }
+    fn topk(&mut self, s: T, k: u64) -> R<(T, T)> {
+        let o = self.host.exec(Op::Topk, &[s.rep()], &[], &[k.min(i64::MAX as u64) as i64], &[])?;
+        Ok((own(o.ids[0]), own(o.ids[1])))
+    }
+    fn gather(&mut self, s: T, index: T) -> R<T> {
+        self.one(Op::Gather, &[s.rep(), index.rep()], &[], &[])
+    }
+    fn scatter_add(&mut self, s: T, index: T, src: T) -> R<T> {
+        self.one(Op::ScatterAdd, &[s.rep(), index.rep(), src.rep()], &[], &[])
+    }
+    fn sum(&mut self, s: T) -> R<f64> {
+        self.scalar(Op::Sum, &[s.rep()])
+    }
+    fn norm(&mut self, s: T) -> R<f64> {
+        self.scalar(Op::Norm, &[s.rep()])
+    }
+    fn mean_abs(&mut self, s: T) -> R<f64> {
+        self.scalar(Op::MeanAbs, &[s.rep()])
+    }
+    fn matmul(&mut self, s: T, o: T) -> R<T> {
+        self.one(Op::Matmul, &[s.rep(), o.rep()], &[], &[])
+    }
+    fn orthonormalize(&mut self, s: T) -> R<T> {
+        self.one(Op::Orthonormalize, &[s.rep()], &[], &[])
+    }
+    fn pack_signs(&mut self, s: T) -> R<T> {
+        self.one(Op::PackSigns, &[s.rep()], &[], &[])
+    }
+    fn read_f32(&mut self, s: T) -> R<Vec<f32>> {
+        Ok(self.host.exec(Op::ReadF32, &[s.rep()], &[], &[], &[])?.data)
+    }
+    fn drop(&mut self, s: T) -> R<()> {
+        self.host.remove(s.rep());
+        Ok(())
+    }
+}
+
+impl tensor::Host for State {
+    fn zeros(&mut self, shape: Vec<u64>, dtype: wit_types::Dtype, like: T) -> R<T> {
+        let mut ints = vec![dtype_from_wit(dtype)];
+        ints.extend(u64s(&shape));
+        self.one(Op::Zeros, &[like.rep()], &[], &ints)
+    }
+    fn rand_uniform(&mut self, shape: Vec<u64>, seed: u64, like: T) -> R<T> {
+        let mut ints = vec![seed as i64];
+        ints.extend(u64s(&shape));
+        self.one(Op::RandUniform, &[like.rep()], &[], &ints)
+    }
+    fn rand_normal(&mut self, shape: Vec<u64>, seed: u64, like: T) -> R<T> {
+        let mut ints = vec![seed as i64];
+        ints.extend(u64s(&shape));
+        self.one(Op::RandNormal, &[like.rep()], &[], &ints)
+    }
+    fn rand_indices(&mut self, n: u64, k: u64, seed: u64, like: T) -> R<T> {
+        self.one(Op::RandIndices, &[like.rep()], &[], &[n.min(i64::MAX as u64) as i64, k.min(i64::MAX as u64) as i64, seed as i64])
+    }
+    fn from_f32(&mut self, data: Vec<f32>, shape: Vec<u64>, like: T) -> R<T> {
+        Ok(own(self.host.exec(Op::FromF32, &[like.rep()], &[], &u64s(&shape), &data)?.ids[0]))
+    }
+    fn unpack_signs(&mut self, packed: T, numel: u64) -> R<T> {
+        self.one(Op::UnpackSigns, &[packed.rep()], &[], &[numel.min(i64::MAX as u64) as i64])
+    }
+}
+
+impl collective::Host for State {
+    fn rank(&mut self) -> R<u32> {
+        Ok(self.scalar(Op::Rank, &[])? as u32)
+    }
+    fn world_size(&mut self) -> R<u32> {
+        Ok(self.scalar(Op::WorldSize, &[])? as u32)
+    }
+    fn all_reduce_sum(&mut self, t: T) -> R<()> {
+        self.host.exec(Op::AllReduceSum, &[t.rep()], &[], &[], &[])?;
+        Ok(())
+    }
+    fn all_gather(&mut self, t: T) -> R<T> {
+        self.one(Op::AllGather, &[t.rep()], &[], &[])
+    }
+    fn broadcast(&mut self, t: T, root: u32) -> R<()> {
+        self.host.exec(Op::Broadcast, &[t.rep()], &[], &[root as i64], &[])?;
+        Ok(())
+    }
+    fn reduce_scatter_sum(&mut self, t: T) -> R<T> {
+        self.one(Op::ReduceScatterSum, &[t.rep()], &[], &[])
+    }
+}
+
+impl log::Host for State {
+    fn write(&mut self, level: log::Level, message: String) -> R<()> {
+        super::log_line(&self.host.name, level as u32, &message);
+        Ok(())
+    }
+}
+
+/// " at FILE:LINE:COL: MESSAGE" from a Rust guest's panic output on stderr.
+fn panic_message(stderr: &str) -> Option<String> {
+    let mut lines = stderr.lines().skip_while(|l| !l.contains("panicked at"));
+    let first = lines.next()?;
+    let at = first.split_once("panicked at").map(|(_, r)| r.trim().trim_end_matches(':')).unwrap_or("");
+    let msg: Vec<&str> = lines.take_while(|l| !l.starts_with("note:")).collect();
+    Some(format!(" at {at}: {}", msg.join(" ")))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn panic_messages_are_read_from_stderr() {
+        let s = "thread '<unnamed>' (1) panicked at src/lib.rs:51:20:\nboom\nnote: run with `RUST_BACKTRACE=1`\n";
+        assert_eq!(super::panic_message(s).unwrap(), " at src/lib.rs:51:20: boom");
+        assert!(super::panic_message("nothing").is_none());
+    }
+}
