@@ -144,6 +144,10 @@ pub struct Metrics {
     /// The same under link emulation.
     #[serde(default)]
     pub busbw_emulated_gbs: Option<f64>,
+    /// Per kind of training collective (`all_reduce`, `all_gather`,
+    /// `reduce_scatter`), for the kinds issued: counts, bytes and bandwidth.
+    #[serde(default)]
+    pub collective_ops: BTreeMap<String, CollectiveOpRecord>,
     pub strategy_runtime: String,
     /// (step, micro-batch, accumulation steps) at the start and at every
     /// change the batch policy made.
@@ -164,6 +168,24 @@ pub struct Metrics {
 
 fn one() -> u32 {
     1
+}
+
+/// One kind of collective's figures on rank 0 (nccl-tests conventions).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct CollectiveOpRecord {
+    /// Collectives of this kind issued.
+    pub collectives: u64,
+    /// Sum of their sizes: the buffer reduced (all-reduce), gathered
+    /// (all-gather) or reduced before scattering (reduce-scatter).
+    pub bytes: u64,
+    /// Bytes sent: 2(n-1)/n of the size for an all-reduce, (n-1)/n otherwise.
+    pub bytes_on_wire: u64,
+    /// Measured latency after warm-up.
+    pub latency: Option<LatencySummary>,
+    /// Bus bandwidth, GB/s: size / time x 2(n-1)/n (all-reduce) or (n-1)/n.
+    pub busbw_gbs: Option<f64>,
+    /// The same with emulated times, when a link was emulated.
+    pub busbw_emulated_gbs: Option<f64>,
 }
 
 /// Memory high-water marks.

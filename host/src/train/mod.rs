@@ -19,7 +19,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
-use crate::results::{MemoryRecord, Metrics};
+use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics};
 use crate::strategy::{StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
@@ -433,7 +433,23 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         collective: (cs.collectives > 0).then(|| LatencySummary::of(&cs.latency)),
         collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),
         busbw_gbs: cs.bandwidth_gbs(world, false).map(|b| b.1),
-        busbw_emulated_gbs: comm.stats().bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
+        busbw_emulated_gbs: cs.bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
+        collective_ops: cs
+            .ops
+            .iter()
+            .map(|(op, s)| {
+                let emulated = s.emulated_total != s.measured_total;
+                let record = CollectiveOpRecord {
+                    collectives: s.collectives,
+                    bytes: s.bytes,
+                    bytes_on_wire: s.bytes_sent,
+                    latency: (!s.latency.is_empty()).then(|| LatencySummary::of(&s.latency)),
+                    busbw_gbs: cs.op_bandwidth_gbs(*op, world, false).map(|b| b.1),
+                    busbw_emulated_gbs: cs.op_bandwidth_gbs(*op, world, true).map(|b| b.1).filter(|_| emulated),
+                };
+                (op.name().to_owned(), record)
+            })
+            .collect(),
         strategy_runtime: "built-in".into(),
         fused_cross_entropy: fused_ce,
         batch_changes,
