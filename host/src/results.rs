@@ -160,6 +160,18 @@ pub struct Metrics {
     /// Checkpoints written during the entry.
     #[serde(default)]
     pub checkpoints_written: u64,
+    /// ZeRO stage of the strategy (0: plain data parallelism, or one rank).
+    #[serde(default)]
+    pub zero: u8,
+    /// Bytes of optimizer state rank 0 held at the end (under ZeRO, its shard's).
+    #[serde(default)]
+    pub optimizer_state_bytes: u64,
+    /// Most bytes of gradient buffers rank 0 held at an optimizer step.
+    #[serde(default)]
+    pub gradient_bytes: u64,
+    /// Every rank's own memory figures, in rank order.
+    #[serde(default)]
+    pub ranks: Vec<RankRecord>,
     /// Whether the loss came from harness's fused cross-entropy kernel
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]
@@ -186,6 +198,18 @@ pub struct CollectiveOpRecord {
     pub busbw_gbs: Option<f64>,
     /// The same with emulated times, when a link was emulated.
     pub busbw_emulated_gbs: Option<f64>,
+}
+
+/// One rank's own memory figures.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct RankRecord {
+    pub rank: u32,
+    /// The rank's high-water marks (thread ranks share one process: its RSS).
+    pub memory: MemoryRecord,
+    /// Bytes of optimizer state the rank held at the end.
+    pub optimizer_state_bytes: u64,
+    /// Most bytes of gradient buffers the rank held at an optimizer step.
+    pub gradient_bytes: u64,
 }
 
 /// Memory high-water marks.

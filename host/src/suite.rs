@@ -322,6 +322,11 @@ pub struct Strategy {
     /// ring over it would take.
     #[serde(default)]
     pub link: Option<crate::comm::Link>,
+    /// ZeRO stage with more than one rank: 0 (plain data parallelism), 1
+    /// (optimizer state sharded) or 2 (optimizer state and reduced gradients
+    /// sharded).
+    #[serde(default)]
+    pub zero: u8,
 }
 
 fn default_compressor() -> String {
@@ -345,6 +350,7 @@ impl Strategy {
             checkpoint: default_checkpoint(),
             workloads: None,
             link: None,
+            zero: 0,
         }
     }
 }
@@ -780,6 +786,24 @@ impl Suite {
             ] {
                 if !known.contains(&value.as_str()) {
                     c.err(&at(key), format!("unknown {key} `{value}`"), Some(format!("built in: {}", known.join(", "))));
+                }
+            }
+            if st.zero > 2 {
+                c.err(&at("zero"), format!("ZeRO stage {} does not exist", st.zero), Some("use 0 (plain data parallelism), 1 or 2".into()));
+            } else if st.zero > 0 {
+                if meta.world_size < 2 {
+                    c.err(
+                        &at("zero"),
+                        format!("ZeRO stage {} shards over ranks and needs world_size >= 2", st.zero),
+                        Some(format!("set `world_size` in [suite], or use `zero = 0` (the suite has world_size = {})", meta.world_size)),
+                    );
+                }
+                if st.compressor != "allreduce" {
+                    c.err(
+                        &at("zero"),
+                        format!("ZeRO stage {} reduce-scatters gradients itself and cannot use compressor `{}`", st.zero, st.compressor),
+                        Some("use `compressor = \"allreduce\"` (the default) with ZeRO".into()),
+                    );
                 }
             }
             if let Some(ws) = &st.workloads {

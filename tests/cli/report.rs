@@ -36,6 +36,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         checkpoint: "none".into(),
         workloads: None,
         link: None,
+        zero: 0,
     }
 }
 

@@ -6,6 +6,7 @@
 //! step it has just launched; evaluation pauses the training clock.
 
 pub mod data;
+pub mod dp;
 pub mod model;
 pub mod optim;
 
@@ -19,7 +20,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
-use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics};
+use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord};
 use crate::strategy::{StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
@@ -106,9 +107,22 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             Ok(())
         })?;
     }
-    let buckets = buckets(&params, ctx.bucket_bytes);
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
-    let mut optimizer = Optimizer::new(&w.optimizer, &params);
+    // More than one rank: gradients in flat buckets, optionally sharded (ZeRO).
+    let mut dp = if world > 1 {
+        let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
+        Some(tch::no_grad(|| dp::DataParallel::new(&params, ctx.bucket_bytes, stage, rank, world))?)
+    } else {
+        None
+    };
+    // What the optimizer updates: the parameters, or this rank's shard of them.
+    let (targets, decay) = match &dp {
+        Some(d) => d.update_targets(&params),
+        None => (params.iter().map(Tensor::shallow_clone).collect(), params.iter().map(dp::decays).collect()),
+    };
+    let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
+    let sharded = dp.as_ref().is_some_and(|d| d.sharded());
+    let mut gradient_bytes = 0u64;
     let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
     let mut strategies = Strategies::built_in(&ctx.entry.strategy, w.batch, w.grad_accum)?;
 
@@ -204,7 +218,10 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         };
         let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac);
 
-        torch_ext::grads_to_none(&params)?;
+        match &mut dp {
+            Some(d) => d.begin_step(),
+            None => torch_ext::grads_to_none(&params)?,
+        }
         let mut step_loss: Option<Tensor> = None;
         for _ in 0..cur_accum {
             timer.start(Phase::Data)?;
@@ -225,6 +242,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             }
             timer.stop()?;
             timer.start(Phase::Backward)?;
+            if let Some(d) = &mut dp {
+                d.before_backward(&params)?;
+            }
             match seed {
                 Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
                 None => {
@@ -244,42 +264,55 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             tokens += b.tokens as u64;
             samples += b.samples as u64;
         }
-        let mut grads = torch_ext::grads(&params)?;
-        if let Some(i) = grads.iter().position(|g| !g.defined()) {
-            anyhow::bail!("parameter {i} received no gradient");
-        }
-
-        timer.start(Phase::Communicate)?;
-        if world > 1 {
-            for idx in &buckets {
-                // One flat buffer per bucket, as DDP's gradient buckets.
-                let parts: Vec<Tensor> = idx.iter().map(|&i| grads[i].view([-1])).collect();
-                let mut flat = Tensor::cat(&parts, 0);
-                strategies.compressor.reduce(&mut flat, comm).context("the compressor failed")?;
-                let mut off = 0;
-                for &i in idx {
-                    let n = grads[i].numel() as i64;
-                    let part = flat.narrow(0, off, n).view_as(&grads[i]);
-                    grads[i].copy_(&part);
-                    off += n;
-                }
+        let grads = match &mut dp {
+            Some(d) => {
+                d.check_grads(&params)?;
+                timer.start(Phase::Communicate)?;
+                d.reduce(&params, strategies.compressor.as_mut(), comm).context("the gradient reduction failed")?;
+                timer.stop()?;
+                d.grads()?
             }
-        }
-        timer.stop()?;
+            None => {
+                let grads = torch_ext::grads(&params)?;
+                if let Some(i) = grads.iter().position(|g| !g.defined()) {
+                    anyhow::bail!("parameter {i} received no gradient");
+                }
+                gradient_bytes = gradient_bytes.max(grads.iter().map(|g| (g.numel() * g.kind().elt_size_in_bytes()) as u64).sum());
+                grads
+            }
+        };
 
         timer.start(Phase::Optimizer)?;
         if let Some(s) = &mut scaler {
             s.unscale(&grads)?;
+            if sharded {
+                // Each rank saw only its shard: skip the step everywhere if
+                // any rank overflowed (the kernels skip on exactly 1).
+                comm.all_reduce_sum(&mut s.found_inf)?;
+                let _ = s.found_inf.clamp_max_(1.0);
+            }
         }
-        if w.grad_clip.is_some() {
-            let _norm = torch_ext::clip_grad_norm(&grads, w.grad_clip)?;
+        if let Some(max) = w.grad_clip {
+            if sharded {
+                let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, device)?;
+            } else {
+                let _norm = torch_ext::clip_grad_norm(&grads, Some(max))?;
+            }
         }
-        optimizer.step(&params, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
+        optimizer.step(&targets, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
         if let Some(s) = &mut scaler {
             s.update();
         }
         timer.stop()?;
         drop(grads);
+        if let Some(d) = &mut dp {
+            gradient_bytes = gradient_bytes.max(d.gradient_bytes());
+            if d.sharded() {
+                timer.start(Phase::Communicate)?;
+                d.gather_params(comm).context("gathering the parameters failed")?;
+                timer.stop()?;
+            }
+        }
 
         // The previous step's loss: the device has this step queued already.
         if let Some(p) = pending_loss.take() {
@@ -372,6 +405,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_allocated) } else { None },
         peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved) } else { None },
     };
+    let ranks =
+        vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
     let mut histograms = BTreeMap::new();
     let mut phases = BTreeMap::new();
     histograms.insert("step".to_owned(), measure::encode(&step_hist));
@@ -424,11 +459,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
         bytes_on_wire: cs.bytes_sent,
         world_size: world as u32,
-        bucket_bytes: if world > 1 {
-            buckets.iter().map(|b| b.iter().map(|&i| (params[i].numel() * params[i].kind().elt_size_in_bytes()) as u64).sum()).collect()
-        } else {
-            Vec::new()
-        },
+        bucket_bytes: dp.as_ref().map(|d| d.bucket_bytes()).unwrap_or_default(),
         collectives: cs.collectives,
         collective: (cs.collectives > 0).then(|| LatencySummary::of(&cs.latency)),
         collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),
@@ -452,32 +483,15 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             .collect(),
         strategy_runtime: "built-in".into(),
         fused_cross_entropy: fused_ce,
+        zero: ctx.entry.strategy.zero,
+        optimizer_state_bytes: optimizer.state_bytes(),
+        gradient_bytes,
+        ranks,
         batch_changes,
         checkpoints_written: 0,
         goodput_steps_per_s: None,
     };
     Ok(EntryOutput { metrics, histograms })
-}
-
-/// Groups consecutive parameters into buckets of at most `max_bytes` of
-/// gradients (a parameter larger than that gets a bucket of its own).
-fn buckets(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
-    let mut out: Vec<Vec<usize>> = Vec::new();
-    let mut size = 0u64;
-    for (i, p) in params.iter().enumerate() {
-        let b = (p.numel() * p.kind().elt_size_in_bytes()) as u64;
-        match out.last_mut() {
-            Some(cur) if size + b <= max_bytes => {
-                cur.push(i);
-                size += b;
-            }
-            _ => {
-                out.push(vec![i]);
-                size = b;
-            }
-        }
-    }
-    out
 }
 
 /// A step's loss on its way to the host. On CUDA it is copied into pinned
