@@ -268,7 +268,13 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             Some(d) => {
                 d.check_grads(&params)?;
                 timer.start(Phase::Communicate)?;
-                d.reduce(&params, strategies.compressor.as_mut(), comm).context("the gradient reduction failed")?;
+                d.reduce(&params, strategies.compressor.as_mut(), comm).with_context(|| {
+                    if sharded {
+                        "the reduce-scatter of the gradients failed"
+                    } else {
+                        "the compressor failed"
+                    }
+                })?;
                 timer.stop()?;
                 d.grads()?
             }
@@ -278,6 +284,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                     anyhow::bail!("parameter {i} received no gradient");
                 }
                 gradient_bytes = gradient_bytes.max(grads.iter().map(|g| (g.numel() * g.kind().elt_size_in_bytes()) as u64).sum());
+                // One rank: nothing to reduce (the phase stays, empty, as before).
+                timer.start(Phase::Communicate)?;
+                timer.stop()?;
                 grads
             }
         };
