@@ -241,10 +241,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 torch_ext::autocast_clear_cache()?;
             }
             timer.stop()?;
-            timer.start(Phase::Backward)?;
+            // ZeRO-2 allocates its released gradient buffers here, outside
+            // the backward phase (the other stages zero theirs at step start).
             if let Some(d) = &mut dp {
                 d.before_backward(&params)?;
             }
+            timer.start(Phase::Backward)?;
             match seed {
                 Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
                 None => {
