@@ -67,6 +67,25 @@ char *hx_grads_to_none(tensor *params, int n) {
   })
 }
 
+// Makes grad the .grad of param, as `param.grad = grad` in Python: the same
+// tensor, not a copy, so a view into a larger buffer stays one. Backward
+// passes run with grad mode off then add into it in place (AccumulateGrad),
+// so gradients land in the buffer. A NULL grad resets .grad to None.
+char *hx_set_grad(tensor param, tensor grad) {
+  HX_TRY({
+    if (grad == nullptr) {
+      param->mutable_grad().reset();
+    } else {
+      TORCH_CHECK(grad->sizes() == param->sizes(), "set_grad: gradient of shape ", grad->sizes(),
+                  " for a parameter of shape ", param->sizes());
+      TORCH_CHECK(grad->scalar_type() == param->scalar_type() && grad->device() == param->device(),
+                  "set_grad: gradient of type ", grad->toString(), " on ", grad->device(),
+                  " for a parameter of type ", param->toString(), " on ", param->device());
+      param->mutable_grad() = *grad;
+    }
+  })
+}
+
 // Fills out[i] with params[i].grad (an undefined tensor where there is none).
 char *hx_grads(tensor *params, int n, tensor *out) {
   HX_TRY({

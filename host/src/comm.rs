@@ -4,11 +4,15 @@
 //! threads of one process with a shared-memory collective: the CPU backend
 //! for tests and the CPU suite, not a way to scale (a test and demo backend,
 //! as DESIGN.md says). Every collective is timed into an HDR histogram and its
-//! bytes on the wire are counted with the nccl-tests conventions (ring
-//! all-reduce: each rank sends 2(n-1)/n of the buffer). A [`Link`] stretches
-//! each collective to what an alpha-beta model of a ring over that link
-//! predicts; both the measured and the emulated times are kept.
+//! bytes on the wire are counted with the nccl-tests conventions, per kind of
+//! collective ([`Op`]): the "size" of an all-reduce is the reduced buffer, of
+//! an all-gather the gathered buffer, of a reduce-scatter the buffer before
+//! scattering; in a ring each rank sends 2(n-1)/n of it for an all-reduce and
+//! (n-1)/n for the other two. A [`Link`] stretches each collective to what an
+//! alpha-beta model of a ring over that link predicts; both the measured and
+//! the emulated times are kept.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,6 +29,10 @@ pub enum CommError {
     Timeout { op: &'static str, seq: u64, rank: usize, missing: Vec<usize>, timeout_s: f64 },
     #[error("{op} #{seq} on rank {rank} was aborted: {reason}")]
     Aborted { op: &'static str, seq: u64, rank: usize, reason: String },
+    /// The ranks' tensors do not fit the collective (sizes differ between
+    /// ranks, or a reduce-scatter's size is not a multiple of the ranks).
+    #[error("{op} #{seq} on rank {rank} cannot run: {reason}")]
+    Invalid { op: &'static str, seq: u64, rank: usize, reason: String },
 }
 
 /// A link between ranks, for emulation: bandwidth and one-way latency.
@@ -37,29 +45,100 @@ pub struct Link {
 }
 
 impl Link {
-    /// Time of a ring all-reduce of `bytes` over `n` ranks on this link:
-    /// 2(n-1) steps, each paying the latency and moving bytes/n.
-    pub fn all_reduce_time(&self, bytes: u64, n: usize) -> Duration {
+    /// Time of `steps` ring steps over `n` ranks, each paying the latency and
+    /// moving 1/n of `bytes`.
+    fn ring_steps(&self, steps: usize, bytes: u64, n: usize) -> Duration {
         if n < 2 {
             return Duration::ZERO;
         }
-        let steps = 2.0 * (n - 1) as f64;
+        let steps = steps as f64;
         let secs = steps * self.latency_us * 1e-6 + steps / n as f64 * bytes as f64 * 8.0 / (self.gbps * 1e9);
         Duration::from_secs_f64(secs)
     }
+
+    /// Time of a ring all-reduce of `bytes` over `n` ranks on this link:
+    /// 2(n-1) steps, each paying the latency and moving bytes/n.
+    pub fn all_reduce_time(&self, bytes: u64, n: usize) -> Duration {
+        self.ring_steps(2 * n.saturating_sub(1), bytes, n)
+    }
+
+    /// Time of a ring all-gather whose gathered buffer has `bytes`, over `n`
+    /// ranks: n-1 steps, each paying the latency and moving bytes/n.
+    pub fn all_gather_time(&self, bytes: u64, n: usize) -> Duration {
+        self.ring_steps(n.saturating_sub(1), bytes, n)
+    }
+
+    /// Time of a ring reduce-scatter of a buffer of `bytes` (before
+    /// scattering) over `n` ranks: n-1 steps of bytes/n, as an all-gather.
+    pub fn reduce_scatter_time(&self, bytes: u64, n: usize) -> Duration {
+        self.all_gather_time(bytes, n)
+    }
+
+    /// The ring time of `op` on `bytes` (its nccl-tests size) over `n` ranks.
+    pub fn time(&self, op: Op, bytes: u64, n: usize) -> Duration {
+        match op {
+            Op::AllReduce => self.all_reduce_time(bytes, n),
+            Op::AllGather => self.all_gather_time(bytes, n),
+            Op::ReduceScatter => self.reduce_scatter_time(bytes, n),
+        }
+    }
 }
 
-/// What a rank's collectives cost.
+/// The kinds of training collective, accounted for separately.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+}
+
+impl Op {
+    /// Every kind, in a fixed order.
+    pub const ALL: [Op; 3] = [Op::AllReduce, Op::AllGather, Op::ReduceScatter];
+
+    /// The name in results and error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+        }
+    }
+
+    /// nccl-tests' bus-bandwidth factor, which is also the fraction of the
+    /// buffer each rank sends in a ring: 2(n-1)/n for an all-reduce, (n-1)/n
+    /// for an all-gather or a reduce-scatter.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let ring = (n as f64 - 1.0) / n as f64;
+        match self {
+            Op::AllReduce => 2.0 * ring,
+            Op::AllGather | Op::ReduceScatter => ring,
+        }
+    }
+
+    /// Bytes one rank sends in a ring for a buffer of `bytes` (the nccl-tests size).
+    pub fn bytes_sent(self, bytes: u64, n: usize) -> u64 {
+        let (n, steps) = (n as u64, n.saturating_sub(1) as u64);
+        match self {
+            Op::AllReduce => 2 * steps * bytes / n,
+            Op::AllGather | Op::ReduceScatter => steps * bytes / n,
+        }
+    }
+}
+
+/// What one kind of collective cost a rank.
 #[derive(Debug, Clone)]
-pub struct CommStats {
+pub struct OpStats {
+    /// Collectives of this kind issued.
     pub collectives: u64,
-    /// Bytes this rank sent in training collectives (setup broadcasts excluded).
+    /// Sum of their nccl-tests sizes: the buffer reduced (all-reduce),
+    /// gathered (all-gather) or reduced before scattering (reduce-scatter).
+    pub bytes: u64,
+    /// Bytes this rank sent for them (ring accounting, see [`Op::bytes_sent`]).
     pub bytes_sent: u64,
-    /// Bytes of the buffers reduced (the nccl-tests "size").
-    pub bytes_reduced: u64,
-    /// Bytes reduced by the collectives in the timings (after warm-up).
+    /// Sizes of the collectives in the timings (after warm-up).
     pub bytes_timed: u64,
-    /// Measured time of each collective, ns.
+    /// Measured time of each, ns.
     pub latency: Histogram<u64>,
     /// Time after link emulation, ns (equal to `latency` without a link).
     pub emulated: Histogram<u64>,
@@ -67,17 +146,48 @@ pub struct CommStats {
     pub emulated_total: Duration,
 }
 
-impl Default for CommStats {
+impl Default for OpStats {
     fn default() -> Self {
-        CommStats {
+        OpStats {
             collectives: 0,
+            bytes: 0,
             bytes_sent: 0,
-            bytes_reduced: 0,
             bytes_timed: 0,
             latency: measure::new_histogram(),
             emulated: measure::new_histogram(),
             measured_total: Duration::ZERO,
             emulated_total: Duration::ZERO,
+        }
+    }
+}
+
+/// What a rank's collectives cost: totals over every training collective,
+/// and the same per kind in `ops`.
+#[derive(Debug, Clone)]
+pub struct CommStats {
+    pub collectives: u64,
+    /// Bytes this rank sent in training collectives (setup broadcasts excluded).
+    pub bytes_sent: u64,
+    /// Measured time of each collective, ns.
+    pub latency: Histogram<u64>,
+    /// Time after link emulation, ns (equal to `latency` without a link).
+    pub emulated: Histogram<u64>,
+    pub measured_total: Duration,
+    pub emulated_total: Duration,
+    /// The same figures per kind of collective (kinds never issued are absent).
+    pub ops: BTreeMap<Op, OpStats>,
+}
+
+impl Default for CommStats {
+    fn default() -> Self {
+        CommStats {
+            collectives: 0,
+            bytes_sent: 0,
+            latency: measure::new_histogram(),
+            emulated: measure::new_histogram(),
+            measured_total: Duration::ZERO,
+            emulated_total: Duration::ZERO,
+            ops: BTreeMap::new(),
         }
     }
 }
@@ -88,18 +198,57 @@ impl CommStats {
         self.emulated.reset();
         self.measured_total = Duration::ZERO;
         self.emulated_total = Duration::ZERO;
-        self.bytes_timed = 0;
+        for s in self.ops.values_mut() {
+            s.latency.reset();
+            s.emulated.reset();
+            s.measured_total = Duration::ZERO;
+            s.emulated_total = Duration::ZERO;
+            s.bytes_timed = 0;
+        }
     }
 
-    /// Algorithm bandwidth (bytes reduced / time) and bus bandwidth
-    /// (algbw x 2(n-1)/n), in GB/s, over all all-reduces (nccl-tests).
-    pub fn bandwidth_gbs(&self, n: usize, emulated: bool) -> Option<(f64, f64)> {
-        let t = if emulated { self.emulated_total } else { self.measured_total }.as_secs_f64();
-        if t <= 0.0 || self.bytes_timed == 0 {
+    /// Counts a collective of `op` on a buffer of `bytes` (its nccl-tests size) over `n` ranks.
+    fn count(&mut self, op: Op, bytes: u64, n: usize) {
+        let sent = op.bytes_sent(bytes, n);
+        self.collectives += 1;
+        self.bytes_sent += sent;
+        let s = self.ops.entry(op).or_default();
+        s.collectives += 1;
+        s.bytes += bytes;
+        s.bytes_sent += sent;
+    }
+
+    /// Records the measured and emulated time of a counted collective.
+    fn time(&mut self, op: Op, bytes: u64, measured: Duration, emulated: Duration) {
+        measure::record(&mut self.latency, measured);
+        measure::record(&mut self.emulated, emulated);
+        self.measured_total += measured;
+        self.emulated_total += emulated;
+        let s = self.ops.entry(op).or_default();
+        s.bytes_timed += bytes;
+        measure::record(&mut s.latency, measured);
+        measure::record(&mut s.emulated, emulated);
+        s.measured_total += measured;
+        s.emulated_total += emulated;
+    }
+
+    /// Algorithm bandwidth (size / time) and bus bandwidth (algbw x
+    /// [`Op::bus_factor`]), in GB/s, over the timed collectives of `op`
+    /// (nccl-tests' definitions); None when none was timed.
+    pub fn op_bandwidth_gbs(&self, op: Op, n: usize, emulated: bool) -> Option<(f64, f64)> {
+        let s = self.ops.get(&op)?;
+        let t = if emulated { s.emulated_total } else { s.measured_total }.as_secs_f64();
+        if t <= 0.0 || s.bytes_timed == 0 {
             return None;
         }
-        let alg = self.bytes_timed as f64 / t / 1e9;
-        Some((alg, alg * 2.0 * (n as f64 - 1.0) / n as f64))
+        let alg = s.bytes_timed as f64 / t / 1e9;
+        Some((alg, alg * op.bus_factor(n)))
+    }
+
+    /// [`CommStats::op_bandwidth_gbs`] of the all-reduces (bus bandwidth
+    /// algbw x 2(n-1)/n), the figure results call `busbw_gbs`.
+    pub fn bandwidth_gbs(&self, n: usize, emulated: bool) -> Option<(f64, f64)> {
+        self.op_bandwidth_gbs(Op::AllReduce, n, emulated)
     }
 }
 
@@ -111,18 +260,12 @@ pub trait Collective {
     fn world_size(&self) -> usize;
     /// Sums `t` over ranks, in place.
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError>;
+    /// Gathers every rank's `t` (same shape on all ranks) into one new tensor of `world_size * t.numel()` elements, rank order, 1-D.
+    fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
+    /// Sums `t` (numel divisible by world_size) over ranks and returns this rank's 1-D chunk (numel / world_size elements, rank order).
+    fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
-    /// Gathers every rank's `t` (same shape on all ranks) into one new tensor of `world_size * t.numel()` elements, rank order, 1-D.
-    fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
-        let _ = t;
-        Err(CommError::Aborted { op: "all_gather", seq: 0, rank: self.rank(), reason: "not supported by this backend yet".into() })
-    }
-    /// Sums `t` (numel divisible by world_size) over ranks and returns this rank's 1-D chunk (numel / world_size elements, rank order).
-    fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
-        let _ = t;
-        Err(CommError::Aborted { op: "reduce_scatter", seq: 0, rank: self.rank(), reason: "not supported by this backend yet".into() })
-    }
     /// Fails every other rank's pending and future collectives.
     fn abort(&self, reason: &str);
     /// What the collectives cost so far (device timings are read back here).
@@ -130,6 +273,11 @@ pub trait Collective {
     /// Forgets the timings so far (not the counts or bytes): called when
     /// warm-up ends, so NCCL's lazy set-up stays out of the latencies.
     fn reset_timings(&mut self);
+}
+
+/// Bytes of a tensor's elements.
+fn nbytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
 /// One rank alone: collectives are the identity and move nothing.
@@ -148,14 +296,14 @@ impl Collective for SingleRank {
     fn all_reduce_sum(&mut self, _t: &mut Tensor) -> Result<(), CommError> {
         Ok(())
     }
-    fn broadcast(&mut self, _t: &mut Tensor, _root: usize) -> Result<(), CommError> {
-        Ok(())
-    }
     fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
-        Ok(t.reshape([-1]).copy())
+        Ok(tch::no_grad(|| t.reshape([-1]).copy()))
     }
     fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
-        Ok(t.reshape([-1]).copy())
+        Ok(tch::no_grad(|| t.reshape([-1]).copy()))
+    }
+    fn broadcast(&mut self, _t: &mut Tensor, _root: usize) -> Result<(), CommError> {
+        Ok(())
     }
     fn abort(&self, _reason: &str) {}
     fn stats(&mut self) -> &CommStats {
@@ -164,6 +312,10 @@ impl Collective for SingleRank {
     fn reset_timings(&mut self) {}
 }
 
+/// What combining the deposited tensors gave: the shared result, or why the
+/// tensors did not fit the collective.
+type Combined = Result<Tensor, String>;
+
 #[derive(Default)]
 struct State {
     /// Collectives completed by every rank.
@@ -171,7 +323,7 @@ struct State {
     slots: Vec<Option<Tensor>>,
     arrived: usize,
     departed: usize,
-    result: Option<Tensor>,
+    result: Option<Combined>,
     /// True between the last arrival and the last departure.
     scattering: bool,
     aborted: Option<String>,
@@ -197,8 +349,6 @@ impl InProcessGroup {
         InProcessComm { group: self.clone(), rank, link, stats: CommStats::default() }
     }
 
-    /// Runs one collective: every rank deposits its tensor, the last one
-    /// combines them with `combine`, every rank copies the result back.
     /// Waits for a change of the state until `deadline`; fails on abort or
     /// when the deadline passes, naming the ranks that never arrived.
     fn wait<'a>(
@@ -221,13 +371,16 @@ impl InProcessGroup {
         Ok(st)
     }
 
+    /// Runs one collective: every rank deposits its tensor, the last one
+    /// combines them with `combine` (without autograd), and every rank gets
+    /// the combined tensor back, shared: callers copy what they keep.
     fn run<'a>(
         &'a self,
         op: &'static str,
         rank: usize,
-        t: &mut Tensor,
-        combine: &dyn Fn(&[Option<Tensor>]) -> Tensor,
-    ) -> Result<(), CommError> {
+        t: &Tensor,
+        combine: &dyn Fn(&[Option<Tensor>]) -> Combined,
+    ) -> Result<Tensor, CommError> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let deadline = Instant::now() + self.timeout;
         if let Some(reason) = &st.aborted {
@@ -244,7 +397,7 @@ impl InProcessGroup {
         st.slots[rank] = Some(t.shallow_clone());
         st.arrived += 1;
         if st.arrived == self.n {
-            let r = combine(&st.slots);
+            let r = tch::no_grad(|| combine(&st.slots));
             st.result = Some(r);
             st.scattering = true;
             self.cv.notify_all();
@@ -253,7 +406,10 @@ impl InProcessGroup {
                 st = wait(st)?;
             }
         }
-        let result = st.result.as_ref().map(Tensor::shallow_clone).expect("result set before scattering");
+        let result = match st.result.as_ref().expect("result set before scattering") {
+            Ok(t) => Ok(t.shallow_clone()),
+            Err(reason) => Err(CommError::Invalid { op, seq, rank, reason: reason.clone() }),
+        };
         st.departed += 1;
         if st.departed == self.n {
             st.slots.iter_mut().for_each(|s| *s = None);
@@ -264,9 +420,7 @@ impl InProcessGroup {
             st.seq += 1;
             self.cv.notify_all();
         }
-        drop(st);
-        tch::no_grad(|| t.copy_(&result));
-        Ok(())
+        result
     }
 
     fn abort(&self, reason: &str) {
@@ -276,12 +430,50 @@ impl InProcessGroup {
     }
 }
 
+/// The deposited tensors, every rank's present; an error unless all have `numel` elements.
+fn deposited(slots: &[Option<Tensor>]) -> Result<Vec<&Tensor>, String> {
+    let ts: Vec<&Tensor> = slots.iter().map(|s| s.as_ref().expect("every rank deposited")).collect();
+    let sizes: Vec<usize> = ts.iter().map(|t| t.numel()).collect();
+    if sizes.iter().any(|&s| s != sizes[0]) {
+        return Err(format!("the ranks' tensors differ in size: {sizes:?} elements"));
+    }
+    Ok(ts)
+}
+
+/// The elementwise sum of the deposited tensors, flattened, summed in rank order.
+fn sum_slots(slots: &[Option<Tensor>]) -> Combined {
+    let ts = deposited(slots)?;
+    let mut acc = ts[0].reshape([-1]).copy();
+    for t in &ts[1..] {
+        let _ = acc.g_add_(&t.reshape([-1]));
+    }
+    Ok(acc)
+}
+
 /// One rank's handle on an [`InProcessGroup`].
 pub struct InProcessComm {
     group: Arc<InProcessGroup>,
     rank: usize,
     link: Option<Link>,
     stats: CommStats,
+}
+
+impl InProcessComm {
+    /// Runs a training collective, stretches it to the link's time for a
+    /// buffer of `bytes` (the op's nccl-tests size) and accounts for it.
+    fn timed(&mut self, op: Op, t: &Tensor, bytes: u64, combine: &dyn Fn(&[Option<Tensor>]) -> Combined) -> Result<Tensor, CommError> {
+        let n = self.group.n;
+        let t0 = Instant::now();
+        let result = self.group.run(op.name(), self.rank, t, combine)?;
+        let measured = t0.elapsed();
+        let target = self.link.map_or(measured, |l| l.time(op, bytes, n).max(measured));
+        if target > measured {
+            std::thread::sleep(target - measured);
+        }
+        self.stats.count(op, bytes, n);
+        self.stats.time(op, bytes, measured, target);
+        Ok(result)
+    }
 }
 
 impl Collective for InProcessComm {
@@ -294,35 +486,41 @@ impl Collective for InProcessComm {
     }
 
     fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError> {
-        let n = self.group.n;
-        let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-        let t0 = Instant::now();
-        self.group.run("all_reduce", self.rank, t, &|slots| {
-            let mut acc = slots[0].as_ref().expect("every rank deposited").copy();
-            for s in &slots[1..] {
-                let _ = acc.g_add_(s.as_ref().expect("every rank deposited"));
-            }
-            acc
-        })?;
-        let measured = t0.elapsed();
-        let target = self.link.map_or(measured, |l| l.all_reduce_time(bytes, n).max(measured));
-        if target > measured {
-            std::thread::sleep(target - measured);
-        }
-        let s = &mut self.stats;
-        s.collectives += 1;
-        s.bytes_reduced += bytes;
-        s.bytes_timed += bytes;
-        s.bytes_sent += 2 * (n as u64 - 1) * bytes / n as u64;
-        measure::record(&mut s.latency, measured);
-        measure::record(&mut s.emulated, target);
-        s.measured_total += measured;
-        s.emulated_total += target;
+        let sum = self.timed(Op::AllReduce, t, nbytes(t), &sum_slots)?;
+        tch::no_grad(|| t.copy_(&sum.view_as(t)));
         Ok(())
     }
 
+    fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        let n = self.group.n as u64;
+        let gathered = self.timed(Op::AllGather, t, n * nbytes(t), &|slots| {
+            let ts = deposited(slots)?;
+            let flat: Vec<Tensor> = ts.iter().map(|t| t.reshape([-1])).collect();
+            Ok(Tensor::cat(&flat, 0))
+        })?;
+        Ok(tch::no_grad(|| gathered.copy()))
+    }
+
+    fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+        let n = self.group.n;
+        let sum = self.timed(Op::ReduceScatter, t, nbytes(t), &|slots| {
+            let numel = slots[0].as_ref().map_or(0, |t| t.numel());
+            if numel % n != 0 {
+                return Err(format!("{numel} elements do not split evenly over {n} ranks"));
+            }
+            sum_slots(slots)
+        })?;
+        let chunk = (sum.numel() / n) as i64;
+        Ok(tch::no_grad(|| sum.narrow(0, self.rank as i64 * chunk, chunk).copy()))
+    }
+
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
-        self.group.run("broadcast", self.rank, t, &|slots| slots[root].as_ref().expect("root deposited").copy())
+        let r = self.group.run("broadcast", self.rank, t, &|slots| {
+            let ts = deposited(slots)?;
+            Ok(ts[root].copy())
+        })?;
+        tch::no_grad(|| t.copy_(&r));
+        Ok(())
     }
 
     fn abort(&self, reason: &str) {
@@ -369,7 +567,7 @@ mod tests {
             }
             assert_eq!(c.stats().collectives, 50);
             // 12 bytes per reduce, 2 * 3/4 of it sent per rank.
-            assert_eq!(c.stats().bytes_reduced, 50 * 12);
+            assert_eq!(c.stats().ops[&Op::AllReduce].bytes, 50 * 12);
             assert_eq!(c.stats().bytes_sent, 50 * (2 * 3 * 12 / 4));
             Ok(last)
         });
@@ -456,6 +654,186 @@ mod tests {
             assert!(s.measured_total < s.emulated_total);
         }
     }
+
+    /// Fills `result` with this rank's number, waits until every rank has
+    /// done the same (an all-reduce is a barrier), then reads it back: a
+    /// result shared between ranks would show another rank's number.
+    fn result_is_private(c: &mut InProcessComm, result: &mut Tensor) -> Result<bool, CommError> {
+        let _ = result.fill_(c.rank() as f64);
+        c.all_reduce_sum(&mut Tensor::from_slice(&[0.0f32]))?;
+        Ok(Vec::<f32>::try_from(&*result).unwrap().iter().all(|&x| x == c.rank() as f32))
+    }
+
+    #[test]
+    fn all_gather_concatenates_ranks_in_order_many_times() {
+        let out = spawn(3, Duration::from_secs(10), |c| {
+            let r = c.rank() as f32;
+            for k in 0..20 {
+                // 2-D input: the result is 1-D, rank after rank.
+                let t = Tensor::from_slice(&[r, r + 10.0, k as f32]).view([1, 3]);
+                let mut g = c.all_gather(&t)?;
+                assert_eq!(g.size(), [9]);
+                let want = [0.0, 10.0, k as f32, 1.0, 11.0, k as f32, 2.0, 12.0, k as f32];
+                assert_eq!(Vec::<f32>::try_from(&g).unwrap(), want, "rank {} round {k}", c.rank());
+                assert!(result_is_private(c, &mut g)?, "rank {}: the gathered tensor is shared", c.rank());
+            }
+            let s = c.stats().ops[&Op::AllGather].clone();
+            assert_eq!(s.collectives, 20);
+            // The size is the gathered buffer, 3 x 12 bytes; a ring sends 2/3 of it.
+            assert_eq!(s.bytes, 20 * 36);
+            assert_eq!(s.bytes_sent, 20 * 24);
+            // The barrier all-reduces are accounted for apart, and everything in the totals.
+            assert_eq!(c.stats().ops[&Op::AllReduce].collectives, 20);
+            assert_eq!(c.stats().collectives, 40);
+            assert_eq!(c.stats().bytes_sent, 20 * 24 + 20 * (2 * 2 * 4 / 3));
+            Ok(vec![])
+        });
+        for r in out {
+            r.unwrap();
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_returns_this_ranks_chunk_of_the_sum() {
+        let out = spawn(3, Duration::from_secs(10), |c| {
+            let mut last = Vec::new();
+            for k in 0..20 {
+                // Rank r holds (r + 1) x [0, 1, ..., 5] + k: the sum is 6 x [0..6] + 3k.
+                let t = (Tensor::arange(6, (tch::Kind::Float, tch::Device::Cpu)) * (c.rank() as f64 + 1.0) + k as f64).view([2, 3]);
+                let mut chunk = c.reduce_scatter_sum(&t)?;
+                let i = 2.0 * c.rank() as f32;
+                last = Vec::<f32>::try_from(&chunk).unwrap();
+                assert_eq!(last, vec![6.0 * i + 3.0 * k as f32, 6.0 * (i + 1.0) + 3.0 * k as f32], "rank {} round {k}", c.rank());
+                assert!(result_is_private(c, &mut chunk)?, "rank {}: the chunk is shared", c.rank());
+            }
+            let s = c.stats().ops[&Op::ReduceScatter].clone();
+            // The size is the buffer before scattering, 24 bytes; a ring sends 2/3 of it.
+            assert_eq!((s.collectives, s.bytes, s.bytes_sent), (20, 20 * 24, 20 * 16));
+            Ok(last)
+        });
+        assert!(out.iter().all(|r| r.is_ok()));
+    }
+
+    #[test]
+    fn tensors_that_do_not_fit_fail_on_every_rank_at_once() {
+        let t0 = Instant::now();
+        // Three elements over two ranks do not split.
+        let out = spawn(2, Duration::from_secs(30), |c| c.reduce_scatter_sum(&Tensor::from_slice(&[1.0f32, 2.0, 3.0])).map(|_| vec![]));
+        for r in &out {
+            match r {
+                Err(CommError::Invalid { op: "reduce_scatter", reason, .. }) => assert!(reason.contains("do not split evenly"), "{reason}"),
+                other => panic!("expected an invalid reduce-scatter, got {other:?}"),
+            }
+        }
+        // Ranks gathering different sizes.
+        let out = spawn(2, Duration::from_secs(30), |c| {
+            c.all_gather(&Tensor::zeros([c.rank() as i64 + 1], tch::kind::FLOAT_CPU)).map(|_| vec![])
+        });
+        for r in &out {
+            match r {
+                Err(CommError::Invalid { op: "all_gather", reason, .. }) => assert!(reason.contains("[1, 2]"), "{reason}"),
+                other => panic!("expected an invalid all-gather, got {other:?}"),
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the ranks waited for the timeout");
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_in_gathers_and_scatters_too() {
+        for op in [Op::AllGather, Op::ReduceScatter] {
+            let out = spawn(3, Duration::from_millis(300), move |c| {
+                if c.rank() == 1 {
+                    return Ok(vec![]); // never joins
+                }
+                let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+                match op {
+                    Op::AllGather => c.all_gather(&t),
+                    _ => c.reduce_scatter_sum(&t),
+                }
+                .map(|_| vec![])
+            });
+            for r in [&out[0], &out[2]] {
+                match r {
+                    Err(e @ CommError::Timeout { missing, op: name, .. }) => {
+                        assert_eq!(missing, &vec![1]);
+                        assert_eq!(*name, op.name());
+                        assert!(e.to_string().contains("rank(s) [1] never joined"), "{e}");
+                    }
+                    other => panic!("{op:?}: expected a timeout, got {other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn single_rank_gathers_and_scatters_are_copies() {
+        let mut c = SingleRank::default();
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]);
+        for out in [c.all_gather(&t).unwrap(), c.reduce_scatter_sum(&t).unwrap()] {
+            assert_eq!(out.size(), [4]);
+            assert_eq!(Vec::<f32>::try_from(&out).unwrap(), [1.0, 2.0, 3.0, 4.0]);
+            assert_ne!(out.data_ptr(), t.data_ptr());
+        }
+        assert_eq!(c.stats().collectives, 0);
+    }
+
+    #[test]
+    fn ring_model_of_gathers_and_scatters_is_half_an_all_reduce() {
+        // 10 Gbps, 5 us, 8 ranks, 100 MB gathered: 7 x 5 us + 7/8 x 0.8 Gb / 10 Gbps.
+        let l = Link { gbps: 10.0, latency_us: 5.0 };
+        let t = l.all_gather_time(100_000_000, 8).as_secs_f64();
+        assert!((t - (7.0 * 5e-6 + 7.0 / 8.0 * 0.08)).abs() < 1e-9, "{t}");
+        assert_eq!(l.reduce_scatter_time(100_000_000, 8), l.all_gather_time(100_000_000, 8));
+        assert_eq!(l.time(Op::AllReduce, 100_000_000, 8), l.all_reduce_time(100_000_000, 8));
+        assert_eq!(l.all_gather_time(1, 1), Duration::ZERO);
+    }
+
+    #[test]
+    fn bus_bandwidth_is_per_kind_of_collective() {
+        // 4 ranks; 1 GB all-reduced in 1 s and 2 GB gathered in 1 s.
+        let mut s = CommStats::default();
+        s.count(Op::AllReduce, 1_000_000_000, 4);
+        s.time(Op::AllReduce, 1_000_000_000, Duration::from_secs(1), Duration::from_secs(2));
+        s.count(Op::AllGather, 2_000_000_000, 4);
+        s.time(Op::AllGather, 2_000_000_000, Duration::from_secs(1), Duration::from_secs(1));
+        // all-reduce: algbw 1 GB/s, busbw x 2 x 3/4; emulated half that.
+        assert_eq!(s.bandwidth_gbs(4, false), Some((1.0, 1.5)));
+        assert_eq!(s.bandwidth_gbs(4, true), Some((0.5, 0.75)));
+        // all-gather: algbw 2 GB/s, busbw x 3/4.
+        assert_eq!(s.op_bandwidth_gbs(Op::AllGather, 4, false), Some((2.0, 1.5)));
+        assert_eq!(s.op_bandwidth_gbs(Op::ReduceScatter, 4, false), None);
+        // Bytes sent: 2 x 3/4 of 1 GB plus 3/4 of 2 GB.
+        assert_eq!(s.bytes_sent, 1_500_000_000 + 1_500_000_000);
+        assert_eq!((s.collectives, s.latency.len()), (2, 2));
+        s.clear_timings();
+        assert_eq!(s.bandwidth_gbs(4, false), None);
+        assert_eq!(s.ops[&Op::AllGather].bytes, 2_000_000_000);
+    }
+
+    #[test]
+    fn emulated_links_stretch_gathers_by_the_ring_model() {
+        let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let link = Link { gbps: 0.001, latency_us: 0.0 }; // 1 Mbps
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    let mut c = g.rank(r, Some(link));
+                    // Line the threads up first, so the gather's measured time is short.
+                    c.all_reduce_sum(&mut Tensor::from_slice(&[0.0f32])).unwrap();
+                    let t = Tensor::zeros([1000], (tch::Kind::Float, tch::Device::Cpu));
+                    let _ = c.all_gather(&t).unwrap();
+                    c.stats().clone()
+                })
+            })
+            .collect();
+        for h in hs {
+            let s = h.join().unwrap();
+            // 8000 bytes gathered, 1/2 of it over 1 Mbps = 32 ms (an all-reduce model would say 64).
+            let e = s.ops[&Op::AllGather].emulated_total;
+            assert!(e >= Duration::from_millis(32) && e < Duration::from_millis(60), "{e:?}");
+        }
+    }
 }
 
 /// NCCL through the `libnccl.so.2` that libtorch itself loaded (dlopen by
@@ -469,8 +847,8 @@ pub mod nccl {
 
     use tch::{Kind, Tensor};
 
-    use super::{Collective, CommError, CommStats};
-    use crate::measure::{self, cuda::Event};
+    use super::{nbytes, Collective, CommError, CommStats, Op};
+    use crate::measure::cuda::Event;
 
     /// ncclUniqueId: 128 opaque bytes.
     #[repr(C)]
@@ -484,6 +862,8 @@ pub mod nccl {
         get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
         init_rank: unsafe extern "C" fn(*mut CommT, c_int, UniqueId, c_int) -> c_int,
         all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
+        all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, CommT, *mut c_void) -> c_int,
+        reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
         broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
         destroy: unsafe extern "C" fn(CommT) -> c_int,
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
@@ -505,6 +885,8 @@ pub mod nccl {
                     get_unique_id: sym!(b"ncclGetUniqueId"),
                     init_rank: sym!(b"ncclCommInitRank"),
                     all_reduce: sym!(b"ncclAllReduce"),
+                    all_gather: sym!(b"ncclAllGather"),
+                    reduce_scatter: sym!(b"ncclReduceScatter"),
                     broadcast: sym!(b"ncclBroadcast"),
                     destroy: sym!(b"ncclCommDestroy"),
                     error_string: sym!(b"ncclGetErrorString"),
@@ -553,16 +935,16 @@ pub mod nccl {
         rank: usize,
         n: usize,
         stats: CommStats,
-        /// (bytes, start, after NCCL, after link emulation) not yet read back.
-        pending: Vec<(u64, Event, Event, Event)>,
+        /// (kind, size, start, after NCCL, after link emulation) not yet read back.
+        pending: Vec<(Op, u64, Event, Event, Event)>,
         /// Emulated link, and the device word its clock stamps go to.
         link: Option<(super::Link, Tensor)>,
     }
 
     impl NcclComm {
         /// Joins the communicator `id` as `rank` of `n` (blocks until all join).
-        /// With a `link`, every all-reduce is stretched on the device timeline
-        /// to what the link's ring model predicts (see `kernels::spin_until`).
+        /// With a `link`, every training collective is stretched on the device
+        /// timeline to what the link's ring model predicts (see `kernels::spin_until`).
         pub fn new(id: UniqueId, rank: usize, n: usize, link: Option<super::Link>, device: tch::Device) -> anyhow::Result<NcclComm> {
             let l = lib().map_err(anyhow::Error::msg)?;
             let mut comm: CommT = std::ptr::null_mut();
@@ -572,20 +954,39 @@ pub mod nccl {
             Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new(), link })
         }
 
-        fn op(
-            &mut self,
-            t: &Tensor,
-            f: impl FnOnce(&Lib, *mut c_void, usize, c_int) -> c_int,
-            what: &'static str,
-        ) -> Result<(), CommError> {
-            let fail = |reason: String| CommError::Aborted { op: what, seq: self.stats.collectives, rank: self.rank, reason };
-            let l = lib().map_err(fail)?;
+        /// An error of collective `op` on this rank.
+        fn fail(&self, op: &'static str, reason: impl ToString) -> CommError {
+            CommError::Aborted { op, seq: self.stats.collectives, rank: self.rank, reason: reason.to_string() }
+        }
+
+        /// NCCL's type code for a tensor NCCL can use in place: contiguous, on CUDA.
+        fn dtype_of(&self, t: &Tensor, op: &'static str) -> Result<c_int, CommError> {
             if !t.is_contiguous() || !t.device().is_cuda() {
-                return Err(fail("NCCL needs a contiguous CUDA tensor".into()));
+                return Err(self.fail(op, "NCCL needs a contiguous CUDA tensor"));
             }
-            let dt = dtype(t.kind()).ok_or_else(|| fail(format!("NCCL cannot reduce {:?}", t.kind())))?;
-            let code = f(l, t.data_ptr(), t.numel(), dt);
-            check(code, what).map_err(|e| fail(e.to_string()))
+            dtype(t.kind()).ok_or_else(|| self.fail(op, format!("NCCL cannot move {:?}", t.kind())))
+        }
+
+        /// Issues a training collective of `op` on a buffer of `bytes` (its
+        /// nccl-tests size) between events, stretched to the link's time when
+        /// a link is emulated, and counts it; the times are read back in `stats`.
+        fn timed(&mut self, op: Op, bytes: u64, issue: impl FnOnce(&Lib, CommT) -> c_int) -> Result<(), CommError> {
+            let name = op.name();
+            let l = lib().map_err(|e| self.fail(name, e))?;
+            let event = || Event::new().and_then(|e| e.record().map(|_| e));
+            let start = event().map_err(|e| self.fail(name, e))?;
+            if let Some((_, at)) = &self.link {
+                crate::kernels::stamp(at).map_err(|e| self.fail(name, e))?;
+            }
+            check(issue(l, self.comm), name).map_err(|e| self.fail(name, e))?;
+            let mid = event().map_err(|e| self.fail(name, e))?;
+            if let Some((link, at)) = &self.link {
+                crate::kernels::spin_until(at, link.time(op, bytes, self.n).as_nanos() as u64).map_err(|e| self.fail(name, e))?;
+            }
+            let end = event().map_err(|e| self.fail(name, e))?;
+            self.pending.push((op, bytes, start, mid, end));
+            self.stats.count(op, bytes, self.n);
+            Ok(())
         }
     }
 
@@ -597,34 +998,51 @@ pub mod nccl {
             self.n
         }
         fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CommError> {
-            let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-            let rank = self.rank;
-            let fail = move |e: anyhow::Error| CommError::Aborted { op: "all_reduce", seq: 0, rank, reason: e.to_string() };
-            let event = || Event::new().and_then(|e| e.record().map(|_| e));
-            let start = event().map_err(fail)?;
-            if let Some((_, at)) = &self.link {
-                crate::kernels::stamp(at).map_err(fail)?;
-            }
-            let comm = self.comm;
+            let dt = self.dtype_of(t, "all_reduce")?;
+            let (p, count) = (t.data_ptr(), t.numel());
             // SAFETY: in place on t's device memory (send = receive buffer),
             // `count` elements of the given type; the legacy default stream.
-            self.op(t, |l, p, count, dt| unsafe { (l.all_reduce)(p, p, count, dt, 0, comm, std::ptr::null_mut()) }, "all_reduce")?;
-            let mid = event().map_err(fail)?;
-            if let Some((link, at)) = &self.link {
-                crate::kernels::spin_until(at, link.all_reduce_time(bytes, self.n).as_nanos() as u64).map_err(fail)?;
+            self.timed(Op::AllReduce, nbytes(t), |l, comm| unsafe { (l.all_reduce)(p, p, count, dt, 0, comm, std::ptr::null_mut()) })
+        }
+        fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+            let src = t.contiguous();
+            let dt = self.dtype_of(&src, "all_gather")?;
+            let count = src.numel();
+            let out = Tensor::empty([(self.n * count) as i64], (src.kind(), src.device()));
+            let (sp, rp) = (src.data_ptr(), out.data_ptr());
+            // SAFETY: `count` elements are read from src and n x count written
+            // to out, both live device buffers of that type; the legacy default
+            // stream orders the kernels, and the caching allocator reuses src's
+            // memory only for work queued after this.
+            self.timed(Op::AllGather, nbytes(&out), |l, comm| unsafe { (l.all_gather)(sp, rp, count, dt, comm, std::ptr::null_mut()) })?;
+            Ok(out)
+        }
+        fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
+            let src = t.contiguous();
+            let dt = self.dtype_of(&src, "reduce_scatter")?;
+            let numel = src.numel();
+            if numel % self.n != 0 {
+                let reason = format!("{numel} elements do not split evenly over {} ranks", self.n);
+                return Err(CommError::Invalid { op: "reduce_scatter", seq: self.stats.collectives, rank: self.rank, reason });
             }
-            let end = event().map_err(fail)?;
-            self.pending.push((bytes, start, mid, end));
-            let n = self.n as u64;
-            self.stats.collectives += 1;
-            self.stats.bytes_reduced += bytes;
-            self.stats.bytes_sent += 2 * (n - 1) * bytes / n;
-            Ok(())
+            let count = numel / self.n;
+            let out = Tensor::empty([count as i64], (src.kind(), src.device()));
+            let (sp, rp) = (src.data_ptr(), out.data_ptr());
+            // SAFETY: n x `count` elements are read from src and `count` written
+            // to out (ncclSum = 0), live device buffers of that type, on the
+            // legacy default stream as in all_gather.
+            self.timed(Op::ReduceScatter, nbytes(&src), |l, comm| unsafe {
+                (l.reduce_scatter)(sp, rp, count, dt, 0, comm, std::ptr::null_mut())
+            })?;
+            Ok(out)
         }
         fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
-            let comm = self.comm;
+            let dt = self.dtype_of(t, "broadcast")?;
+            let l = lib().map_err(|e| self.fail("broadcast", e))?;
+            let (p, count) = (t.data_ptr(), t.numel());
             // SAFETY: in place on t's device memory; the legacy default stream.
-            self.op(t, |l, p, count, dt| unsafe { (l.broadcast)(p, p, count, dt, root as c_int, comm, std::ptr::null_mut()) }, "broadcast")
+            let code = unsafe { (l.broadcast)(p, p, count, dt, root as c_int, self.comm, std::ptr::null_mut()) };
+            check(code, "broadcast").map_err(|e| self.fail("broadcast", e))
         }
         fn abort(&self, _reason: &str) {
             // Not ncclCommAbort: on the H200s it left the CUDA context with an
@@ -633,17 +1051,13 @@ pub mod nccl {
         }
         fn stats(&mut self) -> &CommStats {
             let secs = |a: &Event, b: &Event| Event::elapsed_ms(a, b).ok().map(|ms| std::time::Duration::from_secs_f64(ms as f64 / 1e3));
-            for (bytes, s, m, e) in self.pending.drain(..) {
+            for (op, bytes, s, m, e) in self.pending.drain(..) {
                 if e.synchronize().is_err() {
                     continue;
                 }
                 let emulated = if self.link.is_some() { secs(&s, &e) } else { secs(&s, &m) };
                 if let (Some(measured), Some(emulated)) = (secs(&s, &m), emulated) {
-                    self.stats.bytes_timed += bytes;
-                    measure::record(&mut self.stats.latency, measured);
-                    measure::record(&mut self.stats.emulated, emulated);
-                    self.stats.measured_total += measured;
-                    self.stats.emulated_total += emulated;
+                    self.stats.time(op, bytes, measured, emulated);
                 }
             }
             &self.stats

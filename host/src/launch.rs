@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
 use crate::rendezvous;
-use crate::results::{EntryResult, EntryStatus, RunResult};
+use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
 use crate::suite::{PlanEntry, Suite};
 use crate::train::{self, EntryContext, EntryOutput, Progress};
 
@@ -380,12 +380,20 @@ struct RankFigures {
     samples: u64,
     tokens_per_s: f64,
     samples_per_s: f64,
+    /// The rank's own memory figures.
+    ranks: Vec<RankRecord>,
 }
 
 impl RankFigures {
     fn of(o: &EntryOutput) -> RankFigures {
         let m = &o.metrics;
-        RankFigures { tokens: m.tokens, samples: m.samples, tokens_per_s: m.tokens_per_s, samples_per_s: m.samples_per_s }
+        RankFigures {
+            tokens: m.tokens,
+            samples: m.samples,
+            tokens_per_s: m.tokens_per_s,
+            samples_per_s: m.samples_per_s,
+            ranks: m.ranks.clone(),
+        }
     }
 }
 
@@ -407,7 +415,9 @@ fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, Str
         m.samples += o.samples;
         m.tokens_per_s += o.tokens_per_s;
         m.samples_per_s += o.samples_per_s;
+        m.ranks.extend(o.ranks.iter().cloned());
     }
+    m.ranks.sort_by_key(|r| r.rank);
     m.achieved_tflops = m.flops_per_token * m.tokens_per_s / 1e12;
     m.mfu = m.peak_tflops.map(|p| m.achieved_tflops / (p * world as f64));
     Ok(out)

@@ -144,6 +144,10 @@ pub struct Metrics {
     /// The same under link emulation.
     #[serde(default)]
     pub busbw_emulated_gbs: Option<f64>,
+    /// Per kind of training collective (`all_reduce`, `all_gather`,
+    /// `reduce_scatter`), for the kinds issued: counts, bytes and bandwidth.
+    #[serde(default)]
+    pub collective_ops: BTreeMap<String, CollectiveOpRecord>,
     /// "built-in", "wasm", or "native (unsandboxed)" when any plugin is native.
     pub strategy_runtime: String,
     /// The plugins the entry ran, with the time inside their calls.
@@ -160,6 +164,18 @@ pub struct Metrics {
     /// Checkpoints written during the entry.
     #[serde(default)]
     pub checkpoints_written: u64,
+    /// ZeRO stage of the strategy (0: plain data parallelism, or one rank).
+    #[serde(default)]
+    pub zero: u8,
+    /// Bytes of optimizer state rank 0 held at the end (under ZeRO, its shard's).
+    #[serde(default)]
+    pub optimizer_state_bytes: u64,
+    /// Most bytes of gradient buffers rank 0 held at an optimizer step.
+    #[serde(default)]
+    pub gradient_bytes: u64,
+    /// Every rank's own memory figures, in rank order.
+    #[serde(default)]
+    pub ranks: Vec<RankRecord>,
     /// Whether the loss came from harness's fused cross-entropy kernel
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]
@@ -168,6 +184,36 @@ pub struct Metrics {
 
 fn one() -> u32 {
     1
+}
+
+/// One kind of collective's figures on rank 0 (nccl-tests conventions).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct CollectiveOpRecord {
+    /// Collectives of this kind issued.
+    pub collectives: u64,
+    /// Sum of their sizes: the buffer reduced (all-reduce), gathered
+    /// (all-gather) or reduced before scattering (reduce-scatter).
+    pub bytes: u64,
+    /// Bytes sent: 2(n-1)/n of the size for an all-reduce, (n-1)/n otherwise.
+    pub bytes_on_wire: u64,
+    /// Measured latency after warm-up.
+    pub latency: Option<LatencySummary>,
+    /// Bus bandwidth, GB/s: size / time x 2(n-1)/n (all-reduce) or (n-1)/n.
+    pub busbw_gbs: Option<f64>,
+    /// The same with emulated times, when a link was emulated.
+    pub busbw_emulated_gbs: Option<f64>,
+}
+
+/// One rank's own memory figures.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct RankRecord {
+    pub rank: u32,
+    /// The rank's high-water marks (thread ranks share one process: its RSS).
+    pub memory: MemoryRecord,
+    /// Bytes of optimizer state the rank held at the end.
+    pub optimizer_state_bytes: u64,
+    /// Most bytes of gradient buffers the rank held at an optimizer step.
+    pub gradient_bytes: u64,
 }
 
 /// Memory high-water marks.

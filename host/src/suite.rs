@@ -374,6 +374,11 @@ pub struct Strategy {
     /// ring over it would take.
     #[serde(default)]
     pub link: Option<crate::comm::Link>,
+    /// ZeRO stage with more than one rank: 0 (plain data parallelism), 1
+    /// (optimizer state sharded) or 2 (optimizer state and reduced gradients
+    /// sharded).
+    #[serde(default)]
+    pub zero: u8,
 }
 
 fn default_compressor() -> String {
@@ -400,6 +405,7 @@ impl Strategy {
             checkpoint_config: None,
             workloads: None,
             link: None,
+            zero: 0,
         }
     }
 }
@@ -903,6 +909,24 @@ impl Suite {
                         &at(config.0),
                         format!("`{}` configures a plugin, and `{value}` is built in", config.0),
                         Some("built-in strategies take no configuration".into()),
+                    );
+                }
+            }
+            if st.zero > 2 {
+                c.err(&at("zero"), format!("ZeRO stage {} does not exist", st.zero), Some("use 0 (plain data parallelism), 1 or 2".into()));
+            } else if st.zero > 0 {
+                if meta.world_size < 2 {
+                    c.err(
+                        &at("zero"),
+                        format!("ZeRO stage {} shards over ranks and needs world_size >= 2", st.zero),
+                        Some(format!("set `world_size` in [suite], or use `zero = 0` (the suite has world_size = {})", meta.world_size)),
+                    );
+                }
+                if st.compressor != "allreduce" {
+                    c.err(
+                        &at("zero"),
+                        format!("ZeRO stage {} reduce-scatters gradients itself and cannot use compressor `{}`", st.zero, st.compressor),
+                        Some("use `compressor = \"allreduce\"` (the default) with ZeRO".into()),
                     );
                 }
             }

@@ -14,6 +14,7 @@ mod ffi {
         pub fn hx_autocast_clear_cache() -> *mut c_char;
         pub fn hx_backward(out: *mut c_void, grad: *mut c_void) -> *mut c_char;
         pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
+        pub fn hx_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
         pub fn hx_grads(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_clip_grad_norm(grads: *const *mut c_void, n: c_int, max_norm: f64, norm_out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_unscale_check(grads: *const *mut c_void, n: c_int, found_inf: *mut c_void, inv_scale: *mut c_void) -> *mut c_char;
@@ -118,6 +119,17 @@ pub fn grads_to_none(params: &[Tensor]) -> Result<(), TorchError> {
     // SAFETY: p holds live at::Tensor pointers owned by `params`, which
     // outlives the call; the shim only resets their grad fields.
     check(unsafe { ffi::hx_grads_to_none(p.as_ptr(), len(params)) })
+}
+
+/// Makes `grad` the `.grad` of `param` (the same tensor, not a copy; `None`
+/// resets it). Shape, dtype and device must match the parameter's. Backward
+/// passes then accumulate into `grad` in place, so a view into a flat buffer
+/// collects the parameter's gradient there (DDP's `gradient_as_bucket_view`).
+pub fn set_grad(param: &Tensor, grad: Option<&Tensor>) -> Result<(), TorchError> {
+    let g = grad.map_or(std::ptr::null_mut(), |g| g.as_ptr() as *mut c_void);
+    // SAFETY: param is live and g null or live for the call; the shim stores
+    // a new reference to g's tensor in param's grad field.
+    check(unsafe { ffi::hx_set_grad(param.as_ptr() as *mut c_void, g) })
 }
 
 /// The parameters' gradients (undefined tensors where none was computed).
@@ -314,6 +326,30 @@ mod tests {
         assert!(sorted.equal(&Tensor::arange(50, (Kind::Int64, Device::Cpu))));
         let n = rand_seeded(RandKind::Normal, &[20000], 3, Device::Cpu).unwrap();
         assert!(n.mean(Kind::Float).double_value(&[]).abs() < 0.05);
+    }
+
+    #[test]
+    fn backward_accumulates_into_a_gradient_set_as_a_view() {
+        // Two parameters whose gradients are views of one flat buffer.
+        let flat = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        let a = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[3.0f32, 4.0, 5.0]).view([3, 1]).set_requires_grad(true);
+        set_grad(&a, Some(&flat.narrow(0, 0, 2))).unwrap();
+        set_grad(&b, Some(&flat.narrow(0, 2, 3).view([3, 1]))).unwrap();
+        // Two backward passes (gradient accumulation): d/da sum(a^2) = 2a, d/db sum(3b) = 3.
+        for _ in 0..2 {
+            ((&a * &a).sum(Kind::Float) + (&b * 3.0).sum(Kind::Float)).backward();
+        }
+        assert_eq!(Vec::<f32>::try_from(&flat).unwrap(), [4.0, 8.0, 6.0, 6.0, 6.0]);
+        // The gradients are still the views, not copies.
+        let g = grads(&[a.shallow_clone(), b.shallow_clone()]).unwrap();
+        assert_eq!(g[0].data_ptr(), flat.data_ptr());
+        assert_eq!(g[1].size(), [3, 1]);
+        // None resets; a wrong shape is refused.
+        set_grad(&a, None).unwrap();
+        assert!(!grads(&[a.shallow_clone()]).unwrap()[0].defined());
+        let e = set_grad(&a, Some(&flat)).unwrap_err();
+        assert!(e.0.contains("gradient of shape [5] for a parameter of shape [2]"), "{e}");
     }
 
     #[test]

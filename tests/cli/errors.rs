@@ -71,6 +71,13 @@ fn strategy_names_a_missing_workload_and_an_unknown_compressor() {
 }
 
 #[test]
+fn zero_needs_ranks_and_exists_only_up_to_stage_two() {
+    // world_size is 1 here; stage 3 does not exist.
+    let bad = GOOD.replace("baseline = true", "baseline = true\nzero = 2") + "\n[[strategy]]\nname = \"z3\"\nzero = 3\n";
+    insta::assert_snapshot!(validate(&bad));
+}
+
+#[test]
 fn missing_run_length() {
     insta::assert_snapshot!(validate(&GOOD.replace("steps = 10\n", "")));
 }

@@ -2,6 +2,7 @@
 //! read what it leaves behind.
 
 mod errors;
+mod plugins;
 mod report;
 mod resume;
 mod run;

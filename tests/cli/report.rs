@@ -39,6 +39,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         checkpoint_config: None,
         workloads: None,
         link: None,
+        zero: 0,
     }
 }
 

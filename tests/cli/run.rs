@@ -211,3 +211,72 @@ fn cpu_data_parallel_ranks_share_the_work_and_count_their_bytes() {
     // Same seeds, same data, same averaged gradients: the link changes time, not learning.
     assert_eq!(fast.final_eval_loss, slow.final_eval_loss);
 }
+
+#[test]
+fn zero_stages_train_as_ddp_does_with_half_the_optimizer_state_per_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    // Odd sizes (vocabulary 63, width 33), so that buckets need padding;
+    // accumulation, clipping (ZeRO: the global norm over shards) and weight decay.
+    let fp32 = tiny_gpt("fp32", 30, "grad_accum = 2\ngrad_clip = 0.5")
+        .replace("preset = \"tiny\"", "n_layer = 2, n_head = 3, d_model = 33")
+        .replace("vocab = 64", "vocab = 63")
+        .replace("betas = [0.9, 0.95] }", "betas = [0.9, 0.95], weight_decay = 0.1 }");
+    // fp16: the loss scale starts too high and overflows, so ranks must agree to skip.
+    let fp16 = tiny_gpt("fp16", 30, "precision = \"fp16\"");
+    let strategies = "\n[[strategy]]\nname = \"ddp\"\nbaseline = true\n\n[[strategy]]\nname = \"zero1\"\nzero = 1\n\n[[strategy]]\nname = \"zero2\"\nzero = 2\n";
+    let text = suite("zero", "world_size = 2\nbucket_mb = 0.1", &(fp32 + &fp16)) + strategies;
+    let s = write(dir.path(), "s.toml", &text);
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m =
+        |id: &str| r.entries.iter().find(|e| e.id == id).and_then(|e| e.metrics.clone()).unwrap_or_else(|| panic!("{id} has no metrics"));
+    for w in ["fp32", "fp16"] {
+        let ddp = m(&format!("{w}/ddp/r0"));
+        let steps = ddp.steps;
+        let buckets = ddp.bucket_bytes.len() as u64;
+        assert!(buckets >= 2, "{w}: the test wants several buckets, got {buckets}");
+        assert_eq!(ddp.zero, 0);
+        assert_eq!(ddp.collective_ops.keys().collect::<Vec<_>>(), ["all_reduce"]);
+        assert_eq!(ddp.collective_ops["all_reduce"].collectives, steps * buckets);
+        if w == "fp16" {
+            assert!(ddp.skipped_steps >= 1, "no overflow: the fp16 entry does not test the ranks' agreement");
+        }
+        for (stage, name) in [(1u8, "zero1"), (2, "zero2")] {
+            let z = m(&format!("{w}/{name}/r0"));
+            assert_eq!(z.zero, stage);
+            // Same seed, same data, same averaged gradients: the same loss at every step.
+            assert_eq!(z.loss_curve.len(), ddp.loss_curve.len());
+            for (a, b) in z.loss_curve.iter().zip(&ddp.loss_curve) {
+                assert!((a.2 - b.2).abs() <= 1e-4 * b.2.abs(), "{w}/{name} step {}: loss {} vs DDP {}", a.0, a.2, b.2);
+            }
+            let (ze, de) = (z.final_eval_loss.unwrap(), ddp.final_eval_loss.unwrap());
+            assert!((ze - de).abs() <= 1e-4 * de.abs(), "{w}/{name}: eval loss {ze} vs DDP {de}");
+            assert_eq!(z.skipped_steps, ddp.skipped_steps, "{w}/{name}");
+            // Each rank keeps optimizer state for half the parameters (plus a step counter per piece).
+            assert_eq!(z.ranks.iter().map(|k| k.rank).collect::<Vec<_>>(), [0, 1]);
+            for k in &z.ranks {
+                let (mine, all) = (k.optimizer_state_bytes as f64, ddp.ranks[k.rank as usize].optimizer_state_bytes as f64);
+                assert!((mine / all - 0.5).abs() < 0.01, "{w}/{name} rank {}: {mine} bytes of optimizer state vs DDP's {all}", k.rank);
+                // Gradient memory at the optimizer step: stage 1 keeps the full buffers and adds the
+                // reduced shard; stage 2 keeps the shard only.
+                let (g, full) = (k.gradient_bytes as f64, ddp.ranks[k.rank as usize].gradient_bytes as f64);
+                let want = if stage == 1 { 1.5 } else { 0.5 };
+                assert!((g / full - want).abs() < 0.01, "{w}/{name} rank {}: {g} gradient bytes vs DDP's {full}", k.rank);
+            }
+            assert_eq!(z.optimizer_state_bytes, z.ranks[0].optimizer_state_bytes);
+            // A reduce-scatter and an all-gather per bucket per step: on 2 ranks
+            // together they send what DDP's all-reduce sends, plus the padding.
+            let (rs, ag) = (&z.collective_ops["reduce_scatter"], &z.collective_ops["all_gather"]);
+            assert_eq!((rs.collectives, ag.collectives), (steps * buckets, steps * buckets));
+            assert_eq!(rs.bytes, ag.bytes);
+            let extra = rs.bytes_on_wire + ag.bytes_on_wire - ddp.bytes_on_wire;
+            assert!(extra < steps * buckets * 4 * 2, "{w}/{name}: {extra} bytes more than DDP");
+            assert!(rs.busbw_gbs.unwrap() > 0.0 && ag.busbw_gbs.unwrap() > 0.0);
+            // One small all-reduce per step: the gradient norm (fp32, clipped) or the overflow flag (fp16).
+            assert_eq!(z.collective_ops["all_reduce"].collectives, steps);
+            assert_eq!(z.collectives, steps * (2 * buckets + 1));
+        }
+    }
+    // The plan records the stage with the strategy.
+    assert_eq!(r.plan.iter().map(|p| p.strategy.zero).collect::<Vec<_>>(), [0, 1, 2, 0, 1, 2]);
+}

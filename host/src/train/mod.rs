@@ -6,6 +6,7 @@
 //! step it has just launched; evaluation pauses the training clock.
 
 pub mod data;
+pub mod dp;
 pub mod model;
 pub mod optim;
 
@@ -13,13 +14,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
-use crate::results::{MemoryRecord, Metrics};
-use crate::strategy::{BatchDecision, BucketCtx, StepTelemetry, Strategies};
+use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord};
+use crate::strategy::{BatchDecision, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
 use data::Data;
@@ -107,9 +109,19 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             Ok(())
         })?;
     }
-    let buckets = buckets(&params, ctx.bucket_bytes);
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
-    let mut optimizer = Optimizer::new(&w.optimizer, &params);
+    // Gradients live in flat buckets (views into one buffer per bucket,
+    // DDP's gradient_as_bucket_view), handed to the compressor as they are,
+    // on one rank too: the compressor's cost is part of the strategy, and
+    // the built-in all-reduce returns at once with one rank. Optionally
+    // sharded (ZeRO).
+    let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
+    let mut dp = tch::no_grad(|| dp::DataParallel::new(&params, ctx.bucket_bytes, stage, rank, world))?;
+    // What the optimizer updates: the parameters, or this rank's shard of them.
+    let (targets, decay) = dp.update_targets(&params);
+    let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
+    let sharded = dp.sharded();
+    let mut gradient_bytes = 0u64;
     let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
     let mut strategies =
         Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
@@ -206,7 +218,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         };
         let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_frac) * lr_scale;
 
-        torch_ext::grads_to_none(&params)?;
+        dp.begin_step();
         let mut step_loss: Option<Tensor> = None;
         for _ in 0..cur_accum {
             timer.start(Phase::Data)?;
@@ -226,6 +238,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 torch_ext::autocast_clear_cache()?;
             }
             timer.stop()?;
+            // ZeRO-2 allocates its released gradient buffers here, outside
+            // the backward phase (the other stages zero theirs at step start).
+            dp.before_backward(&params)?;
             timer.start(Phase::Backward)?;
             match seed {
                 Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
@@ -246,45 +261,48 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             tokens += b.tokens as u64;
             samples += b.samples as u64;
         }
-        let mut grads = torch_ext::grads(&params)?;
-        if let Some(i) = grads.iter().position(|g| !g.defined()) {
-            anyhow::bail!("parameter {i} received no gradient");
-        }
-
+        dp.check_grads(&params)?;
         timer.start(Phase::Communicate)?;
-        // The compressor sees every bucket, on one rank too: its cost is
-        // part of the strategy (the built-in all-reduce returns at once).
-        {
-            for (bi, idx) in buckets.iter().enumerate() {
-                // One flat buffer per bucket, as DDP's gradient buckets.
-                let parts: Vec<Tensor> = idx.iter().map(|&i| grads[i].view([-1])).collect();
-                let mut flat = Tensor::cat(&parts, 0);
-                let bctx = BucketCtx { step, index: bi, count: buckets.len() };
-                strategies.compressor.reduce(&mut flat, comm, &bctx)?;
-                let mut off = 0;
-                for &i in idx {
-                    let n = grads[i].numel() as i64;
-                    let part = flat.narrow(0, off, n).view_as(&grads[i]);
-                    grads[i].copy_(&part);
-                    off += n;
-                }
-            }
+        if sharded {
+            dp.reduce(&params, strategies.compressor.as_mut(), comm, step).context("the reduce-scatter of the gradients failed")?;
+        } else {
+            dp.reduce(&params, strategies.compressor.as_mut(), comm, step)?;
         }
         timer.stop()?;
+        let grads = dp.grads()?;
 
         timer.start(Phase::Optimizer)?;
         if let Some(s) = &mut scaler {
             s.unscale(&grads)?;
+            if sharded {
+                // Each rank saw only its shard: skip the step everywhere if
+                // any rank overflowed (the kernels skip on exactly 1).
+                comm.all_reduce_sum(&mut s.found_inf)?;
+                let _ = s.found_inf.clamp_max_(1.0);
+            }
         }
-        if w.grad_clip.is_some() {
-            let _norm = torch_ext::clip_grad_norm(&grads, w.grad_clip)?;
+        if let Some(max) = w.grad_clip {
+            if sharded {
+                let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, device)?;
+            } else {
+                let _norm = torch_ext::clip_grad_norm(&grads, Some(max))?;
+            }
         }
-        optimizer.step(&params, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
+        optimizer.step(&targets, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
         if let Some(s) = &mut scaler {
             s.update();
         }
         timer.stop()?;
         drop(grads);
+        {
+            let d = &mut dp;
+            gradient_bytes = gradient_bytes.max(d.gradient_bytes());
+            if d.sharded() {
+                timer.start(Phase::Communicate)?;
+                d.gather_params(comm).context("gathering the parameters failed")?;
+                timer.stop()?;
+            }
+        }
 
         // The previous step's loss: the device has this step queued already.
         if let Some(p) = pending_loss.take() {
@@ -384,6 +402,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_allocated) } else { None },
         peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved) } else { None },
     };
+    let ranks =
+        vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
     let mut histograms = BTreeMap::new();
     let reports = strategies.plugin_reports();
     let runtime = match reports.iter().map(|r| r.0.manifest.transport).collect::<std::collections::BTreeSet<_>>() {
@@ -447,45 +467,40 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         skipped_steps: scaler.as_ref().map_or(0, |s| s.skipped_steps()),
         bytes_on_wire: cs.bytes_sent,
         world_size: world as u32,
-        bucket_bytes: if world > 1 {
-            buckets.iter().map(|b| b.iter().map(|&i| (params[i].numel() * params[i].kind().elt_size_in_bytes()) as u64).sum()).collect()
-        } else {
-            Vec::new()
-        },
+        bucket_bytes: if world > 1 { dp.bucket_bytes() } else { Vec::new() },
         collectives: cs.collectives,
         collective: (cs.collectives > 0).then(|| LatencySummary::of(&cs.latency)),
         collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),
         busbw_gbs: cs.bandwidth_gbs(world, false).map(|b| b.1),
-        busbw_emulated_gbs: comm.stats().bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
+        busbw_emulated_gbs: cs.bandwidth_gbs(world, true).map(|b| b.1).filter(|_| cs.emulated_total != cs.measured_total),
+        collective_ops: cs
+            .ops
+            .iter()
+            .map(|(op, s)| {
+                let emulated = s.emulated_total != s.measured_total;
+                let record = CollectiveOpRecord {
+                    collectives: s.collectives,
+                    bytes: s.bytes,
+                    bytes_on_wire: s.bytes_sent,
+                    latency: (!s.latency.is_empty()).then(|| LatencySummary::of(&s.latency)),
+                    busbw_gbs: cs.op_bandwidth_gbs(*op, world, false).map(|b| b.1),
+                    busbw_emulated_gbs: cs.op_bandwidth_gbs(*op, world, true).map(|b| b.1).filter(|_| emulated),
+                };
+                (op.name().to_owned(), record)
+            })
+            .collect(),
         strategy_runtime: runtime,
         plugins: plugin_records,
         fused_cross_entropy: fused_ce,
+        zero: ctx.entry.strategy.zero,
+        optimizer_state_bytes: optimizer.state_bytes(),
+        gradient_bytes,
+        ranks,
         batch_changes,
         checkpoints_written: 0,
         goodput_steps_per_s: None,
     };
     Ok(EntryOutput { metrics, histograms })
-}
-
-/// Groups consecutive parameters into buckets of at most `max_bytes` of
-/// gradients (a parameter larger than that gets a bucket of its own).
-fn buckets(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
-    let mut out: Vec<Vec<usize>> = Vec::new();
-    let mut size = 0u64;
-    for (i, p) in params.iter().enumerate() {
-        let b = (p.numel() * p.kind().elt_size_in_bytes()) as u64;
-        match out.last_mut() {
-            Some(cur) if size + b <= max_bytes => {
-                cur.push(i);
-                size += b;
-            }
-            _ => {
-                out.push(vec![i]);
-                size = b;
-            }
-        }
-    }
-    out
 }
 
 /// A step's loss on its way to the host. On CUDA it is copied into pinned

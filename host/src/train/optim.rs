@@ -32,11 +32,20 @@ fn pick(ts: &[Tensor], idx: &[usize]) -> Vec<Tensor> {
 }
 
 impl Optimizer {
-    /// Creates the optimizer state for `params`.
+    /// Creates the optimizer state for `params`; weight decay applies to
+    /// those with two or more dimensions.
     pub fn new(spec: &OptimizerSpec, params: &[Tensor]) -> Optimizer {
+        let decay: Vec<bool> = params.iter().map(|p| p.dim() >= 2).collect();
+        Optimizer::with_decay(spec, params, &decay)
+    }
+
+    /// Creates the optimizer state for `params` (any shapes, e.g. flat pieces
+    /// of parameters under ZeRO), with weight decay where `decay` says so.
+    pub fn with_decay(spec: &OptimizerSpec, params: &[Tensor], decay: &[bool]) -> Optimizer {
+        assert_eq!(params.len(), decay.len(), "one decay flag per parameter");
         match spec {
             OptimizerSpec::Adamw { betas, eps, weight_decay, .. } => {
-                let (decay, no_decay): (Vec<usize>, Vec<usize>) = (0..params.len()).partition(|&i| params[i].dim() >= 2);
+                let (decay, no_decay): (Vec<usize>, Vec<usize>) = (0..params.len()).partition(|&i| decay[i]);
                 Optimizer::AdamW {
                     groups: [decay, no_decay],
                     exp_avg: params.iter().map(|p| p.zeros_like()).collect(),
@@ -53,6 +62,16 @@ impl Optimizer {
                 nesterov: *nesterov,
                 weight_decay: *weight_decay,
             },
+        }
+    }
+
+    /// Bytes of optimizer state held now (AdamW: both moments and the step
+    /// counts; SGD: the momentum buffers, created at the first step).
+    pub fn state_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        match self {
+            Optimizer::AdamW { exp_avg, exp_avg_sq, steps, .. } => exp_avg.iter().chain(exp_avg_sq).chain(steps).map(bytes).sum(),
+            Optimizer::Sgd { bufs, .. } => bufs.iter().flatten().map(bytes).sum(),
         }
     }
 

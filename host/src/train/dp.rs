@@ -1,0 +1,576 @@
+//! Data parallelism on one rank: gradient buckets as flat buffers, reduced by
+//! the compressor (plain DDP, `zero = 0`) or sharded (ZeRO stages 1 and 2).
+//!
+//! Every parameter's `.grad` is a view of its bucket's flat buffer, allocated
+//! once (PyTorch DDP's `gradient_as_bucket_view`): backward passes accumulate
+//! into the buffers in place, which are zeroed at the start of each step, and
+//! the compressor reduces each buffer as it is, without a copy.
+//!
+//! ZeRO ([`ZeroStage`]): each bucket's flat space (padded to a multiple of
+//! the ranks) is split into `world` contiguous chunks; rank r owns the r-th
+//! chunk of every bucket: its shard. The parameters become views of flat
+//! parameter buffers laid out as the gradient buffers. A step reduce-scatters
+//! each gradient buffer (rank r receives the averaged r-th chunk), updates
+//! the shard's parameters with optimizer state kept for the shard only, and
+//! all-gathers the updated chunks into every rank's parameters. With one
+//! bucket the shards are the contiguous `world`-way partition of all
+//! parameters; with several, a rank's shard is one contiguous piece per
+//! bucket, so that the reduce-scatter of a bucket delivers exactly it.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::comm::Collective;
+use crate::strategy::Compressor;
+use crate::torch_ext;
+
+/// How the optimizer state and gradients are partitioned over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZeroStage {
+    /// Plain DDP: every rank holds everything; gradients are all-reduced by the compressor.
+    None,
+    /// ZeRO-1: optimizer state is sharded. The full gradient buffers stay
+    /// allocated for the whole run, as in DDP.
+    One,
+    /// ZeRO-2: optimizer state and reduced gradients are sharded: the full
+    /// gradient buffers are released right after their reduce-scatter and
+    /// allocated again before the next step's first backward pass.
+    ///
+    /// Without gradient hooks during backward (which would reduce-scatter each
+    /// bucket as soon as its gradients are complete), the full local gradient
+    /// still exists from the first backward pass of a step until the
+    /// reduce-scatter, so the peak of the backward pass is the same as with
+    /// stage 1. What stage 2 saves over stage 1 is the full gradient buffers
+    /// during the optimizer step, the parameter all-gather, evaluation and the
+    /// next step's forward pass.
+    Two,
+}
+
+impl ZeroStage {
+    /// The stage of a suite's `zero` key (0, 1 or 2).
+    pub fn from_level(level: u8) -> anyhow::Result<ZeroStage> {
+        Ok(match level {
+            0 => ZeroStage::None,
+            1 => ZeroStage::One,
+            2 => ZeroStage::Two,
+            other => anyhow::bail!("ZeRO stage {other} does not exist (0, 1 or 2)"),
+        })
+    }
+
+    fn sharded(self) -> bool {
+        self != ZeroStage::None
+    }
+}
+
+/// Consecutive parameters whose gradients (and, under ZeRO, values) are
+/// views of one flat buffer.
+struct Bucket {
+    /// Indices of its parameters.
+    params: Vec<usize>,
+    /// Element offset of each parameter in the flat buffers.
+    offsets: Vec<i64>,
+    /// Elements of the parameters.
+    numel: i64,
+    /// Elements of the flat buffers: `numel`, rounded up to a multiple of
+    /// the ranks under ZeRO (the padding is zero and belongs to no parameter).
+    padded: i64,
+    kind: Kind,
+    /// The flat gradient buffer and each parameter's view of it; None while
+    /// released (ZeRO-2).
+    grad: Option<(Tensor, Vec<Tensor>)>,
+    /// ZeRO: the flat buffer the parameters are views of.
+    param_flat: Option<Tensor>,
+    /// ZeRO: this rank's averaged chunk of the gradient, from the
+    /// reduce-scatter until the parameters are gathered.
+    reduced: Option<Tensor>,
+}
+
+/// A contiguous piece of this rank's shard (ZeRO): elements
+/// `start .. start + len` of a bucket's flat buffers, inside parameters of
+/// one weight-decay group (consecutive parameters of a group are merged).
+#[derive(Debug, Clone, PartialEq)]
+struct Segment {
+    bucket: usize,
+    start: i64,
+    len: i64,
+    decay: bool,
+}
+
+/// One rank's data-parallel state (more than one rank).
+pub struct DataParallel {
+    stage: ZeroStage,
+    rank: usize,
+    world: usize,
+    device: Device,
+    buckets: Vec<Bucket>,
+    /// ZeRO: this rank's shard.
+    segments: Vec<Segment>,
+}
+
+/// Whether a parameter gets weight decay: matrices and embeddings, not biases
+/// and norms (nanoGPT's groups, as the optimizer makes them).
+pub fn decays(p: &Tensor) -> bool {
+    p.dim() >= 2
+}
+
+impl DataParallel {
+    /// Buckets of at most `bucket_bytes` of gradients over `params` (the
+    /// same on every rank, after the initial broadcast), with flat gradient
+    /// buffers; under ZeRO the parameters are moved into flat buffers too.
+    pub fn new(params: &[Tensor], bucket_bytes: u64, stage: ZeroStage, rank: usize, world: usize) -> anyhow::Result<DataParallel> {
+        anyhow::ensure!(rank < world, "rank {rank} is not in a world of {world}");
+        anyhow::ensure!(world >= 2 || !stage.sharded(), "ZeRO needs world >= 2");
+        let device = params.first().map_or(Device::Cpu, |p| p.device());
+        let mut buckets = Vec::new();
+        for idx in buckets_of(params, bucket_bytes) {
+            let kind = params[idx[0]].kind();
+            if let Some(&i) = idx.iter().find(|&&i| params[i].kind() != kind) {
+                anyhow::bail!("parameters {} and {i} share a gradient bucket but not a dtype ({kind:?}, {:?})", idx[0], params[i].kind());
+            }
+            let mut offsets = Vec::with_capacity(idx.len());
+            let mut numel = 0i64;
+            for &i in &idx {
+                offsets.push(numel);
+                numel += params[i].numel() as i64;
+            }
+            let padded = if stage.sharded() { ((numel as usize).div_ceil(world) * world) as i64 } else { numel };
+            buckets.push(Bucket { params: idx, offsets, numel, padded, kind, grad: None, param_flat: None, reduced: None });
+        }
+        let mut dp = DataParallel { stage, rank, world, device, buckets, segments: Vec::new() };
+        if stage.sharded() {
+            tch::no_grad(|| -> anyhow::Result<()> {
+                for b in &mut dp.buckets {
+                    let flat = Tensor::zeros([b.padded], (b.kind, device));
+                    for (&i, &off) in b.params.iter().zip(&b.offsets) {
+                        let p = &params[i];
+                        let view = flat.narrow(0, off, p.numel() as i64).view(p.size().as_slice());
+                        view.shallow_clone().copy_(p);
+                        // The parameter now lives in the flat buffer (its own
+                        // storage is freed); autograd still sees the same leaf.
+                        p.shallow_clone().f_set_data(&view)?;
+                    }
+                    b.param_flat = Some(flat);
+                }
+                Ok(())
+            })?;
+            dp.segments = dp.shard_segments(params);
+        }
+        dp.attach_grads(params)?;
+        Ok(dp)
+    }
+
+    /// This rank's shard: the pieces of rank r's chunk of each bucket that
+    /// lie in parameters (not in padding), merged within a decay group.
+    fn shard_segments(&self, params: &[Tensor]) -> Vec<Segment> {
+        let mut out: Vec<Segment> = Vec::new();
+        for (bi, b) in self.buckets.iter().enumerate() {
+            let chunk = b.padded / self.world as i64;
+            let (lo, hi) = (self.rank as i64 * chunk, (self.rank as i64 + 1) * chunk);
+            for (&i, &off) in b.params.iter().zip(&b.offsets) {
+                let (s, e) = (off.max(lo), (off + params[i].numel() as i64).min(hi));
+                if s >= e {
+                    continue;
+                }
+                let decay = decays(&params[i]);
+                match out.last_mut() {
+                    Some(last) if last.bucket == bi && last.decay == decay && last.start + last.len == s => last.len += e - s,
+                    _ => out.push(Segment { bucket: bi, start: s, len: e - s, decay }),
+                }
+            }
+        }
+        out
+    }
+
+    /// Allocates (zeroed) the gradient buffers that are missing and makes
+    /// every parameter's `.grad` its view of its bucket's buffer.
+    fn attach_grads(&mut self, params: &[Tensor]) -> anyhow::Result<()> {
+        for b in &mut self.buckets {
+            if b.grad.is_some() {
+                continue;
+            }
+            let flat = Tensor::zeros([b.padded], (b.kind, self.device));
+            let mut views = Vec::with_capacity(b.params.len());
+            for (&i, &off) in b.params.iter().zip(&b.offsets) {
+                let p = &params[i];
+                let view = flat.narrow(0, off, p.numel() as i64).view(p.size().as_slice());
+                torch_ext::set_grad(p, Some(&view))?;
+                views.push(view);
+            }
+            b.grad = Some((flat, views));
+        }
+        Ok(())
+    }
+
+    /// Start of a step: zeroes the gradient buffers (ZeRO-2 has released
+    /// them and allocates zeroed ones before the first backward pass).
+    pub fn begin_step(&mut self) {
+        for b in &mut self.buckets {
+            if let Some((flat, _)) = &mut b.grad {
+                let _ = flat.zero_();
+            }
+        }
+    }
+
+    /// Before each backward pass: gives released buffers back (ZeRO-2).
+    pub fn before_backward(&mut self, params: &[Tensor]) -> anyhow::Result<()> {
+        self.attach_grads(params)
+    }
+
+    /// Checks that backward accumulated into the buffers: every parameter's
+    /// `.grad` must still be its view (autograd replacing it would leave the
+    /// buffers, and so the reduction, without that gradient).
+    pub fn check_grads(&self, params: &[Tensor]) -> anyhow::Result<()> {
+        let grads = torch_ext::grads(params)?;
+        for b in &self.buckets {
+            let Some((_, views)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
+            for (&i, v) in b.params.iter().zip(views) {
+                anyhow::ensure!(
+                    grads[i].defined() && grads[i].data_ptr() == v.data_ptr(),
+                    "parameter {i}'s gradient is no longer a view of its bucket (backward replaced it)"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduces the gradients of the step. Without ZeRO each flat buffer goes
+    /// to the compressor, which leaves the average in it. Under ZeRO each
+    /// buffer is reduce-scattered and this rank keeps its chunk, averaged;
+    /// ZeRO-2 then releases the full buffers.
+    pub fn reduce(&mut self, params: &[Tensor], compressor: &mut dyn Compressor, comm: &mut dyn Collective, step: u64) -> anyhow::Result<()> {
+        let n = self.world as f64;
+        let count = self.buckets.len();
+        for (index, b) in self.buckets.iter_mut().enumerate() {
+            let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
+            if !self.stage.sharded() {
+                let mut out = flat.shallow_clone();
+                compressor.reduce(&mut out, comm, &crate::strategy::BucketCtx { step, index, count })?;
+                // A compressor may hand back a new tensor instead of writing
+                // in place; the parameters' gradients are views of `flat`.
+                if out.data_ptr() != flat.data_ptr() {
+                    tch::no_grad(|| flat.shallow_clone().copy_(&out.view_as(flat)));
+                }
+                continue;
+            }
+            let mut chunk = comm.reduce_scatter_sum(flat)?;
+            let _ = chunk.divide_scalar_(n);
+            b.reduced = Some(chunk);
+            if self.stage == ZeroStage::Two {
+                for &i in &b.params {
+                    torch_ext::set_grad(&params[i], None)?;
+                }
+                b.grad = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradients the optimizer reads, reduced, matching
+    /// [`DataParallel::update_targets`]: every parameter's (views of the
+    /// buffers), or under ZeRO the shard's pieces of the reduced chunks.
+    pub fn grads(&self) -> anyhow::Result<Vec<Tensor>> {
+        if !self.stage.sharded() {
+            let views = self.buckets.iter().map(|b| b.grad.as_ref().map(|g| &g.1));
+            let mut out = Vec::new();
+            for v in views {
+                out.extend(v.ok_or_else(|| anyhow::anyhow!("a gradient buffer is missing"))?.iter().map(Tensor::shallow_clone));
+            }
+            return Ok(out);
+        }
+        self.segments
+            .iter()
+            .map(|s| {
+                let b = &self.buckets[s.bucket];
+                let chunk = b.reduced.as_ref().ok_or_else(|| anyhow::anyhow!("the gradients were not reduced"))?;
+                Ok(chunk.narrow(0, s.start - self.rank as i64 * (b.padded / self.world as i64), s.len))
+            })
+            .collect()
+    }
+
+    /// What the optimizer updates, with whether each gets weight decay: the
+    /// parameters in bucket order, or under ZeRO the shard's pieces of the
+    /// flat parameter buffers.
+    pub fn update_targets(&self, params: &[Tensor]) -> (Vec<Tensor>, Vec<bool>) {
+        if !self.stage.sharded() {
+            let order = self.buckets.iter().flat_map(|b| b.params.iter().copied());
+            return order.map(|i| (params[i].shallow_clone(), decays(&params[i]))).unzip();
+        }
+        self.segments
+            .iter()
+            .map(|s| {
+                let flat = self.buckets[s.bucket].param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
+                (flat.narrow(0, s.start, s.len), s.decay)
+            })
+            .unzip()
+    }
+
+    /// Whether optimizer state and gradients are sharded (ZeRO).
+    pub fn sharded(&self) -> bool {
+        self.stage.sharded()
+    }
+
+    /// ZeRO: gathers every rank's updated chunk of each bucket into the
+    /// parameters, and drops the reduced gradient chunks.
+    pub fn gather_params(&mut self, comm: &mut dyn Collective) -> anyhow::Result<()> {
+        if !self.stage.sharded() {
+            return Ok(());
+        }
+        for b in &mut self.buckets {
+            let flat = b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
+            let chunk = b.padded / self.world as i64;
+            let full = comm.all_gather(&flat.narrow(0, self.rank as i64 * chunk, chunk))?;
+            tch::no_grad(|| flat.shallow_clone().copy_(&full));
+            b.reduced = None;
+        }
+        Ok(())
+    }
+
+    /// Bytes of gradient memory this rank holds now: the full buffers
+    /// allocated and the reduced chunks.
+    pub fn gradient_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| bytes(&g.0)) + b.reduced.as_ref().map_or(0, bytes)).sum()
+    }
+
+    /// Bytes of each bucket's gradients (padding excluded).
+    pub fn bucket_bytes(&self) -> Vec<u64> {
+        self.buckets.iter().map(|b| b.numel as u64 * b.kind.elt_size_in_bytes() as u64).collect()
+    }
+}
+
+/// Clips gradients spread over the ranks (each rank holds a disjoint part,
+/// ZeRO's shard) to the global 2-norm `max_norm`: the ranks sum the squares
+/// of their parts' norms with an all-reduce, then each scales its part by
+/// min(1, max_norm / (norm + 1e-6)), as `clip_grad_norm_`. Returns the
+/// global norm (a device scalar).
+pub fn clip_grad_norm_sharded(grads: &[Tensor], max_norm: f64, comm: &mut dyn Collective, device: Device) -> anyhow::Result<Tensor> {
+    let local = if grads.is_empty() { Tensor::zeros([], (Kind::Float, device)) } else { torch_ext::clip_grad_norm(grads, None)? };
+    let mut sq = local.square();
+    comm.all_reduce_sum(&mut sq)?;
+    let total = sq.sqrt();
+    let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
+    tch::no_grad(|| {
+        for g in grads {
+            let _ = g.shallow_clone().g_mul_(&coef);
+        }
+    });
+    Ok(total)
+}
+
+/// Groups consecutive parameters into buckets of at most `max_bytes` of
+/// gradients (a parameter larger than that gets a bucket of its own).
+pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut size = 0u64;
+    for (i, p) in params.iter().enumerate() {
+        let b = (p.numel() * p.kind().elt_size_in_bytes()) as u64;
+        match out.last_mut() {
+            Some(cur) if size + b <= max_bytes => {
+                cur.push(i);
+                size += b;
+            }
+            _ => {
+                out.push(vec![i]);
+                size = b;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::InProcessGroup;
+    use crate::strategy::AllReduce;
+
+    /// Parameters of odd sizes (so that ZeRO pads) with values depending on
+    /// `seed` (not from libtorch's generator, which tests share).
+    fn params(seed: i64) -> Vec<Tensor> {
+        let shapes: [&[i64]; 4] = [&[3, 5], &[7], &[2, 2], &[9, 1]];
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: i64 = s.iter().product();
+                let x = (Tensor::arange(n, tch::kind::FLOAT_CPU) * 0.37 + (seed * 10 + i as i64) as f64).sin();
+                x.view(*s).set_requires_grad(true)
+            })
+            .collect()
+    }
+
+    /// A loss that gives every parameter a distinct gradient.
+    fn loss(ps: &[Tensor], k: f64) -> Tensor {
+        ps.iter()
+            .enumerate()
+            .map(|(i, p)| (p * p * (i as f64 + k)).sum(Kind::Float) + p.sum(Kind::Float))
+            .fold(Tensor::zeros([], tch::kind::FLOAT_CPU), |a, b| a + b)
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(&t.reshape([-1])).unwrap()
+    }
+
+    #[test]
+    fn flat_buckets_collect_what_autograd_computes_and_zero_each_step() {
+        // Reference: fresh gradients from autograd over two micro-batches.
+        let reference = params(1);
+        for k in [1.0, 2.0] {
+            loss(&reference, k).backward();
+        }
+        let want: Vec<Vec<f32>> = torch_ext::grads(&reference).unwrap().iter().map(values).collect();
+
+        // Same parameters, gradients as views of flat buckets of at most 44 bytes.
+        let ps = params(1);
+        let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap();
+        assert_eq!(dp.bucket_bytes(), [60, 28 + 16, 36]);
+        for step in 0..2 {
+            dp.begin_step();
+            for k in [1.0, 2.0] {
+                dp.before_backward(&ps).unwrap();
+                loss(&ps, k).backward();
+            }
+            dp.check_grads(&ps).unwrap();
+            let got: Vec<Vec<f32>> = dp.grads().unwrap().iter().map(values).collect();
+            assert_eq!(got, want, "step {step}");
+            // The buffers hold them: bucket 1 is parameters 1 and 2, back to back.
+            let flat = &dp.buckets[1].grad.as_ref().unwrap().0;
+            assert_eq!(values(flat), [want[1].clone(), want[2].clone()].concat());
+        }
+        // A gradient that autograd (or anyone) replaced is caught.
+        torch_ext::set_grad(&ps[2], Some(&Tensor::zeros([2, 2], tch::kind::FLOAT_CPU))).unwrap();
+        let e = dp.check_grads(&ps).unwrap_err().to_string();
+        assert!(e.contains("parameter 2's gradient is no longer a view"), "{e}");
+    }
+
+    #[test]
+    fn zero_shards_split_every_parameter_once_and_keep_its_values() {
+        let world = 3;
+        let before: Vec<Vec<f32>> = params(2).iter().map(values).collect();
+        let total: i64 = before.iter().map(|v| v.len() as i64).sum();
+        let mut seen = vec![0u32; total as usize];
+        let mut sizes = Vec::new();
+        for rank in 0..world {
+            let ps = params(2);
+            let dp = DataParallel::new(&ps, 44, ZeroStage::One, rank, world).unwrap();
+            // Buffers padded to a multiple of the ranks: 15 -> 15, 11 -> 12, 9 -> 9.
+            assert_eq!(dp.buckets.iter().map(|b| b.padded).collect::<Vec<_>>(), [15, 12, 9]);
+            // The parameters kept their values and now live in the flat buffers.
+            for (p, v) in ps.iter().zip(&before) {
+                assert_eq!(&values(p), v);
+            }
+            let flat = dp.buckets[1].param_flat.as_ref().unwrap();
+            assert_eq!(ps[2].data_ptr() as usize, flat.data_ptr() as usize + 7 * 4);
+            let (targets, decay) = dp.update_targets(&ps);
+            sizes.push(targets.iter().map(|t| t.numel()).sum::<usize>());
+            for (s, d) in dp.segments.iter().zip(decay) {
+                let b = &dp.buckets[s.bucket];
+                let chunk = b.padded / world as i64;
+                assert!(
+                    s.start >= rank as i64 * chunk && s.start + s.len <= (rank as i64 + 1) * chunk,
+                    "{s:?} outside rank {rank}'s chunk"
+                );
+                let global: i64 = dp.buckets[..s.bucket].iter().map(|b| b.numel).sum::<i64>() + s.start;
+                for e in global..global + s.len {
+                    seen[e as usize] += 1;
+                }
+                // Decay follows the parameter the segment lies in (only [3, 5], [2, 2] and [9, 1] are matrices).
+                let owner = b.offsets.iter().rposition(|&o| o <= s.start).unwrap();
+                assert_eq!(d, ps[b.params[owner]].dim() >= 2);
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "elements owned by other than one rank: {seen:?}");
+        // Each rank owns 1/3 of every padded bucket, less the padding it got.
+        assert_eq!(sizes, [5 + 4 + 3, 5 + 4 + 3, 5 + 3 + 3]);
+    }
+
+    /// Runs `f` on two thread ranks with fresh parameters each.
+    fn two_ranks<T: Send + 'static>(f: impl Fn(usize, &mut crate::comm::InProcessComm) -> T + Send + Sync + 'static) -> Vec<T> {
+        let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let f = Arc::new(f);
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (g, f) = (g.clone(), f.clone());
+                std::thread::spawn(move || f(r, &mut g.rank(r, None)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn zero_reduces_this_ranks_shard_and_gathers_every_update() {
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let out = two_ranks(move |rank, comm| {
+                let ps = params(3);
+                let mut dp = DataParallel::new(&ps, 44, stage, rank, 2).unwrap();
+                let full = dp.gradient_bytes();
+                dp.begin_step();
+                dp.before_backward(&ps).unwrap();
+                // Rank r's gradient is (r + 1) x the loss's: the average is 1.5 x.
+                (loss(&ps, 1.0) * (rank as f64 + 1.0)).backward();
+                dp.check_grads(&ps).unwrap();
+                let want: Vec<f32> = torch_ext::grads(&ps).unwrap().iter().flat_map(|g| values(&(g / (rank as f64 + 1.0) * 1.5))).collect();
+                dp.reduce(&ps, &mut AllReduce, comm, 0).unwrap();
+                let held = dp.gradient_bytes();
+                // The shard's gradients are the average, at the shard's places.
+                let (targets, _) = dp.update_targets(&ps);
+                for (s, g) in dp.segments.iter().zip(dp.grads().unwrap()) {
+                    let global = dp.buckets[..s.bucket].iter().map(|b| b.numel).sum::<i64>() + s.start;
+                    assert_eq!(values(&g), want[global as usize..(global + s.len) as usize]);
+                }
+                // An "update" of the shard: every element becomes its rank's number; the gather spreads it.
+                tch::no_grad(|| targets.iter().for_each(|t| drop(t.shallow_clone().fill_(rank as f64 + 10.0))));
+                dp.gather_params(comm).unwrap();
+                let after: Vec<f32> = ps.iter().flat_map(values).collect();
+                (full, held, after, dp.segments.clone())
+            });
+            // Both ranks end with the same parameters: rank 0's first half of each bucket, rank 1's second.
+            assert_eq!(out[0].2, out[1].2, "{stage:?}");
+            assert!(out[0].2.iter().all(|&x| x == 10.0 || x == 11.0));
+            for (rank, o) in out.iter().enumerate() {
+                // Bucket of 15 elements padded to 16: 4 bytes x (16 + 12 + 10), half of it reduced.
+                assert_eq!(o.0, 4 * (16 + 12 + 10), "{stage:?}");
+                let shard = 4 * (8 + 6 + 5);
+                let held = if stage == ZeroStage::Two { shard } else { 4 * (16 + 12 + 10) + shard };
+                assert_eq!(o.1, held, "{stage:?} rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_compressor_that_returns_a_new_tensor_still_reaches_the_gradients() {
+        struct Sevens;
+        impl Compressor for Sevens {
+            fn reduce(&mut self, bucket: &mut Tensor, _comm: &mut dyn Collective, _ctx: &crate::strategy::BucketCtx) -> anyhow::Result<()> {
+                *bucket = bucket.ones_like() * 7.0;
+                Ok(())
+            }
+        }
+        let out = two_ranks(|rank, comm| {
+            let ps = params(4);
+            let mut dp = DataParallel::new(&ps, 1 << 20, ZeroStage::None, rank, 2).unwrap();
+            dp.begin_step();
+            dp.before_backward(&ps).unwrap();
+            loss(&ps, 1.0).backward();
+            dp.reduce(&ps, &mut Sevens, comm, 0).unwrap();
+            torch_ext::grads(&ps).unwrap().iter().flat_map(values).collect::<Vec<f32>>()
+        });
+        for g in out {
+            assert!(g.iter().all(|&x| x == 7.0), "{g:?}");
+        }
+    }
+
+    #[test]
+    fn sharded_clipping_uses_the_global_norm() {
+        // Rank 0 holds [3], rank 1 holds [4]: the global norm is 5.
+        let out = two_ranks(|rank, comm| {
+            let g = Tensor::from_slice(&[3.0f32 + rank as f32]);
+            let norm = clip_grad_norm_sharded(&[g.shallow_clone()], 1.0, comm, Device::Cpu).unwrap();
+            (norm.double_value(&[]), g.double_value(&[0]))
+        });
+        assert!((out[0].0 - 5.0).abs() < 1e-6 && (out[1].0 - 5.0).abs() < 1e-6);
+        assert!((out[0].1 - 0.6).abs() < 1e-5 && (out[1].1 - 0.8).abs() < 1e-5, "{out:?}");
+    }
+}

@@ -1,0 +1,187 @@
+//! Plugins end to end: bad plugins fail their own entry with a message that
+//! names the plugin, the call and the cause, and never the run; good ones
+//! train like the built-in strategy; `harness plugin new` makes a crate that
+//! builds and runs as generated.
+//!
+//! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
+
+use std::path::{Path, PathBuf};
+
+use crate::{harness, repo_root, run_ok, write};
+
+/// The built plugin artifacts; fails with what to run when they are missing.
+fn artifact(name: &str) -> PathBuf {
+    let p = repo_root().join("target/plugins").join(name);
+    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
+    p
+}
+
+fn results(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
+}
+
+fn entry<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no entry {id}"))
+}
+
+const WORKLOAD: &str = r#"
+[[workload]]
+name = "mlp"
+model = { kind = "mlp", preset = "tiny" }
+data = { kind = "synthetic", vocab = 256, branching = 4 }
+batch = 8
+seq_len = 16
+steps = 12
+optimizer = { kind = "adamw", lr = 1e-2, weight_decay = 0.0 }
+eval_batches = 1
+"#;
+
+#[test]
+fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = format!("[suite]\nname = \"bad-plugins\"\ndevice = \"cpu\"\nseed = 1\nworld_size = 2\nwarmup_steps = 2\n{WORKLOAD}");
+    let plugin = |name: &str, file: &str, extra: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n{extra}\n", artifact(file).display());
+    s += &plugin("avg", "allreduce.wasm", "");
+    s += &plugin("avg-native", "liballreduce.so", "");
+    s += &plugin("bad", "misbehave.wasm", "memory_mb = 32\ndeadline_ms = 300");
+    s += &plugin("bad-native", "libmisbehave.so", "");
+    s += &plugin("old-abi", "libbad-abi.so", "");
+    s += &plugin("batchy", "misbehave-batch.wasm", "");
+    s += "[[strategy]]\nname = \"first\"\ncompressor = \"avg\"\n";
+    let modes = ["trap", "panic", "loop", "alloc", "nan", "wrong-shape", "reject"];
+    for m in modes {
+        s += &format!("[[strategy]]\nname = \"{m}\"\ncompressor = \"bad\"\ncompressor_config = {{ mode = \"{m}\" }}\n");
+    }
+    s += "[[strategy]]\nname = \"native-panic\"\ncompressor = \"bad-native\"\ncompressor_config = { mode = \"panic\" }\n";
+    s += "[[strategy]]\nname = \"abi\"\ncompressor = \"old-abi\"\n";
+    for m in ["zero", "nan-lr"] {
+        s += &format!("[[strategy]]\nname = \"batch-{m}\"\nbatch_policy = \"batchy\"\nbatch_policy_config = {{ mode = \"{m}\" }}\n");
+    }
+    s += "[[strategy]]\nname = \"last\"\ncompressor = \"avg-native\"\n";
+    let suite = write(dir.path(), "suite.toml", &s);
+    let out_path = dir.path().join("r.json");
+    let t0 = std::time::Instant::now();
+    let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
+    // Exit 1: the run finished and some entries failed; nothing crashed.
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(t0.elapsed().as_secs() < 120, "the run took {:?}: something hung", t0.elapsed());
+    let r = results(&out_path);
+    for ok in ["mlp/first/r0", "mlp/last/r0"] {
+        let e = entry(&r, ok);
+        assert_eq!(e["status"], "ok", "{ok}: {e}");
+        assert!(e["metrics"]["steps"].as_u64() == Some(12), "{ok} trained all its steps");
+    }
+    let wasm = |call: &str, cause: &str| vec![format!("compressor plugin `bad` (wasm, "), format!("in `{call}`"), cause.to_owned()];
+    let expect: Vec<(&str, Vec<String>)> = vec![
+        ("trap", wasm("compress", "it trapped (unreachable instruction)")),
+        ("panic", wasm("compress", "it panicked at tests/plugins/misbehave/src/lib.rs")),
+        ("loop", wasm("compress", "per-call deadline of 300 ms")),
+        ("alloc", wasm("compress", "memory past the cap of 32 MiB")),
+        ("nan", wasm("compress", "non-finite values in bucket 0 at step 0")),
+        ("wrong-shape", wasm("compress", "host op `tensor.assign`: shapes differ")),
+        ("reject", wasm("configure", "rejects its config on purpose")),
+        ("native-panic", vec!["compressor plugin `bad-native` (native, ".into(), "in `compress`".into(), "it panicked: mode `panic`".into()]),
+        ("abi", vec!["plugin `old-abi`".into(), "ABI version 999".into(), "harness speaks version 1".into()]),
+        ("batch-zero", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "micro-batch 0 x 1".into()]),
+        ("batch-nan-lr", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "lr-scale NaN".into()]),
+    ];
+    for (name, wants) in expect {
+        let e = entry(&r, &format!("mlp/{name}/r0"));
+        assert_eq!(e["status"], "failed", "{name}: {e}");
+        let msg = e["error"].as_str().unwrap();
+        for w in wants {
+            assert!(msg.contains(&w), "{name}: {msg:?} lacks {w:?}");
+        }
+    }
+}
+
+#[test]
+fn a_wasm_all_reduce_plugin_trains_exactly_like_the_built_in_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = format!(
+        "[suite]\nname = \"same\"\ndevice = \"cpu\"\nseed = 3\nworld_size = 2\nwarmup_steps = 2\n{WORKLOAD}\n\
+         [[plugin]]\nname = \"avg\"\npath = \"{}\"\n[[plugin]]\nname = \"avg-native\"\npath = \"{}\"\n\
+         [[strategy]]\nname = \"builtin\"\nbaseline = true\n\
+         [[strategy]]\nname = \"wasm\"\ncompressor = \"avg\"\n[[strategy]]\nname = \"native\"\ncompressor = \"avg-native\"\n",
+        artifact("allreduce.wasm").display(),
+        artifact("liballreduce.so").display()
+    );
+    let suite = write(dir.path(), "suite.toml", &s);
+    let out_path = dir.path().join("r.json");
+    run_ok(harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q"));
+    let r = results(&out_path);
+    let curve = |id: &str| entry(&r, id)["metrics"]["loss_curve"].clone();
+    let base = entry(&r, "mlp/builtin/r0");
+    for id in ["mlp/wasm/r0", "mlp/native/r0"] {
+        let e = entry(&r, id);
+        // Same seed, same sums: the plugin's average is the built-in's.
+        assert_eq!(curve(id), curve("mlp/builtin/r0"), "{id} learned differently");
+        assert_eq!(e["metrics"]["bytes_on_wire"], base["metrics"]["bytes_on_wire"], "{id} moved other bytes");
+        let p = &e["metrics"]["plugins"][0];
+        assert_eq!(p["slot"], "compressor");
+        assert_eq!(p["name"], "allreduce");
+        let calls = p["calls"].as_u64().unwrap();
+        // configure + one compress per bucket per step.
+        let buckets = 1;
+        assert_eq!(calls, 1 + 12 * buckets, "{id}: {p}");
+        assert!(p["call"]["p50_ms"].as_f64().unwrap() > 0.0);
+        assert!(e["histograms"]["plugin.compressor"].is_string());
+    }
+    assert_eq!(entry(&r, "mlp/wasm/r0")["metrics"]["strategy_runtime"], "wasm");
+    assert_eq!(entry(&r, "mlp/native/r0")["metrics"]["strategy_runtime"], "native (unsandboxed)");
+    assert_eq!(base["metrics"]["strategy_runtime"], "built-in");
+}
+
+#[test]
+fn inspect_prints_a_pinnable_manifest_and_pins_are_enforced() {
+    let dir = tempfile::tempdir().unwrap();
+    let wasm = artifact("allreduce.wasm");
+    let out = run_ok(harness(dir.path()).args(["plugin", "inspect"]).arg(&wasm));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let sha = harness::plugin::sha256_file(&wasm).unwrap();
+    assert!(text.contains(&format!("sha256 = \"{sha}\"")) && text.contains("kind = \"compressor\""), "{text}");
+    assert!(text.contains("harness:strategy@0.1.0"), "{text}");
+    // A pin that does not match fails validation and names both hashes.
+    let pinned = format!(
+        "[suite]\nname = \"pin\"\ndevice = \"cpu\"\nworld_size = 2\n{WORKLOAD}\n[[plugin]]\nname = \"avg\"\npath = \"{}\"\nsha256 = \"{}\"\n\
+         [[strategy]]\nname = \"s\"\ncompressor = \"avg\"\n",
+        wasm.display(),
+        "0".repeat(64)
+    );
+    let suite = write(dir.path(), "pinned.toml", &pinned);
+    let out = harness(dir.path()).arg("validate").arg(&suite).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&sha) && err.contains(&"0".repeat(64)), "{err}");
+    // Native libraries with another ABI are refused before any other symbol.
+    let out = harness(dir.path()).args(["plugin", "inspect"]).arg(artifact("libbad-abi.so")).output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ABI version 999"));
+}
+
+#[test]
+fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-avg"]));
+    let krate = dir.path().join("my-avg");
+    // Share the workspace's build cache for the SDK's dependencies.
+    let target = repo_root().join("target/scaffold-test");
+    let build = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
+        .env("CARGO_TARGET_DIR", &target)
+        .current_dir(&krate)
+        .output()
+        .unwrap();
+    assert!(build.status.success(), "the generated crate does not build:\n{}", String::from_utf8_lossy(&build.stderr));
+    let built = target.join("wasm32-wasip2/release/my_avg.wasm");
+    let want = krate.join("target/wasm32-wasip2/release");
+    std::fs::create_dir_all(&want).unwrap();
+    std::fs::copy(&built, want.join("my_avg.wasm")).unwrap();
+    let out_path = dir.path().join("r.json");
+    run_ok(harness(&krate).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
+    let r = results(&out_path);
+    let e = entry(&r, "mlp-tiny/with-my-avg/r0");
+    assert_eq!(e["status"], "ok", "{e}");
+    assert_eq!(e["metrics"]["plugins"][0]["name"], "my-avg");
+    assert_eq!(e["metrics"]["loss_curve"], entry(&r, "mlp-tiny/baseline/r0")["metrics"]["loss_curve"]);
+}
