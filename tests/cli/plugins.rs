@@ -40,7 +40,8 @@ eval_batches = 1
 fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = format!("[suite]\nname = \"bad-plugins\"\ndevice = \"cpu\"\nseed = 1\nworld_size = 2\nwarmup_steps = 2\n{WORKLOAD}");
-    let plugin = |name: &str, file: &str, extra: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n{extra}\n", artifact(file).display());
+    let plugin =
+        |name: &str, file: &str, extra: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n{extra}\n", artifact(file).display());
     s += &plugin("avg", "allreduce.wasm", "");
     s += &plugin("avg-native", "liballreduce.so", "");
     s += &plugin("bad", "misbehave.wasm", "memory_mb = 32\ndeadline_ms = 300");
@@ -71,7 +72,7 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
         assert_eq!(e["status"], "ok", "{ok}: {e}");
         assert!(e["metrics"]["steps"].as_u64() == Some(12), "{ok} trained all its steps");
     }
-    let wasm = |call: &str, cause: &str| vec![format!("compressor plugin `bad` (wasm, "), format!("in `{call}`"), cause.to_owned()];
+    let wasm = |call: &str, cause: &str| vec![format!("compressor plugin `bad` (wasm, "), format!("`{call}`: "), cause.to_owned()];
     let expect: Vec<(&str, Vec<String>)> = vec![
         ("trap", wasm("compress", "it trapped (unreachable instruction)")),
         ("panic", wasm("compress", "it panicked at tests/plugins/misbehave/src/lib.rs")),
@@ -80,7 +81,10 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
         ("nan", wasm("compress", "non-finite values in bucket 0 at step 0")),
         ("wrong-shape", wasm("compress", "host op `tensor.assign`: shapes differ")),
         ("reject", wasm("configure", "rejects its config on purpose")),
-        ("native-panic", vec!["compressor plugin `bad-native` (native, ".into(), "in `compress`".into(), "it panicked: mode `panic`".into()]),
+        (
+            "native-panic",
+            vec!["compressor plugin `bad-native` (native, ".into(), "`compress`: ".into(), "it panicked: mode `panic`".into()],
+        ),
         ("abi", vec!["plugin `old-abi`".into(), "ABI version 999".into(), "harness speaks version 1".into()]),
         ("batch-zero", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "micro-batch 0 x 1".into()]),
         ("batch-nan-lr", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "lr-scale NaN".into()]),
@@ -110,7 +114,10 @@ fn a_wasm_all_reduce_plugin_trains_exactly_like_the_built_in_one() {
     let out_path = dir.path().join("r.json");
     run_ok(harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q"));
     let r = results(&out_path);
-    let curve = |id: &str| entry(&r, id)["metrics"]["loss_curve"].clone();
+    // (step, seconds, loss): the losses, not the clock.
+    let curve = |id: &str| -> Vec<serde_json::Value> {
+        entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
+    };
     let base = entry(&r, "mlp/builtin/r0");
     for id in ["mlp/wasm/r0", "mlp/native/r0"] {
         let e = entry(&r, id);
@@ -183,5 +190,8 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     let e = entry(&r, "mlp-tiny/with-my-avg/r0");
     assert_eq!(e["status"], "ok", "{e}");
     assert_eq!(e["metrics"]["plugins"][0]["name"], "my-avg");
-    assert_eq!(e["metrics"]["loss_curve"], entry(&r, "mlp-tiny/baseline/r0")["metrics"]["loss_curve"]);
+    let losses = |e: &serde_json::Value| -> Vec<serde_json::Value> {
+        e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
+    };
+    assert_eq!(losses(e), losses(entry(&r, "mlp-tiny/baseline/r0")));
 }

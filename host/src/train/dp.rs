@@ -236,7 +236,13 @@ impl DataParallel {
     /// to the compressor, which leaves the average in it. Under ZeRO each
     /// buffer is reduce-scattered and this rank keeps its chunk, averaged;
     /// ZeRO-2 then releases the full buffers.
-    pub fn reduce(&mut self, params: &[Tensor], compressor: &mut dyn Compressor, comm: &mut dyn Collective, step: u64) -> anyhow::Result<()> {
+    pub fn reduce(
+        &mut self,
+        params: &[Tensor],
+        compressor: &mut dyn Compressor,
+        comm: &mut dyn Collective,
+        step: u64,
+    ) -> anyhow::Result<()> {
         let n = self.world as f64;
         let count = self.buckets.len();
         for (index, b) in self.buckets.iter_mut().enumerate() {

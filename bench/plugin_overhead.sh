@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The plugin SDK's overhead figures (issue: "Overhead, in a benchmark"):
+#  1. the host -> plugin hook round trip (`harness plugin bench`, p50/p99),
+#  2. step time of the built-in all-reduce + fixed batch against the same as
+#     WASM and native plugins, same run, paired seeds:
+#     suites/plugin-overhead-cpu.toml, and on a GPU machine also
+#     suites/plugin-overhead-gpu.toml.
+# Usage: bench/plugin_overhead.sh [cpu|gpu|all]   (default: cpu)
+# Needs the plugins built (scripts/build-plugins.sh) and $HARNESS_BIN
+# (default: target/release/harness, or .carry/harness on the device).
+# Writes under ${OUT:-bench-out}; prints a table last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+which=${1:-cpu}
+if [ "$which" != cpu ]; then
+  source bench/gpu_env.sh
+else
+  OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+  BIN=${HARNESS_BIN:-target/release/harness}
+fi
+"$BIN" plugin bench --calls 200000 target/plugins/fixed.wasm target/plugins/libfixed.so \
+  target/plugins/allreduce.wasm target/plugins/liballreduce.so | tee "$OUT/hook-bench.txt"
+suites=()
+case "$which" in
+  cpu) suites=(cpu) ;;
+  gpu) suites=(gpu) ;;
+  all) suites=(cpu gpu) ;;
+  *) echo "usage: $0 [cpu|gpu|all]" >&2; exit 2 ;;
+esac
+for s in "${suites[@]}"; do
+  "$BIN" run "suites/plugin-overhead-$s.toml" --out "$OUT/plugin-overhead-$s.json" --quiet > "$OUT/plugin-overhead-$s.txt" 2>&1 \
+    || { tail -20 "$OUT/plugin-overhead-$s.txt"; exit 1; }
+done
+python3 - "$OUT" "${suites[@]}" <<'PY'
+import json, os, statistics, sys
+out, suites = sys.argv[1], sys.argv[2:]
+print(f"{'suite':<22} {'workload':<16} {'strategy':<9} {'step p50 ms (repeats)':<30} {'ratio':>7} {'plugin call p50 us':>19}")
+for s in suites:
+    r = json.load(open(os.path.join(out, f"plugin-overhead-{s}.json")))
+    by = {}
+    for e in r["entries"]:
+        if e["status"] != "ok":
+            print(f"{s}: {e['id']} failed: {e.get('error')}")
+            continue
+        m = e["metrics"]
+        calls = [p["call"]["p50_ms"] * 1e3 for p in m.get("plugins", []) if p.get("call") and p["slot"] == "compressor"]
+        by.setdefault((e["workload"], e["strategy"]), []).append((m["step"]["p50_ms"], calls[0] if calls else None))
+    for (w, st), vals in sorted(by.items()):
+        base = statistics.median(v[0] for v in by[(w, "built-in")])
+        med = statistics.median(v[0] for v in vals)
+        call = [v[1] for v in vals if v[1] is not None]
+        reps = ", ".join(f"{v[0]:.2f}" for v in vals)
+        print(f"{s:<22} {w:<16} {st:<9} {med:8.3f} ({reps})".ljust(80) + f" {med / base:7.4f} {statistics.median(call) if call else float('nan'):19.2f}")
+PY
