@@ -26,7 +26,7 @@ use harness_sdk::abi;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tch::{Device, Kind as TKind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::comm::Collective;
 use crate::measure::{self, LatencySummary};
@@ -376,18 +376,19 @@ impl PluginCompressor {
         if !self.check_finite {
             return Ok(());
         }
-        let bad = bucket.isfinite().logical_not().sum(TKind::Int64);
+        // One reduction pass: the sum of a bucket is NaN or infinite when any
+        // element is (gradients are far from overflowing the sum).
+        let bad = bucket.sum(bucket.kind()).isfinite().logical_not();
         if !bucket.device().is_cuda() {
-            let n = bad.int64_value(&[]);
-            if n > 0 {
-                return Err(self.plugin.fail("compress", format!("{n} non-finite values in bucket {} at step {}", ctx.index, ctx.step)));
+            if bad.int64_value(&[]) != 0 {
+                return Err(self.plugin.fail("compress", format!("non-finite values in bucket {} at step {}", ctx.index, ctx.step)));
             }
             return Ok(());
         }
-        // On a GPU the count stays on the device and is read a step later,
+        // On a GPU the flag stays on the device and is read a step later,
         // when the device is long past it: no synchronisation in the step.
         self.pending = Some(match self.pending.take() {
-            Some(acc) => acc + bad,
+            Some(acc) => acc.logical_or(&bad),
             None => bad,
         });
         Ok(())
