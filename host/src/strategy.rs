@@ -53,6 +53,10 @@ pub use crate::comm::{Collective, SingleRank};
 pub trait Compressor {
     /// Reduces one bucket: the flattened gradients of consecutive parameters.
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> anyhow::Result<()>;
+    /// After the last step: checks still pending on the device.
+    fn finish(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// A plugin's record, if this is a plugin.
     fn plugin_record(&mut self) -> Option<PluginReport> {
         None

@@ -362,14 +362,17 @@ pub struct PluginCompressor {
     /// Check the reduced bucket for NaN/inf (off under fp16 loss scaling,
     /// whose overflow steps are expected and skipped by the scaler).
     check_finite: bool,
-    /// CUDA: non-finite counts of the current step, read a step late.
+    /// CUDA: the non-finite flag of the current step, on the device.
     pending: Option<Tensor>,
+    /// CUDA: the previous step's flag on its way to the host, with the event
+    /// after its copy and the step.
+    in_flight: Option<(Tensor, measure::cuda::Event, u64)>,
 }
 
 impl PluginCompressor {
     /// Wraps a compressor plugin.
     pub fn new(plugin: Plugin, check_finite: bool) -> PluginCompressor {
-        PluginCompressor { plugin, check_finite, pending: None }
+        PluginCompressor { plugin, check_finite, pending: None, in_flight: None }
     }
 
     fn check(&mut self, bucket: &Tensor, ctx: &BucketCtx) -> Result<()> {
@@ -385,12 +388,22 @@ impl PluginCompressor {
             }
             return Ok(());
         }
-        // On a GPU the flag stays on the device and is read a step later,
-        // when the device is long past it: no synchronisation in the step.
-        self.pending = Some(match self.pending.take() {
+        // On a GPU the flag stays on the device; after the last bucket it is
+        // copied to the host behind an event and read a step later, waiting
+        // for that copy only (reading it directly would wait for everything
+        // queued since, and leave the device idle).
+        let flag = match self.pending.take() {
             Some(acc) => acc.logical_or(&bad),
             None => bad,
-        });
+        };
+        if ctx.index + 1 == ctx.count {
+            let host = flag.to_device_(Device::Cpu, tch::Kind::Bool, true, false);
+            let done = measure::cuda::Event::new()?;
+            done.record()?;
+            self.in_flight = Some((host, done, ctx.step));
+        } else {
+            self.pending = Some(flag);
+        }
         Ok(())
     }
 }
@@ -427,6 +440,16 @@ impl Compressor for PluginCompressor {
             return Err(self.plugin.fail("compress", "the bucket changed shape or dtype"));
         }
         self.check(bucket, ctx)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if let Some((host, done, step)) = self.in_flight.take() {
+            done.synchronize()?;
+            if host.int64_value(&[]) != 0 {
+                return Err(self.plugin.fail("compress", format!("non-finite values in its output at step {step}")));
+            }
+        }
+        Ok(())
     }
 
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {

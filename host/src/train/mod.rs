@@ -404,6 +404,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     };
     let ranks =
         vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
+    strategies.compressor.finish()?;
     let mut histograms = BTreeMap::new();
     let reports = strategies.plugin_reports();
     let runtime = match reports.iter().map(|r| r.0.manifest.transport).collect::<std::collections::BTreeSet<_>>() {
