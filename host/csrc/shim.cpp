@@ -4,6 +4,8 @@
 // hx_free_error. Nothing here synchronises the device.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <cstdlib>
 #include <cstring>
@@ -182,6 +184,28 @@ char *hx_rand_seeded(int kind, const int64_t *sizes, int ndim, uint64_t seed, in
     else if (kind == 1) t = at::randn(sz, gen, opts.dtype(at::kFloat));
     else t = at::randperm(sizes[0], gen, opts.dtype(at::kLong));
     *out = new at::Tensor(t);
+  })
+}
+
+// Calls cb(ctx, idx) each time autograd has accumulated a gradient into the
+// leaf `param` (a post-accumulate-grad hook, as PyTorch's
+// register_post_accumulate_grad_hook). It runs on the autograd engine's
+// thread for the parameter's device. cb == NULL removes the hook.
+struct HxGradReady : torch::autograd::PostAccumulateGradHook {
+  void (*cb)(void *, int64_t);
+  void *ctx;
+  int64_t idx;
+  HxGradReady(void (*cb_)(void *, int64_t), void *ctx_, int64_t idx_) : cb(cb_), ctx(ctx_), idx(idx_) {}
+  void operator()(const torch::autograd::Variable &) override { cb(ctx, idx); }
+};
+
+char *hx_set_grad_ready_hook(tensor param, void (*cb)(void *, int64_t), void *ctx, int64_t idx) {
+  HX_TRY({
+    if (cb) {
+      torch::autograd::impl::set_post_acc_grad_hooks(*param, std::make_unique<HxGradReady>(cb, ctx, idx));
+    } else {
+      torch::autograd::impl::set_post_acc_grad_hooks(*param, nullptr);
+    }
   })
 }
 

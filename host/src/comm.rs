@@ -266,6 +266,24 @@ pub trait Collective {
     fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    /// True when [`Collective::all_reduce_sum_async`] runs collectives beside
+    /// the computation (NCCL on a side stream).
+    fn supports_async(&self) -> bool {
+        false
+    }
+    /// Starts summing `t` over ranks, in place, once the work queued so far
+    /// has produced it, without holding up the work queued after it; the
+    /// result is there for work queued after [`Collective::wait_async`].
+    /// May be called from another thread while the owner is blocked (the
+    /// autograd engine's, during backward). Only where `supports_async`.
+    fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+        let _ = t;
+        Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
+    }
+    /// Makes work queued from now on wait for every asynchronous collective.
+    fn wait_async(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
     /// Fails every other rank's pending and future collectives.
     fn abort(&self, reason: &str);
     /// What the collectives cost so far (device timings are read back here).
@@ -479,6 +497,17 @@ impl InProcessComm {
 impl Collective for InProcessComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Thread ranks have no device stream to run beside: an "asynchronous"
+    /// all-reduce runs at once (so the overlap code path runs, and is
+    /// tested, on CPU too).
+    fn supports_async(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+        self.all_reduce_sum(&mut t.shallow_clone())
     }
 
     fn world_size(&self) -> usize {
@@ -939,7 +968,16 @@ pub mod nccl {
         pending: Vec<(Op, u64, Event, Event, Event)>,
         /// Emulated link, and the device word its clock stamps go to.
         link: Option<(super::Link, Tensor)>,
+        /// The side stream of asynchronous all-reduces (non-blocking, so it
+        /// does not synchronise with libtorch's legacy stream), once used.
+        side: Option<cudarc::driver::sys::CUstream>,
+        /// True when collectives were queued on `side` since the last wait.
+        side_busy: bool,
     }
+
+    // SAFETY: the stream handle is used by one thread at a time (the owner,
+    // or the autograd thread while the owner waits for backward).
+    unsafe impl Send for NcclComm {}
 
     impl NcclComm {
         /// Joins the communicator `id` as `rank` of `n` (blocks until all join).
@@ -951,7 +989,7 @@ pub mod nccl {
             // SAFETY: comm receives a communicator handle; id is by value.
             check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
             let link = link.map(|k| (k, Tensor::zeros([1], (Kind::Int64, device))));
-            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new(), link })
+            Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new(), link, side: None, side_busy: false })
         }
 
         /// An error of collective `op` on this rank.
@@ -991,6 +1029,51 @@ pub mod nccl {
     }
 
     impl Collective for NcclComm {
+        fn supports_async(&self) -> bool {
+            // Link emulation stretches collectives on the legacy stream.
+            self.link.is_none()
+        }
+        fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+            let name = "all_reduce";
+            let dt = self.dtype_of(t, name)?;
+            let side = match self.side {
+                Some(s) => s,
+                None => {
+                    let s = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
+                        .map_err(|e| self.fail(name, e))?;
+                    self.side = Some(s);
+                    s
+                }
+            };
+            let l = lib().map_err(|e| self.fail(name, e))?;
+            // The side stream waits for the gradients, queued on the legacy stream.
+            let ready = Event::new().and_then(|e| e.record().map(|_| e)).map_err(|e| self.fail(name, e))?;
+            // SAFETY (here and below): `side` is our live stream.
+            unsafe { ready.wait_on(side) }.map_err(|e| self.fail(name, e))?;
+            let event = || Event::new().and_then(|e| unsafe { e.record_on(side) }.map(|_| e));
+            let start = event().map_err(|e| self.fail(name, e))?;
+            let (p, count) = (t.data_ptr(), t.numel());
+            // SAFETY: in place on t's device memory, `count` elements of the
+            // given type, on our side stream; t outlives the collective (the
+            // caller's bucket buffers live for the run).
+            check(unsafe { (l.all_reduce)(p, p, count, dt, 0, self.comm, side as *mut c_void) }, name).map_err(|e| self.fail(name, e))?;
+            let end = event().map_err(|e| self.fail(name, e))?;
+            let bytes = nbytes(t);
+            let end2 = event().map_err(|e| self.fail(name, e))?;
+            self.pending.push((Op::AllReduce, bytes, start, end, end2));
+            self.stats.count(Op::AllReduce, bytes, self.n);
+            self.side_busy = true;
+            Ok(())
+        }
+        fn wait_async(&mut self) -> Result<(), CommError> {
+            if let (Some(side), true) = (self.side, self.side_busy) {
+                // SAFETY: `side` is our live stream; null is the legacy stream.
+                let done = Event::new().and_then(|e| unsafe { e.record_on(side) }.map(|_| e)).map_err(|e| self.fail("all_reduce", e))?;
+                unsafe { done.wait_on(std::ptr::null_mut()) }.map_err(|e| self.fail("all_reduce", e))?;
+                self.side_busy = false;
+            }
+            Ok(())
+        }
         fn rank(&self) -> usize {
             self.rank
         }
@@ -1074,6 +1157,10 @@ pub mod nccl {
             if let Ok(l) = lib() {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };
+            }
+            if let Some(s) = self.side.take() {
+                // SAFETY: our stream, destroyed once; work on it completes first.
+                let _ = unsafe { cudarc::driver::result::stream::destroy(s) };
             }
         }
     }

@@ -254,6 +254,26 @@ pub mod cuda {
             Ok(())
         }
 
+        /// Records the event on `stream`.
+        ///
+        /// # Safety
+        /// `stream` must be a live stream of the current context (or null).
+        pub unsafe fn record_on(&self, stream: sys::CUstream) -> anyhow::Result<()> {
+            // SAFETY: live event; the caller passes a live stream of this context.
+            unsafe { result::event::record(self.0, stream)? };
+            Ok(())
+        }
+
+        /// Makes `stream` wait (on the device) until this event has completed.
+        ///
+        /// # Safety
+        /// `stream` must be a live stream of the current context (or null).
+        pub unsafe fn wait_on(&self, stream: sys::CUstream) -> anyhow::Result<()> {
+            // SAFETY: live event and stream.
+            unsafe { result::stream::wait_event(stream, self.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)? };
+            Ok(())
+        }
+
         /// Waits until the event has completed.
         pub fn synchronize(&self) -> anyhow::Result<()> {
             // SAFETY: live event.

@@ -150,6 +150,10 @@ pub struct Metrics {
     pub collective_ops: BTreeMap<String, CollectiveOpRecord>,
     /// "built-in", "wasm", or "native (unsandboxed)" when any plugin is native.
     pub strategy_runtime: String,
+    /// The gradient all-reduces ran during the backward pass (NCCL side
+    /// stream, started as buckets filled).
+    #[serde(default)]
+    pub overlapped_reduction: bool,
     /// The plugins the entry ran, with the time inside their calls.
     #[serde(default)]
     pub plugins: Vec<crate::plugin::PluginRecord>,

@@ -53,6 +53,12 @@ pub use crate::comm::{Collective, SingleRank};
 pub trait Compressor {
     /// Reduces one bucket: the flattened gradients of consecutive parameters.
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> anyhow::Result<()>;
+    /// True for the plain all-reduce average, which the data-parallel code
+    /// may run as asynchronous all-reduces during the backward pass instead
+    /// of calling `reduce`.
+    fn is_plain_average(&self) -> bool {
+        false
+    }
     /// After the last step: checks still pending on the device.
     fn finish(&mut self) -> anyhow::Result<()> {
         Ok(())
@@ -92,6 +98,9 @@ pub trait CheckpointPolicy {
 pub struct AllReduce;
 
 impl Compressor for AllReduce {
+    fn is_plain_average(&self) -> bool {
+        true
+    }
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, _ctx: &BucketCtx) -> anyhow::Result<()> {
         let n = comm.world_size();
         if n == 1 {

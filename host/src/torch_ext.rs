@@ -36,6 +36,7 @@ mod ffi {
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn hx_set_grad_ready_hook(param: *mut c_void, cb: Option<GradReady>, ctx: *mut c_void, idx: i64) -> *mut c_char;
         pub fn hx_rand_seeded(
             kind: c_int,
             sizes: *const i64,
@@ -245,6 +246,22 @@ pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
     check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
 }
 
+/// Called by autograd after it accumulated a gradient into a parameter:
+/// (context, the index given when the hook was set).
+pub type GradReady = unsafe extern "C" fn(ctx: *mut c_void, idx: i64);
+
+/// Sets (or with `None` removes) a post-accumulate-grad hook on a leaf
+/// parameter: `cb(ctx, idx)` runs on the autograd engine's thread each time
+/// a backward pass has accumulated the parameter's gradient.
+///
+/// # Safety
+/// `ctx` must stay valid, and `cb` safe to call from another thread, for as
+/// long as the hook is set.
+pub unsafe fn set_grad_ready_hook(param: &Tensor, cb: Option<GradReady>, ctx: *mut c_void, idx: i64) -> Result<(), TorchError> {
+    // SAFETY: param is a live tensor; the caller keeps ctx valid.
+    check(unsafe { ffi::hx_set_grad_ready_hook(param.as_ptr() as *mut c_void, cb, ctx, idx) })
+}
+
 /// What [`rand_seeded`] draws.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RandKind {
@@ -350,6 +367,35 @@ mod tests {
         assert!(!grads(&[a.shallow_clone()]).unwrap()[0].defined());
         let e = set_grad(&a, Some(&flat)).unwrap_err();
         assert!(e.0.contains("gradient of shape [5] for a parameter of shape [2]"), "{e}");
+    }
+
+    #[test]
+    fn grad_ready_hooks_fire_once_per_accumulation() {
+        unsafe extern "C" fn count(ctx: *mut c_void, idx: i64) {
+            // SAFETY: ctx is the Vec below, alive while the hook is set.
+            let v = unsafe { &mut *(ctx as *mut Vec<i64>) };
+            v.push(idx);
+        }
+        let mut seen: Vec<i64> = Vec::new();
+        let a = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let ctx = &mut seen as *mut Vec<i64> as *mut c_void;
+        // SAFETY: `seen` outlives the hooks, removed below.
+        unsafe {
+            set_grad_ready_hook(&a, Some(count), ctx, 7).unwrap();
+            set_grad_ready_hook(&b, Some(count), ctx, 9).unwrap();
+        }
+        ((&a * &a).sum(Kind::Float) + (&b * &a.sum(Kind::Float))).sum(Kind::Float).backward();
+        let mut got = seen.clone();
+        got.sort();
+        assert_eq!(got, vec![7, 9]);
+        // SAFETY: removing the hooks.
+        unsafe {
+            set_grad_ready_hook(&a, None, std::ptr::null_mut(), 0).unwrap();
+            set_grad_ready_hook(&b, None, std::ptr::null_mut(), 0).unwrap();
+        }
+        (&a * 2.0).sum(Kind::Float).backward();
+        assert_eq!(seen.len(), 2, "a removed hook fired");
     }
 
     #[test]

@@ -191,6 +191,8 @@ fn cpu_data_parallel_ranks_share_the_work_and_count_their_bytes() {
         // One 25 MiB bucket holds the tiny model: one all-reduce per step,
         // each sending 2(n-1)/n = all of the fp32 gradients.
         assert_eq!(m.collectives, 80);
+        // The built-in all-reduce ran from the backward pass's gradient hooks.
+        assert!(m.overlapped_reduction);
         assert_eq!(m.bytes_on_wire, 80 * 4 * m.parameters as u64);
         assert!(m.final_eval_loss.unwrap() <= m.target_loss.unwrap(), "{:?} vs {:?}", m.final_eval_loss, m.target_loss);
         assert!(m.busbw_gbs.unwrap() > 0.0);

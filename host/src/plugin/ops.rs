@@ -544,6 +544,17 @@ mod tests {
     }
 
     #[test]
+    fn native_plugins_get_the_data_pointer_and_the_legacy_stream() {
+        let mut h = host();
+        let t = Tensor::from_slice(&[1.0f32, 2.0]);
+        let a = h.lend(&t);
+        assert_eq!(h.exec(Op::DataPtr, &[a], &[], &[], &[]).unwrap().ptr, t.data_ptr() as usize);
+        assert_eq!(h.exec(Op::CudaStream, &[], &[], &[], &[]).unwrap().ptr, 0);
+        h.give_back(a);
+        assert_eq!(h.live(), (0, 0));
+    }
+
+    #[test]
     fn collectives_run_on_the_lent_communicator() {
         let mut h = host();
         let mut comm = SingleRank::default();

@@ -23,6 +23,17 @@ use crate::comm::Collective;
 use crate::strategy::Compressor;
 use crate::torch_ext;
 
+impl Drop for DataParallel {
+    fn drop(&mut self) {
+        if self.overlap.is_some() {
+            for p in &self.params {
+                // SAFETY: removing the hook; nothing else refers to the context.
+                let _ = unsafe { torch_ext::set_grad_ready_hook(p, None, std::ptr::null_mut(), 0) };
+            }
+        }
+    }
+}
+
 /// How the optimizer state and gradients are partitioned over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ZeroStage {
@@ -95,8 +106,57 @@ struct Segment {
     decay: bool,
 }
 
+/// Overlap of the gradient all-reduce with the backward pass (plain DDP,
+/// the built-in all-reduce, a collective that runs beside the computation:
+/// NCCL). A post-accumulate-grad hook on every parameter counts down its
+/// bucket during the last backward pass of a step; when a bucket's last
+/// gradient has been accumulated, the hook (on autograd's thread, while the
+/// step's thread waits in `backward`) starts the bucket's all-reduce on the
+/// collective's side stream. The division by the world size follows after
+/// the backward pass, behind a wait for the side stream.
+struct Overlap {
+    bucket_of: Vec<usize>,
+    sizes: Vec<usize>,
+    state: std::sync::Mutex<OverlapState>,
+}
+
+struct OverlapState {
+    /// Set for the last backward pass of a step only.
+    comm: Option<CommPtr>,
+    remaining: Vec<usize>,
+    flats: Vec<Tensor>,
+    launched: Vec<bool>,
+    error: Option<String>,
+}
+
+#[derive(Clone, Copy)]
+struct CommPtr(*mut (dyn Collective + 'static));
+// SAFETY: used by the autograd thread only while the owning thread is
+// blocked in `backward` and does not touch the collective.
+unsafe impl Send for CommPtr {}
+
+unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
+    // SAFETY: ctx is the boxed Overlap of a live DataParallel (hooks are
+    // removed in its Drop before the box goes).
+    let o = unsafe { &*(ctx as *const Overlap) };
+    let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(comm) = st.comm else { return };
+    let b = o.bucket_of[idx as usize];
+    st.remaining[b] = st.remaining[b].saturating_sub(1);
+    if st.remaining[b] == 0 && !st.launched[b] && st.error.is_none() {
+        st.launched[b] = true;
+        let flat = st.flats[b].shallow_clone();
+        // SAFETY: see CommPtr.
+        if let Err(e) = unsafe { (*comm.0).all_reduce_sum_async(&flat) } {
+            st.error = Some(e.to_string());
+        }
+    }
+}
+
 /// One rank's data-parallel state (more than one rank).
 pub struct DataParallel {
+    overlap: Option<Box<Overlap>>,
+    params: Vec<Tensor>,
     stage: ZeroStage,
     rank: usize,
     world: usize,
@@ -135,7 +195,16 @@ impl DataParallel {
             let padded = if stage.sharded() { ((numel as usize).div_ceil(world) * world) as i64 } else { numel };
             buckets.push(Bucket { params: idx, offsets, numel, padded, kind, grad: None, param_flat: None, reduced: None });
         }
-        let mut dp = DataParallel { stage, rank, world, device, buckets, segments: Vec::new() };
+        let mut dp = DataParallel {
+            overlap: None,
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            stage,
+            rank,
+            world,
+            device,
+            buckets,
+            segments: Vec::new(),
+        };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
                 for b in &mut dp.buckets {
@@ -200,6 +269,59 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Turns on the overlap of all-reduces with the backward pass; returns
+    /// whether it is on (plain DDP with a collective that supports it).
+    pub fn enable_overlap(&mut self, comm: &dyn Collective) -> anyhow::Result<bool> {
+        if self.stage.sharded() || self.world < 2 || !comm.supports_async() || self.overlap.is_some() {
+            return Ok(self.overlap.is_some());
+        }
+        let mut bucket_of = vec![usize::MAX; self.params.len()];
+        for (bi, b) in self.buckets.iter().enumerate() {
+            for &i in &b.params {
+                bucket_of[i] = bi;
+            }
+        }
+        let sizes = self.buckets.iter().map(|b| b.params.len()).collect();
+        let n = self.buckets.len();
+        let state = OverlapState { comm: None, remaining: vec![0; n], flats: Vec::new(), launched: vec![false; n], error: None };
+        let o = Box::new(Overlap { bucket_of, sizes, state: std::sync::Mutex::new(state) });
+        let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
+        for (i, p) in self.params.iter().enumerate() {
+            // SAFETY: ctx points into the box kept in self.overlap; the hooks
+            // are removed in Drop before it goes.
+            unsafe { torch_ext::set_grad_ready_hook(p, Some(grad_ready), ctx, i as i64)? };
+        }
+        self.overlap = Some(o);
+        Ok(true)
+    }
+
+    /// Before the backward pass of a micro-batch: with overlap, the last
+    /// micro-batch's pass starts the all-reduces as buckets fill.
+    pub fn arm_overlap(&mut self, comm: &mut dyn Collective, last: bool) {
+        let Some(o) = &self.overlap else { return };
+        let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !last {
+            st.comm = None;
+            return;
+        }
+        // SAFETY: only the lifetime is erased; `disarm` clears it right after
+        // the backward pass, while `comm` is still borrowed by the step.
+        st.comm = Some(CommPtr(unsafe {
+            std::mem::transmute::<*mut dyn Collective, *mut (dyn Collective + 'static)>(comm as *mut dyn Collective)
+        }));
+        st.remaining = o.sizes.clone();
+        st.launched.iter_mut().for_each(|l| *l = false);
+        st.flats = self.buckets.iter().map(|b| b.grad.as_ref().map_or_else(Tensor::new, |g| g.0.shallow_clone())).collect();
+        st.error = None;
+    }
+
+    /// After each backward pass: no more hooks into the collective.
+    pub fn disarm_overlap(&mut self) {
+        if let Some(o) = &self.overlap {
+            o.state.lock().unwrap_or_else(|e| e.into_inner()).comm = None;
+        }
+    }
+
     /// Start of a step: zeroes the gradient buffers (ZeRO-2 has released
     /// them and allocates zeroed ones before the first backward pass).
     pub fn begin_step(&mut self) {
@@ -245,6 +367,30 @@ impl DataParallel {
     ) -> anyhow::Result<()> {
         let n = self.world as f64;
         let count = self.buckets.len();
+        if let (Some(o), true) = (&self.overlap, compressor.is_plain_average()) {
+            let launched = {
+                let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(e) = st.error.take() {
+                    anyhow::bail!("an all-reduce started during the backward pass failed: {e}");
+                }
+                std::mem::take(&mut st.launched)
+            };
+            // Buckets whose gradients never all arrived (unused parameters).
+            for (b, done) in self.buckets.iter().zip(launched.iter().copied().chain(std::iter::repeat(false))) {
+                if !done {
+                    let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
+                    comm.all_reduce_sum_async(flat)?;
+                }
+            }
+            o.state.lock().unwrap_or_else(|e| e.into_inner()).launched = vec![false; count];
+            comm.wait_async()?;
+            for b in &self.buckets {
+                if let Some((flat, _)) = &b.grad {
+                    let _ = flat.shallow_clone().divide_scalar_(n);
+                }
+            }
+            return Ok(());
+        }
         for (index, b) in self.buckets.iter_mut().enumerate() {
             let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
             if !self.stage.sharded() {

@@ -125,6 +125,10 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let mut scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
     let mut strategies =
         Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
+    // The built-in all-reduce over NCCL overlaps with the backward pass
+    // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
+    let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0");
+    let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
     let ac_device = if cuda { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
@@ -220,7 +224,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
 
         dp.begin_step();
         let mut step_loss: Option<Tensor> = None;
-        for _ in 0..cur_accum {
+        for micro in 0..cur_accum {
             timer.start(Phase::Data)?;
             let b = data.next_train(cur_batch as usize);
             timer.stop()?;
@@ -241,6 +245,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             // ZeRO-2 allocates its released gradient buffers here, outside
             // the backward phase (the other stages zero theirs at step start).
             dp.before_backward(&params)?;
+            dp.arm_overlap(comm, micro + 1 == cur_accum);
             timer.start(Phase::Backward)?;
             match seed {
                 Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
@@ -252,6 +257,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                     scaled.backward();
                 }
             }
+            dp.disarm_overlap();
             timer.stop()?;
             let l = if cur_accum > 1 { loss.detach() / cur_accum as f64 } else { loss.detach() };
             step_loss = Some(match step_loss {
@@ -493,6 +499,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         strategy_runtime: runtime,
         plugins: plugin_records,
         fused_cross_entropy: fused_ce,
+        overlapped_reduction: overlapped,
         zero: ctx.entry.strategy.zero,
         optimizer_state_bytes: optimizer.state_bytes(),
         gradient_bytes,
