@@ -952,6 +952,8 @@ pub mod nccl {
             Kind::Half => 6,
             Kind::BFloat16 => 9,
             Kind::Double => 8,
+            Kind::Int8 => 0,
+            Kind::Uint8 => 1,
             Kind::Int => 2,
             Kind::Int64 => 4,
             _ => return None,
