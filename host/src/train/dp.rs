@@ -322,6 +322,20 @@ impl DataParallel {
         }
     }
 
+    /// Squared L2 norm of the gradient buffers as they are now (f64, on the
+    /// device): the local gradient before the reduction, the averaged one
+    /// after it. Plain data parallelism only.
+    pub fn grad_sq_norm(&self) -> anyhow::Result<Tensor> {
+        anyhow::ensure!(!self.stage.sharded(), "gradient statistics are not computed under ZeRO");
+        let mut total = Tensor::zeros([1], (Kind::Double, self.device));
+        for b in &self.buckets {
+            if let Some((flat, _)) = &b.grad {
+                total += flat.to_kind(Kind::Double).square().sum(Kind::Double);
+            }
+        }
+        Ok(total)
+    }
+
     /// Start of a step: zeroes the gradient buffers (ZeRO-2 has released
     /// them and allocates zeroed ones before the first backward pass).
     pub fn begin_step(&mut self) {

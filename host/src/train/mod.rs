@@ -127,7 +127,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
     // The built-in all-reduce over NCCL overlaps with the backward pass
     // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
-    let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0");
+    // A batch-policy plugin gets gradient statistics (the two-batch-size
+    // estimate of the gradient noise scale needs the local and the averaged
+    // gradient's squared norms): they need the local gradient before the
+    // all-reduce, so they turn the overlap off, and cost a read-back a step.
+    let grad_stats = ctx.plugins.has(&ctx.entry.strategy.batch_policy) && !sharded;
+    let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats;
     let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
@@ -268,6 +273,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             samples += b.samples as u64;
         }
         dp.check_grads(&params)?;
+        let local_sq = if grad_stats { Some(dp.grad_sq_norm()?) } else { None };
         timer.start(Phase::Communicate)?;
         if sharded {
             dp.reduce(&params, strategies.compressor.as_mut(), comm, step).context("the reduce-scatter of the gradients failed")?;
@@ -276,6 +282,17 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
         timer.stop()?;
         let grads = dp.grads()?;
+        // (mean over ranks of the local squared norm, squared norm of the average)
+        let stats = match local_sq {
+            Some(mut local) => {
+                let global = dp.grad_sq_norm()?;
+                if world > 1 {
+                    comm.all_reduce_sum(&mut local)?;
+                }
+                Some((local.double_value(&[]) / world as f64, global.double_value(&[])))
+            }
+            None => None,
+        };
 
         timer.start(Phase::Optimizer)?;
         if let Some(s) = &mut scaler {
@@ -330,8 +347,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             micro_batch: cur_batch,
             accum_steps: cur_accum,
             world_size: world as u32,
-            grad_sq_norm: None,
-            local_grad_sq_norm: None,
+            grad_sq_norm: stats.map(|s| s.1),
+            local_grad_sq_norm: stats.map(|s| s.0),
             out_of_memory: false,
         };
         let next = strategies.batch.next(&telemetry)?;
