@@ -1,6 +1,7 @@
 //! End-to-end tests of the `harness` binary: they run it as a user would and
 //! read what it leaves behind.
 
+mod batch_policies;
 mod compressors;
 mod errors;
 mod plugins;
