@@ -57,6 +57,9 @@ pub enum Command {
         /// The candidate (B).
         b: PathBuf,
     },
+    /// Benchmarks of harness's own building blocks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Strategy plugins: scaffold a new one, or inspect an artifact.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -65,6 +68,25 @@ pub enum Command {
         /// Print JSON (the fingerprint that result files carry).
         #[arg(long)]
         json: bool,
+    },
+}
+
+/// `harness bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// harness's NCCL all-reduce on a result's gradient buckets, back to
+    /// back (one process per GPU), timed like bench/allreduce_busbw.py;
+    /// prints JSON.
+    Allreduce {
+        /// A result file of a data-parallel run (its `bucket_bytes`).
+        #[arg(long)]
+        bytes_from: PathBuf,
+        /// Number of GPUs (one process each).
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        /// Timed rounds over all buckets.
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
     },
 }
 
@@ -174,6 +196,20 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             let m = crate::plugin::inspect(&path)?;
             print!("{}", crate::plugin::scaffold::manifest_toml(&m));
             Ok(exit::OK)
+        }
+        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters }) => {
+            let buckets = crate::bench::bucket_bytes(&bytes_from)?;
+            let args: Vec<std::ffi::OsString> = vec![
+                "bench".into(),
+                "allreduce".into(),
+                "--bytes-from".into(),
+                bytes_from.into(),
+                "--world".into(),
+                world.to_string().into(),
+                "--iters".into(),
+                iters.to_string().into(),
+            ];
+            crate::bench::allreduce(&buckets, world, iters, &args)
         }
         Command::Plugin(PluginCommand::Bench { paths, calls }) => {
             let rows = crate::plugin::bench::run(&paths, calls)?;

@@ -426,6 +426,33 @@ fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, Str
 /// One rank of a multi-GPU entry: NCCL communicator from rank 0's unique
 /// id, training, then figures to rank 0 through the store. Rendezvous
 /// failures end the run (`Err`); training failures fail the entry.
+/// Joins an NCCL communicator: rank 0 makes the unique id and publishes it
+/// under `key` in the store, the others read it.
+pub fn nccl_join(
+    store: &rendezvous::Client,
+    key: &str,
+    rank: usize,
+    world: usize,
+    link: Option<Link>,
+    device: tch::Device,
+) -> anyhow::Result<crate::comm::nccl::NcclComm> {
+    use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
+    let id = if rank == 0 {
+        let id = unique_id()?;
+        store.set(key, &id.0.iter().map(|&b| b as u8).collect::<Vec<u8>>())?;
+        id
+    } else {
+        let bytes = store.get(key)?;
+        anyhow::ensure!(bytes.len() == 128, "the NCCL id from rank 0 has {} bytes, not 128", bytes.len());
+        let mut id = UniqueId([0; 128]);
+        for (d, s) in id.0.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        id
+    };
+    NcclComm::new(id, rank, world, link, device)
+}
+
 fn run_nccl(
     ctx: &EntryContext<'_>,
     store: &rendezvous::Client,
@@ -435,22 +462,7 @@ fn run_nccl(
     ranks_lost: &mut bool,
     on_fire: Box<dyn FnOnce(&str) + Send>,
 ) -> anyhow::Result<Result<EntryOutput, String>> {
-    use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
-    let key = format!("nccl/{}", ctx.entry.id);
-    let id = if rank == 0 {
-        let id = unique_id()?;
-        store.set(&key, &id.0.iter().map(|&b| b as u8).collect::<Vec<u8>>())?;
-        id
-    } else {
-        let bytes = store.get(&key)?;
-        anyhow::ensure!(bytes.len() == 128, "the NCCL id from rank 0 has {} bytes, not 128", bytes.len());
-        let mut id = UniqueId([0; 128]);
-        for (d, s) in id.0.iter_mut().zip(&bytes) {
-            *d = *s as std::ffi::c_char;
-        }
-        id
-    };
-    let out = match NcclComm::new(id, rank, world, ctx.entry.strategy.link, ctx.device) {
+    let out = match nccl_join(store, &format!("nccl/{}", ctx.entry.id), rank, world, ctx.entry.strategy.link, ctx.device) {
         Ok(mut comm) => {
             let dog = Watchdog::start(on_fire, store.clone(), &ctx.entry.id, rank, world);
             let mut tick = |p: &Progress| {

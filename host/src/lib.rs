@@ -7,6 +7,7 @@
 //! histograms, timers) -> [`results`] (schema, atomic writes) -> [`report`].
 //! [`torch_ext`] wraps the libtorch calls that `tch` lacks.
 
+pub mod bench;
 pub mod cli;
 pub mod comm;
 pub mod device;

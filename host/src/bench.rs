@@ -1,0 +1,74 @@
+//! `harness bench allreduce`: harness's own NCCL all-reduce, back to back,
+//! on the gradient buckets of a result file, timed as
+//! `bench/allreduce_busbw.py` times torch.distributed's (host wall time over
+//! repeated rounds, device synchronised at both ends), so the two bus
+//! bandwidths compare like for like. The busbw recorded inside a training
+//! step also includes each rank's wait for the other.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::comm::Collective;
+use crate::launch::{self, RankEnv};
+use crate::{device, rendezvous, results};
+
+/// The gradient bucket sizes (bytes) of the first entry that has them.
+pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
+    let r = results::RunResult::read(path)?;
+    r.entries
+        .iter()
+        .filter_map(|e| e.metrics.as_ref())
+        .map(|m| m.bucket_bytes.clone())
+        .find(|b| !b.is_empty())
+        .with_context(|| format!("no entry of {} recorded gradient buckets (a data-parallel run has them)", path.display()))
+}
+
+/// Runs the benchmark: starts one process per GPU when not started as a
+/// rank, else joins as one; rank 0 prints a JSON line. Returns the exit code.
+pub fn allreduce(buckets: &[u64], world: usize, iters: usize, args: &[std::ffi::OsString]) -> Result<i32> {
+    let Some(env) = RankEnv::from_env()? else {
+        let gpus = device::gpu_count();
+        anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
+        return launch::launch_local_ranks(world, args);
+    };
+    anyhow::ensure!(device::init_cuda(), "no usable CUDA device");
+    device::make_current(env.local_rank)?;
+    let dev = Device::Cuda(env.local_rank);
+    if env.rank == 0 {
+        rendezvous::serve(&format!("0.0.0.0:{}", env.master_port))?;
+    }
+    let store =
+        rendezvous::Client { addr: format!("{}:{}", env.master_addr, env.master_port), rank: env.rank, timeout: Duration::from_secs(60) };
+    let mut comm = launch::nccl_join(&store, "bench/allreduce", env.rank, env.world, None, dev)?;
+    let mut xs: Vec<Tensor> = buckets.iter().map(|&b| Tensor::randn([(b / 4) as i64], (Kind::Float, dev))).collect();
+    let mut round = |xs: &mut Vec<Tensor>| -> Result<()> {
+        for x in xs.iter_mut() {
+            comm.all_reduce_sum(x)?;
+        }
+        Ok(())
+    };
+    for _ in 0..3 {
+        round(&mut xs)?;
+    }
+    tch::Cuda::synchronize(env.local_rank as i64);
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        round(&mut xs)?;
+    }
+    tch::Cuda::synchronize(env.local_rank as i64);
+    let dt = t0.elapsed().as_secs_f64() / iters as f64;
+    let bytes: u64 = buckets.iter().sum();
+    let alg = bytes as f64 / dt / 1e9;
+    let n = env.world as f64;
+    if env.rank == 0 {
+        let out = serde_json::json!({
+            "world_size": env.world,
+            "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
+        });
+        println!("{out}");
+    }
+    Ok(crate::cli::exit::OK)
+}
