@@ -28,7 +28,10 @@ pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
 
 /// Runs the benchmark: starts one process per GPU when not started as a
 /// rank, else joins as one; rank 0 prints a JSON line. Returns the exit code.
-pub fn allreduce(buckets: &[u64], world: usize, iters: usize, args: &[std::ffi::OsString]) -> Result<i32> {
+/// With `side`, the all-reduces go to the NCCL side stream that overlapped
+/// training uses (`Collective::all_reduce_sum_async`), else to libtorch's
+/// legacy stream as the non-overlapped reduction does.
+pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, args: &[std::ffi::OsString]) -> Result<i32> {
     let Some(env) = RankEnv::from_env()? else {
         let gpus = device::gpu_count();
         anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
@@ -46,7 +49,14 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, args: &[std::ffi::
     let mut xs: Vec<Tensor> = buckets.iter().map(|&b| Tensor::randn([(b / 4) as i64], (Kind::Float, dev))).collect();
     let mut round = |xs: &mut Vec<Tensor>| -> Result<()> {
         for x in xs.iter_mut() {
-            comm.all_reduce_sum(x)?;
+            if side {
+                comm.all_reduce_sum_async(x)?;
+            } else {
+                comm.all_reduce_sum(x)?;
+            }
+        }
+        if side {
+            comm.wait_async()?;
         }
         Ok(())
     };
@@ -66,6 +76,7 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, args: &[std::ffi::
     if env.rank == 0 {
         let out = serde_json::json!({
             "world_size": env.world,
+            "stream": if side { "side" } else { "legacy" },
             "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
         });
         println!("{out}");

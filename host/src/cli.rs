@@ -87,6 +87,10 @@ pub enum BenchCommand {
         /// Timed rounds over all buckets.
         #[arg(long, default_value_t = 20)]
         iters: usize,
+        /// Issue on the NCCL side stream of overlapped training instead of
+        /// libtorch's legacy stream.
+        #[arg(long)]
+        side_stream: bool,
     },
 }
 
@@ -197,7 +201,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", crate::plugin::scaffold::manifest_toml(&m));
             Ok(exit::OK)
         }
-        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters }) => {
+        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters, side_stream }) => {
             let buckets = crate::bench::bucket_bytes(&bytes_from)?;
             let args: Vec<std::ffi::OsString> = vec![
                 "bench".into(),
@@ -209,7 +213,11 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                 "--iters".into(),
                 iters.to_string().into(),
             ];
-            crate::bench::allreduce(&buckets, world, iters, &args)
+            let mut args = args;
+            if side_stream {
+                args.push("--side-stream".into());
+            }
+            crate::bench::allreduce(&buckets, world, iters, side_stream, &args)
         }
         Command::Plugin(PluginCommand::Bench { paths, calls }) => {
             let rows = crate::plugin::bench::run(&paths, calls)?;
