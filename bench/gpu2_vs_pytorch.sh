@@ -11,6 +11,8 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
 CUDA_VISIBLE_DEVICES=0 "$BIN" run suites/gpu.toml --out "$OUT/harness-1gpu.json" --quiet > /dev/null 2>&1 || echo "1-GPU run failed"
 torchrun --standalone --nproc_per_node=2 bench/pytorch_gpt.py --steps 100 --warmup 10 --json "$OUT/pytorch-ddp2.json" > /dev/null
 torchrun --standalone --nproc_per_node=2 bench/allreduce_busbw.py --bytes-from "$OUT/harness-2gpu.json" 25 512 > "$OUT/torch-busbw.json"
+# harness's own all-reduce on the same buckets, back to back, timed the same way.
+"$BIN" bench allreduce --bytes-from "$OUT/harness-2gpu.json" --world 2 --iters 20 > "$OUT/harness-busbw.json" 2> "$OUT/harness-busbw.err" || true
 python3 - "$OUT" <<'PY'
 import json, sys, os
 d = sys.argv[1]
@@ -33,6 +35,12 @@ if m2: print(f"harness / pytorch DDP: {m2['tokens_per_s'] / pt['tokens_per_s']:.
 if "buckets" in bw and m2:
     b = bw["buckets"]
     print(f"torch.distributed on harness's {b['count']} buckets ({b['bytes']/2**20:.0f} MiB): busbw {b['busbw_gbs']:.1f} GB/s; harness / torch: {m2['busbw_gbs'] / b['busbw_gbs']:.3f}")
+try:
+    hb = json.loads(open(os.path.join(d, "harness-busbw.json")).read().strip().splitlines()[-1])["buckets"]
+    if "buckets" in bw:
+        print(f"harness all-reduce back to back on the same buckets: busbw {hb['busbw_gbs']:.1f} GB/s; harness / torch: {hb['busbw_gbs'] / bw['buckets']['busbw_gbs']:.3f}")
+except Exception as e:
+    print("harness bench allreduce failed:", e)
 for s in bw["sizes"]:
     print(f"torch.distributed all_reduce {s['mib']:.0f} MiB: busbw {s['busbw_gbs']:.1f} GB/s ({s['ms']:.3f} ms)")
 PY
