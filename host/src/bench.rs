@@ -31,7 +31,8 @@ pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
 /// With `side`, the all-reduces go to the NCCL side stream that overlapped
 /// training uses (`Collective::all_reduce_sum_async`), else to libtorch's
 /// legacy stream as the non-overlapped reduction does.
-pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, args: &[std::ffi::OsString]) -> Result<i32> {
+/// With `untimed`, no events or accounting around each collective.
+pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, untimed: bool, args: &[std::ffi::OsString]) -> Result<i32> {
     let Some(env) = RankEnv::from_env()? else {
         let gpus = device::gpu_count();
         anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
@@ -49,7 +50,9 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, args: 
     let mut xs: Vec<Tensor> = buckets.iter().map(|&b| Tensor::randn([(b / 4) as i64], (Kind::Float, dev))).collect();
     let mut round = |xs: &mut Vec<Tensor>| -> Result<()> {
         for x in xs.iter_mut() {
-            if side {
+            if untimed {
+                comm.all_reduce_sum_untimed(x)?;
+            } else if side {
                 comm.all_reduce_sum_async(x)?;
             } else {
                 comm.all_reduce_sum(x)?;
@@ -77,6 +80,7 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, args: 
         let out = serde_json::json!({
             "world_size": env.world,
             "stream": if side { "side" } else { "legacy" },
+            "timed": !untimed,
             "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
         });
         println!("{out}");

@@ -91,6 +91,9 @@ pub enum BenchCommand {
         /// libtorch's legacy stream.
         #[arg(long)]
         side_stream: bool,
+        /// No events or accounting around each collective (what timing costs).
+        #[arg(long)]
+        untimed: bool,
     },
 }
 
@@ -201,7 +204,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", crate::plugin::scaffold::manifest_toml(&m));
             Ok(exit::OK)
         }
-        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters, side_stream }) => {
+        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters, side_stream, untimed }) => {
             let buckets = crate::bench::bucket_bytes(&bytes_from)?;
             let args: Vec<std::ffi::OsString> = vec![
                 "bench".into(),
@@ -217,7 +220,10 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             if side_stream {
                 args.push("--side-stream".into());
             }
-            crate::bench::allreduce(&buckets, world, iters, side_stream, &args)
+            if untimed {
+                args.push("--untimed".into());
+            }
+            crate::bench::allreduce(&buckets, world, iters, side_stream, untimed, &args)
         }
         Command::Plugin(PluginCommand::Bench { paths, calls }) => {
             let rows = crate::plugin::bench::run(&paths, calls)?;

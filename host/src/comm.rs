@@ -994,6 +994,18 @@ pub mod nccl {
             Ok(NcclComm { comm, rank, n, stats: CommStats::default(), pending: Vec::new(), link, side: None, side_busy: false })
         }
 
+        /// An all-reduce on the legacy stream without events or accounting:
+        /// for `harness bench allreduce --untimed`, to see what the timing
+        /// around each collective costs.
+        pub fn all_reduce_sum_untimed(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+            let dt = self.dtype_of(t, "all_reduce")?;
+            let l = lib().map_err(|e| self.fail("all_reduce", e))?;
+            let (p, count) = (t.data_ptr(), t.numel());
+            // SAFETY: in place on t's device memory, `count` elements; legacy stream.
+            check(unsafe { (l.all_reduce)(p, p, count, dt, 0, self.comm, std::ptr::null_mut()) }, "all_reduce")
+                .map_err(|e| self.fail("all_reduce", e))
+        }
+
         /// An error of collective `op` on this rank.
         fn fail(&self, op: &'static str, reason: impl ToString) -> CommError {
             CommError::Aborted { op, seq: self.stats.collectives, rank: self.rank, reason: reason.to_string() }
