@@ -274,6 +274,12 @@ pub mod cuda {
             Ok(())
         }
 
+        /// True when the event has completed (does not wait).
+        pub fn done(&self) -> bool {
+            // SAFETY: live event.
+            unsafe { result::event::query(self.0) }.is_ok()
+        }
+
         /// Waits until the event has completed.
         pub fn synchronize(&self) -> anyhow::Result<()> {
             // SAFETY: live event.
