@@ -408,17 +408,23 @@ impl PluginCompressor {
     }
 }
 
+impl PluginCompressor {
+    /// CUDA: the previous step's flag, once its copy to the host is done.
+    fn check_in_flight(&mut self) -> Result<()> {
+        if let Some((host, done, step)) = self.in_flight.take() {
+            done.synchronize()?;
+            if host.int64_value(&[]) != 0 {
+                return Err(self.plugin.fail("compress", format!("non-finite values in its output at step {step}")));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Compressor for PluginCompressor {
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> Result<()> {
         if ctx.index == 0 {
-            if let Some(prev) = self.pending.take() {
-                let n = prev.int64_value(&[]);
-                if n > 0 {
-                    return Err(self
-                        .plugin
-                        .fail("compress", format!("{n} non-finite values in its output at step {}", ctx.step.saturating_sub(1))));
-                }
-            }
+            self.check_in_flight()?;
         }
         let shape = bucket.size();
         let kind = bucket.kind();
@@ -443,13 +449,7 @@ impl Compressor for PluginCompressor {
     }
 
     fn finish(&mut self) -> Result<()> {
-        if let Some((host, done, step)) = self.in_flight.take() {
-            done.synchronize()?;
-            if host.int64_value(&[]) != 0 {
-                return Err(self.plugin.fail("compress", format!("non-finite values in its output at step {step}")));
-            }
-        }
-        Ok(())
+        self.check_in_flight()
     }
 
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
