@@ -181,6 +181,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let mut measured_from: Option<(Duration, u64, u64)> = None; // (train time, tokens, samples) at warm-up end
     let (mut tokens, mut samples) = (0u64, 0u64);
     let mut pending_loss: Option<PendingLoss> = None;
+    // Gradient statistics for batch-policy plugins, on their way to the host.
+    let mut stats_in_flight: Option<PendingLoss> = None;
     let mut loss_curve = Vec::new();
     let mut eval_curve = Vec::new();
     let mut last_loss = None;
@@ -282,14 +284,24 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
         timer.stop()?;
         let grads = dp.grads()?;
-        // (mean over ranks of the local squared norm, squared norm of the average)
-        let stats = match local_sq {
-            Some(mut local) => {
-                let global = dp.grad_sq_norm()?;
-                if world > 1 {
-                    comm.all_reduce_sum(&mut local)?;
+        // (mean over ranks of the local squared norm, squared norm of the
+        // average): copied to the host behind an event and read a step later,
+        // as the loss is, so that no step waits for the device.
+        let stats_prev = stats_in_flight.take();
+        if let Some(mut local) = local_sq {
+            let global = dp.grad_sq_norm()?;
+            if world > 1 {
+                comm.all_reduce_sum(&mut local)?;
+            }
+            let pair = Tensor::cat(&[local / world as f64, global], 0);
+            stats_in_flight = Some(PendingLoss::start(step, 0.0, &pair)?);
+        }
+        let stats = match stats_prev {
+            Some(p) => {
+                if let Some(e) = &p.done {
+                    e.synchronize()?;
                 }
-                Some((local.double_value(&[]) / world as f64, global.double_value(&[])))
+                Some((p.host.double_value(&[0]), p.host.double_value(&[1])))
             }
             None => None,
         };
@@ -528,7 +540,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     Ok(EntryOutput { metrics, histograms })
 }
 
-/// A step's loss on its way to the host. On CUDA it is copied into pinned
+/// A step's loss (or other small device values) on its way to the host. On CUDA it is copied into pinned
 /// memory behind an event, so reading it later waits for that copy only;
 /// `.item()` would wait for everything queued on the stream, the next step
 /// included, and leave the device idle while the host prepares another.
