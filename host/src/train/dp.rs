@@ -330,7 +330,8 @@ impl DataParallel {
         let mut total = Tensor::zeros([1], (Kind::Double, self.device));
         for b in &self.buckets {
             if let Some((flat, _)) = &b.grad {
-                total += flat.to_kind(Kind::Double).square().sum(Kind::Double);
+                // One reduction pass without a temporary copy of the buffer.
+                total += flat.norm().to_kind(Kind::Double).square();
             }
         }
         Ok(total)
