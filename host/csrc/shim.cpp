@@ -210,3 +210,30 @@ char *hx_set_grad_ready_hook(tensor param, void (*cb)(void *, int64_t), void *ct
 }
 
 }  // extern "C"
+
+// The state of libtorch's default generator of a device (device < 0: the CPU
+// one), as a uint8 tensor: what dropout and torch.rand draw from.
+static at::Generator hx_generator(int device) {
+  return device < 0 ? at::detail::getDefaultCPUGenerator()
+                    : at::globalContext().defaultGenerator(at::Device(at::kCUDA, device));
+}
+
+extern "C" {
+
+char *hx_rng_get_state(int device, tensor *out) {
+  HX_TRY({
+    auto gen = hx_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    *out = new at::Tensor(gen.get_state());
+  })
+}
+
+char *hx_rng_set_state(int device, tensor state) {
+  HX_TRY({
+    auto gen = hx_generator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(*state);
+  })
+}
+
+}  // extern "C"

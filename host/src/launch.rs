@@ -102,6 +102,13 @@ pub fn launch_local_ranks(world: usize, args: &[std::ffi::OsString]) -> anyhow::
 }
 
 /// Runs every planned entry that `out` lacks; returns the final result.
+/// Where an entry's checkpoints go: next to the result file,
+/// `<out stem>.checkpoints/<entry id, with / as _>`.
+pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
+    let safe: String = entry_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    out.with_extension("checkpoints").join(safe)
+}
+
 pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
     let world = meta.world_size as usize;
@@ -218,6 +225,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             memory_total_bytes,
             bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
             plugins: &plugins,
+            checkpoint_dir: checkpoint_dir(&opts.out, &entry.id),
         };
         let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();

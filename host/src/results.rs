@@ -168,6 +168,10 @@ pub struct Metrics {
     /// Checkpoints written during the entry.
     #[serde(default)]
     pub checkpoints_written: u64,
+    /// Checkpoints, injected failures and out-of-memory retries, when the
+    /// entry had any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resilience: Option<ResilienceRecord>,
     /// ZeRO stage of the strategy (0: plain data parallelism, or one rank).
     #[serde(default)]
     pub zero: u8,
@@ -397,4 +401,60 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
+}
+
+/// What checkpoints and failures cost an entry.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ResilienceRecord {
+    /// Every checkpoint written: step, seconds the write took (all ranks,
+    /// until it was durable), bytes.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Every injected failure.
+    pub failures: Vec<FailureRecord>,
+    /// Every out-of-memory error caught and retried.
+    #[serde(default)]
+    pub out_of_memory: Vec<OomRecord>,
+    /// Steps executed, redone ones included (`steps` counts useful ones).
+    pub steps_executed: u64,
+    /// Training seconds spent writing checkpoints.
+    pub checkpoint_time_s: f64,
+    /// Training seconds lost to failures: the work since the last checkpoint
+    /// plus the restore.
+    pub time_lost_s: f64,
+}
+
+/// One checkpoint write.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub step: u64,
+    pub cost_s: f64,
+    pub bytes: u64,
+    /// Checkpoints the policy deleted right after this one.
+    #[serde(default)]
+    pub deleted: Vec<u64>,
+}
+
+/// One injected failure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailureRecord {
+    /// Steps completed when it struck.
+    pub step: u64,
+    /// The step training went back to (the last checkpoint; 0: the start).
+    pub restored_to: u64,
+    /// Training seconds of work lost (since the checkpoint was written).
+    pub lost_s: f64,
+    /// Seconds the restore took.
+    pub restore_s: f64,
+}
+
+/// One out-of-memory error caught and retried with a smaller batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OomRecord {
+    /// The step that ran out of memory (steps completed before it).
+    pub step: u64,
+    pub micro_batch: u32,
+    /// The micro-batch of the retry.
+    pub retried_with: u32,
+    /// True when the error was emulated (`faults.oom_above_batch`).
+    pub emulated: bool,
 }

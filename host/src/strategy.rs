@@ -59,12 +59,28 @@ pub trait Compressor {
     fn is_plain_average(&self) -> bool {
         false
     }
+    /// Whether the trainer must check this compressor's output, the reduced
+    /// gradients, for NaN/inf after every step ([`Compressor::check_output`]).
+    fn checks_output(&self) -> bool {
+        false
+    }
+    /// Checks the reduced gradients of `step`, given a norm of them that is
+    /// NaN or infinite when any element is (the clipping norm, or a squared
+    /// norm). `locate` finds the first non-finite bucket (a pass per bucket;
+    /// called only on failure).
+    fn check_output(&mut self, _step: u64, _norm: &tch::Tensor, _locate: &dyn Fn() -> Option<usize>) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// After the last step: checks still pending on the device.
     fn finish(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
     /// A plugin's record, if this is a plugin.
     fn plugin_record(&mut self) -> Option<PluginReport> {
+        None
+    }
+    /// The plugin, if this is one (for its state in checkpoints).
+    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
         None
     }
 }
@@ -81,14 +97,49 @@ pub trait BatchPolicy {
     fn plugin_record(&mut self) -> Option<PluginReport> {
         None
     }
+    /// The plugin, if this is one (for its state in checkpoints).
+    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
+        None
+    }
 }
 
-/// Decides when to checkpoint.
+/// What the host knows about checkpoints and failures, for the policy.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointHistory {
+    /// Seconds the last checkpoint write took, measured by the host.
+    pub last_cost_s: Option<f64>,
+    /// Steps of the checkpoints on disk, oldest first.
+    pub saved: Vec<u64>,
+    /// Steps at which failures struck.
+    pub failures: Vec<u64>,
+    /// Training seconds since the last checkpoint (or the start).
+    pub since_last_s: f64,
+}
+
+/// A checkpoint policy's decision after a step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CheckpointDecision {
+    /// Save the current step now.
+    pub save: bool,
+    /// Steps of saved checkpoints to delete (each in `saved`).
+    pub delete: Vec<u64>,
+}
+
+/// Decides when to checkpoint and which checkpoints to keep.
 pub trait CheckpointPolicy {
-    /// Called after every step; true means save now.
-    fn should_save(&mut self, t: &StepTelemetry) -> anyhow::Result<bool>;
+    /// Called after every step.
+    fn decide(&mut self, t: &StepTelemetry, h: &CheckpointHistory) -> anyhow::Result<CheckpointDecision>;
+    /// True for the built-in `none`, which never saves (the host then skips
+    /// the per-step agreement between ranks).
+    fn never_saves(&self) -> bool {
+        false
+    }
     /// A plugin's record, if this is a plugin.
     fn plugin_record(&mut self) -> Option<PluginReport> {
+        None
+    }
+    /// The plugin, if this is one (for its state in checkpoints).
+    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
         None
     }
 }
@@ -130,8 +181,11 @@ impl BatchPolicy for FixedBatch {
 pub struct NoCheckpoint;
 
 impl CheckpointPolicy for NoCheckpoint {
-    fn should_save(&mut self, _t: &StepTelemetry) -> anyhow::Result<bool> {
-        Ok(false)
+    fn decide(&mut self, _t: &StepTelemetry, _h: &CheckpointHistory) -> anyhow::Result<CheckpointDecision> {
+        Ok(CheckpointDecision::default())
+    }
+    fn never_saves(&self) -> bool {
+        true
     }
 }
 
@@ -175,10 +229,6 @@ impl Strategies {
             "none" => Box::new(NoCheckpoint),
             name if plugins.has(name) => Box::new(PluginCheckpoint {
                 plugin: plugins.instance(name, "checkpoint", Kind::CheckpointPolicy, s.checkpoint_config.as_ref(), device)?,
-                saved: Vec::new(),
-                failures: Vec::new(),
-                last_cost_s: None,
-                since_last_s: 0.0,
             }),
             other => anyhow::bail!("unknown checkpoint policy `{other}`"),
         };

@@ -168,6 +168,32 @@ pub struct Workload {
     /// Target as a margin above the data's known loss floor.
     #[serde(default)]
     pub target_above_floor: Option<f64>,
+    /// Injected failures and an emulated memory limit, to score checkpoint
+    /// and batch-size policies.
+    #[serde(default)]
+    pub faults: Option<FaultSpec>,
+}
+
+/// `faults = { at_steps = [30, 70] }`, `faults = { mtbf_s = 20, seed = 1 }`,
+/// `faults = { oom_above_batch = 48 }`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSpec {
+    /// A failure strikes when training reaches each of these steps (steps
+    /// completed), once each: the work since the last checkpoint is lost.
+    #[serde(default)]
+    pub at_steps: Vec<u64>,
+    /// Failures at random, exponentially distributed with this mean time
+    /// between failures in seconds of training time (seeded).
+    #[serde(default)]
+    pub mtbf_s: Option<f64>,
+    /// Seed of the random failures (default: the entry's seed).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Emulated device memory: a step whose micro-batch exceeds this runs
+    /// out of memory (as a real out-of-memory error would be handled).
+    #[serde(default)]
+    pub oom_above_batch: Option<u32>,
 }
 
 fn default_eval_batches() -> u32 {
@@ -379,6 +405,9 @@ pub struct Strategy {
     /// sharded).
     #[serde(default)]
     pub zero: u8,
+    /// Compress checkpoints (zstd) when the checkpoint policy saves.
+    #[serde(default)]
+    pub checkpoint_compress: bool,
 }
 
 fn default_compressor() -> String {
@@ -406,6 +435,7 @@ impl Strategy {
             workloads: None,
             link: None,
             zero: 0,
+            checkpoint_compress: false,
         }
     }
 }
@@ -710,6 +740,23 @@ impl Suite {
             if let Some(g) = w.grad_clip {
                 if !(g.is_finite() && g > 0.0) {
                     c.err(&at("grad_clip"), "`grad_clip` must be a positive norm", Some("leave it out to disable clipping".into()));
+                }
+            }
+            if let Some(f) = &w.faults {
+                let at_f = |k: &'static str| [Key("workload"), Index(i), Key("faults"), Key(k)];
+                if f.at_steps.contains(&0) {
+                    c.err(&at_f("at_steps"), "failures strike after a step: steps start at 1", None);
+                }
+                if let Some(m) = f.mtbf_s {
+                    if !(m.is_finite() && m > 0.0) {
+                        c.err(&at_f("mtbf_s"), "`mtbf_s` must be a positive number of seconds", None);
+                    }
+                }
+                if f.seed.is_some() && f.mtbf_s.is_none() {
+                    c.err(&at_f("seed"), "`seed` only seeds random failures", Some("add `mtbf_s`, or remove `seed`".into()));
+                }
+                if f.oom_above_batch == Some(0) {
+                    c.err(&at_f("oom_above_batch"), "`oom_above_batch` must be at least 1", None);
                 }
             }
             if w.target_loss.is_some() && w.target_above_floor.is_some() {

@@ -4,7 +4,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 mod ffi {
     use super::*;
@@ -36,6 +36,8 @@ mod ffi {
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
+        pub fn hx_rng_get_state(device: c_int, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_rng_set_state(device: c_int, state: *mut c_void) -> *mut c_char;
         pub fn hx_set_grad_ready_hook(param: *mut c_void, cb: Option<GradReady>, ctx: *mut c_void, idx: i64) -> *mut c_char;
         pub fn hx_rand_seeded(
             kind: c_int,
@@ -244,6 +246,29 @@ pub fn cuda_memory(device: usize) -> Result<CudaMemory, TorchError> {
 pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
     // SAFETY: plain value; exceptions are caught in the shim.
     check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
+}
+
+/// The state of libtorch's default random generator of `device` (dropout
+/// draws from it), as a uint8 tensor on the CPU.
+pub fn rng_state(device: Device) -> Result<Tensor, TorchError> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: out receives a new at::Tensor; exceptions are caught in the shim.
+    check(unsafe { ffi::hx_rng_get_state(rng_device(device), &mut out) })?;
+    // SAFETY: out is a heap at::Tensor from the shim.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// Restores a state from [`rng_state`].
+pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), TorchError> {
+    // SAFETY: state is a live tensor; exceptions are caught in the shim.
+    check(unsafe { ffi::hx_rng_set_state(rng_device(device), state.as_ptr() as *mut c_void) })
+}
+
+fn rng_device(device: Device) -> c_int {
+    match device {
+        Device::Cuda(i) => i as c_int,
+        _ => -1,
+    }
 }
 
 /// Called by autograd after it accumulated a gradient into a parameter:

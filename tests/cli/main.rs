@@ -2,6 +2,7 @@
 //! read what it leaves behind.
 
 mod batch_policies;
+mod checkpoints;
 mod compressors;
 mod errors;
 mod plugins;

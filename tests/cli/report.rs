@@ -40,6 +40,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         workloads: None,
         link: None,
         zero: 0,
+        checkpoint_compress: false,
     }
 }
 

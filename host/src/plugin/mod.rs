@@ -30,7 +30,9 @@ use tch::{Device, Tensor};
 
 use crate::comm::Collective;
 use crate::measure::{self, LatencySummary};
-use crate::strategy::{BatchDecision, BatchPolicy, BucketCtx, CheckpointPolicy, Compressor, StepTelemetry};
+use crate::strategy::{
+    BatchDecision, BatchPolicy, BucketCtx, CheckpointDecision, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry,
+};
 use crate::suite::PluginSpec;
 use ops::{CommPtr, HostSide};
 
@@ -295,6 +297,22 @@ impl Plugin {
         format!("{} plugin `{}` ({transport}, {})", self.manifest.kind.name(), self.suite_name, self.manifest.path.display())
     }
 
+    /// The plugin's state (`state-save`), for a checkpoint.
+    pub fn state_save(&mut self) -> Result<Vec<u8>> {
+        self.call("state-save", |i| match i {
+            Inst::Wasm(w) => w.state_save().map(Ok),
+            Inst::Native(n) => n.state_save().map(Ok),
+        })
+    }
+
+    /// Restores a state from [`Plugin::state_save`] (`state-load`).
+    pub fn state_load(&mut self, state: &[u8]) -> Result<()> {
+        self.call("state-load", |i| match i {
+            Inst::Wasm(w) => w.state_load(state),
+            Inst::Native(n) => n.state_load(state),
+        })
+    }
+
     fn fail(&self, what: &str, msg: impl std::fmt::Display) -> anyhow::Error {
         anyhow!("{} returned an invalid result from `{what}`: {msg}", self.who())
     }
@@ -359,61 +377,25 @@ fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
 /// A compressor plugin behind the host's [`Compressor`] trait.
 pub struct PluginCompressor {
     pub plugin: Plugin,
-    /// Check the reduced bucket for NaN/inf (off under fp16 loss scaling,
+    /// Check the reduced gradients for NaN/inf (off under fp16 loss scaling,
     /// whose overflow steps are expected and skipped by the scaler).
     check_finite: bool,
-    /// CUDA: the non-finite flag of the current step, on the device.
-    pending: Option<Tensor>,
-    /// CUDA: the previous step's flag on its way to the host, with the event
-    /// after its copy and the step.
+    /// CUDA: the previous step's gradient norm on its way to the host, with
+    /// the event after its copy and the step.
     in_flight: Option<(Tensor, measure::cuda::Event, u64)>,
 }
 
 impl PluginCompressor {
     /// Wraps a compressor plugin.
     pub fn new(plugin: Plugin, check_finite: bool) -> PluginCompressor {
-        PluginCompressor { plugin, check_finite, pending: None, in_flight: None }
+        PluginCompressor { plugin, check_finite, in_flight: None }
     }
 
-    fn check(&mut self, bucket: &Tensor, ctx: &BucketCtx) -> Result<()> {
-        if !self.check_finite {
-            return Ok(());
-        }
-        // One reduction pass: the sum of a bucket is NaN or infinite when any
-        // element is (gradients are far from overflowing the sum).
-        let bad = bucket.sum(bucket.kind()).isfinite().logical_not();
-        if !bucket.device().is_cuda() {
-            if bad.int64_value(&[]) != 0 {
-                return Err(self.plugin.fail("compress", format!("non-finite values in bucket {} at step {}", ctx.index, ctx.step)));
-            }
-            return Ok(());
-        }
-        // On a GPU the flag stays on the device; after the last bucket it is
-        // copied to the host behind an event and read a step later, waiting
-        // for that copy only (reading it directly would wait for everything
-        // queued since, and leave the device idle).
-        let flag = match self.pending.take() {
-            Some(acc) => acc.logical_or(&bad),
-            None => bad,
-        };
-        if ctx.index + 1 == ctx.count {
-            let host = flag.to_device_(Device::Cpu, tch::Kind::Bool, true, false);
-            let done = measure::cuda::Event::new()?;
-            done.record()?;
-            self.in_flight = Some((host, done, ctx.step));
-        } else {
-            self.pending = Some(flag);
-        }
-        Ok(())
-    }
-}
-
-impl PluginCompressor {
-    /// CUDA: the previous step's flag, once its copy to the host is done.
+    /// CUDA: the previous step's norm, once its copy to the host is done.
     fn check_in_flight(&mut self) -> Result<()> {
         if let Some((host, done, step)) = self.in_flight.take() {
             done.synchronize()?;
-            if host.int64_value(&[]) != 0 {
+            if !host.double_value(&[]).is_finite() {
                 return Err(self.plugin.fail("compress", format!("non-finite values in its output at step {step}")));
             }
         }
@@ -423,9 +405,6 @@ impl PluginCompressor {
 
 impl Compressor for PluginCompressor {
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> Result<()> {
-        if ctx.index == 0 {
-            self.check_in_flight()?;
-        }
         let shape = bucket.size();
         let kind = bucket.kind();
         let host = self.plugin.inst.host();
@@ -445,7 +424,40 @@ impl Compressor for PluginCompressor {
         if bucket.size() != shape || bucket.kind() != kind {
             return Err(self.plugin.fail("compress", "the bucket changed shape or dtype"));
         }
-        self.check(bucket, ctx)
+        Ok(())
+    }
+
+    fn checks_output(&self) -> bool {
+        self.check_finite
+    }
+
+    /// The gradient norm the step computes anyway (for clipping or the batch
+    /// policy's statistics) is NaN or infinite exactly when some element of
+    /// the reduced gradients is, so the check costs no pass of its own when
+    /// clipping is on. On CPU it is read now; on a GPU it is copied to the
+    /// host behind an event and read at the next step (reading it directly
+    /// would wait for everything queued since, and leave the device idle),
+    /// and the last step's at the end.
+    fn check_output(&mut self, step: u64, norm: &Tensor, locate: &dyn Fn() -> Option<usize>) -> Result<()> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        if !norm.device().is_cuda() {
+            if norm.double_value(&[]).is_finite() {
+                return Ok(());
+            }
+            let why = match locate() {
+                Some(i) => format!("non-finite values in bucket {i} at step {step}"),
+                None => format!("the norm of its output overflowed at step {step}"),
+            };
+            return Err(self.plugin.fail("compress", why));
+        }
+        self.check_in_flight()?;
+        let host = norm.to_device_(Device::Cpu, tch::Kind::Double, true, false);
+        let done = measure::cuda::Event::new()?;
+        done.record()?;
+        self.in_flight = Some((host, done, step));
+        Ok(())
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -454,6 +466,10 @@ impl Compressor for PluginCompressor {
 
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
         Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
+    }
+
+    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+        Some(&mut self.plugin)
     }
 }
 
@@ -509,39 +525,42 @@ impl BatchPolicy for PluginBatch {
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
         Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
     }
+
+    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+        Some(&mut self.plugin)
+    }
 }
 
 /// A checkpoint-policy plugin behind the host's [`CheckpointPolicy`] trait.
 pub struct PluginCheckpoint {
     pub plugin: Plugin,
-    pub saved: Vec<u64>,
-    pub failures: Vec<u64>,
-    pub last_cost_s: Option<f64>,
-    pub since_last_s: f64,
 }
 
 impl CheckpointPolicy for PluginCheckpoint {
-    fn should_save(&mut self, t: &StepTelemetry) -> Result<bool> {
-        let (saved, failures, cost, since) = (self.saved.clone(), self.failures.clone(), self.last_cost_s, self.since_last_s);
+    fn decide(&mut self, t: &StepTelemetry, h: &CheckpointHistory) -> Result<CheckpointDecision> {
         let (save, delete) = self.plugin.call("decide", |i| match i {
             Inst::Wasm(w) => {
-                let h = wasm::wit_checkpoint::CheckpointHistory {
-                    last_cost_s: cost,
-                    saved: saved.clone(),
-                    failures: failures.clone(),
-                    since_last_s: since,
+                let hist = wasm::wit_checkpoint::CheckpointHistory {
+                    last_cost_s: h.last_cost_s,
+                    saved: h.saved.clone(),
+                    failures: h.failures.clone(),
+                    since_last_s: h.since_last_s,
                 };
-                w.checkpoint_decide(&telemetry_wit(t), &h).map(|r| r.map(|d| (d.save, d.delete)))
+                w.checkpoint_decide(&telemetry_wit(t), &hist).map(|r| r.map(|d| (d.save, d.delete)))
             }
-            Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), &saved, &failures, cost, since),
+            Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), &h.saved, &h.failures, h.last_cost_s, h.since_last_s),
         })?;
-        if let Some(d) = delete.iter().find(|d| !saved.contains(d)) {
+        if let Some(d) = delete.iter().find(|d| !h.saved.contains(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
         }
-        Ok(save)
+        Ok(CheckpointDecision { save, delete })
     }
 
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
         Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
+    }
+
+    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+        Some(&mut self.plugin)
     }
 }

@@ -272,12 +272,16 @@ struct Prefetch {
 }
 
 impl Prefetch {
-    fn start(source: Arc<SampleSource>, seed: u64, t: usize, depth: usize) -> Prefetch {
+    /// Starts the stream after its first `skip` samples.
+    fn start(source: Arc<SampleSource>, seed: u64, t: usize, depth: usize, skip: u64) -> Prefetch {
         let (tx, rx) = std::sync::mpsc::sync_channel(depth);
         let worker = std::thread::Builder::new()
             .name("harness-data".into())
             .spawn(move || {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                for _ in 0..skip {
+                    source.sample(&mut rng, t);
+                }
                 // Ends when the receiver is dropped.
                 while tx.send(source.sample(&mut rng, t)).is_ok() {}
             })
@@ -299,9 +303,15 @@ impl Drop for Prefetch {
     }
 }
 
+/// Samples made ahead of the training thread.
+const PREFETCH_DEPTH: usize = 256;
+
 /// The data stream of one entry: training batches and a fixed eval set.
 pub struct Data {
     train: Prefetch,
+    /// What `train` draws from, and its seed (to restart it elsewhere).
+    source: Arc<SampleSource>,
+    seed: u64,
     eval: Arc<SampleSource>,
     eval_seed: u64,
     floor: Option<f64>,
@@ -360,9 +370,11 @@ impl Data {
             }
         };
         // Deep enough for a few batches of the largest sizes in our suites.
-        let depth = 256;
+        let depth = PREFETCH_DEPTH;
         Ok(Data {
-            train: Prefetch::start(train, seed, t, depth),
+            train: Prefetch::start(train.clone(), seed, t, depth, 0),
+            source: train,
+            seed,
             eval,
             eval_seed: seed ^ 0xe7a1_5eed,
             floor,
@@ -381,6 +393,14 @@ impl Data {
     /// Training samples taken so far (the stream's position).
     pub fn position(&self) -> u64 {
         self.consumed
+    }
+
+    /// Moves the training stream to `position` (samples handed out), as
+    /// after [`Data::position`] returned it: the following batches are the
+    /// ones that came next then.
+    pub fn seek(&mut self, position: u64) {
+        self.train = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position);
+        self.consumed = position;
     }
 
     /// The next training batch of `batch` samples.

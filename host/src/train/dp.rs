@@ -337,6 +337,12 @@ impl DataParallel {
         Ok(total)
     }
 
+    /// The index of the first gradient bucket holding a NaN or infinity
+    /// (a pass per bucket: for error messages).
+    pub fn first_non_finite_bucket(&self) -> Option<usize> {
+        self.buckets.iter().position(|b| b.grad.as_ref().is_some_and(|(flat, _)| flat.isfinite().all().int64_value(&[]) == 0))
+    }
+
     /// Start of a step: zeroes the gradient buffers (ZeRO-2 has released
     /// them and allocates zeroed ones before the first backward pass).
     pub fn begin_step(&mut self) {

@@ -5,10 +5,12 @@
 //! from the device after step k+1 is enqueued, so the host never waits on a
 //! step it has just launched; evaluation pauses the training clock.
 
+pub mod checkpoint;
 pub mod data;
 pub mod dp;
 pub mod model;
 pub mod optim;
+pub mod resilience;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,13 +22,16 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
+use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
 use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord};
-use crate::strategy::{BatchDecision, StepTelemetry, Strategies};
+use crate::strategy::{BatchDecision, CheckpointHistory, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
 use crate::torch_ext::{self, AutocastDevice};
+use checkpoint::Position;
 use data::Data;
 use model::{Model, ModelConfig};
 use optim::{learning_rate, LossScaler, Optimizer};
+use resilience::{FaultClock, TrainState};
 
 /// What a running entry reports to the user, after each step.
 #[derive(Debug, Clone)]
@@ -53,6 +58,8 @@ pub struct EntryContext<'a> {
     pub bucket_bytes: u64,
     /// The suite's plugins.
     pub plugins: &'a crate::plugin::PluginSet,
+    /// Where this entry's checkpoints go (removed when the entry succeeds).
+    pub checkpoint_dir: std::path::PathBuf,
 }
 
 /// The outcome of a finished entry.
@@ -100,7 +107,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     };
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    let (param_names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
     if world > 1 {
         tch::no_grad(|| -> anyhow::Result<()> {
             for p in &params {
@@ -191,6 +198,33 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let mut step = 0u64;
 
+    // Checkpoints and injected failures. A failure before the first
+    // checkpoint goes back to the start, kept in host memory.
+    let mut fault_clock =
+        w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some()).map(|f| FaultClock::new(f, ctx.entry.seed, rank));
+    let saves = !strategies.checkpoint.never_saves();
+    let store =
+        if saves { Some(checkpoint::Store::open(&ctx.checkpoint_dir, rank, world, ctx.entry.strategy.checkpoint_compress)?) } else { None };
+    let mut history = CheckpointHistory::default();
+    // (step, training time when it was durable) of each checkpoint on disk.
+    let mut saved_at: Vec<(u64, Duration)> = Vec::new();
+    let mut res = ResilienceRecord::default();
+    let initial = match fault_clock {
+        Some(_) => {
+            let at = Position { step: 0, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale };
+            let mut st = TrainState {
+                names: &param_names,
+                params: &params,
+                optimizer: &mut optimizer,
+                scaler: scaler.as_mut(),
+                strategies: &mut strategies,
+                device,
+            };
+            Some(st.capture(at, true)?)
+        }
+        None => None,
+    };
+
     let read_loss = |p: PendingLoss, curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
         let v = p.read()?;
         if !v.is_finite() {
@@ -213,7 +247,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         if stop {
             break;
         }
-        if step == ctx.warmup_steps {
+        if step == ctx.warmup_steps && measured_from.is_none() {
             if cuda {
                 tch::Cuda::synchronize(dev_index as i64);
             }
@@ -288,8 +322,10 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         // average): copied to the host behind an event and read a step later,
         // as the loss is, so that no step waits for the device.
         let stats_prev = stats_in_flight.take();
+        let mut global_sq = None;
         if let Some(mut local) = local_sq {
             let global = dp.grad_sq_norm()?;
+            global_sq = Some(global.shallow_clone());
             if world > 1 {
                 comm.all_reduce_sum(&mut local)?;
             }
@@ -316,12 +352,22 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 let _ = s.found_inf.clamp_max_(1.0);
             }
         }
+        let mut clip_norm = None;
         if let Some(max) = w.grad_clip {
             if sharded {
                 let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, device)?;
             } else {
-                let _norm = torch_ext::clip_grad_norm(&grads, Some(max))?;
+                clip_norm = Some(torch_ext::clip_grad_norm(&grads, Some(max))?);
             }
+        }
+        // A plugin compressor's output is checked for NaN/inf through a norm
+        // of the reduced gradients, the one computed anyway if there is one.
+        if strategies.compressor.checks_output() && !sharded {
+            let norm = match clip_norm.or(global_sq) {
+                Some(n) => n,
+                None => dp.grad_sq_norm()?,
+            };
+            strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
         }
         optimizer.step(&targets, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
         if let Some(s) = &mut scaler {
@@ -372,15 +418,108 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             cur_batch >= 1 && cur_accum >= 1,
             "the batch policy returned batch {cur_batch} x {cur_accum} accumulation steps; both must be at least 1"
         );
-        // No built-in policy saves; checkpoint writing arrives with the
-        // checkpoint-policy work, and until then a request to save is an error
-        // rather than silently ignored.
-        anyhow::ensure!(
-            !strategies.checkpoint.should_save(&telemetry)?,
-            "the checkpoint policy asked to save, and this version cannot write checkpoints"
-        );
+        // Checkpoint and failure: the policy decides, a failure may strike,
+        // and the ranks agree on both.
+        let done = step + 1;
+        history.since_last_s = now.saturating_sub(saved_at.last().map_or(Duration::ZERO, |s| s.1)).as_secs_f64();
+        let decision = strategies.checkpoint.decide(&telemetry, &history)?;
+        let mut fail = fault_clock.as_mut().is_some_and(|c| c.strikes(done, now.as_secs_f64()));
+        let mut save = decision.save;
+        if world > 1 && (saves || fault_clock.is_some()) {
+            let mut flags = Tensor::from_slice(&[save as i32 as f32, fail as i32 as f32]).to_device(device);
+            comm.all_reduce_sum(&mut flags)?;
+            (save, fail) = (flags.double_value(&[0]) > 0.0, flags.double_value(&[1]) > 0.0);
+        }
         timer.stop()?;
         timer.end_step()?;
+        res.steps_executed += 1;
+
+        if fail {
+            // The work since the last checkpoint is lost: back to it.
+            strategies.compressor.finish()?;
+            let t0 = Instant::now();
+            let loaded;
+            let snap = match history.saved.last() {
+                Some(&s) => {
+                    loaded = store.as_ref().context("a checkpoint without a store")?.read(s)?;
+                    &loaded
+                }
+                None => initial.as_ref().context("no initial state to restart from")?,
+            };
+            let mut st = TrainState {
+                names: &param_names,
+                params: &params,
+                optimizer: &mut optimizer,
+                scaler: scaler.as_mut(),
+                strategies: &mut strategies,
+                device,
+            };
+            st.restore(snap)
+                .with_context(|| format!("restoring the checkpoint of step {} after the failure at step {done}", snap.position.step))?;
+            let c = snap.position.step;
+            data.seek(snap.position.data_position);
+            (cur_batch, cur_accum, lr_scale) = (snap.position.micro_batch, snap.position.accum_steps, snap.position.lr_scale);
+            pending_loss = None;
+            stats_in_flight = None;
+            loss_curve.retain(|e: &(u64, f64, f64)| e.0 < c);
+            eval_curve.retain(|e: &(u64, f64, f64)| e.0 <= c);
+            batch_changes.retain(|e| e.0 <= c);
+            if reached.is_some_and(|r| r.0 > c) {
+                reached = None;
+            }
+            if cuda {
+                tch::Cuda::synchronize(dev_index as i64);
+            }
+            let restore_s = t0.elapsed().as_secs_f64();
+            let lost_s = now.saturating_sub(saved_at.last().map_or(Duration::ZERO, |s| s.1)).as_secs_f64();
+            history.failures.push(done);
+            res.failures.push(FailureRecord { step: done, restored_to: c, lost_s, restore_s });
+            res.time_lost_s += lost_s + restore_s;
+            step = c;
+            last_iter = Instant::now();
+            continue;
+        }
+        if save {
+            let store = store.as_ref().context("the checkpoint policy `none` asked to save")?;
+            let t0 = Instant::now();
+            if cuda {
+                tch::Cuda::synchronize(dev_index as i64);
+            }
+            let at = Position { step: done, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale };
+            let mut st = TrainState {
+                names: &param_names,
+                params: &params,
+                optimizer: &mut optimizer,
+                scaler: scaler.as_mut(),
+                strategies: &mut strategies,
+                device,
+            };
+            let written = st.capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
+            // Every rank's part is durable before rank 0 makes it a checkpoint.
+            let all_ok = ranks_agree(comm, written.is_ok(), device)?;
+            let bytes = written.with_context(|| format!("writing the checkpoint of step {done}"))?;
+            anyhow::ensure!(all_ok, "another rank failed to write its part of the checkpoint of step {done}");
+            if rank == 0 {
+                store.commit(at).with_context(|| format!("committing the checkpoint of step {done}"))?;
+            }
+            ranks_agree(comm, true, device)?;
+            let cost = t0.elapsed().as_secs_f64();
+            history.saved.push(done);
+            history.last_cost_s = Some(cost);
+            saved_at.push((done, train_elapsed(eval_time)));
+            res.checkpoints.push(CheckpointRecord { step: done, cost_s: cost, bytes, deleted: Vec::new() });
+            res.checkpoint_time_s += cost;
+        }
+        for &d in &decision.delete {
+            if rank == 0 {
+                store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?;
+            }
+            history.saved.retain(|&s| s != d);
+            saved_at.retain(|s| s.0 != d);
+            if let Some(c) = res.checkpoints.last_mut() {
+                c.deleted.push(d);
+            }
+        }
 
         let iter = last_iter.elapsed();
         last_iter = Instant::now();
@@ -440,6 +579,11 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let ranks =
         vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
     strategies.compressor.finish()?;
+    let tracked = saves || fault_clock.is_some();
+    if let (Some(_), 0) = (&store, rank) {
+        // Checkpoints serve a run that has not finished; this one has.
+        let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
+    }
     let mut histograms = BTreeMap::new();
     let reports = strategies.plugin_reports();
     let runtime = match reports.iter().map(|r| r.0.manifest.transport).collect::<std::collections::BTreeSet<_>>() {
@@ -534,8 +678,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         gradient_bytes,
         ranks,
         batch_changes,
-        checkpoints_written: 0,
-        goodput_steps_per_s: None,
+        checkpoints_written: res.checkpoints.len() as u64,
+        goodput_steps_per_s: tracked.then(|| step as f64 / t_train.max(1e-9)),
+        resilience: tracked.then_some(res),
     };
     Ok(EntryOutput { metrics, histograms })
 }
@@ -596,4 +741,15 @@ fn subsample<T: Clone>(v: Vec<T>, max: usize) -> Vec<T> {
     let mut out: Vec<T> = (0..max - 1).map(|i| v[i * (n - 1) / (max - 1)].clone()).collect();
     out.push(v[n - 1].clone());
     out
+}
+
+/// True on every rank when `ok` is true on every rank (a barrier too).
+fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: Device) -> anyhow::Result<bool> {
+    let world = comm.world_size();
+    if world == 1 {
+        return Ok(ok);
+    }
+    let mut flag = Tensor::from_slice(&[ok as i32 as f32]).to_device(device);
+    comm.all_reduce_sum(&mut flag)?;
+    Ok(flag.double_value(&[0]) >= world as f64 - 0.5)
 }

@@ -75,6 +75,49 @@ impl Optimizer {
         }
     }
 
+    /// The state to checkpoint, by name (`exp_avg.3`, `steps.3`,
+    /// `momentum.3`, indices into the parameter list).
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        match self {
+            Optimizer::AdamW { exp_avg, exp_avg_sq, steps, .. } => [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("steps", steps)]
+                .into_iter()
+                .flat_map(|(n, ts)| ts.iter().enumerate().map(move |(i, t)| (format!("{n}.{i}"), t.shallow_clone())))
+                .collect(),
+            Optimizer::Sgd { bufs, .. } => {
+                bufs.iter().enumerate().filter_map(|(i, b)| b.as_ref().map(|t| (format!("momentum.{i}"), t.shallow_clone()))).collect()
+            }
+        }
+    }
+
+    /// Restores [`Optimizer::state_tensors`], copying into the state's own
+    /// tensors (so their device and dtype stay).
+    pub fn load_state(&mut self, get: &mut dyn FnMut(&str) -> Option<Tensor>) -> anyhow::Result<()> {
+        tch::no_grad(|| match self {
+            Optimizer::AdamW { exp_avg, exp_avg_sq, steps, .. } => {
+                for (n, ts) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("steps", steps)] {
+                    for (i, t) in ts.iter_mut().enumerate() {
+                        let name = format!("{n}.{i}");
+                        let v = get(&name).ok_or_else(|| anyhow::anyhow!("the checkpoint lacks optimizer state `{name}`"))?;
+                        anyhow::ensure!(
+                            v.size() == t.size(),
+                            "optimizer state `{name}`: shape {:?} in the checkpoint, {:?} here",
+                            v.size(),
+                            t.size()
+                        );
+                        t.copy_(&v);
+                    }
+                }
+                Ok(())
+            }
+            Optimizer::Sgd { bufs, .. } => {
+                for (i, b) in bufs.iter_mut().enumerate() {
+                    *b = get(&format!("momentum.{i}"));
+                }
+                Ok(())
+            }
+        })
+    }
+
     /// One update at learning rate `lr`. With `found_inf` (fp16), an
     /// overflowed step is skipped by the kernel itself, without a host sync.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, found_inf: Option<&Tensor>) -> anyhow::Result<()> {
@@ -173,6 +216,24 @@ impl LossScaler {
     pub fn update(&mut self) {
         let _ = self.skipped.g_add_(&self.found_inf);
         let _ = self.scale.internal_amp_update_scale_(&self.growth_tracker, &self.found_inf, 2.0, 0.5, 2000);
+    }
+
+    /// The state to checkpoint, by name.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        vec![
+            ("scale".into(), self.scale.shallow_clone()),
+            ("growth_tracker".into(), self.growth_tracker.shallow_clone()),
+            ("skipped".into(), self.skipped.shallow_clone()),
+        ]
+    }
+
+    /// Restores [`LossScaler::state_tensors`].
+    pub fn load_state(&mut self, get: &mut dyn FnMut(&str) -> Option<Tensor>) -> anyhow::Result<()> {
+        for (name, t) in [("scale", &mut self.scale), ("growth_tracker", &mut self.growth_tracker), ("skipped", &mut self.skipped)] {
+            let v = get(name).ok_or_else(|| anyhow::anyhow!("the checkpoint lacks loss-scaler state `{name}`"))?;
+            t.copy_(&v);
+        }
+        Ok(())
     }
 
     /// Steps skipped so far (reads the device).

@@ -1,0 +1,200 @@
+//! Checkpoints and injected failures end to end: a failure sends training
+//! back to the last checkpoint, and the resumed run repeats the uninterrupted
+//! run's losses bit for bit (model, optimizer, plugin state, data position);
+//! checkpoint writes killed at any instant never leave a torn checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use harness::train::checkpoint;
+
+use crate::{harness, repo_root, run_ok, write};
+
+fn artifact(name: &str) -> PathBuf {
+    let p = repo_root().join("target/plugins").join(name);
+    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
+    p
+}
+
+fn results(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
+}
+
+fn entry<'a>(r: &'a serde_json::Value, strategy: &str) -> &'a serde_json::Value {
+    r["entries"].as_array().unwrap().iter().find(|e| e["strategy"] == strategy).unwrap_or_else(|| panic!("no entry of {strategy}"))
+}
+
+/// Two ranks, top-k with error feedback (plugin state), every-n checkpoints
+/// keeping 2, plain and compressed, and a restart from scratch without any.
+fn suite(faults: &str) -> String {
+    let plugin = |name: &str, file: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display());
+    format!(
+        r#"[suite]
+name = "ckpt"
+device = "cpu"
+seed = 7
+world_size = 2
+warmup_steps = 2
+
+[[workload]]
+name = "gpt"
+model = {{ kind = "gpt", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
+batch = 8
+seq_len = 32
+steps = 30
+optimizer = {{ kind = "adamw", lr = 3e-3, betas = [0.9, 0.95] }}
+eval_every = 10
+eval_batches = 2
+{faults}
+
+{}{}{}
+[[strategy]]
+name = "every5"
+compressor = "topk"
+compressor_config = {{ ratio = 0.1 }}
+checkpoint = "every-n"
+checkpoint_config = {{ every = 5, keep = 2 }}
+
+[[strategy]]
+name = "every5-zstd"
+compressor = "topk"
+compressor_config = {{ ratio = 0.1 }}
+checkpoint = "every-n-native"
+checkpoint_config = {{ every = 5, keep = 2 }}
+checkpoint_compress = true
+
+[[strategy]]
+name = "restart"
+compressor = "topk"
+compressor_config = {{ ratio = 0.1 }}
+"#,
+        plugin("topk", "topk.wasm"),
+        plugin("every-n", "every-n.wasm"),
+        plugin("every-n-native", "libevery-n.so"),
+    )
+}
+
+fn losses(e: &serde_json::Value) -> Vec<(u64, f64)> {
+    e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[2].as_f64().unwrap())).collect()
+}
+
+#[test]
+fn a_failure_goes_back_to_the_last_checkpoint_and_repeats_the_losses_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = write(dir.path(), "clean.toml", &suite(""));
+    let faulty = write(dir.path(), "faulty.toml", &suite("faults = { at_steps = [13, 27] }"));
+    let (a, b) = (dir.path().join("clean.json"), dir.path().join("faulty.json"));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&clean).arg("--out").arg(&a));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&faulty).arg("--out").arg(&b));
+    let (a, b) = (results(&a), results(&b));
+    for s in ["every5", "every5-zstd", "restart"] {
+        let (x, y) = (entry(&a, s), entry(&b, s));
+        assert_eq!(y["status"], "ok", "{s}: {}", y["error"]);
+        assert_eq!(losses(x).len(), 30, "{s}");
+        assert_eq!(losses(x), losses(y), "{s}: the resumed run's losses differ from the uninterrupted run's");
+        assert_eq!(x["metrics"]["final_eval_loss"], y["metrics"]["final_eval_loss"], "{s}");
+        assert_eq!(x["metrics"]["eval_curve"].as_array().unwrap().len(), y["metrics"]["eval_curve"].as_array().unwrap().len());
+
+        let r = &y["metrics"]["resilience"];
+        let failures: Vec<(u64, u64)> =
+            r["failures"].as_array().unwrap().iter().map(|f| (f["step"].as_u64().unwrap(), f["restored_to"].as_u64().unwrap())).collect();
+        if s == "restart" {
+            // No checkpoints: each failure starts over.
+            assert_eq!(failures, vec![(13, 0), (27, 0)]);
+            assert_eq!(r["steps_executed"], 30 + 13 + 27);
+            assert_eq!(y["metrics"]["checkpoints_written"], 0);
+        } else {
+            assert_eq!(failures, vec![(13, 10), (27, 25)], "{s}");
+            assert_eq!(r["steps_executed"], 30 + 3 + 2, "{s}");
+            let written: Vec<u64> = r["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+            assert_eq!(written, vec![5, 10, 15, 20, 25, 30], "{s}");
+            // keep = 2: after saving 15 the policy deleted 5, and so on.
+            assert_eq!(r["checkpoints"][2]["deleted"], serde_json::json!([5]), "{s}");
+            assert!(r["checkpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["cost_s"].as_f64().unwrap() > 0.0 && c["bytes"].as_u64().unwrap() > 0));
+            // The plugin saw both failures in its history: the record names them.
+            assert!(r["time_lost_s"].as_f64().unwrap() > 0.0);
+        }
+        let goodput = y["metrics"]["goodput_steps_per_s"].as_f64().unwrap();
+        let wall = y["metrics"]["train_time_s"].as_f64().unwrap();
+        assert!((goodput - 30.0 / wall).abs() < 1e-9 * goodput.max(1.0), "goodput {goodput} != 30 / {wall}");
+    }
+    // Compressed checkpoints are smaller (the same state, zstd).
+    let bytes = |s: &str| entry(&b, s)["metrics"]["resilience"]["checkpoints"][0]["bytes"].as_u64().unwrap();
+    assert!(bytes("every5-zstd") < bytes("every5"), "compressed {} vs {}", bytes("every5-zstd"), bytes("every5"));
+    // A finished entry leaves no checkpoints behind.
+    assert!(!dir.path().join("faulty.checkpoints").join("gpt_every5_r0").exists());
+}
+
+#[test]
+fn checkpoint_writes_killed_at_any_instant_never_leave_a_torn_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = format!(
+        r#"[suite]
+name = "kill"
+device = "cpu"
+seed = 3
+world_size = 2
+
+[[workload]]
+name = "gpt"
+model = {{ kind = "gpt", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
+batch = 4
+seq_len = 16
+steps = 100000
+optimizer = {{ kind = "adamw", lr = 3e-3 }}
+
+[[plugin]]
+name = "every-n"
+path = "{}"
+
+[[strategy]]
+name = "every1"
+checkpoint = "every-n"
+checkpoint_config = {{ every = 1, keep = 3 }}
+"#,
+        artifact("every-n.wasm").display()
+    );
+    let suite = write(dir.path(), "kill.toml", &s);
+    let (mut kills, mut seen) = (0, 0usize);
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    for round in 0..12 {
+        let out = dir.path().join(format!("kill-{round}.json"));
+        let root = checkpoint_root(&out);
+        let mut child = harness(dir.path()).args(["run", "-q"]).arg(&suite).arg("--out").arg(&out).spawn().unwrap();
+        // Wait for the first checkpoint, then kill after a pseudo-random
+        // 0..400 ms: with a write every step, most kills land in one.
+        let t0 = Instant::now();
+        while checkpoint::list(&root).is_empty() {
+            assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint appeared in {}", root.display());
+            assert!(child.try_wait().unwrap().is_none(), "harness exited early");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::thread::sleep(Duration::from_millis(rng % 400));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        kills += 1;
+        let all = checkpoint::list(&root);
+        assert!(!all.is_empty(), "round {round}: the checkpoints are gone");
+        for (step, path) in &all {
+            let at = checkpoint::verify(path).unwrap_or_else(|e| panic!("round {round}: torn checkpoint {}: {e:#}", path.display()));
+            assert_eq!(at.step, *step);
+        }
+        seen += all.len();
+    }
+    assert_eq!(kills, 12);
+    assert!(seen >= 12);
+}
+
+/// The checkpoint directory of the only entry of the kill suite.
+fn checkpoint_root(out: &Path) -> PathBuf {
+    out.with_extension("checkpoints").join("gpt_every1_r0")
+}
