@@ -93,6 +93,12 @@ pub trait BatchPolicy {
     }
     /// Called after every step.
     fn next(&mut self, t: &StepTelemetry) -> anyhow::Result<BatchDecision>;
+    /// Whether `next` should get `grad_sq_norm` / `local_grad_sq_norm`
+    /// (asked once, before `initial`). They cost a norm pass a step and the
+    /// overlap of the all-reduce with the backward pass. Default: false.
+    fn wants_gradient_stats(&mut self) -> anyhow::Result<bool> {
+        Ok(false)
+    }
     /// A plugin's record, if this is a plugin.
     fn plugin_record(&mut self) -> Option<PluginReport> {
         None

@@ -201,6 +201,13 @@ int32_t harness_plugin_state_load(void *self, const uint8_t *data, size_t len);
 int32_t harness_compress(void *self, uint64_t bucket, const harness_bucket_info *info);
 int32_t harness_batch_initial(void *self, const harness_batch *configured, harness_batch *out);
 int32_t harness_batch_next(void *self, const harness_step_telemetry *t, harness_batch *out);
+/* Optional (a library without it is taken to answer 0). Sets *out to 1 when
+ * the policy reads grad_sq_norm / local_grad_sq_norm, else 0. Called once,
+ * after configure and before harness_batch_initial. The statistics cost the
+ * host a norm pass per step and the overlap of the all-reduce with the
+ * backward pass; without them has_grad_sq_norm and has_local_grad_sq_norm
+ * are 0. */
+int32_t harness_batch_wants_gradient_stats(void *self, uint8_t *out);
 int32_t harness_checkpoint_decide(void *self, const harness_step_telemetry *t, const harness_checkpoint_history *h,
                                   harness_decision *out);
 

@@ -425,6 +425,9 @@ pub mod symbols {
     pub const COMPRESS: &[u8] = b"harness_compress\0";
     pub const BATCH_INITIAL: &[u8] = b"harness_batch_initial\0";
     pub const BATCH_NEXT: &[u8] = b"harness_batch_next\0";
+    /// Optional: a batch policy without it does not want gradient
+    /// statistics.
+    pub const BATCH_WANTS_GRADIENT_STATS: &[u8] = b"harness_batch_wants_gradient_stats\0";
     pub const CHECKPOINT_DECIDE: &[u8] = b"harness_checkpoint_decide\0";
 }
 
@@ -445,6 +448,8 @@ pub mod exports {
     pub type Compress = unsafe extern "C" fn(this: *mut c_void, bucket: u64, info: *const BucketInfo) -> i32;
     pub type BatchInitial = unsafe extern "C" fn(this: *mut c_void, configured: *const Batch, out: *mut Batch) -> i32;
     pub type BatchNext = unsafe extern "C" fn(this: *mut c_void, t: *const StepTelemetry, out: *mut Batch) -> i32;
+    /// Sets `*out` to 1 when the policy wants gradient statistics, else 0.
+    pub type BatchWantsGradientStats = unsafe extern "C" fn(this: *mut c_void, out: *mut u8) -> i32;
     pub type CheckpointDecide =
         unsafe extern "C" fn(this: *mut c_void, t: *const StepTelemetry, h: *const CheckpointHistory, out: *mut Decision) -> i32;
 }

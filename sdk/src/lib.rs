@@ -109,6 +109,19 @@ pub trait Compressor: Plugin {
 
 /// Batch size: called before the first step and after every step.
 pub trait BatchPolicy: Plugin {
+    /// Whether this policy reads [`Telemetry::grad_sq_norm`] and
+    /// [`Telemetry::local_grad_sq_norm`]. Asked once, after `configure` and
+    /// before [`BatchPolicy::initial`]. Default: false, and both fields are
+    /// `None`.
+    ///
+    /// Say true only when the policy uses them: they cost the host a norm
+    /// pass over the gradients every step, and, since they need each rank's
+    /// own gradient before the all-reduce, the all-reduce no longer overlaps
+    /// with the backward pass.
+    fn wants_gradient_stats(&self) -> bool {
+        false
+    }
+
     /// The first batch, given the workload's configured one. Default: the
     /// configured one.
     fn initial(&mut self, configured: Batch) -> Result<Batch, Error> {
@@ -168,8 +181,8 @@ macro_rules! __export_wasm {
 /// (`extern "C"`, unmangled): `harness_abi_version`, `harness_plugin_kind`,
 /// `_create`, `_destroy`, `_info`, `_configure`, `_last_error`,
 /// `_state_save`, `_state_load`, and the kind's own (`harness_compress`,
-/// `harness_batch_initial` + `harness_batch_next`, or
-/// `harness_checkpoint_decide`). Panics are caught and returned as
+/// `harness_batch_initial` + `harness_batch_next` +
+/// `harness_batch_wants_gradient_stats`, or `harness_checkpoint_decide`). Panics are caught and returned as
 /// [`abi::STATUS_PANIC`]; keep `panic = "unwind"` (the default) in the
 /// profile.
 #[cfg(not(target_arch = "wasm32"))]
@@ -222,6 +235,16 @@ macro_rules! export {
             unsafe { $crate::__native::batch_next::<$ty>(this, t, out) }
         }
         const _: $crate::abi::exports::BatchNext = harness_batch_next;
+
+        /// Native plugin export (see `harness_strategy.h`).
+        ///
+        /// # Safety
+        /// Called by the host as the C ABI says.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn harness_batch_wants_gradient_stats(this: *mut ::core::ffi::c_void, out: *mut u8) -> i32 {
+            unsafe { $crate::__native::batch_wants_gradient_stats::<$ty>(this, out) }
+        }
+        const _: $crate::abi::exports::BatchWantsGradientStats = harness_batch_wants_gradient_stats;
     };
     ($ty:ty as checkpoint_policy) => {
         $crate::__export_native_common!($ty, $crate::abi::KIND_CHECKPOINT_POLICY);

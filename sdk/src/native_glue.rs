@@ -296,6 +296,22 @@ pub unsafe fn batch_next<T: BatchPolicy>(this: *mut c_void, t: *const StepTeleme
     }
 }
 
+/// `harness_batch_wants_gradient_stats`: 1 in `*out` when the policy wants
+/// gradient statistics, else 0.
+///
+/// # Safety
+/// `this` is a live instance; `out` writable.
+pub unsafe fn batch_wants_gradient_stats<T: BatchPolicy>(this: *mut c_void, out: *mut u8) -> i32 {
+    // SAFETY: per the contract above.
+    unsafe {
+        call::<T>(this, |plugin, _| {
+            let out = out_ptr(out, "the output flag")?;
+            *out = configured(plugin)?.wants_gradient_stats() as u8;
+            Ok(())
+        })
+    }
+}
+
 /// `harness_checkpoint_decide`. The decision's deletions go to
 /// `out.delete_steps`, which has room for `h.n_saved` steps.
 ///

@@ -171,6 +171,10 @@ pub mod glue {
     }
 
     impl<T: BatchPolicy> batch_sizing::Guest for Adapter<T> {
+        fn wants_gradient_stats() -> bool {
+            // No error channel in the contract: trap with the message.
+            with::<T, _>(|p| Ok(p.wants_gradient_stats())).unwrap_or_else(|e| panic!("wants-gradient-stats: {e}"))
+        }
         fn initial(configured: batch_sizing::Batch) -> Result<batch_sizing::Batch, String> {
             let given =
                 crate::Batch { micro_batch: configured.micro_batch, accum_steps: configured.accum_steps, lr_scale: configured.lr_scale };

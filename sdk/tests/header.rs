@@ -84,6 +84,7 @@ fn every_symbol_is_declared() {
         abi::symbols::COMPRESS,
         abi::symbols::BATCH_INITIAL,
         abi::symbols::BATCH_NEXT,
+        abi::symbols::BATCH_WANTS_GRADIENT_STATS,
         abi::symbols::CHECKPOINT_DECIDE,
     ];
     for s in symbols {

@@ -38,8 +38,14 @@ fn initial_defaults_to_the_configured_batch_and_next_sees_telemetry() {
     let table = host.table();
     unsafe {
         let this = harness_plugin_create(&table);
+        let mut wants = 7u8;
+        assert_eq!(harness_batch_wants_gradient_stats(this, &mut wants), abi::STATUS_ERROR, "before configure");
         let toml = "max = 6";
         assert_eq!(harness_plugin_configure(this, toml.as_ptr(), toml.len()), abi::STATUS_OK);
+        // The default: no gradient statistics.
+        assert_eq!(harness_batch_wants_gradient_stats(this, &mut wants), abi::STATUS_OK);
+        assert_eq!(wants, 0);
+        assert_eq!(harness_batch_wants_gradient_stats(this, std::ptr::null_mut()), abi::STATUS_ERROR);
         let configured = abi::Batch { micro_batch: 4, accum_steps: 2, lr_scale: 1.0 };
         let mut out = abi::Batch::default();
         assert_eq!(harness_batch_initial(this, &configured, &mut out), abi::STATUS_OK);

@@ -669,10 +669,54 @@ fn the_host_adapter_runs_them_from_a_plugin_set() {
 }
 
 #[test]
+fn only_gns_asks_for_gradient_statistics_on_both_transports() {
+    // Through the host's loading and adapter (`PluginSet`, `PluginBatch`),
+    // as a run asks before `initial`: the statistics are opt-in.
+    let ramp = "start = 2\nend = 10\nover_steps = 4";
+    let files = [
+        ("fixed.wasm", "", false),
+        ("libfixed.so", "", false),
+        ("gns.wasm", "", true),
+        ("libgns.so", "", true),
+        ("memory-growth.wasm", "", false),
+        ("libmemory-growth.so", "", false),
+        ("ramp.wasm", ramp, false),
+        ("libramp.so", ramp, false),
+    ];
+    let specs: Vec<PluginSpec> = files
+        .iter()
+        .map(|(file, _, _)| PluginSpec {
+            name: (*file).into(),
+            path: artifact(file),
+            sha256: None,
+            version: None,
+            kind: None,
+            memory_mb: 64,
+            deadline_ms: 10_000,
+            tensor_mb: 1,
+        })
+        .collect();
+    let set = PluginSet::new(&specs, &repo_root().join("target/plugins"));
+    for (file, config, wants) in files {
+        let config: toml::Table = config.parse().unwrap();
+        let mut p = PluginBatch {
+            plugin: set
+                .instance(file, "batch_policy", Kind::BatchPolicy, Some(&config), tch::Device::Cpu)
+                .unwrap_or_else(|e| panic!("{file}: {e:#}")),
+        };
+        assert_eq!(p.wants_gradient_stats().unwrap_or_else(|e| panic!("{file}: {e:#}")), wants, "{file}");
+        // The question counts as a call (after configure) and leaves the
+        // policy usable.
+        assert_eq!(p.plugin.record().calls, 2, "{file}");
+        p.initial(BatchDecision { micro_batch: 8, accum_steps: 1, lr_scale: 1.0 }).unwrap_or_else(|e| panic!("{file}: {e:#}"));
+    }
+}
+
+#[test]
 fn a_two_rank_cpu_run_feeds_gns_real_gradient_norms_and_memory_growth_grows() {
     // The host fills `grad_sq_norm` / `local_grad_sq_norm` for batch-policy
-    // plugins (not for sharded runs) and reports resident memory on CPU; it
-    // never sets `out_of_memory`.
+    // plugins that ask for them, as gns does (not for sharded runs), and
+    // reports resident memory on CPU; it never sets `out_of_memory`.
     let dir = tempfile::tempdir().unwrap();
     let s = format!(
         "[suite]\nname = \"bp\"\ndevice = \"cpu\"\nseed = 3\nworld_size = 2\nwarmup_steps = 2\nthreads = 1\n\

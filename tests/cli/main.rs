@@ -5,6 +5,7 @@ mod batch_policies;
 mod checkpoints;
 mod compressors;
 mod errors;
+mod out_of_memory;
 mod plugins;
 mod report;
 mod resume;

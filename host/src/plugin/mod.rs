@@ -522,6 +522,13 @@ impl BatchPolicy for PluginBatch {
         self.validate("next", b)
     }
 
+    fn wants_gradient_stats(&mut self) -> Result<bool> {
+        self.plugin.call("wants-gradient-stats", |i| match i {
+            Inst::Wasm(w) => w.batch_wants_gradient_stats(),
+            Inst::Native(n) => n.batch_wants_gradient_stats(),
+        })
+    }
+
     fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
         Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
     }

@@ -160,6 +160,7 @@ struct Fns {
     compress: Option<x::Compress>,
     batch_initial: Option<x::BatchInitial>,
     batch_next: Option<x::BatchNext>,
+    batch_wants_gradient_stats: Option<x::BatchWantsGradientStats>,
     checkpoint_decide: Option<x::CheckpointDecide>,
 }
 
@@ -209,6 +210,7 @@ impl Instance {
             compress: inst.sym(symbols::COMPRESS).ok(),
             batch_initial: inst.sym(symbols::BATCH_INITIAL).ok(),
             batch_next: inst.sym(symbols::BATCH_NEXT).ok(),
+            batch_wants_gradient_stats: inst.sym(symbols::BATCH_WANTS_GRADIENT_STATS).ok(),
             checkpoint_decide: inst.sym(symbols::CHECKPOINT_DECIDE).ok(),
         };
         Ok(inst)
@@ -327,6 +329,16 @@ impl Instance {
         // SAFETY: valid in and out pointers.
         let code = unsafe { f(self.this, t, &mut out) };
         Ok(self.status(code)?.map(|()| out))
+    }
+
+    /// `harness_batch_wants_gradient_stats`. Optional: a library without it
+    /// (built before the symbol existed) wants no statistics.
+    pub fn batch_wants_gradient_stats(&mut self) -> Result<Result<bool, String>> {
+        let Some(f) = self.fns.batch_wants_gradient_stats else { return Ok(Ok(false)) };
+        let mut out = 0u8;
+        // SAFETY: valid out pointer.
+        let code = unsafe { f(self.this, &mut out) };
+        Ok(self.status(code)?.map(|()| out != 0))
     }
 
     /// `harness_checkpoint_decide`; returns (save, steps to delete).

@@ -308,6 +308,14 @@ impl Instance {
         })
     }
 
+    /// `batch-sizing.wants-gradient-stats`.
+    pub fn batch_wants_gradient_stats(&mut self) -> Result<Result<bool, String>> {
+        self.call(|s, w| match w {
+            World::Batch(b) => b.harness_strategy_batch_sizing().call_wants_gradient_stats(s).map(Ok),
+            _ => unreachable!("batch call on a plugin of another kind"),
+        })
+    }
+
     /// `checkpointing.decide`.
     pub fn checkpoint_decide(
         &mut self,

@@ -22,7 +22,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::comm::Collective;
 use crate::kernels;
 use crate::measure::{self, LatencySummary, Phase, PhaseTimer};
-use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
+use crate::results::{CheckpointRecord, FailureRecord, OomRecord, ResilienceRecord};
 use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord};
 use crate::strategy::{BatchDecision, CheckpointHistory, StepTelemetry, Strategies};
 use crate::suite::{ModelKind, PlanEntry, Precision, Workload};
@@ -134,12 +134,25 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
     // The built-in all-reduce over NCCL overlaps with the backward pass
     // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
-    // A batch-policy plugin gets gradient statistics (the two-batch-size
-    // estimate of the gradient noise scale needs the local and the averaged
-    // gradient's squared norms): they need the local gradient before the
-    // all-reduce, so they turn the overlap off, and cost a read-back a step.
-    let grad_stats = ctx.plugins.has(&ctx.entry.strategy.batch_policy) && !sharded;
-    let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats;
+    // A batch policy that asks for them (`wants-gradient-stats`, asked once
+    // here) gets gradient statistics (the two-batch-size estimate of the
+    // gradient noise scale needs the local and the averaged gradient's
+    // squared norms): they need the local gradient before the all-reduce, so
+    // they turn the overlap off, and cost a norm pass and a read-back a step.
+    let grad_stats = strategies.batch.wants_gradient_stats()? && !sharded;
+    // Out-of-memory recovery: with a batch-policy plugin (which may shrink
+    // the batch) or an emulated memory limit, an out-of-memory error in the
+    // forward or backward pass is caught and the step retried smaller. With
+    // several ranks they agree after the backward pass on whether any ran
+    // out; collectives in flight during backward would break that, so the
+    // overlap is off then.
+    let oom_limit = w.faults.as_ref().and_then(|f| f.oom_above_batch);
+    let oom_armed = oom_limit.is_some() || ctx.plugins.has(&ctx.entry.strategy.batch_policy);
+    let oom_agree = oom_armed && world > 1;
+    if oom_armed {
+        quiet_caught_oom_panics();
+    }
+    let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats && !oom_agree;
     let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
 
     // Precision: autocast as torch.autocast does it; weights stay fp32.
@@ -209,6 +222,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     // (step, training time when it was durable) of each checkpoint on disk.
     let mut saved_at: Vec<(u64, Duration)> = Vec::new();
     let mut res = ResilienceRecord::default();
+    // Out of memory: the smallest micro-batch that ran out, the size retried
+    // then, and the telemetry of the last step (for the policy's retry call).
+    let mut oom_ceiling: Option<u32> = None;
+    let mut oom_fallback = cur_batch;
+    let mut last_telemetry = StepTelemetry {
+        memory_total_bytes: ctx.memory_total_bytes,
+        micro_batch: cur_batch,
+        accum_steps: cur_accum,
+        world_size: world as u32,
+        loss: f64::NAN,
+        ..StepTelemetry::default()
+    };
     let initial = match fault_clock {
         Some(_) => {
             let at = Position { step: 0, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale };
@@ -265,48 +290,89 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
 
         dp.begin_step();
         let mut step_loss: Option<Tensor> = None;
-        for micro in 0..cur_accum {
-            timer.start(Phase::Data)?;
-            let b = data.next_train(cur_batch as usize);
-            timer.stop()?;
-            timer.start(Phase::Forward)?;
-            let (loss, seed) = match model.forward(&b.input, &b.target, true) {
-                model::Output::Logits { logits, target } if fused_ce => {
-                    let scale = scaler.as_ref().map(|s| &s.scale);
-                    let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / cur_accum as f32, scale)?;
-                    (loss, Some((logits, grad)))
+        let emulated_oom = oom_limit.is_some_and(|l| cur_batch > l);
+        let mut oom = emulated_oom;
+        if !oom {
+            CATCHING_OOM.with(|c| c.set(oom_armed));
+            let passes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> anyhow::Result<()> {
+                for micro in 0..cur_accum {
+                    timer.start(Phase::Data)?;
+                    let b = data.next_train(cur_batch as usize);
+                    timer.stop()?;
+                    timer.start(Phase::Forward)?;
+                    let (loss, seed) = match model.forward(&b.input, &b.target, true) {
+                        model::Output::Logits { logits, target } if fused_ce => {
+                            let scale = scaler.as_ref().map(|s| &s.scale);
+                            let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / cur_accum as f32, scale)?;
+                            (loss, Some((logits, grad)))
+                        }
+                        model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
+                        model::Output::Loss(l) => (l, None),
+                    };
+                    if autocast_on {
+                        torch_ext::autocast_clear_cache()?;
+                    }
+                    timer.stop()?;
+                    // ZeRO-2 allocates its released gradient buffers here, outside
+                    // the backward phase (the other stages zero theirs at step start).
+                    dp.before_backward(&params)?;
+                    dp.arm_overlap(comm, micro + 1 == cur_accum);
+                    timer.start(Phase::Backward)?;
+                    match seed {
+                        Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
+                        None => {
+                            let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
+                            if let Some(s) = &scaler {
+                                scaled = &scaled * &s.scale;
+                            }
+                            scaled.backward();
+                        }
+                    }
+                    dp.disarm_overlap();
+                    timer.stop()?;
+                    let l = if cur_accum > 1 { loss.detach() / cur_accum as f64 } else { loss.detach() };
+                    step_loss = Some(match step_loss.take() {
+                        Some(acc) => acc + l,
+                        None => l,
+                    });
+                    tokens += b.tokens as u64;
+                    samples += b.samples as u64;
                 }
-                model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
-                model::Output::Loss(l) => (l, None),
-            };
+                Ok(())
+            }));
+            CATCHING_OOM.with(|c| c.set(false));
+            match passes {
+                Ok(r) => r?,
+                Err(payload) if oom_armed && is_oom(payload.as_ref()) => oom = true,
+                Err(payload) => std::panic::resume_unwind(payload),
+            }
+        }
+        if oom_agree {
+            oom = !ranks_agree(comm, !oom, device)?;
+        }
+        if oom {
+            // Drop the step and retry it with a smaller micro-batch: the
+            // policy's, if it shrinks, else half.
+            timer.stop()?;
+            dp.disarm_overlap();
             if autocast_on {
                 torch_ext::autocast_clear_cache()?;
             }
-            timer.stop()?;
-            // ZeRO-2 allocates its released gradient buffers here, outside
-            // the backward phase (the other stages zero theirs at step start).
-            dp.before_backward(&params)?;
-            dp.arm_overlap(comm, micro + 1 == cur_accum);
-            timer.start(Phase::Backward)?;
-            match seed {
-                Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
-                None => {
-                    let mut scaled = if cur_accum > 1 { &loss / cur_accum as f64 } else { loss.shallow_clone() };
-                    if let Some(s) = &scaler {
-                        scaled = &scaled * &s.scale;
-                    }
-                    scaled.backward();
-                }
-            }
-            dp.disarm_overlap();
-            timer.stop()?;
-            let l = if cur_accum > 1 { loss.detach() / cur_accum as f64 } else { loss.detach() };
-            step_loss = Some(match step_loss {
-                Some(acc) => acc + l,
-                None => l,
-            });
-            tokens += b.tokens as u64;
-            samples += b.samples as u64;
+            timer.begin_step(false);
+            timer.end_step()?;
+            drop(step_loss);
+            let failed = cur_batch;
+            anyhow::ensure!(failed > 1, "step {} ran out of memory at micro-batch 1: there is nothing smaller to retry with", step + 1);
+            let t = StepTelemetry { step, micro_batch: failed, accum_steps: cur_accum, out_of_memory: true, ..last_telemetry.clone() };
+            let next = strategies.batch.next(&t)?;
+            let retry = if next.micro_batch < failed { next.micro_batch } else { (failed / 2).max(1) };
+            oom_ceiling = Some(oom_ceiling.map_or(failed, |c: u32| c.min(failed)));
+            oom_fallback = retry;
+            res.out_of_memory.push(OomRecord { step, micro_batch: failed, retried_with: retry, emulated: emulated_oom });
+            batch_changes.push((step, retry, next.accum_steps));
+            (cur_batch, cur_accum, lr_scale) = (retry, next.accum_steps, next.lr_scale);
+            last_iter = Instant::now();
+            continue;
         }
         dp.check_grads(&params)?;
         let local_sq = if grad_stats { Some(dp.grad_sq_norm()?) } else { None };
@@ -409,7 +475,13 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             local_grad_sq_norm: stats.map(|s| s.0),
             out_of_memory: false,
         };
-        let next = strategies.batch.next(&telemetry)?;
+        let mut next = strategies.batch.next(&telemetry)?;
+        last_telemetry = telemetry.clone();
+        // A size that ran out of memory is not tried again: the policy's
+        // request falls back to the size that was retried then.
+        if oom_ceiling.is_some_and(|c| next.micro_batch >= c) {
+            next.micro_batch = oom_fallback;
+        }
         if (next.micro_batch, next.accum_steps) != (cur_batch, cur_accum) {
             batch_changes.push((step + 1, next.micro_batch, next.accum_steps));
         }
@@ -579,7 +651,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let ranks =
         vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
     strategies.compressor.finish()?;
-    let tracked = saves || fault_clock.is_some();
+    let tracked = saves || fault_clock.is_some() || !res.out_of_memory.is_empty();
     if let (Some(_), 0) = (&store, rank) {
         // Checkpoints serve a run that has not finished; this one has.
         let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
@@ -752,4 +824,29 @@ fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: Device) -> anyhow::R
     let mut flag = Tensor::from_slice(&[ok as i32 as f32]).to_device(device);
     comm.all_reduce_sum(&mut flag)?;
     Ok(flag.double_value(&[0]) >= world as f64 - 0.5)
+}
+
+thread_local! {
+    /// Set while a step's passes run with out-of-memory recovery armed.
+    static CATCHING_OOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether a panic's payload is libtorch's out-of-memory error.
+fn is_oom(payload: &(dyn std::any::Any + Send)) -> bool {
+    let msg = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("");
+    msg.contains("out of memory") || msg.contains("OutOfMemoryError")
+}
+
+/// Out-of-memory panics that the step loop catches and retries are not
+/// printed (every other panic is, as before).
+fn quiet_caught_oom_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !(CATCHING_OOM.with(|c| c.get()) && is_oom(info.payload())) {
+                previous(info);
+            }
+        }));
+    });
 }

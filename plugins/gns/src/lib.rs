@@ -10,10 +10,11 @@
 //! lr_rule = "none"  # "none" | "linear" | "sqrt": lr_scale relative to the start batch
 //! ```
 //!
-//! After each step the host reports `grad_sq_norm` = |G_big|^2, the squared
-//! norm of the gradient averaged over all ranks and micro-batches (batch
-//! B_big = micro_batch * accum_steps * world_size), and `local_grad_sq_norm`
-//! = |G_small|^2, the mean over ranks of each rank's own gradient (B_small =
+//! It asks for gradient statistics (`wants_gradient_stats`), and after each
+//! step the host reports `grad_sq_norm` = |G_big|^2, the squared norm of the
+//! gradient averaged over all ranks and micro-batches (batch B_big =
+//! micro_batch * accum_steps * world_size), and `local_grad_sq_norm` =
+//! |G_small|^2, the mean over ranks of each rank's own gradient (B_small =
 //! micro_batch * accum_steps). The unbiased estimators
 //!
 //! ```text
@@ -173,6 +174,11 @@ impl Gns {
 }
 
 impl BatchPolicy for Gns {
+    /// The estimate is made of the host's gradient norms.
+    fn wants_gradient_stats(&self) -> bool {
+        true
+    }
+
     fn initial(&mut self, configured: Batch) -> Result<Batch, Error> {
         // A restored state (resume) keeps its batch.
         if self.micro == 0 {
