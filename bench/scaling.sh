@@ -59,6 +59,9 @@ EOF
   if [ "$n" -gt 1 ]; then
     CUDA_VISIBLE_DEVICES=$gpus torchrun --standalone --nproc_per_node="$n" bench/allreduce_busbw.py --bytes-from "$dir/harness-$n.json" 25 \
       > "$dir/torch-busbw-$n.json" 2> "$dir/torch-busbw-$n.err" || true
+    # harness's own all-reduce on the same buckets, back to back, timed alike.
+    CUDA_VISIBLE_DEVICES=$gpus "$BIN" bench allreduce --bytes-from "$dir/harness-$n.json" --world "$n" --iters 20 \
+      > "$dir/harness-busbw-$n.json" 2> "$dir/harness-busbw-$n.err" || true
   fi
   echo "$n GPU(s): harness $((t1 - t0)) s, pytorch $((t2 - t1)) s, busbw $(( $(date +%s) - t2 )) s"
 done
@@ -71,11 +74,17 @@ def load(p):
     except Exception:
         return None
 one = {}
-print(f"{'GPUs':>4} {'impl':<14} {'tokens/s':>10} {'step p50 ms':>11} {'scaling':>8} {'vs PyTorch':>10} {'peak GiB/rank':>13} {'busbw GB/s':>10} {'torch busbw':>11}")
+# busbw: all-reduce over harness's gradient buckets back to back (harness
+# bench allreduce, and torch.distributed), GB/s, and their ratio.
+print(f"{'GPUs':>4} {'impl':<14} {'tokens/s':>10} {'step p50 ms':>11} {'scaling':>8} {'vs PyTorch':>10} {'peak GiB/rank':>13} {'harness busbw':>12} {'torch busbw':>11} {'ratio':>7}")
 for n in counts:
     pt = load(f"pytorch-{n}.json")
     bw = load(f"torch-busbw-{n}.json")
     tb = (bw or {}).get("buckets", {}).get("busbw_gbs")
+    try:
+        hb = json.loads(open(os.path.join(d, f"harness-busbw-{n}.json")).read().strip().splitlines()[-1])["buckets"]["busbw_gbs"]
+    except Exception:
+        hb = None
     r = load(f"harness-{n}.json") or {"entries": []}
     rows = []
     for e in r["entries"]:
@@ -85,7 +94,7 @@ for n in counts:
             continue
         ranks = m.get("ranks") or []
         peak = max((x["memory"]["peak_device_allocated_bytes"] or 0) for x in ranks) if ranks else m["memory"]["peak_device_allocated_bytes"]
-        rows.append((e["strategy"], m["tokens_per_s"], m["step"]["p50_ms"], peak / 2**30, m.get("busbw_gbs")))
+        rows.append((e["strategy"], m["tokens_per_s"], m["step"]["p50_ms"], peak / 2**30, None))
     if pt:
         rows.append(("pytorch-ddp", pt["tokens_per_s"], pt["ms_per_step"], pt["peak_allocated_bytes"] / 2**30, None))
     for name, tps, p50, peak, busbw in rows:
@@ -94,7 +103,8 @@ for n in counts:
         base = one.get(name if name != "zero2" else "ddp")
         scal = f"{tps / (n * base):.3f}" if base and n > 1 else "-"
         vs = f"{tps / pt['tokens_per_s']:.3f}" if pt and name != "pytorch-ddp" else "-"
-        bws = f"{busbw:.1f}" if busbw else "-"
         tbs = f"{tb:.1f}" if tb and name == "ddp" else "-"
-        print(f"{n:>4} {name:<14} {tps:>10.0f} {p50:>11.2f} {scal:>8} {vs:>10} {peak:>13.2f} {bws:>10} {tbs:>11}")
+        hbs = f"{hb:.1f}" if hb and name == "ddp" else "-"
+        ratio = f"{hb / tb:.3f}" if hb and tb and name == "ddp" else "-"
+        print(f"{n:>4} {name:<14} {tps:>10.0f} {p50:>11.2f} {scal:>8} {vs:>10} {peak:>13.2f} {hbs:>12} {tbs:>11} {ratio:>7}")
 PY

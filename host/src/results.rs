@@ -441,7 +441,8 @@ pub struct FailureRecord {
     pub step: u64,
     /// The step training went back to (the last checkpoint; 0: the start).
     pub restored_to: u64,
-    /// Training seconds of work lost (since the checkpoint was written).
+    /// Training seconds of work lost: since the last checkpoint was written,
+    /// or since the last restore if that came later.
     pub lost_s: f64,
     /// Seconds the restore took.
     pub restore_s: f64,

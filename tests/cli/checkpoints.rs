@@ -198,3 +198,74 @@ checkpoint_config = {{ every = 1, keep = 3 }}
 fn checkpoint_root(out: &Path) -> PathBuf {
     out.with_extension("checkpoints").join("gpt_every1_r0")
 }
+
+#[test]
+fn young_daly_under_random_failures_keeps_going_and_accounts_for_the_time_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = format!(
+        r#"[suite]
+name = "yd"
+device = "cpu"
+seed = 5
+world_size = 2
+
+[[workload]]
+name = "gpt"
+model = {{ kind = "gpt", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
+batch = 8
+seq_len = 32
+steps = 120
+optimizer = {{ kind = "adamw", lr = 3e-3 }}
+eval_batches = 1
+faults = {{ mtbf_s = 0.4, seed = 11 }}
+
+[[plugin]]
+name = "young-daly"
+path = "{}"
+
+[[strategy]]
+name = "yd"
+checkpoint = "young-daly"
+checkpoint_config = {{ mtbf_s = 0.4, keep = 3 }}
+checkpoint_compress = true
+"#,
+        artifact("young-daly.wasm").display()
+    );
+    let suite = write(dir.path(), "yd.toml", &s);
+    let out = dir.path().join("yd.json");
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&suite).arg("--out").arg(&out));
+    let r = results(&out);
+    let e = &r["entries"][0];
+    assert_eq!(e["status"], "ok", "{}", e["error"]);
+    let m = &e["metrics"];
+    assert_eq!(m["steps"], 120);
+    let res = &m["resilience"];
+    let failures = res["failures"].as_array().unwrap();
+    let checkpoints = res["checkpoints"].as_array().unwrap();
+    assert!(!failures.is_empty(), "no failure struck in {} s of training", m["train_time_s"]);
+    assert!(checkpoints.len() >= 2);
+    // The first save comes at step 1, to measure the cost.
+    assert_eq!(checkpoints[0]["step"], 1);
+    // Each failure goes back to the newest checkpoint written before it.
+    for f in failures {
+        let (at, back) = (f["step"].as_u64().unwrap(), f["restored_to"].as_u64().unwrap());
+        assert!(back < at);
+        if back > 0 {
+            assert!(checkpoints.iter().any(|c| c["step"].as_u64() == Some(back)), "restored to {back}, never written");
+        }
+    }
+    // Time lost is the sum of the lost work and the restores.
+    let lost: f64 = failures.iter().map(|f| f["lost_s"].as_f64().unwrap() + f["restore_s"].as_f64().unwrap()).sum();
+    assert!((res["time_lost_s"].as_f64().unwrap() - lost).abs() < 1e-9);
+    // Executed steps are the useful ones plus the redone ones.
+    let redone: u64 = failures.iter().map(|f| f["step"].as_u64().unwrap() - f["restored_to"].as_u64().unwrap()).sum();
+    assert_eq!(res["steps_executed"].as_u64().unwrap(), 120 + redone);
+    // keep = 3: never more than three on disk after any save.
+    let mut on_disk: Vec<u64> = Vec::new();
+    for c in checkpoints {
+        on_disk.push(c["step"].as_u64().unwrap());
+        on_disk.retain(|s| !c["deleted"].as_array().unwrap().iter().any(|d| d.as_u64() == Some(*s)));
+        assert!(on_disk.len() <= 3, "{on_disk:?}");
+    }
+}

@@ -337,6 +337,18 @@ impl DataParallel {
         Ok(total)
     }
 
+    /// A scalar that is NaN or infinite when some gradient element is: the
+    /// sum of the gradient buffers, one reduction pass (a finite sum could
+    /// only overflow with elements near f32's limit divided by their count).
+    pub fn grad_checksum(&self) -> Tensor {
+        let mut sums: Vec<Tensor> = self.buckets.iter().filter_map(|b| b.grad.as_ref().map(|(flat, _)| flat.sum(Kind::Float))).collect();
+        match sums.len() {
+            0 => Tensor::zeros([], (Kind::Float, self.device)),
+            1 => sums.pop().expect("one sum"),
+            _ => Tensor::stack(&sums, 0).sum(Kind::Float),
+        }
+    }
+
     /// The index of the first gradient bucket holding a NaN or infinity
     /// (a pass per bucket: for error messages).
     pub fn first_non_finite_bucket(&self) -> Option<usize> {

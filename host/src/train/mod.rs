@@ -219,8 +219,9 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let store =
         if saves { Some(checkpoint::Store::open(&ctx.checkpoint_dir, rank, world, ctx.entry.strategy.checkpoint_compress)?) } else { None };
     let mut history = CheckpointHistory::default();
-    // (step, training time when it was durable) of each checkpoint on disk.
-    let mut saved_at: Vec<(u64, Duration)> = Vec::new();
+    // Training time since which work is at risk: the last checkpoint's
+    // completion, or the last restore, or the start.
+    let mut at_risk_since = Duration::ZERO;
     let mut res = ResilienceRecord::default();
     // Out of memory: the smallest micro-batch that ran out, the size retried
     // then, and the telemetry of the last step (for the policy's retry call).
@@ -342,6 +343,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             }));
             CATCHING_OOM.with(|c| c.set(false));
             match passes {
+                // libtorch's out-of-memory error, returned (f_ ops, kernels) or thrown.
+                Ok(Err(e)) if oom_armed && format!("{e:#}").contains("out of memory") => oom = true,
                 Ok(r) => r?,
                 Err(payload) if oom_armed && is_oom(payload.as_ref()) => oom = true,
                 Err(payload) => std::panic::resume_unwind(payload),
@@ -427,11 +430,12 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             }
         }
         // A plugin compressor's output is checked for NaN/inf through a norm
-        // of the reduced gradients, the one computed anyway if there is one.
+        // of the reduced gradients, the one computed anyway if there is one,
+        // else through their sum (one pass).
         if strategies.compressor.checks_output() && !sharded {
             let norm = match clip_norm.or(global_sq) {
                 Some(n) => n,
-                None => dp.grad_sq_norm()?,
+                None => dp.grad_checksum(),
             };
             strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
         }
@@ -493,7 +497,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         // Checkpoint and failure: the policy decides, a failure may strike,
         // and the ranks agree on both.
         let done = step + 1;
-        history.since_last_s = now.saturating_sub(saved_at.last().map_or(Duration::ZERO, |s| s.1)).as_secs_f64();
+        history.since_last_s = now.saturating_sub(at_risk_since).as_secs_f64();
         let decision = strategies.checkpoint.decide(&telemetry, &history)?;
         let mut fail = fault_clock.as_mut().is_some_and(|c| c.strikes(done, now.as_secs_f64()));
         let mut save = decision.save;
@@ -543,7 +547,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 tch::Cuda::synchronize(dev_index as i64);
             }
             let restore_s = t0.elapsed().as_secs_f64();
-            let lost_s = now.saturating_sub(saved_at.last().map_or(Duration::ZERO, |s| s.1)).as_secs_f64();
+            let lost_s = now.saturating_sub(at_risk_since).as_secs_f64();
+            at_risk_since = train_elapsed(eval_time);
             history.failures.push(done);
             res.failures.push(FailureRecord { step: done, restored_to: c, lost_s, restore_s });
             res.time_lost_s += lost_s + restore_s;
@@ -578,7 +583,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             let cost = t0.elapsed().as_secs_f64();
             history.saved.push(done);
             history.last_cost_s = Some(cost);
-            saved_at.push((done, train_elapsed(eval_time)));
+            at_risk_since = train_elapsed(eval_time);
             res.checkpoints.push(CheckpointRecord { step: done, cost_s: cost, bytes, deleted: Vec::new() });
             res.checkpoint_time_s += cost;
         }
@@ -587,7 +592,6 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?;
             }
             history.saved.retain(|&s| s != d);
-            saved_at.retain(|s| s.0 != d);
             if let Some(c) = res.checkpoints.last_mut() {
                 c.deleted.push(d);
             }
