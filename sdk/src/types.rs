@@ -36,7 +36,8 @@ pub struct Telemetry {
     pub step_time_s: f64,
     /// Seconds since training started (evaluation excluded).
     pub elapsed_s: f64,
-    /// Device memory in use (CPU: resident set), bytes.
+    /// Device memory used, bytes: on CUDA the peak allocated during the last
+    /// step (what a larger batch must fit); on CPU the resident set.
     pub memory_used_bytes: u64,
     /// Device memory in total (CPU: physical memory), bytes.
     pub memory_total_bytes: u64,

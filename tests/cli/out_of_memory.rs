@@ -70,7 +70,8 @@ name = "fixed"
         // After the last out-of-memory, no step runs above the limit.
         let last = ooms.last().unwrap();
         let changes = m["batch_changes"].as_array().unwrap();
-        let retry = changes.iter().rposition(|c| c[0] == last["step"] && c[1] == last["retried_with"]).expect("the retry is a batch change");
+        let retry =
+            changes.iter().rposition(|c| c[0] == last["step"] && c[1] == last["retried_with"]).expect("the retry is a batch change");
         let after: Vec<u64> = changes[retry..].iter().map(|c| c[1].as_u64().unwrap()).collect();
         assert!(after.iter().all(|&b| b <= 20), "{s}: batches after the last out-of-memory: {after:?}");
         // Retried steps are not counted twice.

@@ -190,6 +190,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         torch_ext::cuda_reset_peak(dev_index)?;
     }
     let mut timer = PhaseTimer::new(cuda);
+    // CUDA: the largest per-step peaks (allocated, reserved) so far.
+    let mut peak_seen = (0i64, 0i64);
     let mut step_hist = measure::new_histogram();
     let first = strategies.batch.initial(BatchDecision { micro_batch: w.batch, accum_steps: w.grad_accum, lr_scale: 1.0 })?;
     let (mut cur_batch, mut cur_accum, mut lr_scale) = (first.micro_batch, first.accum_steps, first.lr_scale);
@@ -464,12 +466,23 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
 
         timer.start(Phase::Strategy)?;
         let tps = measured_from.map(|(t0, tok0, _)| (tokens - tok0) as f64 / (now.saturating_sub(t0)).as_secs_f64().max(1e-9));
+        // CUDA: the step's peak allocation, which is what a grown batch
+        // must fit; the allocator's peak restarts every step, and the
+        // entry's peak is the largest of them.
+        let memory_used = if cuda {
+            let m = torch_ext::cuda_memory(dev_index)?;
+            peak_seen = (peak_seen.0.max(m.peak_allocated), peak_seen.1.max(m.peak_reserved));
+            torch_ext::cuda_reset_peak(dev_index)?;
+            m.peak_allocated as u64
+        } else {
+            measure::rss_bytes().unwrap_or(0)
+        };
         let telemetry = StepTelemetry {
             step: step + 1,
             loss: last_loss.unwrap_or(f64::NAN),
             step_time_s: last_iter.elapsed().as_secs_f64(),
             elapsed_s: now.as_secs_f64(),
-            memory_used_bytes: if cuda { torch_ext::cuda_memory(dev_index)?.allocated as u64 } else { measure::rss_bytes().unwrap_or(0) },
+            memory_used_bytes: memory_used,
             memory_total_bytes: ctx.memory_total_bytes,
             tokens_per_s: tps.unwrap_or(0.0),
             micro_batch: cur_batch,
@@ -500,11 +513,24 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         history.since_last_s = now.saturating_sub(at_risk_since).as_secs_f64();
         let decision = strategies.checkpoint.decide(&telemetry, &history)?;
         let mut fail = fault_clock.as_mut().is_some_and(|c| c.strikes(done, now.as_secs_f64()));
-        let mut save = decision.save;
+        let (mut save, mut delete) = (decision.save, decision.delete);
         if world > 1 && (saves || fault_clock.is_some()) {
-            let mut flags = Tensor::from_slice(&[save as i32 as f32, fail as i32 as f32]).to_device(device);
+            // Rank 0's decision holds for every rank (a policy that reads the
+            // clock may decide differently on each): save, failure, and which
+            // of the checkpoints on disk (the same list on every rank) to delete.
+            let mut v = vec![0f32; 2 + history.saved.len()];
+            if rank == 0 {
+                v[0] = save as i32 as f32;
+                v[1] = fail as i32 as f32;
+                for (i, s) in history.saved.iter().enumerate() {
+                    v[2 + i] = delete.contains(s) as i32 as f32;
+                }
+            }
+            let mut flags = Tensor::from_slice(&v).to_device(device);
             comm.all_reduce_sum(&mut flags)?;
-            (save, fail) = (flags.double_value(&[0]) > 0.0, flags.double_value(&[1]) > 0.0);
+            let got = Vec::<f32>::try_from(&flags.to_device(Device::Cpu))?;
+            (save, fail) = (got[0] > 0.0, got[1] > 0.0);
+            delete = history.saved.iter().zip(&got[2..]).filter(|(_, &d)| d > 0.0).map(|(&s, _)| s).collect();
         }
         timer.stop()?;
         timer.end_step()?;
@@ -587,7 +613,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             res.checkpoints.push(CheckpointRecord { step: done, cost_s: cost, bytes, deleted: Vec::new() });
             res.checkpoint_time_s += cost;
         }
-        for &d in &decision.delete {
+        for &d in &delete {
             if rank == 0 {
                 store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?;
             }
@@ -649,8 +675,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let cs = comm.stats().clone();
     let memory = MemoryRecord {
         peak_rss_bytes: measure::peak_rss_bytes(),
-        peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_allocated) } else { None },
-        peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved) } else { None },
+        peak_device_allocated_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_allocated.max(peak_seen.0)) } else { None },
+        peak_device_reserved_bytes: if cuda { Some(torch_ext::cuda_memory(dev_index)?.peak_reserved.max(peak_seen.1)) } else { None },
     };
     let ranks =
         vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
