@@ -126,6 +126,12 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     let writes = rank == 0;
     if let Some(n) = meta.threads {
         tch::set_num_threads(n as i32);
+    } else if dist && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        // Ranks sharing a host share its cores: libtorch's default (every
+        // core per process) oversubscribes them and starves the data threads.
+        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(world).max(1);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / local).max(1) as i32);
     }
     let machine = device::fingerprint();
     let mut result = if opts.resume && writes {
