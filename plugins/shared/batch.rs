@@ -6,10 +6,15 @@
 //! State format (little-endian):
 //!
 //! ```text
-//! "HBS1"  u8 version = 1
+//! "HBS1"  u8 version (1, or the plugin's newer layout of its fields)
 //! u16 len, plugin name (UTF-8)   -- a state is loaded only by the plugin that saved it
 //! then the plugin's fields, in a fixed order (u8 / u32 / u64 / f64)
 //! ```
+//!
+//! The version numbers the layout of the plugin's fields: every plugin
+//! starts at 1 ([`Writer::new`], [`Reader::new`]); one that adds fields
+//! writes a higher version ([`Writer::versioned`]) and reads its older ones
+//! too ([`Reader::versioned`]).
 #![allow(dead_code)]
 
 use harness_sdk::{Config, Error};
@@ -60,10 +65,14 @@ impl LrRule {
 pub struct Writer(Vec<u8>);
 
 impl Writer {
-    /// A state of plugin `name`.
+    /// A state of plugin `name`, fields in layout 1.
     pub fn new(name: &str) -> Writer {
+        Writer::versioned(name, VERSION)
+    }
+    /// A state of plugin `name`, fields in the plugin's layout `version`.
+    pub fn versioned(name: &str, version: u8) -> Writer {
         let mut b = MAGIC.to_vec();
-        b.push(VERSION);
+        b.push(version);
         b.extend_from_slice(&(name.len() as u16).to_le_bytes());
         b.extend_from_slice(name.as_bytes());
         Writer(b)
@@ -96,22 +105,28 @@ pub struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    /// Checks the header: magic, version, and that `name` saved it.
+    /// Checks the header: magic, that `name` saved it, and layout 1.
     pub fn new(b: &'a [u8], name: &str) -> Result<Reader<'a>, Error> {
+        Ok(Reader::versioned(b, name, VERSION)?.0)
+    }
+    /// Checks the header: magic, that `name` saved it, and a layout from 1
+    /// to `newest`; returns the reader and the state's layout version.
+    pub fn versioned(b: &'a [u8], name: &str, newest: u8) -> Result<(Reader<'a>, u8), Error> {
         let mut r = Reader { b, at: 0 };
         if r.take(4)? != MAGIC {
             return Err(Error::new("not a batch-policy state (bad magic)"));
         }
         let v = r.u8()?;
-        if v != VERSION {
-            return Err(Error::new(format!("state version {v}, this plugin reads {VERSION}")));
-        }
         let len = u16::from_le_bytes(r.take(2)?.try_into().unwrap()) as usize;
         let who = r.take(len)?;
         if who != name.as_bytes() {
             return Err(Error::new(format!("a state of plugin `{}`, not `{name}`", String::from_utf8_lossy(who))));
         }
-        Ok(r)
+        if !(VERSION..=newest).contains(&v) {
+            let reads = if newest == VERSION { format!("{VERSION}") } else { format!("{VERSION} to {newest}") };
+            return Err(Error::new(format!("state version {v}, this plugin reads {reads}")));
+        }
+        Ok((r, v))
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| Error::new("truncated state"))?;

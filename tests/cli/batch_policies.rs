@@ -286,32 +286,129 @@ fn memory_growth_stops_at_the_threshold_and_decides_every_n_steps() {
 }
 
 #[test]
-fn memory_growth_halves_on_out_of_memory_and_never_regrows_to_the_failing_size() {
-    // Grows to 164 by step 9, runs out of memory at step 10: 82, then grows
-    // again but stops below 164 (at 163), for good.
+fn memory_growth_returns_to_the_last_good_size_on_out_of_memory_and_bisects_below_the_failing_size() {
+    // Grows to 164 by step 9, runs out of memory at step 10 (at 164): back to
+    // 137, the size step 9 completed with; then halfway to 164 each step
+    // (150, 157, 160, 162, 163) and stays at 163, one below the failure.
     let mut p = Policy::new("memory-growth.wasm", "");
     let d = micro(&drive_memory(&mut p, 40, |_| 0.2, &[10]));
+    assert_eq!(d[7], 137, "the last size that completed");
     assert_eq!(d[8], 164, "the size that fails");
-    assert_eq!(d[9], 82, "halved on out-of-memory");
+    assert_eq!(d[9], 137, "back to the last good size on out-of-memory");
     let after = &d[10..];
-    assert_eq!(&after[..4], [98, 118, 142, 163], "regrows, clamped below the failing 164");
+    assert_eq!(&after[..6], [150, 157, 160, 162, 163, 163], "floor((b + 164) / 2) each step");
     assert!(after.iter().all(|&m| m < 164), "never the failing size again: {after:?}");
-    assert_eq!(*after.last().unwrap(), 163);
+    assert!(after[4..].iter().all(|&m| m == 163), "stays one below it: {after:?}");
 
-    // A second failure lowers the ceiling again; backoff is configurable.
+    // The retry at the last good size fails too (step 6 at 55): nothing good
+    // lies below the new ceiling 55, so `backoff` (0.25) applies:
+    // round(55 * 0.25) = 14; regrowth by 1.2, bisected toward 55 once the
+    // steps come close. A third failure (step 12, at 35) lowers the ceiling
+    // again and returns to 29, the size step 11 completed.
     let mut p = Policy::new("memory-growth.wasm", "backoff = 0.25");
-    let d = micro(&drive_memory(&mut p, 30, |_| 0.2, &[5, 12]));
-    assert_eq!(d[3], 66);
-    assert_eq!(d[4], 17, "round(66 * 0.25)");
-    assert!(d[5..11].iter().all(|&m| m <= 65));
-    let failed = d[10];
-    assert_eq!(d[11], (f64::from(failed) * 0.25).round() as u32);
-    assert!(d[12..].iter().all(|&m| m < failed), "below the second failing size {failed}: {:?}", &d[12..]);
-    assert_eq!(*d.last().unwrap(), failed - 1);
+    let d = micro(&drive_memory(&mut p, 20, |_| 0.2, &[5, 6, 12]));
+    assert_eq!(d, [38, 46, 55, 66, 55, 14, 17, 20, 24, 29, 35, 29, 32, 33, 34, 34, 34, 34, 34, 34]);
+
+    // Out of memory at the first step: no good size yet, round(32 * 0.5).
+    let mut p = Policy::new("memory-growth.wasm", "");
+    assert_eq!(micro(&drive_memory(&mut p, 6, |_| 0.2, &[1])), [16, 19, 23, 27, 29, 30]);
 
     // Out-of-memory at micro-batch 1 stays at 1.
     let mut p = Policy::new("memory-growth.wasm", "start = 1\nmax = 4");
     assert_eq!(micro(&drive_memory(&mut p, 4, |_| 0.9, &[1, 2, 3, 4])), [1, 1, 1, 1]);
+}
+
+/// Runs a memory-growth policy the way the host runs it on a device whose
+/// memory holds micro-batches below `limit`: a step at micro-batch `m` uses
+/// `m / limit` of the memory (peak allocated memory grows about linearly
+/// with the micro-batch); at `m >= limit` it runs out of memory, and the host
+/// calls `next` with `out_of_memory = true` (the failing micro-batch, the
+/// step count and memory of the last completed step), then retries the step
+/// with the returned micro-batch if smaller, else half. Returns every attempt
+/// (micro-batch, ran out of memory) until `steps` steps completed.
+fn drive_limit(p: &mut Policy, steps: u64, limit: u32) -> Vec<(u32, bool)> {
+    let mut b = p.initial(8, 1);
+    let mut last = tel(0, b, 1, 0.0);
+    let (mut attempts, mut done) = (Vec::new(), 0);
+    while done < steps {
+        let m = b.micro_batch;
+        if m >= limit {
+            attempts.push((m, true));
+            let next = p.next(&StepTelemetry { micro_batch: m, out_of_memory: true, ..last.clone() });
+            let retry = if next.micro_batch < m { next.micro_batch } else { (m / 2).max(1) };
+            b = BatchDecision { micro_batch: retry, ..next };
+            assert!(attempts.len() < 10 * steps as usize, "no progress: {attempts:?}");
+            continue;
+        }
+        attempts.push((m, false));
+        done += 1;
+        last = tel(done, b, 1, f64::from(m) / f64::from(limit));
+        b = p.next(&last);
+    }
+    attempts
+}
+
+fn ooms(a: &[(u32, bool)]) -> Vec<u32> {
+    a.iter().filter(|x| x.1).map(|x| x.0).collect()
+}
+
+#[test]
+fn memory_growth_converges_below_a_memory_limit_after_the_first_out_of_memory() {
+    // The H200 observation (GPT-2 124M, peak memory per step), in synthetic
+    // form: memory in use b / 230, out of memory from 230 on. With threshold
+    // 0.99 the plain rule grows past the limit once (197 -> 236), returns to
+    // 197, bisects toward 236 (216, 226, 231 fails, back to 226, 228) and
+    // stays at 228 (228 / 230 >= 0.99): two failures where the earlier rule
+    // (ceiling - 1, halve, regrow) failed again every regrowth.
+    let mut p = Policy::new("memory-growth.wasm", "start = 32\ngrowth = 1.2\nthreshold = 0.99");
+    let a = drive_limit(&mut p, 40, 230);
+    let mut want: Vec<(u32, bool)> = [32, 38, 46, 55, 66, 79, 95, 114, 137, 164, 197].into_iter().map(|m| (m, false)).collect();
+    want.extend([(236, true), (197, false), (216, false), (226, false), (231, true), (226, false)]);
+    want.extend([(228, false); 25]);
+    assert_eq!(a, want);
+    let first = a.iter().position(|x| x.1).unwrap();
+    assert_eq!(a[first + 1].0, 197, "back to the last size that completed");
+    let (good, failed) = (a[first - 1].0, a[first].0);
+    let bound = f64::from(failed - good).log2().ceil() as usize;
+    assert!(ooms(&a[first + 1..]).len() <= bound, "at most log2({failed} - {good}) more failures: {a:?}");
+    let tail = &a[a.len() - 20..];
+    assert!(tail.iter().all(|&(m, oom)| !oom && m < 230 && m == tail[0].0), "stable below 230: {tail:?}");
+
+    // Growth 2: 256 fails, back to 128, then 192, 224, 240 fails, 224, 232
+    // fails, 224, 228 and stays: three failures in all, not one per regrowth.
+    let mut p = Policy::new("memory-growth.wasm", "start = 32\ngrowth = 2\nthreshold = 0.99");
+    let a = drive_limit(&mut p, 40, 230);
+    assert_eq!(ooms(&a), [256, 240, 232]);
+    assert_eq!(a[..13].iter().map(|x| x.0).collect::<Vec<_>>(), [32, 64, 128, 256, 128, 192, 224, 240, 224, 232, 224, 228, 228]);
+    assert!(a[a.len() - 20..].iter().all(|&x| x == (228, false)));
+}
+
+#[test]
+fn memory_growth_projected_stops_before_the_grown_batch_would_cross_the_threshold() {
+    // `projected = true`: grow only while used * grown / b < threshold, i.e.
+    // grown / 230 < 0.8 here. 137 grows to 164 (164 / 230 = 0.71), 164 would
+    // grow to 197 (0.86): it stays at 164, and never runs out of memory.
+    let mut p = Policy::new("memory-growth.wasm", "projected = true\nthreshold = 0.8");
+    let a = drive_limit(&mut p, 30, 230);
+    let mut want: Vec<u32> = vec![32, 38, 46, 55, 66, 79, 95, 114, 137];
+    want.extend([164; 21]);
+    assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), want);
+    assert!(ooms(&a).is_empty());
+    assert!(f64::from(grow(164, 1.2, 512)) / 230.0 >= 0.8 && f64::from(grow(137, 1.2, 512)) / 230.0 < 0.8);
+
+    // The default (`projected = false`) compares the use before growing:
+    // 164 (0.71) grows to 197, which then uses 0.86, above the threshold.
+    let mut p = Policy::new("memory-growth.wasm", "threshold = 0.8");
+    let a = drive_limit(&mut p, 30, 230);
+    assert!(ooms(&a).is_empty());
+    assert_eq!(a.last().unwrap().0, 197);
+
+    // With threshold 0.99 (where the plain rule runs out of memory twice),
+    // the projection stops at 197: 236 / 230 would exceed 0.99.
+    let mut p = Policy::new("memory-growth.wasm", "projected = true\nthreshold = 0.99");
+    let a = drive_limit(&mut p, 30, 230);
+    assert!(ooms(&a).is_empty(), "{a:?}");
+    assert_eq!(a.last().unwrap().0, 197);
 }
 
 #[test]
@@ -495,10 +592,18 @@ fn gns_keeps_the_batch_without_stats_or_with_one_rank() {
 /// in force): a mixed run for the state and transport tests.
 type Scenario = (&'static str, &'static str, fn(u64, BatchDecision) -> StepTelemetry);
 
-const SCENARIOS: [Scenario; 3] = [
+const SCENARIOS: [Scenario; 4] = [
     ("memory-growth", "lr_rule = \"sqrt\"\nevery = 2", |s, b| {
         let mut t = tel(s, b, 2, if s % 7 == 0 { 0.9 } else { 0.4 });
         t.out_of_memory = s == 11 || s == 23;
+        t
+    }),
+    // Memory in use b / 400, projected growth; the step right after the
+    // resume (18) runs out of memory, so the resumed policy needs its saved
+    // last good size; another failure at step 30.
+    ("memory-growth", "growth = 1.1\nmax = 1000\nbackoff = 0.25\nprojected = true\nlr_rule = \"linear\"", |s, b| {
+        let mut t = tel(s, b, 1, f64::from(b.micro_batch) / 400.0);
+        t.out_of_memory = s == 18 || s == 30;
         t
     }),
     ("gns", "every = 3\nema = 0.9\nmin = 16\nmax = 2048\nlr_rule = \"linear\"", |s, b| {
@@ -564,6 +669,71 @@ fn state_save_and_load_give_identical_next_decisions() {
 }
 
 #[test]
+fn memory_growth_resumes_with_its_last_good_size_and_reads_layout_1_states() {
+    // The second memory-growth scenario, resumed after step 17: step 18 runs
+    // the size grown after step 17 and fails; the resumed policy returns to
+    // the size step 17 completed with (its saved `last_good`), as the one
+    // never stopped does, not to round(b * 0.25).
+    let (name, config, gen) = SCENARIOS[1];
+    assert_eq!(name, "memory-growth");
+    let mut straight = Policy::new("memory-growth.wasm", config);
+    let b0 = straight.initial(8, 2);
+    let all = run(&mut straight, gen, 1, 40, b0);
+    let mut first = Policy::new("memory-growth.wasm", config);
+    let b0 = first.initial(8, 2);
+    let head = run(&mut first, gen, 1, 17, b0);
+    let mut resumed = Policy::new("memory-growth.wasm", config);
+    resumed.load(&first.save()).unwrap();
+    let b = resumed.initial(8, 2);
+    let tail = run(&mut resumed, gen, 18, 40, b);
+    assert_eq!(bits(&tail), bits(&all[17..]));
+    let (good, failed) = (head[15].micro_batch, head[16].micro_batch);
+    assert!(good < failed, "step 17 grew the batch: {good} -> {failed}");
+    assert_eq!(tail[0].micro_batch, good, "back to the last good size after the resume");
+    assert_ne!(good, (f64::from(failed) * 0.25).round() as u32);
+
+    // A layout-1 state (before `last_good`; its ceiling was the largest size
+    // still allowed): micro-batch 100 x 2, ceiling 120, so 121 failed.
+    let v1 = |micro: u32, accum: u32, ceiling: u32| -> Vec<u8> {
+        let mut b = b"HBS1".to_vec();
+        b.push(1);
+        b.extend_from_slice(&13u16.to_le_bytes());
+        b.extend_from_slice(b"memory-growth");
+        for v in [micro, accum, ceiling] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    };
+    let mut p = Policy::new("memory-growth.wasm", "");
+    p.load(&v1(100, 2, 120)).unwrap();
+    let b = p.initial(8, 1);
+    assert_eq!(b, BatchDecision { micro_batch: 100, accum_steps: 2, lr_scale: 1.0 });
+    // Growth bisects toward 121: floor((100 + 121) / 2) = 110; a failure at
+    // 110 returns to 100, which completed a step since the resume.
+    let b = p.next(&tel(1, b, 1, 0.2));
+    assert_eq!(b.micro_batch, 110);
+    let b = p.next(&StepTelemetry { out_of_memory: true, ..tel(1, b, 1, 0.2) });
+    assert_eq!(b.micro_batch, 100);
+    // A failure before any step completed: no good size known, round(100 * 0.5).
+    let mut p = Policy::new("memory-growth.wasm", "");
+    p.load(&v1(100, 2, 120)).unwrap();
+    let b = p.initial(8, 1);
+    assert_eq!(p.next(&StepTelemetry { out_of_memory: true, ..tel(1, b, 1, 0.2) }).micro_batch, 50);
+    // No ceiling in a layout-1 state (u32::MAX) stays none: 100 grows to 120.
+    let mut p = Policy::new("memory-growth.wasm", "");
+    p.load(&v1(100, 2, u32::MAX)).unwrap();
+    let b = p.initial(8, 1);
+    assert_eq!(p.next(&tel(1, b, 1, 0.2)).micro_batch, 120);
+    // The saved state is layout 2; an unknown layout is refused.
+    let saved = p.save();
+    assert_eq!(saved[4], 2);
+    let mut future = saved.clone();
+    future[4] = 3;
+    let e = p.load(&future).expect_err("layout 3");
+    assert!(e.contains("version 3"), "{e}");
+}
+
+#[test]
 fn native_and_wasm_builds_decide_identically() {
     for (name, config, gen) in SCENARIOS {
         let mut w = Policy::new(&format!("{name}.wasm"), config);
@@ -601,6 +771,7 @@ fn configuration_is_validated_and_unknown_keys_are_rejected() {
         ("memory-growth.wasm", "threshold = 0.0"),
         ("memory-growth.wasm", "backoff = 1.0"),
         ("memory-growth.wasm", "every = 0"),
+        ("memory-growth.wasm", "projected = \"yes\""),
         ("gns.wasm", "ema = 1.0"),
         ("gns.wasm", "min = 100\nmax = 10"),
         ("gns.wasm", "every = 0"),
