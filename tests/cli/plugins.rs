@@ -195,3 +195,25 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     };
     assert_eq!(losses(e), losses(entry(&r, "mlp-tiny/baseline/r0")));
 }
+
+#[test]
+fn plugin_bench_times_a_hook_of_every_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(
+        harness(dir.path())
+            .args(["plugin", "bench", "--calls", "2000"])
+            .arg(artifact("fixed.wasm"))
+            .arg(artifact("libfixed.so"))
+            .arg(artifact("allreduce.wasm"))
+            .arg(artifact("every-n.wasm")),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for hook in ["batch-sizing.next", "gradient-compression.compress", "checkpointing.decide"] {
+        let row = text.lines().find(|l| l.contains(hook)).unwrap_or_else(|| panic!("no {hook} row in\n{text}"));
+        // calls, then p50 / p90 / p99 / mean in ns: all positive numbers.
+        let nums: Vec<f64> = row.split(['│', '┆']).filter_map(|c| c.trim().parse().ok()).collect();
+        assert_eq!(nums.len(), 5, "{row}");
+        assert_eq!(nums[0], 2000.0);
+        assert!(nums[1..].iter().all(|&n| n > 0.0), "{row}");
+    }
+}

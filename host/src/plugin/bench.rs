@@ -15,7 +15,7 @@ use tch::{Device, Kind as TKind, Tensor};
 use super::{Kind, PluginSet, Transport};
 use crate::comm::SingleRank;
 use crate::measure::{self, LatencySummary};
-use crate::strategy::{BatchDecision, BatchPolicy, BucketCtx, Compressor, StepTelemetry};
+use crate::strategy::{BatchDecision, BatchPolicy, BucketCtx, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry};
 use crate::suite::PluginSpec;
 
 /// One artifact's figures.
@@ -81,7 +81,23 @@ pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
                 }
                 "gradient-compression.compress"
             }
-            Kind::CheckpointPolicy => anyhow::bail!("{}: checkpoint policies are not benchmarked yet", path.display()),
+            Kind::CheckpointPolicy => {
+                // The plugin's own configuration is unknown here: it is
+                // configured with none, and one that needs keys says so.
+                let plugin = set.instance("bench", "checkpoint", Kind::CheckpointPolicy, None, Device::Cpu)?;
+                let mut p = super::PluginCheckpoint { plugin };
+                let mut t = StepTelemetry { micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
+                let h = CheckpointHistory { last_cost_s: Some(1.0), saved: vec![10, 20, 30], failures: vec![15], since_last_s: 5.0 };
+                for i in 0..calls + calls / 10 {
+                    t.step = i + 1;
+                    let t0 = Instant::now();
+                    std::hint::black_box(p.decide(&t, &h)?);
+                    if i >= calls / 10 {
+                        measure::record(&mut hist, t0.elapsed());
+                    }
+                }
+                "checkpointing.decide"
+            }
         };
         rows.push(Row { path: path.clone(), kind: m.kind, transport: m.transport, hook, calls, latency: LatencySummary::of(&hist) });
     }
