@@ -232,6 +232,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
             plugins: &plugins,
             checkpoint_dir: checkpoint_dir(&opts.out, &entry.id),
+            resume: opts.resume,
         };
         let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
         let mut last_print = std::time::Instant::now();

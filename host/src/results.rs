@@ -421,6 +421,10 @@ pub struct ResilienceRecord {
     /// Training seconds lost to failures: the work since the last checkpoint
     /// plus the restore.
     pub time_lost_s: f64,
+    /// `harness run --resume` continued an interrupted run of this entry
+    /// from the checkpoint of this step (curves and figures start there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<u64>,
 }
 
 /// One checkpoint write.

@@ -269,3 +269,38 @@ checkpoint_compress = true
         assert!(on_disk.len() <= 3, "{on_disk:?}");
     }
 }
+
+#[test]
+fn a_killed_run_resumes_from_its_newest_checkpoint_and_repeats_the_losses_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = suite("").replace("steps = 30", "steps = 300").replace("eval_every = 10", "eval_every = 100");
+    // Only the plain every-n strategy.
+    let cut = text.find("[[strategy]]\nname = \"every5-zstd\"").unwrap();
+    let s = write(dir.path(), "s.toml", &text[..cut]);
+    let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).arg("--out").arg(&a));
+
+    // Kill the second run once it has a checkpoint past step 40.
+    let root = b.with_extension("checkpoints").join("gpt_every5_r0");
+    let mut child = harness(dir.path()).args(["run", "-q"]).arg(&s).arg("--out").arg(&b).spawn().unwrap();
+    let t0 = Instant::now();
+    while !checkpoint::list(&root).iter().any(|c| c.0 >= 40) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint past step 40 appeared");
+        assert!(child.try_wait().unwrap().is_none(), "harness finished before it could be killed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    run_ok(harness(dir.path()).args(["run", "-q", "--resume"]).arg(&s).arg("--out").arg(&b));
+
+    let (x, y) = (results(&a), results(&b));
+    let (x, y) = (entry(&x, "every5"), entry(&y, "every5"));
+    assert_eq!(y["status"], "ok", "{}", y["error"]);
+    let from = y["metrics"]["resilience"]["resumed_from"].as_u64().expect("the entry did not resume from a checkpoint");
+    assert!(from >= 40 && from % 5 == 0, "resumed from {from}");
+    let tail: Vec<(u64, f64)> = losses(x).into_iter().filter(|l| l.0 >= from).collect();
+    assert_eq!(tail.len() as u64, 300 - from);
+    assert_eq!(losses(y), tail, "the resumed run's losses differ from the uninterrupted run's");
+    assert_eq!(x["metrics"]["final_eval_loss"], y["metrics"]["final_eval_loss"]);
+    assert!(!root.exists(), "the finished entry left its checkpoints");
+}

@@ -118,13 +118,15 @@ fn dir_name(step: u64) -> String {
 
 impl Store {
     /// Opens (and on rank 0 creates) `root`, removing what crashed writes
-    /// left behind.
-    pub fn open(root: &Path, rank: usize, world: usize, compress: bool) -> Result<Store> {
+    /// left behind, and with `fresh` every checkpoint there too (a new run
+    /// of the entry, not a resumed one).
+    pub fn open(root: &Path, rank: usize, world: usize, compress: bool, fresh: bool) -> Result<Store> {
         if rank == 0 {
             fs::create_dir_all(root).with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
             for e in fs::read_dir(root)?.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.starts_with('.') && (name.ends_with(".tmp") || name.ends_with(".deleting")) {
+                let torn = name.starts_with('.') && (name.ends_with(".tmp") || name.ends_with(".deleting"));
+                if torn || (fresh && name.starts_with("step-")) {
                     fs::remove_dir_all(e.path()).with_context(|| format!("removing the torn checkpoint {}", e.path().display()))?;
                 }
             }
@@ -349,7 +351,7 @@ mod tests {
     fn a_checkpoint_reads_back_what_was_written_and_damage_is_found() {
         for compress in [false, true] {
             let d = tempfile::tempdir().unwrap();
-            let s = Store::open(d.path(), 0, 1, compress).unwrap();
+            let s = Store::open(d.path(), 0, 1, compress, true).unwrap();
             s.write_part(&snap(10, 1.5)).unwrap();
             let dir = s.commit(snap(10, 1.5).position).unwrap();
             assert_eq!(verify(&dir).unwrap().step, 10);
@@ -375,14 +377,14 @@ mod tests {
     #[test]
     fn torn_writes_are_not_checkpoints_and_are_cleaned_up() {
         let d = tempfile::tempdir().unwrap();
-        let s = Store::open(d.path(), 0, 1, false).unwrap();
+        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
         s.write_part(&snap(5, 1.0)).unwrap(); // no commit: a crash here
         assert!(list(d.path()).is_empty());
         s.write_part(&snap(6, 1.0)).unwrap();
         s.commit(snap(6, 1.0).position).unwrap();
         s.delete(6).unwrap();
         assert!(list(d.path()).is_empty());
-        Store::open(d.path(), 0, 1, false).unwrap();
+        Store::open(d.path(), 0, 1, false, false).unwrap();
         assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0, "the torn write was left behind");
     }
 }

@@ -60,6 +60,10 @@ pub struct EntryContext<'a> {
     pub plugins: &'a crate::plugin::PluginSet,
     /// Where this entry's checkpoints go (removed when the entry succeeds).
     pub checkpoint_dir: std::path::PathBuf,
+    /// `harness run --resume`: go on from the newest checkpoint an
+    /// interrupted run of this entry left (else checkpoints there are stale
+    /// and removed).
+    pub resume: bool,
 }
 
 /// The outcome of a finished entry.
@@ -218,8 +222,11 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let mut fault_clock =
         w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some()).map(|f| FaultClock::new(f, ctx.entry.seed, rank));
     let saves = !strategies.checkpoint.never_saves();
-    let store =
-        if saves { Some(checkpoint::Store::open(&ctx.checkpoint_dir, rank, world, ctx.entry.strategy.checkpoint_compress)?) } else { None };
+    let store = if saves {
+        Some(checkpoint::Store::open(&ctx.checkpoint_dir, rank, world, ctx.entry.strategy.checkpoint_compress, !ctx.resume)?)
+    } else {
+        None
+    };
     let mut history = CheckpointHistory::default();
     // Training time since which work is at risk: the last checkpoint's
     // completion, or the last restore, or the start.
@@ -252,6 +259,29 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
         None => None,
     };
+    // An interrupted run of this entry goes on from its newest checkpoint.
+    if let (true, Some(store)) = (ctx.resume, &store) {
+        let on_disk: Vec<u64> = checkpoint::list(&ctx.checkpoint_dir).into_iter().map(|c| c.0).collect();
+        if let Some(&c) = on_disk.last() {
+            let snap =
+                store.read(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
+            let mut st = TrainState {
+                names: &param_names,
+                params: &params,
+                optimizer: &mut optimizer,
+                scaler: scaler.as_mut(),
+                strategies: &mut strategies,
+                device,
+            };
+            st.restore(&snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;
+            data.seek(snap.position.data_position);
+            (cur_batch, cur_accum, lr_scale) = (snap.position.micro_batch, snap.position.accum_steps, snap.position.lr_scale);
+            batch_changes = vec![(c, cur_batch, cur_accum)];
+            history.saved = on_disk;
+            step = c;
+            res.resumed_from = Some(c);
+        }
+    }
 
     let read_loss = |p: PendingLoss, curve: &mut Vec<(u64, f64, f64)>| -> anyhow::Result<f64> {
         let v = p.read()?;
@@ -681,7 +711,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
     let ranks =
         vec![RankRecord { rank: rank as u32, memory: memory.clone(), optimizer_state_bytes: optimizer.state_bytes(), gradient_bytes }];
     strategies.compressor.finish()?;
-    let tracked = saves || fault_clock.is_some() || !res.out_of_memory.is_empty();
+    let tracked = saves || fault_clock.is_some() || !res.out_of_memory.is_empty() || res.resumed_from.is_some();
     if let (Some(_), 0) = (&store, rank) {
         // Checkpoints serve a run that has not finished; this one has.
         let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
