@@ -8,7 +8,6 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use harness::plugin::ops::HostSide;
@@ -17,16 +16,10 @@ use harness::strategy::{BatchDecision, BatchPolicy as _, StepTelemetry};
 use harness::suite::PluginSpec;
 use harness_sdk::abi;
 
-use crate::repo_root;
+use crate::{artifact, repo_root};
 
 // ---------------------------------------------------------------------------
 // Driving a policy
-
-fn artifact(file: &str) -> PathBuf {
-    let p = repo_root().join("target/plugins").join(file);
-    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
-    p
-}
 
 /// One configured instance of a built batch policy, called the way the
 /// host's adapter calls it.

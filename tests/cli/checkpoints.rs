@@ -8,13 +8,7 @@ use std::time::{Duration, Instant};
 
 use harness::train::checkpoint;
 
-use crate::{harness, repo_root, run_ok, write};
-
-fn artifact(name: &str) -> PathBuf {
-    let p = repo_root().join("target/plugins").join(name);
-    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
-    p
-}
+use crate::{artifact, harness, run_ok, write};
 
 fn results(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")

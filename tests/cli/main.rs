@@ -19,6 +19,14 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
 }
 
+/// A built plugin artifact, `target/plugins/<name>` (`topk.wasm`,
+/// `libtopk.so`); fails with what to run when it is missing.
+pub fn artifact(name: &str) -> PathBuf {
+    let p = repo_root().join("target/plugins").join(name);
+    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
+    p
+}
+
 /// A `harness` command run from `dir`.
 pub fn harness(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));

@@ -3,15 +3,7 @@
 //! shrinks, the step is retried, the event is recorded, and the entry
 //! finishes all its steps.
 
-use std::path::PathBuf;
-
-use crate::{harness, repo_root, run_ok, write};
-
-fn artifact(name: &str) -> PathBuf {
-    let p = repo_root().join("target/plugins").join(name);
-    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
-    p
-}
+use crate::{artifact, harness, run_ok, write};
 
 #[test]
 fn a_grown_batch_that_runs_out_of_memory_shrinks_and_the_step_is_retried() {

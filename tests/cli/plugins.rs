@@ -5,16 +5,9 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::{harness, repo_root, run_ok, write};
-
-/// The built plugin artifacts; fails with what to run when they are missing.
-fn artifact(name: &str) -> PathBuf {
-    let p = repo_root().join("target/plugins").join(name);
-    assert!(p.exists(), "{} is missing: run scripts/build-plugins.sh (./x test does)", p.display());
-    p
-}
+use crate::{artifact, harness, repo_root, run_ok, write};
 
 fn results(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")

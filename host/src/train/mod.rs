@@ -244,19 +244,37 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         loss: f64::NAN,
         ..StepTelemetry::default()
     };
-    let initial = match fault_clock {
-        Some(_) => {
-            let at = Position { step: 0, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale };
-            let mut st = TrainState {
+    // What a snapshot is taken of and restored into, and where it puts the
+    // loop: the parameters, optimizer, scaler and plugins; the data stream's
+    // position; the batch.
+    macro_rules! train_state {
+        () => {
+            TrainState {
                 names: &param_names,
                 params: &params,
                 optimizer: &mut optimizer,
                 scaler: scaler.as_mut(),
                 strategies: &mut strategies,
                 device,
-            };
-            Some(st.capture(at, true)?)
-        }
+            }
+        };
+    }
+    macro_rules! position {
+        ($step:expr) => {
+            Position { step: $step, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale }
+        };
+    }
+    macro_rules! restore {
+        ($snap:expr, $why:expr) => {{
+            let snap: &checkpoint::Snapshot = $snap;
+            train_state!().restore(snap).with_context(|| $why)?;
+            data.seek(snap.position.data_position);
+            (cur_batch, cur_accum, lr_scale) = (snap.position.micro_batch, snap.position.accum_steps, snap.position.lr_scale);
+            snap.position.step
+        }};
+    }
+    let initial = match fault_clock {
+        Some(_) => Some(train_state!().capture(position!(0), true)?),
         None => None,
     };
     // An interrupted run of this entry goes on from its newest checkpoint.
@@ -265,17 +283,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         if let Some(&c) = on_disk.last() {
             let snap =
                 store.read(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
-            let mut st = TrainState {
-                names: &param_names,
-                params: &params,
-                optimizer: &mut optimizer,
-                scaler: scaler.as_mut(),
-                strategies: &mut strategies,
-                device,
-            };
-            st.restore(&snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;
-            data.seek(snap.position.data_position);
-            (cur_batch, cur_accum, lr_scale) = (snap.position.micro_batch, snap.position.accum_steps, snap.position.lr_scale);
+            restore!(&snap, format!("resuming from the checkpoint of step {c}"));
             batch_changes = vec![(c, cur_batch, cur_accum)];
             history.saved = on_disk;
             step = c;
@@ -578,19 +586,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 }
                 None => initial.as_ref().context("no initial state to restart from")?,
             };
-            let mut st = TrainState {
-                names: &param_names,
-                params: &params,
-                optimizer: &mut optimizer,
-                scaler: scaler.as_mut(),
-                strategies: &mut strategies,
-                device,
-            };
-            st.restore(snap)
-                .with_context(|| format!("restoring the checkpoint of step {} after the failure at step {done}", snap.position.step))?;
-            let c = snap.position.step;
-            data.seek(snap.position.data_position);
-            (cur_batch, cur_accum, lr_scale) = (snap.position.micro_batch, snap.position.accum_steps, snap.position.lr_scale);
+            let c = restore!(snap, format!("restoring the checkpoint of step {} after the failure at step {done}", snap.position.step));
             pending_loss = None;
             stats_in_flight = None;
             loss_curve.retain(|e: &(u64, f64, f64)| e.0 < c);
@@ -618,16 +614,8 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             if cuda {
                 tch::Cuda::synchronize(dev_index as i64);
             }
-            let at = Position { step: done, data_position: data.position(), micro_batch: cur_batch, accum_steps: cur_accum, lr_scale };
-            let mut st = TrainState {
-                names: &param_names,
-                params: &params,
-                optimizer: &mut optimizer,
-                scaler: scaler.as_mut(),
-                strategies: &mut strategies,
-                device,
-            };
-            let written = st.capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
+            let at = position!(done);
+            let written = train_state!().capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
             // Every rank's part is durable before rank 0 makes it a checkpoint.
             let all_ok = ranks_agree(comm, written.is_ok(), device)?;
             let bytes = written.with_context(|| format!("writing the checkpoint of step {done}"))?;
