@@ -75,10 +75,6 @@ pub trait Compressor {
     fn finish(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
-    /// A plugin's record, if this is a plugin.
-    fn plugin_record(&mut self) -> Option<PluginReport> {
-        None
-    }
     /// The plugin, if this is one (for its state in checkpoints).
     fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
         None
@@ -99,10 +95,6 @@ pub trait BatchPolicy {
     fn wants_gradient_stats(&mut self) -> anyhow::Result<bool> {
         Ok(false)
     }
-    /// A plugin's record, if this is a plugin.
-    fn plugin_record(&mut self) -> Option<PluginReport> {
-        None
-    }
     /// The plugin, if this is one (for its state in checkpoints).
     fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
         None
@@ -118,7 +110,7 @@ pub struct CheckpointHistory {
     pub saved: Vec<u64>,
     /// Steps at which failures struck.
     pub failures: Vec<u64>,
-    /// Training seconds since the last checkpoint (or the start).
+    /// Training seconds since the last checkpoint or restore (or the start).
     pub since_last_s: f64,
 }
 
@@ -139,10 +131,6 @@ pub trait CheckpointPolicy {
     /// the per-step agreement between ranks).
     fn never_saves(&self) -> bool {
         false
-    }
-    /// A plugin's record, if this is a plugin.
-    fn plugin_record(&mut self) -> Option<PluginReport> {
-        None
     }
     /// The plugin, if this is one (for its state in checkpoints).
     fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
@@ -243,6 +231,10 @@ impl Strategies {
 
     /// The plugins' records and call histograms.
     pub fn plugin_reports(&mut self) -> Vec<PluginReport> {
-        [self.compressor.plugin_record(), self.batch.plugin_record(), self.checkpoint.plugin_record()].into_iter().flatten().collect()
+        [self.compressor.plugin_mut(), self.batch.plugin_mut(), self.checkpoint.plugin_mut()]
+            .into_iter()
+            .flatten()
+            .map(|p| p.report())
+            .collect()
     }
 }

@@ -330,9 +330,9 @@ impl Plugin {
         }
     }
 
-    /// The call-time histogram.
-    pub fn histogram(&self) -> &Histogram<u64> {
-        &self.hist
+    /// The record and the encoded call histogram, for the results.
+    pub fn report(&mut self) -> crate::strategy::PluginReport {
+        (self.record(), measure::encode(&self.hist))
     }
 }
 
@@ -464,10 +464,6 @@ impl Compressor for PluginCompressor {
         self.check_in_flight()
     }
 
-    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
-        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
-    }
-
     fn plugin_mut(&mut self) -> Option<&mut Plugin> {
         Some(&mut self.plugin)
     }
@@ -529,10 +525,6 @@ impl BatchPolicy for PluginBatch {
         })
     }
 
-    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
-        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
-    }
-
     fn plugin_mut(&mut self) -> Option<&mut Plugin> {
         Some(&mut self.plugin)
     }
@@ -561,10 +553,6 @@ impl CheckpointPolicy for PluginCheckpoint {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
         }
         Ok(CheckpointDecision { save, delete })
-    }
-
-    fn plugin_record(&mut self) -> Option<(PluginRecord, String)> {
-        Some((self.plugin.record(), measure::encode(self.plugin.histogram())))
     }
 
     fn plugin_mut(&mut self) -> Option<&mut Plugin> {

@@ -306,9 +306,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         if world > 1 && budget.is_some() {
             // Ranks must agree on when a time budget ends, or one would wait
             // in a collective for ranks that have stopped.
-            let mut flag = Tensor::from_slice(&[stop as i32 as f32]).to_device(device);
-            comm.all_reduce_sum(&mut flag)?;
-            stop = flag.double_value(&[0]) > 0.0;
+            stop = any_rank(comm, stop, device)?;
         }
         if stop {
             break;
@@ -391,7 +389,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             }
         }
         if oom_agree {
-            oom = !ranks_agree(comm, !oom, device)?;
+            oom = any_rank(comm, oom, device)?;
         }
         if oom {
             // Drop the step and retry it with a smaller micro-batch: the
@@ -863,15 +861,19 @@ fn subsample<T: Clone>(v: Vec<T>, max: usize) -> Vec<T> {
     out
 }
 
+/// True on every rank when `flag` is true on any rank (a barrier too).
+fn any_rank(comm: &mut dyn Collective, flag: bool, device: Device) -> anyhow::Result<bool> {
+    if comm.world_size() == 1 {
+        return Ok(flag);
+    }
+    let mut t = Tensor::from_slice(&[flag as i32 as f32]).to_device(device);
+    comm.all_reduce_sum(&mut t)?;
+    Ok(t.double_value(&[0]) > 0.0)
+}
+
 /// True on every rank when `ok` is true on every rank (a barrier too).
 fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: Device) -> anyhow::Result<bool> {
-    let world = comm.world_size();
-    if world == 1 {
-        return Ok(ok);
-    }
-    let mut flag = Tensor::from_slice(&[ok as i32 as f32]).to_device(device);
-    comm.all_reduce_sum(&mut flag)?;
-    Ok(flag.double_value(&[0]) >= world as f64 - 0.5)
+    Ok(!any_rank(comm, !ok, device)?)
 }
 
 thread_local! {
