@@ -7,7 +7,6 @@
 //! plus the host calls the plugin makes).
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::Result;
 use tch::{Device, Kind as TKind, Tensor};
@@ -42,9 +41,30 @@ fn spec(path: &Path) -> PluginSpec {
     }
 }
 
+/// Writes through a buffer before each timed call (`--evict-mb`): the
+/// caches and TLBs then hold the buffer, not the plugin's code and data.
+struct Evict(Vec<u64>);
+
+impl Evict {
+    fn run(&mut self, round: u64) {
+        // One write per cache line; the value changes so that no pass is
+        // optimised away.
+        for x in self.0.iter_mut().step_by(8) {
+            *x = x.wrapping_add(round);
+        }
+        std::hint::black_box(&self.0);
+    }
+}
+
 /// Times `calls` hook calls into each artifact (after `calls / 10` warm-up
-/// calls).
-pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
+/// calls), each after writing through `evict_mb` MiB when that is not 0.
+pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
+    let mut evict = (evict_mb > 0).then(|| Evict(vec![0u64; evict_mb << 17]));
+    let mut before = |i: u64| {
+        if let Some(e) = &mut evict {
+            e.run(i);
+        }
+    };
     let mut rows = Vec::new();
     for path in paths {
         let abs = std::fs::canonicalize(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -58,10 +78,11 @@ pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
                 let mut t = StepTelemetry { micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
                 for i in 0..calls + calls / 10 {
                     t.step = i + 1;
-                    let t0 = Instant::now();
+                    before(i);
+                    let t0 = measure::mark();
                     std::hint::black_box(p.next(&t)?);
                     if i >= calls / 10 {
-                        measure::record(&mut hist, t0.elapsed());
+                        measure::record_since(&mut hist, t0);
                     }
                 }
                 "batch-sizing.next"
@@ -73,10 +94,11 @@ pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
                 let mut bucket = Tensor::ones([1], (TKind::Float, Device::Cpu));
                 for i in 0..calls + calls / 10 {
                     let ctx = BucketCtx { step: i, index: 0, count: 1 };
-                    let t0 = Instant::now();
+                    before(i);
+                    let t0 = measure::mark();
                     p.reduce(&mut bucket, &mut comm, &ctx)?;
                     if i >= calls / 10 {
-                        measure::record(&mut hist, t0.elapsed());
+                        measure::record_since(&mut hist, t0);
                     }
                 }
                 "gradient-compression.compress"
@@ -90,10 +112,11 @@ pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
                 let h = CheckpointHistory { last_cost_s: Some(1.0), saved: vec![10, 20, 30], failures: vec![15], since_last_s: 5.0 };
                 for i in 0..calls + calls / 10 {
                     t.step = i + 1;
-                    let t0 = Instant::now();
+                    before(i);
+                    let t0 = measure::mark();
                     std::hint::black_box(p.decide(&t, &h)?);
                     if i >= calls / 10 {
-                        measure::record(&mut hist, t0.elapsed());
+                        measure::record_since(&mut hist, t0);
                     }
                 }
                 "checkpointing.decide"
@@ -102,6 +125,17 @@ pub fn run(paths: &[PathBuf], calls: u64) -> Result<Vec<Row>> {
         rows.push(Row { path: path.clone(), kind: m.kind, transport: m.transport, hook, calls, latency: LatencySummary::of(&hist) });
     }
     Ok(rows)
+}
+
+/// The floor of the figures: an empty region timed like a call (with
+/// [`measure::clock`], the TSC where it is invariant).
+pub fn clock_floor(calls: u64) -> LatencySummary {
+    let mut hist = measure::new_histogram();
+    for _ in 0..calls {
+        let t0 = measure::mark();
+        measure::record_since(&mut hist, std::hint::black_box(t0));
+    }
+    LatencySummary::of(&hist)
 }
 
 /// The table `harness plugin bench` prints.

@@ -19,7 +19,7 @@ pub mod wasm;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use harness_sdk::abi;
@@ -278,9 +278,9 @@ impl Plugin {
     /// Calls into the plugin, timing the call and naming the plugin, the call
     /// and the cause in any failure.
     fn call<R>(&mut self, what: &str, f: impl FnOnce(&mut Inst) -> Result<Result<R, String>>) -> Result<R> {
-        let t0 = Instant::now();
+        let t0 = measure::mark();
         let r = f(&mut self.inst);
-        measure::record(&mut self.hist, t0.elapsed());
+        measure::record_since(&mut self.hist, t0);
         self.calls += 1;
         match r {
             Ok(Ok(v)) => Ok(v),
