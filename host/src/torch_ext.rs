@@ -336,6 +336,28 @@ mod tests {
     }
 
     #[test]
+    fn cpu_all_finite_finds_every_non_finite_value_in_every_float_kind() {
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            // Past one 4096-element chunk, large finite values included.
+            let clean = Tensor::linspace(-6e4, 6e4, 10_000, (Kind::Float, Device::Cpu)).to_kind(kind);
+            assert_eq!(cpu_all_finite(&clean), Some(true), "{kind:?}");
+            for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                for at in [0, 4095, 4096, 9_999] {
+                    let t = clean.copy();
+                    let _ = t.get(at).fill_(bad);
+                    assert_eq!(cpu_all_finite(&t), Some(false), "{kind:?} {bad} at {at}");
+                }
+            }
+        }
+        assert_eq!(cpu_all_finite(&Tensor::from_slice(&[f32::MAX, f32::MIN, 0.0, -0.0])), Some(true));
+        assert_eq!(cpu_all_finite(&Tensor::zeros([0], (Kind::Float, Device::Cpu))), Some(true));
+        // What it cannot read directly is left to the caller.
+        let m = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+        assert_eq!(cpu_all_finite(&m.tr()), None);
+        assert_eq!(cpu_all_finite(&Tensor::ones([4], (Kind::Double, Device::Cpu))), None);
+    }
+
+    #[test]
     fn clip_grad_norm_scales_to_the_limit() {
         let a = Tensor::from_slice(&[3.0f32]);
         let b = Tensor::from_slice(&[4.0f32]);
@@ -430,5 +452,76 @@ mod tests {
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
         let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None).is_err());
+    }
+}
+
+/// Whether every element of a contiguous CPU tensor of floats (f32, bf16,
+/// f16) is finite, read straight from its memory in one vectorised pass with
+/// no libtorch dispatch or thread-pool start; `None` for tensors on a device,
+/// non-contiguous ones and other kinds.
+pub fn cpu_all_finite(t: &Tensor) -> Option<bool> {
+    if t.device() != Device::Cpu || !t.is_contiguous() {
+        return None;
+    }
+    let n = t.numel();
+    if n == 0 {
+        return Some(true);
+    }
+    let p = t.data_ptr();
+    // SAFETY: a contiguous CPU tensor of `n` elements of the matched kind
+    // starts at `p`; the slice lives only for this call, while `t` holds it.
+    unsafe {
+        match t.kind() {
+            Kind::Float => Some(finite::all32(std::slice::from_raw_parts(p as *const i32, n))),
+            Kind::BFloat16 => Some(finite::all16(std::slice::from_raw_parts(p as *const i16, n), 0x7f7f)),
+            Kind::Half => Some(finite::all16(std::slice::from_raw_parts(p as *const i16, n), 0x7bff)),
+            _ => None,
+        }
+    }
+}
+
+/// The scans of [`cpu_all_finite`]. An element is NaN or infinite exactly
+/// when its bits without the sign exceed those of the largest finite value;
+/// the comparisons are signed (the masked bits are non-negative), which
+/// every x86-64 vector unit has. AVX2 where the CPU has it.
+mod finite {
+    #[inline(always)]
+    fn scan32(xs: &[i32]) -> bool {
+        xs.chunks(4096).all(|c| !c.iter().fold(false, |bad, &x| bad | ((x & 0x7fff_ffff) > 0x7f7f_ffff)))
+    }
+
+    #[inline(always)]
+    fn scan16(xs: &[i16], max_finite: i16) -> bool {
+        xs.chunks(8192).all(|c| !c.iter().fold(false, |bad, &x| bad | ((x & 0x7fff) > max_finite)))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn scan32_avx2(xs: &[i32]) -> bool {
+        scan32(xs)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn scan16_avx2(xs: &[i16], max_finite: i16) -> bool {
+        scan16(xs, max_finite)
+    }
+
+    pub fn all32(xs: &[i32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { scan32_avx2(xs) };
+        }
+        scan32(xs)
+    }
+
+    pub fn all16(xs: &[i16], max_finite: i16) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { scan16_avx2(xs, max_finite) };
+        }
+        scan16(xs, max_finite)
     }
 }

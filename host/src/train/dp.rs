@@ -338,8 +338,9 @@ impl DataParallel {
     }
 
     /// A scalar that is NaN or infinite when some gradient element is: the
-    /// sum of the gradient buffers, one reduction pass (a finite sum could
-    /// only overflow with elements near f32's limit divided by their count).
+    /// sum of the gradient buffers, one reduction pass that stays on the
+    /// device (a finite sum could only overflow with elements near f32's
+    /// limit divided by their count).
     pub fn grad_checksum(&self) -> Tensor {
         let mut sums: Vec<Tensor> = self.buckets.iter().filter_map(|b| b.grad.as_ref().map(|(flat, _)| flat.sum(Kind::Float))).collect();
         match sums.len() {

@@ -468,16 +468,32 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
             }
         }
         // A plugin compressor's output is checked for NaN/inf through a norm
-        // of the reduced gradients, the one computed anyway if there is one,
-        // else through their sum (one pass).
+        // of the reduced gradients, the one computed anyway if there is one.
+        // Else, on a device, through their sum (one pass); on the CPU,
+        // through the parameters just after the update, still in cache: a
+        // non-finite gradient element makes its parameter NaN or infinite
+        // under AdamW and SGD alike, and only then are the gradients
+        // searched, for the bucket to name (parameters that overflow with
+        // finite gradients are not the compressor's doing).
+        let mut scan_params = false;
         if strategies.compressor.checks_output() && !sharded {
             let norm = match clip_norm.or(global_sq) {
-                Some(n) => n,
-                None => dp.grad_checksum(),
+                Some(n) => Some(n),
+                None if device.is_cuda() => Some(dp.grad_checksum()),
+                None => None,
             };
-            strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
+            match norm {
+                Some(norm) => strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?,
+                None => scan_params = true,
+            }
         }
         optimizer.step(&targets, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
+        if scan_params && !targets.iter().all(|t| torch_ext::cpu_all_finite(t).unwrap_or_else(|| t.isfinite().all().int64_value(&[]) != 0))
+        {
+            if let Some(bucket) = dp.first_non_finite_bucket() {
+                strategies.compressor.check_output(step, &Tensor::from(f32::NAN), &|| Some(bucket))?;
+            }
+        }
         if let Some(s) = &mut scaler {
             s.update();
         }
