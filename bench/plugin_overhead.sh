@@ -34,7 +34,12 @@ done
 python3 - "$OUT" "${suites[@]}" <<'PY'
 import json, os, statistics, sys
 out, suites = sys.argv[1], sys.argv[2:]
-print(f"{'suite':<22} {'workload':<16} {'strategy':<9} {'step p50 ms (repeats)':<30} {'ratio':>7} {'plugin call p50 us':>19}")
+med = statistics.median
+# step: median over repeats of each entry's step p50, and its ratio to the
+# built-in one. phases: what the plugins touch (communicate + optimizer +
+# strategy, median over repeats of each entry's mean), plugin minus
+# built-in, as a share of the built-in step.
+print(f"{'suite':<20} {'workload':<14} {'strategy':<10} {'step p50 ms (repeats)':<44} {'ratio':>7} {'phases':>8} {'call p50 us':>12}")
 for s in suites:
     r = json.load(open(os.path.join(out, f"plugin-overhead-{s}.json")))
     by = {}
@@ -43,12 +48,14 @@ for s in suites:
             print(f"{s}: {e['id']} failed: {e.get('error')}")
             continue
         m = e["metrics"]
+        touched = sum(m["phases"][k]["mean_ms"] for k in ("communicate", "optimizer", "strategy") if k in m["phases"])
         calls = [p["call"]["p50_ms"] * 1e3 for p in m.get("plugins", []) if p.get("call") and p["slot"] == "compressor"]
-        by.setdefault((e["workload"], e["strategy"]), []).append((m["step"]["p50_ms"], calls[0] if calls else None))
+        by.setdefault((e["workload"], e["strategy"]), []).append((m["step"]["p50_ms"], touched, calls[0] if calls else None))
     for (w, st), vals in sorted(by.items()):
-        base = statistics.median(v[0] for v in by[(w, "built-in")])
-        med = statistics.median(v[0] for v in vals)
-        call = [v[1] for v in vals if v[1] is not None]
+        base = by[(w, "built-in")]
+        step, bstep = med(v[0] for v in vals), med(v[0] for v in base)
+        extra = med(v[1] for v in vals) - med(v[1] for v in base)
+        call = [v[2] for v in vals if v[2] is not None]
         reps = ", ".join(f"{v[0]:.2f}" for v in vals)
-        print(f"{s:<22} {w:<16} {st:<9} {med:8.3f} ({reps})".ljust(80) + f" {med / base:7.4f} {statistics.median(call) if call else float('nan'):19.2f}")
+        print(f"{s:<20} {w:<14} {st:<10} {f'{step:.3f} ({reps})':<44} {step / bstep:7.4f} {100 * extra / bstep:+7.2f}% {med(call) if call else float('nan'):12.2f}")
 PY

@@ -89,6 +89,9 @@ pub struct SuiteMeta {
     pub repeats: u32,
     #[serde(default)]
     pub seed: u64,
+    /// The order of the strategies within each workload of a repeat.
+    #[serde(default)]
+    pub order: Order,
     /// Steps at the start of each entry left out of latency and throughput.
     #[serde(default = "default_warmup")]
     pub warmup_steps: u64,
@@ -118,6 +121,20 @@ fn one() -> u32 {
 }
 fn default_warmup() -> u64 {
     3
+}
+
+/// The order in which a repeat runs its strategies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// As listed, in every repeat.
+    #[default]
+    Listed,
+    /// Repeat r starts at the (r mod n)-th of the n strategies and wraps
+    /// around: over a multiple of n repeats each strategy runs in each
+    /// position equally often, so a machine that drifts (warms up, throttles,
+    /// gets a noisy neighbour) during a repeat favours none of them.
+    Rotate,
 }
 
 /// Where a suite runs.
@@ -1017,6 +1034,11 @@ impl Suite {
         let mut entries = Vec::new();
         let strategies = self.strategies();
         for r in 0..self.spec.suite.repeats {
+            let mut strategies = strategies.clone();
+            if self.spec.suite.order == Order::Rotate && !strategies.is_empty() {
+                let n = strategies.len();
+                strategies.rotate_left(r as usize % n);
+            }
             for (wi, w) in self.spec.workloads.iter().enumerate() {
                 for st in &strategies {
                     if let Some(ws) = &st.workloads {
@@ -1133,6 +1155,18 @@ name = "b"
         // Paired seeds: same within a repeat, different across repeats.
         assert_eq!(p.entries[0].seed, p.entries[1].seed);
         assert_ne!(p.entries[0].seed, p.entries[2].seed);
+    }
+
+    #[test]
+    fn rotate_puts_every_strategy_in_every_position() {
+        let s = parse(&OK.replace("repeats = 2", "repeats = 2\norder = \"rotate\"")).unwrap();
+        let ids: Vec<_> = s.plan().entries.iter().map(|e| e.id.clone()).collect();
+        assert_eq!(ids, ["w/a/r0", "w/b/r0", "w/b/r1", "w/a/r1"]);
+        // Still paired: both strategies of a repeat share its seed.
+        let p = s.plan();
+        assert_eq!(p.entries[2].seed, p.entries[3].seed);
+        let bad = parse(&OK.replace("repeats = 2", "repeats = 2\norder = \"random\"")).unwrap_err();
+        assert!(bad.to_string().contains("unknown variant `random`"), "{bad}");
     }
 
     #[test]
