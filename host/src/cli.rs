@@ -121,10 +121,10 @@ pub enum PluginCommand {
         /// A `.wasm` component or a native library.
         path: PathBuf,
     },
-    /// Measure the host -> plugin hook round trip of artifacts (p50/p99).
+    /// Measure the host -> plugin hook round trip of artifacts: the host's
+    /// own per-call meter (p50/p90/p99/mean) and calls back to back.
     Bench {
-        /// `.wasm` components or native libraries (batch policies or
-        /// compressors).
+        /// `.wasm` components or native libraries (any kind).
         #[arg(required = true)]
         paths: Vec<PathBuf>,
         /// Timed calls per artifact.
@@ -132,7 +132,7 @@ pub enum PluginCommand {
         calls: u64,
         /// Cold calls, as in training: before each call, write through a
         /// buffer of this many MiB (evicting the caches, as a training step
-        /// does between two hooks). 0: calls back to back, warm.
+        /// does between two hooks). 0: warm caches.
         #[arg(long, default_value_t = 0)]
         evict_mb: usize,
     },
@@ -235,10 +235,15 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", crate::plugin::bench::table(&rows));
             let floor = crate::plugin::bench::clock_floor(calls);
             println!(
-                "Each figure includes the timer: an empty timed region takes p50 {:.0} ns, p99 {:.0} ns here.{}",
+                "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
+                 back to back: the whole cost to the host per call, the meter included.{}",
                 floor.p50_ms * 1e6,
                 floor.p99_ms * 1e6,
-                if evict_mb > 0 { format!(" Each call followed a write through {evict_mb} MiB (cold caches).") } else { String::new() }
+                if evict_mb > 0 {
+                    format!(" Each metered call followed a write through {evict_mb} MiB (cold caches).")
+                } else {
+                    String::new()
+                }
             );
             Ok(exit::OK)
         }

@@ -203,9 +203,10 @@ fn plugin_bench_times_a_hook_of_every_kind() {
     let text = String::from_utf8_lossy(&out.stdout);
     for hook in ["batch-sizing.next", "gradient-compression.compress", "checkpointing.decide"] {
         let row = text.lines().find(|l| l.contains(hook)).unwrap_or_else(|| panic!("no {hook} row in\n{text}"));
-        // calls, then p50 / p90 / p99 / mean in ns: all positive numbers.
+        // calls, then p50 / p90 / p99 / mean of the host's meter and the
+        // back-to-back mean in ns: all positive numbers.
         let nums: Vec<f64> = row.split(['│', '┆']).filter_map(|c| c.trim().parse().ok()).collect();
-        assert_eq!(nums.len(), 5, "{row}");
+        assert_eq!(nums.len(), 6, "{row}");
         assert_eq!(nums[0], 2000.0);
         assert!(nums[1..].iter().all(|&n| n > 0.0), "{row}");
     }

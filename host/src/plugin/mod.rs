@@ -289,6 +289,17 @@ impl Plugin {
         }
     }
 
+    /// Forgets the calls timed so far (the benchmark's warm-up).
+    pub(crate) fn restart_timing(&mut self) {
+        self.hist.reset();
+        self.calls = 0;
+    }
+
+    /// The calls' times so far.
+    pub(crate) fn timing(&self) -> LatencySummary {
+        LatencySummary::of(&self.hist)
+    }
+
     fn who(&self) -> String {
         let transport = match self.manifest.transport {
             Transport::Wasm => "wasm",
