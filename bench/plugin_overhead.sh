@@ -35,10 +35,13 @@ python3 - "$OUT" "${suites[@]}" <<'PY'
 import json, os, statistics, sys
 out, suites = sys.argv[1], sys.argv[2:]
 med = statistics.median
+TOUCHED = ("communicate", "optimizer", "strategy")
 # step: median over repeats of each entry's step p50, and its ratio to the
-# built-in one. phases: what the plugins touch (communicate + optimizer +
-# strategy, median over repeats of each entry's mean), plugin minus
-# built-in, as a share of the built-in step.
+# built-in one's. phases: the cost of the phases the plugins run in
+# (communicate: compress and the output check; optimizer: the check through
+# a norm; strategy: the batch policy's next), as the sum of their p50s;
+# plugin minus built-in in the same repeat (same seed, run next to each
+# other), median over repeats, as a share of the built-in step.
 print(f"{'suite':<20} {'workload':<14} {'strategy':<10} {'step p50 ms (repeats)':<44} {'ratio':>7} {'phases':>8} {'call p50 us':>12}")
 for s in suites:
     r = json.load(open(os.path.join(out, f"plugin-overhead-{s}.json")))
@@ -48,14 +51,14 @@ for s in suites:
             print(f"{s}: {e['id']} failed: {e.get('error')}")
             continue
         m = e["metrics"]
-        touched = sum(m["phases"][k]["mean_ms"] for k in ("communicate", "optimizer", "strategy") if k in m["phases"])
+        touched = sum(m["phases"][k]["p50_ms"] for k in TOUCHED if k in m["phases"])
         calls = [p["call"]["p50_ms"] * 1e3 for p in m.get("plugins", []) if p.get("call") and p["slot"] == "compressor"]
-        by.setdefault((e["workload"], e["strategy"]), []).append((m["step"]["p50_ms"], touched, calls[0] if calls else None))
-    for (w, st), vals in sorted(by.items()):
+        by.setdefault((e["workload"], e["strategy"]), {})[e["repeat"]] = (m["step"]["p50_ms"], touched, calls[0] if calls else None)
+    for (w, st), reps in sorted(by.items()):
         base = by[(w, "built-in")]
-        step, bstep = med(v[0] for v in vals), med(v[0] for v in base)
-        extra = med(v[1] for v in vals) - med(v[1] for v in base)
-        call = [v[2] for v in vals if v[2] is not None]
-        reps = ", ".join(f"{v[0]:.2f}" for v in vals)
-        print(f"{s:<20} {w:<14} {st:<10} {f'{step:.3f} ({reps})':<44} {step / bstep:7.4f} {100 * extra / bstep:+7.2f}% {med(call) if call else float('nan'):12.2f}")
+        step, bstep = med(v[0] for v in reps.values()), med(v[0] for v in base.values())
+        extra = med(reps[k][1] - base[k][1] for k in reps if k in base)
+        call = [v[2] for v in reps.values() if v[2] is not None]
+        shown = ", ".join(f"{reps[k][0]:.2f}" for k in sorted(reps))
+        print(f"{s:<20} {w:<14} {st:<10} {f'{step:.3f} ({shown})':<44} {step / bstep:7.4f} {100 * extra / bstep:+7.2f}% {med(call) if call else float('nan'):12.2f}")
 PY

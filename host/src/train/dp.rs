@@ -391,13 +391,17 @@ impl DataParallel {
     /// Reduces the gradients of the step. Without ZeRO each flat buffer goes
     /// to the compressor, which leaves the average in it. Under ZeRO each
     /// buffer is reduce-scattered and this rank keeps its chunk, averaged;
-    /// ZeRO-2 then releases the full buffers.
+    /// ZeRO-2 then releases the full buffers. `scan`: check each buffer for
+    /// NaN/inf right after the compressor returns it, while it is still in
+    /// cache (the CPU check of a plugin's output when the step computes no
+    /// gradient norm that would show it).
     pub fn reduce(
         &mut self,
         params: &[Tensor],
         compressor: &mut dyn Compressor,
         comm: &mut dyn Collective,
         step: u64,
+        scan: bool,
     ) -> anyhow::Result<()> {
         let n = self.world as f64;
         let count = self.buckets.len();
@@ -434,6 +438,9 @@ impl DataParallel {
                 // in place; the parameters' gradients are views of `flat`.
                 if out.data_ptr() != flat.data_ptr() {
                     tch::no_grad(|| flat.shallow_clone().copy_(&out.view_as(flat)));
+                }
+                if scan && !torch_ext::cpu_all_finite(flat).unwrap_or_else(|| flat.isfinite().all().int64_value(&[]) != 0) {
+                    compressor.check_output(step, &Tensor::from(f32::NAN), &|| Some(index))?;
                 }
                 continue;
             }
@@ -698,7 +705,7 @@ mod tests {
                 (loss(&ps, 1.0) * (rank as f64 + 1.0)).backward();
                 dp.check_grads(&ps).unwrap();
                 let want: Vec<f32> = torch_ext::grads(&ps).unwrap().iter().flat_map(|g| values(&(g / (rank as f64 + 1.0) * 1.5))).collect();
-                dp.reduce(&ps, &mut AllReduce, comm, 0).unwrap();
+                dp.reduce(&ps, &mut AllReduce, comm, 0, false).unwrap();
                 let held = dp.gradient_bytes();
                 // The shard's gradients are the average, at the shard's places.
                 let (targets, _) = dp.update_targets(&ps);
@@ -740,7 +747,7 @@ mod tests {
             dp.begin_step();
             dp.before_backward(&ps).unwrap();
             loss(&ps, 1.0).backward();
-            dp.reduce(&ps, &mut Sevens, comm, 0).unwrap();
+            dp.reduce(&ps, &mut Sevens, comm, 0, false).unwrap();
             torch_ext::grads(&ps).unwrap().iter().flat_map(values).collect::<Vec<f32>>()
         });
         for g in out {

@@ -417,11 +417,18 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         }
         dp.check_grads(&params)?;
         let local_sq = if grad_stats { Some(dp.grad_sq_norm()?) } else { None };
+        // A plugin compressor's output is checked for NaN/inf through a norm
+        // of the reduced gradients, the one computed anyway if there is one
+        // (clipping, the batch policy's statistics). Else, on a device,
+        // through their sum (one pass, read a step later); on the CPU, each
+        // bucket is scanned as the compressor hands it back, still in cache.
+        let check = strategies.compressor.checks_output() && !sharded;
+        let scan = check && !device.is_cuda() && w.grad_clip.is_none() && !grad_stats;
         timer.start(Phase::Communicate)?;
         if sharded {
-            dp.reduce(&params, strategies.compressor.as_mut(), comm, step).context("the reduce-scatter of the gradients failed")?;
+            dp.reduce(&params, strategies.compressor.as_mut(), comm, step, false).context("the reduce-scatter of the gradients failed")?;
         } else {
-            dp.reduce(&params, strategies.compressor.as_mut(), comm, step)?;
+            dp.reduce(&params, strategies.compressor.as_mut(), comm, step, scan)?;
         }
         timer.stop()?;
         let grads = dp.grads()?;
@@ -467,33 +474,14 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
                 clip_norm = Some(torch_ext::clip_grad_norm(&grads, Some(max))?);
             }
         }
-        // A plugin compressor's output is checked for NaN/inf through a norm
-        // of the reduced gradients, the one computed anyway if there is one.
-        // Else, on a device, through their sum (one pass); on the CPU,
-        // through the parameters just after the update, still in cache: a
-        // non-finite gradient element makes its parameter NaN or infinite
-        // under AdamW and SGD alike, and only then are the gradients
-        // searched, for the bucket to name (parameters that overflow with
-        // finite gradients are not the compressor's doing).
-        let mut scan_params = false;
-        if strategies.compressor.checks_output() && !sharded {
+        if check && !scan {
             let norm = match clip_norm.or(global_sq) {
-                Some(n) => Some(n),
-                None if device.is_cuda() => Some(dp.grad_checksum()),
-                None => None,
+                Some(n) => n,
+                None => dp.grad_checksum(),
             };
-            match norm {
-                Some(norm) => strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?,
-                None => scan_params = true,
-            }
+            strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
         }
         optimizer.step(&targets, &grads, lr, scaler.as_ref().map(|s| &s.found_inf))?;
-        if scan_params && !targets.iter().all(|t| torch_ext::cpu_all_finite(t).unwrap_or_else(|| t.isfinite().all().int64_value(&[]) != 0))
-        {
-            if let Some(bucket) = dp.first_non_finite_bucket() {
-                strategies.compressor.check_output(step, &Tensor::from(f32::NAN), &|| Some(bucket))?;
-            }
-        }
         if let Some(s) = &mut scaler {
             s.update();
         }
