@@ -115,16 +115,7 @@ pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
             Kind::BatchPolicy => {
                 let mut p = super::PluginBatch { plugin: set.instance("bench", "batch_policy", Kind::BatchPolicy, None, Device::Cpu)? };
                 p.initial(BatchDecision { micro_batch: 8, accum_steps: 1, lr_scale: 1.0 })?;
-                let timed = time_hook(
-                    &mut p,
-                    |p| &mut p.plugin,
-                    calls,
-                    &mut evict,
-                    |p, i| {
-                        std::hint::black_box(p.next(&telemetry(i))?);
-                        Ok(())
-                    },
-                )?;
+                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.next(&telemetry(i)).map(drop))?;
                 ("batch-sizing.next", timed)
             }
             Kind::Compressor => {
@@ -147,16 +138,7 @@ pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
                 let plugin = set.instance("bench", "checkpoint", Kind::CheckpointPolicy, None, Device::Cpu)?;
                 let mut p = super::PluginCheckpoint { plugin };
                 let h = CheckpointHistory { last_cost_s: Some(1.0), saved: vec![10, 20, 30], failures: vec![15], since_last_s: 5.0 };
-                let timed = time_hook(
-                    &mut p,
-                    |p| &mut p.plugin,
-                    calls,
-                    &mut evict,
-                    |p, i| {
-                        std::hint::black_box(p.decide(&telemetry(i), &h)?);
-                        Ok(())
-                    },
-                )?;
+                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.decide(&telemetry(i), &h).map(drop))?;
                 ("checkpointing.decide", timed)
             }
         };
