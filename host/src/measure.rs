@@ -74,12 +74,18 @@ pub fn mark() -> u64 {
     clock().raw()
 }
 
+/// Nanoseconds since `start` (a [`mark`]).
+#[inline]
+pub fn ns_since(start: u64) -> u64 {
+    let c = clock();
+    c.delta_as_nanos(start, c.raw())
+}
+
 /// Records the time since `start` (a [`mark`]), clamped into the histogram's
 /// range, and returns it in nanoseconds.
 #[inline]
 pub fn record_since(h: &mut Histogram<u64>, start: u64) -> u64 {
-    let c = clock();
-    let ns = c.delta_as_nanos(start, c.raw());
+    let ns = ns_since(start);
     h.saturating_record(ns.max(1));
     ns
 }

@@ -87,8 +87,7 @@ fn time_hook<P>(
             for i in 0..calls {
                 hook(p, i)?;
             }
-            let c = measure::clock();
-            Some(c.delta_as_nanos(t0, c.raw()) as f64 / calls.max(1) as f64)
+            Some(measure::ns_since(t0) as f64 / calls.max(1) as f64)
         }
     };
     plugin(p).restart_timing();

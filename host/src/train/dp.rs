@@ -392,8 +392,8 @@ impl DataParallel {
     /// to the compressor, which leaves the average in it. Under ZeRO each
     /// buffer is reduce-scattered and this rank keeps its chunk, averaged;
     /// ZeRO-2 then releases the full buffers. `scan`: check each buffer for
-    /// NaN/inf right after the compressor returns it, while it is still in
-    /// cache (the CPU check of a plugin's output when the step computes no
+    /// NaN/inf right after the compressor returns it, when it was written
+    /// last (the CPU check of a plugin's output when the step computes no
     /// gradient norm that would show it).
     pub fn reduce(
         &mut self,

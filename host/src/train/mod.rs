@@ -421,7 +421,7 @@ pub fn run_entry(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &m
         // of the reduced gradients, the one computed anyway if there is one
         // (clipping, the batch policy's statistics). Else, on a device,
         // through their sum (one pass, read a step later); on the CPU, each
-        // bucket is scanned as the compressor hands it back, still in cache.
+        // bucket is scanned directly as the compressor hands it back.
         let check = strategies.compressor.checks_output() && !sharded;
         let scan = check && !device.is_cuda() && w.grad_clip.is_none() && !grad_stats;
         timer.start(Phase::Communicate)?;
