@@ -1,0 +1,26 @@
+//! Suites: the TOML a user writes, checked and expanded into a [`Plan`].
+//!
+//! [`Suite::load`] parses (unknown keys and wrong types are errors, thanks to
+//! `deny_unknown_fields`), then [`Suite::validate`] checks values against each
+//! other. Every problem is reported as a [`SuiteError`] that renders with the
+//! file, line and column, the offending source line and a hint. The format is
+//! documented in `docs/suite-format.md`.
+//!
+//! * `spec`: the serde types of the format and their defaults.
+//! * `validate`: [`Suite`], loading, parsing and the checks, with their
+//!   messages and hints.
+//! * `plan`: the expansion into [`Plan`] entries and their seeds.
+
+mod plan;
+mod spec;
+mod validate;
+
+pub use plan::{mix_seed, Plan, PlanEntry};
+pub use spec::{
+    DataSpec, Decay, DeviceKind, FaultSpec, ModelKind, ModelSpec, OptimizerSpec, Order, PluginSpec, Precision, ScheduleSpec, Strategy,
+    SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS,
+};
+pub use validate::{Suite, SuiteError, SuiteErrors};
+
+/// The suite that `harness run` uses when none is named.
+pub const DEFAULT_SUITE: &str = "suites/cpu.toml";

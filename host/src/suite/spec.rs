@@ -1,0 +1,453 @@
+//! The serde types of the suite format (`docs/suite-format.md`): what a
+//! suite file says, as written, with the defaults of the keys it leaves out.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A parsed suite file, as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuiteSpec {
+    /// Suite-wide settings.
+    pub suite: SuiteMeta,
+    /// What is trained.
+    #[serde(rename = "workload")]
+    pub workloads: Vec<Workload>,
+    /// How it is trained (crossed with every workload it applies to).
+    #[serde(rename = "strategy", default)]
+    pub strategies: Vec<Strategy>,
+    /// Plugins the strategies may name (`[[plugin]]`).
+    #[serde(rename = "plugin", default)]
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// One `[[plugin]]`: a strategy plugin artifact, and optionally its pinned
+/// manifest fields (`harness plugin inspect` prints them).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    /// The name strategies use for it.
+    pub name: String,
+    /// The artifact, relative to the suite file: a `.wasm` component, or a
+    /// native shared library (`.so`, `.dylib`).
+    pub path: PathBuf,
+    /// Pinned sha256 of the artifact (hex).
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// Pinned plugin version (what the plugin reports).
+    #[serde(default)]
+    pub version: Option<String>,
+    /// Pinned kind: "compressor", "batch-policy" or "checkpoint-policy".
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// WASM only: memory cap of each instance, MiB.
+    #[serde(default = "default_plugin_memory_mb")]
+    pub memory_mb: u32,
+    /// WASM only: deadline of each call, milliseconds.
+    #[serde(default = "default_plugin_deadline_ms")]
+    pub deadline_ms: u64,
+    /// Most host tensor memory one instance may hold, MiB.
+    #[serde(default = "default_plugin_tensor_mb")]
+    pub tensor_mb: u64,
+}
+
+fn default_plugin_memory_mb() -> u32 {
+    256
+}
+fn default_plugin_deadline_ms() -> u64 {
+    10_000
+}
+fn default_plugin_tensor_mb() -> u64 {
+    8192
+}
+
+/// The `[suite]` table.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SuiteMeta {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub device: DeviceKind,
+    #[serde(default = "one")]
+    pub world_size: u32,
+    #[serde(default = "one")]
+    pub repeats: u32,
+    #[serde(default)]
+    pub seed: u64,
+    /// The order of the strategies within each workload of a repeat.
+    #[serde(default)]
+    pub order: Order,
+    /// Steps at the start of each entry left out of latency and throughput.
+    #[serde(default = "default_warmup")]
+    pub warmup_steps: u64,
+    /// Peak dense TFLOP/s used for MFU when the device is not in the table.
+    #[serde(default)]
+    pub peak_tflops: Option<f64>,
+    /// CPU threads for libtorch's intra-op pool (default: all cores).
+    #[serde(default)]
+    pub threads: Option<u32>,
+    /// Gradient bucket size for data parallelism, MiB (PyTorch DDP's 25).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: f64,
+    /// A collective not finished within this many seconds fails the entry.
+    #[serde(default = "default_collective_timeout")]
+    pub collective_timeout_s: f64,
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
+}
+fn default_collective_timeout() -> f64 {
+    60.0
+}
+
+fn one() -> u32 {
+    1
+}
+fn default_warmup() -> u64 {
+    3
+}
+
+/// The order in which a repeat runs its strategies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// As listed, in every repeat.
+    #[default]
+    Listed,
+    /// Repeat r starts at the (r mod n)-th of the n strategies and wraps
+    /// around: over a multiple of n repeats each strategy runs in each
+    /// position equally often, so a machine that drifts (warms up, throttles,
+    /// gets a noisy neighbour) during a repeat favours none of them.
+    Rotate,
+}
+
+/// Where a suite runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CUDA when a GPU is usable, else CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// One `[[workload]]`: model, data and training recipe.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub name: String,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    /// Micro-batch size per rank, in sequences (samples).
+    pub batch: u32,
+    /// Tokens per sequence (for the encoder: positions per sample).
+    pub seq_len: u32,
+    #[serde(default = "one")]
+    pub grad_accum: u32,
+    /// Optimizer steps to run; with `time_budget_s` too, whichever ends first.
+    #[serde(default)]
+    pub steps: Option<u64>,
+    #[serde(default)]
+    pub time_budget_s: Option<f64>,
+    #[serde(default)]
+    pub precision: Precision,
+    pub optimizer: OptimizerSpec,
+    #[serde(default)]
+    pub schedule: ScheduleSpec,
+    /// Clip the global gradient norm to this value.
+    #[serde(default)]
+    pub grad_clip: Option<f64>,
+    /// Evaluate every this many steps (0: only at the end).
+    #[serde(default)]
+    pub eval_every: u64,
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: u32,
+    /// Absolute target for the eval loss.
+    #[serde(default)]
+    pub target_loss: Option<f64>,
+    /// Target as a margin above the data's known loss floor.
+    #[serde(default)]
+    pub target_above_floor: Option<f64>,
+    /// Injected failures and an emulated memory limit, to score checkpoint
+    /// and batch-size policies.
+    #[serde(default)]
+    pub faults: Option<FaultSpec>,
+}
+
+/// `faults = { at_steps = [30, 70] }`, `faults = { mtbf_s = 20, seed = 1 }`,
+/// `faults = { oom_above_batch = 48 }`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSpec {
+    /// A failure strikes when training reaches each of these steps (steps
+    /// completed), once each: the work since the last checkpoint is lost.
+    #[serde(default)]
+    pub at_steps: Vec<u64>,
+    /// Failures at random, exponentially distributed with this mean time
+    /// between failures in seconds of training time (seeded).
+    #[serde(default)]
+    pub mtbf_s: Option<f64>,
+    /// Seed of the random failures (default: the entry's seed).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Emulated device memory: a step whose micro-batch exceeds this runs
+    /// out of memory (as a real out-of-memory error would be handled).
+    #[serde(default)]
+    pub oom_above_batch: Option<u32>,
+}
+
+fn default_eval_batches() -> u32 {
+    8
+}
+
+/// `model = { kind = "gpt", preset = "tiny" }`; explicit sizes override the preset.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub kind: ModelKind,
+    #[serde(default)]
+    pub preset: Option<String>,
+    #[serde(default)]
+    pub n_layer: Option<u32>,
+    #[serde(default)]
+    pub n_head: Option<u32>,
+    #[serde(default)]
+    pub d_model: Option<u32>,
+    #[serde(default)]
+    pub d_ff: Option<u32>,
+    #[serde(default)]
+    pub dropout: Option<f64>,
+}
+
+/// The model families of the training core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Decoder-only transformer (GPT-2 style, tied embedding).
+    Gpt,
+    /// `nn.TransformerEncoder` with a regression head (CLAIMS.md section 5).
+    Encoder,
+    /// Token MLP: embedding, one hidden layer, logits of the next token.
+    Mlp,
+}
+
+/// Where batches come from.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum DataSpec {
+    /// Seeded Markov-chain tokens whose entropy rate (the loss floor) is known.
+    Synthetic {
+        vocab: u32,
+        #[serde(default = "default_branching")]
+        branching: u32,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
+    /// Token files in the llm.c / nanoGPT `.bin` format (u16 tokens).
+    Bin {
+        train: PathBuf,
+        #[serde(default)]
+        val: Option<PathBuf>,
+        /// Fraction of `train` held out for eval when `val` is not given.
+        #[serde(default = "default_val_fraction")]
+        val_fraction: f64,
+        /// Model vocabulary (default 50304, GPT-2's rounded up).
+        #[serde(default)]
+        vocab: Option<u32>,
+    },
+    /// Gaussian inputs, targets a fixed linear map of them plus noise of known
+    /// variance (the MSE floor).
+    Regression {
+        #[serde(default = "default_noise")]
+        noise: f64,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
+}
+
+impl DataSpec {
+    /// The token vocabulary the data implies (None for regression data).
+    pub fn vocab(&self) -> Option<u32> {
+        match self {
+            DataSpec::Synthetic { vocab, .. } => Some(*vocab),
+            DataSpec::Bin { vocab, .. } => Some(vocab.unwrap_or(crate::train::data::DEFAULT_BIN_VOCAB)),
+            DataSpec::Regression { .. } => None,
+        }
+    }
+}
+
+fn default_branching() -> u32 {
+    4
+}
+fn default_val_fraction() -> f64 {
+    0.05
+}
+fn default_noise() -> f64 {
+    0.1
+}
+
+/// Arithmetic precision of the step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bf16 autocast, fp32 master weights.
+    Bf16,
+    /// fp16 autocast with dynamic loss scaling.
+    Fp16,
+}
+
+/// `optimizer = { kind = "adamw", lr = 6e-4, ... }`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum OptimizerSpec {
+    Adamw {
+        lr: f64,
+        #[serde(default = "default_betas")]
+        betas: [f64; 2],
+        #[serde(default = "default_eps")]
+        eps: f64,
+        #[serde(default)]
+        weight_decay: f64,
+    },
+    Sgd {
+        lr: f64,
+        #[serde(default)]
+        momentum: f64,
+        #[serde(default)]
+        nesterov: bool,
+        #[serde(default)]
+        weight_decay: f64,
+    },
+}
+
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+
+impl OptimizerSpec {
+    /// Peak learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerSpec::Adamw { lr, .. } | OptimizerSpec::Sgd { lr, .. } => *lr,
+        }
+    }
+}
+
+/// Learning-rate schedule: linear warm-up, then a decay to `min_lr_ratio`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    #[serde(default)]
+    pub warmup_steps: u64,
+    #[serde(default)]
+    pub decay: Decay,
+    #[serde(default = "default_min_lr_ratio")]
+    pub min_lr_ratio: f64,
+}
+
+impl Default for ScheduleSpec {
+    fn default() -> Self {
+        ScheduleSpec { warmup_steps: 0, decay: Decay::Constant, min_lr_ratio: default_min_lr_ratio() }
+    }
+}
+
+fn default_min_lr_ratio() -> f64 {
+    0.1
+}
+
+/// Shape of the decay after warm-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decay {
+    #[default]
+    Constant,
+    Cosine,
+    Linear,
+}
+
+/// One `[[strategy]]`: the strategy settings an entry trains with.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Strategy {
+    pub name: String,
+    /// The entry others are compared with (at most one per suite).
+    #[serde(default)]
+    pub baseline: bool,
+    #[serde(default = "default_compressor")]
+    pub compressor: String,
+    #[serde(default = "default_batch_policy")]
+    pub batch_policy: String,
+    #[serde(default = "default_checkpoint")]
+    pub checkpoint: String,
+    /// Configuration handed to the compressor plugin's `configure`.
+    #[serde(default)]
+    pub compressor_config: Option<toml::Table>,
+    /// Configuration handed to the batch-policy plugin's `configure`.
+    #[serde(default)]
+    pub batch_policy_config: Option<toml::Table>,
+    /// Configuration handed to the checkpoint-policy plugin's `configure`.
+    #[serde(default)]
+    pub checkpoint_config: Option<toml::Table>,
+    /// Workloads this strategy applies to (default: all).
+    #[serde(default)]
+    pub workloads: Option<Vec<String>>,
+    /// Emulated link between ranks: collectives are stretched to what a
+    /// ring over it would take.
+    #[serde(default)]
+    pub link: Option<crate::comm::Link>,
+    /// ZeRO stage with more than one rank: 0 (plain data parallelism), 1
+    /// (optimizer state sharded) or 2 (optimizer state and reduced gradients
+    /// sharded).
+    #[serde(default)]
+    pub zero: u8,
+    /// Compress checkpoints (zstd) when the checkpoint policy saves.
+    #[serde(default)]
+    pub checkpoint_compress: bool,
+}
+
+fn default_compressor() -> String {
+    "allreduce".into()
+}
+fn default_batch_policy() -> String {
+    "fixed".into()
+}
+fn default_checkpoint() -> String {
+    "none".into()
+}
+
+impl Strategy {
+    /// The strategy used when a suite lists none.
+    pub fn default_baseline() -> Self {
+        Strategy {
+            name: "baseline".into(),
+            baseline: true,
+            compressor: default_compressor(),
+            batch_policy: default_batch_policy(),
+            checkpoint: default_checkpoint(),
+            compressor_config: None,
+            batch_policy_config: None,
+            checkpoint_config: None,
+            workloads: None,
+            link: None,
+            zero: 0,
+            checkpoint_compress: false,
+        }
+    }
+}
+
+/// Built-in strategy names (`[[plugin]]` names extend these).
+pub const COMPRESSORS: &[&str] = &["allreduce"];
+/// Built-in batch policies.
+pub const BATCH_POLICIES: &[&str] = &["fixed"];
+/// Built-in checkpoint policies.
+pub const CHECKPOINT_POLICIES: &[&str] = &["none"];
