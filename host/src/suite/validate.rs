@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::spec::{DataSpec, ModelKind, OptimizerSpec, Precision, SuiteSpec, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS};
+use super::spec::{
+    DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Strategy, SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES,
+    CHECKPOINT_POLICIES, COMPRESSORS,
+};
 
 /// A loaded, validated suite with its source.
 #[derive(Debug, Clone)]
@@ -94,6 +97,8 @@ enum Seg {
     Index(usize),
 }
 
+use Seg::{Index, Key};
+
 struct Checker<'a> {
     path: &'a Path,
     source: &'a str,
@@ -173,7 +178,9 @@ impl Suite {
         Ok(suite)
     }
 
-    /// Checks values against each other; all problems are returned at once.
+    /// Checks values against each other; all problems are returned at once,
+    /// in this order: `[suite]`, the workloads in file order, the plugins,
+    /// the strategies.
     pub fn validate(&self) -> Result<(), SuiteErrors> {
         let mut c = Checker {
             path: &self.path,
@@ -182,250 +189,335 @@ impl Suite {
             errors: Vec::new(),
         };
         let s = &self.spec;
-        let meta = &s.suite;
-        use Seg::*;
+        c.meta(&s.suite);
+        let names = c.workloads(&s.workloads);
+        c.plugins(&s.plugins);
+        c.strategies(s, &names);
+        if c.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(SuiteErrors(c.errors))
+        }
+    }
+}
+
+/// The checks, one section of the file per method.
+impl Checker<'_> {
+    /// The `[suite]` table.
+    fn meta(&mut self, meta: &SuiteMeta) {
         if meta.name.trim().is_empty() {
-            c.err(&[Key("suite"), Key("name")], "the suite needs a name", None);
+            self.err(&[Key("suite"), Key("name")], "the suite needs a name", None);
         }
         if meta.repeats == 0 {
-            c.err(&[Key("suite"), Key("repeats")], "`repeats` must be at least 1", None);
+            self.err(&[Key("suite"), Key("repeats")], "`repeats` must be at least 1", None);
         }
         if meta.world_size == 0 {
-            c.err(&[Key("suite"), Key("world_size")], "`world_size` must be at least 1", None);
+            self.err(&[Key("suite"), Key("world_size")], "`world_size` must be at least 1", None);
         }
         if !(meta.bucket_mb.is_finite() && meta.bucket_mb > 0.0) {
-            c.err(&[Key("suite"), Key("bucket_mb")], "`bucket_mb` must be a positive size in MiB", None);
+            self.err(&[Key("suite"), Key("bucket_mb")], "`bucket_mb` must be a positive size in MiB", None);
         }
         if !(meta.collective_timeout_s.is_finite() && meta.collective_timeout_s > 0.0) {
-            c.err(&[Key("suite"), Key("collective_timeout_s")], "`collective_timeout_s` must be a positive number of seconds", None);
+            self.err(&[Key("suite"), Key("collective_timeout_s")], "`collective_timeout_s` must be a positive number of seconds", None);
         }
         if let Some(p) = meta.peak_tflops {
             if !(p.is_finite() && p > 0.0) {
-                c.err(&[Key("suite"), Key("peak_tflops")], "`peak_tflops` must be a positive number", None);
+                self.err(&[Key("suite"), Key("peak_tflops")], "`peak_tflops` must be a positive number", None);
             }
         }
         if meta.threads == Some(0) {
-            c.err(&[Key("suite"), Key("threads")], "`threads` must be at least 1", Some("leave it out to use every core".into()));
+            self.err(&[Key("suite"), Key("threads")], "`threads` must be at least 1", Some("leave it out to use every core".into()));
         }
-        if s.workloads.is_empty() {
-            c.err(&[], "the suite has no [[workload]]", Some("add at least one [[workload]] table".into()));
+    }
+
+    /// Every `[[workload]]`; returns their names (strategies refer to them).
+    fn workloads<'s>(&mut self, workloads: &'s [Workload]) -> BTreeSet<&'s str> {
+        if workloads.is_empty() {
+            self.err(&[], "the suite has no [[workload]]", Some("add at least one [[workload]] table".into()));
         }
         let mut names = BTreeSet::new();
-        for (i, w) in s.workloads.iter().enumerate() {
+        for (i, w) in workloads.iter().enumerate() {
             let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
             if !names.insert(w.name.as_str()) {
-                c.err(&at("name"), format!("workload name `{}` is used twice", w.name), Some("give each workload its own name".into()));
+                self.err(&at("name"), format!("workload name `{}` is used twice", w.name), Some("give each workload its own name".into()));
             }
             if !valid_name(&w.name) {
-                c.err(
+                self.err(
                     &at("name"),
                     format!("workload name `{}` is not a plain name", w.name),
                     Some("use letters, digits, '-', '_' and '.'".into()),
                 );
             }
-            if w.batch == 0 {
-                c.err(&at("batch"), "`batch` must be at least 1", None);
+            self.workload(i, w);
+        }
+        names
+    }
+
+    /// The `i`-th workload, after its name: sizes and length of the run, the
+    /// optimizer, the schedule, clipping, faults, targets, then the model
+    /// and the data, and last the precision.
+    fn workload(&mut self, i: usize, w: &Workload) {
+        let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
+        self.run_size(i, w);
+        self.optimizer(i, &w.optimizer);
+        self.schedule(i, w);
+        if let Some(g) = w.grad_clip {
+            if !(g.is_finite() && g > 0.0) {
+                self.err(&at("grad_clip"), "`grad_clip` must be a positive norm", Some("leave it out to disable clipping".into()));
             }
-            if w.seq_len == 0 {
-                c.err(&at("seq_len"), "`seq_len` must be at least 1", None);
+        }
+        if let Some(f) = &w.faults {
+            self.faults(i, f);
+        }
+        self.targets(i, w);
+        self.model_fits_data(i, w);
+        self.data(i, &w.data);
+        self.model(i, w);
+        if w.precision == Precision::Fp16 && matches!(w.optimizer, OptimizerSpec::Sgd { .. }) {
+            // Loss scaling is wired to the fused AdamW's skip-on-overflow.
+            self.err(
+                &at("precision"),
+                "fp16 with loss scaling needs the AdamW optimizer",
+                Some("use `precision = \"bf16\"` with SGD".into()),
+            );
+        }
+    }
+
+    /// Batch, sequence, accumulation, how long to train, eval batches.
+    fn run_size(&mut self, i: usize, w: &Workload) {
+        let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
+        if w.batch == 0 {
+            self.err(&at("batch"), "`batch` must be at least 1", None);
+        }
+        if w.seq_len == 0 {
+            self.err(&at("seq_len"), "`seq_len` must be at least 1", None);
+        }
+        if w.grad_accum == 0 {
+            self.err(&at("grad_accum"), "`grad_accum` must be at least 1", None);
+        }
+        match (w.steps, w.time_budget_s) {
+            (None, None) => self.err(
+                &[Key("workload"), Index(i)],
+                format!("workload `{}` has neither `steps` nor `time_budget_s`", w.name),
+                Some("say how long to train, e.g. `steps = 200`".into()),
+            ),
+            (Some(0), _) => self.err(&at("steps"), "`steps` must be at least 1", None),
+            (_, Some(t)) if !(t.is_finite() && t > 0.0) => {
+                self.err(&at("time_budget_s"), "`time_budget_s` must be a positive number of seconds", None)
             }
-            if w.grad_accum == 0 {
-                c.err(&at("grad_accum"), "`grad_accum` must be at least 1", None);
-            }
-            match (w.steps, w.time_budget_s) {
-                (None, None) => c.err(
-                    &[Key("workload"), Index(i)],
-                    format!("workload `{}` has neither `steps` nor `time_budget_s`", w.name),
-                    Some("say how long to train, e.g. `steps = 200`".into()),
-                ),
-                (Some(0), _) => c.err(&at("steps"), "`steps` must be at least 1", None),
-                (_, Some(t)) if !(t.is_finite() && t > 0.0) => {
-                    c.err(&at("time_budget_s"), "`time_budget_s` must be a positive number of seconds", None)
+            _ => {}
+        }
+        if w.eval_batches == 0 {
+            self.err(&at("eval_batches"), "`eval_batches` must be at least 1", None);
+        }
+    }
+
+    /// The workload's `optimizer` table.
+    fn optimizer(&mut self, i: usize, optimizer: &OptimizerSpec) {
+        let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
+        match optimizer {
+            OptimizerSpec::Adamw { lr, betas, eps, weight_decay } => {
+                self.lr(&at("optimizer"), *lr);
+                if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("optimizer"), Key("betas")],
+                        "AdamW `betas` must each lie in [0, 1)",
+                        Some("the usual values are [0.9, 0.95] or [0.9, 0.999]".into()),
+                    );
                 }
-                _ => {}
-            }
-            if w.eval_batches == 0 {
-                c.err(&at("eval_batches"), "`eval_batches` must be at least 1", None);
-            }
-            match &w.optimizer {
-                OptimizerSpec::Adamw { lr, betas, eps, weight_decay } => {
-                    check_lr(&mut c, &at("optimizer"), *lr);
-                    if !betas.iter().all(|b| (0.0..1.0).contains(b)) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("betas")],
-                            "AdamW `betas` must each lie in [0, 1)",
-                            Some("the usual values are [0.9, 0.95] or [0.9, 0.999]".into()),
-                        );
-                    }
-                    if !(eps.is_finite() && *eps > 0.0) {
-                        c.err(&[Key("workload"), Index(i), Key("optimizer"), Key("eps")], "`eps` must be positive", None);
-                    }
-                    if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
-                            "`weight_decay` must be zero or positive",
-                            None,
-                        );
-                    }
+                if !(eps.is_finite() && *eps > 0.0) {
+                    self.err(&[Key("workload"), Index(i), Key("optimizer"), Key("eps")], "`eps` must be positive", None);
                 }
-                OptimizerSpec::Sgd { lr, momentum, weight_decay, nesterov } => {
-                    check_lr(&mut c, &at("optimizer"), *lr);
-                    if !(0.0..1.0).contains(momentum) {
-                        c.err(&[Key("workload"), Index(i), Key("optimizer"), Key("momentum")], "`momentum` must lie in [0, 1)", None);
-                    }
-                    if *nesterov && *momentum == 0.0 {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("nesterov")],
-                            "Nesterov momentum needs `momentum` > 0",
-                            None,
-                        );
-                    }
-                    if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
-                            "`weight_decay` must be zero or positive",
-                            None,
-                        );
-                    }
-                }
-            }
-            if !(0.0..=1.0).contains(&w.schedule.min_lr_ratio) {
-                c.err(&[Key("workload"), Index(i), Key("schedule"), Key("min_lr_ratio")], "`min_lr_ratio` must lie in [0, 1]", None);
-            }
-            if let (Some(steps), true) = (w.steps, w.schedule.warmup_steps > 0) {
-                if w.schedule.warmup_steps >= steps {
-                    c.err(
-                        &[Key("workload"), Index(i), Key("schedule"), Key("warmup_steps")],
-                        format!("warm-up ({} steps) is not shorter than the run ({steps} steps)", w.schedule.warmup_steps),
+                if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
+                        "`weight_decay` must be zero or positive",
                         None,
                     );
                 }
             }
-            if let Some(g) = w.grad_clip {
-                if !(g.is_finite() && g > 0.0) {
-                    c.err(&at("grad_clip"), "`grad_clip` must be a positive norm", Some("leave it out to disable clipping".into()));
+            OptimizerSpec::Sgd { lr, momentum, weight_decay, nesterov } => {
+                self.lr(&at("optimizer"), *lr);
+                if !(0.0..1.0).contains(momentum) {
+                    self.err(&[Key("workload"), Index(i), Key("optimizer"), Key("momentum")], "`momentum` must lie in [0, 1)", None);
                 }
-            }
-            if let Some(f) = &w.faults {
-                let at_f = |k: &'static str| [Key("workload"), Index(i), Key("faults"), Key(k)];
-                if f.at_steps.contains(&0) {
-                    c.err(&at_f("at_steps"), "failures strike after a step: steps start at 1", None);
+                if *nesterov && *momentum == 0.0 {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("optimizer"), Key("nesterov")],
+                        "Nesterov momentum needs `momentum` > 0",
+                        None,
+                    );
                 }
-                if let Some(m) = f.mtbf_s {
-                    if !(m.is_finite() && m > 0.0) {
-                        c.err(&at_f("mtbf_s"), "`mtbf_s` must be a positive number of seconds", None);
-                    }
-                }
-                if f.seed.is_some() && f.mtbf_s.is_none() {
-                    c.err(&at_f("seed"), "`seed` only seeds random failures", Some("add `mtbf_s`, or remove `seed`".into()));
-                }
-                if f.oom_above_batch == Some(0) {
-                    c.err(&at_f("oom_above_batch"), "`oom_above_batch` must be at least 1", None);
-                }
-            }
-            if w.target_loss.is_some() && w.target_above_floor.is_some() {
-                c.err(&at("target_above_floor"), "give `target_loss` or `target_above_floor`, not both", None);
-            }
-            if let Some(t) = w.target_above_floor {
-                if !(t.is_finite() && t >= 0.0) {
-                    c.err(&at("target_above_floor"), "`target_above_floor` must be zero or positive", None);
-                }
-                if matches!(w.data, DataSpec::Bin { .. }) {
-                    c.err(
-                        &at("target_above_floor"),
-                        "token files have no known loss floor",
-                        Some("use an absolute `target_loss` for `kind = \"bin\"` data".into()),
+                if !(weight_decay.is_finite() && *weight_decay >= 0.0) {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("optimizer"), Key("weight_decay")],
+                        "`weight_decay` must be zero or positive",
+                        None,
                     );
                 }
             }
-            if let Some(t) = w.target_loss {
-                if !t.is_finite() {
-                    c.err(&at("target_loss"), "`target_loss` must be a number", None);
+        }
+    }
+
+    /// The learning rate of the optimizer table at `at`.
+    fn lr(&mut self, at: &[Seg], lr: f64) {
+        if !(lr.is_finite() && lr > 0.0) {
+            let mut segs = at.to_vec();
+            segs.push(Seg::Key("lr"));
+            self.err(&segs, "`lr` must be a positive number", Some("typical values: 1e-3 for small models, 6e-4 for GPT-2 124M".into()));
+        }
+    }
+
+    /// The workload's `schedule` table, against its `steps`.
+    fn schedule(&mut self, i: usize, w: &Workload) {
+        if !(0.0..=1.0).contains(&w.schedule.min_lr_ratio) {
+            self.err(&[Key("workload"), Index(i), Key("schedule"), Key("min_lr_ratio")], "`min_lr_ratio` must lie in [0, 1]", None);
+        }
+        if let (Some(steps), true) = (w.steps, w.schedule.warmup_steps > 0) {
+            if w.schedule.warmup_steps >= steps {
+                self.err(
+                    &[Key("workload"), Index(i), Key("schedule"), Key("warmup_steps")],
+                    format!("warm-up ({} steps) is not shorter than the run ({steps} steps)", w.schedule.warmup_steps),
+                    None,
+                );
+            }
+        }
+    }
+
+    /// The workload's `faults` table.
+    fn faults(&mut self, i: usize, f: &FaultSpec) {
+        let at_f = |k: &'static str| [Key("workload"), Index(i), Key("faults"), Key(k)];
+        if f.at_steps.contains(&0) {
+            self.err(&at_f("at_steps"), "failures strike after a step: steps start at 1", None);
+        }
+        if let Some(m) = f.mtbf_s {
+            if !(m.is_finite() && m > 0.0) {
+                self.err(&at_f("mtbf_s"), "`mtbf_s` must be a positive number of seconds", None);
+            }
+        }
+        if f.seed.is_some() && f.mtbf_s.is_none() {
+            self.err(&at_f("seed"), "`seed` only seeds random failures", Some("add `mtbf_s`, or remove `seed`".into()));
+        }
+        if f.oom_above_batch == Some(0) {
+            self.err(&at_f("oom_above_batch"), "`oom_above_batch` must be at least 1", None);
+        }
+    }
+
+    /// `target_loss` and `target_above_floor`.
+    fn targets(&mut self, i: usize, w: &Workload) {
+        let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
+        if w.target_loss.is_some() && w.target_above_floor.is_some() {
+            self.err(&at("target_above_floor"), "give `target_loss` or `target_above_floor`, not both", None);
+        }
+        if let Some(t) = w.target_above_floor {
+            if !(t.is_finite() && t >= 0.0) {
+                self.err(&at("target_above_floor"), "`target_above_floor` must be zero or positive", None);
+            }
+            if matches!(w.data, DataSpec::Bin { .. }) {
+                self.err(
+                    &at("target_above_floor"),
+                    "token files have no known loss floor",
+                    Some("use an absolute `target_loss` for `kind = \"bin\"` data".into()),
+                );
+            }
+        }
+        if let Some(t) = w.target_loss {
+            if !t.is_finite() {
+                self.err(&at("target_loss"), "`target_loss` must be a number", None);
+            }
+        }
+    }
+
+    /// The model trains on the kind of data given: the encoder on
+    /// regression data, the token models on tokens.
+    fn model_fits_data(&mut self, i: usize, w: &Workload) {
+        let data_at = [Key("workload"), Index(i), Key("data")];
+        match (&w.model.kind, &w.data) {
+            (ModelKind::Encoder, DataSpec::Regression { .. }) => {}
+            (ModelKind::Encoder, _) => self.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
+            (_, DataSpec::Regression { .. }) => self.err(
+                &data_at,
+                "regression data needs `model.kind = \"encoder\"`",
+                Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
+            ),
+            _ => {}
+        }
+    }
+
+    /// The workload's `data` table; token files must exist (relative to the
+    /// suite file).
+    fn data(&mut self, i: usize, data: &DataSpec) {
+        match data {
+            DataSpec::Synthetic { vocab, branching, .. } => {
+                if *vocab < 2 {
+                    self.err(&[Key("workload"), Index(i), Key("data"), Key("vocab")], "`vocab` must be at least 2", None);
+                } else if *branching == 0 || branching > vocab {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("data"), Key("branching")],
+                        format!("`branching` must lie in 1..={vocab} (the vocabulary)"),
+                        None,
+                    );
                 }
             }
-            // Model and data fit together.
-            let model_at = [Key("workload"), Index(i), Key("model")];
-            let data_at = [Key("workload"), Index(i), Key("data")];
-            match (&w.model.kind, &w.data) {
-                (ModelKind::Encoder, DataSpec::Regression { .. }) => {}
-                (ModelKind::Encoder, _) => c.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
-                (_, DataSpec::Regression { .. }) => c.err(
-                    &data_at,
-                    "regression data needs `model.kind = \"encoder\"`",
-                    Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
-                ),
-                _ => {}
-            }
-            match &w.data {
-                DataSpec::Synthetic { vocab, branching, .. } => {
-                    if *vocab < 2 {
-                        c.err(&[Key("workload"), Index(i), Key("data"), Key("vocab")], "`vocab` must be at least 2", None);
-                    } else if *branching == 0 || branching > vocab {
-                        c.err(
-                            &[Key("workload"), Index(i), Key("data"), Key("branching")],
-                            format!("`branching` must lie in 1..={vocab} (the vocabulary)"),
-                            None,
-                        );
-                    }
-                }
-                DataSpec::Bin { train, val, val_fraction, vocab } => {
-                    let base = self.path.parent().unwrap_or(Path::new("."));
-                    for (k, p) in [("train", Some(train)), ("val", val.as_ref())] {
-                        if let Some(p) = p {
-                            let full = if p.is_absolute() { p.clone() } else { base.join(p) };
-                            if !full.is_file() {
-                                c.err(
-                                    &[Key("workload"), Index(i), Key("data"), Key(k)],
-                                    format!("token file {} does not exist", full.display()),
-                                    Some("paths are relative to the suite file".into()),
-                                );
-                            }
-                        }
-                    }
-                    if val.is_none() && !(*val_fraction > 0.0 && *val_fraction < 0.5) {
-                        c.err(&[Key("workload"), Index(i), Key("data"), Key("val_fraction")], "`val_fraction` must lie in (0, 0.5)", None);
-                    }
-                    if let Some(v) = vocab {
-                        if *v < 2 || *v > 65536 {
-                            c.err(
-                                &[Key("workload"), Index(i), Key("data"), Key("vocab")],
-                                "`vocab` must lie in 2..=65536 (tokens are u16)",
-                                None,
+            DataSpec::Bin { train, val, val_fraction, vocab } => {
+                let base = self.path.parent().unwrap_or(Path::new("."));
+                for (k, p) in [("train", Some(train)), ("val", val.as_ref())] {
+                    if let Some(p) = p {
+                        let full = if p.is_absolute() { p.clone() } else { base.join(p) };
+                        if !full.is_file() {
+                            self.err(
+                                &[Key("workload"), Index(i), Key("data"), Key(k)],
+                                format!("token file {} does not exist", full.display()),
+                                Some("paths are relative to the suite file".into()),
                             );
                         }
                     }
                 }
-                DataSpec::Regression { noise, .. } => {
-                    if !(noise.is_finite() && *noise >= 0.0) {
-                        c.err(&[Key("workload"), Index(i), Key("data"), Key("noise")], "`noise` must be zero or positive", None);
+                if val.is_none() && !(*val_fraction > 0.0 && *val_fraction < 0.5) {
+                    self.err(&[Key("workload"), Index(i), Key("data"), Key("val_fraction")], "`val_fraction` must lie in (0, 0.5)", None);
+                }
+                if let Some(v) = vocab {
+                    if *v < 2 || *v > 65536 {
+                        self.err(
+                            &[Key("workload"), Index(i), Key("data"), Key("vocab")],
+                            "`vocab` must lie in 2..=65536 (tokens are u16)",
+                            None,
+                        );
                     }
                 }
             }
-            if let Err((msg, hint)) = crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len) {
-                c.err(&model_at, msg, hint);
-            }
-            if let Some(d) = w.model.dropout {
-                if !(0.0..1.0).contains(&d) {
-                    c.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
+            DataSpec::Regression { noise, .. } => {
+                if !(noise.is_finite() && *noise >= 0.0) {
+                    self.err(&[Key("workload"), Index(i), Key("data"), Key("noise")], "`noise` must be zero or positive", None);
                 }
             }
-            if w.precision == Precision::Fp16 && matches!(w.optimizer, OptimizerSpec::Sgd { .. }) {
-                // Loss scaling is wired to the fused AdamW's skip-on-overflow.
-                c.err(
-                    &at("precision"),
-                    "fp16 with loss scaling needs the AdamW optimizer",
-                    Some("use `precision = \"bf16\"` with SGD".into()),
-                );
+        }
+    }
+
+    /// The workload's `model` table: its sizes resolve (preset, explicit
+    /// sizes), and its dropout.
+    fn model(&mut self, i: usize, w: &Workload) {
+        let model_at = [Key("workload"), Index(i), Key("model")];
+        if let Err((msg, hint)) = crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len) {
+            self.err(&model_at, msg, hint);
+        }
+        if let Some(d) = w.model.dropout {
+            if !(0.0..1.0).contains(&d) {
+                self.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
             }
         }
+    }
+
+    /// Every `[[plugin]]`.
+    fn plugins(&mut self, plugins: &[PluginSpec]) {
         let mut pnames = BTreeSet::new();
-        for (i, p) in s.plugins.iter().enumerate() {
+        for (i, p) in plugins.iter().enumerate() {
             let at = |k: &'static str| [Key("plugin"), Index(i), Key(k)];
             if !pnames.insert(p.name.as_str()) {
-                c.err(&at("name"), format!("plugin name `{}` is used twice", p.name), None);
+                self.err(&at("name"), format!("plugin name `{}` is used twice", p.name), None);
             }
             if !valid_name(&p.name) {
-                c.err(
+                self.err(
                     &at("name"),
                     format!("plugin name `{}` is not a plain name", p.name),
                     Some("use letters, digits, '-', '_' and '.'".into()),
@@ -435,7 +527,7 @@ impl Suite {
                 || BATCH_POLICIES.contains(&p.name.as_str())
                 || CHECKPOINT_POLICIES.contains(&p.name.as_str())
             {
-                c.err(
+                self.err(
                     &at("name"),
                     format!("plugin name `{}` is the name of a built-in strategy", p.name),
                     Some("choose another name".into()),
@@ -443,7 +535,7 @@ impl Suite {
             }
             if let Some(k) = &p.kind {
                 if !["compressor", "batch-policy", "checkpoint-policy"].contains(&k.as_str()) {
-                    c.err(
+                    self.err(
                         &at("kind"),
                         format!("unknown plugin kind `{k}`"),
                         Some("one of: compressor, batch-policy, checkpoint-policy".into()),
@@ -452,127 +544,135 @@ impl Suite {
             }
             if let Some(h) = &p.sha256 {
                 if h.len() != 64 || !h.chars().all(|ch| ch.is_ascii_hexdigit()) {
-                    c.err(&at("sha256"), "`sha256` must be 64 hex digits", Some("`harness plugin inspect PATH` prints it".into()));
+                    self.err(&at("sha256"), "`sha256` must be 64 hex digits", Some("`harness plugin inspect PATH` prints it".into()));
                 }
             }
             if p.memory_mb == 0 {
-                c.err(&at("memory_mb"), "`memory_mb` must be at least 1", None);
+                self.err(&at("memory_mb"), "`memory_mb` must be at least 1", None);
             }
             if p.deadline_ms == 0 {
-                c.err(&at("deadline_ms"), "`deadline_ms` must be at least 1", None);
+                self.err(&at("deadline_ms"), "`deadline_ms` must be at least 1", None);
             }
             if p.tensor_mb == 0 {
-                c.err(&at("tensor_mb"), "`tensor_mb` must be at least 1", None);
+                self.err(&at("tensor_mb"), "`tensor_mb` must be at least 1", None);
             }
             if p.path.as_os_str().is_empty() {
-                c.err(&at("path"), "`path` must name the plugin's artifact", None);
+                self.err(&at("path"), "`path` must name the plugin's artifact", None);
             }
         }
+    }
+
+    /// Every `[[strategy]]`, against the suite's workloads (`names`) and
+    /// plugins; then that at most one is the baseline.
+    fn strategies(&mut self, s: &SuiteSpec, names: &BTreeSet<&str>) {
         let mut snames = BTreeSet::new();
         let mut baselines = 0;
         for (i, st) in s.strategies.iter().enumerate() {
             let at = |k: &'static str| [Key("strategy"), Index(i), Key(k)];
             if !snames.insert(st.name.as_str()) {
-                c.err(&at("name"), format!("strategy name `{}` is used twice", st.name), None);
+                self.err(&at("name"), format!("strategy name `{}` is used twice", st.name), None);
             }
             if !valid_name(&st.name) {
-                c.err(
+                self.err(
                     &at("name"),
                     format!("strategy name `{}` is not a plain name", st.name),
                     Some("use letters, digits, '-', '_' and '.'".into()),
                 );
             }
             baselines += st.baseline as u32;
-            if let Some(l) = &st.link {
-                if !(l.gbps.is_finite() && l.gbps > 0.0 && l.latency_us.is_finite() && l.latency_us >= 0.0) {
-                    c.err(
-                        &at("link"),
-                        "a link needs `gbps` > 0 and `latency_us` >= 0",
-                        Some("e.g. link = { gbps = 10, latency_us = 5 }".into()),
-                    );
-                }
-                if meta.world_size < 2 {
-                    c.err(&at("link"), "an emulated link needs world_size >= 2", None);
-                }
-            }
-            for (key, value, known, kind, config) in [
-                ("compressor", &st.compressor, COMPRESSORS, "compressor", ("compressor_config", &st.compressor_config)),
-                ("batch_policy", &st.batch_policy, BATCH_POLICIES, "batch-policy", ("batch_policy_config", &st.batch_policy_config)),
-                ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES, "checkpoint-policy", ("checkpoint_config", &st.checkpoint_config)),
-            ] {
-                let plugin = s.plugins.iter().find(|p| &p.name == value);
-                if !known.contains(&value.as_str()) && plugin.is_none() {
-                    let plugins: Vec<&str> = s.plugins.iter().map(|p| p.name.as_str()).collect();
-                    let hint = if plugins.is_empty() {
-                        format!("built in: {}; or declare a [[plugin]] with this name", known.join(", "))
-                    } else {
-                        format!("built in: {}; plugins in this suite: {}", known.join(", "), plugins.join(", "))
-                    };
-                    c.err(&at(key), format!("unknown {key} `{value}`"), Some(hint));
-                }
-                if let Some(Some(pk)) = plugin.map(|p| p.kind.as_deref()) {
-                    if pk != kind {
-                        c.err(&at(key), format!("plugin `{value}` is pinned as a {pk}, not a {kind}"), None);
-                    }
-                }
-                if config.1.is_some() && plugin.is_none() {
-                    c.err(
-                        &at(config.0),
-                        format!("`{}` configures a plugin, and `{value}` is built in", config.0),
-                        Some("built-in strategies take no configuration".into()),
-                    );
-                }
-            }
-            if st.zero > 2 {
-                c.err(&at("zero"), format!("ZeRO stage {} does not exist", st.zero), Some("use 0 (plain data parallelism), 1 or 2".into()));
-            } else if st.zero > 0 {
-                if meta.world_size < 2 {
-                    c.err(
-                        &at("zero"),
-                        format!("ZeRO stage {} shards over ranks and needs world_size >= 2", st.zero),
-                        Some(format!("set `world_size` in [suite], or use `zero = 0` (the suite has world_size = {})", meta.world_size)),
-                    );
-                }
-                if st.compressor != "allreduce" {
-                    c.err(
-                        &at("zero"),
-                        format!("ZeRO stage {} reduce-scatters gradients itself and cannot use compressor `{}`", st.zero, st.compressor),
-                        Some("use `compressor = \"allreduce\"` (the default) with ZeRO".into()),
-                    );
-                }
-            }
-            if let Some(ws) = &st.workloads {
-                for w in ws {
-                    if !names.contains(w.as_str()) {
-                        c.err(
-                            &at("workloads"),
-                            format!("strategy `{}` names workload `{w}`, which the suite does not define", st.name),
-                            Some(format!("workloads here: {}", names.iter().copied().collect::<Vec<_>>().join(", "))),
-                        );
-                    }
-                }
-            }
+            self.strategy(i, st, s, names);
         }
         if baselines > 1 {
-            c.err(
+            self.err(
                 &[Key("strategy")],
                 "more than one strategy says `baseline = true`",
                 Some("mark exactly one strategy as the baseline".into()),
             );
         }
-        if c.errors.is_empty() {
-            Ok(())
-        } else {
-            Err(SuiteErrors(c.errors))
+    }
+
+    /// The `i`-th strategy, after its name: its link, what it names
+    /// (compressor, batch policy, checkpoint policy), ZeRO, its workloads.
+    fn strategy(&mut self, i: usize, st: &Strategy, s: &SuiteSpec, names: &BTreeSet<&str>) {
+        let at = |k: &'static str| [Key("strategy"), Index(i), Key(k)];
+        let meta = &s.suite;
+        if let Some(l) = &st.link {
+            if !(l.gbps.is_finite() && l.gbps > 0.0 && l.latency_us.is_finite() && l.latency_us >= 0.0) {
+                self.err(
+                    &at("link"),
+                    "a link needs `gbps` > 0 and `latency_us` >= 0",
+                    Some("e.g. link = { gbps = 10, latency_us = 5 }".into()),
+                );
+            }
+            if meta.world_size < 2 {
+                self.err(&at("link"), "an emulated link needs world_size >= 2", None);
+            }
+        }
+        self.strategy_parts(i, st, &s.plugins);
+        if st.zero > 2 {
+            self.err(&at("zero"), format!("ZeRO stage {} does not exist", st.zero), Some("use 0 (plain data parallelism), 1 or 2".into()));
+        } else if st.zero > 0 {
+            if meta.world_size < 2 {
+                self.err(
+                    &at("zero"),
+                    format!("ZeRO stage {} shards over ranks and needs world_size >= 2", st.zero),
+                    Some(format!("set `world_size` in [suite], or use `zero = 0` (the suite has world_size = {})", meta.world_size)),
+                );
+            }
+            if st.compressor != "allreduce" {
+                self.err(
+                    &at("zero"),
+                    format!("ZeRO stage {} reduce-scatters gradients itself and cannot use compressor `{}`", st.zero, st.compressor),
+                    Some("use `compressor = \"allreduce\"` (the default) with ZeRO".into()),
+                );
+            }
+        }
+        if let Some(ws) = &st.workloads {
+            for w in ws {
+                if !names.contains(w.as_str()) {
+                    self.err(
+                        &at("workloads"),
+                        format!("strategy `{}` names workload `{w}`, which the suite does not define", st.name),
+                        Some(format!("workloads here: {}", names.iter().copied().collect::<Vec<_>>().join(", "))),
+                    );
+                }
+            }
         }
     }
-}
 
-fn check_lr(c: &mut Checker<'_>, at: &[Seg], lr: f64) {
-    if !(lr.is_finite() && lr > 0.0) {
-        let mut segs = at.to_vec();
-        segs.push(Seg::Key("lr"));
-        c.err(&segs, "`lr` must be a positive number", Some("typical values: 1e-3 for small models, 6e-4 for GPT-2 124M".into()));
+    /// The compressor, batch policy and checkpoint policy a strategy names:
+    /// each built in or a plugin of the suite (of the pinned kind), and
+    /// configured only if a plugin.
+    fn strategy_parts(&mut self, i: usize, st: &Strategy, plugins: &[PluginSpec]) {
+        let at = |k: &'static str| [Key("strategy"), Index(i), Key(k)];
+        for (key, value, known, kind, config) in [
+            ("compressor", &st.compressor, COMPRESSORS, "compressor", ("compressor_config", &st.compressor_config)),
+            ("batch_policy", &st.batch_policy, BATCH_POLICIES, "batch-policy", ("batch_policy_config", &st.batch_policy_config)),
+            ("checkpoint", &st.checkpoint, CHECKPOINT_POLICIES, "checkpoint-policy", ("checkpoint_config", &st.checkpoint_config)),
+        ] {
+            let plugin = plugins.iter().find(|p| &p.name == value);
+            if !known.contains(&value.as_str()) && plugin.is_none() {
+                let plugins: Vec<&str> = plugins.iter().map(|p| p.name.as_str()).collect();
+                let hint = if plugins.is_empty() {
+                    format!("built in: {}; or declare a [[plugin]] with this name", known.join(", "))
+                } else {
+                    format!("built in: {}; plugins in this suite: {}", known.join(", "), plugins.join(", "))
+                };
+                self.err(&at(key), format!("unknown {key} `{value}`"), Some(hint));
+            }
+            if let Some(Some(pk)) = plugin.map(|p| p.kind.as_deref()) {
+                if pk != kind {
+                    self.err(&at(key), format!("plugin `{value}` is pinned as a {pk}, not a {kind}"), None);
+                }
+            }
+            if config.1.is_some() && plugin.is_none() {
+                self.err(
+                    &at(config.0),
+                    format!("`{}` configures a plugin, and `{value}` is built in", config.0),
+                    Some("built-in strategies take no configuration".into()),
+                );
+            }
+        }
     }
 }
 
