@@ -7,18 +7,22 @@
 //! documented in `docs/suite-format.md`.
 //!
 //! * `spec`: the serde types of the format and their defaults.
+//! * `model`: [`ModelConfig`], a model's shape resolved from its table and
+//!   the [`PRESETS`] (configuration only; the training core builds it).
 //! * `validate`: [`Suite`], loading, parsing and the checks, with their
 //!   messages and hints.
 //! * `plan`: the expansion into [`Plan`] entries and their seeds.
 
+mod model;
 mod plan;
 mod spec;
 mod validate;
 
+pub use model::{ModelConfig, PRESETS};
 pub use plan::{mix_seed, Plan, PlanEntry};
 pub use spec::{
     DataSpec, Decay, DeviceKind, FaultSpec, ModelKind, ModelSpec, OptimizerSpec, Order, PluginSpec, Precision, ScheduleSpec, Strategy,
-    SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS,
+    SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, DEFAULT_BIN_VOCAB,
 };
 pub use validate::{Suite, SuiteError, SuiteErrors};
 

@@ -270,12 +270,16 @@ pub enum DataSpec {
     },
 }
 
+/// The vocabulary of token files that do not give one: GPT-2's rounded up
+/// to a multiple of 64 (nanoGPT's choice).
+pub const DEFAULT_BIN_VOCAB: u32 = 50304;
+
 impl DataSpec {
     /// The token vocabulary the data implies (None for regression data).
     pub fn vocab(&self) -> Option<u32> {
         match self {
             DataSpec::Synthetic { vocab, .. } => Some(*vocab),
-            DataSpec::Bin { vocab, .. } => Some(vocab.unwrap_or(crate::train::data::DEFAULT_BIN_VOCAB)),
+            DataSpec::Bin { vocab, .. } => Some(vocab.unwrap_or(DEFAULT_BIN_VOCAB)),
             DataSpec::Regression { .. } => None,
         }
     }

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use super::model::ModelConfig;
 use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Strategy, SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES,
     CHECKPOINT_POLICIES, COMPRESSORS,
@@ -498,7 +499,7 @@ impl Checker<'_> {
     /// sizes), and its dropout.
     fn model(&mut self, i: usize, w: &Workload) {
         let model_at = [Key("workload"), Index(i), Key("model")];
-        if let Err((msg, hint)) = crate::train::model::ModelConfig::resolve(&w.model, 2, w.seq_len) {
+        if let Err((msg, hint)) = ModelConfig::resolve(&w.model, 2, w.seq_len) {
             self.err(&model_at, msg, hint);
         }
         if let Some(d) = w.model.dropout {

@@ -18,10 +18,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
-use crate::suite::DataSpec;
+use crate::suite::{DataSpec, DEFAULT_BIN_VOCAB};
 
-/// GPT-2's vocabulary rounded up to a multiple of 64 (nanoGPT's choice).
-pub const DEFAULT_BIN_VOCAB: u32 = 50304;
 /// Magic number of llm.c token files.
 pub const LLMC_MAGIC: i32 = 20240520;
 
