@@ -3,8 +3,13 @@
 //!
 //! The built-in strategies (plain all-reduce, a fixed batch size, no
 //! checkpoints) implement these traits directly; plugins (WASM or native,
-//! `crate::plugin`) implement them through adapters that time and validate
-//! every call.
+//! in `plugin/`) implement them through adapters that time and validate
+//! every call. This module names no plugin code: `plugin/strategies.rs`
+//! assembles an entry's [`Strategies`] (`Strategies::build`) and reaches
+//! the plugin behind a strategy through [`Compressor::plugin_any`] and its
+//! siblings.
+
+use std::any::Any;
 
 use tch::Tensor;
 
@@ -44,9 +49,6 @@ pub struct BatchDecision {
     pub lr_scale: f64,
 }
 
-/// A plugin's record and its call-time histogram (encoded), for results.
-pub type PluginReport = (crate::plugin::PluginRecord, String);
-
 pub use crate::comm::{Collective, SingleRank};
 
 /// Reduces gradients across ranks, leaving the average in place.
@@ -75,8 +77,10 @@ pub trait Compressor {
     fn finish(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
-    /// The plugin, if this is one (for its state in checkpoints).
-    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
+    /// The plugin instance behind this strategy, if it is one (for its state
+    /// in checkpoints and its report); `plugin_mut` in `plugin/strategies.rs`
+    /// gives it its type.
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         None
     }
 }
@@ -95,8 +99,10 @@ pub trait BatchPolicy {
     fn wants_gradient_stats(&mut self) -> anyhow::Result<bool> {
         Ok(false)
     }
-    /// The plugin, if this is one (for its state in checkpoints).
-    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
+    /// The plugin instance behind this strategy, if it is one (for its state
+    /// in checkpoints and its report); `plugin_mut` in `plugin/strategies.rs`
+    /// gives it its type.
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         None
     }
 }
@@ -132,8 +138,10 @@ pub trait CheckpointPolicy {
     fn never_saves(&self) -> bool {
         false
     }
-    /// The plugin, if this is one (for its state in checkpoints).
-    fn plugin_mut(&mut self) -> Option<&mut crate::plugin::Plugin> {
+    /// The plugin instance behind this strategy, if it is one (for its state
+    /// in checkpoints and its report); `plugin_mut` in `plugin/strategies.rs`
+    /// gives it its type.
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         None
     }
 }
@@ -183,58 +191,10 @@ impl CheckpointPolicy for NoCheckpoint {
     }
 }
 
-/// The strategies of one entry, built from the suite's names.
+/// The strategies of one entry, built from the suite's names
+/// (`Strategies::build`, in `plugin/strategies.rs`).
 pub struct Strategies {
     pub compressor: Box<dyn Compressor>,
     pub batch: Box<dyn BatchPolicy>,
     pub checkpoint: Box<dyn CheckpointPolicy>,
-}
-
-impl Strategies {
-    /// Instantiates the strategies a suite entry names: built-in ones, or
-    /// configured instances of the suite's plugins (names are checked by
-    /// suite validation). `check_finite`: validate compressor outputs for
-    /// NaN/inf (off under fp16 loss scaling).
-    pub fn build(
-        s: &crate::suite::Strategy,
-        batch: u32,
-        accum: u32,
-        plugins: &crate::plugin::PluginSet,
-        device: tch::Device,
-        check_finite: bool,
-    ) -> anyhow::Result<Strategies> {
-        use crate::plugin::{Kind, PluginBatch, PluginCheckpoint, PluginCompressor};
-        let compressor: Box<dyn Compressor> = match s.compressor.as_str() {
-            "allreduce" => Box::new(AllReduce),
-            name if plugins.has(name) => Box::new(PluginCompressor::new(
-                plugins.instance(name, "compressor", Kind::Compressor, s.compressor_config.as_ref(), device)?,
-                check_finite,
-            )),
-            other => anyhow::bail!("unknown compressor `{other}`"),
-        };
-        let batch: Box<dyn BatchPolicy> = match s.batch_policy.as_str() {
-            "fixed" => Box::new(FixedBatch { batch, accum }),
-            name if plugins.has(name) => Box::new(PluginBatch {
-                plugin: plugins.instance(name, "batch_policy", Kind::BatchPolicy, s.batch_policy_config.as_ref(), device)?,
-            }),
-            other => anyhow::bail!("unknown batch policy `{other}`"),
-        };
-        let checkpoint: Box<dyn CheckpointPolicy> = match s.checkpoint.as_str() {
-            "none" => Box::new(NoCheckpoint),
-            name if plugins.has(name) => Box::new(PluginCheckpoint {
-                plugin: plugins.instance(name, "checkpoint", Kind::CheckpointPolicy, s.checkpoint_config.as_ref(), device)?,
-            }),
-            other => anyhow::bail!("unknown checkpoint policy `{other}`"),
-        };
-        Ok(Strategies { compressor, batch, checkpoint })
-    }
-
-    /// The plugins' records and call histograms.
-    pub fn plugin_reports(&mut self) -> Vec<PluginReport> {
-        [self.compressor.plugin_mut(), self.batch.plugin_mut(), self.checkpoint.plugin_mut()]
-            .into_iter()
-            .flatten()
-            .map(|p| p.report())
-            .collect()
-    }
 }

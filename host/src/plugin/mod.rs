@@ -8,14 +8,18 @@
 //! and makes one instance per entry and rank. The adapters here implement the
 //! host's strategy traits, time every call into the plugin (HDR), validate
 //! what the plugin returns, and turn traps, panics, deadlines and errors into
-//! entry failures that name the plugin, the call and the cause.
+//! entry failures that name the plugin, the call and the cause;
+//! `strategies.rs` assembles an entry's strategies from built-in ones and
+//! these adapters.
 
 pub mod bench;
 pub mod native;
 pub mod ops;
 pub mod scaffold;
+mod strategies;
 pub mod wasm;
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -94,6 +98,9 @@ pub struct PluginRecord {
     /// Bytes the plugin copied into its own memory (`read-f32`).
     pub read_bytes: u64,
 }
+
+/// A plugin's record and its call-time histogram (encoded), for results.
+pub type PluginReport = (PluginRecord, String);
 
 /// Writes a plugin's log line to stderr.
 pub fn log_line(plugin: &str, level: u32, msg: &str) {
@@ -342,7 +349,7 @@ impl Plugin {
     }
 
     /// The record and the encoded call histogram, for the results.
-    pub fn report(&mut self) -> crate::strategy::PluginReport {
+    pub fn report(&mut self) -> PluginReport {
         (self.record(), measure::encode(&self.hist))
     }
 }
@@ -475,7 +482,7 @@ impl Compressor for PluginCompressor {
         self.check_in_flight()
     }
 
-    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         Some(&mut self.plugin)
     }
 }
@@ -536,7 +543,7 @@ impl BatchPolicy for PluginBatch {
         })
     }
 
-    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         Some(&mut self.plugin)
     }
 }
@@ -566,7 +573,7 @@ impl CheckpointPolicy for PluginCheckpoint {
         Ok(CheckpointDecision { save, delete })
     }
 
-    fn plugin_mut(&mut self) -> Option<&mut Plugin> {
+    fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         Some(&mut self.plugin)
     }
 }
