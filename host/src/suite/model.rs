@@ -83,8 +83,9 @@ impl ModelConfig {
     }
 
     /// Training FLOPs per token (per position for the encoder): 6 x matmul
-    /// parameters + 12 x layers x width x sequence for attention, the
-    /// convention of GPU.md's PyTorch figures (PaLM's appendix B).
+    /// parameters + 12 x layers x width x sequence for attention, PaLM's
+    /// convention (its appendix B); docs/results-format.md
+    /// (`flops_per_token`) gives the formulas.
     pub fn flops_per_token(&self, params: i64) -> f64 {
         match self.kind {
             ModelKind::Gpt | ModelKind::Encoder => 6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64,

@@ -230,7 +230,8 @@ pub struct ModelSpec {
 pub enum ModelKind {
     /// Decoder-only transformer (GPT-2 style, tied embedding).
     Gpt,
-    /// `nn.TransformerEncoder` with a regression head (CLAIMS.md section 5).
+    /// `nn.TransformerEncoder` layers with a mean-pool regression head (preset
+    /// `claims5`: the TransformerEncoder regression of docs/benchmarks.md).
     Encoder,
     /// Token MLP: embedding, one hidden layer, logits of the next token.
     Mlp,

@@ -4,7 +4,8 @@
 //!   positions, GELU(tanh), tied embedding), causal attention through
 //!   `scaled_dot_product_attention` (flash / memory-efficient kernels on CUDA).
 //! * `encoder`: `nn.TransformerEncoder` (post-LayerNorm, ReLU, batch first)
-//!   with a mean-pool regression head, as in CLAIMS.md section 5.
+//!   with a mean-pool regression head (the TransformerEncoder regression
+//!   benchmark of docs/benchmarks.md).
 //! * `mlp`: a token MLP that predicts the next token from the current one.
 
 use tch::nn::{self, Module};
