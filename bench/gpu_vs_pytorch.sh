@@ -3,7 +3,8 @@
 # same model in PyTorch (bench/pytorch_gpt.py), alternating twice, then
 # torch.compile once, and prints a comparison table. Needs a harness binary
 # built elsewhere ($HARNESS_BIN, default .carry/harness) and PyTorch 2.11.
-# Writes everything under ${OUT:-bench-out}.
+# Writes everything under ${OUT:-bench-out}. COMPILE=0 skips the
+# torch.compile run (e.g. when comparing two harness builds in one call).
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 SUITE=${SUITE:-suites/gpu.toml}
@@ -12,5 +13,7 @@ for r in 1 2; do
   "$BIN" run "$SUITE" --out "$OUT/harness-$r.json" --quiet > "$OUT/harness-$r.txt" 2>&1 || { cat "$OUT/harness-$r.txt"; exit 1; }
   python3 bench/pytorch_gpt.py --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
 done
-python3 bench/pytorch_gpt.py --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
+if [ "${COMPILE:-1}" != 0 ]; then
+  python3 bench/pytorch_gpt.py --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
+fi
 python3 bench/summarize.py "$OUT"

@@ -146,6 +146,32 @@ char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp
 // makes libtorch print a warning on every call.
 char *hx_pin_memory(tensor t, tensor *out) { HX_TRY(*out = new at::Tensor(t->pin_memory())) }
 
+// Per-parameter L2 norms (f32, one multi-tensor kernel), stacked: a
+// fingerprint of a replica's parameters that replicas compare bit for bit.
+char *hx_param_norms(tensor *params, int n, tensor *out) {
+  HX_TRY({
+    auto ps = hx_list(params, n);
+    auto norms = at::_foreach_norm(ps, 2);
+    for (auto &t : norms) t = t.to(at::kFloat).reshape({1});
+    *out = new at::Tensor(at::cat(norms, 0));
+  })
+}
+
+// The storage a tensor keeps alive: its size in bytes and an identity (the
+// storage's address) to count storages shared by views once.
+char *hx_storage_info(tensor t, uint64_t *nbytes, uint64_t *key) {
+  HX_TRY({
+    if (t->has_storage()) {
+      const auto &st = t->storage();
+      *nbytes = st.nbytes();
+      *key = reinterpret_cast<uint64_t>(st.unsafeGetStorageImpl());
+    } else {
+      *nbytes = t->numel() * t->element_size();
+      *key = reinterpret_cast<uint64_t>(t->unsafeGetTensorImpl());
+    }
+  })
+}
+
 // The CUDA caching allocator's statistics for one device, in bytes:
 // out = {allocated now, allocated peak, reserved now, reserved peak}.
 char *hx_cuda_memory(int device, int64_t *out) {

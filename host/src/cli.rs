@@ -21,6 +21,9 @@ pub mod exit {
     /// Harness itself could not run (I/O, device set-up, resume mismatch).
     /// Command-line usage errors exit with 2, from the argument parser.
     pub const ERROR: i32 = 3;
+    /// A native plugin ended the process (`exit`) during a run; the result
+    /// file is incomplete.
+    pub const PLUGIN_ENDED_PROCESS: i32 = crate::plugin::exit_guard::PLUGIN_ENDED_PROCESS;
 }
 
 /// Benchmark harness for distributed-training strategies.
@@ -312,7 +315,12 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         return launch::launch_local_ranks(world, &child_args);
     }
     let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
-    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower })?;
+    // From here until the run returns, a plugin that ends the process
+    // cannot make it look successful.
+    crate::plugin::exit_guard::arm(true);
+    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower });
+    crate::plugin::exit_guard::arm(false);
+    let result = result?;
     if follower {
         return Ok(exit::OK);
     }

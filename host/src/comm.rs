@@ -284,6 +284,16 @@ pub trait Collective {
     fn wait_async(&mut self) -> Result<(), CommError> {
         Ok(())
     }
+    /// Before a collective that a plugin asked for: checks that every rank
+    /// is about to call the same one (`call`: the op and, for a broadcast,
+    /// its root) on a tensor of the same size and dtype, so that a plugin
+    /// whose ranks disagree fails its entry with a message instead of
+    /// hanging or corrupting the collective. Thread ranks check every
+    /// collective as it runs, so this does nothing there.
+    fn check_call(&mut self, call: &str, t: &Tensor) -> Result<(), CommError> {
+        let _ = (call, t);
+        Ok(())
+    }
     /// Fails every other rank's pending and future collectives.
     fn abort(&self, reason: &str);
     /// What the collectives cost so far (device timings are read back here).
@@ -291,6 +301,21 @@ pub trait Collective {
     /// Forgets the timings so far (not the counts or bytes): called when
     /// warm-up ends, so NCCL's lazy set-up stays out of the latencies.
     fn reset_timings(&mut self);
+}
+
+/// True on every rank when `flag` is true on any rank (a barrier too).
+pub fn any_rank(comm: &mut dyn Collective, flag: bool, device: tch::Device) -> Result<bool, CommError> {
+    if comm.world_size() == 1 {
+        return Ok(flag);
+    }
+    let mut t = Tensor::from_slice(&[flag as i32 as f32]).to_device(device);
+    comm.all_reduce_sum(&mut t)?;
+    Ok(t.double_value(&[0]) > 0.0)
+}
+
+/// True on every rank when `ok` is true on every rank (a barrier too).
+pub fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: tch::Device) -> Result<bool, CommError> {
+    Ok(!any_rank(comm, !ok, device)?)
 }
 
 /// Bytes of a tensor's elements.
@@ -339,6 +364,8 @@ struct State {
     /// Collectives completed by every rank.
     seq: u64,
     slots: Vec<Option<Tensor>>,
+    /// What each rank called (the op, and a broadcast's root).
+    calls: Vec<String>,
     arrived: usize,
     departed: usize,
     result: Option<Combined>,
@@ -358,7 +385,7 @@ pub struct InProcessGroup {
 impl InProcessGroup {
     /// A group of `n` ranks whose collectives give up after `timeout`.
     pub fn new(n: usize, timeout: Duration) -> Arc<InProcessGroup> {
-        let state = State { slots: (0..n).map(|_| None).collect(), ..Default::default() };
+        let state = State { slots: (0..n).map(|_| None).collect(), calls: vec![String::new(); n], ..Default::default() };
         Arc::new(InProcessGroup { n, timeout, state: Mutex::new(state), cv: Condvar::new() })
     }
 
@@ -395,6 +422,7 @@ impl InProcessGroup {
     fn run<'a>(
         &'a self,
         op: &'static str,
+        call: String,
         rank: usize,
         t: &Tensor,
         combine: &dyn Fn(&[Option<Tensor>]) -> Combined,
@@ -413,9 +441,10 @@ impl InProcessGroup {
         let seq = st.seq;
         let wait = |st: MutexGuard<'a, State>| self.wait(st, deadline, op, seq, rank);
         st.slots[rank] = Some(t.shallow_clone());
+        st.calls[rank] = call;
         st.arrived += 1;
         if st.arrived == self.n {
-            let r = tch::no_grad(|| combine(&st.slots));
+            let r = same_call(&st.calls, &st.slots).and_then(|()| tch::no_grad(|| combine(&st.slots)));
             st.result = Some(r);
             st.scattering = true;
             self.cv.notify_all();
@@ -446,6 +475,26 @@ impl InProcessGroup {
         st.aborted.get_or_insert_with(|| reason.to_owned());
         self.cv.notify_all();
     }
+}
+
+/// Every rank must call the same collective (the same op, a broadcast from
+/// the same root) on tensors of the same dtype; else the collective fails on
+/// every rank with a message naming what each rank called.
+fn same_call(calls: &[String], slots: &[Option<Tensor>]) -> Result<(), String> {
+    let kinds: Vec<Option<tch::Kind>> = slots.iter().map(|s| s.as_ref().map(|t| t.kind())).collect();
+    let describe = || {
+        calls.iter().zip(slots).enumerate().map(|(r, (c, t))| {
+            let t = t.as_ref().map_or(String::new(), |t| format!(" of {} {:?}", t.numel(), t.kind()));
+            format!("rank {r}: {c}{t}")
+        })
+    };
+    if calls.iter().any(|c| c != &calls[0]) {
+        return Err(format!("the ranks called different collectives ({})", describe().collect::<Vec<_>>().join(", ")));
+    }
+    if kinds.iter().any(|k| k != &kinds[0]) {
+        return Err(format!("the ranks' tensors have different dtypes ({})", describe().collect::<Vec<_>>().join(", ")));
+    }
+    Ok(())
 }
 
 /// The deposited tensors, every rank's present; an error unless all have `numel` elements.
@@ -482,7 +531,7 @@ impl InProcessComm {
     fn timed(&mut self, op: Op, t: &Tensor, bytes: u64, combine: &dyn Fn(&[Option<Tensor>]) -> Combined) -> Result<Tensor, CommError> {
         let n = self.group.n;
         let t0 = Instant::now();
-        let result = self.group.run(op.name(), self.rank, t, combine)?;
+        let result = self.group.run(op.name(), op.name().to_owned(), self.rank, t, combine)?;
         let measured = t0.elapsed();
         let target = self.link.map_or(measured, |l| l.time(op, bytes, n).max(measured));
         if target > measured {
@@ -544,7 +593,7 @@ impl Collective for InProcessComm {
     }
 
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
-        let r = self.group.run("broadcast", self.rank, t, &|slots| {
+        let r = self.group.run("broadcast", format!("broadcast from rank {root}"), self.rank, t, &|slots| {
             let ts = deposited(slots)?;
             Ok(ts[root].copy())
         })?;
@@ -1191,6 +1240,32 @@ pub mod nccl {
             // SAFETY: in place on t's device memory; the legacy default stream.
             let code = unsafe { (l.broadcast)(p, p, count, dt, root as c_int, self.comm, std::ptr::null_mut()) };
             check(code, "broadcast").map_err(|e| self.fail("broadcast", e))
+        }
+        fn check_call(&mut self, call: &str, t: &Tensor) -> Result<(), CommError> {
+            // Each rank's (call, elements, dtype), gathered on the device
+            // outside the accounting (a setup-sized collective), then read
+            // back: one small synchronous collective per plugin collective.
+            let code = call.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64 & i64::MAX;
+            let kind = dtype(t.kind()).unwrap_or(-1) as i64;
+            let mine = Tensor::from_slice(&[code, t.numel() as i64, kind]).to_device(t.device());
+            let all = Tensor::zeros([3 * self.n as i64], (tch::Kind::Int64, t.device()));
+            let (sp, rp) = (mine.data_ptr(), all.data_ptr());
+            let l = lib().map_err(|e| self.fail("check", e))?;
+            // SAFETY: 3 i64 read from `mine`, 3 x n written to `all`, live
+            // device buffers; the legacy default stream orders them.
+            let rc = unsafe { (l.all_gather)(sp, rp, 3, dtype(tch::Kind::Int64).unwrap_or(0), self.comm, std::ptr::null_mut()) };
+            check(rc, "check").map_err(|e| self.fail("check", e))?;
+            let got = Vec::<i64>::try_from(&all.to_device(tch::Device::Cpu)).map_err(|e| self.fail("check", e))?;
+            if got.chunks(3).any(|c| c != &got[..3]) {
+                let ranks: Vec<String> = got
+                    .chunks(3)
+                    .enumerate()
+                    .map(|(r, c)| format!("rank {r}: {} of {} elements", if c[0] == code { call } else { "another collective" }, c[1]))
+                    .collect();
+                let reason = format!("the ranks called different collectives, sizes or dtypes ({})", ranks.join(", "));
+                return Err(CommError::Invalid { op: "check", seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            Ok(())
         }
         fn abort(&self, _reason: &str) {
             // Not ncclCommAbort: on the H200s it left the CUDA context with an

@@ -34,6 +34,8 @@ mod ffi {
             found_inf: *mut c_void,
         ) -> *mut c_char;
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_param_norms(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_storage_info(t: *mut c_void, nbytes: *mut u64, key: *mut u64) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
         pub fn hx_rng_get_state(device: c_int, out: *mut *mut c_void) -> *mut c_char;
@@ -246,6 +248,26 @@ pub fn cuda_memory(device: usize) -> Result<CudaMemory, TorchError> {
 pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
     // SAFETY: plain value; exceptions are caught in the shim.
     check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
+}
+
+/// Each tensor's L2 norm, in f32, as one 1-D tensor on their device.
+pub fn param_norms(params: &[Tensor]) -> Result<Tensor, TorchError> {
+    let p = ptrs(params);
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: p points at live tensors; out receives a new at::Tensor.
+    check(unsafe { ffi::hx_param_norms(p.as_ptr(), len(params), &mut out) })?;
+    // SAFETY: out is a heap at::Tensor from the shim.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// The storage `t` keeps alive: (bytes, an identity shared by every view of
+/// that storage). A view of one element of a large tensor keeps all of it.
+pub fn storage_info(t: &Tensor) -> Result<(u64, u64), TorchError> {
+    let (mut nbytes, mut key) = (0u64, 0u64);
+    // SAFETY: t is a live tensor; the shim writes two integers and catches
+    // exceptions.
+    check(unsafe { ffi::hx_storage_info(t.as_ptr() as *mut c_void, &mut nbytes, &mut key) })?;
+    Ok((nbytes, key))
 }
 
 /// The state of libtorch's default random generator of `device` (dropout

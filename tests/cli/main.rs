@@ -10,6 +10,7 @@ mod plugins;
 mod report;
 mod resume;
 mod run;
+mod sandbox;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

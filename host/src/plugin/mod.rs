@@ -13,6 +13,9 @@
 //! these adapters.
 
 pub mod bench;
+pub mod budget;
+pub mod exit_guard;
+pub mod log;
 pub mod native;
 pub mod ops;
 pub mod scaffold;
@@ -102,14 +105,12 @@ pub struct PluginRecord {
 /// A plugin's record and its call-time histogram (encoded), for results.
 pub type PluginReport = (PluginRecord, String);
 
-/// Writes a plugin's log line to stderr.
-pub fn log_line(plugin: &str, level: u32, msg: &str) {
-    let l = match level {
-        0 => "debug",
-        1 => "info",
-        _ => "warn",
-    };
-    eprintln!("[plugin {plugin}] {l}: {msg}");
+/// Writes a plugin's log line to stderr, within its instance's budget
+/// ([`log::LogBudget`]: escaped, cut, rate-limited).
+pub fn log_line(budget: &log::LogBudget, plugin: &str, level: u32, msg: &str) {
+    if let Some(line) = budget.admit(plugin, level, msg) {
+        eprintln!("{line}");
+    }
 }
 
 enum Artifact {
@@ -238,7 +239,9 @@ impl PluginSet {
             suite_name: name.into(),
             hist: measure::new_histogram(),
             calls: 0,
+            who: String::new(),
         };
+        p.who = p.who();
         let text = toml::to_string(&config.cloned().unwrap_or_default()).context("serialising the plugin config")?;
         p.call("configure", |i| i.configure(&text))?;
         Ok(p)
@@ -271,6 +274,15 @@ impl Inst {
     }
 }
 
+/// A plugin failed a call: trapped, ran past a limit, returned an error or
+/// an invalid result. `plugin` is its name in the suite.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct PluginFailure {
+    pub plugin: String,
+    pub message: String,
+}
+
 /// One configured plugin instance.
 pub struct Plugin {
     inst: Inst,
@@ -279,21 +291,34 @@ pub struct Plugin {
     suite_name: String,
     hist: Histogram<u64>,
     calls: u64,
+    /// [`Plugin::who`], kept for the exit guard of native calls.
+    who: String,
 }
 
 impl Plugin {
     /// Calls into the plugin, timing the call and naming the plugin, the call
     /// and the cause in any failure.
-    fn call<R>(&mut self, what: &str, f: impl FnOnce(&mut Inst) -> Result<Result<R, String>>) -> Result<R> {
+    fn call<R>(&mut self, what: &'static str, f: impl FnOnce(&mut Inst) -> Result<Result<R, String>>) -> Result<R> {
+        let scope = match self.manifest.transport {
+            Transport::Native => Some(exit_guard::CallScope::enter(&self.who, what)),
+            Transport::Wasm => None,
+        };
         let t0 = measure::mark();
         let r = f(&mut self.inst);
+        drop(scope);
         measure::record_since(&mut self.hist, t0);
         self.calls += 1;
         match r {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(msg)) => Err(anyhow!("{} returned an error from `{what}`: {msg}", self.who())),
-            Err(e) => Err(anyhow!("{} failed in `{what}`: {e:#}", self.who())),
+            Ok(Err(msg)) => Err(self.failure(format!("{} returned an error from `{what}`: {}", self.who(), log::clean(&msg, 2000)))),
+            Err(e) => {
+                Err(self.failure(format!("{} failed in `{what}`: {}", self.who(), crate::error::without_backtrace(&format!("{e:#}")))))
+            }
         }
+    }
+
+    fn failure(&self, message: String) -> anyhow::Error {
+        PluginFailure { plugin: self.suite_name.clone(), message }.into()
     }
 
     /// Forgets the calls timed so far (the benchmark's warm-up).
@@ -332,7 +357,7 @@ impl Plugin {
     }
 
     fn fail(&self, what: &str, msg: impl std::fmt::Display) -> anyhow::Error {
-        anyhow!("{} returned an invalid result from `{what}`: {msg}", self.who())
+        self.failure(format!("{} returned an invalid result from `{what}`: {msg}", self.who()))
     }
 
     /// The record for the results.
@@ -569,6 +594,9 @@ impl CheckpointPolicy for PluginCheckpoint {
         })?;
         if let Some(d) = delete.iter().find(|d| !h.saved.contains(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
+        }
+        if let Some(d) = delete.iter().enumerate().find_map(|(i, d)| delete[..i].contains(d).then_some(d)) {
+            return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d} twice")));
         }
         Ok(CheckpointDecision { save, delete })
     }

@@ -145,7 +145,7 @@ unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: *const u8, len:
     // SAFETY: see host_op; msg points to len bytes per the ABI.
     let c = unsafe { &*(ctx as *const Ctx) };
     let bytes = if msg.is_null() { &[][..] } else { unsafe { std::slice::from_raw_parts(msg, len) } };
-    super::log_line(&c.host.name, level, &String::from_utf8_lossy(bytes));
+    super::log_line(&c.host.log, &c.host.name, level, &String::from_utf8_lossy(bytes));
 }
 
 /// The plugin's exports, looked up once per instance (a `dlsym` per call

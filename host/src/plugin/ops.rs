@@ -12,6 +12,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use harness_sdk::abi::Op;
 use tch::{Device, Kind, Tensor};
 
+use super::budget;
 use crate::comm::Collective;
 use crate::torch_ext::{self, RandKind};
 
@@ -70,9 +71,16 @@ pub struct Out {
 
 /// The host side of one plugin instance: its tensors and its meter.
 pub struct HostSide {
-    tensors: HashMap<u32, Tensor>,
-    /// Ids of tensors the host lent for the current call.
-    lent: Vec<u32>,
+    /// Live handles: the tensor and the identity of the storage it keeps
+    /// alive.
+    tensors: HashMap<u32, (Tensor, u64)>,
+    /// Storages the plugin's handles keep alive: bytes counted against the
+    /// cap (0 for the host's own, e.g. a view of a lent bucket) and the
+    /// number of handles on each. A view counts its whole storage once,
+    /// however many views share it.
+    storages: HashMap<u64, (u64, u32)>,
+    /// Ids and storages of tensors the host lent for the current call.
+    lent: Vec<(u32, u64)>,
     next: u32,
     live_bytes: u64,
     /// Most bytes of tensors the plugin may hold at once.
@@ -81,12 +89,14 @@ pub struct HostSide {
     pub meter: Meter,
     /// The plugin's name, for log lines.
     pub name: String,
+    /// What the plugin has logged (lines are limited per instance).
+    pub log: super::log::LogBudget,
     /// The device new tensors default to (the training device).
     pub device: Device,
-}
-
-fn bytes_of(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+    /// The end of the current call's deadline (WASM plugins), and its
+    /// length for messages: ops are refused past it, or when their
+    /// estimated time would not fit before it.
+    deadline: Option<(Instant, Duration)>,
 }
 
 fn dims(ints: &[i64]) -> Result<Vec<i64>> {
@@ -101,6 +111,7 @@ impl HostSide {
     pub fn new(name: &str, device: Device, max_bytes: u64) -> HostSide {
         HostSide {
             tensors: HashMap::new(),
+            storages: HashMap::new(),
             lent: Vec::new(),
             next: 1,
             live_bytes: 0,
@@ -108,7 +119,9 @@ impl HostSide {
             comm: None,
             meter: Meter::default(),
             name: name.into(),
+            log: Default::default(),
             device,
+            deadline: None,
         }
     }
 
@@ -121,46 +134,79 @@ impl HostSide {
         id
     }
 
-    /// Adds a tensor and returns its id.
-    pub fn insert(&mut self, t: Tensor) -> Result<u32> {
-        let b = bytes_of(&t);
-        ensure!(
-            self.live_bytes + b <= self.max_bytes,
-            "the plugin would hold {} MiB of tensors, more than its cap of {} MiB",
-            (self.live_bytes + b) >> 20,
+    fn over_cap(&self, bytes: u64) -> anyhow::Error {
+        anyhow!(
+            "the plugin would hold {} MiB of tensors, more than its cap of {} MiB (tensor_mb)",
+            (self.live_bytes + bytes) >> 20,
             self.max_bytes >> 20
-        );
+        )
+    }
+
+    /// Adds a tensor and returns its id. The tensor's whole storage counts
+    /// against the cap (once per storage), unless the host owns it.
+    pub fn insert(&mut self, t: Tensor) -> Result<u32> {
+        let (bytes, key) = torch_ext::storage_info(&t)?;
+        let host_owned = self.lent.iter().any(|l| l.1 == key);
+        match self.storages.get_mut(&key) {
+            Some(entry) => entry.1 += 1,
+            None => {
+                let charged = if host_owned { 0 } else { bytes };
+                if self.live_bytes + charged > self.max_bytes {
+                    return Err(self.over_cap(charged));
+                }
+                self.live_bytes += charged;
+                self.storages.insert(key, (charged, 1));
+            }
+        }
         let id = self.next_id();
-        self.live_bytes += b;
-        self.tensors.insert(id, t);
+        self.tensors.insert(id, (t, key));
         Ok(id)
     }
 
     /// Lends a tensor the host owns (a gradient bucket) for one call; the
     /// returned id must be given back with [`HostSide::give_back`]. Lent
-    /// tensors do not count against the cap.
+    /// tensors, and views of them, do not count against the cap.
     pub fn lend(&mut self, t: &Tensor) -> u32 {
         let id = self.next_id();
-        self.lent.push(id);
-        self.tensors.insert(id, t.shallow_clone());
+        // The key only has to match the views the plugin makes of it; if
+        // the shim fails, no view matches and views are charged.
+        let key = torch_ext::storage_info(t).map_or(u64::MAX, |i| i.1);
+        self.lent.push((id, key));
+        self.tensors.insert(id, (t.shallow_clone(), key));
         id
     }
 
     /// Drops a tensor id (a plugin releasing its handle; a lent tensor's
     /// borrow ends with the call instead).
     pub fn remove(&mut self, id: u32) {
-        if self.lent.contains(&id) {
+        if self.lent.iter().any(|l| l.0 == id) {
             return;
         }
-        if let Some(t) = self.tensors.remove(&id) {
-            self.live_bytes = self.live_bytes.saturating_sub(bytes_of(&t));
+        if let Some((_, key)) = self.tensors.remove(&id) {
+            self.release(key);
+        }
+    }
+
+    fn release(&mut self, key: u64) {
+        if let Some(entry) = self.storages.get_mut(&key) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                self.live_bytes = self.live_bytes.saturating_sub(entry.0);
+                self.storages.remove(&key);
+            }
         }
     }
 
     /// Ends the loan of [`HostSide::lend`].
     pub fn give_back(&mut self, id: u32) {
-        self.lent.retain(|&l| l != id);
+        self.lent.retain(|l| l.0 != id);
         self.tensors.remove(&id);
+    }
+
+    /// Starts a call that must end within `deadline` (WASM plugins); `None`
+    /// after it.
+    pub fn set_deadline(&mut self, deadline: Option<Duration>) {
+        self.deadline = deadline.map(|d| (Instant::now() + d, d));
     }
 
     /// Tensors the plugin holds now.
@@ -182,13 +228,50 @@ impl HostSide {
     }
 
     fn get(&self, id: u32) -> Result<&Tensor> {
-        self.tensors.get(&id).ok_or_else(|| anyhow!("tensor handle {id} is not live"))
+        self.tensors.get(&id).map(|t| &t.0).ok_or_else(|| anyhow!("tensor handle {id} is not live"))
     }
 
     /// Runs one op. `ids[0]` is `self` for methods.
     pub fn exec(&mut self, op: Op, ids: &[u32], floats: &[f64], ints: &[i64], data: &[f32]) -> Result<Out> {
         self.meter.ops += 1;
-        self.exec_inner(op, ids, floats, ints, data).with_context(|| format!("host op `{}`", op.wit_name()))
+        self.admit(op, ids, ints, data.len())
+            .and_then(|()| self.exec_inner(op, ids, floats, ints, data))
+            .with_context(|| format!("host op `{}`", op.wit_name()))
+    }
+
+    /// Refuses an op before it runs when the call is past its deadline,
+    /// when its new tensors would not fit the cap, or when its estimated
+    /// time would not fit the time left.
+    fn admit(&self, op: Op, ids: &[u32], ints: &[i64], data: usize) -> Result<()> {
+        let left = match self.deadline {
+            Some((end, length)) => {
+                let left = end.saturating_duration_since(Instant::now());
+                ensure!(!left.is_zero(), "the call ran past its per-call deadline of {} ms (deadline_ms)", length.as_millis());
+                Some((left, length))
+            }
+            None => None,
+        };
+        let inputs: Vec<&Tensor> = ids.iter().filter_map(|id| self.tensors.get(id).map(|t| &t.0)).collect();
+        let world = self.comm.map_or(1, |c| {
+            // SAFETY: as in `comm`: set for the duration of this call.
+            unsafe { (*c.0).world_size() }
+        });
+        let cost = budget::cost(op, &inputs, ints, data, world)?;
+        if self.live_bytes + cost.bytes > self.max_bytes {
+            return Err(self.over_cap(cost.bytes));
+        }
+        if let (Some((left, length)), Some(t)) = (left, inputs.first()) {
+            let need = budget::time(&cost, budget::rate(t.device()));
+            ensure!(
+                need <= left,
+                "it would take about {} ms ({:.2e} flops), more than the {} ms left of the call's deadline of {} ms (deadline_ms)",
+                need.as_millis(),
+                cost.flops,
+                left.as_millis(),
+                length.as_millis()
+            );
+        }
+        Ok(())
     }
 
     fn exec_inner(&mut self, op: Op, ids: &[u32], floats: &[f64], ints: &[i64], data: &[f32]) -> Result<Out> {
@@ -388,7 +471,8 @@ impl HostSide {
                 dims(&[n])?;
                 let like = t(0)?;
                 let perm = torch_ext::rand_seeded(RandKind::Permutation, &[n], seed as u64, like.device())?;
-                new.push(perm.f_narrow(0, 0, k)?);
+                // A copy: a view would keep the whole permutation alive.
+                new.push(perm.f_narrow(0, 0, k)?.copy());
             }
             FromF32 => {
                 need(1, 0, None)?;
@@ -411,8 +495,10 @@ impl HostSide {
                 if op == Broadcast {
                     let root = ints[0];
                     ensure!((0..c.world_size() as i64).contains(&root), "root {root} is not a rank (world size {})", c.world_size());
+                    c.check_call(&format!("broadcast from rank {root}"), &a)?;
                     c.broadcast(&mut a, root as usize)?;
                 } else {
+                    c.check_call("all_reduce", &a)?;
                     c.all_reduce_sum(&mut a)?;
                 }
             }
@@ -420,6 +506,7 @@ impl HostSide {
                 need(1, 0, Some(0))?;
                 let a = t(0)?.f_contiguous()?;
                 let c = self.comm()?;
+                c.check_call(if op == AllGather { "all_gather" } else { "reduce_scatter" }, &a)?;
                 if op == AllGather {
                     new.push(c.all_gather(&a)?);
                 } else {

@@ -8,14 +8,15 @@
 //! stderr goes to a small in-memory pipe so a guest's panic message can be
 //! reported).
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use harness_sdk::abi::Op;
 use wasmtime::component::{Component, HasSelf, InstancePre, Linker, Resource, ResourceTable};
-use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime::{Engine, ResourceLimiter, Store};
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::ops::{HostSide, KINDS};
@@ -95,10 +96,173 @@ pub fn engine() -> &'static Engine {
 pub struct State {
     wasi: WasiCtx,
     table: ResourceTable,
-    limits: StoreLimits,
-    stderr: MemoryOutputPipe,
+    limits: Caps,
+    stderr: Stderr,
     pub host: HostSide,
 }
+
+/// Most core instances, linear memories and tables one plugin instance may
+/// create. Toolchains other than Rust build components of several core
+/// modules (componentize-py: 14 instances); the bytes of all memories and
+/// tables together are capped by `memory_mb` whatever their number.
+pub const MAX_INSTANCES: usize = 64;
+pub const MAX_MEMORIES: usize = 32;
+pub const MAX_TABLES: usize = 64;
+/// Bytes a table element is counted as (a function reference).
+const TABLE_ELEMENT_BYTES: usize = 16;
+
+/// The store's resource limiter: every linear memory and table of the
+/// plugin instance, counted together against one cap, and their numbers
+/// capped. Growth past the cap traps, with a message saying so.
+struct Caps {
+    max_bytes: usize,
+    used: usize,
+}
+
+impl Caps {
+    fn grow(&mut self, what: &str, current: usize, desired: usize) -> wasmtime::Result<bool> {
+        let more = desired.saturating_sub(current);
+        if self.used.saturating_add(more) > self.max_bytes {
+            return Err(wasmtime::Error::msg(format!(
+                "it tried to grow its {what} to {} MiB in all, its memory past the cap of {} MiB (memory_mb counts every memory and table together)",
+                (self.used + more) >> 20,
+                self.max_bytes >> 20
+            )));
+        }
+        self.used += more;
+        Ok(true)
+    }
+}
+
+impl ResourceLimiter for Caps {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        self.grow("memories", current, desired)
+    }
+    fn table_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        self.grow("tables", current.saturating_mul(TABLE_ELEMENT_BYTES), desired.saturating_mul(TABLE_ELEMENT_BYTES))
+    }
+    fn instances(&self) -> usize {
+        MAX_INSTANCES
+    }
+    fn memories(&self) -> usize {
+        MAX_MEMORIES
+    }
+    fn tables(&self) -> usize {
+        MAX_TABLES
+    }
+}
+
+/// A guest's stderr, kept for error messages: the first and the last
+/// [`Stderr::KEEP`] bytes, whatever it writes in between, so a panic
+/// message written after megabytes of output is still there. Writes never
+/// fail and never block.
+#[derive(Clone, Default)]
+pub struct Stderr(Arc<Mutex<StderrBuf>>);
+
+#[derive(Default)]
+struct StderrBuf {
+    head: Vec<u8>,
+    tail: std::collections::VecDeque<u8>,
+    total: u64,
+}
+
+impl Stderr {
+    const KEEP: usize = 16 << 10;
+
+    fn push(&self, bytes: &[u8]) {
+        let mut b = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        b.total += bytes.len() as u64;
+        let room = Self::KEEP.saturating_sub(b.head.len());
+        let (to_head, rest) = bytes.split_at(room.min(bytes.len()));
+        b.head.extend_from_slice(to_head);
+        let rest = &rest[rest.len().saturating_sub(Self::KEEP)..];
+        b.tail.extend(rest);
+        let over = b.tail.len().saturating_sub(Self::KEEP);
+        b.tail.drain(..over);
+    }
+
+    /// What was kept, with a marker where bytes were left out.
+    pub fn contents(&self) -> String {
+        let b = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = String::from_utf8_lossy(&b.head).into_owned();
+        let cut = b.total - b.head.len() as u64 - b.tail.len() as u64;
+        if cut > 0 {
+            s.push_str(&format!("\n[... {cut} bytes left out ...]\n"));
+        }
+        s.push_str(&String::from_utf8_lossy(&b.tail.iter().copied().collect::<Vec<u8>>()));
+        s
+    }
+}
+
+impl IsTerminal for Stderr {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for Stderr {
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.clone())
+    }
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[async_trait::async_trait]
+impl Pollable for Stderr {
+    async fn ready(&mut self) {}
+}
+
+#[async_trait::async_trait]
+impl OutputStream for Stderr {
+    fn write(&mut self, bytes: bytes::Bytes) -> StreamResult<()> {
+        self.push(&bytes);
+        Ok(())
+    }
+    fn flush(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
+    fn check_write(&mut self) -> StreamResult<usize> {
+        Ok(64 << 10)
+    }
+}
+
+impl tokio::io::AsyncWrite for Stderr {
+    fn poll_write(self: std::pin::Pin<&mut Self>, _cx: &mut std::task::Context<'_>, buf: &[u8]) -> std::task::Poll<std::io::Result<usize>> {
+        self.push(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: std::pin::Pin<&mut Self>, _cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: std::pin::Pin<&mut Self>, _cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// WASI's blocking calls, which would wait in host code where the epoch
+/// deadline cannot interrupt them (a monotonic-clock subscription and
+/// `poll`, a `pollable.block`): they trap instead. Nothing a plugin needs
+/// waits: stdin is empty, stderr is always ready, and there is no network or
+/// filesystem.
+fn forbid_blocking(linker: &mut Linker<State>) -> Result<()> {
+    linker.allow_shadowing(true);
+    let mut poll = linker.instance(BLOCKING_INTERFACE)?;
+    for name in ["poll", "[method]pollable.block"] {
+        poll.func_new(name, move |_store, _ty, _params, _results| {
+            Err(wasmtime::Error::msg(format!(
+                "it called the blocking WASI function `{name}`, which plugins may not use (a plugin may not wait)"
+            )))
+        })?;
+    }
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// The WASI interface whose functions block (the version wasmtime-wasi
+/// links; guests built against older 0.2 versions resolve to it).
+const BLOCKING_INTERFACE: &str = "wasi:io/poll@0.2.12";
 
 impl WasiView for State {
     fn ctx(&mut self) -> WasiCtxView<'_> {
@@ -149,6 +313,7 @@ pub fn load(bytes: &[u8]) -> Result<Artifact> {
     let kind = kind.ok_or_else(|| anyhow!("it exports none of gradient-compression, batch-sizing, checkpointing"))?;
     let mut linker: Linker<State> = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    forbid_blocking(&mut linker)?;
     match kind {
         PluginKind::Compressor => bindings::compressor::Compressor::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?,
         PluginKind::BatchPolicy => bindings::batch_policy::BatchPolicy::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?,
@@ -185,10 +350,10 @@ pub struct Instance {
 impl Instance {
     /// Instantiates `a` with its own store.
     pub fn new(a: &Artifact, host: HostSide, limits: Limits) -> Result<Instance> {
-        let stderr = MemoryOutputPipe::new(64 << 10);
+        let stderr = Stderr::default();
         let wasi = WasiCtx::builder().stderr(stderr.clone()).build();
-        let lim = StoreLimitsBuilder::new().memory_size(limits.memory_bytes).trap_on_grow_failure(true).instances(4).tables(64).build();
-        let state = State { wasi, table: ResourceTable::new(), limits: lim, stderr, host };
+        let caps = Caps { max_bytes: limits.memory_bytes, used: 0 };
+        let state = State { wasi, table: ResourceTable::new(), limits: caps, stderr, host };
         let mut store = Store::new(engine(), state);
         store.limiter(|s| &mut s.limits);
         store.epoch_deadline_trap();
@@ -211,12 +376,14 @@ impl Instance {
     /// Runs one export with a fresh deadline and turns traps into messages.
     fn call<R>(&mut self, f: impl FnOnce(&mut Store<State>, &World) -> wasmtime::Result<R>) -> Result<R> {
         self.store.set_epoch_deadline(self.deadline_ticks);
+        self.store.data_mut().host.set_deadline(Some(self.deadline));
         let r = f(&mut self.store, &self.world);
+        self.store.data_mut().host.set_deadline(None);
         r.map_err(|e| self.explain(e))
     }
 
     fn explain(&mut self, e: wasmtime::Error) -> anyhow::Error {
-        let stderr = String::from_utf8_lossy(&self.store.data().stderr.contents()).into_owned();
+        let stderr = self.store.data().stderr.contents();
         let panic = panic_message(&stderr);
         // The chain without wasmtime's backtrace frame (it names addresses).
         let chain: Vec<String> =
@@ -528,7 +695,7 @@ impl collective::Host for State {
 
 impl log::Host for State {
     fn write(&mut self, level: log::Level, message: String) -> R<()> {
-        super::log_line(&self.host.name, level as u32, &message);
+        super::log_line(&self.host.log, &self.host.name, level as u32, &message);
         Ok(())
     }
 }
@@ -544,6 +711,74 @@ fn panic_message(stderr: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A core module with `memories` memories of `pages` 64 KiB pages each
+    /// and one table of `elements` elements, in the binary format.
+    fn module(memories: u8, pages: u16, elements: u32) -> Vec<u8> {
+        let leb = |mut v: u32| {
+            let mut out = Vec::new();
+            loop {
+                let b = (v & 0x7f) as u8;
+                v >>= 7;
+                out.push(if v == 0 { b } else { b | 0x80 });
+                if v == 0 {
+                    return out;
+                }
+            }
+        };
+        let mut m = b"\0asm\x01\0\0\0".to_vec();
+        let mut table = vec![1, 0x70, 0];
+        table.extend(leb(elements));
+        m.push(4);
+        m.extend(leb(table.len() as u32));
+        m.extend(table);
+        let mut mems = leb(memories as u32);
+        for _ in 0..memories {
+            mems.push(0);
+            mems.extend(leb(pages as u32));
+        }
+        m.push(5);
+        m.extend(leb(mems.len() as u32));
+        m.extend(mems);
+        m
+    }
+
+    fn instantiate(bytes: &[u8], cap_mb: usize) -> wasmtime::Result<()> {
+        let module = wasmtime::Module::new(engine(), bytes)?;
+        let mut store = Store::new(engine(), Caps { max_bytes: cap_mb << 20, used: 0 });
+        store.limiter(|c| c);
+        wasmtime::Instance::new(&mut store, &module, &[])?;
+        Ok(())
+    }
+
+    #[test]
+    fn the_memory_cap_counts_every_memory_and_table_of_an_instance() {
+        // One memory of 240 MiB fits a 256 MiB cap; 16 of them (3.75 GiB)
+        // do not, though each alone would.
+        instantiate(&module(1, 3840, 16), 256).unwrap();
+        let e = instantiate(&module(16, 3840, 16), 256).unwrap_err();
+        assert!(format!("{e:#}").contains("memory past the cap of 256 MiB"), "{e:#}");
+        // A table of 20 M elements counts 320 MiB.
+        let e = instantiate(&module(1, 16, 20_000_000), 256).unwrap_err();
+        assert!(format!("{e:#}").contains("memory past the cap of 256 MiB"), "{e:#}");
+        // More memories than any toolchain needs are refused by number.
+        assert!(instantiate(&module(MAX_MEMORIES as u8 + 1, 0, 0), 256).is_err());
+    }
+
+    #[test]
+    fn stderr_keeps_its_head_and_tail() {
+        let s = Stderr::default();
+        for _ in 0..1024 {
+            s.push(&[b'y'; 1024]);
+        }
+        s.push(b"thread '<unnamed>' panicked at src/lib.rs:1:1:\nthe end\n");
+        let text = s.contents();
+        assert!(text.len() < 40 << 10);
+        assert!(text.contains("bytes left out"));
+        assert_eq!(panic_message(&text).unwrap(), " at src/lib.rs:1:1: the end");
+    }
+
     #[test]
     fn panic_messages_are_read_from_stderr() {
         let s = "thread '<unnamed>' (1) panicked at src/lib.rs:51:20:\nboom\nnote: run with `RUST_BACKTRACE=1`\n";

@@ -1,18 +1,258 @@
-//! Injected failures and the state a restore puts back: the fault clock, and
-//! capturing / restoring a rank's training state as a checkpoint snapshot.
+//! What survives a failure: the fault clock that injects failures, the
+//! checkpoint store and the policy's history, capturing and restoring a
+//! rank's training state, and what checkpoints and failures cost
+//! ([`Resilience`]).
 
 use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
-use super::checkpoint::{host_copy, Position, Snapshot};
+use super::batch::Batch;
+use super::checkpoint::{self, host_copy, Position, Snapshot, Store};
 use super::optim::{LossScaler, Optimizer};
-use crate::strategy::Strategies;
+use super::setup::Training;
+use super::EntryContext;
+use crate::comm::{ranks_agree, Collective};
+use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
+use crate::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry, Strategies};
 use crate::suite::FaultSpec;
 use crate::torch_ext;
+
+/// Checkpoints and injected failures of one entry on one rank. A failure
+/// before the first checkpoint goes back to the start, kept in host memory.
+pub struct Resilience {
+    clock: Option<FaultClock>,
+    store: Option<Store>,
+    /// What the checkpoint policy is told.
+    history: CheckpointHistory,
+    /// Training time since which work is at risk: the last checkpoint's
+    /// completion, or the last restore, or the start.
+    at_risk_since: Duration,
+    /// The state at step 0, when failures may strike.
+    initial: Option<Snapshot>,
+    pub record: ResilienceRecord,
+}
+
+/// Rank 0's checkpoint decision and whether a failure strikes, as every
+/// rank agreed on them.
+pub struct Decision {
+    pub save: bool,
+    pub fail: bool,
+    pub delete: Vec<u64>,
+}
+
+impl Resilience {
+    /// Opens the entry's checkpoint store (if its policy ever saves) and,
+    /// when failures are injected, keeps the starting state.
+    pub fn open(ctx: &EntryContext<'_>, t: &mut Training, batch: &Batch) -> Result<Resilience> {
+        let w = ctx.workload;
+        let clock =
+            w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some()).map(|f| FaultClock::new(f, ctx.entry.seed, t.rank));
+        let store = if t.strategies.checkpoint.never_saves() {
+            None
+        } else {
+            Some(Store::open(&ctx.checkpoint_dir, t.rank, t.world, ctx.entry.strategy.checkpoint_compress, !ctx.resume)?)
+        };
+        let initial = match clock {
+            Some(_) => {
+                let at = batch.position(0, t.data.position());
+                Some(state(t).capture(at, true)?)
+            }
+            None => None,
+        };
+        Ok(Resilience {
+            clock,
+            store,
+            history: CheckpointHistory::default(),
+            at_risk_since: Duration::ZERO,
+            initial,
+            record: ResilienceRecord::default(),
+        })
+    }
+
+    /// `harness run --resume`: an interrupted run of this entry goes on from
+    /// its newest checkpoint. Returns the step it goes on from.
+    pub fn resume(&mut self, ctx: &EntryContext<'_>, t: &mut Training, batch: &mut Batch) -> Result<Option<u64>> {
+        let (true, Some(store)) = (ctx.resume, &self.store) else { return Ok(None) };
+        let on_disk: Vec<u64> = checkpoint::list(&ctx.checkpoint_dir).into_iter().map(|c| c.0).collect();
+        let Some(&c) = on_disk.last() else { return Ok(None) };
+        let snap =
+            store.read(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
+        restore(t, batch, &snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;
+        batch.rewind(c, true);
+        self.history.saved = on_disk;
+        self.record.resumed_from = Some(c);
+        Ok(Some(c))
+    }
+
+    /// Whether the entry's results carry a resilience section.
+    pub fn tracked(&self) -> bool {
+        self.store.is_some() || self.clock.is_some() || !self.record.out_of_memory.is_empty() || self.record.resumed_from.is_some()
+    }
+
+    /// After `telemetry.step` steps at training time `now`: the policy
+    /// decides, a failure may strike, and the ranks agree on both.
+    pub fn decide(
+        &mut self,
+        policy: &mut dyn CheckpointPolicy,
+        telemetry: &StepTelemetry,
+        now: Duration,
+        comm: &mut dyn Collective,
+        device: Device,
+    ) -> Result<Decision> {
+        let done = telemetry.step;
+        self.history.since_last_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
+        let decision = policy.decide(telemetry, &self.history)?;
+        let fail = self.clock.as_mut().is_some_and(|c| c.strikes(done, now.as_secs_f64()));
+        let mut d = Decision { save: decision.save, fail, delete: decision.delete };
+        if comm.world_size() > 1 && (self.store.is_some() || self.clock.is_some()) {
+            d = self.agree(d, comm, device)?;
+        }
+        Ok(d)
+    }
+
+    /// Rank 0's decision holds for every rank (a policy that reads the clock
+    /// may decide differently on each): save, failure, and which of the
+    /// checkpoints on disk (the same list on every rank) to delete.
+    fn agree(&self, d: Decision, comm: &mut dyn Collective, device: Device) -> Result<Decision> {
+        let saved = &self.history.saved;
+        let mut v = vec![0f32; 2 + saved.len()];
+        if comm.rank() == 0 {
+            v[0] = d.save as i32 as f32;
+            v[1] = d.fail as i32 as f32;
+            for (i, s) in saved.iter().enumerate() {
+                v[2 + i] = d.delete.contains(s) as i32 as f32;
+            }
+        }
+        let mut flags = Tensor::from_slice(&v).to_device(device);
+        comm.all_reduce_sum(&mut flags)?;
+        let got = Vec::<f32>::try_from(&flags.to_device(Device::Cpu))?;
+        let delete = saved.iter().zip(&got[2..]).filter(|(_, &d)| d > 0.0).map(|(&s, _)| s).collect();
+        Ok(Decision { save: got[0] > 0.0, fail: got[1] > 0.0, delete })
+    }
+
+    /// A failure struck after `done` steps at training time `now`: the work
+    /// since the last checkpoint is lost, and every rank goes back to it.
+    /// `synchronized` waits for the device and forgets what was measured
+    /// after the restored step; `elapsed` is the training clock. Returns
+    /// the step training goes on from.
+    pub fn fail(
+        &mut self,
+        t: &mut Training,
+        batch: &mut Batch,
+        done: u64,
+        now: Duration,
+        synchronized: &mut dyn FnMut(u64) -> Duration,
+    ) -> Result<u64> {
+        t.strategies.compressor.finish()?;
+        let t0 = Instant::now();
+        let loaded;
+        let snap = match self.history.saved.last() {
+            Some(&s) => {
+                loaded = self.store.as_ref().context("a checkpoint without a store")?.read(s)?;
+                &loaded
+            }
+            None => self.initial.as_ref().context("no initial state to restart from")?,
+        };
+        let c = snap.position.step;
+        restore(t, batch, snap).with_context(|| format!("restoring the checkpoint of step {c} after the failure at step {done}"))?;
+        batch.rewind(c, false);
+        let resumed_at = synchronized(c);
+        let restore_s = t0.elapsed().as_secs_f64();
+        let lost_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
+        self.at_risk_since = resumed_at;
+        self.history.failures.push(done);
+        self.record.failures.push(FailureRecord { step: done, restored_to: c, lost_s, restore_s });
+        self.record.time_lost_s += lost_s + restore_s;
+        Ok(c)
+    }
+
+    /// Writes the checkpoint of `done` steps on every rank and commits it
+    /// on rank 0 once every part is durable. `synchronize` waits for the
+    /// device; `elapsed` reads the training clock afterwards.
+    pub fn save(
+        &mut self,
+        t: &mut Training,
+        batch: &Batch,
+        done: u64,
+        comm: &mut dyn Collective,
+        synchronize: &dyn Fn(),
+        elapsed: &dyn Fn() -> Duration,
+    ) -> Result<()> {
+        let store = self.store.as_ref().context("the checkpoint policy `none` asked to save")?;
+        let t0 = Instant::now();
+        synchronize();
+        let (rank, device) = (t.rank, t.device);
+        let at = batch.position(done, t.data.position());
+        let written = state(t).capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
+        // Every rank's part is durable before rank 0 makes it a checkpoint.
+        let all_ok = ranks_agree(comm, written.is_ok(), device)?;
+        let bytes = written.with_context(|| format!("writing the checkpoint of step {done}"))?;
+        anyhow::ensure!(all_ok, "another rank failed to write its part of the checkpoint of step {done}");
+        if rank == 0 {
+            store.commit(at).with_context(|| format!("committing the checkpoint of step {done}"))?;
+        }
+        ranks_agree(comm, true, device)?;
+        let cost = t0.elapsed().as_secs_f64();
+        self.history.saved.push(done);
+        self.history.last_cost_s = Some(cost);
+        self.at_risk_since = elapsed();
+        self.record.checkpoints.push(CheckpointRecord { step: done, cost_s: cost, bytes, deleted: Vec::new() });
+        self.record.checkpoint_time_s += cost;
+        Ok(())
+    }
+
+    /// Deletes the checkpoints of `steps` (rank 0 deletes the files).
+    pub fn delete(&mut self, steps: &[u64], rank: usize) -> Result<()> {
+        for &d in steps {
+            if rank == 0 {
+                self.store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?;
+            }
+            self.history.saved.retain(|&s| s != d);
+            if let Some(c) = self.record.checkpoints.last_mut() {
+                c.deleted.push(d);
+            }
+        }
+        Ok(())
+    }
+
+    /// The entry finished: its checkpoints served a run that has not
+    /// finished, so rank 0 removes them. Returns the record when the
+    /// entry's results carry one.
+    pub fn finish(self, ctx: &EntryContext<'_>, rank: usize) -> Option<ResilienceRecord> {
+        if let (Some(_), 0) = (&self.store, rank) {
+            let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
+        }
+        let tracked = self.tracked();
+        tracked.then_some(self.record)
+    }
+}
+
+/// The training state a snapshot is taken of and restored into.
+fn state(t: &mut Training) -> TrainState<'_> {
+    TrainState {
+        names: &t.names,
+        params: &t.params,
+        optimizer: &mut t.optimizer,
+        scaler: t.scaler.as_mut(),
+        strategies: &mut t.strategies,
+        device: t.device,
+    }
+}
+
+/// Puts `snap` back: the training state, the data stream's position and
+/// the batch in force.
+fn restore(t: &mut Training, batch: &mut Batch, snap: &Snapshot) -> Result<()> {
+    state(t).restore(snap)?;
+    t.data.seek(snap.position.data_position);
+    batch.restore(&snap.position);
+    t.forget_in_flight();
+    Ok(())
+}
 
 /// When injected failures strike.
 pub struct FaultClock {

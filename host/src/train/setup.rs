@@ -1,0 +1,223 @@
+//! What trains: an entry's model, parameters, data, data-parallel buckets,
+//! optimizer, loss scaler, strategies and precision, set up in the order
+//! that makes every rank start from the same state.
+
+use anyhow::Result;
+use tch::{nn, Device, Kind, Tensor};
+
+use super::data::{self, Data};
+use super::dp::{self, DataParallel};
+use super::model::{Model, ModelConfig};
+use super::oom::OomGuard;
+use super::optim::{LossScaler, Optimizer};
+use super::record::Pending;
+use super::EntryContext;
+use crate::comm::Collective;
+use crate::kernels;
+use crate::strategy::Strategies;
+use crate::suite::{ModelKind, Precision};
+use crate::torch_ext::{self, AutocastDevice};
+
+/// Turns autocast off again when an entry ends, however it ends.
+pub struct AutocastGuard(Option<AutocastDevice>);
+
+impl AutocastGuard {
+    fn set(device: Device, precision: Precision) -> Result<AutocastGuard> {
+        let ac = if device.is_cuda() { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
+        let kind = match precision {
+            Precision::Fp32 => return Ok(AutocastGuard(None)),
+            Precision::Bf16 => Kind::BFloat16,
+            Precision::Fp16 => Kind::Half,
+        };
+        torch_ext::set_autocast(ac, Some(kind))?;
+        Ok(AutocastGuard(Some(ac)))
+    }
+
+    pub fn on(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        if let Some(d) = self.0 {
+            let _ = torch_ext::set_autocast(d, None);
+        }
+    }
+}
+
+/// Everything that trains in one entry on one rank.
+pub struct Training {
+    pub cfg: ModelConfig,
+    /// Owns the parameters (`params` are handles to its variables).
+    _vs: nn::VarStore,
+    pub model: Model,
+    /// Parameter names and tensors, sorted by name (the same on every rank).
+    pub names: Vec<String>,
+    pub params: Vec<Tensor>,
+    pub n_params: i64,
+    pub data: Data,
+    /// The fixed evaluation batches.
+    pub eval_set: Vec<data::Batch>,
+    /// Gradient buckets, optionally sharded (ZeRO); private so that only
+    /// [`Training::step`] drives its protocol.
+    pub(super) dp: DataParallel,
+    /// What the optimizer updates: the parameters, or this rank's shard.
+    pub(super) targets: Vec<Tensor>,
+    pub optimizer: Optimizer,
+    pub scaler: Option<LossScaler>,
+    pub strategies: Strategies,
+    pub device: Device,
+    pub rank: usize,
+    pub world: usize,
+    pub precision: Precision,
+    pub grad_clip: Option<f64>,
+    pub(super) autocast: AutocastGuard,
+    /// bf16 on CUDA: the loss and its gradient come from one fused kernel.
+    pub fused_ce: bool,
+    /// Whether the batch policy gets gradient statistics.
+    pub(super) grad_stats: bool,
+    /// Whether the built-in all-reduce overlaps the backward pass.
+    pub overlapped: bool,
+    pub(super) oom: OomGuard,
+    /// The largest gradient memory seen (ZeRO-2 releases buffers).
+    pub gradient_bytes: u64,
+    /// Gradient statistics for the batch policy, on their way to the host.
+    pub(super) stats_in_flight: Option<Pending>,
+}
+
+impl Training {
+    /// Sets up an entry on this rank: every rank's model starts from rank
+    /// 0's parameters; each rank draws its own samples.
+    pub fn new(ctx: &EntryContext<'_>, comm: &mut dyn Collective) -> Result<Training> {
+        let w = ctx.workload;
+        let device = ctx.device;
+        // The encoder reads vectors of its own width.
+        let cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
+        let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
+        let (vs, model, names, params) = init_model(&cfg, ctx.entry.seed, device);
+        if world > 1 {
+            tch::no_grad(|| -> Result<()> {
+                for p in &params {
+                    comm.broadcast(&mut p.shallow_clone(), 0)?;
+                }
+                Ok(())
+            })?;
+        }
+        let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
+        // Gradients live in flat buckets (views into one buffer per bucket,
+        // DDP's gradient_as_bucket_view), handed to the compressor as they
+        // are, on one rank too: the compressor's cost is part of the
+        // strategy, and the built-in all-reduce returns at once with one
+        // rank. Optionally sharded (ZeRO).
+        let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
+        let mut dp = tch::no_grad(|| DataParallel::new(&params, ctx.bucket_bytes, stage, rank, world))?;
+        let (targets, decay) = dp.update_targets(&params);
+        let optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
+        let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
+        let mut strategies =
+            Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
+        // A batch policy that asks for them (`wants-gradient-stats`, asked
+        // once here) gets gradient statistics (the two-batch-size estimate
+        // of the gradient noise scale needs the local and the averaged
+        // gradient's squared norms): they need the local gradient before the
+        // all-reduce, so they turn the overlap off, and cost a norm pass and
+        // a read-back a step.
+        let grad_stats = strategies.batch.wants_gradient_stats()? && !dp.sharded();
+        let oom =
+            OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
+        // The built-in all-reduce over NCCL overlaps with the backward pass
+        // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
+        let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats && !oom.agree;
+        let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
+        // Precision: autocast as torch.autocast does it; weights stay fp32.
+        let autocast = AutocastGuard::set(device, w.precision)?;
+        let fused_ce = fused_cross_entropy(device, w.precision, w.model.kind);
+        let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
+        Ok(Training {
+            cfg,
+            _vs: vs,
+            model,
+            names,
+            params,
+            n_params,
+            data,
+            eval_set,
+            dp,
+            targets,
+            optimizer,
+            scaler,
+            strategies,
+            device,
+            rank,
+            world,
+            precision: w.precision,
+            grad_clip: w.grad_clip,
+            autocast,
+            fused_ce,
+            grad_stats,
+            overlapped,
+            oom,
+            gradient_bytes: 0,
+            stats_in_flight: None,
+        })
+    }
+
+    /// Whether parameters and gradients are sharded across ranks (ZeRO).
+    pub fn sharded(&self) -> bool {
+        self.dp.sharded()
+    }
+
+    /// Gradient bucket sizes (for results of multi-rank entries).
+    pub fn bucket_bytes(&self) -> Vec<u64> {
+        self.dp.bucket_bytes()
+    }
+
+    /// Mean loss over the fixed eval set (no gradients, no dropout).
+    pub fn evaluate(&self) -> Result<f64> {
+        let mut total: Option<Tensor> = None;
+        for b in &self.eval_set {
+            let l = tch::no_grad(|| self.model.loss(&b.input, &b.target, false)).to_kind(Kind::Double);
+            if self.autocast.on() {
+                torch_ext::autocast_clear_cache()?;
+            }
+            total = Some(match total {
+                Some(t) => t + l,
+                None => l,
+            });
+        }
+        Ok(total.map_or(f64::NAN, |t| t.double_value(&[]) / self.eval_set.len() as f64))
+    }
+}
+
+/// The model from the entry's seed, parameters sorted by name. libtorch's
+/// generator is global to the process: thread ranks take turns so that each
+/// initialisation sees exactly the entry's seed.
+fn init_model(cfg: &ModelConfig, seed: u64, device: Device) -> (nn::VarStore, Model, Vec<String>, Vec<Tensor>) {
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let (vs, model) = {
+        let _turn = INIT.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(seed as i64);
+        let vs = nn::VarStore::new(device);
+        let model = Model::new(&vs.root(), cfg);
+        (vs, model)
+    };
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let (names, params) = named.into_iter().unzip();
+    (vs, model, names, params)
+}
+
+/// Whether the fused bf16 cross-entropy kernel serves this entry.
+fn fused_cross_entropy(device: Device, precision: Precision, kind: ModelKind) -> bool {
+    let cuda = device.is_cuda();
+    let fused = cuda && precision == Precision::Bf16 && kind != ModelKind::Encoder && kernels::available();
+    if cuda && precision == Precision::Bf16 && !fused {
+        if let Some(why) = kernels::unavailable_reason() {
+            eprintln!("warning: fused cross-entropy unavailable ({why}); using libtorch's");
+        }
+    }
+    fused
+}

@@ -1,0 +1,237 @@
+//! One training step, and the data-parallel protocol inside it: the forward
+//! and backward passes (with gradient accumulation and the all-reduce
+//! overlapped with the backward pass), the compressor's reduction of the
+//! gradient buckets, the optimizer update and, under ZeRO, the gathering of
+//! the parameters. Callers see one call, [`Training::step`], so the order of
+//! the data-parallel calls cannot be got wrong.
+
+use anyhow::{Context, Result};
+use tch::Tensor;
+
+use super::batch::Batch;
+use super::dp;
+use super::model;
+use super::record::Pending;
+use super::setup::Training;
+use crate::comm::{any_rank, Collective};
+use crate::kernels;
+use crate::measure::{Phase, PhaseTimer};
+use crate::torch_ext;
+
+/// What a step did.
+pub enum Stepped {
+    /// It ran out of memory; nothing was updated and the step is to be
+    /// retried with a smaller batch. `emulated`: by `faults.oom_above_batch`.
+    OutOfMemory {
+        emulated: bool,
+    },
+    Trained(Trained),
+}
+
+/// A step that trained.
+pub struct Trained {
+    /// The step's loss, still on the device.
+    pub loss: Option<Tensor>,
+    pub tokens: u64,
+    pub samples: u64,
+    /// For a batch policy that wants them: (mean over ranks of the local
+    /// squared gradient norm, squared norm of the average), of the previous
+    /// step (read a step late, as the loss is).
+    pub grad_stats: Option<(f64, f64)>,
+}
+
+impl Training {
+    /// Trains one step of `batch` at learning rate `lr`; `step` counts from 0.
+    pub fn step(&mut self, comm: &mut dyn Collective, batch: &Batch, timer: &mut PhaseTimer, step: u64, lr: f64) -> Result<Stepped> {
+        self.dp.begin_step();
+        let emulated = self.oom.emulated(batch.micro_batch);
+        let mut out = Trained { loss: None, tokens: 0, samples: 0, grad_stats: None };
+        let guard = self.oom;
+        let mut oom = emulated || guard.catch(|| self.passes(comm, batch, timer, &mut out))?;
+        if guard.agree {
+            oom = any_rank(comm, oom, self.device)?;
+        }
+        if oom {
+            // Drop the step: nothing was reduced or updated.
+            timer.stop()?;
+            self.dp.disarm_overlap();
+            if self.autocast.on() {
+                torch_ext::autocast_clear_cache()?;
+            }
+            timer.begin_step(false);
+            timer.end_step()?;
+            return Ok(Stepped::OutOfMemory { emulated });
+        }
+        self.dp.check_grads(&self.params)?;
+        let (grads, check) = self.communicate(comm, timer, step, &mut out)?;
+        self.update(comm, timer, grads, check, step, lr)?;
+        Ok(Stepped::Trained(out))
+    }
+
+    /// Forward and backward over the step's micro-batches, accumulating
+    /// the gradients in the buckets.
+    fn passes(&mut self, comm: &mut dyn Collective, batch: &Batch, timer: &mut PhaseTimer, out: &mut Trained) -> Result<()> {
+        let accum = batch.accum_steps;
+        for micro in 0..accum {
+            timer.start(Phase::Data)?;
+            let b = self.data.next_train(batch.micro_batch as usize);
+            timer.stop()?;
+            timer.start(Phase::Forward)?;
+            let (loss, seed) = match self.model.forward(&b.input, &b.target, true) {
+                model::Output::Logits { logits, target } if self.fused_ce => {
+                    let scale = self.scaler.as_ref().map(|s| &s.scale);
+                    let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / accum as f32, scale)?;
+                    (loss, Some((logits, grad)))
+                }
+                model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
+                model::Output::Loss(l) => (l, None),
+            };
+            if self.autocast.on() {
+                torch_ext::autocast_clear_cache()?;
+            }
+            timer.stop()?;
+            // ZeRO-2 allocates its released gradient buffers here, outside
+            // the backward phase (the other stages zero theirs at step start).
+            self.dp.before_backward(&self.params)?;
+            self.dp.arm_overlap(comm, micro + 1 == accum);
+            timer.start(Phase::Backward)?;
+            match seed {
+                Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
+                None => {
+                    let mut scaled = if accum > 1 { &loss / accum as f64 } else { loss.shallow_clone() };
+                    if let Some(s) = &self.scaler {
+                        scaled = &scaled * &s.scale;
+                    }
+                    scaled.backward();
+                }
+            }
+            self.dp.disarm_overlap();
+            timer.stop()?;
+            let l = if accum > 1 { loss.detach() / accum as f64 } else { loss.detach() };
+            out.loss = Some(match out.loss.take() {
+                Some(acc) => acc + l,
+                None => l,
+            });
+            out.tokens += b.tokens as u64;
+            out.samples += b.samples as u64;
+        }
+        Ok(())
+    }
+
+    /// The compressor reduces the gradient buckets across ranks. Returns
+    /// the reduced gradients and how the compressor's output is still to
+    /// be checked for NaN/inf.
+    fn communicate(
+        &mut self,
+        comm: &mut dyn Collective,
+        timer: &mut PhaseTimer,
+        step: u64,
+        out: &mut Trained,
+    ) -> Result<(Vec<Tensor>, OutputCheck)> {
+        let sharded = self.dp.sharded();
+        let local_sq = if self.grad_stats { Some(self.dp.grad_sq_norm()?) } else { None };
+        // A plugin compressor's output is checked for NaN/inf through a norm
+        // of the reduced gradients, the one computed anyway if there is one
+        // (clipping, the batch policy's statistics). Else, on a device,
+        // through their sum (one pass, read a step later); on the CPU, each
+        // bucket is scanned directly as the compressor hands it back.
+        let check = self.strategies.compressor.checks_output() && !sharded;
+        let scan = check && !self.device.is_cuda() && self.grad_clip.is_none() && !self.grad_stats;
+        timer.start(Phase::Communicate)?;
+        if sharded {
+            self.dp
+                .reduce(&self.params, self.strategies.compressor.as_mut(), comm, step, false)
+                .context("the reduce-scatter of the gradients failed")?;
+        } else {
+            self.dp.reduce(&self.params, self.strategies.compressor.as_mut(), comm, step, scan)?;
+        }
+        timer.stop()?;
+        let grads = self.dp.grads()?;
+        // The statistics are copied to the host behind an event and read a
+        // step later, as the loss is, so that no step waits for the device.
+        let stats_prev = self.stats_in_flight.take();
+        let mut global_sq = None;
+        if let Some(mut local) = local_sq {
+            let global = self.dp.grad_sq_norm()?;
+            global_sq = Some(global.shallow_clone());
+            if self.world > 1 {
+                comm.all_reduce_sum(&mut local)?;
+            }
+            let pair = Tensor::cat(&[local / self.world as f64, global], 0);
+            self.stats_in_flight = Some(Pending::start(step, 0.0, &pair)?);
+        }
+        out.grad_stats = stats_prev.map(|p| p.read_pair()).transpose()?;
+        let check = match (check, scan) {
+            (true, false) => OutputCheck::ByNorm(global_sq),
+            _ => OutputCheck::Done,
+        };
+        Ok((grads, check))
+    }
+
+    /// Loss scaling, clipping, the check of the compressor's output and the
+    /// optimizer step; under ZeRO, every rank then gathers the parameters.
+    fn update(
+        &mut self,
+        comm: &mut dyn Collective,
+        timer: &mut PhaseTimer,
+        grads: Vec<Tensor>,
+        check: OutputCheck,
+        step: u64,
+        lr: f64,
+    ) -> Result<()> {
+        let sharded = self.dp.sharded();
+        timer.start(Phase::Optimizer)?;
+        if let Some(s) = &mut self.scaler {
+            s.unscale(&grads)?;
+            if sharded {
+                // Each rank saw only its shard: skip the step everywhere if
+                // any rank overflowed (the kernels skip on exactly 1).
+                comm.all_reduce_sum(&mut s.found_inf)?;
+                let _ = s.found_inf.clamp_max_(1.0);
+            }
+        }
+        let mut clip_norm = None;
+        if let Some(max) = self.grad_clip {
+            if sharded {
+                let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, self.device)?;
+            } else {
+                clip_norm = Some(torch_ext::clip_grad_norm(&grads, Some(max))?);
+            }
+        }
+        if let OutputCheck::ByNorm(global_sq) = check {
+            let norm = match clip_norm.or(global_sq) {
+                Some(n) => n,
+                None => self.dp.grad_checksum(),
+            };
+            let dp = &self.dp;
+            self.strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
+        }
+        self.optimizer.step(&self.targets, &grads, lr, self.scaler.as_ref().map(|s| &s.found_inf))?;
+        if let Some(s) = &mut self.scaler {
+            s.update();
+        }
+        timer.stop()?;
+        drop(grads);
+        self.gradient_bytes = self.gradient_bytes.max(self.dp.gradient_bytes());
+        if sharded {
+            timer.start(Phase::Communicate)?;
+            self.dp.gather_params(comm).context("gathering the parameters failed")?;
+            timer.stop()?;
+        }
+        Ok(())
+    }
+
+    /// After a restore: statistics in flight belong to the lost steps.
+    pub fn forget_in_flight(&mut self) {
+        self.stats_in_flight = None;
+    }
+}
+
+/// How the compressor's output is checked after the reduction.
+enum OutputCheck {
+    /// Scanned bucket by bucket during the reduction, or not checked.
+    Done,
+    /// Through a norm of the reduced gradients: the clipping norm, else the
+    /// given squared norm, else a checksum.
+    ByNorm(Option<Tensor>),
+}

@@ -1,0 +1,122 @@
+//! A compressor that attacks the sandbox, written against the public
+//! contract only, for the host's tests of the guarantees in
+//! docs/plugin-sdk.md ("What the sandbox guarantees"). It averages the
+//! bucket like `allreduce` and, depending on `mode`, first:
+//!
+//! - `sleep`: sleeps for an hour through WASI (a blocking clock `poll`);
+//! - `huge-zeros`: asks for a 16 GiB tensor in one host op;
+//! - `broadcast`: adds a 100,000 x 1 and a 1 x 100,000 tensor (40 GB of
+//!   output from 800 KB of inputs);
+//! - `slow-matmul`: multiplies two 2,500 x 2,500 matrices (31 GFLOP);
+//! - `hoard-views`: keeps a one-element view of a new 16 MiB tensor, and
+//!   of a random permutation of 4 M indices, every call;
+//! - `mismatch`: rank 0 all-reduces while rank 1 all-gathers;
+//! - `mismatch-broadcast`: rank 0 all-reduces while rank 1 broadcasts;
+//! - `diverge`: adds its rank to the averaged bucket (replicas drift);
+//! - `log-flood`: logs 200,000 lines, one 8 MiB line and lines with ANSI
+//!   escapes and newlines that imitate harness's own output;
+//! - `stderr-then-panic`: writes 1 MiB to stderr, then panics;
+//! - `exit`: calls `exit(0)` (meant for the native build: the host
+//!   process ends).
+//!
+//! `at = "configure"` moves `sleep` into `configure`.
+
+use harness_sdk::{log, tensor, BucketInfo, Collective, Compressor, Config, Dtype, Error, Plugin, Tensor};
+
+const MODES: [&str; 13] = [
+    "ok",
+    "sleep",
+    "huge-zeros",
+    "broadcast",
+    "slow-matmul",
+    "hoard-views",
+    "mismatch",
+    "mismatch-broadcast",
+    "diverge",
+    "log-flood",
+    "stderr-then-panic",
+    "exit",
+    "none",
+];
+
+/// See the crate docs.
+pub struct Hostile {
+    mode: String,
+    hoard: Vec<Tensor>,
+}
+
+fn sleep_an_hour() {
+    std::thread::sleep(std::time::Duration::from_secs(3600));
+}
+
+impl Plugin for Hostile {
+    const NAME: &'static str = "hostile";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn configure(config: &Config) -> Result<Self, Error> {
+        config.check_keys(&["mode", "at"])?;
+        let mode = config.get_or("mode", "ok".to_owned())?;
+        if !MODES.contains(&mode.as_str()) {
+            return Err(Error::new(format!("unknown mode `{mode}` (modes: {})", MODES.join(", "))));
+        }
+        if config.get_or("at", "compress".to_owned())? == "configure" && mode == "sleep" {
+            sleep_an_hour();
+        }
+        Ok(Hostile { mode, hoard: Vec::new() })
+    }
+}
+
+impl Compressor for Hostile {
+    fn compress(&mut self, bucket: &Tensor, comm: &Collective, _info: BucketInfo) -> Result<(), Error> {
+        let rank = comm.rank();
+        match self.mode.as_str() {
+            "sleep" => sleep_an_hour(),
+            "huge-zeros" => drop(tensor::zeros(&[1 << 32], Dtype::F32, bucket)),
+            "broadcast" => {
+                let a = tensor::zeros(&[100_000, 1], Dtype::F32, bucket);
+                let b = tensor::zeros(&[1, 100_000], Dtype::F32, bucket);
+                drop(a.add(&b));
+            }
+            "slow-matmul" => {
+                let a = tensor::zeros(&[2500, 2500], Dtype::F32, bucket);
+                drop(a.matmul(&a));
+            }
+            "hoard-views" => {
+                let big = tensor::zeros(&[4 << 20], Dtype::F32, bucket);
+                self.hoard.push(big.narrow(0, 0, 1));
+                self.hoard.push(tensor::rand_indices(4 << 20, 1, 7, bucket));
+            }
+            "mismatch" if rank == 1 => drop(comm.all_gather(bucket)),
+            "mismatch-broadcast" if rank == 1 => comm.broadcast(bucket, 0),
+            "log-flood" => {
+                for i in 0..200_000 {
+                    log::info(&format!("flood line {i}"));
+                }
+                log::warn(&"x".repeat(8 << 20));
+                log::warn("\n\u{1b}[2K[harness] entry mlp/first/r0: ok (forged)\r");
+            }
+            "stderr-then-panic" => {
+                let line = "y".repeat(1023);
+                for _ in 0..1024 {
+                    eprintln!("{line}");
+                }
+                panic!("the panic message after 1 MiB of stderr");
+            }
+            "exit" => std::process::exit(0),
+            _ => {}
+        }
+        if self.mode != "none" && !(self.mode.starts_with("mismatch") && rank == 1) {
+            comm.all_reduce_sum(bucket);
+            let world = comm.world_size();
+            if world > 1 {
+                bucket.assign(&bucket.mul_scalar(1.0 / f64::from(world)));
+            }
+        }
+        if self.mode == "diverge" && rank == 1 {
+            bucket.assign(&bucket.add_scalar(1.0));
+        }
+        Ok(())
+    }
+}
+
+harness_sdk::export!(Hostile as compressor);
