@@ -85,5 +85,5 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, untime
         });
         println!("{out}");
     }
-    Ok(crate::cli::exit::OK)
+    Ok(crate::exit::OK)
 }

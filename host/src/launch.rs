@@ -95,7 +95,7 @@ pub fn launch_local_ranks(world: usize, args: &[std::ffi::OsString]) -> anyhow::
     for mut ch in children {
         let status = ch.wait()?;
         if code == 0 && !status.success() {
-            code = status.code().unwrap_or(crate::cli::exit::ERROR);
+            code = status.code().unwrap_or(crate::exit::ERROR);
         }
     }
     Ok(code)
@@ -580,7 +580,7 @@ impl Watchdog {
                     );
                     eprintln!("harness: {msg}; stopping this rank");
                     on_fire(&msg);
-                    std::process::exit(crate::cli::exit::ERROR);
+                    std::process::exit(crate::exit::ERROR);
                 }
             }
         });

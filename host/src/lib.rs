@@ -11,6 +11,7 @@ pub mod bench;
 pub mod cli;
 pub mod comm;
 pub mod device;
+pub mod exit;
 pub mod kernels;
 pub mod launch;
 pub mod measure;
