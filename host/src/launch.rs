@@ -12,6 +12,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
+use crate::fmt::{human, short};
+use crate::oom::is_oom_message;
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
 use crate::suite::{PlanEntry, Suite};
@@ -603,10 +605,6 @@ impl Watchdog {
     }
 }
 
-fn short(s: &str) -> &str {
-    &s[..s.len().min(12)]
-}
-
 /// libtorch errors arrive as panics of tch with a C++ backtrace; keep the
 /// first line that says what happened.
 fn clean_panic(msg: &str) -> String {
@@ -614,7 +612,7 @@ fn clean_panic(msg: &str) -> String {
     // tch formats its error with Debug: Torch("first line\nException raised...").
     let msg = msg.strip_prefix("Torch(\"").map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
     let first = msg.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("panic");
-    if first.contains("out of memory") {
+    if is_oom_message(first) {
         format!("out of memory: {first}")
     } else {
         first.to_owned()
@@ -652,18 +650,5 @@ fn update_bar(bar: &ProgressBar, p: &Progress, last_print: &mut std::time::Insta
     if !quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
         *last_print = std::time::Instant::now();
         eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
-    }
-}
-
-/// 12345.6 -> "12.3k".
-pub fn human(x: f64) -> String {
-    if x >= 1e9 {
-        format!("{:.2}G", x / 1e9)
-    } else if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else if x >= 1e3 {
-        format!("{:.1}k", x / 1e3)
-    } else {
-        format!("{x:.1}")
     }
 }

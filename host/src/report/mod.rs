@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
-use crate::launch::human;
+use crate::fmt::human;
 use crate::results::{EntryStatus, Metrics, RunResult};
 use stats::{Summary, Verdict};
 
