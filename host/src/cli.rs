@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::device;
 use crate::launch::{self, RunOptions};
+use crate::ranks::{self, RankEnv};
 use crate::report;
 use crate::results::{self, EntryStatus};
 use crate::suite::{Suite, DEFAULT_SUITE};
@@ -219,7 +220,8 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             if untimed {
                 args.push("--untimed".into());
             }
-            crate::bench::allreduce(&buckets, world, iters, side_stream, untimed, &args)
+            let rank_env = RankEnv::from_env()?;
+            crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &args)
         }
         Command::Plugin(PluginCommand::Bench { paths, calls, evict_mb }) => {
             let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
@@ -285,12 +287,12 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         })?,
         (None, false) => results::default_path(&args.results_dir, name),
     };
-    let is_follower = launch::RankEnv::from_env()?.is_some_and(|e| e.rank != 0);
-    if !args.resume && out.exists() && !is_follower {
+    let rank_env = RankEnv::from_env()?;
+    let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
+    if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
     }
     let world = suite.spec.suite.world_size as usize;
-    let rank_env = launch::RankEnv::from_env()?;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
         // One process per GPU, each joining as a rank; rank 0 writes `out`.
         let mut child_args: Vec<std::ffi::OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.clone().into()];
@@ -300,10 +302,10 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         if args.quiet {
             child_args.push("--quiet".into());
         }
-        return launch::launch_local_ranks(world, &child_args);
+        return ranks::launch_local_ranks(world, &child_args);
     }
-    let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
-    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower })?;
+    let opts = RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower, ranks: rank_env };
+    let result = launch::run_suite(&suite, &opts)?;
     if follower {
         return Ok(exit::OK);
     }

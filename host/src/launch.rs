@@ -14,6 +14,7 @@ use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::device;
 use crate::fmt::{human, short};
 use crate::oom::is_oom_message;
+use crate::ranks::{nccl_join, RankEnv, Watchdog};
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
 use crate::suite::{PlanEntry, Suite};
@@ -27,80 +28,12 @@ pub struct RunOptions {
     pub resume: bool,
     /// Show no progress bar.
     pub quiet: bool,
+    /// This process's place among the ranks, when started as one of several.
+    pub ranks: Option<RankEnv>,
 }
 
 thread_local! {
     static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
-}
-
-/// This process's place among ranks started by a launcher: torchrun's
-/// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
-/// Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR and
-/// MASTER_PORT set by the job script).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RankEnv {
-    pub rank: usize,
-    pub world: usize,
-    pub local_rank: usize,
-    pub master_addr: String,
-    pub master_port: u16,
-}
-
-impl RankEnv {
-    /// Reads the launcher variables; None when this process was not started
-    /// as one rank of several.
-    pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
-        let var = |k: &str| std::env::var(k).ok();
-        let (rank, world, local) = match (var("RANK"), var("WORLD_SIZE")) {
-            (Some(r), Some(w)) => (r, w, var("LOCAL_RANK").unwrap_or_else(|| "0".into())),
-            _ => match (var("SLURM_PROCID"), var("SLURM_NTASKS")) {
-                (Some(r), Some(w)) => (r, w, var("SLURM_LOCALID").unwrap_or_else(|| "0".into())),
-                _ => return Ok(None),
-            },
-        };
-        let num = |name: &str, v: &str| v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"));
-        let master_addr = var("MASTER_ADDR").ok_or_else(|| anyhow::anyhow!("launched as rank {rank} but MASTER_ADDR is not set\nhint: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every rank"))?;
-        let port = var("MASTER_PORT").unwrap_or_else(|| "29500".into());
-        Ok(Some(RankEnv {
-            rank: num("RANK", &rank)?,
-            world: num("WORLD_SIZE", &world)?,
-            local_rank: num("LOCAL_RANK", &local)?,
-            master_addr,
-            master_port: port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port"))?,
-        }))
-    }
-}
-
-/// Starts one process per local GPU, each a rank of `world` with torchrun's
-/// variables, and waits for all; rank 0 writes the result file. Returns the
-/// exit code of the first rank that failed (or 0).
-pub fn launch_local_ranks(world: usize, args: &[std::ffi::OsString]) -> anyhow::Result<i32> {
-    let gpus = device::gpu_count();
-    anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let exe = std::env::current_exe()?;
-    let mut children = Vec::new();
-    for r in 0..world {
-        let mut c = std::process::Command::new(&exe);
-        c.args(args)
-            .env("RANK", r.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string());
-        if r > 0 {
-            c.stdout(std::process::Stdio::null());
-        }
-        children.push(c.spawn()?);
-    }
-    let mut code = 0;
-    for mut ch in children {
-        let status = ch.wait()?;
-        if code == 0 && !status.success() {
-            code = status.code().unwrap_or(crate::exit::ERROR);
-        }
-    }
-    Ok(code)
 }
 
 /// Runs every planned entry that `out` lacks; returns the final result.
@@ -114,7 +47,7 @@ pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
 pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
     let world = meta.world_size as usize;
-    let rank_env = RankEnv::from_env()?;
+    let rank_env = &opts.ranks;
     let (rank, local_rank) = rank_env.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
     let device = device::select(meta.device, local_rank)?;
     let dist = device.is_cuda() && world > 1;
@@ -163,13 +96,8 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     };
     let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
     // Ranks of a multi-GPU run agree on the entries through rank 0's store.
-    let store = match (&rank_env, dist) {
-        (Some(env), true) => {
-            if rank == 0 {
-                rendezvous::serve(&format!("0.0.0.0:{}", env.master_port))?;
-            }
-            Some(rendezvous::Client { addr: format!("{}:{}", env.master_addr, env.master_port), rank, timeout })
-        }
+    let store = match (rank_env, dist) {
+        (Some(env), true) => Some(env.rendezvous(timeout)?),
         _ => None,
     };
     let done = result.done_ids();
@@ -440,36 +368,6 @@ fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, Str
     Ok(out)
 }
 
-/// One rank of a multi-GPU entry: NCCL communicator from rank 0's unique
-/// id, training, then figures to rank 0 through the store. Rendezvous
-/// failures end the run (`Err`); training failures fail the entry.
-/// Joins an NCCL communicator: rank 0 makes the unique id and publishes it
-/// under `key` in the store, the others read it.
-pub fn nccl_join(
-    store: &rendezvous::Client,
-    key: &str,
-    rank: usize,
-    world: usize,
-    link: Option<Link>,
-    device: tch::Device,
-) -> anyhow::Result<crate::comm::nccl::NcclComm> {
-    use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
-    let id = if rank == 0 {
-        let id = unique_id()?;
-        store.set(key, &id.0.iter().map(|&b| b as u8).collect::<Vec<u8>>())?;
-        id
-    } else {
-        let bytes = store.get(key)?;
-        anyhow::ensure!(bytes.len() == 128, "the NCCL id from rank 0 has {} bytes, not 128", bytes.len());
-        let mut id = UniqueId([0; 128]);
-        for (d, s) in id.0.iter_mut().zip(&bytes) {
-            *d = *s as std::ffi::c_char;
-        }
-        id
-    };
-    NcclComm::new(id, rank, world, link, device)
-}
-
 fn run_nccl(
     ctx: &EntryContext<'_>,
     store: &rendezvous::Client,
@@ -509,100 +407,6 @@ fn run_nccl(
         });
     }
     Ok(combine(out, &others, world))
-}
-
-/// Watches a rank's progress during a multi-GPU entry. Each rank publishes
-/// its step to the rendezvous every two seconds; when a rank's own steps stop
-/// for longer than the collective timeout (a peer died or hangs, so an NCCL
-/// collective never completes), the watchdog names the ranks whose published
-/// step is behind or missing, records the failed entry (rank 0) and ends the
-/// process: a CUDA context stuck in a collective cannot be recovered in place
-/// (ncclCommAbort left it with an illegal-address error on the H200s, and
-/// libtorch then aborted), which is also how PyTorch's NCCL watchdog ends.
-struct Watchdog {
-    state: std::sync::Arc<WatchState>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-struct WatchState {
-    t0: std::time::Instant,
-    step: std::sync::atomic::AtomicU64,
-    last_ms: std::sync::atomic::AtomicU64,
-    stop: std::sync::atomic::AtomicBool,
-}
-
-impl Watchdog {
-    fn start(on_fire: Box<dyn FnOnce(&str) + Send>, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
-        use std::sync::atomic::Ordering::SeqCst;
-        let state = std::sync::Arc::new(WatchState {
-            t0: std::time::Instant::now(),
-            step: Default::default(),
-            last_ms: Default::default(),
-            stop: Default::default(),
-        });
-        let (st, entry) = (state.clone(), entry.to_owned());
-        let ms = {
-            let st = st.clone();
-            move || st.t0.elapsed().as_millis() as u64
-        };
-        let thread = std::thread::spawn(move || {
-            let timeout_ms = store.timeout.as_millis() as u64;
-            let beat_key = |r: usize| format!("beat/{entry}/{r}");
-            let mut published = 0u64;
-            while !st.stop.load(SeqCst) {
-                std::thread::sleep(Duration::from_millis(250));
-                let now = ms();
-                if now >= published + 2000 {
-                    published = now;
-                    let _ = store.set(&beat_key(rank), st.step.load(SeqCst).to_string().as_bytes());
-                }
-                let idle = now.saturating_sub(st.last_ms.load(SeqCst));
-                if idle > timeout_ms {
-                    let mine = st.step.load(SeqCst);
-                    let quick = rendezvous::Client { timeout: Duration::from_secs(2), ..store.clone() };
-                    let mut behind = Vec::new();
-                    let mut unreachable = false;
-                    for r in (0..world).filter(|&r| r != rank) {
-                        match quick.get(&beat_key(r)) {
-                            Ok(v) if String::from_utf8_lossy(&v).parse::<u64>().is_ok_and(|s| s + 1 >= mine) => {}
-                            Ok(_) | Err(rendezvous::RendezvousError::Timeout { .. }) => behind.push(r),
-                            Err(_) => unreachable = true,
-                        }
-                    }
-                    let who = if unreachable {
-                        "rank 0 (which serves the rendezvous) is unreachable".to_owned()
-                    } else if behind.is_empty() {
-                        "every rank published a recent step; a collective hangs".to_owned()
-                    } else {
-                        format!("rank(s) {behind:?} stopped making progress")
-                    };
-                    let msg = format!(
-                        "rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}",
-                        idle as f64 / 1e3
-                    );
-                    eprintln!("harness: {msg}; stopping this rank");
-                    on_fire(&msg);
-                    std::process::exit(crate::exit::ERROR);
-                }
-            }
-        });
-        Watchdog { state, thread: Some(thread) }
-    }
-
-    /// Records that a step finished.
-    fn beat(&self, step: u64) {
-        use std::sync::atomic::Ordering::SeqCst;
-        self.state.step.store(step, SeqCst);
-        self.state.last_ms.store(self.state.t0.elapsed().as_millis() as u64, SeqCst);
-    }
-
-    /// Stops watching.
-    fn stop(mut self) {
-        self.state.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// libtorch errors arrive as panics of tch with a C++ backtrace; keep the

@@ -18,6 +18,7 @@ pub mod launch;
 pub mod measure;
 pub mod oom;
 pub mod plugin;
+pub mod ranks;
 pub mod rendezvous;
 pub mod report;
 pub mod results;
