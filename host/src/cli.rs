@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::console::Console;
 use crate::device;
 use crate::launch::{self, RunOptions};
 use crate::ranks::{self, RankEnv};
@@ -304,13 +305,13 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
         return ranks::launch_local_ranks(world, &child_args);
     }
-    let opts = RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower, ranks: rank_env };
-    let result = launch::run_suite(&suite, &opts)?;
+    let mut console = Console::new(args.quiet || follower);
+    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env };
+    let result = launch::run_suite(&suite, &opts, &mut console)?;
     if follower {
         return Ok(exit::OK);
     }
-    println!("{}", report::summary_table(&result));
-    println!("results: {}", out.display());
+    console.summary(&result, &out);
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
     Ok(if failed > 0 { exit::ENTRY_FAILED } else { exit::OK })
 }

@@ -3,17 +3,14 @@
 //! as failed and the run goes on; the result file is rewritten atomically
 //! after every entry, so a killed run keeps what it finished.
 
-use std::cell::RefCell;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
+use crate::console::{clean_panic, last_panic, Console, QuietPanics};
 use crate::device;
-use crate::fmt::{human, short};
-use crate::oom::is_oom_message;
+use crate::fmt::short;
 use crate::ranks::{nccl_join, RankEnv, Watchdog};
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
@@ -26,14 +23,8 @@ pub struct RunOptions {
     pub out: PathBuf,
     /// Continue `out`: run only the entries it lacks.
     pub resume: bool,
-    /// Show no progress bar.
-    pub quiet: bool,
     /// This process's place among the ranks, when started as one of several.
     pub ranks: Option<RankEnv>,
-}
-
-thread_local! {
-    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
 /// Runs every planned entry that `out` lacks; returns the final result.
@@ -44,7 +35,7 @@ pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
     out.with_extension("checkpoints").join(safe)
 }
 
-pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
+pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
     let world = meta.world_size as usize;
     let rank_env = &opts.ranks;
@@ -81,10 +72,10 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             );
         }
         if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
-            eprintln!(
-                "warning: resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
+            console.warning(&format!(
+                "resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
                 opts.out.display()
-            );
+            ));
         }
         r
     } else {
@@ -124,15 +115,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             }
         }
     };
-    if !opts.quiet {
-        eprintln!(
-            "harness: suite `{}` ({} of {} entries to run) on {device_name} -> {}",
-            meta.name,
-            todo.len(),
-            plan.entries.len(),
-            opts.out.display()
-        );
-    }
+    console.run_started(&meta.name, todo.len(), plan.entries.len(), &device_name, &opts.out);
 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let memory_total_bytes = match device {
@@ -164,21 +147,23 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
             checkpoint_dir: checkpoint_dir(&opts.out, &entry.id),
             resume: opts.resume,
         };
-        let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
-        let mut last_print = std::time::Instant::now();
-        let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
         let link = entry.strategy.link;
+        let say = console.rank_stopping();
+        console.entry_started(i + 1, todo.len(), &entry.id, w.steps, w.time_budget_s);
+        let mut on_progress = |p: &Progress| console.progress(p);
         let outcome = if let Some(c) = &store {
-            // What the watchdog writes if this entry hangs on a lost rank.
+            // What the watchdog says, and writes on rank 0, if this entry
+            // hangs on a lost rank.
             let on_fire: Box<dyn FnOnce(&str) + Send> = if writes {
                 let (mut snap, out) = (result.clone(), opts.out.clone());
                 let failed = entry_result(entry, &w.name, &device_name, Err(String::new()));
                 Box::new(move |msg: &str| {
+                    say(msg);
                     snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
                     let _ = snap.write_atomic(&out);
                 })
             } else {
-                Box::new(|_: &str| {})
+                Box::new(say)
             };
             run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost, on_fire)?
         } else if world == 1 {
@@ -186,24 +171,8 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
         } else {
             run_threads(&ctx, world, link, timeout, &mut on_progress)
         };
-        bar.finish_and_clear();
         let record = entry_result(entry, &w.name, &device_name, outcome);
-        if !opts.quiet {
-            match (&record.status, &record.metrics) {
-                (EntryStatus::Ok, Some(m)) => eprintln!(
-                    "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
-                    entry.id,
-                    entry.seed,
-                    m.steps,
-                    m.final_train_loss.unwrap_or(f64::NAN),
-                    m.final_eval_loss.unwrap_or(f64::NAN),
-                    m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
-                    m.tokens_per_s
-                ),
-                (EntryStatus::Failed { error }, _) => eprintln!("  {} FAILED: {error}", entry.id),
-                _ => {}
-            }
-        }
+        console.entry_finished(&record);
         let lost_because = match (&record.status, ranks_lost) {
             (EntryStatus::Failed { error }, true) => Some(error.clone()),
             (_, true) => Some("a rank was lost".to_owned()),
@@ -245,40 +214,6 @@ fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result
     }
 }
 
-/// While alive, panics (libtorch errors surface as panics in tch) are not
-/// printed but kept for the entry's failure message; the previous hook comes
-/// back on drop, however the run ends.
-struct QuietPanics {
-    prev: Option<PanicHook>,
-}
-
-type PanicHook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send + 'static>;
-
-impl QuietPanics {
-    fn install() -> QuietPanics {
-        let prev = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|info| {
-            let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
-                s.to_string()
-            } else if let Some(s) = info.payload().downcast_ref::<String>() {
-                s.clone()
-            } else {
-                "panic".into()
-            };
-            LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
-        }));
-        QuietPanics { prev: Some(prev) }
-    }
-}
-
-impl Drop for QuietPanics {
-    fn drop(&mut self) {
-        if let Some(prev) = self.prev.take() {
-            std::panic::set_hook(prev);
-        }
-    }
-}
-
 /// Runs one rank of an entry; errors and panics become the failure message,
 /// and the other ranks are released from their collectives.
 fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> Result<EntryOutput, String> {
@@ -286,7 +221,7 @@ fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dy
     let err = match outcome {
         Ok(Ok(out)) => return Ok(out),
         Ok(Err(e)) => format!("{e:#}"),
-        Err(_) => clean_panic(&LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| "panic".into())),
+        Err(_) => clean_panic(&last_panic().unwrap_or_else(|| "panic".into())),
     };
     comm.abort(&err);
     Err(err)
@@ -407,52 +342,4 @@ fn run_nccl(
         });
     }
     Ok(combine(out, &others, world))
-}
-
-/// libtorch errors arrive as panics of tch with a C++ backtrace; keep the
-/// first line that says what happened.
-fn clean_panic(msg: &str) -> String {
-    let msg = msg.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
-    // tch formats its error with Debug: Torch("first line\nException raised...").
-    let msg = msg.strip_prefix("Torch(\"").map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
-    let first = msg.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("panic");
-    if is_oom_message(first) {
-        format!("out of memory: {first}")
-    } else {
-        first.to_owned()
-    }
-}
-
-fn progress_bar(quiet: bool, prefix: &str, steps: Option<u64>, budget_s: Option<f64>) -> ProgressBar {
-    let (len, template) = match (steps, budget_s) {
-        (Some(s), _) => (s, "{prefix} [{bar:30}] step {pos}/{len} {msg} ETA {eta}"),
-        (None, Some(b)) => ((b * 10.0) as u64, "{prefix} [{bar:30}] {msg} ETA {eta}"),
-        _ => (0, "{prefix} {msg}"),
-    };
-    let bar = ProgressBar::new(len);
-    bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
-    bar.set_prefix(prefix.to_owned());
-    bar.set_draw_target(if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() });
-    bar.enable_steady_tick(Duration::from_millis(250));
-    bar
-}
-
-fn update_bar(bar: &ProgressBar, p: &Progress, last_print: &mut std::time::Instant, id: &str, quiet: bool) {
-    let msg = format!(
-        "loss {} | {}",
-        p.loss.map_or("-".into(), |l| format!("{l:.4}")),
-        p.tokens_per_s.map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
-    );
-    match (p.total_steps, p.time_budget) {
-        (Some(_), _) => bar.set_position(p.step),
-        (None, Some(_)) => bar.set_position((p.elapsed.as_secs_f64() * 10.0) as u64),
-        _ => {}
-    }
-    bar.set_message(msg.clone());
-    // Without a terminal (CI logs, pipes) the bar is hidden: print a line
-    // every 10 seconds instead, so long runs still show they are alive.
-    if !quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
-        *last_print = std::time::Instant::now();
-        eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
-    }
 }

@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod cli;
 pub mod comm;
+pub mod console;
 pub mod device;
 pub mod exit;
 pub mod fmt;

@@ -123,9 +123,9 @@ pub fn nccl_join(
 /// its step to the rendezvous every two seconds; when a rank's own steps stop
 /// for longer than the collective timeout (a peer died or hangs, so an NCCL
 /// collective never completes), the watchdog names the ranks whose published
-/// step is behind or missing, records the failed entry (rank 0, through
-/// `on_fire`) and ends the process: a CUDA context stuck in a collective
-/// cannot be recovered in place
+/// step is behind or missing, hands that message to `on_fire` (which says
+/// why and, on rank 0, records the failed entry) and ends the process: a CUDA
+/// context stuck in a collective cannot be recovered in place
 /// (ncclCommAbort left it with an illegal-address error on the H200s, and
 /// libtorch then aborted), which is also how PyTorch's NCCL watchdog ends.
 pub struct Watchdog {
@@ -166,7 +166,6 @@ impl Watchdog {
                         "rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}",
                         idle as f64 / 1e3
                     );
-                    eprintln!("harness: {msg}; stopping this rank");
                     on_fire(&msg);
                     std::process::exit(exit::ERROR);
                 }
