@@ -26,9 +26,19 @@ pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
         .with_context(|| format!("no entry of {} recorded gradient buckets (a data-parallel run has them)", path.display()))
 }
 
+/// What [`allreduce`] did.
+#[derive(Debug)]
+pub enum Allreduce {
+    /// Started one process per GPU and waited for them: the exit code of the
+    /// first that failed, or 0.
+    Launched(i32),
+    /// Ran as one rank: on rank 0 the figures (one JSON object, which the CLI
+    /// prints as a line), on the others None.
+    Ran(Option<serde_json::Value>),
+}
+
 /// Runs the benchmark: starts one process per GPU when not started as a
-/// rank (`env` is None), else joins as one; rank 0 prints a JSON line.
-/// Returns the exit code.
+/// rank (`env` is None), else joins as one.
 /// With `side`, the all-reduces go to the NCCL side stream that overlapped
 /// training uses (`Collective::all_reduce_sum_async`), else to libtorch's
 /// legacy stream as the non-overlapped reduction does.
@@ -41,11 +51,11 @@ pub fn allreduce(
     side: bool,
     untimed: bool,
     args: &[std::ffi::OsString],
-) -> Result<i32> {
+) -> Result<Allreduce> {
     let Some(env) = env else {
         let gpus = device::gpu_count();
         anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
-        return ranks::launch_local_ranks(world, args);
+        return ranks::launch_local_ranks(world, args).map(Allreduce::Launched);
     };
     anyhow::ensure!(device::init_cuda(), "no usable CUDA device");
     device::make_current(env.local_rank)?;
@@ -81,14 +91,13 @@ pub fn allreduce(
     let bytes: u64 = buckets.iter().sum();
     let alg = bytes as f64 / dt / 1e9;
     let n = env.world as f64;
-    if env.rank == 0 {
-        let out = serde_json::json!({
-            "world_size": env.world,
-            "stream": if side { "side" } else { "legacy" },
-            "timed": !untimed,
-            "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
-        });
-        println!("{out}");
+    if env.rank != 0 {
+        return Ok(Allreduce::Ran(None));
     }
-    Ok(crate::exit::OK)
+    Ok(Allreduce::Ran(Some(serde_json::json!({
+        "world_size": env.world,
+        "stream": if side { "side" } else { "legacy" },
+        "timed": !untimed,
+        "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
+    }))))
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::bench::Allreduce;
 use crate::console::Console;
 use crate::device;
 use crate::launch::{self, RunOptions};
@@ -222,7 +223,15 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                 args.push("--untimed".into());
             }
             let rank_env = RankEnv::from_env()?;
-            crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &args)
+            match crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &args)? {
+                Allreduce::Launched(code) => Ok(code),
+                Allreduce::Ran(figures) => {
+                    if let Some(f) = figures {
+                        println!("{f}");
+                    }
+                    Ok(exit::OK)
+                }
+            }
         }
         Command::Plugin(PluginCommand::Bench { paths, calls, evict_mb }) => {
             let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
