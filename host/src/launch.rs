@@ -2,6 +2,12 @@
 //! isolated so that a failing entry (error, panic, out of memory) is recorded
 //! as failed and the run goes on; the result file is rewritten atomically
 //! after every entry, so a killed run keeps what it finished.
+//!
+//! [`run_suite`] prepares the run (device, result file, the entries still to
+//! run, agreed between ranks), then for each entry runs it on the ranks
+//! ([`Run::entry`]) and keeps its record ([`Run::keep`]). What the run shows
+//! goes through the [`Console`]; rank processes, the rendezvous and NCCL are
+//! set up by [`crate::ranks`].
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -9,12 +15,13 @@ use std::time::Duration;
 
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::console::{clean_panic, last_panic, Console, QuietPanics};
-use crate::device;
+use crate::device::{self, GpuInfo};
 use crate::fmt::short;
+use crate::plugin::PluginSet;
 use crate::ranks::{nccl_join, RankEnv, Watchdog};
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
-use crate::suite::{PlanEntry, Suite};
+use crate::suite::{Plan, PlanEntry, Precision, Suite, SuiteMeta};
 use crate::train::{self, EntryContext, EntryOutput, Progress};
 
 /// How a run is asked for.
@@ -27,7 +34,6 @@ pub struct RunOptions {
     pub ranks: Option<RankEnv>,
 }
 
-/// Runs every planned entry that `out` lacks; returns the final result.
 /// Where an entry's checkpoints go: next to the result file,
 /// `<out stem>.checkpoints/<entry id, with / as _>`.
 pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
@@ -35,86 +41,26 @@ pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
     out.with_extension("checkpoints").join(safe)
 }
 
+/// Runs every planned entry that `out` lacks; returns the final result.
 pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
     let world = meta.world_size as usize;
-    let rank_env = &opts.ranks;
-    let (rank, local_rank) = rank_env.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
-    let device = device::select(meta.device, local_rank)?;
+    let (rank, local_rank) = opts.ranks.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
+    let device = prepare_device(meta, opts.ranks.as_ref())?;
     let dist = device.is_cuda() && world > 1;
-    if dist {
-        let env = rank_env
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("a multi-GPU suite must run under a launcher (harness run starts one itself)"))?;
-        anyhow::ensure!(env.world == world, "WORLD_SIZE={} but the suite says world_size = {world}", env.world);
-        device::make_current(local_rank)?;
-    }
     let writes = rank == 0;
-    if let Some(n) = meta.threads {
-        tch::set_num_threads(n as i32);
-    } else if dist && std::env::var_os("OMP_NUM_THREADS").is_none() {
-        // Ranks sharing a host share its cores: libtorch's default (every
-        // core per process) oversubscribes them and starves the data threads.
-        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(world).max(1);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / local).max(1) as i32);
-    }
-    let machine = device::fingerprint();
-    let mut result = if opts.resume && writes {
-        let r = RunResult::read(&opts.out)?;
-        if r.suite.sha256 != suite.sha256 {
-            anyhow::bail!(
-                "{} was made from a different version of {} (sha256 {} vs {}); resume needs the same suite file\nhint: run without --resume to start a new result file",
-                opts.out.display(),
-                suite.path.display(),
-                short(&r.suite.sha256),
-                short(&suite.sha256)
-            );
-        }
-        if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
-            console.warning(&format!(
-                "resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
-                opts.out.display()
-            ));
-        }
-        r
-    } else {
-        let mut r = RunResult::new(suite, machine);
-        if writes {
-            r.write_atomic(&opts.out)?;
-        }
-        r
-    };
+    let mut result = open_result(suite, opts, writes, console)?;
     let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
     // Ranks of a multi-GPU run agree on the entries through rank 0's store.
-    let store = match (rank_env, dist) {
+    let store = match (&opts.ranks, dist) {
         (Some(env), true) => Some(env.rendezvous(timeout)?),
         _ => None,
     };
-    let done = result.done_ids();
     let plan = suite.plan();
-    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
-    if let Some(c) = &store {
-        if rank == 0 {
-            c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
-        } else {
-            todo_ids = serde_json::from_slice(&c.get("todo")?)?;
-        }
-    }
-    let todo: Vec<_> = plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect();
+    let todo = entries_to_run(&plan, &result, store.as_ref(), rank)?;
     // The GPU this rank trains on (None on the CPU).
     let gpu = if device.is_cuda() { result.machine.gpus.get(local_rank).cloned() } else { None };
-    let device_name = match device {
-        tch::Device::Cpu => "cpu".to_owned(),
-        _ => {
-            let name = gpu.as_ref().map_or("cuda".into(), |g| format!("cuda ({})", g.name));
-            if dist {
-                format!("{world} x {name}")
-            } else {
-                name
-            }
-        }
-    };
+    let device_name = device_name(device, gpu.as_ref(), dist, world);
     console.run_started(&meta.name, todo.len(), plan.entries.len(), &device_name, &opts.out);
 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
@@ -124,67 +70,24 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
     };
     let _quiet_panics = QuietPanics::install();
     // Loaded on first use: a broken plugin fails only the entries using it.
-    let plugins = crate::plugin::PluginSet::new(&suite.spec.plugins, &suite_dir);
+    let plugins = PluginSet::new(&suite.spec.plugins, &suite_dir);
+    let run = Run { suite, opts, world, rank, writes, device, gpu, device_name, memory_total_bytes, suite_dir, plugins, timeout, store };
     // Set when a rank died or hung: the next entry could not form a
     // communicator, so the run stops after recording this one.
     let mut ranks_lost = false;
 
     for (i, entry) in todo.iter().enumerate() {
         let w = &suite.spec.workloads[entry.workload];
-        // The suite's figure wins; else the GPU table at the entry's precision.
-        let low_precision = w.precision != crate::suite::Precision::Fp32;
-        let peak_for = meta.peak_tflops.or_else(|| gpu.as_ref().and_then(|g| device::peak_tflops(&g.name, low_precision)));
-        let ctx = EntryContext {
-            workload: w,
-            entry,
-            suite_dir: &suite_dir,
-            device,
-            warmup_steps: meta.warmup_steps,
-            peak_tflops: peak_for,
-            memory_total_bytes,
-            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
-            plugins: &plugins,
-            checkpoint_dir: checkpoint_dir(&opts.out, &entry.id),
-            resume: opts.resume,
-        };
-        let link = entry.strategy.link;
-        let say = console.rank_stopping();
         console.entry_started(i + 1, todo.len(), &entry.id, w.steps, w.time_budget_s);
-        let mut on_progress = |p: &Progress| console.progress(p);
-        let outcome = if let Some(c) = &store {
-            // What the watchdog says, and writes on rank 0, if this entry
-            // hangs on a lost rank.
-            let on_fire: Box<dyn FnOnce(&str) + Send> = if writes {
-                let (mut snap, out) = (result.clone(), opts.out.clone());
-                let failed = entry_result(entry, &w.name, &device_name, Err(String::new()));
-                Box::new(move |msg: &str| {
-                    say(msg);
-                    snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
-                    let _ = snap.write_atomic(&out);
-                })
-            } else {
-                Box::new(say)
-            };
-            run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost, on_fire)?
-        } else if world == 1 {
-            run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
-        } else {
-            run_threads(&ctx, world, link, timeout, &mut on_progress)
-        };
-        let record = entry_result(entry, &w.name, &device_name, outcome);
+        let outcome = run.entry(entry, &result, console, &mut ranks_lost)?;
+        let record = entry_result(entry, &w.name, &run.device_name, outcome);
         console.entry_finished(&record);
         let lost_because = match (&record.status, ranks_lost) {
             (EntryStatus::Failed { error }, true) => Some(error.clone()),
             (_, true) => Some("a rank was lost".to_owned()),
             _ => None,
         };
-        result.entries.push(record);
-        // Plan order, whatever order resume ran things in.
-        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
-        result.entries.sort_by_key(|e| order(&e.id));
-        if writes {
-            result.write_atomic(&opts.out)?;
-        }
+        run.keep(&mut result, record, &plan)?;
         if let Some(why) = lost_because {
             anyhow::bail!(
                 "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
@@ -193,6 +96,194 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
         }
     }
     Ok(result)
+}
+
+/// Selects this rank's device (made current for a multi-GPU run, which must
+/// run under a launcher of `world_size` ranks) and libtorch's thread count.
+fn prepare_device(meta: &SuiteMeta, ranks: Option<&RankEnv>) -> anyhow::Result<tch::Device> {
+    let world = meta.world_size as usize;
+    let local_rank = ranks.map_or(0, |e| e.local_rank);
+    let device = device::select(meta.device, local_rank)?;
+    let dist = device.is_cuda() && world > 1;
+    if dist {
+        let env = ranks.ok_or_else(|| anyhow::anyhow!("a multi-GPU suite must run under a launcher (harness run starts one itself)"))?;
+        anyhow::ensure!(env.world == world, "WORLD_SIZE={} but the suite says world_size = {world}", env.world);
+        device::make_current(local_rank)?;
+    }
+    if let Some(n) = meta.threads {
+        tch::set_num_threads(n as i32);
+    } else if dist && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        // Ranks sharing a host share its cores: libtorch's default (every
+        // core per process) oversubscribes them and starves the data threads.
+        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(world).max(1);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / local).max(1) as i32);
+    }
+    Ok(device)
+}
+
+/// The result the run adds to: `out` read back to resume it (rank 0; it must
+/// come from the same suite file), else a new one, written at once by the
+/// rank that writes.
+fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console) -> anyhow::Result<RunResult> {
+    let machine = device::fingerprint();
+    if !(opts.resume && writes) {
+        let mut r = RunResult::new(suite, machine);
+        if writes {
+            r.write_atomic(&opts.out)?;
+        }
+        return Ok(r);
+    }
+    let r = RunResult::read(&opts.out)?;
+    if r.suite.sha256 != suite.sha256 {
+        anyhow::bail!(
+            "{} was made from a different version of {} (sha256 {} vs {}); resume needs the same suite file\nhint: run without --resume to start a new result file",
+            opts.out.display(),
+            suite.path.display(),
+            short(&r.suite.sha256),
+            short(&suite.sha256)
+        );
+    }
+    if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
+        console.warning(&format!(
+            "resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
+            opts.out.display()
+        ));
+    }
+    Ok(r)
+}
+
+/// The planned entries that `result` lacks; with a store, rank 0's list,
+/// which every rank then runs.
+fn entries_to_run<'p>(
+    plan: &'p Plan,
+    result: &RunResult,
+    store: Option<&rendezvous::Client>,
+    rank: usize,
+) -> anyhow::Result<Vec<&'p PlanEntry>> {
+    let done = result.done_ids();
+    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
+    if let Some(c) = store {
+        if rank == 0 {
+            c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
+        } else {
+            todo_ids = serde_json::from_slice(&c.get("todo")?)?;
+        }
+    }
+    Ok(plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect())
+}
+
+/// The device as the results name it: "cpu", "cuda (<GPU>)", or
+/// "<world> x cuda (<GPU>)" for a multi-GPU run.
+fn device_name(device: tch::Device, gpu: Option<&GpuInfo>, dist: bool, world: usize) -> String {
+    match device {
+        tch::Device::Cpu => "cpu".to_owned(),
+        _ => {
+            let name = gpu.map_or("cuda".into(), |g| format!("cuda ({})", g.name));
+            if dist {
+                format!("{world} x {name}")
+            } else {
+                name
+            }
+        }
+    }
+}
+
+/// What every entry of a run shares.
+struct Run<'a> {
+    suite: &'a Suite,
+    opts: &'a RunOptions,
+    world: usize,
+    rank: usize,
+    /// Whether this rank writes the result file (rank 0).
+    writes: bool,
+    device: tch::Device,
+    /// The GPU this rank trains on (None on the CPU).
+    gpu: Option<GpuInfo>,
+    /// The device as the results name it ([`device_name`]).
+    device_name: String,
+    memory_total_bytes: u64,
+    suite_dir: PathBuf,
+    plugins: PluginSet,
+    /// How long a collective may wait for the other ranks.
+    timeout: Duration,
+    /// Rank 0's store, when the ranks are processes of a multi-GPU run.
+    store: Option<rendezvous::Client>,
+}
+
+impl Run<'_> {
+    /// Runs one entry on this rank: alone, as one NCCL rank of several
+    /// processes, or with one thread per rank (CPU data parallelism). `Err`
+    /// ends the run (a rendezvous failure); a failed entry is `Ok(Err)`.
+    fn entry(
+        &self,
+        entry: &PlanEntry,
+        result: &RunResult,
+        console: &mut Console,
+        ranks_lost: &mut bool,
+    ) -> anyhow::Result<Result<EntryOutput, String>> {
+        let ctx = self.context(entry);
+        let say = console.rank_stopping();
+        let mut on_progress = |p: &Progress| console.progress(p);
+        Ok(if let Some(c) = &self.store {
+            let on_fire = self.on_fire(entry, result, say);
+            run_nccl(&ctx, c, self.rank, self.world, &mut on_progress, ranks_lost, on_fire)?
+        } else if self.world == 1 {
+            run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
+        } else {
+            run_threads(&ctx, self.world, entry.strategy.link, self.timeout, &mut on_progress)
+        })
+    }
+
+    /// What training needs to know of an entry and the run around it.
+    fn context<'e>(&'e self, entry: &'e PlanEntry) -> EntryContext<'e> {
+        let meta = &self.suite.spec.suite;
+        let w = &self.suite.spec.workloads[entry.workload];
+        // The suite's figure wins; else the GPU table at the entry's precision.
+        let low_precision = w.precision != Precision::Fp32;
+        let peak_for = meta.peak_tflops.or_else(|| self.gpu.as_ref().and_then(|g| device::peak_tflops(&g.name, low_precision)));
+        EntryContext {
+            workload: w,
+            entry,
+            suite_dir: &self.suite_dir,
+            device: self.device,
+            warmup_steps: meta.warmup_steps,
+            peak_tflops: peak_for,
+            memory_total_bytes: self.memory_total_bytes,
+            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
+            plugins: &self.plugins,
+            checkpoint_dir: checkpoint_dir(&self.opts.out, &entry.id),
+            resume: self.opts.resume,
+        }
+    }
+
+    /// What the watchdog does if this entry hangs on a lost rank: `say` why
+    /// and, on rank 0, write the result so far with this entry failed.
+    fn on_fire(&self, entry: &PlanEntry, result: &RunResult, say: impl FnOnce(&str) + Send + 'static) -> Box<dyn FnOnce(&str) + Send> {
+        if !self.writes {
+            return Box::new(say);
+        }
+        let w = &self.suite.spec.workloads[entry.workload];
+        let (mut snap, out) = (result.clone(), self.opts.out.clone());
+        let failed = entry_result(entry, &w.name, &self.device_name, Err(String::new()));
+        Box::new(move |msg: &str| {
+            say(msg);
+            snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
+            let _ = snap.write_atomic(&out);
+        })
+    }
+
+    /// Adds an entry's record to the result, in plan order whatever order
+    /// resume ran things in, and rewrites the result file (rank 0).
+    fn keep(&self, result: &mut RunResult, record: EntryResult, plan: &Plan) -> anyhow::Result<()> {
+        result.entries.push(record);
+        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
+        result.entries.sort_by_key(|e| order(&e.id));
+        if self.writes {
+            result.write_atomic(&self.opts.out)?;
+        }
+        Ok(())
+    }
 }
 
 /// The record of one entry, from what its run returned.
@@ -220,11 +311,18 @@ fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dy
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(ctx, comm, progress)));
     let err = match outcome {
         Ok(Ok(out)) => return Ok(out),
-        Ok(Err(e)) => format!("{e:#}"),
+        Ok(Err(e)) => entry_error_message(e),
         Err(_) => clean_panic(&last_panic().unwrap_or_else(|| "panic".into())),
     };
     comm.abort(&err);
     Err(err)
+}
+
+/// The failure message that the results keep for an entry whose training
+/// returned an error: the error and its causes, "outer: inner: ...". The one
+/// place that turns `train::run_entry`'s error type into text.
+fn entry_error_message(e: impl Into<anyhow::Error>) -> String {
+    format!("{:#}", e.into())
 }
 
 /// CPU data parallelism: one thread per rank, an in-process collective.
