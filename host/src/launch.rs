@@ -5,7 +5,7 @@
 //!
 //! [`run_suite`] prepares the run (device, result file, the entries still to
 //! run, agreed between ranks), then for each entry runs it on the ranks
-//! ([`Run::entry`]) and keeps its record ([`Run::keep`]). What the run shows
+//! (`Run::entry`) and keeps its record (`Run::keep`). What the run shows
 //! goes through the [`Console`]; rank processes, the rendezvous and NCCL are
 //! set up by [`crate::ranks`].
 
