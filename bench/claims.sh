@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CLAIMS.md sections 1 and 5 on a 4-GPU host (suites/gpu4-claims.toml), plus
+# docs/claims.md sections 1 and 5 on a 4-GPU host (suites/gpu4-claims.toml), plus
 # the encoder workloads on 1 GPU for scaling; prints a table.
 # Needs $HARNESS_BIN (default .carry/harness). Writes under ${OUT:-bench-out}.
 set -uo pipefail

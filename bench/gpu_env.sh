@@ -1,6 +1,6 @@
 # Sourced by the bench/*.sh scripts on a GPU machine: the harness binary, the
 # output folder, PyTorch's libtorch and CUDA libraries on the library path
-# (GPU.md), and NVLink multicast off (shared hosts).
+# (the binary loads libtorch_cuda at start), and NVLink multicast off (shared hosts).
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 BIN=${HARNESS_BIN:-.carry/harness}
 SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sourced by ./x: makes the libtorch environment that `tch` 0.24 builds and runs
-# against (PyTorch 2.11.0 from PyPI, see ../shared/GPU.md) and exports the
+# against (PyTorch 2.11.0 from PyPI: tch 0.24 needs exactly this libtorch) and exports the
 # variables cargo needs. The environment lives outside the clone, in
 # $HARNESS_CACHE (default ~/.cache/harness), so repeat runs reuse it.
 

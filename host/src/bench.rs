@@ -12,8 +12,8 @@ use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use crate::comm::Collective;
-use crate::launch::{self, RankEnv};
-use crate::{device, rendezvous, results};
+use crate::ranks::{self, RankEnv};
+use crate::{device, results};
 
 /// The gradient bucket sizes (bytes) of the first entry that has them.
 pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
@@ -26,27 +26,42 @@ pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
         .with_context(|| format!("no entry of {} recorded gradient buckets (a data-parallel run has them)", path.display()))
 }
 
+/// What [`allreduce`] did.
+#[derive(Debug)]
+pub enum Allreduce {
+    /// Started one process per GPU and waited for them: the exit code of the
+    /// first that failed, or 0.
+    Launched(i32),
+    /// Ran as one rank: on rank 0 the figures (one JSON object, which the CLI
+    /// prints as a line), on the others None.
+    Ran(Option<serde_json::Value>),
+}
+
 /// Runs the benchmark: starts one process per GPU when not started as a
-/// rank, else joins as one; rank 0 prints a JSON line. Returns the exit code.
+/// rank (`env` is None), else joins as one.
 /// With `side`, the all-reduces go to the NCCL side stream that overlapped
 /// training uses (`Collective::all_reduce_sum_async`), else to libtorch's
 /// legacy stream as the non-overlapped reduction does.
 /// With `untimed`, no events or accounting around each collective.
-pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, untimed: bool, args: &[std::ffi::OsString]) -> Result<i32> {
-    let Some(env) = RankEnv::from_env()? else {
+pub fn allreduce(
+    env: Option<&RankEnv>,
+    buckets: &[u64],
+    world: usize,
+    iters: usize,
+    side: bool,
+    untimed: bool,
+    args: &[std::ffi::OsString],
+) -> Result<Allreduce> {
+    let Some(env) = env else {
         let gpus = device::gpu_count();
         anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
-        return launch::launch_local_ranks(world, args);
+        return ranks::launch_local_ranks(world, args).map(Allreduce::Launched);
     };
     anyhow::ensure!(device::init_cuda(), "no usable CUDA device");
     device::make_current(env.local_rank)?;
     let dev = Device::Cuda(env.local_rank);
-    if env.rank == 0 {
-        rendezvous::serve(&format!("0.0.0.0:{}", env.master_port))?;
-    }
-    let store =
-        rendezvous::Client { addr: format!("{}:{}", env.master_addr, env.master_port), rank: env.rank, timeout: Duration::from_secs(60) };
-    let mut comm = launch::nccl_join(&store, "bench/allreduce", env.rank, env.world, None, dev)?;
+    let store = env.rendezvous(Duration::from_secs(60))?;
+    let mut comm = ranks::nccl_join(&store, "bench/allreduce", env.rank, env.world, None, dev)?;
     let mut xs: Vec<Tensor> = buckets.iter().map(|&b| Tensor::randn([(b / 4) as i64], (Kind::Float, dev))).collect();
     let mut round = |xs: &mut Vec<Tensor>| -> Result<()> {
         for x in xs.iter_mut() {
@@ -76,14 +91,13 @@ pub fn allreduce(buckets: &[u64], world: usize, iters: usize, side: bool, untime
     let bytes: u64 = buckets.iter().sum();
     let alg = bytes as f64 / dt / 1e9;
     let n = env.world as f64;
-    if env.rank == 0 {
-        let out = serde_json::json!({
-            "world_size": env.world,
-            "stream": if side { "side" } else { "legacy" },
-            "timed": !untimed,
-            "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
-        });
-        println!("{out}");
+    if env.rank != 0 {
+        return Ok(Allreduce::Ran(None));
     }
-    Ok(crate::cli::exit::OK)
+    Ok(Allreduce::Ran(Some(serde_json::json!({
+        "world_size": env.world,
+        "stream": if side { "side" } else { "legacy" },
+        "timed": !untimed,
+        "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
+    }))))
 }

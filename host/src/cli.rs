@@ -4,27 +4,18 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::bench::Allreduce;
+use crate::console::Console;
 use crate::device;
 use crate::launch::{self, RunOptions};
+use crate::ranks::{self, RankEnv};
 use crate::report;
 use crate::results::{self, EntryStatus};
 use crate::suite::{Suite, DEFAULT_SUITE};
 
-/// Exit codes of the `harness` binary.
-pub mod exit {
-    /// Everything ran and every entry succeeded.
-    pub const OK: i32 = 0;
-    /// The run finished, but at least one entry failed (see the result file).
-    pub const ENTRY_FAILED: i32 = 1;
-    /// The suite file is invalid (`harness validate` says why).
-    pub const INVALID_SUITE: i32 = 2;
-    /// Harness itself could not run (I/O, device set-up, resume mismatch).
-    /// Command-line usage errors exit with 2, from the argument parser.
-    pub const ERROR: i32 = 3;
-    /// A native plugin ended the process (`exit`) during a run; the result
-    /// file is incomplete.
-    pub const PLUGIN_ENDED_PROCESS: i32 = crate::plugin::exit_guard::PLUGIN_ENDED_PROCESS;
-}
+/// The exit codes, also under this path for the integration tests
+/// (`harness::cli::exit`).
+pub use crate::exit;
 
 /// Benchmark harness for distributed-training strategies.
 #[derive(Debug, Parser)]
@@ -231,7 +222,16 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             if untimed {
                 args.push("--untimed".into());
             }
-            crate::bench::allreduce(&buckets, world, iters, side_stream, untimed, &args)
+            let rank_env = RankEnv::from_env()?;
+            match crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &args)? {
+                Allreduce::Launched(code) => Ok(code),
+                Allreduce::Ran(figures) => {
+                    if let Some(f) = figures {
+                        println!("{f}");
+                    }
+                    Ok(exit::OK)
+                }
+            }
         }
         Command::Plugin(PluginCommand::Bench { paths, calls, evict_mb }) => {
             let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
@@ -297,12 +297,12 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         })?,
         (None, false) => results::default_path(&args.results_dir, name),
     };
-    let is_follower = launch::RankEnv::from_env()?.is_some_and(|e| e.rank != 0);
-    if !args.resume && out.exists() && !is_follower {
+    let rank_env = RankEnv::from_env()?;
+    let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
+    if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
     }
     let world = suite.spec.suite.world_size as usize;
-    let rank_env = launch::RankEnv::from_env()?;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
         // One process per GPU, each joining as a rank; rank 0 writes `out`.
         let mut child_args: Vec<std::ffi::OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.clone().into()];
@@ -312,22 +312,22 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         if args.quiet {
             child_args.push("--quiet".into());
         }
-        return launch::launch_local_ranks(world, &child_args);
+        return ranks::launch_local_ranks(world, &child_args);
     }
-    let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
+    let mut console = Console::new(args.quiet || follower);
+    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
     crate::plugin::exit_guard::arm(true);
-    let result = launch::run_suite(&suite, &RunOptions { out: out.clone(), resume: args.resume, quiet: args.quiet || follower });
+    let result = launch::run_suite(&suite, &opts, &mut console);
     crate::plugin::exit_guard::arm(false);
     let result = result?;
     if follower {
         return Ok(exit::OK);
     }
-    println!("{}", report::summary_table(&result));
-    println!("results: {}", out.display());
+    console.summary(&result, &out);
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
-    Ok(if failed > 0 { exit::ENTRY_FAILED } else { exit::OK })
+    Ok(exit::of_finished_run(failed))
 }
 
 /// Reads result files; folders are searched (not recursively) for *.json,

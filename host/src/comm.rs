@@ -2,8 +2,8 @@
 //!
 //! [`SingleRank`] is the one-rank case. [`InProcessGroup`] makes ranks out of
 //! threads of one process with a shared-memory collective: the CPU backend
-//! for tests and the CPU suite, not a way to scale (a test and demo backend,
-//! as DESIGN.md says). Every collective is timed into an HDR histogram and its
+//! for tests and the CPU suite (a test and demo backend,
+//! not a scale path). Every collective is timed into an HDR histogram and its
 //! bytes on the wire are counted with the nccl-tests conventions, per kind of
 //! collective ([`Op`]): the "size" of an all-reduce is the reduced buffer, of
 //! an all-gather the gathered buffer, of a reduce-scatter the buffer before
@@ -302,6 +302,41 @@ pub trait Collective {
     /// warm-up ends, so NCCL's lazy set-up stays out of the latencies.
     fn reset_timings(&mut self);
 }
+
+/// A collective lent beyond its borrow: to a plugin call in progress (the
+/// host ops it calls), or to the autograd thread during a backward pass (the
+/// overlapped all-reduce). Set only while the code that holds the `&mut`
+/// waits for that call or pass, and cleared before its borrow ends.
+#[derive(Clone, Copy)]
+pub struct CommPtr(*mut (dyn Collective + 'static));
+
+impl CommPtr {
+    /// Erases the borrow's lifetime.
+    ///
+    /// # Safety
+    /// The pointer must be cleared before the borrow of `comm` ends, and
+    /// used meanwhile only while the lender does not touch `comm`.
+    pub unsafe fn new(comm: &mut dyn Collective) -> CommPtr {
+        // SAFETY: only the lifetime is erased; see the contract above.
+        CommPtr(unsafe { std::mem::transmute::<*mut dyn Collective, *mut (dyn Collective + 'static)>(comm as *mut dyn Collective) })
+    }
+
+    /// The collective.
+    ///
+    /// # Safety
+    /// Only within the lending described at [`CommPtr::new`]: the collective
+    /// is alive and nothing else uses it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn get<'a>(self) -> &'a mut dyn Collective {
+        // SAFETY: per the contract, the pointee is alive and not aliased.
+        unsafe { &mut *self.0 }
+    }
+}
+
+// SAFETY: a CommPtr is dereferenced only under the contract of `new`: on
+// the lender's thread during the lent call, or on the autograd thread while
+// the lender is blocked in `backward`.
+unsafe impl Send for CommPtr {}
 
 /// True on every rank when `flag` is true on any rank (a barrier too).
 pub fn any_rank(comm: &mut dyn Collective, flag: bool, device: tch::Device) -> Result<bool, CommError> {
@@ -916,7 +951,7 @@ mod tests {
 
 /// NCCL through the `libnccl.so.2` that libtorch itself loaded (dlopen by
 /// soname returns that library; loading another NCCL beside it fails with
-/// "corrupted comm object", GPU.md). Collectives are issued on the legacy
+/// "corrupted comm object" when two NCCLs are in one process). Collectives are issued on the legacy
 /// default stream, libtorch's stream, so they are ordered with the step's
 /// kernels without any synchronisation.
 pub mod nccl {

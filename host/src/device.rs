@@ -3,7 +3,7 @@
 //!
 //! The linker drops `libtorch_cuda.so` from the binary (`--as-needed`: no
 //! symbol of it is referenced), so [`init_cuda`] loads it at start-up
-//! (GPU.md); without it libtorch sees no GPU and harness runs on CPU.
+//! with dlopen(RTLD_GLOBAL); without it libtorch sees no GPU and harness runs on CPU.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -213,7 +213,8 @@ fn cuda_driver_version() -> Option<String> {
 }
 
 /// NCCL's version, from the libnccl.so.2 that libtorch uses when it is loaded
-/// (dlopen by soname returns that same library; GPU.md's two-NCCL trap).
+/// (dlopen by soname returns that same library: two NCCLs in one process
+/// fail with "corrupted comm object").
 fn nccl_version() -> Option<String> {
     // SAFETY: loading libnccl runs no initialiser with side effects beyond
     // NCCL's own; ncclGetVersion(int*) writes one int.

@@ -4,7 +4,7 @@
 
 /// Why an entry failed. `message` is what the result file stores and the
 /// summary prints; the variant says what kind of failure it was.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum EntryError {
     /// Out of memory, where no retry with a smaller batch was possible.
     #[error("{message}")]
@@ -55,6 +55,22 @@ impl EntryError {
             EntryError::Torch { .. } => "libtorch",
             EntryError::Other { .. } => "other",
         }
+    }
+
+    /// The same error, said of rank `rank` ("rank 1: ...").
+    pub fn on_rank(&self, rank: usize) -> EntryError {
+        let mut e = self.clone();
+        let m = match &mut e {
+            EntryError::OutOfMemory { message }
+            | EntryError::Plugin { message, .. }
+            | EntryError::RankLost { message }
+            | EntryError::ReplicasDiverged { message, .. }
+            | EntryError::NonFiniteLoss { message, .. }
+            | EntryError::Torch { message }
+            | EntryError::Other { message } => message,
+        };
+        *m = format!("rank {rank}: {m}");
+        e
     }
 
     /// A panic of the training code: libtorch errors surface as panics of

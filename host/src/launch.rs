@@ -2,19 +2,27 @@
 //! isolated so that a failing entry (error, panic, out of memory) is recorded
 //! as failed and the run goes on; the result file is rewritten atomically
 //! after every entry, so a killed run keeps what it finished.
+//!
+//! [`run_suite`] prepares the run (device, result file, the entries still to
+//! run, agreed between ranks), then for each entry runs it on the ranks
+//! (`Run::entry`) and keeps its record (`Run::keep`). What the run shows
+//! goes through the [`Console`]; rank processes, the rendezvous and NCCL are
+//! set up by [`crate::ranks`].
 
-use std::cell::RefCell;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
-use crate::device;
+use crate::console::{last_panic, Console, QuietPanics};
+use crate::device::{self, GpuInfo};
+use crate::error::EntryError;
+use crate::fmt::short;
+use crate::plugin::PluginSet;
+use crate::ranks::{nccl_join, RankEnv, Watchdog};
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
-use crate::suite::{PlanEntry, Suite};
+use crate::suite::{Plan, PlanEntry, Precision, Suite, SuiteMeta};
 use crate::train::{self, EntryContext, EntryOutput, Progress};
 
 /// How a run is asked for.
@@ -23,85 +31,10 @@ pub struct RunOptions {
     pub out: PathBuf,
     /// Continue `out`: run only the entries it lacks.
     pub resume: bool,
-    /// Show no progress bar.
-    pub quiet: bool,
+    /// This process's place among the ranks, when started as one of several.
+    pub ranks: Option<RankEnv>,
 }
 
-thread_local! {
-    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
-}
-
-/// This process's place among ranks started by a launcher: torchrun's
-/// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
-/// Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR and
-/// MASTER_PORT set by the job script).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RankEnv {
-    pub rank: usize,
-    pub world: usize,
-    pub local_rank: usize,
-    pub master_addr: String,
-    pub master_port: u16,
-}
-
-impl RankEnv {
-    /// Reads the launcher variables; None when this process was not started
-    /// as one rank of several.
-    pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
-        let var = |k: &str| std::env::var(k).ok();
-        let (rank, world, local) = match (var("RANK"), var("WORLD_SIZE")) {
-            (Some(r), Some(w)) => (r, w, var("LOCAL_RANK").unwrap_or_else(|| "0".into())),
-            _ => match (var("SLURM_PROCID"), var("SLURM_NTASKS")) {
-                (Some(r), Some(w)) => (r, w, var("SLURM_LOCALID").unwrap_or_else(|| "0".into())),
-                _ => return Ok(None),
-            },
-        };
-        let num = |name: &str, v: &str| v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"));
-        let master_addr = var("MASTER_ADDR").ok_or_else(|| anyhow::anyhow!("launched as rank {rank} but MASTER_ADDR is not set\nhint: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every rank"))?;
-        let port = var("MASTER_PORT").unwrap_or_else(|| "29500".into());
-        Ok(Some(RankEnv {
-            rank: num("RANK", &rank)?,
-            world: num("WORLD_SIZE", &world)?,
-            local_rank: num("LOCAL_RANK", &local)?,
-            master_addr,
-            master_port: port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port"))?,
-        }))
-    }
-}
-
-/// Starts one process per local GPU, each a rank of `world` with torchrun's
-/// variables, and waits for all; rank 0 writes the result file. Returns the
-/// exit code of the first rank that failed (or 0).
-pub fn launch_local_ranks(world: usize, args: &[std::ffi::OsString]) -> anyhow::Result<i32> {
-    let gpus = device::gpu_count();
-    anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let exe = std::env::current_exe()?;
-    let mut children = Vec::new();
-    for r in 0..world {
-        let mut c = std::process::Command::new(&exe);
-        c.args(args)
-            .env("RANK", r.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string());
-        if r > 0 {
-            c.stdout(std::process::Stdio::null());
-        }
-        children.push(c.spawn()?);
-    }
-    let mut code = 0;
-    for mut ch in children {
-        let status = ch.wait()?;
-        if code == 0 && !status.success() {
-            code = status.code().unwrap_or(crate::cli::exit::ERROR);
-        }
-    }
-    Ok(code)
-}
-
-/// Runs every planned entry that `out` lacks; returns the final result.
 /// Where an entry's checkpoints go: next to the result file,
 /// `<out stem>.checkpoints/<entry id, with / as _>`.
 pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
@@ -109,100 +42,27 @@ pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
     out.with_extension("checkpoints").join(safe)
 }
 
-pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> {
+/// Runs every planned entry that `out` lacks; returns the final result.
+pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> anyhow::Result<RunResult> {
     let meta = &suite.spec.suite;
     let world = meta.world_size as usize;
-    let rank_env = RankEnv::from_env()?;
-    let (rank, local_rank) = rank_env.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
-    let device = device::select(meta.device, local_rank)?;
+    let (rank, local_rank) = opts.ranks.as_ref().map_or((0, 0), |e| (e.rank, e.local_rank));
+    let device = prepare_device(meta, opts.ranks.as_ref())?;
     let dist = device.is_cuda() && world > 1;
-    if dist {
-        let env = rank_env
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("a multi-GPU suite must run under a launcher (harness run starts one itself)"))?;
-        anyhow::ensure!(env.world == world, "WORLD_SIZE={} but the suite says world_size = {world}", env.world);
-        device::make_current(local_rank)?;
-    }
     let writes = rank == 0;
-    if let Some(n) = meta.threads {
-        tch::set_num_threads(n as i32);
-    } else if dist && std::env::var_os("OMP_NUM_THREADS").is_none() {
-        // Ranks sharing a host share its cores: libtorch's default (every
-        // core per process) oversubscribes them and starves the data threads.
-        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(world).max(1);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        tch::set_num_threads((cores / local).max(1) as i32);
-    }
-    let machine = device::fingerprint();
-    let mut result = if opts.resume && writes {
-        let r = RunResult::read(&opts.out)?;
-        if r.suite.sha256 != suite.sha256 {
-            anyhow::bail!(
-                "{} was made from a different version of {} (sha256 {} vs {}); resume needs the same suite file\nhint: run without --resume to start a new result file",
-                opts.out.display(),
-                suite.path.display(),
-                short(&r.suite.sha256),
-                short(&suite.sha256)
-            );
-        }
-        if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
-            eprintln!(
-                "warning: resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
-                opts.out.display()
-            );
-        }
-        r
-    } else {
-        let mut r = RunResult::new(suite, machine);
-        if writes {
-            r.write_atomic(&opts.out)?;
-        }
-        r
-    };
+    let mut result = open_result(suite, opts, writes, console)?;
     let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
     // Ranks of a multi-GPU run agree on the entries through rank 0's store.
-    let store = match (&rank_env, dist) {
-        (Some(env), true) => {
-            if rank == 0 {
-                rendezvous::serve(&format!("0.0.0.0:{}", env.master_port))?;
-            }
-            Some(rendezvous::Client { addr: format!("{}:{}", env.master_addr, env.master_port), rank, timeout })
-        }
+    let store = match (&opts.ranks, dist) {
+        (Some(env), true) => Some(env.rendezvous(timeout)?),
         _ => None,
     };
-    let done = result.done_ids();
     let plan = suite.plan();
-    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
-    if let Some(c) = &store {
-        if rank == 0 {
-            c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
-        } else {
-            todo_ids = serde_json::from_slice(&c.get("todo")?)?;
-        }
-    }
-    let todo: Vec<_> = plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect();
+    let todo = entries_to_run(&plan, &result, store.as_ref(), rank)?;
     // The GPU this rank trains on (None on the CPU).
     let gpu = if device.is_cuda() { result.machine.gpus.get(local_rank).cloned() } else { None };
-    let device_name = match device {
-        tch::Device::Cpu => "cpu".to_owned(),
-        _ => {
-            let name = gpu.as_ref().map_or("cuda".into(), |g| format!("cuda ({})", g.name));
-            if dist {
-                format!("{world} x {name}")
-            } else {
-                name
-            }
-        }
-    };
-    if !opts.quiet {
-        eprintln!(
-            "harness: suite `{}` ({} of {} entries to run) on {device_name} -> {}",
-            meta.name,
-            todo.len(),
-            plan.entries.len(),
-            opts.out.display()
-        );
-    }
+    let device_name = device_name(device, gpu.as_ref(), dist, world);
+    console.run_started(&meta.name, todo.len(), plan.entries.len(), &device_name, &opts.out);
 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let memory_total_bytes = match device {
@@ -211,81 +71,29 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     };
     let _quiet_panics = QuietPanics::install();
     // Loaded on first use: a broken plugin fails only the entries using it.
-    let plugins = crate::plugin::PluginSet::new(&suite.spec.plugins, &suite_dir);
+    let plugins = PluginSet::new(&suite.spec.plugins, &suite_dir);
+    let run = Run { suite, opts, world, rank, writes, device, gpu, device_name, memory_total_bytes, suite_dir, plugins, timeout, store };
     // Set when a rank died or hung: the next entry could not form a
     // communicator, so the run stops after recording this one.
     let mut ranks_lost = false;
 
     for (i, entry) in todo.iter().enumerate() {
         let w = &suite.spec.workloads[entry.workload];
-        // The suite's figure wins; else the GPU table at the entry's precision.
-        let low_precision = w.precision != crate::suite::Precision::Fp32;
-        let peak_for = meta.peak_tflops.or_else(|| gpu.as_ref().and_then(|g| device::peak_tflops(&g.name, low_precision)));
-        let ctx = EntryContext {
-            workload: w,
-            entry,
-            suite_dir: &suite_dir,
-            device,
-            warmup_steps: meta.warmup_steps,
-            peak_tflops: peak_for,
-            memory_total_bytes,
-            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
-            plugins: &plugins,
-            checkpoint_dir: checkpoint_dir(&opts.out, &entry.id),
-            resume: opts.resume,
-        };
-        let bar = progress_bar(opts.quiet, &format!("[{}/{}] {}", i + 1, todo.len(), entry.id), w.steps, w.time_budget_s);
-        let mut last_print = std::time::Instant::now();
-        let mut on_progress = |p: &Progress| update_bar(&bar, p, &mut last_print, &entry.id, opts.quiet);
-        let link = entry.strategy.link;
-        let outcome = if let Some(c) = &store {
-            // What the watchdog writes if this entry hangs on a lost rank.
-            let on_fire: Box<dyn FnOnce(&str) + Send> = if writes {
-                let (mut snap, out) = (result.clone(), opts.out.clone());
-                let failed = entry_result(entry, &w.name, &device_name, Err(String::new()));
-                Box::new(move |msg: &str| {
-                    snap.entries.push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned() }, ..failed });
-                    let _ = snap.write_atomic(&out);
-                })
-            } else {
-                Box::new(|_: &str| {})
-            };
-            run_nccl(&ctx, c, rank, world, &mut on_progress, &mut ranks_lost, on_fire)?
-        } else if world == 1 {
-            run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
-        } else {
-            run_threads(&ctx, world, link, timeout, &mut on_progress)
-        };
-        bar.finish_and_clear();
-        let record = entry_result(entry, &w.name, &device_name, outcome);
-        if !opts.quiet {
-            match (&record.status, &record.metrics) {
-                (EntryStatus::Ok, Some(m)) => eprintln!(
-                    "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
-                    entry.id,
-                    entry.seed,
-                    m.steps,
-                    m.final_train_loss.unwrap_or(f64::NAN),
-                    m.final_eval_loss.unwrap_or(f64::NAN),
-                    m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
-                    m.tokens_per_s
-                ),
-                (EntryStatus::Failed { error }, _) => eprintln!("  {} FAILED: {error}", entry.id),
-                _ => {}
+        console.entry_started(i + 1, todo.len(), &entry.id, w.steps, w.time_budget_s);
+        let outcome = run.entry(entry, &result, console, &mut ranks_lost)?;
+        if let Ok(out) = &outcome {
+            for w in &out.warnings {
+                console.warning(w);
             }
         }
+        let record = entry_result(entry, &w.name, &run.device_name, outcome);
+        console.entry_finished(&record);
         let lost_because = match (&record.status, ranks_lost) {
-            (EntryStatus::Failed { error }, true) => Some(error.clone()),
+            (EntryStatus::Failed { error, .. }, true) => Some(error.clone()),
             (_, true) => Some("a rank was lost".to_owned()),
             _ => None,
         };
-        result.entries.push(record);
-        // Plan order, whatever order resume ran things in.
-        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
-        result.entries.sort_by_key(|e| order(&e.id));
-        if writes {
-            result.write_atomic(&opts.out)?;
-        }
+        run.keep(&mut result, record, &plan)?;
         if let Some(why) = lost_because {
             anyhow::bail!(
                 "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
@@ -296,11 +104,200 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions) -> anyhow::Result<RunResult> 
     Ok(result)
 }
 
+/// Selects this rank's device (made current for a multi-GPU run, which must
+/// run under a launcher of `world_size` ranks) and libtorch's thread count.
+fn prepare_device(meta: &SuiteMeta, ranks: Option<&RankEnv>) -> anyhow::Result<tch::Device> {
+    let world = meta.world_size as usize;
+    let local_rank = ranks.map_or(0, |e| e.local_rank);
+    let device = device::select(meta.device, local_rank)?;
+    let dist = device.is_cuda() && world > 1;
+    if dist {
+        let env = ranks.ok_or_else(|| anyhow::anyhow!("a multi-GPU suite must run under a launcher (harness run starts one itself)"))?;
+        anyhow::ensure!(env.world == world, "WORLD_SIZE={} but the suite says world_size = {world}", env.world);
+        device::make_current(local_rank)?;
+    }
+    if let Some(n) = meta.threads {
+        tch::set_num_threads(n as i32);
+    } else if dist && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        // Ranks sharing a host share its cores: libtorch's default (every
+        // core per process) oversubscribes them and starves the data threads.
+        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(world).max(1);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / local).max(1) as i32);
+    }
+    Ok(device)
+}
+
+/// The result the run adds to: `out` read back to resume it (rank 0; it must
+/// come from the same suite file), else a new one, written at once by the
+/// rank that writes.
+fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console) -> anyhow::Result<RunResult> {
+    let machine = device::fingerprint();
+    if !(opts.resume && writes) {
+        let mut r = RunResult::new(suite, machine);
+        if writes {
+            r.write_atomic(&opts.out)?;
+        }
+        return Ok(r);
+    }
+    let r = RunResult::read(&opts.out)?;
+    if r.suite.sha256 != suite.sha256 {
+        anyhow::bail!(
+            "{} was made from a different version of {} (sha256 {} vs {}); resume needs the same suite file\nhint: run without --resume to start a new result file",
+            opts.out.display(),
+            suite.path.display(),
+            short(&r.suite.sha256),
+            short(&suite.sha256)
+        );
+    }
+    if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
+        console.warning(&format!(
+            "resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
+            opts.out.display()
+        ));
+    }
+    Ok(r)
+}
+
+/// The planned entries that `result` lacks; with a store, rank 0's list,
+/// which every rank then runs.
+fn entries_to_run<'p>(
+    plan: &'p Plan,
+    result: &RunResult,
+    store: Option<&rendezvous::Client>,
+    rank: usize,
+) -> anyhow::Result<Vec<&'p PlanEntry>> {
+    let done = result.done_ids();
+    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
+    if let Some(c) = store {
+        if rank == 0 {
+            c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
+        } else {
+            todo_ids = serde_json::from_slice(&c.get("todo")?)?;
+        }
+    }
+    Ok(plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect())
+}
+
+/// The device as the results name it: "cpu", "cuda (<GPU>)", or
+/// "<world> x cuda (<GPU>)" for a multi-GPU run.
+fn device_name(device: tch::Device, gpu: Option<&GpuInfo>, dist: bool, world: usize) -> String {
+    match device {
+        tch::Device::Cpu => "cpu".to_owned(),
+        _ => {
+            let name = gpu.map_or("cuda".into(), |g| format!("cuda ({})", g.name));
+            if dist {
+                format!("{world} x {name}")
+            } else {
+                name
+            }
+        }
+    }
+}
+
+/// What every entry of a run shares.
+struct Run<'a> {
+    suite: &'a Suite,
+    opts: &'a RunOptions,
+    world: usize,
+    rank: usize,
+    /// Whether this rank writes the result file (rank 0).
+    writes: bool,
+    device: tch::Device,
+    /// The GPU this rank trains on (None on the CPU).
+    gpu: Option<GpuInfo>,
+    /// The device as the results name it ([`device_name`]).
+    device_name: String,
+    memory_total_bytes: u64,
+    suite_dir: PathBuf,
+    plugins: PluginSet,
+    /// How long a collective may wait for the other ranks.
+    timeout: Duration,
+    /// Rank 0's store, when the ranks are processes of a multi-GPU run.
+    store: Option<rendezvous::Client>,
+}
+
+impl Run<'_> {
+    /// Runs one entry on this rank: alone, as one NCCL rank of several
+    /// processes, or with one thread per rank (CPU data parallelism). `Err`
+    /// ends the run (a rendezvous failure); a failed entry is `Ok(Err)`.
+    fn entry(
+        &self,
+        entry: &PlanEntry,
+        result: &RunResult,
+        console: &mut Console,
+        ranks_lost: &mut bool,
+    ) -> anyhow::Result<Result<EntryOutput, EntryError>> {
+        let ctx = self.context(entry);
+        let say = console.rank_stopping();
+        let mut on_progress = |p: &Progress| console.progress(p);
+        Ok(if let Some(c) = &self.store {
+            let on_fire = self.on_fire(entry, result, say);
+            run_nccl(&ctx, c, self.rank, self.world, &mut on_progress, ranks_lost, on_fire)?
+        } else if self.world == 1 {
+            run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
+        } else {
+            run_threads(&ctx, self.world, entry.strategy.link, self.timeout, &mut on_progress)
+        })
+    }
+
+    /// What training needs to know of an entry and the run around it.
+    fn context<'e>(&'e self, entry: &'e PlanEntry) -> EntryContext<'e> {
+        let meta = &self.suite.spec.suite;
+        let w = &self.suite.spec.workloads[entry.workload];
+        // The suite's figure wins; else the GPU table at the entry's precision.
+        let low_precision = w.precision != Precision::Fp32;
+        let peak_for = meta.peak_tflops.or_else(|| self.gpu.as_ref().and_then(|g| device::peak_tflops(&g.name, low_precision)));
+        EntryContext {
+            workload: w,
+            entry,
+            suite_dir: &self.suite_dir,
+            device: self.device,
+            warmup_steps: meta.warmup_steps,
+            peak_tflops: peak_for,
+            memory_total_bytes: self.memory_total_bytes,
+            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
+            plugins: &self.plugins,
+            checkpoint_dir: checkpoint_dir(&self.opts.out, &entry.id),
+            resume: self.opts.resume,
+        }
+    }
+
+    /// What the watchdog does if this entry hangs on a lost rank: `say` why
+    /// and, on rank 0, write the result so far with this entry failed.
+    fn on_fire(&self, entry: &PlanEntry, result: &RunResult, say: impl FnOnce(&str) + Send + 'static) -> Box<dyn FnOnce(&str) + Send> {
+        if !self.writes {
+            return Box::new(say);
+        }
+        let w = &self.suite.spec.workloads[entry.workload];
+        let (mut snap, out) = (result.clone(), self.opts.out.clone());
+        let failed = entry_result(entry, &w.name, &self.device_name, Err(EntryError::RankLost { message: String::new() }));
+        Box::new(move |msg: &str| {
+            say(msg);
+            snap.entries
+                .push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned(), kind: Some("rank-lost".into()) }, ..failed });
+            let _ = snap.write_atomic(&out);
+        })
+    }
+
+    /// Adds an entry's record to the result, in plan order whatever order
+    /// resume ran things in, and rewrites the result file (rank 0).
+    fn keep(&self, result: &mut RunResult, record: EntryResult, plan: &Plan) -> anyhow::Result<()> {
+        result.entries.push(record);
+        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
+        result.entries.sort_by_key(|e| order(&e.id));
+        if self.writes {
+            result.write_atomic(&self.opts.out)?;
+        }
+        Ok(())
+    }
+}
+
 /// The record of one entry, from what its run returned.
-fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result<EntryOutput, String>) -> EntryResult {
+fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result<EntryOutput, EntryError>) -> EntryResult {
     let (status, metrics, histograms) = match outcome {
         Ok(out) => (EntryStatus::Ok, Some(out.metrics), out.histograms),
-        Err(error) => (EntryStatus::Failed { error }, None, Default::default()),
+        Err(e) => (EntryStatus::Failed { error: entry_error_message(&e), kind: Some(e.kind().to_owned()) }, None, Default::default()),
     };
     EntryResult {
         id: entry.id.clone(),
@@ -315,51 +312,24 @@ fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result
     }
 }
 
-/// While alive, panics (libtorch errors surface as panics in tch) are not
-/// printed but kept for the entry's failure message; the previous hook comes
-/// back on drop, however the run ends.
-struct QuietPanics {
-    prev: Option<PanicHook>,
-}
-
-type PanicHook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send + 'static>;
-
-impl QuietPanics {
-    fn install() -> QuietPanics {
-        let prev = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|info| {
-            let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
-                s.to_string()
-            } else if let Some(s) = info.payload().downcast_ref::<String>() {
-                s.clone()
-            } else {
-                "panic".into()
-            };
-            LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
-        }));
-        QuietPanics { prev: Some(prev) }
-    }
-}
-
-impl Drop for QuietPanics {
-    fn drop(&mut self) {
-        if let Some(prev) = self.prev.take() {
-            std::panic::set_hook(prev);
-        }
-    }
-}
-
 /// Runs one rank of an entry; errors and panics become the failure message,
 /// and the other ranks are released from their collectives.
-fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> Result<EntryOutput, String> {
+fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> Result<EntryOutput, EntryError> {
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(ctx, comm, progress)));
     let err = match outcome {
         Ok(Ok(out)) => return Ok(out),
-        Ok(Err(e)) => format!("{e:#}"),
-        Err(_) => clean_panic(&LAST_PANIC.with(|p| p.borrow_mut().take()).unwrap_or_else(|| "panic".into())),
+        Ok(Err(e)) => e,
+        Err(_) => EntryError::from_panic(&last_panic().unwrap_or_else(|| "panic".into())),
     };
-    comm.abort(&err);
+    comm.abort(err.message());
     Err(err)
+}
+
+/// The failure message that the results keep for an entry: the error and
+/// its causes, "outer: inner: ...". The one place that turns an
+/// [`EntryError`] into text.
+fn entry_error_message(e: &EntryError) -> String {
+    e.message().to_owned()
 }
 
 /// CPU data parallelism: one thread per rank, an in-process collective.
@@ -370,7 +340,7 @@ fn run_threads(
     link: Option<Link>,
     timeout: Duration,
     progress: &mut dyn FnMut(&Progress),
-) -> Result<EntryOutput, String> {
+) -> Result<EntryOutput, EntryError> {
     let group = InProcessGroup::new(world, timeout);
     let (first, others) = std::thread::scope(|s| {
         let handles: Vec<_> = (1..world)
@@ -380,11 +350,13 @@ fn run_threads(
             })
             .collect();
         let first = run_rank(ctx, &mut group.rank(0, link), progress);
-        let others: Vec<Result<EntryOutput, String>> =
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect();
+        let others: Vec<Result<EntryOutput, EntryError>> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(EntryError::Other { message: "rank thread panicked".into() })))
+            .collect();
         (first, others)
     });
-    let others: Vec<Result<RankFigures, String>> = others.into_iter().map(|o| o.map(|o| RankFigures::of(&o))).collect();
+    let others: Vec<Result<RankFigures, EntryError>> = others.into_iter().map(|o| o.map(|o| RankFigures::of(&o))).collect();
     combine(first, &others, world)
 }
 
@@ -414,16 +386,20 @@ impl RankFigures {
 
 /// Rank 0's figures with throughput summed over ranks; the first real error
 /// (not the "aborted" echoes it caused elsewhere) if any rank failed.
-fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, String>], world: usize) -> Result<EntryOutput, String> {
-    let errors: Vec<(usize, &String)> = std::iter::once(first.as_ref().err())
+fn combine(
+    first: Result<EntryOutput, EntryError>,
+    others: &[Result<RankFigures, EntryError>],
+    world: usize,
+) -> Result<EntryOutput, EntryError> {
+    let errors: Vec<(usize, &EntryError)> = std::iter::once(first.as_ref().err())
         .chain(others.iter().map(|o| o.as_ref().err()))
         .enumerate()
         .filter_map(|(r, e)| e.map(|e| (r, e)))
         .collect();
-    if let Some((r, e)) = errors.iter().find(|(_, e)| !e.contains("was aborted")).or(errors.first()) {
-        return Err(format!("rank {r}: {e}"));
+    if let Some((r, e)) = errors.iter().find(|(_, e)| !e.message().contains("was aborted")).or(errors.first()) {
+        return Err(e.on_rank(*r));
     }
-    let mut out = first.map_err(|e| format!("rank 0: {e}"))?;
+    let mut out = first.map_err(|e| e.on_rank(0))?;
     let m = &mut out.metrics;
     for o in others.iter().flatten() {
         m.tokens += o.tokens;
@@ -438,36 +414,6 @@ fn combine(first: Result<EntryOutput, String>, others: &[Result<RankFigures, Str
     Ok(out)
 }
 
-/// One rank of a multi-GPU entry: NCCL communicator from rank 0's unique
-/// id, training, then figures to rank 0 through the store. Rendezvous
-/// failures end the run (`Err`); training failures fail the entry.
-/// Joins an NCCL communicator: rank 0 makes the unique id and publishes it
-/// under `key` in the store, the others read it.
-pub fn nccl_join(
-    store: &rendezvous::Client,
-    key: &str,
-    rank: usize,
-    world: usize,
-    link: Option<Link>,
-    device: tch::Device,
-) -> anyhow::Result<crate::comm::nccl::NcclComm> {
-    use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
-    let id = if rank == 0 {
-        let id = unique_id()?;
-        store.set(key, &id.0.iter().map(|&b| b as u8).collect::<Vec<u8>>())?;
-        id
-    } else {
-        let bytes = store.get(key)?;
-        anyhow::ensure!(bytes.len() == 128, "the NCCL id from rank 0 has {} bytes, not 128", bytes.len());
-        let mut id = UniqueId([0; 128]);
-        for (d, s) in id.0.iter_mut().zip(&bytes) {
-            *d = *s as std::ffi::c_char;
-        }
-        id
-    };
-    NcclComm::new(id, rank, world, link, device)
-}
-
 fn run_nccl(
     ctx: &EntryContext<'_>,
     store: &rendezvous::Client,
@@ -476,7 +422,7 @@ fn run_nccl(
     progress: &mut dyn FnMut(&Progress),
     ranks_lost: &mut bool,
     on_fire: Box<dyn FnOnce(&str) + Send>,
-) -> anyhow::Result<Result<EntryOutput, String>> {
+) -> anyhow::Result<Result<EntryOutput, EntryError>> {
     let out = match nccl_join(store, &format!("nccl/{}", ctx.entry.id), rank, world, ctx.entry.strategy.link, ctx.device) {
         Ok(mut comm) => {
             let dog = Watchdog::start(on_fire, store.clone(), &ctx.entry.id, rank, world);
@@ -488,182 +434,23 @@ fn run_nccl(
             dog.stop();
             out
         }
-        Err(e) => Err(format!("{e:#}")),
+        Err(e) => Err(EntryError::RankLost { message: format!("{e:#}") }),
     };
     let done = |r: usize| format!("done/{}/{r}", ctx.entry.id);
     if rank != 0 {
-        let figures: Result<RankFigures, String> = out.as_ref().map(RankFigures::of).map_err(Clone::clone);
+        let figures: Result<RankFigures, EntryError> = out.as_ref().map(RankFigures::of).map_err(Clone::clone);
         store.set(&done(rank), &serde_json::to_vec(&figures)?)?;
         return Ok(out);
     }
     let mut others = Vec::new();
     for r in 1..world {
         others.push(match store.get(&done(r)) {
-            Ok(bytes) => serde_json::from_slice::<Result<RankFigures, String>>(&bytes)?,
+            Ok(bytes) => serde_json::from_slice::<Result<RankFigures, EntryError>>(&bytes)?,
             Err(e) => {
                 *ranks_lost = true;
-                Err(format!("rank {r} never reported the end of the entry ({e})"))
+                Err(EntryError::RankLost { message: format!("rank {r} never reported the end of the entry ({e})") })
             }
         });
     }
     Ok(combine(out, &others, world))
-}
-
-/// Watches a rank's progress during a multi-GPU entry. Each rank publishes
-/// its step to the rendezvous every two seconds; when a rank's own steps stop
-/// for longer than the collective timeout (a peer died or hangs, so an NCCL
-/// collective never completes), the watchdog names the ranks whose published
-/// step is behind or missing, records the failed entry (rank 0) and ends the
-/// process: a CUDA context stuck in a collective cannot be recovered in place
-/// (ncclCommAbort left it with an illegal-address error on the H200s, and
-/// libtorch then aborted), which is also how PyTorch's NCCL watchdog ends.
-struct Watchdog {
-    state: std::sync::Arc<WatchState>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-struct WatchState {
-    t0: std::time::Instant,
-    step: std::sync::atomic::AtomicU64,
-    last_ms: std::sync::atomic::AtomicU64,
-    stop: std::sync::atomic::AtomicBool,
-}
-
-impl Watchdog {
-    fn start(on_fire: Box<dyn FnOnce(&str) + Send>, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
-        use std::sync::atomic::Ordering::SeqCst;
-        let state = std::sync::Arc::new(WatchState {
-            t0: std::time::Instant::now(),
-            step: Default::default(),
-            last_ms: Default::default(),
-            stop: Default::default(),
-        });
-        let (st, entry) = (state.clone(), entry.to_owned());
-        let ms = {
-            let st = st.clone();
-            move || st.t0.elapsed().as_millis() as u64
-        };
-        let thread = std::thread::spawn(move || {
-            let timeout_ms = store.timeout.as_millis() as u64;
-            let beat_key = |r: usize| format!("beat/{entry}/{r}");
-            let mut published = 0u64;
-            while !st.stop.load(SeqCst) {
-                std::thread::sleep(Duration::from_millis(250));
-                let now = ms();
-                if now >= published + 2000 {
-                    published = now;
-                    let _ = store.set(&beat_key(rank), st.step.load(SeqCst).to_string().as_bytes());
-                }
-                let idle = now.saturating_sub(st.last_ms.load(SeqCst));
-                if idle > timeout_ms {
-                    let mine = st.step.load(SeqCst);
-                    let quick = rendezvous::Client { timeout: Duration::from_secs(2), ..store.clone() };
-                    let mut behind = Vec::new();
-                    let mut unreachable = false;
-                    for r in (0..world).filter(|&r| r != rank) {
-                        match quick.get(&beat_key(r)) {
-                            Ok(v) if String::from_utf8_lossy(&v).parse::<u64>().is_ok_and(|s| s + 1 >= mine) => {}
-                            Ok(_) | Err(rendezvous::RendezvousError::Timeout { .. }) => behind.push(r),
-                            Err(_) => unreachable = true,
-                        }
-                    }
-                    let who = if unreachable {
-                        "rank 0 (which serves the rendezvous) is unreachable".to_owned()
-                    } else if behind.is_empty() {
-                        "every rank published a recent step; a collective hangs".to_owned()
-                    } else {
-                        format!("rank(s) {behind:?} stopped making progress")
-                    };
-                    let msg = format!(
-                        "rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}",
-                        idle as f64 / 1e3
-                    );
-                    eprintln!("harness: {msg}; stopping this rank");
-                    on_fire(&msg);
-                    std::process::exit(crate::cli::exit::ERROR);
-                }
-            }
-        });
-        Watchdog { state, thread: Some(thread) }
-    }
-
-    /// Records that a step finished.
-    fn beat(&self, step: u64) {
-        use std::sync::atomic::Ordering::SeqCst;
-        self.state.step.store(step, SeqCst);
-        self.state.last_ms.store(self.state.t0.elapsed().as_millis() as u64, SeqCst);
-    }
-
-    /// Stops watching.
-    fn stop(mut self) {
-        self.state.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn short(s: &str) -> &str {
-    &s[..s.len().min(12)]
-}
-
-/// libtorch errors arrive as panics of tch with a C++ backtrace; keep the
-/// first line that says what happened.
-fn clean_panic(msg: &str) -> String {
-    let msg = msg.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
-    // tch formats its error with Debug: Torch("first line\nException raised...").
-    let msg = msg.strip_prefix("Torch(\"").map_or(msg, |m| m.split("\\n").next().unwrap_or(m));
-    let first = msg.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("panic");
-    if first.contains("out of memory") {
-        format!("out of memory: {first}")
-    } else {
-        first.to_owned()
-    }
-}
-
-fn progress_bar(quiet: bool, prefix: &str, steps: Option<u64>, budget_s: Option<f64>) -> ProgressBar {
-    let (len, template) = match (steps, budget_s) {
-        (Some(s), _) => (s, "{prefix} [{bar:30}] step {pos}/{len} {msg} ETA {eta}"),
-        (None, Some(b)) => ((b * 10.0) as u64, "{prefix} [{bar:30}] {msg} ETA {eta}"),
-        _ => (0, "{prefix} {msg}"),
-    };
-    let bar = ProgressBar::new(len);
-    bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
-    bar.set_prefix(prefix.to_owned());
-    bar.set_draw_target(if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() });
-    bar.enable_steady_tick(Duration::from_millis(250));
-    bar
-}
-
-fn update_bar(bar: &ProgressBar, p: &Progress, last_print: &mut std::time::Instant, id: &str, quiet: bool) {
-    let msg = format!(
-        "loss {} | {}",
-        p.loss.map_or("-".into(), |l| format!("{l:.4}")),
-        p.tokens_per_s.map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
-    );
-    match (p.total_steps, p.time_budget) {
-        (Some(_), _) => bar.set_position(p.step),
-        (None, Some(_)) => bar.set_position((p.elapsed.as_secs_f64() * 10.0) as u64),
-        _ => {}
-    }
-    bar.set_message(msg.clone());
-    // Without a terminal (CI logs, pipes) the bar is hidden: print a line
-    // every 10 seconds instead, so long runs still show they are alive.
-    if !quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
-        *last_print = std::time::Instant::now();
-        eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
-    }
-}
-
-/// 12345.6 -> "12.3k".
-pub fn human(x: f64) -> String {
-    if x >= 1e9 {
-        format!("{:.2}G", x / 1e9)
-    } else if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else if x >= 1e3 {
-        format!("{:.1}k", x / 1e3)
-    } else {
-        format!("{x:.1}")
-    }
 }

@@ -1,21 +1,29 @@
 //! `harness`: a benchmark harness that scores distributed-training strategies.
 //!
-//! The modules follow the data (../DESIGN.md): [`cli`] -> [`suite`] (parse,
-//! validate, expand to a plan) -> [`launch`] (run entries, keep results) ->
-//! [`device`] / [`comm`] -> [`train`] (model, data, optimizer, step loop) with
+//! The modules follow the data: [`cli`] -> [`suite`] (parse, validate,
+//! expand to a plan) -> [`launch`] (run entries, keep results) -> [`device`] /
+//! [`comm`] -> [`train`] (model, data, optimizer, step loop) with
 //! [`strategy`] (the decisions strategies make) -> [`measure`] (HDR
 //! histograms, timers) -> [`results`] (schema, atomic writes) -> [`report`].
-//! [`torch_ext`] wraps the libtorch calls that `tch` lacks.
+//! Beside that line: [`ranks`] (rank environment, rank processes, rendezvous
+//! and NCCL set-up, watchdog), [`console`] (what a run shows on the terminal)
+//! and the leaves [`exit`] (exit codes), [`fmt`] (short forms of numbers) and
+//! [`oom`] (out-of-memory messages). [`torch_ext`] wraps the libtorch calls
+//! that `tch` lacks.
 
 pub mod bench;
 pub mod cli;
 pub mod comm;
+pub mod console;
 pub mod device;
 pub mod error;
+pub mod exit;
+pub mod fmt;
 pub mod kernels;
 pub mod launch;
 pub mod measure;
 pub mod plugin;
+pub mod ranks;
 pub mod rendezvous;
 pub mod report;
 pub mod results;

@@ -12,7 +12,7 @@ fn main() {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            harness::cli::exit::ERROR
+            harness::exit::ERROR
         }
     };
     std::process::exit(code);

@@ -60,7 +60,14 @@ pub struct SuiteRecord {
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum EntryStatus {
     Ok,
-    Failed { error: String },
+    Failed {
+        error: String,
+        /// What kind of failure (`error::EntryError::kind`): out-of-memory,
+        /// plugin, rank-lost, replicas-diverged, non-finite-loss, libtorch,
+        /// other. Absent in files written before it existed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<String>,
+    },
 }
 
 /// One entry's outcome.

@@ -69,7 +69,7 @@ fn a_failing_entry_is_recorded_and_the_run_goes_on() {
     assert!(r.complete);
     let status: Vec<_> = r.entries.iter().map(|e| (e.id.as_str(), matches!(e.status, EntryStatus::Ok))).collect();
     assert_eq!(status, [("first/baseline/r0", true), ("diverges/baseline/r0", false), ("last/baseline/r0", true)]);
-    let EntryStatus::Failed { error } = &r.entries[1].status else { unreachable!() };
+    let EntryStatus::Failed { error, .. } = &r.entries[1].status else { unreachable!() };
     assert!(error.contains("training loss became"), "{error}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("diverges/baseline/r0: the training loss became"));
 }

@@ -11,8 +11,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
-/// Exit status of a run that a plugin ended (`exit` from inside a call).
-pub const PLUGIN_ENDED_PROCESS: i32 = 4;
+pub use crate::exit::PLUGIN_ENDED_PROCESS;
 
 static ARMED: AtomicBool = AtomicBool::new(false);
 

@@ -29,7 +29,7 @@ pub struct Artifact {
 /// symbol.
 pub fn load(path: &Path) -> Result<Artifact> {
     // SAFETY: loading runs the library's initialisers: native plugins are
-    // trusted code by definition (DESIGN.md), and labelled unsandboxed.
+    // trusted code by definition (docs/plugin-sdk.md), and labelled unsandboxed.
     let lib = unsafe { Library::new(path) }.with_context(|| format!("cannot load the library {}", path.display()))?;
     // SAFETY: the symbol's type is the ABI's; it takes nothing.
     let version = unsafe {

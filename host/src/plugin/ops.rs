@@ -13,6 +13,7 @@ use harness_sdk::abi::Op;
 use tch::{Device, Kind, Tensor};
 
 use super::budget;
+pub use crate::comm::CommPtr;
 use crate::comm::Collective;
 use crate::torch_ext::{self, RandKind};
 
@@ -27,27 +28,6 @@ pub fn dtype_index(k: Kind) -> Result<usize> {
 fn kind_of(i: i64) -> Result<Kind> {
     usize::try_from(i).ok().and_then(|i| KINDS.get(i).copied()).ok_or_else(|| anyhow!("dtype index {i} is not in 0..8"))
 }
-
-/// A pointer to the collective of the call in progress. Set only for the
-/// duration of a compressor call, by the code that holds the `&mut`.
-#[derive(Clone, Copy)]
-pub struct CommPtr(*mut (dyn Collective + 'static));
-
-impl CommPtr {
-    /// Erases the borrow's lifetime.
-    ///
-    /// # Safety
-    /// The pointer must be cleared (`HostSide::set_comm(None)`) before the
-    /// borrow ends, and used only on this thread meanwhile.
-    pub unsafe fn new(comm: &mut dyn Collective) -> CommPtr {
-        // SAFETY: only the lifetime is erased; see the contract above.
-        CommPtr(unsafe { std::mem::transmute::<*mut dyn Collective, *mut (dyn Collective + 'static)>(comm as *mut dyn Collective) })
-    }
-}
-
-// SAFETY: the pointer is only dereferenced on the thread that lent it,
-// during the call that lent it (see `HostSide::lend_comm`).
-unsafe impl Send for CommPtr {}
 
 /// What a call moved into the guest and how many ops it ran.
 #[derive(Debug, Clone, Default)]
@@ -224,7 +204,7 @@ impl HostSide {
         let p = self.comm.ok_or_else(|| anyhow!("collectives are only available inside `compress`"))?;
         // SAFETY: set by `set_comm` for the duration of the call on this
         // thread; nothing else holds the collective meanwhile.
-        Ok(unsafe { &mut *p.0 })
+        Ok(unsafe { p.get() })
     }
 
     fn get(&self, id: u32) -> Result<&Tensor> {
@@ -254,7 +234,7 @@ impl HostSide {
         let inputs: Vec<&Tensor> = ids.iter().filter_map(|id| self.tensors.get(id).map(|t| &t.0)).collect();
         let world = self.comm.map_or(1, |c| {
             // SAFETY: as in `comm`: set for the duration of this call.
-            unsafe { (*c.0).world_size() }
+            unsafe { c.get().world_size() }
         });
         let cost = budget::cost(op, &inputs, ints, data, world)?;
         if self.live_bytes + cost.bytes > self.max_bytes {

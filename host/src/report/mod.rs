@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
-use crate::launch::human;
+use crate::fmt::human;
 use crate::results::{EntryStatus, Metrics, RunResult};
 use stats::{Summary, Verdict};
 
@@ -75,7 +75,7 @@ pub fn summary_table(r: &RunResult) -> String {
     }
     let mut out = t.to_string();
     for e in &r.entries {
-        if let EntryStatus::Failed { error } = &e.status {
+        if let EntryStatus::Failed { error, .. } = &e.status {
             out.push_str(&format!("\n{}: {error}", e.id));
         }
     }
@@ -204,7 +204,7 @@ pub fn groups(results: &[RunResult]) -> Vec<Group> {
                     g.runs.push(m.clone());
                     g.step_histograms.push(e.histograms.get("step").cloned().unwrap_or_default());
                 }
-                (EntryStatus::Failed { error }, _) => g.failures.push(error.clone()),
+                (EntryStatus::Failed { error, .. }, _) => g.failures.push(error.clone()),
                 _ => {}
             }
         }

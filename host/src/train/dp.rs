@@ -19,7 +19,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::comm::Collective;
+use crate::comm::{Collective, CommPtr};
 use crate::strategy::Compressor;
 use crate::torch_ext;
 
@@ -129,11 +129,6 @@ struct OverlapState {
     error: Option<String>,
 }
 
-#[derive(Clone, Copy)]
-struct CommPtr(*mut (dyn Collective + 'static));
-// SAFETY: used by the autograd thread only while the owning thread is
-// blocked in `backward` and does not touch the collective.
-unsafe impl Send for CommPtr {}
 
 unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
     // SAFETY: ctx is the boxed Overlap of a live DataParallel (hooks are
@@ -147,7 +142,9 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
         st.launched[b] = true;
         let flat = st.flats[b].shallow_clone();
         // SAFETY: see CommPtr.
-        if let Err(e) = unsafe { (*comm.0).all_reduce_sum_async(&flat) } {
+        // The autograd thread uses it only while the owning thread is
+        // blocked in `backward` and does not touch the collective.
+        if let Err(e) = unsafe { comm.get().all_reduce_sum_async(&flat) } {
             st.error = Some(e.to_string());
         }
     }
@@ -306,9 +303,7 @@ impl DataParallel {
         }
         // SAFETY: only the lifetime is erased; `disarm` clears it right after
         // the backward pass, while `comm` is still borrowed by the step.
-        st.comm = Some(CommPtr(unsafe {
-            std::mem::transmute::<*mut dyn Collective, *mut (dyn Collective + 'static)>(comm as *mut dyn Collective)
-        }));
+        st.comm = Some(unsafe { CommPtr::new(comm) });
         st.remaining = o.sizes.clone();
         st.launched.iter_mut().for_each(|l| *l = false);
         st.flats = self.buckets.iter().map(|b| b.grad.as_ref().map_or_else(Tensor::new, |g| g.0.shallow_clone())).collect();

@@ -85,6 +85,9 @@ pub struct EntryContext<'a> {
 pub struct EntryOutput {
     pub metrics: Metrics,
     pub histograms: BTreeMap<String, String>,
+    /// What the user should know that is not a failure (e.g. a fused kernel
+    /// that could not be used); launch shows it.
+    pub warnings: Vec<String>,
 }
 
 /// Trains one entry to the end and measures it.

@@ -4,8 +4,6 @@
 //! here, and the step's passes run under [`OomGuard::catch`] so that the
 //! step can be retried with a smaller batch.
 
-use std::cell::Cell;
-
 use anyhow::Result;
 
 use crate::error::is_oom_message;
@@ -19,11 +17,6 @@ pub fn is_oom_error(e: &anyhow::Error) -> bool {
 fn is_oom_payload(payload: &(dyn std::any::Any + Send)) -> bool {
     let msg = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("");
     is_oom_message(msg)
-}
-
-thread_local! {
-    /// Set while a step's passes run with out-of-memory recovery armed.
-    static CATCHING: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Out-of-memory recovery of an entry. With a batch-policy plugin (which may
@@ -47,9 +40,6 @@ pub struct OomGuard {
 impl OomGuard {
     pub fn new(limit: Option<u32>, has_batch_plugin: bool, world: usize) -> OomGuard {
         let armed = limit.is_some() || has_batch_plugin;
-        if armed {
-            quiet_caught_oom_panics();
-        }
         OomGuard { limit, armed, agree: armed && world > 1 }
     }
 
@@ -60,10 +50,10 @@ impl OomGuard {
 
     /// Runs the step's passes; `Ok(true)` when they ran out of memory and
     /// recovery is armed. Other errors and panics go on as they were.
+    /// (libtorch's panics are not printed: the run's panic hook,
+    /// `console::QuietPanics`, keeps them for messages.)
     pub fn catch(&self, passes: impl FnOnce() -> Result<()>) -> Result<bool> {
-        CATCHING.with(|c| c.set(self.armed));
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(passes));
-        CATCHING.with(|c| c.set(false));
         match outcome {
             Ok(Err(e)) if self.armed && is_oom_error(&e) => Ok(true),
             Ok(r) => r.map(|()| false),
@@ -71,20 +61,6 @@ impl OomGuard {
             Err(payload) => std::panic::resume_unwind(payload),
         }
     }
-}
-
-/// Out-of-memory panics that the step loop catches and retries are not
-/// printed (every other panic goes to the hook in force, as before).
-fn quiet_caught_oom_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if !(CATCHING.with(|c| c.get()) && is_oom_payload(info.payload())) {
-                previous(info);
-            }
-        }));
-    });
 }
 
 #[cfg(test)]

@@ -366,7 +366,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         goodput_steps_per_s: o.resilience.is_some().then(|| steps as f64 / t_train.max(1e-9)),
         resilience: o.resilience,
     };
-    Ok(EntryOutput { metrics, histograms })
+    Ok(EntryOutput { metrics, histograms, warnings: t.warnings.clone() })
 }
 
 /// Peak memory: the process's RSS and, on CUDA, the device's peaks.

@@ -84,6 +84,8 @@ pub struct Training {
     pub gradient_bytes: u64,
     /// Gradient statistics for the batch policy, on their way to the host.
     pub(super) stats_in_flight: Option<Pending>,
+    /// For the user, not failures (see `EntryOutput::warnings`).
+    pub warnings: Vec<String>,
 }
 
 impl Training {
@@ -134,7 +136,7 @@ impl Training {
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
-        let fused_ce = fused_cross_entropy(device, w.precision, w.model.kind);
+        let (fused_ce, warnings) = fused_cross_entropy(device, w.precision, w.model.kind);
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
             cfg,
@@ -162,6 +164,7 @@ impl Training {
             oom,
             gradient_bytes: 0,
             stats_in_flight: None,
+            warnings,
         })
     }
 
@@ -210,14 +213,16 @@ fn init_model(cfg: &ModelConfig, seed: u64, device: Device) -> (nn::VarStore, Mo
     (vs, model, names, params)
 }
 
-/// Whether the fused bf16 cross-entropy kernel serves this entry.
-fn fused_cross_entropy(device: Device, precision: Precision, kind: ModelKind) -> bool {
+/// Whether the fused bf16 cross-entropy kernel serves this entry, and a
+/// warning when it should and cannot.
+fn fused_cross_entropy(device: Device, precision: Precision, kind: ModelKind) -> (bool, Vec<String>) {
     let cuda = device.is_cuda();
     let fused = cuda && precision == Precision::Bf16 && kind != ModelKind::Encoder && kernels::available();
+    let mut warnings = Vec::new();
     if cuda && precision == Precision::Bf16 && !fused {
         if let Some(why) = kernels::unavailable_reason() {
-            eprintln!("warning: fused cross-entropy unavailable ({why}); using libtorch's");
+            warnings.push(format!("fused cross-entropy unavailable ({why}); using libtorch's"));
         }
     }
-    fused
+    (fused, warnings)
 }

@@ -1,7 +1,7 @@
 //! `memory-growth`: a batch-size policy that grows the micro-batch while the
 //! device has memory to spare and, after an out-of-memory, settles just below
 //! the size that failed (the "dynamic batching from 32 up to 512, growth
-//! factor 1.2, memory threshold 0.8" of CLAIMS.md section 4).
+//! factor 1.2, memory threshold 0.8" of docs/claims.md section 4).
 //!
 //! ```toml
 //! start = 32         # first micro-batch per rank

@@ -1,0 +1,173 @@
+//! The console of `harness run`: the line that opens a run, a progress bar
+//! and a closing line per entry, warnings, the summary table at the end, and
+//! the panic hook that keeps libtorch's errors (panics in tch) off it so that
+//! they are reported once, as the entry's failure. The modules below the CLI
+//! print nothing themselves; what a run shows goes through here.
+
+use std::cell::RefCell;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::fmt::human;
+use crate::report;
+use crate::results::{EntryResult, EntryStatus, RunResult};
+use crate::train::Progress;
+
+/// What one run shows on the terminal. Progress goes to stderr, the summary
+/// to stdout. Quiet: no run line, progress bar or entry lines; warnings and
+/// the summary are still shown.
+pub struct Console {
+    quiet: bool,
+    entry: Option<EntryBar>,
+}
+
+/// The progress of the entry that runs now.
+struct EntryBar {
+    id: String,
+    bar: ProgressBar,
+    /// When the last progress line was printed in place of a hidden bar.
+    last_print: Instant,
+}
+
+impl Console {
+    pub fn new(quiet: bool) -> Console {
+        Console { quiet, entry: None }
+    }
+
+    /// The run's opening line: what runs where, and the result file.
+    pub fn run_started(&self, suite: &str, to_run: usize, planned: usize, device: &str, out: &Path) {
+        if !self.quiet {
+            eprintln!("harness: suite `{suite}` ({to_run} of {planned} entries to run) on {device} -> {}", out.display());
+        }
+    }
+
+    /// A warning, shown even when quiet.
+    pub fn warning(&self, msg: &str) {
+        eprintln!("warning: {msg}");
+    }
+
+    /// Shows a progress bar for entry `position` (from 1) of `count`: by step
+    /// when the run length is steps, by time when it is a time budget.
+    pub fn entry_started(&mut self, position: usize, count: usize, id: &str, steps: Option<u64>, budget_s: Option<f64>) {
+        let bar = progress_bar(self.quiet, &format!("[{position}/{count}] {id}"), steps, budget_s);
+        self.entry = Some(EntryBar { id: id.to_owned(), bar, last_print: Instant::now() });
+    }
+
+    /// Moves the entry's bar. Without a terminal (CI logs, pipes) the bar is
+    /// hidden: a line every 10 seconds instead shows that a long run is alive.
+    pub fn progress(&mut self, p: &Progress) {
+        let Some(EntryBar { id, bar, last_print }) = &mut self.entry else { return };
+        let msg = format!(
+            "loss {} | {}",
+            p.loss.map_or("-".into(), |l| format!("{l:.4}")),
+            p.tokens_per_s.map_or("- tok/s".into(), |t| format!("{} tok/s", human(t)))
+        );
+        match (p.total_steps, p.time_budget) {
+            (Some(_), _) => bar.set_position(p.step),
+            (None, Some(_)) => bar.set_position((p.elapsed.as_secs_f64() * 10.0) as u64),
+            _ => {}
+        }
+        bar.set_message(msg.clone());
+        if !self.quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
+            *last_print = Instant::now();
+            eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
+        }
+    }
+
+    /// Clears the entry's bar and says how the entry ended.
+    pub fn entry_finished(&mut self, record: &EntryResult) {
+        if let Some(e) = self.entry.take() {
+            e.bar.finish_and_clear();
+        }
+        if self.quiet {
+            return;
+        }
+        match (&record.status, &record.metrics) {
+            (EntryStatus::Ok, Some(m)) => eprintln!(
+                "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
+                record.id,
+                record.seed,
+                m.steps,
+                m.final_train_loss.unwrap_or(f64::NAN),
+                m.final_eval_loss.unwrap_or(f64::NAN),
+                m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
+                m.tokens_per_s
+            ),
+            (EntryStatus::Failed { error, .. }, _) => eprintln!("  {} FAILED: {error}", record.id),
+            _ => {}
+        }
+    }
+
+    /// What the watchdog of a multi-GPU entry says (even when quiet) before
+    /// it ends a rank whose collectives hang; it runs on the watchdog's
+    /// thread.
+    pub fn rank_stopping(&self) -> impl FnOnce(&str) + Send + 'static {
+        |msg: &str| eprintln!("harness: {msg}; stopping this rank")
+    }
+
+    /// The summary table of a finished run, and where its results are.
+    pub fn summary(&self, result: &RunResult, out: &Path) {
+        println!("{}", report::summary_table(result));
+        println!("results: {}", out.display());
+    }
+}
+
+fn progress_bar(quiet: bool, prefix: &str, steps: Option<u64>, budget_s: Option<f64>) -> ProgressBar {
+    let (len, template) = match (steps, budget_s) {
+        (Some(s), _) => (s, "{prefix} [{bar:30}] step {pos}/{len} {msg} ETA {eta}"),
+        (None, Some(b)) => ((b * 10.0) as u64, "{prefix} [{bar:30}] {msg} ETA {eta}"),
+        _ => (0, "{prefix} {msg}"),
+    };
+    let bar = ProgressBar::new(len);
+    bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
+    bar.set_prefix(prefix.to_owned());
+    bar.set_draw_target(if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() });
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
+}
+
+thread_local! {
+    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// While alive, panics (libtorch errors surface as panics in tch) are not
+/// printed but kept for the entry's failure message ([`last_panic`]); the
+/// previous hook comes back on drop, however the run ends.
+pub struct QuietPanics {
+    prev: Option<PanicHook>,
+}
+
+type PanicHook = Box<dyn Fn(&std::panic::PanicHookInfo<'_>) + Sync + Send + 'static>;
+
+impl QuietPanics {
+    pub fn install() -> QuietPanics {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|info| {
+            let msg = if let Some(s) = info.payload().downcast_ref::<&str>() {
+                s.to_string()
+            } else if let Some(s) = info.payload().downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "panic".into()
+            };
+            LAST_PANIC.with(|p| *p.borrow_mut() = Some(msg));
+        }));
+        QuietPanics { prev: Some(prev) }
+    }
+}
+
+impl Drop for QuietPanics {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev.take() {
+            std::panic::set_hook(prev);
+        }
+    }
+}
+
+/// The message of the last panic on this thread that [`QuietPanics`] kept
+/// (taken: a second call returns None).
+pub fn last_panic() -> Option<String> {
+    LAST_PANIC.with(|p| p.borrow_mut().take())
+}

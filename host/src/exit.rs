@@ -1,0 +1,26 @@
+//! Exit codes of the `harness` binary (README.md, "Exit codes").
+
+/// Everything ran and every entry succeeded.
+pub const OK: i32 = 0;
+/// The run finished, but at least one entry failed (see the result file).
+pub const ENTRY_FAILED: i32 = 1;
+/// The suite file is invalid (`harness validate` says why).
+pub const INVALID_SUITE: i32 = 2;
+/// Harness itself could not run (I/O, device set-up, resume mismatch).
+/// Command-line usage errors exit with 2, from the argument parser.
+pub const ERROR: i32 = 3;
+/// A native plugin ended the process (`exit`) during a run; the result file
+/// is incomplete (`plugin::exit_guard`).
+pub const PLUGIN_ENDED_PROCESS: i32 = 4;
+
+/// The exit code of a run that finished with `failed_entries` failed
+/// entries: every kind of entry failure (`error::EntryError`, recorded as
+/// the entry's `kind` in the result file) is [`ENTRY_FAILED`]; none is
+/// [`OK`].
+pub fn of_finished_run(failed_entries: usize) -> i32 {
+    if failed_entries > 0 {
+        ENTRY_FAILED
+    } else {
+        OK
+    }
+}
