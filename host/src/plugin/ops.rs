@@ -13,8 +13,8 @@ use harness_sdk::abi::Op;
 use tch::{Device, Kind, Tensor};
 
 use super::budget;
-pub use crate::comm::CommPtr;
 use crate::comm::Collective;
+pub use crate::comm::CommPtr;
 use crate::torch_ext::{self, RandKind};
 
 /// Element types in the order of the WIT `dtype` enum.

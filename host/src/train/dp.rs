@@ -129,7 +129,6 @@ struct OverlapState {
     error: Option<String>,
 }
 
-
 unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
     // SAFETY: ctx is the boxed Overlap of a live DataParallel (hooks are
     // removed in its Drop before the box goes).
