@@ -151,6 +151,97 @@ pub struct RunArgs {
     /// No progress bar or per-entry lines; the summary table is still printed.
     #[arg(short, long)]
     pub quiet: bool,
+    /// Enter a plugin into a standard suite: KIND=PATH, KIND one of
+    /// compressor, batch-policy, checkpoint-policy. It runs in every track of
+    /// its kind, next to the track's baseline.
+    #[arg(long, value_name = "KIND=PATH")]
+    pub plugin: Option<String>,
+    /// A configuration key of the entered plugin, KEY=VALUE (VALUE as TOML:
+    /// 0.01, true, "text"; bare words are strings). Repeatable.
+    #[arg(long = "plugin-config", value_name = "KEY=VALUE")]
+    pub plugin_config: Vec<String>,
+    /// Run only this track of a standard suite.
+    #[arg(long)]
+    pub track: Option<String>,
+    /// GPUs (ranks) to run on: a standard suite's division (default: the
+    /// suite's world_size).
+    #[arg(long)]
+    pub gpus: Option<u32>,
+}
+
+/// `--plugin KIND=PATH` and `--plugin-config KEY=VALUE...` as an entry.
+fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry>, String> {
+    let Some(p) = &args.plugin else {
+        return match args.plugin_config.is_empty() {
+            true => Ok(None),
+            false => Err("--plugin-config needs --plugin KIND=PATH".into()),
+        };
+    };
+    let (kind, path) = p.split_once('=').ok_or_else(|| format!("--plugin {p}: expected KIND=PATH, e.g. compressor=my.wasm"))?;
+    if !crate::suite::TRACK_KINDS.contains(&kind) {
+        return Err(format!("--plugin {p}: unknown kind `{kind}` (one of: {})", crate::suite::TRACK_KINDS.join(", ")));
+    }
+    let mut config = toml::Table::new();
+    for kv in &args.plugin_config {
+        let (k, v) = kv.split_once('=').ok_or_else(|| format!("--plugin-config {kv}: expected KEY=VALUE"))?;
+        let value = format!("v = {v}").parse::<toml::Table>().ok().and_then(|mut t| t.remove("v")).unwrap_or_else(|| toml::Value::String(v.to_owned()));
+        config.insert(k.trim().to_owned(), value);
+    }
+    let path = std::path::absolute(path).map_err(|e| format!("--plugin {p}: {e}"))?;
+    Ok(Some(crate::suite::standard::Entry { kind: kind.to_owned(), path, config: (!config.is_empty()).then_some(config) }))
+}
+
+/// Applies `--gpus`, `--track` and `--plugin` to a standard suite and
+/// checks the entered plugin before anything trains. Returns the
+/// submission record (its `unofficial` reasons are completed by launch,
+/// which knows the machine).
+fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission>, String> {
+    if let Some(n) = args.gpus {
+        suite.spec.suite.world_size = n;
+    }
+    let entry = entered_plugin(args)?;
+    let mut entered = Vec::new();
+    if let Some(e) = &entry {
+        let m = crate::plugin::inspect(&e.path).map_err(|err| format!("--plugin {}: {err:#}", e.path.display()))?;
+        if m.kind.name() != e.kind {
+            return Err(format!("--plugin {}: the plugin is a {}, not a {}\nhint: --plugin {}={}", e.path.display(), m.kind.name(), e.kind, m.kind.name(), e.path.display()));
+        }
+        let bytes = std::fs::metadata(&e.path).map(|md| md.len()).unwrap_or(0);
+        let transport = match m.transport {
+            crate::plugin::Transport::Wasm => "wasm",
+            crate::plugin::Transport::Native => "native",
+        };
+        let config = e.config.as_ref().map(|c| toml::to_string(c).unwrap_or_default()).unwrap_or_default();
+        entered.push(results::EnteredPlugin {
+            kind: e.kind.clone(),
+            name: m.name,
+            version: m.version,
+            transport: transport.into(),
+            path: e.path.display().to_string(),
+            sha256: m.sha256,
+            bytes,
+            config,
+            strategies: Vec::new(),
+        });
+    }
+    let (tracks, strategies) = suite.select(args.track.as_deref(), entry.as_ref())?;
+    suite.validate().map_err(|e| e.to_string())?;
+    if tracks.is_empty() {
+        return Ok(None);
+    }
+    if let Some(p) = entered.first_mut() {
+        p.strategies = strategies;
+    }
+    let meta = &suite.spec.suite;
+    Ok(Some(results::Submission {
+        suite_version: meta.version.clone(),
+        hardware_class: meta.hardware.as_ref().map(|h| h.class.clone()),
+        released_suite: crate::suite::standard::released(&suite.source).is_some(),
+        tracks,
+        gpus: meta.world_size,
+        entered,
+        unofficial: Vec::new(),
+    }))
 }
 
 /// Runs the parsed command; returns the process exit code.
@@ -279,10 +370,17 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<i32> {
-    let suite = match Suite::load(&args.suite) {
+    let mut suite = match Suite::load(&args.suite) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("{e}");
+            return Ok(exit::INVALID_SUITE);
+        }
+    };
+    let submission = match enter(&mut suite, &args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
             return Ok(exit::INVALID_SUITE);
         }
     };
@@ -312,10 +410,21 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         if args.quiet {
             child_args.push("--quiet".into());
         }
+        for (flag, value) in [("--plugin", &args.plugin), ("--track", &args.track)] {
+            if let Some(v) = value {
+                child_args.extend([flag.into(), v.into()]);
+            }
+        }
+        for kv in &args.plugin_config {
+            child_args.extend(["--plugin-config".into(), kv.into()]);
+        }
+        if let Some(n) = args.gpus {
+            child_args.extend(["--gpus".into(), n.to_string().into()]);
+        }
         return ranks::launch_local_ranks(world, &child_args);
     }
     let mut console = Console::new(args.quiet || follower);
-    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env };
+    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
     crate::plugin::exit_guard::arm(true);

@@ -33,6 +33,9 @@ pub struct RunOptions {
     pub resume: bool,
     /// This process's place among the ranks, when started as one of several.
     pub ranks: Option<RankEnv>,
+    /// A standard-suite run: what was entered (its `unofficial` reasons are
+    /// completed here, from the machine).
+    pub submission: Option<crate::results::Submission>,
 }
 
 /// Where an entry's checkpoints go: next to the result file,
@@ -135,6 +138,10 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
     let machine = device::fingerprint();
     if !(opts.resume && writes) {
         let mut r = RunResult::new(suite, machine);
+        r.submission = opts.submission.clone().map(|mut s| {
+            s.unofficial = crate::suite::standard::unofficial_reasons(suite, &r.machine, &s);
+            s
+        });
         if writes {
             r.write_atomic(&opts.out)?;
         }

@@ -43,6 +43,51 @@ pub struct RunResult {
     pub complete: bool,
     pub started_at: String,
     pub updated_at: String,
+    /// A standard-suite run with entered plugins (`harness run SUITE
+    /// --plugin KIND=PATH`): what was entered and whether the run is
+    /// official. Absent otherwise, and in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submission: Option<Submission>,
+}
+
+/// What a submission run entered, and under which rules it ran.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Submission {
+    /// The standard suite's version (`[suite] version`), if it has one.
+    pub suite_version: Option<String>,
+    /// The hardware class the suite is for (`[suite.hardware] class`).
+    pub hardware_class: Option<String>,
+    /// Whether the suite's text is byte-identical to a standard suite this
+    /// harness releases (`suite::standard::RELEASED`).
+    pub released_suite: bool,
+    /// The tracks that ran.
+    pub tracks: Vec<String>,
+    /// GPUs (ranks) the run used.
+    pub gpus: u32,
+    /// The plugins entered.
+    pub entered: Vec<EnteredPlugin>,
+    /// Why the run is unofficial, one sentence each; empty when official.
+    pub unofficial: Vec<String>,
+}
+
+/// One plugin entered into a standard suite.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct EnteredPlugin {
+    /// "compressor", "batch-policy" or "checkpoint-policy".
+    pub kind: String,
+    /// The plugin's own name and version (`info`).
+    pub name: String,
+    pub version: String,
+    /// "wasm" or "native".
+    pub transport: String,
+    /// The artifact as given, its sha256 (hex) and size.
+    pub path: String,
+    pub sha256: String,
+    pub bytes: u64,
+    /// `--plugin-config` keys, as TOML text.
+    pub config: String,
+    /// The strategies in the plan that run it, one per track.
+    pub strategies: Vec<String>,
 }
 
 /// The suite as it was run.
@@ -265,6 +310,7 @@ impl RunResult {
             complete: false,
             started_at: t.clone(),
             updated_at: t,
+            submission: None,
         }
     }
 

@@ -11,6 +11,7 @@ mod report;
 mod resume;
 mod run;
 mod sandbox;
+mod standard;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -122,6 +122,7 @@ fn fixture() -> RunResult {
         complete: true,
         started_at: "2026-11-22T00:00:00Z".into(),
         updated_at: "2026-11-22T00:00:00Z".into(),
+        submission: None,
     }
 }
 

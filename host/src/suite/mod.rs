@@ -12,17 +12,20 @@
 //! * `validate`: [`Suite`], loading, parsing and the checks, with their
 //!   messages and hints.
 //! * `plan`: the expansion into [`Plan`] entries and their seeds.
+//! * `standard`: the released standard suites, their tracks, and entering a
+//!   plugin into them.
 
 mod model;
 mod plan;
 mod spec;
+pub mod standard;
 mod validate;
 
 pub use model::{ModelConfig, PRESETS};
 pub use plan::{mix_seed, Plan, PlanEntry};
 pub use spec::{
     DataSpec, Decay, DeviceKind, FaultSpec, ModelKind, ModelSpec, OptimizerSpec, Order, PluginSpec, Precision, ScheduleSpec, Strategy,
-    SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, DEFAULT_BIN_VOCAB,
+    SuiteMeta, SuiteSpec, Track, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, DEFAULT_BIN_VOCAB, TRACK_KINDS,
 };
 pub use validate::{Suite, SuiteError, SuiteErrors};
 

@@ -20,6 +20,51 @@ pub struct SuiteSpec {
     /// Plugins the strategies may name (`[[plugin]]`).
     #[serde(rename = "plugin", default)]
     pub plugins: Vec<PluginSpec>,
+    /// A standard suite's tracks (`[[track]]`): which workloads and
+    /// reference strategies a submission of each strategy kind runs with.
+    #[serde(rename = "track", default)]
+    pub tracks: Vec<Track>,
+}
+
+/// One `[[track]]` of a standard suite: a strategy kind that submissions
+/// enter, the workloads chosen so that kind matters, the baseline every
+/// submission is scored against and the other reference strategies that
+/// run beside it.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Track {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// The kind of plugin a submission to this track is:
+    /// "compressor", "batch-policy" or "checkpoint-policy".
+    pub kind: String,
+    /// The track's workloads (names of `[[workload]]`s).
+    pub workloads: Vec<String>,
+    /// The strategy every entry of the track is scored against.
+    pub baseline: String,
+    /// Other reference strategies run in the track.
+    #[serde(default)]
+    pub strategies: Vec<String>,
+    /// The fewest GPUs (ranks) the track runs with: a compression track
+    /// needs 2. With fewer, `harness run` leaves the track out.
+    #[serde(default = "one")]
+    pub min_gpus: u32,
+}
+
+/// The hardware a standard suite is for (`[suite.hardware]`). A CPU class
+/// has `gpu = ""` and counts thread ranks in `gpus`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    /// The hardware class, e.g. "h200".
+    pub class: String,
+    /// What the GPU's name must contain, e.g. "H200".
+    pub gpu: String,
+    /// The GPU's memory, GiB.
+    pub memory_gib: f64,
+    /// The GPU counts (divisions) the suite is defined for.
+    pub gpus: Vec<u32>,
 }
 
 /// One `[[plugin]]`: a strategy plugin artifact, and optionally its pinned
@@ -95,6 +140,13 @@ pub struct SuiteMeta {
     /// A collective not finished within this many seconds fails the entry.
     #[serde(default = "default_collective_timeout")]
     pub collective_timeout_s: f64,
+    /// A standard suite's version (docs/rules.md); results of a suite
+    /// byte-identical to a released version are official.
+    #[serde(default)]
+    pub version: Option<String>,
+    /// The hardware a standard suite is for.
+    #[serde(default)]
+    pub hardware: Option<Hardware>,
 }
 
 fn default_bucket_mb() -> f64 {
@@ -449,6 +501,10 @@ impl Strategy {
         }
     }
 }
+
+/// The strategy kinds a `[[track]]` can take submissions of (the plugin
+/// kinds' names).
+pub const TRACK_KINDS: &[&str] = &["compressor", "batch-policy", "checkpoint-policy"];
 
 /// Built-in strategy names (`[[plugin]]` names extend these).
 pub const COMPRESSORS: &[&str] = &["allreduce"];

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use super::model::ModelConfig;
 use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Strategy, SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES,
-    CHECKPOINT_POLICIES, COMPRESSORS,
+    CHECKPOINT_POLICIES, COMPRESSORS, TRACK_KINDS,
 };
 
 /// A loaded, validated suite with its source.
@@ -194,6 +194,7 @@ impl Suite {
         let names = c.workloads(&s.workloads);
         c.plugins(&s.plugins);
         c.strategies(s, &names);
+        c.tracks(s, &names);
         if c.errors.is_empty() {
             Ok(())
         } else {
@@ -583,12 +584,59 @@ impl Checker<'_> {
             baselines += st.baseline as u32;
             self.strategy(i, st, s, names);
         }
-        if baselines > 1 {
+        if baselines > 1 && s.tracks.is_empty() {
             self.err(
                 &[Key("strategy")],
                 "more than one strategy says `baseline = true`",
                 Some("mark exactly one strategy as the baseline".into()),
             );
+        }
+    }
+
+    /// Every `[[track]]`: its kind, workloads and strategies exist, no
+    /// workload runs a strategy in two tracks, and `[suite.hardware]`, when
+    /// given, lists the suite's GPU count among its divisions.
+    fn tracks(&mut self, s: &SuiteSpec, names: &BTreeSet<&str>) {
+        let snames: BTreeSet<&str> = s.strategies.iter().map(|st| st.name.as_str()).collect();
+        let mut tnames = BTreeSet::new();
+        let mut pairs = BTreeSet::new();
+        for (i, t) in s.tracks.iter().enumerate() {
+            let at = |k: &'static str| [Key("track"), Index(i), Key(k)];
+            if !tnames.insert(t.name.as_str()) || !valid_name(&t.name) {
+                self.err(&at("name"), format!("track name `{}` is used twice or is not a plain name", t.name), None);
+            }
+            if !TRACK_KINDS.contains(&t.kind.as_str()) {
+                self.err(&at("kind"), format!("unknown track kind `{}`", t.kind), Some(format!("one of: {}", TRACK_KINDS.join(", "))));
+            }
+            if t.workloads.is_empty() {
+                self.err(&at("workloads"), "a track needs at least one workload", None);
+            }
+            for w in t.workloads.iter().filter(|w| !names.contains(w.as_str())) {
+                self.err(&at("workloads"), format!("track `{}` names workload `{w}`, which the suite does not define", t.name), None);
+            }
+            for st in std::iter::once(&t.baseline).chain(&t.strategies) {
+                if !snames.contains(st.as_str()) {
+                    self.err(&at("strategies"), format!("track `{}` names strategy `{st}`, which the suite does not define", t.name), None);
+                }
+                for w in &t.workloads {
+                    if !pairs.insert((w.as_str(), st.as_str())) {
+                        self.err(
+                            &at("strategies"),
+                            format!("workload `{w}` runs strategy `{st}` in two tracks"),
+                            Some("give each track its own strategy names".into()),
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(h) = &s.suite.hardware {
+            if !h.gpus.contains(&s.suite.world_size) {
+                self.err(
+                    &[Key("suite"), Key("hardware"), Key("gpus")],
+                    format!("`world_size` {} is not one of the divisions {:?}", s.suite.world_size, h.gpus),
+                    None,
+                );
+            }
         }
     }
 
@@ -605,7 +653,9 @@ impl Checker<'_> {
                     Some("e.g. link = { gbps = 10, latency_us = 5 }".into()),
                 );
             }
-            if meta.world_size < 2 {
+            // A standard suite's multi-GPU tracks run only with --gpus >= 2.
+            let in_multi_gpu_track = s.tracks.iter().any(|t| t.min_gpus >= 2 && (t.baseline == st.name || t.strategies.contains(&st.name)));
+            if meta.world_size < 2 && !in_multi_gpu_track {
                 self.err(&at("link"), "an emulated link needs world_size >= 2", None);
             }
         }

@@ -1,0 +1,96 @@
+//! Standard suites: a plugin entered with `--plugin KIND=PATH` runs in the
+//! tracks of its kind next to their baselines, and the result records what
+//! was entered and whether the run is official.
+
+use std::path::Path;
+
+use crate::{artifact, harness, repo_root, write};
+
+fn results(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
+}
+
+#[test]
+fn an_entered_plugin_runs_next_to_the_track_baseline_and_the_run_is_official() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.json");
+    let suite = repo_root().join("suites/cpu-standard.toml");
+    let run = harness(dir.path())
+        .arg("run")
+        .arg(&suite)
+        .args(["--track", "batch-size", "--plugin"])
+        .arg(format!("batch-policy={}", artifact("memory-growth.wasm").display()))
+        .args(["--plugin-config", "max=32", "--out"])
+        .arg(&out)
+        .arg("-q")
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let r = results(&out);
+    let ids: Vec<&str> = r["entries"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    for rep in 0..3 {
+        for st in ["fixed", "submission-batch-size"] {
+            assert!(ids.contains(&format!("mlp-memory-bound/{st}/r{rep}").as_str()), "{ids:?}");
+        }
+    }
+    assert_eq!(ids.len(), 6, "only the batch-size track ran: {ids:?}");
+    let s = &r["submission"];
+    assert_eq!(s["tracks"], serde_json::json!(["batch-size"]));
+    assert_eq!(s["released_suite"], true);
+    assert_eq!(s["unofficial"], serde_json::json!([]), "a released CPU suite on the CPU is official");
+    let p = &s["entered"][0];
+    assert_eq!(p["name"], "memory-growth");
+    assert_eq!(p["config"], "max = 32\n");
+    assert_eq!(p["sha256"].as_str().unwrap().len(), 64);
+    // The entered policy chose the batch (memory-growth starts at its
+    // `max`); the baseline kept the workload's 4.
+    let first = |id: &str| r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap()["metrics"]["batch_changes"][0][1].clone();
+    assert_eq!(first("mlp-memory-bound/submission-batch-size/r0"), 32);
+    assert_eq!(first("mlp-memory-bound/fixed/r0"), 4);
+}
+
+#[test]
+fn a_plugin_of_the_wrong_kind_or_an_edited_suite_is_caught_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let suite = repo_root().join("suites/cpu-standard.toml");
+    // Declared as a batch policy, but the artifact is a compressor.
+    let run = harness(dir.path())
+        .arg("run")
+        .arg(&suite)
+        .arg("--plugin")
+        .arg(format!("batch-policy={}", artifact("topk.wasm").display()))
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("the plugin is a compressor, not a batch-policy"), "{err}");
+    // A batch policy entered into the checkpointing track.
+    let run = harness(dir.path())
+        .arg("run")
+        .arg(&suite)
+        .args(["--track", "checkpointing", "--plugin"])
+        .arg(format!("batch-policy={}", artifact("memory-growth.wasm").display()))
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("no track selected here takes one"));
+    // A suite without tracks takes no entries.
+    let run = harness(dir.path())
+        .arg("run")
+        .arg(repo_root().join("suites/cpu.toml"))
+        .arg("--plugin")
+        .arg(format!("compressor={}", artifact("topk.wasm").display()))
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("has no tracks"));
+    // An edited copy runs, labelled unofficial with the reason.
+    let text = std::fs::read_to_string(&suite).unwrap().replace("steps = 150", "steps = 20");
+    let edited = write(dir.path(), "edited.toml", &text);
+    let out = dir.path().join("e.json");
+    let run = harness(dir.path()).arg("run").arg(&edited).args(["--track", "checkpointing", "--out"]).arg(&out).arg("-q").output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let r = results(&out);
+    let why = r["submission"]["unofficial"].as_array().unwrap();
+    assert!(why.iter().any(|w| w.as_str().unwrap().contains("is not a released standard suite")), "{why:?}");
+}
