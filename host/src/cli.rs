@@ -184,7 +184,11 @@ fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry
     let mut config = toml::Table::new();
     for kv in &args.plugin_config {
         let (k, v) = kv.split_once('=').ok_or_else(|| format!("--plugin-config {kv}: expected KEY=VALUE"))?;
-        let value = format!("v = {v}").parse::<toml::Table>().ok().and_then(|mut t| t.remove("v")).unwrap_or_else(|| toml::Value::String(v.to_owned()));
+        let value = format!("v = {v}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(v.to_owned()));
         config.insert(k.trim().to_owned(), value);
     }
     let path = std::path::absolute(path).map_err(|e| format!("--plugin {p}: {e}"))?;
@@ -204,7 +208,14 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     if let Some(e) = &entry {
         let m = crate::plugin::inspect(&e.path).map_err(|err| format!("--plugin {}: {err:#}", e.path.display()))?;
         if m.kind.name() != e.kind {
-            return Err(format!("--plugin {}: the plugin is a {}, not a {}\nhint: --plugin {}={}", e.path.display(), m.kind.name(), e.kind, m.kind.name(), e.path.display()));
+            return Err(format!(
+                "--plugin {}: the plugin is a {}, not a {}\nhint: --plugin {}={}",
+                e.path.display(),
+                m.kind.name(),
+                e.kind,
+                m.kind.name(),
+                e.path.display()
+            ));
         }
         let bytes = std::fs::metadata(&e.path).map(|md| md.len()).unwrap_or(0);
         let transport = match m.transport {

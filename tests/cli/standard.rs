@@ -44,7 +44,8 @@ fn an_entered_plugin_runs_next_to_the_track_baseline_and_the_run_is_official() {
     assert_eq!(p["sha256"].as_str().unwrap().len(), 64);
     // The entered policy chose the batch (memory-growth starts at its
     // `max`); the baseline kept the workload's 4.
-    let first = |id: &str| r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap()["metrics"]["batch_changes"][0][1].clone();
+    let first =
+        |id: &str| r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap()["metrics"]["batch_changes"][0][1].clone();
     assert_eq!(first("mlp-memory-bound/submission-batch-size/r0"), 32);
     assert_eq!(first("mlp-memory-bound/fixed/r0"), 4);
 }

@@ -81,7 +81,10 @@ impl Suite {
                     format!("{} has no track `{name}`\nhint: its tracks are {}", self.path.display(), track_names(&spec.tracks))
                 })?;
                 if t.min_gpus > gpus {
-                    return Err(format!("track `{name}` needs at least {} GPUs (ranks), and this run has {gpus}\nhint: pass --gpus {}", t.min_gpus, t.min_gpus));
+                    return Err(format!(
+                        "track `{name}` needs at least {} GPUs (ranks), and this run has {gpus}\nhint: pass --gpus {}",
+                        t.min_gpus, t.min_gpus
+                    ));
                 }
                 vec![t]
             }
@@ -154,7 +157,9 @@ pub fn unofficial_reasons(suite: &Suite, machine: &crate::device::Fingerprint, s
         Some(h) => {
             let gpu = machine.gpus.first().map(|g| g.name.clone());
             match (h.gpu.is_empty(), gpu) {
-                (true, Some(g)) if suite.spec.suite.device != super::DeviceKind::Cpu => why.push(format!("ran on {g}; the suite is for the CPU")),
+                (true, Some(g)) if suite.spec.suite.device != super::DeviceKind::Cpu => {
+                    why.push(format!("ran on {g}; the suite is for the CPU"))
+                }
                 (false, None) => why.push(format!("ran without a GPU; the suite is for {} ({})", h.gpu, h.class)),
                 (false, Some(g)) if !g.contains(&h.gpu) => why.push(format!("ran on {g}; the suite is for {} ({})", h.gpu, h.class)),
                 _ => {}
