@@ -49,6 +49,16 @@ pub fn run_ok(c: &mut Command) -> Output {
     out
 }
 
+/// A result file, as JSON.
+pub fn results(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
+}
+
+/// The entry `id` of a result file.
+pub fn entry<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no entry {id}"))
+}
+
 /// Writes `text` to `dir/name` and returns the path.
 pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);

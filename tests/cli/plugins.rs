@@ -5,17 +5,7 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use std::path::Path;
-
-use crate::{artifact, harness, repo_root, run_ok, write};
-
-fn results(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
-}
-
-fn entry<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
-    r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no entry {id}"))
-}
+use crate::{artifact, entry, harness, repo_root, results, run_ok, write};
 
 const WORKLOAD: &str = r#"
 [[workload]]

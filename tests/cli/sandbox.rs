@@ -4,18 +4,9 @@
 //! before and after it (built-in and plugin baselines) train all their
 //! steps in the same process.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::{artifact, harness, write};
-
-fn results(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
-}
-
-fn entry<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
-    r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no entry {id}"))
-}
+use crate::{artifact, entry, harness, results, write};
 
 const WORKLOAD: &str = r#"
 [[workload]]

@@ -2,13 +2,7 @@
 //! tracks of its kind next to their baselines, and the result records what
 //! was entered and whether the run is official.
 
-use std::path::Path;
-
-use crate::{artifact, harness, repo_root, write};
-
-fn results(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
-}
+use crate::{artifact, harness, repo_root, results, write};
 
 #[test]
 fn an_entered_plugin_runs_next_to_the_track_baseline_and_the_run_is_official() {
