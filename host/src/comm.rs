@@ -22,6 +22,10 @@ use tch::Tensor;
 
 use crate::measure;
 
+/// The words of [`CommError::Aborted`]'s message that say another rank
+/// ended the collective.
+pub const ABORTED_BY_PEER: &str = " was aborted: ";
+
 /// A collective that failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommError {

@@ -403,7 +403,7 @@ fn combine(
         .enumerate()
         .filter_map(|(r, e)| e.map(|e| (r, e)))
         .collect();
-    if let Some((r, e)) = errors.iter().find(|(_, e)| !e.message().contains("was aborted")).or(errors.first()) {
+    if let Some((r, e)) = errors.iter().find(|(_, e)| !matches!(e, EntryError::RankLost { .. })).or(errors.first()) {
         return Err(e.on_rank(*r));
     }
     let mut out = first.map_err(|e| e.on_rank(0))?;

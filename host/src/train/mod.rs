@@ -107,6 +107,14 @@ pub fn run_entry(
 /// What kind of failure an error of the loop is.
 fn classify(e: anyhow::Error) -> EntryError {
     let message = crate::error::without_backtrace(&format!("{e:#}"));
+    // First: a collective aborted because another rank failed is an echo of
+    // that rank's error, even inside a plugin's call (whose error reaches
+    // here as the plugin's message: the sandbox flattens what the guest
+    // saw into text, so the echo is recognised by the collective's words).
+    let aborted = e.chain().any(|c| matches!(c.downcast_ref::<crate::comm::CommError>(), Some(crate::comm::CommError::Aborted { .. })));
+    if aborted || message.contains(crate::comm::ABORTED_BY_PEER) {
+        return EntryError::RankLost { message };
+    }
     if let Some(p) = e.chain().find_map(|c| c.downcast_ref::<crate::plugin::PluginFailure>()) {
         return EntryError::Plugin { plugin: p.plugin.clone(), message };
     }
