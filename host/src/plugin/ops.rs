@@ -89,6 +89,11 @@ fn dims(ints: &[i64]) -> Result<Vec<i64>> {
 impl HostSide {
     /// A host side for plugin `name` whose tensors may total `max_bytes`.
     pub fn new(name: &str, device: Device, max_bytes: u64) -> HostSide {
+        // The device's matmul rate, which host ops' time estimates divide
+        // by, is measured here, once per process, rather than inside the
+        // first call (where it would count against the plugin's deadline
+        // and its call-time histogram).
+        let _ = budget::rate(device);
         HostSide {
             tensors: HashMap::new(),
             storages: HashMap::new(),
