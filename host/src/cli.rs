@@ -44,6 +44,29 @@ pub enum Command {
         #[arg(long, default_value = "results")]
         out_dir: PathBuf,
     },
+    /// Bundle a standard-suite result for submission: the result, the suite,
+    /// the plugin artifact, the run's log and the machine fingerprint, with
+    /// their sha256 (docs/submitting.md). The bundle is verified at once.
+    Submit {
+        /// The result file of `harness run SUITE --plugin KIND=PATH`.
+        result: PathBuf,
+        /// The bundle folder to create (default: <result stem>.bundle).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// The run's log (default: <result stem>.log, written by harness run).
+        #[arg(long)]
+        log: Option<PathBuf>,
+        /// Bundle the plugin's sha256 and size only, not its artifact.
+        #[arg(long)]
+        no_artifacts: bool,
+    },
+    /// Check submission bundles against the rules (docs/rules.md): prints
+    /// each violation with what to do; exits 1 if any bundle breaks a rule.
+    Verify {
+        /// Bundle folders written by `harness submit`.
+        #[arg(required = true)]
+        bundles: Vec<PathBuf>,
+    },
     /// Compare two result files side by side, with ratios and significance.
     Compare {
         /// The reference (A).
@@ -361,15 +384,53 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Report { results, out_dir } => {
-            let (loaded, sources) = load_results(&results)?;
-            let boards = report::boards(&loaded);
-            let md = report::leaderboard_markdown(&boards, &sources);
-            let html = report::html::page(&boards, &sources);
+            let loaded = load_results(&results)?;
+            let boards = report::boards(&loaded.results);
+            let mut subs = report::submissions::boards(&loaded.bundles);
+            // Bundles are named relative to the leaderboard's folder, so
+            // its links work wherever the folder is served from.
+            for r in subs.iter_mut().flat_map(|b| b.rows.iter_mut()).filter(|r| !r.reference) {
+                r.bundle = relative_to(&out_dir, &r.bundle);
+            }
+            let mut md = report::leaderboard_markdown(&boards, &loaded.sources);
+            if !subs.is_empty() {
+                md.push('\n');
+                md.push_str(&report::submissions::markdown(&subs));
+            }
+            let html = report::html::page(&boards, &subs, &loaded.sources);
             let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
             results::write_atomic(&md_path, md.as_bytes())?;
             results::write_atomic(&html_path, html.as_bytes())?;
-            println!("{} result files, {} tables -> {}, {}", loaded.len(), boards.len(), md_path.display(), html_path.display());
+            println!(
+                "{} result files ({} bundles, {} verified), {} tables, {} submission tables -> {}, {}",
+                loaded.results.len(),
+                loaded.bundles.len(),
+                loaded.bundles.iter().filter(|b| b.verdict.verified()).count(),
+                boards.len(),
+                subs.len(),
+                md_path.display(),
+                html_path.display()
+            );
             Ok(exit::OK)
+        }
+        Command::Submit { result, out, log, no_artifacts } => {
+            let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
+            let dir = crate::submission::submit(&result, &opts)?;
+            println!("bundle: {}", dir.display());
+            let verdict = crate::submission::verify::verify(&dir);
+            print!("{}", crate::submission::verify::render(&dir, &verdict));
+            Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
+        }
+        Command::Verify { bundles } => {
+            let mut code = exit::OK;
+            for b in &bundles {
+                let verdict = crate::submission::verify::verify(b);
+                print!("{}", crate::submission::verify::render(b, &verdict));
+                if !verdict.verified() {
+                    code = exit::NOT_VERIFIED;
+                }
+            }
+            Ok(code)
         }
         Command::Compare { a, b } => {
             let ra = results::RunResult::read(&a)?;
@@ -435,6 +496,13 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         return ranks::launch_local_ranks(world, &child_args);
     }
     let mut console = Console::new(args.quiet || follower);
+    if !follower {
+        let log = Console::log_path(&out);
+        if let Some(dir) = log.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        console.log_to(&log).map_err(|e| anyhow::anyhow!("cannot write the run's log {}: {e}", log.display()))?;
+    }
     let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
@@ -450,37 +518,93 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     Ok(exit::of_finished_run(failed))
 }
 
-/// Reads result files; folders are searched (not recursively) for *.json,
-/// skipping JSON files that are not harness results (bench outputs).
-fn load_results(paths: &[PathBuf]) -> anyhow::Result<(Vec<results::RunResult>, Vec<String>)> {
-    let mut out = Vec::new();
-    let mut sources = Vec::new();
+/// `path` as seen from the folder `base` (both made absolute first).
+fn relative_to(base: &std::path::Path, path: &std::path::Path) -> PathBuf {
+    let (Ok(base), Ok(path)) = (std::path::absolute(base), std::path::absolute(path)) else { return path.to_owned() };
+    let (b, p): (Vec<_>, Vec<_>) = (base.components().collect(), path.components().collect());
+    let common = b.iter().zip(&p).take_while(|(x, y)| x == y).count();
+    let mut out: PathBuf = std::iter::repeat_n(std::path::Component::ParentDir, b.len() - common).collect();
+    out.extend(&p[common..]);
+    out
+}
+
+/// What `harness report` read.
+struct Loaded {
+    results: Vec<results::RunResult>,
+    sources: Vec<String>,
+    bundles: Vec<report::submissions::Verified>,
+}
+
+/// Reads result files and submission bundles (verifying each); folders are
+/// searched (not recursively) for *.json and bundles, skipping JSON files
+/// that are not harness results (bench outputs). A bundle's result joins
+/// the per-workload tables with its submission strategies named after the
+/// plugin, so that two bundles' plugins are never pooled.
+fn load_results(paths: &[PathBuf]) -> anyhow::Result<Loaded> {
+    let mut l = Loaded { results: Vec::new(), sources: Vec::new(), bundles: Vec::new() };
+    let add_bundle = |dir: &std::path::Path, l: &mut Loaded| -> anyhow::Result<()> {
+        let bundle = match crate::submission::Bundle::read(dir) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("note: skipped the bundle {}, which cannot be read ({e:#}); `harness verify` says why", dir.display());
+                return Ok(());
+            }
+        };
+        let verdict = crate::submission::verify::verify(dir);
+        let mut r = bundle.result.clone();
+        if let Some(p) = r.submission.as_ref().and_then(|s| s.entered.first()) {
+            let name = format!("{} {} ({})", p.name, p.version, &p.sha256[..12.min(p.sha256.len())]);
+            for e in &mut r.entries {
+                if e.strategy.starts_with("submission-") {
+                    e.strategy = format!("{name} [{}]", e.strategy);
+                }
+            }
+            for e in &mut r.plan {
+                if e.strategy.name.starts_with("submission-") {
+                    e.strategy.name = format!("{name} [{}]", e.strategy.name);
+                }
+            }
+        }
+        l.sources.push(dir.join(crate::submission::RESULT).display().to_string());
+        l.results.push(r);
+        l.bundles.push(report::submissions::Verified { bundle, verdict });
+        Ok(())
+    };
     for p in paths {
-        if p.is_dir() {
-            let mut files: Vec<PathBuf> =
-                std::fs::read_dir(p)?.flatten().map(|e| e.path()).filter(|f| f.extension().is_some_and(|x| x == "json")).collect();
+        if crate::submission::is_bundle(p) {
+            add_bundle(p, &mut l)?;
+        } else if p.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(p)?.flatten().map(|e| e.path()).collect();
             files.sort();
             for f in files {
+                if crate::submission::is_bundle(&f) {
+                    add_bundle(&f, &mut l)?;
+                    continue;
+                }
+                // A result that was bundled is read from its bundle.
+                if f.extension().is_none_or(|x| x != "json") || crate::submission::is_bundle(&crate::submission::default_bundle_path(&f)) {
+                    continue;
+                }
                 match results::RunResult::read(&f) {
                     Ok(r) => {
-                        sources.push(f.display().to_string());
-                        out.push(r);
+                        l.sources.push(f.display().to_string());
+                        l.results.push(r);
                     }
                     Err(results::ResultsError::Parse { .. }) => eprintln!("note: {} is not a harness result file; skipped", f.display()),
                     Err(e) => return Err(e.into()),
                 }
             }
         } else {
-            out.push(results::RunResult::read(p)?);
-            sources.push(p.display().to_string());
+            l.results.push(results::RunResult::read(p)?);
+            l.sources.push(p.display().to_string());
         }
     }
     anyhow::ensure!(
-        !out.is_empty(),
-        "no result files found in {}",
+        !l.results.is_empty(),
+        "no result files or bundles found in {}",
         paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     );
-    Ok((out, sources))
+    Ok(l)
 }
 
 fn print_env(f: &device::Fingerprint) {

@@ -21,6 +21,9 @@ use crate::train::Progress;
 pub struct Console {
     quiet: bool,
     entry: Option<EntryBar>,
+    /// The run's log (`<result stem>.log`): what the terminal shows, less
+    /// the progress, whether quiet or not. `harness submit` bundles it.
+    log: Option<std::sync::Mutex<std::fs::File>>,
 }
 
 /// The progress of the entry that runs now.
@@ -33,19 +36,48 @@ struct EntryBar {
 
 impl Console {
     pub fn new(quiet: bool) -> Console {
-        Console { quiet, entry: None }
+        Console { quiet, entry: None, log: None }
+    }
+
+    /// Also writes the run's lines to `path` (appended, so a resumed run
+    /// adds to the log of the run it continues).
+    pub fn log_to(&mut self, path: &Path) -> std::io::Result<()> {
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        self.log = Some(std::sync::Mutex::new(f));
+        Ok(())
+    }
+
+    /// The log file of the result file `out`.
+    pub fn log_path(out: &Path) -> std::path::PathBuf {
+        out.with_extension("log")
+    }
+
+    fn log(&self, line: &str) {
+        if let Some(f) = &self.log {
+            use std::io::Write;
+            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = writeln!(f, "{line}");
+        }
+    }
+
+    /// Shows a line on stderr unless quiet, and logs it.
+    fn say(&self, line: &str) {
+        if !self.quiet {
+            eprintln!("{line}");
+        }
+        self.log(line);
     }
 
     /// The run's opening line: what runs where, and the result file.
     pub fn run_started(&self, suite: &str, to_run: usize, planned: usize, device: &str, out: &Path) {
-        if !self.quiet {
-            eprintln!("harness: suite `{suite}` ({to_run} of {planned} entries to run) on {device} -> {}", out.display());
-        }
+        self.log(&format!("# {} harness {}", crate::results::now(), env!("CARGO_PKG_VERSION")));
+        self.say(&format!("harness: suite `{suite}` ({to_run} of {planned} entries to run) on {device} -> {}", out.display()));
     }
 
     /// A warning, shown even when quiet.
     pub fn warning(&self, msg: &str) {
         eprintln!("warning: {msg}");
+        self.log(&format!("warning: {msg}"));
     }
 
     /// Shows a progress bar for entry `position` (from 1) of `count`: by step
@@ -81,11 +113,8 @@ impl Console {
         if let Some(e) = self.entry.take() {
             e.bar.finish_and_clear();
         }
-        if self.quiet {
-            return;
-        }
         match (&record.status, &record.metrics) {
-            (EntryStatus::Ok, Some(m)) => eprintln!(
+            (EntryStatus::Ok, Some(m)) => self.say(&format!(
                 "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
                 record.id,
                 record.seed,
@@ -94,8 +123,8 @@ impl Console {
                 m.final_eval_loss.unwrap_or(f64::NAN),
                 m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
                 m.tokens_per_s
-            ),
-            (EntryStatus::Failed { error, .. }, _) => eprintln!("  {} FAILED: {error}", record.id),
+            )),
+            (EntryStatus::Failed { error, .. }, _) => self.say(&format!("  {} FAILED: {error}", record.id)),
             _ => {}
         }
     }

@@ -4,6 +4,9 @@
 pub const OK: i32 = 0;
 /// The run finished, but at least one entry failed (see the result file).
 pub const ENTRY_FAILED: i32 = 1;
+/// `harness verify` / `harness submit`: a bundle breaks a rule of the
+/// standard suites (each violation is printed with what to do).
+pub const NOT_VERIFIED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
 /// Harness itself could not run (I/O, device set-up, resume mismatch).

@@ -28,6 +28,7 @@ pub mod rendezvous;
 pub mod report;
 pub mod results;
 pub mod strategy;
+pub mod submission;
 pub mod suite;
 pub mod torch_ext;
 pub mod train;

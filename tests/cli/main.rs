@@ -12,6 +12,7 @@ mod resume;
 mod run;
 mod sandbox;
 mod standard;
+mod submit;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -160,7 +160,7 @@ fn report_rejects_an_empty_folder() {
     let dir = tempfile::tempdir().unwrap();
     let out = harness(dir.path()).args(["report", "."]).output().unwrap();
     assert_eq!(out.status.code(), Some(harness::cli::exit::ERROR));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no result files found"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no result files or bundles found"));
 }
 
 /// Renders the page in headless Chromium: no console messages, and the

@@ -8,6 +8,7 @@
 
 pub mod html;
 pub mod stats;
+pub mod submissions;
 
 use std::collections::BTreeMap;
 

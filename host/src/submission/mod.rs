@@ -1,0 +1,221 @@
+//! Submissions: `harness submit RESULT` bundles a standard-suite run (the
+//! result file, the suite that ran, the entered plugin's artifact, the run's
+//! log and the machine's fingerprint) into a folder with a manifest of
+//! sha256 hashes; `harness verify BUNDLE` ([`verify`]) checks a bundle
+//! against the rules (docs/rules.md). The bundle format is documented in
+//! docs/submitting.md.
+
+pub mod verify;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::results::{self, RunResult};
+
+/// Version of the bundle format (`MANIFEST.json`).
+///
+/// Changelog:
+/// - 1: first version.
+pub const BUNDLE_FORMAT: u32 = 1;
+
+/// The files of a bundle, relative to its folder.
+pub const MANIFEST: &str = "MANIFEST.json";
+pub const RESULT: &str = "result.json";
+pub const SUITE: &str = "suite.toml";
+pub const MACHINE: &str = "machine.json";
+pub const LOG: &str = "run.log";
+
+/// `MANIFEST.json`: what the bundle holds, each file with its hash.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub bundle_format: u32,
+    /// The harness that wrote the bundle.
+    pub harness_version: String,
+    pub created_at: String,
+    pub suite: SuiteRef,
+    pub hardware_class: Option<String>,
+    pub gpus: u32,
+    pub tracks: Vec<String>,
+    pub plugins: Vec<PluginRef>,
+    /// Every file of the bundle but the manifest.
+    pub files: Vec<FileRef>,
+}
+
+/// The suite a bundle's result ran.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SuiteRef {
+    pub name: String,
+    pub version: Option<String>,
+    /// sha256 of the suite's text.
+    pub sha256: String,
+    /// The released standard suite it is byte-identical to, if any.
+    pub released_as: Option<String>,
+}
+
+/// An entered plugin: its identity, and its artifact in the bundle when it
+/// was included (`--no-artifacts` leaves the hash and size only).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PluginRef {
+    pub kind: String,
+    pub name: String,
+    pub version: String,
+    pub sha256: String,
+    pub bytes: u64,
+    pub file: Option<String>,
+}
+
+/// One file of the bundle.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileRef {
+    pub path: String,
+    pub sha256: String,
+    pub bytes: u64,
+}
+
+/// Options of `harness submit`.
+#[derive(Debug, Clone, Default)]
+pub struct SubmitOptions {
+    /// The bundle folder (default: `<result stem>.bundle` next to it).
+    pub out: Option<PathBuf>,
+    /// The run's log (default: `<result stem>.log` next to it).
+    pub log: Option<PathBuf>,
+    /// Leave the plugin artifacts out (their sha256 and size stay).
+    pub no_artifacts: bool,
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Where `harness submit` puts the bundle of `result` by default.
+pub fn default_bundle_path(result: &Path) -> PathBuf {
+    result.with_extension("bundle")
+}
+
+/// Writes the bundle of the result file `result`; returns its folder. The
+/// bundle is assembled in a `.partial` folder and renamed into place, so a
+/// folder named like a bundle is always a whole one.
+pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
+    let raw = std::fs::read(result).with_context(|| format!("cannot read {}", result.display()))?;
+    let run = RunResult::read(result)?;
+    let Some(sub) = &run.submission else {
+        bail!(
+            "{} is not the result of a submission run (it has no `submission` record)\n\
+             hint: enter a plugin into a standard suite: harness run suites/cpu-standard.toml --plugin KIND=PATH",
+            result.display()
+        );
+    };
+    let out = opts.out.clone().unwrap_or_else(|| default_bundle_path(result));
+    if out.exists() {
+        bail!("{} already exists\nhint: remove it, or choose another folder with --out", out.display());
+    }
+    let log = opts.log.clone().unwrap_or_else(|| crate::console::Console::log_path(result));
+    let log_text = match std::fs::read(&log) {
+        Ok(t) => Some(t),
+        Err(e) if opts.log.is_some() => bail!("cannot read the log {}: {e}", log.display()),
+        Err(_) => None,
+    };
+    // Read the artifacts first: a plugin rebuilt since the run is refused
+    // before anything is written.
+    let mut artifacts = Vec::new();
+    let mut plugins = Vec::new();
+    for p in &sub.entered {
+        let mut file = None;
+        if !opts.no_artifacts {
+            let bytes = std::fs::read(&p.path).with_context(|| {
+                format!(
+                    "cannot read the entered plugin {} (its artifact goes into the bundle)\nhint: submit from the machine that ran, or pass --no-artifacts to bundle its sha256 and size only",
+                    p.path
+                )
+            })?;
+            let sha = sha256_hex(&bytes);
+            if sha != p.sha256 {
+                bail!(
+                    "{} has changed since the run: its sha256 is {sha}, the run loaded {}\nhint: bundle the artifact that ran (rebuild it from the same source, or restore it), or pass --no-artifacts",
+                    p.path,
+                    p.sha256
+                );
+            }
+            let ext = Path::new(&p.path).extension().and_then(|e| e.to_str()).unwrap_or("bin");
+            let name: String = p.name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+            let rel = format!("plugins/{name}-{}.{ext}", &sha[..12]);
+            artifacts.push((rel.clone(), bytes));
+            file = Some(rel);
+        }
+        plugins.push(PluginRef {
+            kind: p.kind.clone(),
+            name: p.name.clone(),
+            version: p.version.clone(),
+            sha256: p.sha256.clone(),
+            bytes: p.bytes,
+            file,
+        });
+    }
+
+    let partial = out.with_extension("bundle.partial");
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).with_context(|| format!("cannot remove {}", partial.display()))?;
+    }
+    std::fs::create_dir_all(partial.join("plugins")).with_context(|| format!("cannot create {}", partial.display()))?;
+    let mut files = Vec::new();
+    let mut put = |rel: &str, bytes: &[u8]| -> Result<()> {
+        let path = partial.join(rel);
+        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        files.push(FileRef { path: rel.to_owned(), sha256: sha256_hex(bytes), bytes: bytes.len() as u64 });
+        Ok(())
+    };
+    put(RESULT, &raw)?;
+    put(SUITE, run.suite.text.as_bytes())?;
+    put(MACHINE, serde_json::to_string_pretty(&run.machine)?.as_bytes())?;
+    if let Some(t) = &log_text {
+        put(LOG, t)?;
+    }
+    for (rel, bytes) in &artifacts {
+        put(rel, bytes)?;
+    }
+    let manifest = Manifest {
+        bundle_format: BUNDLE_FORMAT,
+        harness_version: env!("CARGO_PKG_VERSION").to_owned(),
+        created_at: results::now(),
+        suite: SuiteRef {
+            name: run.suite.name.clone(),
+            version: sub.suite_version.clone(),
+            sha256: sha256_hex(run.suite.text.as_bytes()),
+            released_as: crate::suite::standard::released(&run.suite.text).map(|r| r.file.to_owned()),
+        },
+        hardware_class: sub.hardware_class.clone(),
+        gpus: sub.gpus,
+        tracks: sub.tracks.clone(),
+        plugins,
+        files,
+    };
+    std::fs::write(partial.join(MANIFEST), serde_json::to_string_pretty(&manifest)? + "\n")?;
+    std::fs::rename(&partial, &out).with_context(|| format!("cannot move {} to {}", partial.display(), out.display()))?;
+    Ok(out)
+}
+
+/// A bundle read back: its manifest and result, if they could be read.
+pub struct Bundle {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub result: RunResult,
+}
+
+/// Whether `dir` is a bundle (holds a manifest).
+pub fn is_bundle(dir: &Path) -> bool {
+    dir.join(MANIFEST).is_file()
+}
+
+impl Bundle {
+    /// Reads a bundle's manifest and result (no checks: see [`verify`]).
+    pub fn read(dir: &Path) -> Result<Bundle> {
+        let m = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&m).with_context(|| format!("cannot read {}", m.display()))?;
+        let manifest: Manifest = serde_json::from_str(&text).with_context(|| format!("{} is not a bundle manifest", m.display()))?;
+        let result = RunResult::read(&dir.join(RESULT))?;
+        Ok(Bundle { dir: dir.to_owned(), manifest, result })
+    }
+}

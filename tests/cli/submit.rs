@@ -1,0 +1,159 @@
+//! Submissions end to end: a plugin written as a third party would
+//! (tests/plugins/sign-vote: the SDK only, a version of its own) is entered
+//! into the CPU standard suite, bundled with `harness submit`, checked with
+//! `harness verify`, and ranked by `harness report`; bundles that break the
+//! rules are refused, each with its reason.
+
+use std::path::Path;
+use std::process::Output;
+
+use sha2::{Digest, Sha256};
+
+use crate::{artifact, harness, repo_root, run_ok};
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let dst = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+/// Writes an edited copy of the result `r.json` and its log as
+/// `<name>.json` and `<name>.log`, and submits it; returns the output of
+/// `harness submit`.
+fn submit_edited(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value), log_extra: &str) -> Output {
+    let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("r.json")).unwrap()).unwrap();
+    edit(&mut r);
+    std::fs::write(dir.join(format!("{name}.json")), serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+    let log = std::fs::read_to_string(dir.join("r.log")).unwrap() + log_extra;
+    std::fs::write(dir.join(format!("{name}.log")), log).unwrap();
+    harness(dir).args(["submit", &format!("{name}.json")]).output().unwrap()
+}
+
+#[test]
+fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bundles_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let plugin = artifact("sign-vote.wasm");
+    run_ok(
+        harness(dir)
+            .arg("run")
+            .arg(repo_root().join("suites/cpu-standard.toml"))
+            .args(["--track", "compression", "--plugin"])
+            .arg(format!("compressor={}", plugin.display()))
+            .args(["--out", "r.json", "-q"]),
+    );
+    assert!(dir.join("r.log").is_file(), "harness run writes its log next to the result");
+
+    // submit: a bundle with the result, the suite, the artifact, the log
+    // and the fingerprint, verified at once.
+    let out = run_ok(harness(dir).args(["submit", "r.json"]));
+    assert!(text(&out).contains("r.bundle: verified"), "{}", text(&out));
+    let bundle = dir.join("r.bundle");
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(bundle.join("MANIFEST.json")).unwrap()).unwrap();
+    assert_eq!(manifest["suite"]["released_as"], "suites/cpu-standard.toml");
+    let p = &manifest["plugins"][0];
+    assert_eq!((p["name"].as_str(), p["version"].as_str()), (Some("sign-vote"), Some("0.3.1")));
+    let bundled = bundle.join(p["file"].as_str().unwrap());
+    assert_eq!(std::fs::read(&bundled).unwrap(), std::fs::read(&plugin).unwrap(), "the artifact that ran is bundled");
+    for f in ["result.json", "suite.toml", "machine.json", "run.log"] {
+        assert!(bundle.join(f).is_file(), "{f} is bundled");
+    }
+    let out = run_ok(harness(dir).args(["verify", "r.bundle"]));
+    assert!(text(&out).contains("verified"));
+    // A bundle is not written twice over.
+    let again = harness(dir).args(["submit", "r.json"]).output().unwrap();
+    assert_eq!(again.status.code(), Some(3), "{}", text(&again));
+
+    // Rejected: the plugin artifact swapped for another.
+    copy_dir(&bundle, &dir.join("swapped.bundle"));
+    std::fs::copy(artifact("topk.wasm"), dir.join("swapped.bundle").join(p["file"].as_str().unwrap())).unwrap();
+    let out = harness(dir).args(["verify", "swapped.bundle"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("is not the artifact that ran"), "{}", text(&out));
+
+    // Rejected: the result file truncated.
+    copy_dir(&bundle, &dir.join("truncated.bundle"));
+    let full = std::fs::read(bundle.join("result.json")).unwrap();
+    std::fs::write(dir.join("truncated.bundle/result.json"), &full[..full.len() / 2]).unwrap();
+    let out = harness(dir).args(["verify", "truncated.bundle"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("(truncated?)") && text(&out).contains("cannot be read as a result"), "{}", text(&out));
+
+    // Rejected: a repeat cut from the result before it was submitted.
+    let out = submit_edited(
+        dir,
+        "cut",
+        |r| {
+            for key in ["plan", "entries"] {
+                r[key].as_array_mut().unwrap().retain(|e| e["repeat"] != 2);
+            }
+        },
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("gpt-tiny/submission-compression ran 2 of the 3 repeats the suite asks for"), "{}", text(&out));
+
+    // Rejected: the suite edited (fewer steps), its hash made to match.
+    let out = submit_edited(
+        dir,
+        "edited",
+        |r| {
+            let t = r["suite"]["text"].as_str().unwrap().replacen("steps = 150", "steps = 100", 1);
+            r["suite"]["sha256"] = hex::encode(Sha256::digest(t.as_bytes())).into();
+            r["suite"]["text"] = t.into();
+        },
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("differs from suites/cpu-standard.toml at line")
+            && text(&out).contains("`steps = 100` (released: `steps = 150`)"),
+        "{}",
+        text(&out)
+    );
+
+    // Rejected: a failure the run's log reports and the result does not
+    // (an entry run again to replace a failed one).
+    let out = submit_edited(dir, "hidden", |_| {}, "  gpt-tiny/submission-compression/r1 FAILED: out of memory\n");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("the run's log reports failures the result does not: gpt-tiny/submission-compression/r1"),
+        "{}",
+        text(&out)
+    );
+    // ... and a log edited after it was bundled (same size, other bytes).
+    let log = dir.join("r.bundle/run.log");
+    copy_dir(&bundle, &dir.join("relogged.bundle"));
+    std::fs::write(dir.join("relogged.bundle/run.log"), std::fs::read_to_string(&log).unwrap().replace(" ok (", " OK (")).unwrap();
+    let out = harness(dir).args(["verify", "relogged.bundle"]).output().unwrap();
+    assert!(text(&out).contains("run.log was changed after it was bundled"), "{}", text(&out));
+
+    // report: the verified bundle is ranked on its track, the others are
+    // listed apart with their reasons; links point into the bundles.
+    let out = run_ok(harness(dir).args(["report", ".", "--out-dir", "board"]));
+    // The truncated bundle cannot be read, so it is skipped with a note.
+    assert!(text(&out).contains("(6 bundles, 1 verified)"), "{}", text(&out));
+    assert!(text(&out).contains("truncated.bundle"), "{}", text(&out));
+    let md = std::fs::read_to_string(dir.join("board/LEADERBOARD.md")).unwrap();
+    let subs = &md[md.find("## Submissions").expect("a submissions section")..];
+    assert!(subs.contains("### standard-cpu 1.0 · cpu · 2 GPUs · track `compression`"), "{subs}");
+    let row = |bundle: &str| -> String {
+        subs.lines().find(|l| l.contains(&format!("`../{bundle}`"))).unwrap_or_else(|| panic!("no row for {bundle}:\n{subs}")).to_owned()
+    };
+    assert!(row("r.bundle").starts_with("| 1 | sign-vote 0.3.1 |"), "{}", row("r.bundle"));
+    assert!(row("cut.bundle").starts_with("| - |") && row("cut.bundle").contains("ran 2 of the 3 repeats"));
+    assert!(row("swapped.bundle").contains("is not the artifact that ran"));
+    assert!(subs.contains("baseline `allreduce` (reference)"));
+    let html = std::fs::read_to_string(dir.join("board/index.html")).unwrap();
+    assert!(html.contains("<h2>Submissions</h2>") && html.contains("href=\"../r.bundle/result.json\""), "links to the bundle's result");
+}
