@@ -40,6 +40,7 @@ steps = 30
 optimizer = {{ kind = "adamw", lr = 3e-3, betas = [0.9, 0.95] }}
 eval_every = 10
 eval_batches = 2
+target_loss = 100.0
 {faults}
 
 {}{}{}
@@ -98,6 +99,13 @@ fn a_failure_goes_back_to_the_last_checkpoint_and_repeats_the_losses_bit_for_bit
             assert_eq!(failures, vec![(13, 0), (27, 0)]);
             assert_eq!(r["steps_executed"], 30 + 13 + 27);
             assert_eq!(y["metrics"]["checkpoints_written"], 0);
+            // The target (reached at the first eval, step 10) stays reached
+            // when the failure at step 13 throws that work away: a run to a
+            // target would have stopped at step 10.
+            assert_eq!(y["metrics"]["steps_to_target"], 10);
+            let ttt = y["metrics"]["time_to_target_s"].as_f64().unwrap();
+            let t13 = r["failures"][0]["lost_s"].as_f64().unwrap();
+            assert!(ttt < t13, "time to target {ttt} s is after the failure at step 13 ({t13} s)");
         } else {
             assert_eq!(failures, vec![(13, 10), (27, 25)], "{s}");
             assert_eq!(r["steps_executed"], 30 + 3 + 2, "{s}");

@@ -230,14 +230,14 @@ impl Meter {
         })
     }
 
-    /// A restore went back to step `to`: what was measured after it is gone.
+    /// A restore went back to step `to`: the curves after it are gone. A
+    /// target already reached stays reached: a run that trains to a target
+    /// stops there, so a failure after it does not count against the time
+    /// to target (the eval point itself leaves the curve).
     pub fn rewind(&mut self, to: u64) {
         self.pending_loss = None;
         self.loss_curve.retain(|e| e.0 < to);
         self.eval_curve.retain(|e| e.0 <= to);
-        if self.reached.is_some_and(|r| r.0 > to) {
-            self.reached = None;
-        }
         self.synchronize();
     }
 
