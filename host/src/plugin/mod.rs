@@ -100,6 +100,14 @@ pub struct PluginRecord {
     pub host_ops: u64,
     /// Bytes the plugin copied into its own memory (`read-f32`).
     pub read_bytes: u64,
+    /// Seconds loading the artifact took (reading, validating and, for a
+    /// component, compiling it), once per run: not training time.
+    #[serde(default)]
+    pub load_s: f64,
+    /// Seconds making and configuring this entry's instance took, before
+    /// training started: not training time.
+    #[serde(default)]
+    pub instantiate_s: f64,
 }
 
 /// A plugin's record and its call-time histogram (encoded), for results.
@@ -122,6 +130,7 @@ struct Loaded {
     artifact: Artifact,
     manifest: Manifest,
     spec: PluginSpec,
+    load_s: f64,
 }
 
 /// The suite's plugins, loaded on first use and shared by ranks.
@@ -193,6 +202,7 @@ impl PluginSet {
                 Arc::new(spec.ok_or_else(|| format!("no [[plugin]] is named `{name}`")).and_then(|spec| {
                     let path = self.dir.join(&spec.path);
                     let describe = || format!("plugin `{name}` ({})", path.display());
+                    let started = std::time::Instant::now();
                     let (artifact, manifest) = open(&path).map_err(|e| format!("{} cannot be loaded: {e:#}", describe()))?;
                     if let Some(h) = &spec.sha256 {
                         if !h.eq_ignore_ascii_case(&manifest.sha256) {
@@ -204,7 +214,7 @@ impl PluginSet {
                             return Err(format!("{}: version is {}, and the suite pins {v}", describe(), manifest.version));
                         }
                     }
-                    Ok(Loaded { artifact, manifest, spec })
+                    Ok(Loaded { artifact, manifest, spec, load_s: started.elapsed().as_secs_f64() })
                 }))
             })
             .clone()
@@ -229,6 +239,7 @@ impl PluginSet {
         if l.manifest.kind != want {
             bail!("plugin `{name}` ({}) is a {}, and `{slot}` needs a {}", l.spec.path.display(), l.manifest.kind.name(), want.name());
         }
+        let started = std::time::Instant::now();
         let host = HostSide::new(&l.manifest.name, device, l.spec.tensor_mb << 20);
         let inst = instantiate(&l.artifact, host, (l.spec.memory_mb as usize) << 20, Duration::from_millis(l.spec.deadline_ms))
             .with_context(|| format!("{} plugin `{name}` could not be instantiated", want.name()))?;
@@ -240,10 +251,13 @@ impl PluginSet {
             hist: measure::new_histogram(),
             calls: 0,
             who: String::new(),
+            load_s: l.load_s,
+            instantiate_s: 0.0,
         };
         p.who = p.who();
         let text = toml::to_string(&config.cloned().unwrap_or_default()).context("serialising the plugin config")?;
         p.call("configure", |i| i.configure(&text))?;
+        p.instantiate_s = started.elapsed().as_secs_f64();
         Ok(p)
     }
 }
@@ -293,6 +307,8 @@ pub struct Plugin {
     calls: u64,
     /// [`Plugin::who`], kept for the exit guard of native calls.
     who: String,
+    load_s: f64,
+    instantiate_s: f64,
 }
 
 impl Plugin {
@@ -370,6 +386,8 @@ impl Plugin {
             call: (!self.hist.is_empty()).then(|| LatencySummary::of(&self.hist)),
             host_ops: meter.ops,
             read_bytes: meter.read_bytes,
+            load_s: self.load_s,
+            instantiate_s: self.instantiate_s,
         }
     }
 

@@ -207,7 +207,8 @@ pub fn ratio_cell(s: &Option<Summary>, reached: (usize, usize)) -> String {
 
 /// The board's title.
 pub fn title(b: &SubBoard) -> String {
-    format!("{} {} · {} · {} GPU{} · track `{}`", b.suite, b.version, b.hardware, b.gpus, if b.gpus == 1 { "" } else { "s" }, b.track)
+    let unit = if b.hardware == "cpu" { "rank" } else { "GPU" };
+    format!("{} {} · {} · {} {unit}{} · track `{}`", b.suite, b.version, b.hardware, b.gpus, if b.gpus == 1 { "" } else { "s" }, b.track)
 }
 
 pub const EXPLAINED: &str = "Per standard suite version, hardware class, GPU count and track. Each workload's cell is the \
