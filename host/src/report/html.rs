@@ -262,6 +262,9 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
         for w in &b.workloads {
             let _ = write!(out, "<th>{} <small>time vs baseline</small></th>", esc(w));
         }
+        for w in &b.workloads {
+            let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second));
+        }
         out.push_str("<th>profile</th><th>details</th><th>not ranked because</th></tr>");
         for r in &b.rows {
             let _ = write!(
@@ -276,6 +279,9 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
             );
             for (s, n) in r.ratios.iter().zip(&r.reached) {
                 let _ = write!(out, "<td>{}</td>", esc(&submissions::ratio_cell(s, *n)));
+            }
+            for s in &r.second {
+                let _ = write!(out, "<td>{}</td>", esc(&submissions::ratio_cell(s, (0, 0))));
             }
             let result = r.bundle.join(crate::submission::RESULT);
             let mut links =

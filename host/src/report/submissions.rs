@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::stats::Summary;
-use crate::results::{EntryStatus, RunResult};
+use crate::results::{EntryStatus, Metrics, RunResult};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
 use crate::suite::Suite;
@@ -35,6 +35,9 @@ pub struct SubBoard {
     pub track: String,
     pub baseline: String,
     pub workloads: Vec<String>,
+    /// The metric shown next to time to target (not ranked on): goodput
+    /// for checkpoint policies, throughput for the other kinds.
+    pub second: &'static str,
     /// Ranked rows first (verified and official), then the others.
     pub rows: Vec<SubRow>,
 }
@@ -50,6 +53,9 @@ pub struct SubRow {
     pub ratios: Vec<Option<Summary>>,
     /// Per workload: repeats that reached the target, of those that ran.
     pub reached: Vec<(usize, usize)>,
+    /// Per workload: the board's `second` metric over the baseline's,
+    /// paired by repeat (higher is better).
+    pub second: Vec<Option<Summary>>,
     /// Area under the performance profile over [1, TAU_MAX], in [0, 1].
     pub profile: f64,
     pub rank: Option<usize>,
@@ -79,6 +85,7 @@ impl SubRow {
             bundle: PathBuf::new(),
             ratios: vec![Some(one); b.workloads.len()],
             reached: vec![(runs, runs); b.workloads.len()],
+            second: vec![Some(Summary { n: runs, olympic_mean: 1.0, median: 1.0, ci95: None }); b.workloads.len()],
             profile: 0.0,
             rank: None,
             why_not: Vec::new(),
@@ -108,10 +115,17 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 track: track.clone(),
                 baseline: t.baseline.clone(),
                 workloads: t.workloads.clone(),
+                second: if t.kind == "checkpoint-policy" { "goodput steps/s" } else { "tokens/s" },
                 rows: Vec::new(),
             });
             let strategy = format!("submission-{track}");
-            let (ratios, reached) = board.workloads.iter().map(|w| paired_ratios(r, w, &strategy, &t.baseline)).unzip();
+            let (ratios, reached) = board.workloads.iter().map(|w| time_ratios(r, w, &strategy, &t.baseline)).unzip();
+            let second_metric = |m: &Metrics| if board.second == "tokens/s" { Some(m.tokens_per_s) } else { m.goodput_steps_per_s };
+            let second = board
+                .workloads
+                .iter()
+                .map(|w| paired(r, w, &strategy, &t.baseline, second_metric).map(|(s, _)| s).unwrap_or(None))
+                .collect();
             board.rows.push(SubRow {
                 plugin: plugin.name.clone(),
                 version: plugin.version.clone(),
@@ -119,6 +133,7 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 bundle: v.bundle.dir.clone(),
                 ratios,
                 reached,
+                second,
                 profile: 0.0,
                 rank: None,
                 why_not: v.verdict.reasons(),
@@ -135,30 +150,42 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
     out
 }
 
-/// The submission's time to target over the baseline's, repeat by repeat
-/// (the two share the repeat's seed and ran side by side), and how many of
-/// the submission's repeats reached the target.
-fn paired_ratios(r: &RunResult, workload: &str, strategy: &str, baseline: &str) -> (Option<Summary>, (usize, usize)) {
-    let ttt = |st: &str| -> BTreeMap<u32, Option<f64>> {
+/// A metric of the submission over the baseline's, repeat by repeat (the
+/// two share the repeat's seed and ran side by side): their summary, and
+/// how many of the submission's repeats have the metric, of those that ran.
+/// None when the submission lacks it in a repeat.
+fn paired(
+    r: &RunResult,
+    workload: &str,
+    strategy: &str,
+    baseline: &str,
+    metric: impl Fn(&Metrics) -> Option<f64>,
+) -> Option<(Option<Summary>, (usize, usize))> {
+    let of = |st: &str| -> BTreeMap<u32, Option<f64>> {
         r.entries
             .iter()
             .filter(|e| e.workload == workload && e.strategy == st)
             .map(|e| {
-                let t = match (&e.status, &e.metrics) {
-                    (EntryStatus::Ok, Some(m)) => m.time_to_target_s,
+                let x = match (&e.status, &e.metrics) {
+                    (EntryStatus::Ok, Some(m)) => metric(m),
                     _ => None,
                 };
-                (e.repeat, t)
+                (e.repeat, x)
             })
             .collect()
     };
-    let (sub, base) = (ttt(strategy), ttt(baseline));
-    let reached = (sub.values().filter(|t| t.is_some()).count(), sub.len());
-    if reached.0 < reached.1 || reached.1 == 0 {
-        return (None, reached);
+    let (sub, base) = (of(strategy), of(baseline));
+    let have = (sub.values().filter(|x| x.is_some()).count(), sub.len());
+    if have.0 < have.1 || have.1 == 0 {
+        return Some((None, have));
     }
-    let xs: Vec<f64> = sub.iter().filter_map(|(rep, t)| Some(t.unwrap() / base.get(rep).copied().flatten()?)).collect();
-    (Summary::of(&xs), reached)
+    let xs: Vec<f64> = sub.iter().filter_map(|(rep, x)| Some((*x)? / base.get(rep).copied().flatten()?)).collect();
+    Some((Summary::of(&xs), have))
+}
+
+/// Time to target over the baseline's, and the repeats that reached it.
+fn time_ratios(r: &RunResult, workload: &str, strategy: &str, baseline: &str) -> (Option<Summary>, (usize, usize)) {
+    paired(r, workload, strategy, baseline, |m| m.time_to_target_s).unwrap_or((None, (0, 0)))
 }
 
 /// Performance profile and rank. On each workload, a submission's ratio is
@@ -213,7 +240,8 @@ pub fn title(b: &SubBoard) -> String {
 
 pub const EXPLAINED: &str = "Per standard suite version, hardware class, GPU count and track. Each workload's cell is the \
 submission's time to target divided by the track baseline's, measured in the same run and paired by repeat (olympic mean \
-and bootstrap 95% interval; below 1 is faster than the baseline). The profile score is the area under the performance \
+and bootstrap 95% interval; below 1 is faster than the baseline), and next to it, not ranked on, the same ratio of goodput \
+(checkpointing tracks) or tokens/s (the others; above 1 is more). The profile score is the area under the performance \
 profile over τ in [1, 4] (AlgoPerf): 1.00 means the best ratio on every workload, 0 a missed target or 4× the best \
 everywhere. Only bundles that `harness verify` accepts are ranked; the others are listed apart with the reasons.";
 
@@ -226,6 +254,7 @@ pub fn markdown(boards: &[SubBoard]) -> String {
         out.push_str(&format!("\n### {}\n\nBaseline: `{}`.\n\n", title(b), b.baseline));
         let mut header = vec!["rank".to_owned(), "plugin".into(), "sha256".into()];
         header.extend(b.workloads.iter().map(|w| format!("{w} (time vs baseline)")));
+        header.extend(b.workloads.iter().map(|w| format!("{w} ({} vs baseline)", b.second)));
         header.extend(["profile".into(), "bundle".into(), "not ranked because".into()]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
@@ -233,6 +262,7 @@ pub fn markdown(boards: &[SubBoard]) -> String {
             let mut cells =
                 vec![r.rank.map_or("-".into(), |k| k.to_string()), format!("{} {}", r.plugin, r.version).trim().to_owned(), sha];
             cells.extend(r.ratios.iter().zip(&r.reached).map(|(s, n)| ratio_cell(s, *n)));
+            cells.extend(r.second.iter().map(|s| ratio_cell(s, (0, 0))));
             cells.push(format!("{:.2}", r.profile));
             cells.push(if r.reference { "-".into() } else { format!("`{}`", r.bundle.display()) });
             cells.push(if r.why_not.is_empty() { "-".into() } else { r.why_not.join("; ") });
