@@ -14,6 +14,7 @@
 
 pub mod bench;
 pub mod budget;
+pub mod cache;
 pub mod exit_guard;
 pub mod log;
 pub mod native;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use harness_sdk::abi::Op;
-use wasmtime::component::{Component, HasSelf, InstancePre, Linker, Resource, ResourceTable};
+use wasmtime::component::{HasSelf, InstancePre, Linker, Resource, ResourceTable};
 use wasmtime::{Engine, ResourceLimiter, Store};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
@@ -287,8 +287,9 @@ fn interface_version(name: &str) -> Option<(&str, &str)> {
 /// Compiles a component and checks what it exports.
 pub fn load(bytes: &[u8]) -> Result<Artifact> {
     let engine = engine();
-    let component =
-        Component::new(engine, bytes).map_err(anyhow::Error::from).context("not a WebAssembly component (build for wasm32-wasip2)")?;
+    let (component, _) = super::cache::component(engine, bytes, super::cache::dir().as_deref())
+        .map_err(anyhow::Error::from)
+        .context("not a WebAssembly component (build for wasm32-wasip2)")?;
     let ty = component.component_type();
     let mut kind = None;
     let mut contract = None;
