@@ -278,6 +278,37 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     }))
 }
 
+/// Configures every plugin of every strategy with the strategy's config (an
+/// instance on the CPU, as a rank would make it); the errors, each at the
+/// strategy's config key in the suite file.
+fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite::SuiteError> {
+    use crate::plugin::Kind;
+    let mut errors = Vec::new();
+    for (i, st) in s.spec.strategies.iter().enumerate() {
+        let slots: [(&str, &str, &'static str, &'static str, Kind, Option<&toml::Table>); 3] = [
+            (&st.compressor, "compressor", "compressor", "compressor_config", Kind::Compressor, st.compressor_config.as_ref()),
+            (&st.batch_policy, "batch_policy", "batch_policy", "batch_policy_config", Kind::BatchPolicy, st.batch_policy_config.as_ref()),
+            (&st.checkpoint, "checkpoint", "checkpoint", "checkpoint_config", Kind::CheckpointPolicy, st.checkpoint_config.as_ref()),
+        ];
+        for (name, slot, key, config_key, kind, config) in slots {
+            if !set.has(name) {
+                continue;
+            }
+            if let Err(e) = set.instance(name, slot, kind, config, tch::Device::Cpu) {
+                let at = if config.is_some() { config_key } else { key };
+                let msg = format!("strategy `{}`: {}", st.name, crate::error::without_backtrace(&format!("{e:#}")));
+                errors.push(s.strategy_error(
+                    i,
+                    at,
+                    msg,
+                    Some(format!("fix `{at}` of strategy `{}`; the plugin says what it accepts", st.name)),
+                ));
+            }
+        }
+    }
+    errors
+}
+
 /// Runs the parsed command; returns the process exit code.
 pub fn main(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
@@ -294,6 +325,15 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                             eprintln!("error: {e}");
                         }
                     }
+                }
+                if bad > 0 {
+                    return Ok(exit::INVALID_SUITE);
+                }
+                // Each plugin configured as the suite configures it, so a
+                // misspelt key fails here and not when its entry runs.
+                for e in configure_all(&s, &set) {
+                    bad += 1;
+                    eprintln!("{e}");
                 }
                 if bad > 0 {
                     return Ok(exit::INVALID_SUITE);

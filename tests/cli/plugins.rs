@@ -201,3 +201,29 @@ fn plugin_bench_times_a_hook_of_every_kind() {
         assert!(nums[1..].iter().all(|&n| n > 0.0), "{row}");
     }
 }
+
+/// `harness validate` configures every plugin as the suite does, so a
+/// misspelt key is reported at its line, not when the entry runs.
+#[test]
+fn validate_configures_each_plugin_and_points_at_a_bad_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let suite = |config: &str| {
+        format!(
+            "[suite]\nname = \"cfg\"\ndevice = \"cpu\"\nworld_size = 2\n{WORKLOAD}\n[[plugin]]\nname = \"topk\"\npath = \"{}\"\n\n\
+             [[strategy]]\nname = \"ok\"\ncompressor = \"topk\"\ncompressor_config = {{ ratio = 0.1 }}\n\n\
+             [[strategy]]\nname = \"typo\"\ncompressor = \"topk\"\ncompressor_config = {config}\n",
+            artifact("topk.wasm").display()
+        )
+    };
+    let good = write(dir.path(), "good.toml", &suite("{ ratio = 0.2 }"));
+    run_ok(harness(dir.path()).arg("validate").arg(&good));
+    let text = suite("{ ratoi = 0.2 }");
+    let bad = write(dir.path(), "bad.toml", &text);
+    let out = harness(dir.path()).arg("validate").arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = text.lines().position(|l| l.contains("ratoi")).unwrap() + 1;
+    assert!(err.contains(&format!("bad.toml:{line}:")), "the error points at the config's line {line}: {err}");
+    assert!(err.contains("strategy `typo`") && err.contains("ratoi"), "{err}");
+    assert!(!err.contains("strategy `ok`"), "{err}");
+}

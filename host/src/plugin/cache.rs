@@ -107,7 +107,12 @@ mod tests {
         assert_eq!(s, Source::Cached);
         // Corrupt the code: its hash no longer matches, so it is compiled
         // again, and the entry replaced.
-        let code = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|x| x == "cwasm")).unwrap();
+        let code = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "cwasm"))
+            .unwrap();
         let mut c = std::fs::read(&code).unwrap();
         let last = c.len() - 1;
         c[last] ^= 0xff;

@@ -143,6 +143,19 @@ impl<'a> Checker<'a> {
 }
 
 impl Suite {
+    /// An error about key `key` of the `index`-th `[[strategy]]` (or the
+    /// strategy itself when the key is absent), at its line and column.
+    pub fn strategy_error(&self, index: usize, key: &'static str, message: impl Into<String>, hint: Option<String>) -> SuiteError {
+        let mut c = Checker {
+            path: &self.path,
+            source: &self.source,
+            doc: self.source.parse::<toml_edit::Document<String>>().ok(),
+            errors: Vec::new(),
+        };
+        c.err(&[Key("strategy"), Index(index), Key(key)], message, hint);
+        c.errors.remove(0)
+    }
+
     /// Reads and checks a suite file.
     pub fn load(path: &Path) -> Result<Suite, SuiteErrors> {
         let source = std::fs::read_to_string(path).map_err(|e| {
