@@ -285,16 +285,16 @@ fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite:
     use crate::plugin::Kind;
     let mut errors = Vec::new();
     for (i, st) in s.spec.strategies.iter().enumerate() {
-        let slots: [(&str, &str, &'static str, &'static str, Kind, Option<&toml::Table>); 3] = [
-            (&st.compressor, "compressor", "compressor", "compressor_config", Kind::Compressor, st.compressor_config.as_ref()),
-            (&st.batch_policy, "batch_policy", "batch_policy", "batch_policy_config", Kind::BatchPolicy, st.batch_policy_config.as_ref()),
-            (&st.checkpoint, "checkpoint", "checkpoint", "checkpoint_config", Kind::CheckpointPolicy, st.checkpoint_config.as_ref()),
+        let slots = [
+            (&st.compressor, "compressor", "compressor_config", Kind::Compressor, st.compressor_config.as_ref()),
+            (&st.batch_policy, "batch_policy", "batch_policy_config", Kind::BatchPolicy, st.batch_policy_config.as_ref()),
+            (&st.checkpoint, "checkpoint", "checkpoint_config", Kind::CheckpointPolicy, st.checkpoint_config.as_ref()),
         ];
-        for (name, slot, key, config_key, kind, config) in slots {
+        for (name, key, config_key, kind, config) in slots {
             if !set.has(name) {
                 continue;
             }
-            if let Err(e) = set.instance(name, slot, kind, config, tch::Device::Cpu) {
+            if let Err(e) = set.instance(name, key, kind, config, tch::Device::Cpu) {
                 let at = if config.is_some() { config_key } else { key };
                 let msg = format!("strategy `{}`: {}", st.name, crate::error::without_backtrace(&format!("{e:#}")));
                 errors.push(s.strategy_error(
