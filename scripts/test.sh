@@ -16,6 +16,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo doc -p harness-sdk (the plugin SDK's docs, warnings denied)"
+RUSTDOCFLAGS="-D warnings" cargo doc -p harness-sdk --no-deps --quiet
 echo "== cargo test (release: the tests train real models)"
 # Snapshot mismatches fail instead of writing .snap.new files.
 CI=${CI:-true} cargo test --workspace --release

@@ -56,18 +56,18 @@ pub enum Op {
     /// scalar out: 0 CPU, 1 CUDA.
     Device = 4,
     // In place.
-    /// tensors [self, src].
+    /// tensors `[self, src]`.
     Assign = 5,
-    /// tensors [self] -> 1 tensor.
+    /// tensors `[self]` -> 1 tensor.
     Duplicate = 6,
     // Element-wise: tensors [self, other] -> 1 tensor.
     Add = 7,
     Sub = 8,
     Mul = 9,
     Div = 10,
-    /// floats [s].
+    /// floats `[s]`.
     AddScalar = 11,
-    /// floats [s].
+    /// floats `[s]`.
     MulScalar = 12,
     Abs = 13,
     Sign = 14,
@@ -75,20 +75,20 @@ pub enum Op {
     Sqrt = 16,
     LessThan = 17,
     // Shape and type.
-    /// ints [dtype index].
+    /// ints `[dtype index]`.
     Cast = 18,
     /// ints: the new shape.
     Reshape = 19,
-    /// ints [a, b].
+    /// ints `[a, b]`.
     Transpose = 20,
-    /// ints [dim, start, len].
+    /// ints `[dim, start, len]`.
     Narrow = 21,
     // Selection.
-    /// ints [k] -> tensors [values, indices].
+    /// ints `[k]` -> tensors `[values, indices]`.
     Topk = 22,
-    /// tensors [self, index].
+    /// tensors `[self, index]`.
     Gather = 23,
-    /// tensors [self, index, src].
+    /// tensors `[self, index, src]`.
     ScatterAdd = 24,
     // Reductions and linear algebra.
     /// scalar out.
@@ -97,40 +97,40 @@ pub enum Op {
     Norm = 26,
     /// scalar out.
     MeanAbs = 27,
-    /// tensors [self, other].
+    /// tensors `[self, other]`.
     Matmul = 28,
     Orthonormalize = 29,
     PackSigns = 30,
     /// data out (metered).
     ReadF32 = 31,
     // Constructors: tensors [like].
-    /// ints [dtype index, dims...].
+    /// ints `[dtype index, dims...]`.
     Zeros = 32,
-    /// ints [seed, dims...].
+    /// ints `[seed, dims...]`.
     RandUniform = 33,
-    /// ints [seed, dims...].
+    /// ints `[seed, dims...]`.
     RandNormal = 34,
-    /// ints [n, k, seed].
+    /// ints `[n, k, seed]`.
     RandIndices = 35,
     /// data in, ints: the shape.
     FromF32 = 36,
-    /// tensors [packed], ints [numel].
+    /// tensors `[packed]`, ints `[numel]`.
     UnpackSigns = 37,
     // Collectives.
     /// scalar out.
     Rank = 38,
     /// scalar out.
     WorldSize = 39,
-    /// tensors [t], in place.
+    /// tensors `[t]`, in place.
     AllReduceSum = 40,
-    /// tensors [t] -> 1 tensor.
+    /// tensors `[t]` -> 1 tensor.
     AllGather = 41,
-    /// tensors [t], ints [root], in place.
+    /// tensors `[t]`, ints `[root]`, in place.
     Broadcast = 42,
-    /// tensors [t] -> 1 tensor.
+    /// tensors `[t]` -> 1 tensor.
     ReduceScatterSum = 43,
     // Native only.
-    /// tensors [t] -> ptr: the tensor's data (device memory on GPU).
+    /// tensors `[t]` -> ptr: the tensor's data (device memory on GPU).
     DataPtr = 44,
     /// ptr: the CUDA stream the host orders its work on (null: legacy
     /// default stream, or CPU).

@@ -6,7 +6,9 @@ use serde::de::DeserializeOwned;
 
 use crate::Error;
 
-/// The strategy's `[strategy.config]` table from the suite, as the host
+/// The plugin's configuration (the strategy's `compressor_config`,
+/// `batch_policy_config` or `checkpoint_config` table, or `--plugin-config`
+/// keys), as the host
 /// hands it to `configure` (TOML text).
 ///
 /// The text is parsed on first use, so a plugin that reads no configuration

@@ -80,7 +80,10 @@ pub trait Plugin: Sized + 'static {
     /// The plugin's version, as results show it.
     const VERSION: &'static str;
 
-    /// Makes the plugin from the strategy's `[strategy.config]` table. Called
+    /// Makes the plugin from its configuration: the strategy's
+    /// `compressor_config`, `batch_policy_config` or `checkpoint_config`
+    /// table in the suite, or the `--plugin-config` keys of a plugin entered
+    /// into a standard suite. Called
     /// once per entry and rank, before anything else; an error rejects the
     /// entry with its message.
     fn configure(config: &Config) -> Result<Self, Error>;

@@ -15,7 +15,7 @@ pub struct BucketInfo {
 /// A batch decision (WIT `batch`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Batch {
-    /// Micro-batch size per rank (1 ..= the workload's `max_batch`).
+    /// Micro-batch size per rank (1 ..= 65536; larger batches than fit run out of memory, which the host catches and retries smaller).
     pub micro_batch: u32,
     /// Micro-batches accumulated per optimizer step (>= 1).
     pub accum_steps: u32,
