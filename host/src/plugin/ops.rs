@@ -221,6 +221,9 @@ impl HostSide {
         self.meter.ops += 1;
         self.admit(op, ids, ints, data.len())
             .and_then(|()| self.exec_inner(op, ids, floats, ints, data))
+            // libtorch's errors carry a C++ backtrace of dozens of frames:
+            // the plugin (and its author) get the message.
+            .map_err(|e| anyhow!(crate::error::without_backtrace(&format!("{e:#}"))))
             .with_context(|| format!("host op `{}`", op.wit_name()))
     }
 
