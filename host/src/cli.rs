@@ -537,11 +537,7 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     let mut console = Console::new(args.quiet || follower);
     if !follower {
-        let log = Console::log_path(&out);
-        if let Some(dir) = log.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
-        }
-        console.log_to(&log).map_err(|e| anyhow::anyhow!("cannot write the run's log {}: {e}", log.display()))?;
+        console.log_to(&Console::log_path(&out));
     }
     let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission };
     // From here until the run returns, a plugin that ends the process

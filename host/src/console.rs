@@ -23,7 +23,15 @@ pub struct Console {
     entry: Option<EntryBar>,
     /// The run's log (`<result stem>.log`): what the terminal shows, less
     /// the progress, whether quiet or not. `harness submit` bundles it.
-    log: Option<std::sync::Mutex<std::fs::File>>,
+    log: Option<std::sync::Mutex<Log>>,
+}
+
+/// The log file, opened (and its folder made) at the first line, so a run
+/// that stops before it starts (no usable device) leaves nothing behind.
+enum Log {
+    Pending(std::path::PathBuf),
+    Open(std::fs::File),
+    Failed,
 }
 
 /// The progress of the entry that runs now.
@@ -41,10 +49,8 @@ impl Console {
 
     /// Also writes the run's lines to `path` (appended, so a resumed run
     /// adds to the log of the run it continues).
-    pub fn log_to(&mut self, path: &Path) -> std::io::Result<()> {
-        let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-        self.log = Some(std::sync::Mutex::new(f));
-        Ok(())
+    pub fn log_to(&mut self, path: &Path) {
+        self.log = Some(std::sync::Mutex::new(Log::Pending(path.to_owned())));
     }
 
     /// The log file of the result file `out`.
@@ -53,9 +59,25 @@ impl Console {
     }
 
     fn log(&self, line: &str) {
-        if let Some(f) = &self.log {
-            use std::io::Write;
-            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+        use std::io::Write;
+        let Some(log) = &self.log else { return };
+        let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+        if let Log::Pending(path) = &*log {
+            let open = || -> std::io::Result<std::fs::File> {
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir)?;
+                }
+                std::fs::OpenOptions::new().create(true).append(true).open(path)
+            };
+            *log = match open() {
+                Ok(f) => Log::Open(f),
+                Err(e) => {
+                    eprintln!("warning: cannot write the run's log {}: {e}", path.display());
+                    Log::Failed
+                }
+            };
+        }
+        if let Log::Open(f) = &mut *log {
             let _ = writeln!(f, "{line}");
         }
     }
