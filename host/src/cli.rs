@@ -489,13 +489,6 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Ok(exit::INVALID_SUITE);
         }
     };
-    let submission = match enter(&mut suite, &args) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(exit::INVALID_SUITE);
-        }
-    };
     let name = &suite.spec.suite.name;
     let out = match (&args.out, args.resume) {
         (Some(o), _) => o.clone(),
@@ -508,6 +501,16 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         (None, false) => results::default_path(&args.results_dir, name),
     };
     let rank_env = RankEnv::from_env()?;
+    // Before any thread starts (entering a plugin compiles it on threads):
+    // NCCL's debug output, to record the transports it chose.
+    let nccl_log = rank_env.as_ref().map(|e| ranks::NcclLog::capture(&out, e.rank));
+    let submission = match enter(&mut suite, &args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(exit::INVALID_SUITE);
+        }
+    };
     let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
     if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
@@ -515,10 +518,8 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     let world = suite.spec.suite.world_size as usize;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
         // One process per GPU, each joining as a rank; rank 0 writes `out`.
+        // The launcher adds --resume (after its first round, or from the start).
         let mut child_args: Vec<std::ffi::OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.clone().into()];
-        if args.resume {
-            child_args.push("--resume".into());
-        }
         if args.quiet {
             child_args.push("--quiet".into());
         }
@@ -533,23 +534,38 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         if let Some(n) = args.gpus {
             child_args.extend(["--gpus".into(), n.to_string().into()]);
         }
-        return ranks::launch_local_ranks(world, &child_args);
+        if let Some(code) = ranks::launch_local_ranks(world, &child_args, &out, &suite, args.resume)? {
+            return Ok(code);
+        }
+        let result = results::RunResult::read(&out)?;
+        Console::new(args.quiet).summary(&result, &out);
+        let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
+        return Ok(exit::of_finished_run(failed));
     }
     let mut console = Console::new(args.quiet || follower);
     if !follower {
         console.log_to(&Console::log_path(&out));
     }
-    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission };
+    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission, nccl_log };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
     crate::plugin::exit_guard::arm(true);
     let result = launch::run_suite(&suite, &opts, &mut console);
     crate::plugin::exit_guard::arm(false);
-    let result = result?;
+    let result = match result {
+        Err(e) if e.is::<launch::RanksLost>() => {
+            eprintln!("error: {e:#}");
+            return Ok(exit::RANK_LOST);
+        }
+        r => r?,
+    };
     if follower {
         return Ok(exit::OK);
     }
-    console.summary(&result, &out);
+    // Started by `harness run`'s launcher, which sums up the whole run.
+    if std::env::var_os(ranks::ENTRIES_VAR).is_none() {
+        console.summary(&result, &out);
+    }
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
     Ok(exit::of_finished_run(failed))
 }

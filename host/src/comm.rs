@@ -10,7 +10,9 @@
 //! scattering; in a ring each rank sends 2(n-1)/n of it for an all-reduce and
 //! (n-1)/n for the other two. A [`Link`] stretches each collective to what an
 //! alpha-beta model of a ring over that link predicts; both the measured and
-//! the emulated times are kept.
+//! the emulated times are kept. A link with `nodes` emulates a cluster of
+//! that many nodes of world/nodes ranks each: only the traffic between nodes
+//! crosses the link ([`Link::emulated`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -40,15 +42,64 @@ pub enum CommError {
 }
 
 /// A link between ranks, for emulation: bandwidth and one-way latency.
+/// Without `nodes`, every rank is a node of its own and every collective
+/// crosses the link as one ring over all ranks. With `nodes`, the ranks are
+/// that many nodes of world/nodes ranks each (consecutive ranks share a
+/// node), `gbps` is each node's link to the others, shared by its ranks, and
+/// only the traffic between nodes is stretched.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
     pub gbps: f64,
     #[serde(default)]
     pub latency_us: f64,
+    /// Nodes the ranks are spread over (default: one rank per node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<u32>,
 }
 
 impl Link {
+    /// A flat link: every rank its own node.
+    pub fn flat(gbps: f64, latency_us: f64) -> Link {
+        Link { gbps, latency_us, nodes: None }
+    }
+
+    /// (nodes, ranks per node) for `n` ranks.
+    pub fn topology(&self, n: usize) -> (usize, usize) {
+        let nodes = self.nodes.map_or(n, |k| (k as usize).clamp(1, n.max(1)));
+        (nodes, (n / nodes).max(1))
+    }
+
+    /// Time the traffic between nodes of a collective of `op` on `bytes`
+    /// (its nccl-tests size) over `n` ranks takes on the link. Hierarchically
+    /// (reduce-scatter within each node, the same op between nodes, then an
+    /// all-gather within each node), each of a node's g ranks runs a ring
+    /// between nodes on 1/g of the buffer, all through the node's one link:
+    /// together a ring over the nodes on the whole buffer.
+    pub fn inter_node_time(&self, op: Op, bytes: u64, n: usize) -> Duration {
+        let (nodes, _) = self.topology(n);
+        self.time(op, bytes, nodes)
+    }
+
+    /// The emulated time of a collective that took `measured` on the
+    /// machine. Flat (one rank per node): the link's ring time, never less
+    /// than what was measured. With several ranks per node, the measured
+    /// collective stands for the phases within nodes, which run at the
+    /// machine's speed, and the phase between nodes comes on top.
+    pub fn emulated(&self, op: Op, bytes: u64, n: usize, measured: Duration) -> Duration {
+        let inter = self.inter_node_time(op, bytes, n);
+        if self.ranks_share_nodes(n) {
+            measured + inter
+        } else {
+            inter.max(measured)
+        }
+    }
+
+    /// Whether several of `n` ranks share a node (so collectives have phases within nodes).
+    pub fn ranks_share_nodes(&self, n: usize) -> bool {
+        self.topology(n).1 > 1
+    }
+
     /// Time of `steps` ring steps over `n` ranks, each paying the latency and
     /// moving 1/n of `bytes`.
     fn ring_steps(&self, steps: usize, bytes: u64, n: usize) -> Duration {
@@ -572,7 +623,7 @@ impl InProcessComm {
         let t0 = Instant::now();
         let result = self.group.run(op.name(), op.name().to_owned(), self.rank, t, combine)?;
         let measured = t0.elapsed();
-        let target = self.link.map_or(measured, |l| l.time(op, bytes, n).max(measured));
+        let target = self.link.map_or(measured, |l| l.emulated(op, bytes, n, measured));
         if target > measured {
             std::thread::sleep(target - measured);
         }
@@ -743,16 +794,70 @@ mod tests {
     #[test]
     fn link_model_matches_the_ring_formula() {
         // 10 Gbps, 5 us, 8 ranks, 100 MB: 14 x 5 us + 14/8 x 0.8 Gb / 10 Gbps.
-        let l = Link { gbps: 10.0, latency_us: 5.0 };
+        let l = Link::flat(10.0, 5.0);
         let t = l.all_reduce_time(100_000_000, 8).as_secs_f64();
         assert!((t - (14.0 * 5e-6 + 14.0 / 8.0 * 0.08)).abs() < 1e-9, "{t}");
         assert_eq!(l.all_reduce_time(1, 1), Duration::ZERO);
     }
 
     #[test]
+    fn a_topology_stretches_only_the_traffic_between_nodes() {
+        let measured = Duration::from_millis(3);
+        let (bytes, n) = (100_000_000u64, 8);
+        // 2 nodes x 4 ranks at 10 Gbps, 5 us: the node's link carries a ring
+        // over 2 nodes of the whole buffer (2 steps of 1/2 of it), after
+        // the measured phases within nodes.
+        let two_by_four = Link { nodes: Some(2), ..Link::flat(10.0, 5.0) };
+        assert_eq!(two_by_four.topology(n), (2, 4));
+        let inter = two_by_four.inter_node_time(Op::AllReduce, bytes, n).as_secs_f64();
+        assert!((inter - (2.0 * 5e-6 + 2.0 / 2.0 * 0.08)).abs() < 1e-9, "{inter}");
+        assert_eq!(
+            two_by_four.emulated(Op::AllReduce, bytes, n, measured),
+            measured + two_by_four.inter_node_time(Op::AllReduce, bytes, n)
+        );
+        // Gathers and scatters cross between nodes once (1 step of 1/2).
+        let ag = two_by_four.inter_node_time(Op::AllGather, bytes, n).as_secs_f64();
+        assert!((ag - (5e-6 + 0.04)).abs() < 1e-9, "{ag}");
+        // One rank per node is the flat link: the ring over all ranks, at
+        // least the measured time.
+        let flat = Link::flat(10.0, 5.0);
+        let eight = Link { nodes: Some(8), ..flat };
+        assert_eq!(eight.emulated(Op::AllReduce, bytes, n, measured), flat.emulated(Op::AllReduce, bytes, n, measured));
+        assert_eq!(flat.emulated(Op::AllReduce, bytes, n, measured), flat.all_reduce_time(bytes, n));
+        assert_eq!(flat.emulated(Op::AllReduce, 8, n, Duration::from_secs(1)), Duration::from_secs(1));
+        // 2 x 1 on 2 ranks is the flat link on 2.
+        let two = Link { nodes: Some(2), ..flat };
+        assert_eq!(two.emulated(Op::AllReduce, bytes, 2, measured), flat.emulated(Op::AllReduce, bytes, 2, measured));
+    }
+
+    #[test]
+    fn thread_ranks_on_a_topology_add_the_time_between_nodes_to_what_they_measured() {
+        let g = InProcessGroup::new(4, Duration::from_secs(10));
+        let link = Link { nodes: Some(2), ..Link::flat(0.001, 0.0) }; // 1 Mbps per node
+        let hs: Vec<_> = (0..4)
+            .map(|r| {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    let mut c = g.rank(r, Some(link));
+                    let mut t = Tensor::full([1000], r as f64, (tch::Kind::Float, tch::Device::Cpu));
+                    c.all_reduce_sum(&mut t).unwrap();
+                    // The maths is the flat all-reduce's.
+                    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![6.0; 1000]);
+                    c.stats().clone()
+                })
+            })
+            .collect();
+        for h in hs {
+            let s = h.join().unwrap();
+            // 4000 bytes over 2 nodes: 2 steps of 2000 bytes at 1 Mbps = 32 ms, on top.
+            assert_eq!(s.emulated_total - s.measured_total, Duration::from_millis(32));
+        }
+    }
+
+    #[test]
     fn emulated_links_stretch_collectives() {
         let g = InProcessGroup::new(2, Duration::from_secs(10));
-        let link = Link { gbps: 0.001, latency_us: 0.0 }; // 1 Mbps
+        let link = Link::flat(0.001, 0.0); // 1 Mbps
         let hs: Vec<_> = (0..2)
             .map(|r| {
                 let g = g.clone();
@@ -897,7 +1002,7 @@ mod tests {
     #[test]
     fn ring_model_of_gathers_and_scatters_is_half_an_all_reduce() {
         // 10 Gbps, 5 us, 8 ranks, 100 MB gathered: 7 x 5 us + 7/8 x 0.8 Gb / 10 Gbps.
-        let l = Link { gbps: 10.0, latency_us: 5.0 };
+        let l = Link::flat(10.0, 5.0);
         let t = l.all_gather_time(100_000_000, 8).as_secs_f64();
         assert!((t - (7.0 * 5e-6 + 7.0 / 8.0 * 0.08)).abs() < 1e-9, "{t}");
         assert_eq!(l.reduce_scatter_time(100_000_000, 8), l.all_gather_time(100_000_000, 8));
@@ -930,7 +1035,7 @@ mod tests {
     #[test]
     fn emulated_links_stretch_gathers_by_the_ring_model() {
         let g = InProcessGroup::new(2, Duration::from_secs(10));
-        let link = Link { gbps: 0.001, latency_us: 0.0 }; // 1 Mbps
+        let link = Link::flat(0.001, 0.0); // 1 Mbps
         let hs: Vec<_> = (0..2)
             .map(|r| {
                 let g = g.clone();
@@ -1162,14 +1267,22 @@ pub mod nccl {
             let l = lib().map_err(|e| self.fail(name, e))?;
             let null = std::ptr::null_mut();
             let start = self.mark(null, name)?;
-            if let Some((_, at)) = &self.link {
+            // Flat, the link's time counts from the collective's start; with
+            // ranks sharing nodes, the time between nodes comes after the
+            // measured collective (see `Link::emulated`).
+            let after = self.link.as_ref().is_some_and(|(l, _)| l.ranks_share_nodes(self.n));
+            if let (Some((_, at)), false) = (&self.link, after) {
                 crate::kernels::stamp(at).map_err(|e| self.fail(name, e))?;
             }
             check(issue(l, self.comm), name).map_err(|e| self.fail(name, e))?;
             let mid = if let Some((link, at)) = &self.link {
                 let (link, at) = (*link, at.shallow_clone());
                 let mid = self.mark(null, name)?;
-                crate::kernels::spin_until(&at, link.time(op, bytes, self.n).as_nanos() as u64).map_err(|e| self.fail(name, e))?;
+                if after {
+                    crate::kernels::stamp(&at).map_err(|e| self.fail(name, e))?;
+                }
+                let wait = link.inter_node_time(op, bytes, self.n);
+                crate::kernels::spin_until(&at, wait.as_nanos() as u64).map_err(|e| self.fail(name, e))?;
                 Some(mid)
             } else {
                 None

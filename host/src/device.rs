@@ -215,7 +215,7 @@ fn cuda_driver_version() -> Option<String> {
 /// NCCL's version, from the libnccl.so.2 that libtorch uses when it is loaded
 /// (dlopen by soname returns that same library: two NCCLs in one process
 /// fail with "corrupted comm object").
-fn nccl_version() -> Option<String> {
+pub fn nccl_version() -> Option<String> {
     // SAFETY: loading libnccl runs no initialiser with side effects beyond
     // NCCL's own; ncclGetVersion(int*) writes one int.
     unsafe {

@@ -12,6 +12,10 @@ pub const INVALID_SUITE: i32 = 2;
 /// Harness itself could not run (I/O, device set-up, resume mismatch).
 /// Command-line usage errors exit with 2, from the argument parser.
 pub const ERROR: i32 = 3;
+/// A rank process of a multi-GPU run stopped because a rank was lost (it
+/// died, hung or failed inside a collective): its NCCL communicator cannot
+/// be used again, so the launcher starts the ranks anew for the entries left.
+pub const RANK_LOST: i32 = 5;
 /// A native plugin ended the process (`exit`) during a run; the result file
 /// is incomplete (`plugin::exit_guard`).
 pub const PLUGIN_ENDED_PROCESS: i32 = 4;

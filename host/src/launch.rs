@@ -19,7 +19,7 @@ use crate::device::{self, GpuInfo};
 use crate::error::EntryError;
 use crate::fmt::short;
 use crate::plugin::PluginSet;
-use crate::ranks::{nccl_join, RankEnv, Watchdog};
+use crate::ranks::{nccl_join, NcclLog, RankEnv, Watchdog};
 use crate::rendezvous;
 use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
 use crate::suite::{Plan, PlanEntry, Precision, Suite, SuiteMeta};
@@ -36,6 +36,8 @@ pub struct RunOptions {
     /// A standard-suite run: what was entered (its `unofficial` reasons are
     /// completed here, from the machine).
     pub submission: Option<crate::results::Submission>,
+    /// A rank process's NCCL debug output ([`NcclLog::capture`]).
+    pub nccl_log: Option<NcclLog>,
 }
 
 /// Where an entry's checkpoints go: next to the result file,
@@ -98,14 +100,21 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
         };
         run.keep(&mut result, record, &plan)?;
         if let Some(why) = lost_because {
-            anyhow::bail!(
+            return Err(RanksLost(format!(
                 "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
                 opts.out.display()
-            );
+            ))
+            .into());
         }
     }
     Ok(result)
 }
+
+/// Why a rank process stops before the end of its entries: a rank was lost,
+/// and its communicator with it (exit code [`crate::exit::RANK_LOST`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RanksLost(pub String);
 
 /// Selects this rank's device (made current for a multi-GPU run, which must
 /// run under a launcher of `world_size` ranks) and libtorch's thread count.
@@ -175,7 +184,14 @@ fn entries_to_run<'p>(
     rank: usize,
 ) -> anyhow::Result<Vec<&'p PlanEntry>> {
     let done = result.done_ids();
-    let mut todo_ids: Vec<String> = plan.entries.iter().filter(|e| !done.contains(&e.id)).map(|e| e.id.clone()).collect();
+    // The launcher names the entries of this round of rank processes.
+    let named: Option<Vec<String>> = std::env::var(crate::ranks::ENTRIES_VAR).ok().map(|v| v.split(',').map(str::to_owned).collect());
+    let mut todo_ids: Vec<String> = plan
+        .entries
+        .iter()
+        .filter(|e| !done.contains(&e.id) && named.as_ref().is_none_or(|n| n.contains(&e.id)))
+        .map(|e| e.id.clone())
+        .collect();
     if let Some(c) = store {
         if rank == 0 {
             c.set("todo", &serde_json::to_vec(&todo_ids)?)?;
@@ -240,7 +256,7 @@ impl Run<'_> {
         let mut on_progress = |p: &Progress| console.progress(p);
         Ok(if let Some(c) = &self.store {
             let on_fire = self.on_fire(entry, result, say);
-            run_nccl(&ctx, c, self.rank, self.world, &mut on_progress, ranks_lost, on_fire)?
+            run_nccl(&ctx, c, self.rank, self.world, &mut on_progress, ranks_lost, on_fire, self.opts.nccl_log.as_ref())?
         } else if self.world == 1 {
             run_rank(&ctx, &mut SingleRank::default(), &mut on_progress)
         } else {
@@ -272,17 +288,32 @@ impl Run<'_> {
 
     /// What the watchdog does if this entry hangs on a lost rank: `say` why
     /// and, on rank 0, write the result so far with this entry failed.
-    fn on_fire(&self, entry: &PlanEntry, result: &RunResult, say: impl FnOnce(&str) + Send + 'static) -> Box<dyn FnOnce(&str) + Send> {
+    /// On the other ranks, tell rank 0 that this one is gone, so that it
+    /// does not wait for this rank's figures.
+    fn on_fire(
+        &self,
+        entry: &PlanEntry,
+        result: &RunResult,
+        say: impl FnOnce(&str) + Send + 'static,
+    ) -> Box<dyn FnOnce(&EntryError) + Send> {
+        let (rank, id) = (self.rank, entry.id.clone());
         if !self.writes {
-            return Box::new(say);
+            let store = self.store.clone();
+            return Box::new(move |e: &EntryError| {
+                say(e.message());
+                let gone: Result<RankFigures, EntryError> =
+                    Err(EntryError::RankLost { message: format!("rank {rank} stopped: {}", e.message()) });
+                if let (Some(store), Ok(bytes)) = (store, serde_json::to_vec(&gone)) {
+                    let _ = store.set(&format!("done/{id}/{rank}"), &bytes);
+                }
+            });
         }
         let w = &self.suite.spec.workloads[entry.workload];
         let (mut snap, out) = (result.clone(), self.opts.out.clone());
-        let failed = entry_result(entry, &w.name, &self.device_name, Err(EntryError::RankLost { message: String::new() }));
-        Box::new(move |msg: &str| {
-            say(msg);
-            snap.entries
-                .push(EntryResult { status: EntryStatus::Failed { error: msg.to_owned(), kind: Some("rank-lost".into()) }, ..failed });
+        let (entry, workload, device) = (entry.clone(), w.name.clone(), self.device_name.clone());
+        Box::new(move |e: &EntryError| {
+            say(e.message());
+            snap.entries.push(entry_result(&entry, &workload, &device, Err(e.clone())));
             let _ = snap.write_atomic(&out);
         })
     }
@@ -298,6 +329,57 @@ impl Run<'_> {
         }
         Ok(())
     }
+}
+
+/// After the launcher lost a rank during the entries of `group` (those
+/// that `done_before` lacked): makes sure the entry that was running has a
+/// failed record. Rank 0's watchdog usually wrote it (then `why`, what the
+/// launcher saw of the ranks' ends, is added to its message when a rank was
+/// killed); when rank 0 itself died, it is written here. Returns the
+/// entry's id, or None when there is no result file to record it in.
+pub fn record_lost_entry(
+    out: &Path,
+    suite: &Suite,
+    group: &[&PlanEntry],
+    done_before: &std::collections::BTreeSet<String>,
+    why: &str,
+) -> anyhow::Result<Option<String>> {
+    if !out.exists() {
+        return Ok(None);
+    }
+    let mut result = RunResult::read(out)?;
+    let done = result.done_ids();
+    let recorded_now = group.iter().rev().find(|e| done.contains(&e.id) && !done_before.contains(&e.id));
+    let running = group.iter().find(|e| !done.contains(&e.id));
+    let id = match (running, recorded_now) {
+        // Rank 0 recorded the entry (its watchdog fired) and died after.
+        (_, Some(e)) if result.entries.iter().any(|r| r.id == e.id && matches!(r.status, EntryStatus::Failed { .. })) => {
+            if let Some(r) = result.entries.iter_mut().find(|r| r.id == e.id) {
+                if let EntryStatus::Failed { error, .. } = &mut r.status {
+                    if why.contains("signal") && !error.contains(why) {
+                        error.push_str(&format!(" ({why})"));
+                    }
+                }
+            }
+            e.id.clone()
+        }
+        (Some(e), _) => {
+            let w = &suite.spec.workloads[e.workload];
+            let gpu = result.machine.gpus.first().cloned();
+            let world = suite.spec.suite.world_size as usize;
+            let device = device_name(tch::Device::Cuda(0), gpu.as_ref(), world > 1, world);
+            let message = format!("{why}; the entry could not finish");
+            result.entries.push(entry_result(e, &w.name, &device, Err(EntryError::RankLost { message })));
+            let order = |id: &str| result.plan.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
+            let mut entries = std::mem::take(&mut result.entries);
+            entries.sort_by_key(|r| order(&r.id));
+            result.entries = entries;
+            e.id.clone()
+        }
+        (None, _) => return Ok(group.last().map(|e| e.id.clone())),
+    };
+    result.write_atomic(out)?;
+    Ok(Some(id))
 }
 
 /// The record of one entry, from what its run returned.
@@ -421,6 +503,12 @@ fn combine(
     Ok(out)
 }
 
+/// Runs this rank's part of an entry as one NCCL rank of several processes,
+/// under a [`Watchdog`] from before the communicator forms (a rank that is
+/// gone would leave the others in `ncclCommInitRank` for ever) to the end.
+/// A rank whose entry fails publishes its error for its peers; rank 0
+/// collects the others' figures and keeps what NCCL ran with.
+#[allow(clippy::too_many_arguments)]
 fn run_nccl(
     ctx: &EntryContext<'_>,
     store: &rendezvous::Client,
@@ -428,21 +516,43 @@ fn run_nccl(
     world: usize,
     progress: &mut dyn FnMut(&Progress),
     ranks_lost: &mut bool,
-    on_fire: Box<dyn FnOnce(&str) + Send>,
+    on_fire: Box<dyn FnOnce(&EntryError) + Send>,
+    nccl_log: Option<&NcclLog>,
 ) -> anyhow::Result<Result<EntryOutput, EntryError>> {
-    let out = match nccl_join(store, &format!("nccl/{}", ctx.entry.id), rank, world, ctx.entry.strategy.link, ctx.device) {
-        Ok(mut comm) => {
-            let dog = Watchdog::start(on_fire, store.clone(), &ctx.entry.id, rank, world);
-            let mut tick = |p: &Progress| {
-                dog.beat(p.step);
-                progress(p)
-            };
-            let out = run_rank(ctx, &mut comm, &mut tick);
-            dog.stop();
-            out
+    let id = &ctx.entry.id;
+    let mark = nccl_log.map(NcclLog::mark);
+    let dog = Watchdog::start(on_fire, store.clone(), id, rank, world);
+    let mut out = match crate::ranks::nccl_settings_mismatch(&ctx.entry.strategy.nccl_env()) {
+        Some(why) => {
+            let e = EntryError::Other { message: why };
+            crate::ranks::publish_failure(store, id, rank, &e);
+            Err(e)
         }
-        Err(e) => Err(EntryError::RankLost { message: format!("{e:#}") }),
+        None => match nccl_join(store, &format!("nccl/{id}"), rank, world, ctx.entry.strategy.link, ctx.device) {
+            Ok(mut comm) => {
+                let mut tick = |p: &Progress| {
+                    dog.beat(p.step);
+                    progress(p)
+                };
+                let out = run_rank(ctx, &mut comm, &mut tick);
+                if let Err(e) = &out {
+                    // Before anything that could wait for the peers: they
+                    // may be in a collective this rank will never enter.
+                    crate::ranks::publish_failure(store, id, rank, e);
+                    // ncclCommDestroy waits for peers stuck in such a
+                    // collective: a failed entry's communicator is left to
+                    // the end of the process.
+                    std::mem::forget(comm);
+                }
+                out
+            }
+            Err(e) => Err(EntryError::RankLost { message: format!("{e:#}") }),
+        },
     };
+    dog.stop();
+    if let (Ok(o), Some(log), Some(mark)) = (&mut out, nccl_log, mark) {
+        o.metrics.nccl = Some(log.record(mark, device::nccl_version()));
+    }
     let done = |r: usize| format!("done/{}/{r}", ctx.entry.id);
     if rank != 0 {
         let figures: Result<RankFigures, EntryError> = out.as_ref().map(RankFigures::of).map_err(Clone::clone);
@@ -452,7 +562,15 @@ fn run_nccl(
     let mut others = Vec::new();
     for r in 1..world {
         others.push(match store.get(&done(r)) {
-            Ok(bytes) => serde_json::from_slice::<Result<RankFigures, EntryError>>(&bytes)?,
+            Ok(bytes) => {
+                let figures = serde_json::from_slice::<Result<RankFigures, EntryError>>(&bytes)?;
+                // A rank that stopped because of a lost rank is gone: the
+                // next entry could not form a communicator.
+                if matches!(figures, Err(EntryError::RankLost { .. })) {
+                    *ranks_lost = true;
+                }
+                figures
+            }
             Err(e) => {
                 *ranks_lost = true;
                 Err(EntryError::RankLost { message: format!("rank {r} never reported the end of the entry ({e})") })

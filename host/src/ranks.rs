@@ -4,6 +4,7 @@
 //! ends a rank whose collectives hang.
 
 use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -11,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
 use crate::comm::Link;
+use crate::error::EntryError;
+use crate::suite::{PlanEntry, Suite};
 use crate::{device, exit, rendezvous};
 
 /// This process's place among ranks started by a launcher: torchrun's
@@ -61,14 +64,69 @@ impl RankEnv {
     }
 }
 
+/// The variable through which the launcher names the entries a rank
+/// process runs (their ids, comma-separated).
+pub const ENTRIES_VAR: &str = "HARNESS_ENTRIES";
+
 /// Starts one process per local GPU, each a rank of `world` with torchrun's
-/// variables, and waits for all; rank 0 writes the result file. Returns the
-/// exit code of the first rank that failed (or 0).
-pub fn launch_local_ranks(world: usize, args: &[OsString]) -> anyhow::Result<i32> {
+/// variables, for the entries of the suite's plan that `out` lacks, and waits for
+/// them; rank 0 writes `out`. NCCL reads its settings once per process, so
+/// entries whose strategies set different NCCL settings run in separate
+/// rounds of processes, each started with its settings. When a rank is lost
+/// (killed, or stopped by its watchdog), the entry it was in is recorded as
+/// failed (by rank 0, or here when rank 0 itself died) and the ranks are
+/// started anew for the entries left. Returns None when every entry has a
+/// record, or the exit code of a rank that could not run at all.
+pub fn launch_local_ranks(
+    world: usize,
+    args: &[OsString],
+    out: &std::path::Path,
+    suite: &Suite,
+    resume: bool,
+) -> anyhow::Result<Option<i32>> {
+    let plan = suite.plan();
     let gpus = device::gpu_count();
     anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut started = resume;
+    loop {
+        let done = done_ids(out)?;
+        let todo: Vec<&PlanEntry> = plan.entries.iter().filter(|e| !done.contains(&e.id)).collect();
+        let Some(first) = todo.first() else { return Ok(None) };
+        let env = first.strategy.nccl_env();
+        let group: Vec<&PlanEntry> = todo.iter().take_while(|e| e.strategy.nccl_env() == env).copied().collect();
+        let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
+        let mut env: Vec<(String, String)> = env.into_iter().collect();
+        env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
+        let mut args = args.to_vec();
+        if started {
+            args.push("--resume".into());
+        }
+        started = true;
+        let statuses = spawn_ranks(world, &args, &env)?;
+        let lost: Vec<String> = statuses.iter().enumerate().filter_map(|(r, s)| lost_rank(r, s)).collect();
+        if lost.is_empty() {
+            // 0, or 1 (some entry failed): the round finished its entries.
+            match statuses.iter().filter_map(|s| s.code()).find(|&c| c != exit::OK && c != exit::ENTRY_FAILED) {
+                Some(code) => return Ok(Some(code)),
+                // A round that recorded nothing would be started again for ever.
+                None if done_ids(out)?.len() == done.len() => return Ok(Some(exit::ERROR)),
+                None => continue,
+            }
+        }
+        let why = lost.join("; ");
+        match crate::launch::record_lost_entry(out, suite, &group, &done, &why)? {
+            Some(id) => eprintln!("harness: {why} during {id}; starting the ranks again for the entries left"),
+            None => return Ok(Some(exit::RANK_LOST)),
+        }
+    }
+}
+
+/// Starts `harness ARGS` once per rank of `world` on this machine, with
+/// torchrun's variables and `env`, and waits for all: their exit statuses,
+/// in rank order. Only rank 0 prints to stdout.
+fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> anyhow::Result<Vec<std::process::ExitStatus>> {
     let exe = std::env::current_exe()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let mut children = Vec::new();
     for r in 0..world {
         let mut c = std::process::Command::new(&exe);
@@ -77,20 +135,46 @@ pub fn launch_local_ranks(world: usize, args: &[OsString]) -> anyhow::Result<i32
             .env("LOCAL_RANK", r.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string());
+            .env("MASTER_PORT", port.to_string())
+            .envs(env.iter().map(|(k, v)| (k, v)));
         if r > 0 {
             c.stdout(std::process::Stdio::null());
         }
         children.push(c.spawn()?);
     }
-    let mut code = 0;
-    for mut ch in children {
-        let status = ch.wait()?;
-        if code == 0 && !status.success() {
-            code = status.code().unwrap_or(exit::ERROR);
-        }
+    children.into_iter().map(|mut c| Ok(c.wait()?)).collect()
+}
+
+/// Starts `harness ARGS` once per rank of `world` (a benchmark) and waits:
+/// the exit code of the first rank that failed, or 0.
+pub fn launch_bench_ranks(world: usize, args: &[OsString]) -> anyhow::Result<i32> {
+    let statuses = spawn_ranks(world, args, &[])?;
+    Ok(statuses.iter().find(|s| !s.success()).map_or(exit::OK, |s| s.code().unwrap_or(exit::ERROR)))
+}
+
+/// Why rank `r`'s process was lost, if it was: killed by a signal, or
+/// stopped by its watchdog.
+fn lost_rank(r: usize, s: &std::process::ExitStatus) -> Option<String> {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = s.signal() {
+        let name = match sig {
+            libc::SIGKILL => " (SIGKILL)",
+            libc::SIGSEGV => " (SIGSEGV)",
+            libc::SIGABRT => " (SIGABRT)",
+            libc::SIGTERM => " (SIGTERM)",
+            _ => "",
+        };
+        return Some(format!("rank {r} was killed by signal {sig}{name}"));
     }
-    Ok(code)
+    (s.code() == Some(exit::RANK_LOST)).then(|| format!("rank {r} stopped (a rank was lost)"))
+}
+
+/// The ids of the entries `out` has a record of (none when it does not exist yet).
+fn done_ids(out: &std::path::Path) -> anyhow::Result<std::collections::BTreeSet<String>> {
+    if !out.exists() {
+        return Ok(Default::default());
+    }
+    Ok(crate::results::RunResult::read(out)?.done_ids())
 }
 
 /// Joins an NCCL communicator: rank 0 makes the unique id and publishes it
@@ -120,14 +204,19 @@ pub fn nccl_join(
 }
 
 /// Watches a rank's progress during a multi-GPU entry. Each rank publishes
-/// its step to the rendezvous every two seconds; when a rank's own steps stop
-/// for longer than the collective timeout (a peer died or hangs, so an NCCL
-/// collective never completes), the watchdog names the ranks whose published
-/// step is behind or missing, hands that message to `on_fire` (which says
-/// why and, on rank 0, records the failed entry) and ends the process: a CUDA
-/// context stuck in a collective cannot be recovered in place
-/// (ncclCommAbort left it with an illegal-address error on the H200s, and
-/// libtorch then aborted), which is also how PyTorch's NCCL watchdog ends.
+/// its step to the rendezvous every two seconds and looks for an error that
+/// another rank published (`fail/<entry>/<rank>`, see [`publish_failure`]).
+/// The watchdog fires when a peer published its error (at once, with that
+/// error, naming the rank) or when this rank's own steps stop for longer
+/// than the collective timeout (a peer died or hangs, so an NCCL collective
+/// never completes; the message names the ranks whose published step is
+/// behind or missing). It hands the error to `on_fire` (which says why and,
+/// on rank 0, records the failed entry) and ends the process with
+/// [`exit::RANK_LOST`]: a CUDA context stuck in a collective cannot be
+/// recovered in place (ncclCommAbort left it with an illegal-address error
+/// on the H200s, and libtorch then aborted), which is also how PyTorch's
+/// NCCL watchdog ends. `harness run`'s launcher then starts the ranks anew
+/// for the entries left ([`launch_local_ranks`]).
 pub struct Watchdog {
     state: Arc<WatchState>,
     thread: Option<JoinHandle<()>>,
@@ -140,9 +229,64 @@ struct WatchState {
     stop: AtomicBool,
 }
 
+/// The store key under which `rank` publishes why it failed `entry`.
+fn fail_key(entry: &str, rank: usize) -> String {
+    format!("fail/{entry}/{rank}")
+}
+
+/// Publishes this rank's own failure of `entry`, so that its peers, stuck in
+/// a collective it will never enter, report this error instead of a stall.
+pub fn publish_failure(store: &rendezvous::Client, entry: &str, rank: usize, e: &EntryError) {
+    if let Ok(bytes) = serde_json::to_vec(e) {
+        let _ = store.set(&fail_key(entry, rank), &bytes);
+    }
+}
+
+/// The first error a rank other than `rank` published for `entry`, with its rank.
+fn peer_failure(store: &rendezvous::Client, entry: &str, rank: usize, world: usize) -> Option<(usize, EntryError)> {
+    let quick = rendezvous::Client { timeout: Duration::from_millis(1), ..store.clone() };
+    (0..world).filter(|&r| r != rank).find_map(|r| {
+        let bytes = quick.get(&fail_key(entry, r)).ok()?;
+        Some((r, serde_json::from_slice::<EntryError>(&bytes).ok()?))
+    })
+}
+
 impl Watchdog {
     /// Starts watching `rank` of `world` during `entry`.
-    pub fn start(on_fire: Box<dyn FnOnce(&str) + Send>, store: rendezvous::Client, entry: &str, rank: usize, world: usize) -> Watchdog {
+    pub fn start(
+        on_fire: Box<dyn FnOnce(&EntryError) + Send>,
+        store: rendezvous::Client,
+        entry: &str,
+        rank: usize,
+        world: usize,
+    ) -> Watchdog {
+        Self::start_with(
+            on_fire,
+            store,
+            entry,
+            rank,
+            world,
+            Box::new(|| {
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+                let _ = std::io::stderr().flush();
+                // SAFETY: ends the process at once: no exit handlers (the
+                // plugin exit guard would call this a plugin's exit) and no
+                // destructors of CUDA or NCCL state stuck in a collective.
+                unsafe { libc::_exit(exit::RANK_LOST) }
+            }),
+        )
+    }
+
+    /// [`Watchdog::start`], ending with `end` instead of the process's exit (tests).
+    fn start_with(
+        on_fire: Box<dyn FnOnce(&EntryError) + Send>,
+        store: rendezvous::Client,
+        entry: &str,
+        rank: usize,
+        world: usize,
+        end: Box<dyn FnOnce() + Send>,
+    ) -> Watchdog {
         let state =
             Arc::new(WatchState { t0: Instant::now(), step: Default::default(), last_ms: Default::default(), stop: Default::default() });
         let (st, entry) = (state.clone(), entry.to_owned());
@@ -151,23 +295,44 @@ impl Watchdog {
             let timeout_ms = store.timeout.as_millis() as u64;
             let beat_key = |r: usize| format!("beat/{entry}/{r}");
             let mut published = 0u64;
+            let mut polled = 0u64;
             while !st.stop.load(SeqCst) {
                 std::thread::sleep(Duration::from_millis(250));
                 let now = ms();
                 if now >= published + 2000 {
                     published = now;
-                    let _ = store.set(&beat_key(rank), st.step.load(SeqCst).to_string().as_bytes());
+                    // "step" or "step\twhere": a plugin call this rank has been in for over a second.
+                    let mut beat = st.step.load(SeqCst).to_string();
+                    if let Some((call, since)) = crate::plugin::exit_guard::call_in_progress().filter(|(_, d)| d.as_secs() >= 1) {
+                        beat.push_str(&format!("\tin {call} for {:.0} s", since.as_secs_f64()));
+                    }
+                    let _ = store.set(&beat_key(rank), beat.as_bytes());
+                }
+                let mut fired = None;
+                if now >= polled + 1000 {
+                    polled = now;
+                    // A peer's own error, said of that rank ("rank 1: out of memory ...").
+                    fired = peer_failure(&store, &entry, rank, world).map(|(r, e)| e.on_rank(r));
                 }
                 let idle = now.saturating_sub(st.last_ms.load(SeqCst));
-                if idle > timeout_ms {
+                if fired.is_none() && idle > timeout_ms {
                     let mine = st.step.load(SeqCst);
-                    let who = lagging_ranks(&store, &beat_key, rank, world, mine);
-                    let msg = format!(
-                        "rank {rank}: no step finished for {:.0} s after step {mine}, waiting in an NCCL collective: {who}",
-                        idle as f64 / 1e3
-                    );
-                    on_fire(&msg);
-                    std::process::exit(exit::ERROR);
+                    let who = match crate::plugin::exit_guard::call_in_progress() {
+                        Some((call, since)) => {
+                            format!("it has been in {call} for {:.0} s, without entering the collective", since.as_secs_f64())
+                        }
+                        None => format!("waiting in an NCCL collective: {}", lagging_ranks(&store, &beat_key, rank, world, mine)),
+                    };
+                    let message = format!("rank {rank}: no step finished for {:.0} s after step {mine}, {who}", idle as f64 / 1e3);
+                    fired = Some(EntryError::RankLost { message });
+                }
+                if let Some(e) = fired {
+                    if st.stop.load(SeqCst) {
+                        return;
+                    }
+                    on_fire(&e);
+                    end();
+                    return;
                 }
             }
         });
@@ -194,19 +359,248 @@ impl Watchdog {
 fn lagging_ranks(store: &rendezvous::Client, beat_key: &dyn Fn(usize) -> String, rank: usize, world: usize, mine: u64) -> String {
     let quick = rendezvous::Client { timeout: Duration::from_secs(2), ..store.clone() };
     let mut behind = Vec::new();
+    let mut in_plugin = Vec::new();
     let mut unreachable = false;
     for r in (0..world).filter(|&r| r != rank) {
         match quick.get(&beat_key(r)) {
-            Ok(v) if String::from_utf8_lossy(&v).parse::<u64>().is_ok_and(|s| s + 1 >= mine) => {}
-            Ok(_) | Err(rendezvous::RendezvousError::Timeout { .. }) => behind.push(r),
+            Ok(v) => {
+                let v = String::from_utf8_lossy(&v).into_owned();
+                let (step, at) = v.split_once('\t').unwrap_or((&v, ""));
+                if !at.is_empty() {
+                    in_plugin.push(format!("rank {r} has been {at}, without entering the collective"));
+                }
+                if !step.parse::<u64>().is_ok_and(|s| s + 1 >= mine) {
+                    behind.push(r);
+                }
+            }
+            Err(rendezvous::RendezvousError::Timeout { .. }) => behind.push(r),
             Err(_) => unreachable = true,
         }
     }
     if unreachable {
         "rank 0 (which serves the rendezvous) is unreachable".to_owned()
+    } else if !in_plugin.is_empty() {
+        in_plugin.join("; ")
     } else if behind.is_empty() {
         "every rank published a recent step; a collective hangs".to_owned()
     } else {
         format!("rank(s) {behind:?} stopped making progress")
+    }
+}
+
+/// NCCL's debug output of this rank process, from which the transports NCCL
+/// chose are read (NCCL prints "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read"
+/// for every connection it makes).
+#[derive(Debug, Clone)]
+pub struct NcclLog {
+    path: Option<PathBuf>,
+    /// Why there is no output to read, when there is none.
+    note: Option<String>,
+}
+
+impl NcclLog {
+    /// Asks NCCL for its INIT and ENV output in a file next to the result
+    /// (`<out stem>.nccl/rank<r>.<pid>.log`). NCCL reads these settings when
+    /// a process first uses it, so this runs first thing in a rank process,
+    /// before any thread starts. Settings exported by the user win: with
+    /// their own NCCL_DEBUG_FILE, that file is read; with an NCCL_DEBUG
+    /// below INFO, transports are not recorded.
+    pub fn capture(out: &Path, rank: usize) -> NcclLog {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        match var("NCCL_DEBUG").map(|v| v.to_ascii_uppercase()) {
+            Some(level) if level != "INFO" && level != "TRACE" => {
+                return NcclLog {
+                    path: None,
+                    note: Some(format!("NCCL_DEBUG={level} was set before the run, so NCCL did not print its transports")),
+                };
+            }
+            Some(_) => {}
+            None => {
+                std::env::set_var("NCCL_DEBUG", "INFO");
+                if var("NCCL_DEBUG_SUBSYS").is_none() {
+                    std::env::set_var("NCCL_DEBUG_SUBSYS", "INIT,ENV");
+                }
+            }
+        }
+        let pid = std::process::id().to_string();
+        let path = match var("NCCL_DEBUG_FILE") {
+            Some(p) => PathBuf::from(p.replace("%p", &pid).replace("%h", &hostname())),
+            None => {
+                let dir = out.with_extension("nccl");
+                if let Err(e) = std::fs::create_dir_all(&dir) {
+                    return NcclLog { path: None, note: Some(format!("cannot create {}: {e}", dir.display())) };
+                }
+                let p = dir.join(format!("rank{rank}.{pid}.log"));
+                std::env::set_var("NCCL_DEBUG_FILE", &p);
+                p
+            }
+        };
+        NcclLog { path: Some(path), note: None }
+    }
+
+    /// Where the output is now: what an entry's NCCL prints comes after.
+    pub fn mark(&self) -> u64 {
+        self.path.as_ref().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len())
+    }
+
+    /// What NCCL printed since `mark`, as the entry's record: its version,
+    /// the NCCL_* settings in this process's environment, the transports.
+    pub fn record(&self, mark: u64, nccl_version: Option<String>) -> crate::results::NcclRecord {
+        // NCCL_VERSION is not a setting: container images export it as
+        // the version of their NCCL package, which may not be the one loaded.
+        let settings = std::env::vars()
+            .filter(|(k, _)| k.starts_with("NCCL_") && k != "NCCL_VERSION" && !crate::suite::NCCL_RESERVED.contains(&k.as_str()))
+            .collect();
+        let text = self.path.as_ref().and_then(|p| read_from(p, mark).ok());
+        let transports = text.as_deref().map(parse_nccl_output).unwrap_or_default().1;
+        // NCCL prints its version once, at the process's first communicator.
+        let version = self.path.as_ref().and_then(|p| read_from(p, 0).ok()).and_then(|t| parse_nccl_output(&t).0);
+        let note = match (&self.note, &text) {
+            (Some(n), _) => Some(n.clone()),
+            (None, None) => Some("NCCL's debug output could not be read".to_owned()),
+            (None, Some(_)) if transports.is_empty() => Some("NCCL printed no connections for this entry".to_owned()),
+            _ => None,
+        };
+        crate::results::NcclRecord { version: version.or(nccl_version), settings, transports, note }
+    }
+}
+
+/// This machine's host name.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+/// The bytes of `path` from `offset` on, as text.
+fn read_from(path: &Path, offset: u64) -> std::io::Result<String> {
+    use std::io::{Read, Seek};
+    let mut f = std::fs::File::open(path)?;
+    f.seek(std::io::SeekFrom::Start(offset))?;
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// NCCL's version ("NCCL version 2.27.3+cuda12.9") and the distinct
+/// transports of its connection lines ("... via P2P/CUMEM/read"), in the
+/// order first seen.
+pub fn parse_nccl_output(text: &str) -> (Option<String>, Vec<String>) {
+    let mut version = None;
+    let mut transports: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if let Some(v) = line.split("NCCL version ").nth(1) {
+            version.get_or_insert_with(|| v.split_whitespace().next().unwrap_or("").to_owned());
+        }
+        if !line.contains("Channel") {
+            continue;
+        }
+        if let Some(t) = line.split(" via ").nth(1).and_then(|rest| rest.split_whitespace().next()) {
+            let t = t.trim_end_matches([',', '.']).to_owned();
+            if !t.is_empty() && !transports.contains(&t) {
+                transports.push(t);
+            }
+        }
+    }
+    (version, transports)
+}
+
+/// Why this entry cannot run in this process: its strategy's NCCL settings
+/// differ from the ones NCCL read when the process started. `harness run`
+/// starts processes with each strategy's settings; under torchrun or srun,
+/// export them before the launch.
+pub fn nccl_settings_mismatch(want: &std::collections::BTreeMap<String, String>) -> Option<String> {
+    let wrong: Vec<String> = want
+        .iter()
+        .filter(|(k, v)| std::env::var(k).ok().as_ref() != Some(*v))
+        .map(|(k, v)| format!("{k}={v} (the process has {})", std::env::var(k).map_or("it unset".into(), |x| format!("{k}={x}"))))
+        .collect();
+    (!wrong.is_empty()).then(|| {
+        format!(
+            "this entry's strategy sets {}, but NCCL reads its settings once per process\nhint: start the run with `harness run` (which starts the ranks with each strategy's settings), or export these settings before torchrun/srun and run such strategies separately",
+            wrong.join(", ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_and_version_come_from_nccls_connection_lines() {
+        let text = "host:1:1 [0] NCCL INFO NCCL version 2.27.3+cuda12.9\n\
+            host:1:9 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n\
+            host:1:9 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n\
+            host:1:9 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [receive] via NET/Socket/0\n\
+            host:1:9 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0\n\
+            host:1:9 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1.\n";
+        let (v, t) = parse_nccl_output(text);
+        assert_eq!(v.as_deref(), Some("2.27.3+cuda12.9"));
+        assert_eq!(t, ["P2P/CUMEM/read", "NET/Socket/0"]);
+        assert_eq!(parse_nccl_output("nothing here"), (None, vec![]));
+    }
+
+    #[test]
+    fn a_peers_published_error_fires_the_watchdog_at_once_naming_the_rank() {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        rendezvous::serve(&addr).unwrap();
+        // A long collective timeout: only the peer's error can fire it soon.
+        let store = rendezvous::Client { addr, rank: 0, timeout: Duration::from_secs(60) };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (tx2, ended) = std::sync::mpsc::channel();
+        let t0 = Instant::now();
+        let dog = Watchdog::start_with(
+            Box::new(move |e: &EntryError| tx.send(e.clone()).unwrap()),
+            store.clone(),
+            "w/s/r0",
+            0,
+            2,
+            Box::new(move || tx2.send(()).unwrap()),
+        );
+        let oom = EntryError::OutOfMemory { message: "CUDA out of memory".into() };
+        publish_failure(&rendezvous::Client { rank: 1, ..store }, "w/s/r0", 1, &oom);
+        let got = rx.recv_timeout(Duration::from_secs(10)).expect("the watchdog fired");
+        ended.recv_timeout(Duration::from_secs(1)).expect("and ended the rank");
+        assert!(t0.elapsed() < Duration::from_secs(5), "fired after {:?}", t0.elapsed());
+        assert_eq!(got, EntryError::OutOfMemory { message: "rank 1: CUDA out of memory".into() });
+        dog.stop();
+    }
+
+    #[test]
+    fn a_stalled_rank_names_the_rank_behind_after_the_timeout() {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        rendezvous::serve(&addr).unwrap();
+        let store = rendezvous::Client { addr, rank: 0, timeout: Duration::from_millis(1500) };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dog = Watchdog::start_with(
+            Box::new(move |e: &EntryError| tx.send(e.clone()).unwrap()),
+            store.clone(),
+            "w/s/r0",
+            0,
+            2,
+            Box::new(|| {}),
+        );
+        dog.beat(3);
+        let got = rx.recv_timeout(Duration::from_secs(10)).expect("the watchdog fired");
+        assert_eq!(got.kind(), "rank-lost");
+        assert!(got.message().contains("after step 3") && got.message().contains("rank(s) [1] stopped making progress"), "{got}");
+        dog.stop();
+        // A peer stuck in a plugin call says so in its beat.
+        let (tx, rx) = std::sync::mpsc::channel();
+        store.set("beat/w/s/r1/1", b"0\tin compressor plugin `bad`'s `compress` for 14 s").unwrap();
+        let dog = Watchdog::start_with(Box::new(move |e: &EntryError| tx.send(e.clone()).unwrap()), store, "w/s/r1", 0, 2, Box::new(|| {}));
+        let got = rx.recv_timeout(Duration::from_secs(10)).expect("the watchdog fired");
+        assert!(
+            got.message().contains("rank 1 has been in compressor plugin `bad`'s `compress` for 14 s, without entering the collective"),
+            "{got}"
+        );
+        dog.stop();
+    }
+
+    #[test]
+    fn an_entry_whose_nccl_settings_the_process_lacks_is_refused_with_a_hint() {
+        let want = [("NCCL_HARNESS_TEST_UNSET".to_owned(), "1".to_owned())].into_iter().collect();
+        let e = nccl_settings_mismatch(&want).unwrap();
+        assert!(e.contains("NCCL_HARNESS_TEST_UNSET=1 (the process has it unset)") && e.contains("hint:"), "{e}");
+        assert_eq!(nccl_settings_mismatch(&Default::default()), None);
     }
 }

@@ -240,6 +240,29 @@ pub struct Metrics {
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]
     pub fused_cross_entropy: bool,
+    /// What NCCL ran with (multi-GPU entries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<NcclRecord>,
+}
+
+/// What NCCL ran an entry with, as rank 0 saw it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct NcclRecord {
+    /// NCCL's version, as NCCL printed it ("2.27.3+cuda12.9"), else as
+    /// `ncclGetVersion` gives it.
+    pub version: Option<String>,
+    /// The NCCL_* variables in the rank's environment (the strategy's
+    /// `nccl` and `nccl_transport` settings, and any exported before the
+    /// run), without the debug settings harness uses to read the transports.
+    pub settings: BTreeMap<String, String>,
+    /// The transports NCCL chose for rank 0's connections, from its debug
+    /// output: "P2P/CUMEM/read" or "P2P/IPC" (NVLink or PCIe peer to peer),
+    /// "SHM/direct/direct" (shared memory), "NET/Socket/0", "NET/IB/0"
+    /// (the network), "NVLS" (NVLink SHARP) and so on.
+    pub transports: Vec<String>,
+    /// Why the transports are unknown, when they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 fn one() -> u32 {

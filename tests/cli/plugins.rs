@@ -37,6 +37,8 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
         s += &format!("[[strategy]]\nname = \"{m}\"\ncompressor = \"bad\"\ncompressor_config = {{ mode = \"{m}\" }}\n");
     }
     s += "[[strategy]]\nname = \"native-panic\"\ncompressor = \"bad-native\"\ncompressor_config = { mode = \"panic\" }\n";
+    // Only rank 1 fails: its own error is what the entry reports, not rank 0's wait.
+    s += "[[strategy]]\nname = \"rank1-panic\"\ncompressor = \"bad\"\ncompressor_config = { mode = \"panic\", rank = 1 }\n";
     s += "[[strategy]]\nname = \"abi\"\ncompressor = \"old-abi\"\n";
     for m in ["zero", "nan-lr"] {
         s += &format!("[[strategy]]\nname = \"batch-{m}\"\nbatch_policy = \"batchy\"\nbatch_policy_config = {{ mode = \"{m}\" }}\n");
@@ -64,6 +66,7 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
         ("nan", wasm("compress", "non-finite values in bucket 0 at step 0")),
         ("wrong-shape", wasm("compress", "host op `tensor.assign`: shapes differ")),
         ("reject", wasm("configure", "rejects its config on purpose")),
+        ("rank1-panic", vec!["rank 1: compressor plugin `bad` (wasm, ".into(), "it panicked at tests/plugins/misbehave/src/lib.rs".into()]),
         (
             "native-panic",
             vec!["compressor plugin `bad-native` (native, ".into(), "`compress`: ".into(), "it panicked: mode `panic`".into()],

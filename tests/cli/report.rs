@@ -41,6 +41,8 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         link: None,
         zero: 0,
         checkpoint_compress: false,
+        nccl: Default::default(),
+        nccl_transport: Default::default(),
     }
 }
 

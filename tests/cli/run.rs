@@ -215,6 +215,37 @@ fn cpu_data_parallel_ranks_share_the_work_and_count_their_bytes() {
 }
 
 #[test]
+fn a_cluster_topology_stretches_only_the_traffic_between_nodes_and_learns_as_flat_ranks_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("topo", 12, "");
+    // 4 thread ranks: flat and fast, as 2 nodes x 2 over 0.05 Gbps, and as
+    // 4 nodes x 1 (every rank's traffic on the link).
+    let strategies = "\n[[strategy]]\nname = \"flat\"\nbaseline = true\n\n[[strategy]]\nname = \"2x2\"\nlink = { gbps = 0.05, latency_us = 100, nodes = 2 }\n\n[[strategy]]\nname = \"4x1\"\nlink = { gbps = 0.05, latency_us = 100, nodes = 4 }\n";
+    let s = write(dir.path(), "s.toml", &(suite("topo", "world_size = 4", &w) + strategies));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m = |i: usize| r.entries[i].metrics.clone().unwrap();
+    let (flat, two, four) = (m(0), m(1), m(2));
+    // The topology changes time, not learning: the same reduced gradients.
+    assert_eq!(flat.final_eval_loss, two.final_eval_loss);
+    assert_eq!(flat.final_eval_loss, four.final_eval_loss);
+    let losses = |m: &harness::results::Metrics| m.loss_curve.iter().map(|&(step, _, loss)| (step, loss)).collect::<Vec<_>>();
+    assert_eq!(losses(&flat), losses(&two));
+    // One bucket of fp32 gradients per step. 2 x 2: a ring over the 2 nodes
+    // (2 steps of half the buffer, 100 us each) on top of the measured
+    // collective. 4 x 1: a ring over 4 (6 steps of a quarter).
+    let bytes = (4 * two.parameters) as f64;
+    let between_2 = 2.0 * 0.1 + 2.0 / 2.0 * bytes * 8.0 / 0.05e9 * 1e3;
+    let between_4 = 6.0 * 0.1 + 6.0 / 4.0 * bytes * 8.0 / 0.05e9 * 1e3;
+    let added = two.collective_emulated.as_ref().unwrap().mean_ms - two.collective.as_ref().unwrap().mean_ms;
+    // HDR histograms keep 3 significant digits.
+    assert!((added - between_2).abs() < 0.01 * between_2, "2x2 added {added} ms per collective, the model says {between_2}");
+    let four_emu = four.collective_emulated.as_ref().unwrap().mean_ms;
+    assert!(four_emu >= 0.99 * between_4 && four_emu < 1.5 * between_4, "4x1: {four_emu} ms vs the model's {between_4}");
+    assert!(flat.collective_emulated.is_none());
+}
+
+#[test]
 fn zero_stages_train_as_ddp_does_with_half_the_optimizer_state_per_rank() {
     let dir = tempfile::tempdir().unwrap();
     // Odd sizes (vocabulary 63, width 33), so that buckets need padding;

@@ -8,8 +8,9 @@
 //! `complete: false`.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Once, OnceLock};
+use std::time::{Duration, Instant};
 
 pub use crate::exit::PLUGIN_ENDED_PROCESS;
 
@@ -37,6 +38,20 @@ pub fn arm(on: bool) {
     ARMED.store(on, Ordering::SeqCst);
 }
 
+/// The latest plugin call of the process, for the watchdog of a rank
+/// process (one training thread): the plugin's description, the call's name
+/// (pointer and length) and when it started, in ns since [`epoch`]. Written
+/// by the training thread at each call; read only after the rank has made
+/// no progress for seconds, when nothing writes them.
+static LAST_PLUGIN: AtomicPtr<String> = AtomicPtr::new(std::ptr::null_mut());
+static LAST_CALL: (AtomicPtr<u8>, AtomicUsize) = (AtomicPtr::new(std::ptr::null_mut()), AtomicUsize::new(0));
+static LAST_START_NS: AtomicU64 = AtomicU64::new(0);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
 /// Marks a plugin call in progress on this thread until dropped.
 pub struct CallScope(());
 
@@ -44,6 +59,10 @@ impl CallScope {
     /// `plugin` must outlive the scope (the plugin's own description).
     pub fn enter(plugin: &String, call: &'static str) -> CallScope {
         CURRENT.with(|c| c.set(Some((plugin as *const String, call))));
+        LAST_START_NS.store(epoch().elapsed().as_nanos() as u64, Ordering::Relaxed);
+        LAST_CALL.0.store(call.as_ptr() as *mut u8, Ordering::Relaxed);
+        LAST_CALL.1.store(call.len(), Ordering::Relaxed);
+        LAST_PLUGIN.store(plugin as *const String as *mut String, Ordering::Release);
         CallScope(())
     }
 }
@@ -51,7 +70,46 @@ impl CallScope {
 impl Drop for CallScope {
     fn drop(&mut self) {
         CURRENT.with(|c| c.set(None));
+        LAST_PLUGIN.store(std::ptr::null_mut(), Ordering::Release);
     }
+}
+
+/// Set while a plugin's call is inside a host collective: the plugin is
+/// then waiting for the other ranks, not holding them up.
+static IN_COLLECTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Marks a host collective that a plugin asked for, until dropped.
+pub struct CollectiveScope(());
+
+impl CollectiveScope {
+    pub fn enter() -> CollectiveScope {
+        IN_COLLECTIVE.store(true, Ordering::Relaxed);
+        CollectiveScope(())
+    }
+}
+
+impl Drop for CollectiveScope {
+    fn drop(&mut self) {
+        IN_COLLECTIVE.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The plugin call in progress in this process, if any, and not inside a
+/// collective it asked for: "compressor plugin
+/// `x` (...)'s `compress`", and for how long. For a rank's watchdog, which
+/// asks only once the rank has stopped making progress.
+pub fn call_in_progress() -> Option<(String, Duration)> {
+    let plugin = LAST_PLUGIN.load(Ordering::Acquire);
+    if plugin.is_null() || IN_COLLECTIVE.load(Ordering::Relaxed) {
+        return None;
+    }
+    let (ptr, len) = (LAST_CALL.0.load(Ordering::Relaxed), LAST_CALL.1.load(Ordering::Relaxed));
+    // SAFETY: the pointers were stored together by a CallScope that has not
+    // been dropped (a dropped one nulls LAST_PLUGIN): the plugin's
+    // description lives while its call runs, and the name is a `&'static str`.
+    let (plugin, call) = unsafe { (&*plugin, std::str::from_utf8_unchecked(std::slice::from_raw_parts(ptr, len))) };
+    let since = epoch().elapsed().saturating_sub(Duration::from_nanos(LAST_START_NS.load(Ordering::Relaxed)));
+    Some((format!("{plugin}'s `{call}`"), since))
 }
 
 extern "C" fn on_exit() {

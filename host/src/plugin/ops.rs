@@ -477,6 +477,7 @@ impl HostSide {
             }
             AllReduceSum | Broadcast => {
                 need(1, 0, Some(if op == Broadcast { 1 } else { 0 }))?;
+                let _waiting = super::exit_guard::CollectiveScope::enter();
                 let mut a = t(0)?;
                 ensure!(a.is_contiguous(), "collectives need a contiguous tensor (reshape or duplicate it first)");
                 let c = self.comm()?;
@@ -492,6 +493,7 @@ impl HostSide {
             }
             AllGather | ReduceScatterSum => {
                 need(1, 0, Some(0))?;
+                let _waiting = super::exit_guard::CollectiveScope::enter();
                 let a = t(0)?.f_contiguous()?;
                 let c = self.comm()?;
                 c.check_call(if op == AllGather { "all_gather" } else { "reduce_scatter" }, &a)?;

@@ -342,6 +342,14 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
             let _ = write!(out, "<td class=\"flag\">{}</td></tr>", esc(&flags.join("; ")));
         }
         out.push_str("</table>");
+        let nccl = super::board_nccl(b);
+        if !nccl.is_empty() {
+            out.push_str("<ul class=\"nccl\">");
+            for (strategy, line) in nccl {
+                let _ = write!(out, "<li><code>{}</code>: {}</li>", esc(&strategy), esc(&line));
+            }
+            out.push_str("</ul>");
+        }
         out.push_str(&legend(&b.rows));
         out.push_str(&throughput_bars(&format!("throughput-{bi}"), &b.rows));
         out.push_str(&latency_curves(&format!("latency-{bi}"), &b.rows));

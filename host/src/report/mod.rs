@@ -75,12 +75,50 @@ pub fn summary_table(r: &RunResult) -> String {
         }
     }
     let mut out = t.to_string();
+    for (strategy, line) in nccl_by_strategy(r.entries.iter().filter_map(|e| Some((e.strategy.as_str(), e.metrics.as_ref()?)))) {
+        out.push_str(&format!("\n{strategy}: {line}"));
+    }
     for e in &r.entries {
         if let EntryStatus::Failed { error, .. } = &e.status {
             out.push_str(&format!("\n{}: {error}", e.id));
         }
     }
     out
+}
+
+/// What NCCL ran with, one line: version, transports, settings.
+pub fn nccl_line(n: &crate::results::NcclRecord) -> String {
+    let mut parts = vec![format!("NCCL {}", n.version.as_deref().unwrap_or("(version unknown)"))];
+    parts.push(if n.transports.is_empty() {
+        format!("transports unknown ({})", n.note.as_deref().unwrap_or("no connection lines"))
+    } else {
+        format!("via {}", n.transports.join(", "))
+    });
+    if !n.settings.is_empty() {
+        parts.push(n.settings.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
+    }
+    parts.join("; ")
+}
+
+/// Each strategy's NCCL line, in first-seen order: (strategy, the distinct
+/// lines of its entries joined with " | ").
+pub fn nccl_by_strategy<'a>(runs: impl Iterator<Item = (&'a str, &'a Metrics)>) -> Vec<(String, String)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for (strategy, m) in runs {
+        let Some(n) = &m.nccl else { continue };
+        let line = nccl_line(n);
+        match out.iter_mut().find(|(s, _)| s == strategy) {
+            Some((_, lines)) if !lines.contains(&line) => lines.push(line),
+            Some(_) => {}
+            None => out.push((strategy.to_owned(), vec![line])),
+        }
+    }
+    out.into_iter().map(|(s, l)| (s, l.join(" | "))).collect()
+}
+
+/// [`nccl_by_strategy`] over a board's rows.
+pub fn board_nccl(b: &Board) -> Vec<(String, String)> {
+    nccl_by_strategy(b.rows.iter().flat_map(|r| r.group.runs.iter().map(|m| (r.group.strategy.as_str(), m))))
 }
 
 fn opt(x: Option<f64>) -> String {
@@ -422,6 +460,12 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
             cells.push(if flags.is_empty() { "-".into() } else { flags.join("; ") });
             out.push_str(&format!("| {} |\n", cells.join(" | ").replace('\n', " ")));
         }
+        for (strategy, line) in board_nccl(b) {
+            out.push_str(&format!("\n- `{strategy}`: {line}"));
+        }
+        if !board_nccl(b).is_empty() {
+            out.push('\n');
+        }
     }
     out
 }
@@ -481,4 +525,38 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
         out.push_str("no workload appears in both A and B\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::results::NcclRecord;
+
+    #[test]
+    fn each_strategy_says_once_which_nccl_transports_and_settings_it_ran_with() {
+        let with = |transports: &[&str], settings: &[(&str, &str)]| Metrics {
+            nccl: Some(NcclRecord {
+                version: Some("2.27.3+cuda12.9".into()),
+                settings: settings.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                transports: transports.iter().map(|t| t.to_string()).collect(),
+                note: None,
+            }),
+            ..Default::default()
+        };
+        let nvlink = with(&["P2P/CUMEM/read"], &[]);
+        let net = with(&["NET/Socket/0"], &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")]);
+        let unknown =
+            Metrics { nccl: Some(NcclRecord { note: Some("NCCL_DEBUG=WARN".into()), ..Default::default() }), ..Default::default() };
+        let lines = nccl_by_strategy(
+            [("nvlink", &nvlink), ("net", &net), ("nvlink", &nvlink), ("quiet", &unknown), ("cpu", &Metrics::default())].into_iter(),
+        );
+        assert_eq!(
+            lines,
+            [
+                ("nvlink".to_owned(), "NCCL 2.27.3+cuda12.9; via P2P/CUMEM/read".to_owned()),
+                ("net".to_owned(), "NCCL 2.27.3+cuda12.9; via NET/Socket/0; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1".to_owned()),
+                ("quiet".to_owned(), "NCCL (version unknown); transports unknown (NCCL_DEBUG=WARN)".to_owned()),
+            ]
+        );
+    }
 }

@@ -470,6 +470,62 @@ pub struct Strategy {
     /// Compress checkpoints (zstd) when the checkpoint policy saves.
     #[serde(default)]
     pub checkpoint_compress: bool,
+    /// NCCL's environment for this strategy's entries (`NCCL_ALGO`,
+    /// `NCCL_PROTO`, `NCCL_MAX_NCHANNELS`, socket and IB options...): the
+    /// rank processes of these entries start with it, since NCCL reads its
+    /// settings once per process.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub nccl: std::collections::BTreeMap<String, toml::Value>,
+    /// Which of NCCL's transports the ranks of one machine may use.
+    #[serde(default, skip_serializing_if = "NcclTransport::is_auto")]
+    pub nccl_transport: NcclTransport,
+}
+
+/// `nccl_transport`: NCCL's own choice, or the network transport forced
+/// between the ranks of one machine (as between two machines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NcclTransport {
+    /// NCCL picks (NVLink/P2P, shared memory, network).
+    #[default]
+    Auto,
+    /// Peer-to-peer, shared memory and NVLink SHARP off: every byte goes
+    /// through NCCL's network transport (IB where present, else sockets).
+    Network,
+}
+
+impl NcclTransport {
+    fn is_auto(&self) -> bool {
+        *self == NcclTransport::Auto
+    }
+
+    /// The NCCL settings that impose this choice.
+    pub fn env(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            NcclTransport::Auto => &[],
+            NcclTransport::Network => &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"), ("NCCL_NVLS_ENABLE", "0")],
+        }
+    }
+}
+
+/// NCCL settings harness sets itself to see which transports NCCL chose.
+pub const NCCL_RESERVED: &[&str] = &["NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"];
+
+impl Strategy {
+    /// The NCCL environment this strategy's entries run with: its
+    /// `nccl_transport`'s settings, then its `nccl` table (which wins).
+    pub fn nccl_env(&self) -> std::collections::BTreeMap<String, String> {
+        let mut env: std::collections::BTreeMap<String, String> =
+            self.nccl_transport.env().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        for (k, v) in &self.nccl {
+            let v = match v {
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            env.insert(k.clone(), v);
+        }
+        env
+    }
 }
 
 fn default_compressor() -> String {
@@ -498,6 +554,8 @@ impl Strategy {
             link: None,
             zero: 0,
             checkpoint_compress: false,
+            nccl: Default::default(),
+            nccl_transport: NcclTransport::Auto,
         }
     }
 }

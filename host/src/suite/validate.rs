@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use super::model::ModelConfig;
 use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Strategy, SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES,
-    CHECKPOINT_POLICIES, COMPRESSORS, TRACK_KINDS,
+    CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
 
 /// A loaded, validated suite with its source.
@@ -671,6 +671,34 @@ impl Checker<'_> {
             if meta.world_size < 2 && !in_multi_gpu_track {
                 self.err(&at("link"), "an emulated link needs world_size >= 2", None);
             }
+            if let Some(nodes) = l.nodes {
+                let world = meta.world_size;
+                if nodes < 2 || (world >= 2 && (nodes > world || world % nodes != 0)) {
+                    self.err(
+                        &at("link"),
+                        format!("`nodes = {nodes}` does not split world_size = {world} into 2 or more nodes of equal size"),
+                        Some(format!("e.g. link = {{ gbps = 10, latency_us = 5, nodes = 2 }} for 2 nodes of {} ranks", (world / 2).max(1))),
+                    );
+                }
+            }
+        }
+        for (k, v) in &st.nccl {
+            if !k.starts_with("NCCL_") || k.len() == 5 {
+                self.err(
+                    &at("nccl"),
+                    format!("`{k}` is not an NCCL setting"),
+                    Some("keys are NCCL's variables, e.g. NCCL_ALGO = \"Ring\"".into()),
+                );
+            } else if NCCL_RESERVED.contains(&k.as_str()) {
+                self.err(
+                    &at("nccl"),
+                    format!("`{k}` is set by harness, which reads NCCL's debug output to record the transports"),
+                    Some("set it in the environment of `harness run` if you need it; the transports are then not recorded".into()),
+                );
+            }
+            if !matches!(v, toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Boolean(_)) {
+                self.err(&at("nccl"), format!("`{k}` must be a string, an integer or a boolean"), None);
+            }
         }
         self.strategy_parts(i, st, &s.plugins);
         if st.zero > 2 {
@@ -796,6 +824,32 @@ name = "b"
         let e = parse(&bad).unwrap_err();
         assert_eq!(e.0.len(), 1);
         assert_eq!(e.0[0].line_col(), Some((10, 9)));
+    }
+
+    #[test]
+    fn nccl_settings_and_topologies_are_checked_where_written() {
+        let two_ranks = OK.replace("repeats = 2", "repeats = 2\nworld_size = 4");
+        let good = two_ranks.replace(
+            "name = \"b\"",
+            "name = \"b\"\nnccl = { NCCL_ALGO = \"Ring\", NCCL_MAX_NCHANNELS = 4 }\nnccl_transport = \"network\"\nlink = { gbps = 10, nodes = 2 }",
+        );
+        let s = parse(&good).unwrap();
+        let env = s.spec.strategies[1].nccl_env();
+        assert_eq!(env["NCCL_ALGO"], "Ring");
+        assert_eq!(env["NCCL_MAX_NCHANNELS"], "4");
+        assert_eq!(env["NCCL_P2P_DISABLE"], "1");
+        for (bad, says) in [
+            ("nccl = { ALGO = \"Ring\" }", "`ALGO` is not an NCCL setting"),
+            ("nccl = { NCCL_DEBUG = \"WARN\" }", "`NCCL_DEBUG` is set by harness"),
+            ("nccl = { NCCL_ALGO = [1] }", "must be a string, an integer or a boolean"),
+            ("nccl_transport = \"ib\"", "unknown variant `ib`"),
+            ("link = { gbps = 10, nodes = 3 }", "`nodes = 3` does not split world_size = 4"),
+            ("link = { gbps = 10, nodes = 1 }", "`nodes = 1` does not split"),
+        ] {
+            let e = parse(&two_ranks.replace("name = \"b\"", &format!("name = \"b\"\n{bad}"))).unwrap_err();
+            assert!(e.0[0].message.contains(says), "{bad}: {e}");
+            assert_eq!(e.0[0].line_col().unwrap().0, 22, "{bad}: {e}");
+        }
     }
 
     #[test]

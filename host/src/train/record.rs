@@ -356,6 +356,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         strategy_runtime: runtime,
         plugins,
         fused_cross_entropy: t.fused_ce,
+        nccl: None,
         overlapped_reduction: t.overlapped,
         zero: ctx.entry.strategy.zero,
         optimizer_state_bytes: t.optimizer.state_bytes(),

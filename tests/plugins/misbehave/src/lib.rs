@@ -8,18 +8,23 @@
 //!   touching every page; natively that exhausts the host process's memory,
 //!   so use it with the WASM build), `nan` (leaves NaN in the bucket),
 //!   `wrong-shape` (assigns a tensor of another shape to the bucket),
-//!   `reject` (configure fails);
+//!   `reject` (configure fails), `hang` (sleeps for an hour without entering
+//!   the collective; natively only), `kill` (kills its own process with
+//!   SIGKILL, as the kernel's out-of-memory killer would; natively only);
 //! - `at`: `compress` (default) or `configure`: where `trap`, `panic`,
-//!   `loop` and `alloc` happen. `nan` and `wrong-shape` need a bucket, so
-//!   they happen in `compress`.
+//!   `loop` and `alloc` happen. `nan`, `wrong-shape`, `hang` and `kill`
+//!   happen in `compress`;
+//! - `rank`: the one rank that misbehaves (default: every rank); the others
+//!   behave like `allreduce`.
 
 use harness_sdk::{tensor, BucketInfo, Collective, Compressor, Config, Error, Plugin, Tensor};
 
-const MODES: [&str; 8] = ["ok", "trap", "panic", "loop", "alloc", "nan", "wrong-shape", "reject"];
+const MODES: [&str; 10] = ["ok", "trap", "panic", "loop", "alloc", "nan", "wrong-shape", "reject", "hang", "kill"];
 
 /// See the crate docs.
 pub struct Misbehave {
     mode: String,
+    rank: Option<u32>,
 }
 
 impl Plugin for Misbehave {
@@ -27,7 +32,8 @@ impl Plugin for Misbehave {
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn configure(config: &Config) -> Result<Self, Error> {
-        config.check_keys(&["mode", "at"])?;
+        config.check_keys(&["mode", "at", "rank"])?;
+        let rank = config.get::<i64>("rank")?.map(|r| r as u32);
         let mode = config.get_or("mode", "ok".to_owned())?;
         if !MODES.contains(&mode.as_str()) {
             return Err(Error::new(format!("unknown mode `{mode}` (modes: {})", MODES.join(", "))));
@@ -40,7 +46,7 @@ impl Plugin for Misbehave {
             "configure" => misbehave(&mode),
             other => return Err(Error::new(format!("unknown `at` = `{other}` (configure, compress)"))),
         }
-        Ok(Misbehave { mode })
+        Ok(Misbehave { mode, rank })
     }
 }
 
@@ -69,6 +75,15 @@ fn misbehave(mode: &str) {
     }
 }
 
+/// SIGKILL to this process (natively; a component cannot).
+fn kill_self() {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
+}
+
 #[cfg(target_arch = "wasm32")]
 fn trap() -> ! {
     core::arch::wasm32::unreachable()
@@ -81,8 +96,11 @@ fn trap() -> ! {
 
 impl Compressor for Misbehave {
     fn compress(&mut self, bucket: &Tensor, comm: &Collective, _info: BucketInfo) -> Result<(), Error> {
-        misbehave(&self.mode);
-        match self.mode.as_str() {
+        let mode = if self.rank.is_none_or(|r| r == comm.rank()) { self.mode.as_str() } else { "ok" };
+        misbehave(mode);
+        match mode {
+            "hang" => std::thread::sleep(std::time::Duration::from_secs(3600)),
+            "kill" => kill_self(),
             "nan" => bucket.assign(&bucket.mul_scalar(f64::NAN)),
             "wrong-shape" => bucket.assign(&tensor::zeros(&[bucket.numel() + 1], bucket.dtype(), bucket)),
             _ => {
