@@ -96,6 +96,11 @@ impl Console {
         self.say(&format!("harness: suite `{suite}` ({to_run} of {planned} entries to run) on {device} -> {}", out.display()));
     }
 
+    /// A line about the run (not an entry), shown unless quiet, and logged.
+    pub fn note(&self, msg: &str) {
+        self.say(&format!("harness: {msg}"));
+    }
+
     /// A warning, shown even when quiet.
     pub fn warning(&self, msg: &str) {
         eprintln!("warning: {msg}");

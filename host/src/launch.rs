@@ -78,6 +78,14 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
     // Loaded on first use: a broken plugin fails only the entries using it.
     let plugins = PluginSet::new(&suite.spec.plugins, &suite_dir);
     let run = Run { suite, opts, world, rank, writes, device, gpu, device_name, memory_total_bytes, suite_dir, plugins, timeout, store };
+    if run.device.is_cuda() && !todo.is_empty() {
+        let t0 = std::time::Instant::now();
+        let workloads = run.warm_up(&todo, console);
+        console.note(&format!(
+            "warmed up the process on {workloads} workload(s) in {:.1} s ({PROCESS_WARMUP_STEPS} untimed steps each, nothing recorded)",
+            t0.elapsed().as_secs_f64()
+        ));
+    }
     // Set when a rank died or hung: the next entry could not form a
     // communicator, so the run stops after recording this one.
     let mut ranks_lost = false;
@@ -109,6 +117,10 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
     }
     Ok(result)
 }
+
+/// Steps of the untimed warm-up on each workload before a GPU process's
+/// first entry ([`Run::warm_up`]).
+pub const PROCESS_WARMUP_STEPS: u64 = 3;
 
 /// Why a rank process stops before the end of its entries: a rank was lost,
 /// and its communicator with it (exit code [`crate::exit::RANK_LOST`]).
@@ -262,6 +274,48 @@ impl Run<'_> {
         } else {
             run_threads(&ctx, self.world, entry.strategy.link, self.timeout, &mut on_progress)
         })
+    }
+
+    /// Trains each workload of `todo` for [`PROCESS_WARMUP_STEPS`] steps
+    /// with the built-in strategy on this rank alone, and throws the result
+    /// away: the process's one-time costs on a GPU (CUDA and cuBLAS set-up,
+    /// kernels compiled at run time, the caching allocator's first
+    /// reservations, about 3 s on an H200) would otherwise land in the time
+    /// to target of the first entry that runs here, and of nothing after it.
+    /// Returns the number of workloads warmed up; a warm-up that fails is a
+    /// warning (the entry itself will say what is wrong).
+    fn warm_up(&self, todo: &[&PlanEntry], console: &Console) -> usize {
+        let mut seen = Vec::new();
+        for entry in todo {
+            if seen.contains(&entry.workload) {
+                continue;
+            }
+            seen.push(entry.workload);
+            let w = &self.suite.spec.workloads[entry.workload];
+            let short = crate::suite::Workload {
+                steps: Some(PROCESS_WARMUP_STEPS),
+                time_budget_s: None,
+                eval_every: 0,
+                eval_batches: 1,
+                target_loss: None,
+                target_above_floor: None,
+                faults: None,
+                ..w.clone()
+            };
+            let plan =
+                PlanEntry { id: format!("warm-up/{}", w.name), strategy: crate::suite::Strategy::default_baseline(), ..(*entry).clone() };
+            let scratch = std::env::temp_dir().join(format!("harness-warm-up-{}", std::process::id()));
+            let ctx =
+                EntryContext { workload: &short, entry: &plan, checkpoint_dir: scratch.clone(), resume: false, ..self.context(entry) };
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(&ctx, &mut SingleRank::default(), &mut |_| {})));
+            let _ = std::fs::remove_dir_all(&scratch);
+            match outcome {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => console.warning(&format!("the untimed warm-up on `{}` failed: {}", w.name, e.message())),
+                Err(_) => console.warning(&format!("the untimed warm-up on `{}` panicked", w.name)),
+            }
+        }
+        seen.len()
     }
 
     /// What training needs to know of an entry and the run around it.
