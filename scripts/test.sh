@@ -21,6 +21,12 @@ RUSTDOCFLAGS="-D warnings" cargo doc -p harness-sdk --no-deps --quiet
 echo "== cargo test (release: the tests train real models)"
 # Snapshot mismatches fail instead of writing .snap.new files.
 CI=${CI:-true} cargo test --workspace --release
+echo "== ./x install (a harness command that runs from any folder)"
+repo=$PWD; tmp=$(mktemp -d)
+./x install "$tmp/bin" >/dev/null
+cp suites/cpu.toml "$tmp/"
+(cd "$tmp" && env -u LD_LIBRARY_PATH "$tmp/bin/harness" validate cpu.toml)
+rm -rf "$tmp"; cd "$repo"
 echo "== bench scripts parse"
 python3 -m py_compile bench/*.py
 for f in bench/*.sh; do bash -n "$f"; done

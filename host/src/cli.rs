@@ -317,9 +317,22 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                 let dir = s.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
                 let set = crate::plugin::PluginSet::new(&s.spec.plugins, dir);
                 let mut bad = 0;
-                for r in set.check_all() {
+                for (spec, r) in s.spec.plugins.iter().zip(set.check_all()) {
                     match r {
-                        Ok(m) => println!("plugin `{}` {} ({}, {:?}): {}", m.name, m.version, m.kind.name(), m.transport, m.path.display()),
+                        Ok(m) => {
+                            let transport = match m.transport {
+                                crate::plugin::Transport::Wasm => "wasm",
+                                crate::plugin::Transport::Native => "native, unsandboxed",
+                            };
+                            println!(
+                                "plugin `{}`: {} {} ({}, {transport}) from {}",
+                                spec.name,
+                                m.name,
+                                m.version,
+                                m.kind.name(),
+                                m.path.display()
+                            )
+                        }
                         Err(e) => {
                             bad += 1;
                             eprintln!("error: {e}");

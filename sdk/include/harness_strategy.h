@@ -16,6 +16,31 @@
  *
  * Rust authors do not use this header: harness-sdk's export! macro produces
  * these symbols from the same source that builds the WASM component.
+ *
+ * Lifetimes and threads, which the declarations alone do not say:
+ *  - Strings are UTF-8 with a length, never NUL-terminated, and the host
+ *    copies every string it is given before the next call into the plugin.
+ *  - harness_plugin_last_error: the message of the export that just returned
+ *    HARNESS_STATUS_ERROR or HARNESS_STATUS_PANIC on this instance. The host
+ *    reads it at once; it must stay valid until the next call into the
+ *    instance (a buffer the instance owns serves). Return NULL (len 0) for
+ *    no message.
+ *  - harness_plugin_info: name and version must stay valid as long as the
+ *    instance (string literals serve). The host reads them once, after
+ *    create.
+ *  - harness_plugin_configure receives the strategy's `compressor_config`,
+ *    `batch_policy_config` or `checkpoint_config` table (and any
+ *    --plugin-config key=value) serialized as TOML text, e.g.
+ *    "ratio = 0.01\nseed = 3\n"; empty (len 0) when the suite gives none.
+ *    It is called once per instance, before any other hook, and at
+ *    `harness validate`, which reports its error at the config's line.
+ *  - harness_host.last_error: the host's message for the op that just
+ *    returned non-zero; valid until the plugin's next call into the host.
+ *  - Instances: the host creates one instance per rank and entry and calls
+ *    it from one thread at a time. On the CPU, ranks are threads of one
+ *    process, so several instances of one library run at the same time on
+ *    different threads: keep state in the instance, and guard any global
+ *    that instances share. On GPUs each rank is its own process.
  */
 #ifndef HARNESS_STRATEGY_H
 #define HARNESS_STRATEGY_H

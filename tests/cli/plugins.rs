@@ -180,6 +180,10 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
         e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
     };
     assert_eq!(losses(e), losses(entry(&r, "mlp-tiny/baseline/r0")));
+    // Three repeats each, and the target is within reach: every entry has a time to it.
+    for id in ["baseline", "with-my-avg"].iter().flat_map(|s| (0..3).map(move |k| format!("mlp-tiny/{s}/r{k}"))) {
+        assert!(entry(&r, &id)["metrics"]["time_to_target_s"].as_f64().is_some(), "{id} missed the scaffold's target");
+    }
 }
 
 #[test]
@@ -219,7 +223,10 @@ fn validate_configures_each_plugin_and_points_at_a_bad_config() {
         )
     };
     let good = write(dir.path(), "good.toml", &suite("{ ratio = 0.2 }"));
-    run_ok(harness(dir.path()).arg("validate").arg(&good));
+    let out = run_ok(harness(dir.path()).arg("validate").arg(&good));
+    // The suite's name for the plugin, then what the artifact says it is and how it runs.
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(said.contains("plugin `topk`: topk ") && said.contains("(compressor, wasm) from "), "{said}");
     let text = suite("{ ratoi = 0.2 }");
     let bad = write(dir.path(), "bad.toml", &text);
     let out = harness(dir.path()).arg("validate").arg(&bad).output().unwrap();

@@ -284,12 +284,29 @@ fn interface_version(name: &str) -> Option<(&str, &str)> {
     rest.split_once('@')
 }
 
+/// What a file that does not compile as a component is, from its header,
+/// and what to do about it.
+fn what_it_is(bytes: &[u8]) -> String {
+    match bytes.get(..8) {
+        Some([0, b'a', b's', b'm', 0x0d, 0, 1, 0]) => {
+            "an invalid or damaged WebAssembly component (rebuild it; `wasm-tools validate` says more)".to_owned()
+        }
+        Some([0, b'a', b's', b'm', 1, 0, 0, 0]) => {
+            "a core WebAssembly module, not a component: build for wasm32-wasip2, or wrap it with `wasm-tools component new`".to_owned()
+        }
+        _ if bytes.starts_with(b"\0asm") => "a WebAssembly file of a version this harness does not read".to_owned(),
+        _ if bytes.starts_with(b"\x7fELF") => "a native library, not a WebAssembly component: name it with a .so path".to_owned(),
+        _ => {
+            format!("not a WebAssembly file ({} bytes that do not start with \\0asm): a truncated download or the wrong file", bytes.len())
+        }
+    }
+}
+
 /// Compiles a component and checks what it exports.
 pub fn load(bytes: &[u8]) -> Result<Artifact> {
     let engine = engine();
-    let (component, _) = super::cache::component(engine, bytes, super::cache::dir().as_deref())
-        .map_err(anyhow::Error::from)
-        .context("not a WebAssembly component (build for wasm32-wasip2)")?;
+    let (component, _) =
+        super::cache::component(engine, bytes, super::cache::dir().as_deref()).map_err(anyhow::Error::from).context(what_it_is(bytes))?;
     let ty = component.component_type();
     let mut kind = None;
     let mut contract = None;
@@ -713,6 +730,19 @@ fn panic_message(stderr: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_that_is_no_component_is_named_for_what_it_is() {
+        let err = |bytes: &[u8]| format!("{:#}", load(bytes).err().expect("refused"));
+        let e = err(&module(1, 1, 1));
+        assert!(e.contains("a core WebAssembly module, not a component") && e.contains("wasm32-wasip2"), "{e}");
+        let e = err(b"<html>404 Not Found</html>");
+        assert!(e.contains("not a WebAssembly file (26 bytes") && e.contains("truncated download or the wrong file"), "{e}");
+        let e = err(&[0, b'a', b's', b'm', 0x0d, 0, 1, 0, 1, 2, 3]);
+        assert!(e.contains("an invalid or damaged WebAssembly component"), "{e}");
+        let e = err(b"\x7fELF\x02\x01\x01\0\0\0");
+        assert!(e.contains("a native library"), "{e}");
+    }
 
     /// A core module with `memories` memories of `pages` 64 KiB pages each
     /// and one table of `elements` elements, in the binary format.

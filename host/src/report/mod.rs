@@ -178,6 +178,9 @@ pub const METRICS: &[(&str, Better)] = &[
     ("goodput steps/s", Better::Higher),
 ];
 
+/// Index of "goodput steps/s" in [`METRICS`].
+const GOODPUT: usize = 8;
+
 fn metric_value(m: &Metrics, name: &str) -> Option<f64> {
     let step = m.step.as_ref();
     match name {
@@ -311,10 +314,13 @@ fn score(group: Group) -> Row {
 }
 
 /// Time to target first: only groups whose every repeat reached the target
-/// get a rank, ordered by their olympic-mean time; when the workload sets no
-/// target, groups are ranked by tokens/s. Others are listed unranked.
+/// get a rank, ordered by their olympic-mean time. When the workload sets no
+/// target, groups are ranked by goodput if failures were injected or
+/// checkpoints written (what checkpoint policies exist for), else by
+/// tokens/s. Others are listed unranked.
 fn rank(rows: &mut [Row]) {
     let any_target = rows.iter().any(|r| r.has_target);
+    let by_goodput = !any_target && rows.iter().any(|r| r.summaries[GOODPUT].is_some());
     let key = |r: &Row| -> Option<f64> {
         if any_target {
             if r.reached.0 == r.reached.1 && r.reached.1 > 0 {
@@ -322,6 +328,8 @@ fn rank(rows: &mut [Row]) {
             } else {
                 None
             }
+        } else if by_goodput {
+            r.summaries[GOODPUT].as_ref().map(|s| -s.olympic_mean)
         } else {
             r.summaries[1].as_ref().map(|s| -s.olympic_mean)
         }
@@ -531,6 +539,34 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
 mod tests {
     use super::*;
     use crate::results::NcclRecord;
+
+    #[test]
+    fn without_a_target_checkpoint_policies_rank_by_goodput_not_tokens_per_second() {
+        assert_eq!(METRICS[GOODPUT].0, "goodput steps/s");
+        let row = |name: &str, tokens_per_s: f64, goodput: Option<f64>| {
+            let runs: Vec<Metrics> =
+                (0..3).map(|_| Metrics { tokens_per_s, goodput_steps_per_s: goodput, steps: 100, ..Default::default() }).collect();
+            score(Group {
+                suite: "s".into(),
+                workload: "w".into(),
+                strategy: name.into(),
+                device: "cpu".into(),
+                baseline: false,
+                parts: Default::default(),
+                runs,
+                step_histograms: vec![],
+                failures: vec![],
+            })
+        };
+        // every-n checkpoints: slower steps, but less work lost to failures.
+        let mut rows = vec![row("none", 1000.0, Some(5.0)), row("every-n", 900.0, Some(7.0))];
+        rank(&mut rows);
+        assert_eq!((rows[0].group.strategy.as_str(), rows[0].rank), ("every-n", Some(1)));
+        // Without failures or checkpoints, tokens/s decides.
+        let mut rows = vec![row("a", 900.0, None), row("b", 1000.0, None)];
+        rank(&mut rows);
+        assert_eq!(rows[0].group.strategy, "b");
+    }
 
     #[test]
     fn each_strategy_says_once_which_nccl_transports_and_settings_it_ran_with() {
