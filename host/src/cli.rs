@@ -131,6 +131,10 @@ pub enum PluginCommand {
         /// The harness-sdk crate to depend on (default: this harness's own).
         #[arg(long)]
         sdk: Option<PathBuf>,
+        /// The plugin's language: rust (a WASM component and a native
+        /// library from one crate) or c (a native library; compressors).
+        #[arg(long, default_value = "rust", value_parser = ["rust", "c"])]
+        lang: String,
     },
     /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
     /// to pin in a suite.
@@ -428,11 +432,12 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             );
             Ok(exit::OK)
         }
-        Command::Plugin(PluginCommand::New { kind, name, dir, sdk }) => {
+        Command::Plugin(PluginCommand::New { kind, name, dir, sdk, lang }) => {
             let sdk = sdk.unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../sdk")));
-            let made = crate::plugin::scaffold::create(&kind, &name, &dir, &sdk)?;
+            let made = crate::plugin::scaffold::create(&kind, &name, &dir, &sdk, &lang)?;
             println!("created {}", made.display());
-            println!("build:  cd {} && cargo build --release --target wasm32-wasip2", made.display());
+            let build = if lang == "c" { "make" } else { "cargo build --release --target wasm32-wasip2" };
+            println!("build:  cd {} && {build}", made.display());
             println!("run:    harness run {}/suite.toml", made.display());
             Ok(exit::OK)
         }

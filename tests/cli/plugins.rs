@@ -187,6 +187,43 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
 }
 
 #[test]
+fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-c", "--lang", "c"]));
+    let folder = dir.path().join("my-c");
+    // The folder builds on its own: the header is copied next to the source.
+    let make = std::process::Command::new("make").current_dir(&folder).output().expect("make is installed");
+    assert!(make.status.success(), "the generated C plugin does not build:\n{}", String::from_utf8_lossy(&make.stderr));
+    assert!(!String::from_utf8_lossy(&make.stderr).contains("warning"), "{}", String::from_utf8_lossy(&make.stderr));
+    let out_path = dir.path().join("r.json");
+    run_ok(harness(&folder).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
+    let r = results(&out_path);
+    let losses = |id: &str| -> Vec<serde_json::Value> {
+        entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
+    };
+    for k in 0..3 {
+        let e = entry(&r, &format!("mlp-tiny/with-my-c/r{k}"));
+        assert_eq!(e["status"], "ok", "{e}");
+        assert_eq!(e["metrics"]["strategy_runtime"], "native (unsandboxed)");
+        assert_eq!(e["metrics"]["plugins"][0]["name"], "my-c");
+        assert_eq!(losses(&format!("mlp-tiny/with-my-c/r{k}")), losses(&format!("mlp-tiny/baseline/r{k}")), "repeat {k}");
+        assert!(e["metrics"]["time_to_target_s"].as_f64().is_some());
+    }
+    // It takes no configuration, and says so where the suite gives one.
+    let suite = std::fs::read_to_string(folder.join("suite.toml"))
+        .unwrap()
+        .replace("compressor = \"my-c\"", "compressor = \"my-c\"\ncompressor_config = { ratio = 0.1 }");
+    std::fs::write(folder.join("bad.toml"), suite).unwrap();
+    let out = harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("my-c takes no configuration, got: ratio = 0.1"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
 fn plugin_bench_times_a_hook_of_every_kind() {
     let dir = tempfile::tempdir().unwrap();
     let out = run_ok(

@@ -34,12 +34,21 @@ fn template(kind: &str) -> Result<Template> {
     })
 }
 
+/// The C template (compressors): the source, the SDK's header copied next
+/// to it (so the folder builds on its own, at this ABI version), a Makefile.
+const C_COMPRESSOR: [(&str, &str); 4] = [
+    ("plugin.c", include_str!("../../../sdk/templates/c-compressor/plugin.c.tmpl")),
+    ("harness_strategy.h", include_str!("../../../sdk/include/harness_strategy.h")),
+    ("Makefile", include_str!("../../../sdk/templates/c-compressor/Makefile.tmpl")),
+    ("README.md", include_str!("../../../sdk/templates/c-compressor/README.md.tmpl")),
+];
+
 /// A small CPU suite that runs the generated plugin against the built-in
 /// baseline (two thread ranks for a compressor, so its collectives run),
 /// three repeats each, scored by time to a target the baseline reaches at
 /// about half its steps (eval loss 0.2 above the data's floor: reached at
 /// step 50 of 100 in each repeat on the development VM).
-fn suite(kind: &str, name: &str, crate_name: &str) -> String {
+fn suite(kind: &str, name: &str, artifact: &str, build: &str) -> String {
     let slot = match kind {
         "compressor" => "compressor",
         "batch-policy" => "batch_policy",
@@ -48,7 +57,7 @@ fn suite(kind: &str, name: &str, crate_name: &str) -> String {
     let world = if kind == "compressor" { 2 } else { 1 };
     format!(
         r#"# Runs the `{name}` plugin next to the built-in baseline on CPU.
-# Build the plugin first: cargo build --release --target wasm32-wasip2
+# Build the plugin first: {build}
 [suite]
 name = "{name}-smoke"
 device = "cpu"
@@ -73,7 +82,7 @@ target_above_floor = 0.2
 
 [[plugin]]
 name = "{name}"
-path = "target/wasm32-wasip2/release/{crate_name}.wasm"
+path = "{artifact}"
 
 [[strategy]]
 name = "baseline"
@@ -92,16 +101,33 @@ fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
-/// Writes a new plugin crate `dir/name`; returns its folder.
-pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path) -> Result<PathBuf> {
+/// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
+/// to a component and a native library; "c": a native library, compressors
+/// only); returns its folder.
+pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
     }
-    let t = template(kind)?;
     let root = dir.join(name);
     if root.exists() {
         bail!("{} already exists; choose another name or --dir", root.display());
     }
+    match lang {
+        "rust" => {}
+        "c" if kind == "compressor" => {
+            std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+            let mut files: Vec<(&str, String)> = C_COMPRESSOR.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
+            files.push(("suite.toml", suite(kind, name, &format!("lib{name}.so"), "make")));
+            files.push((".gitignore", "/*.so\n/results\n".to_owned()));
+            for (f, text) in files {
+                std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
+            }
+            return Ok(root);
+        }
+        "c" => bail!("the C template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust) or from sdk/include/harness_strategy.h"),
+        other => bail!("no template in `{other}` (rust, c)"),
+    }
+    let t = template(kind)?;
     let sdk = std::fs::canonicalize(sdk).with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?;
     let crate_name = name.replace('-', "_");
     let fill = |s: &str| {
@@ -114,7 +140,10 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path) -> Result<PathBuf>
         ("Cargo.toml", fill(t.cargo)),
         ("src/lib.rs", fill(t.lib)),
         ("README.md", fill(t.readme)),
-        ("suite.toml", suite(kind, name, &crate_name)),
+        (
+            "suite.toml",
+            suite(kind, name, &format!("target/wasm32-wasip2/release/{crate_name}.wasm"), "cargo build --release --target wasm32-wasip2"),
+        ),
         (".gitignore", "/target\n/results\n".to_owned()),
     ];
     for (f, text) in files {
