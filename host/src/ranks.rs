@@ -539,12 +539,18 @@ mod tests {
         assert_eq!(parse_nccl_output("nothing here"), (None, vec![]));
     }
 
-    #[test]
-    fn a_peers_published_error_fires_the_watchdog_at_once_naming_the_rank() {
+    /// Rank 0's client of a store served on a free local port, with a
+    /// collective timeout of `timeout`.
+    fn local_store(timeout: Duration) -> rendezvous::Client {
         let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
         rendezvous::serve(&addr).unwrap();
+        rendezvous::Client { addr, rank: 0, timeout }
+    }
+
+    #[test]
+    fn a_peers_published_error_fires_the_watchdog_at_once_naming_the_rank() {
         // A long collective timeout: only the peer's error can fire it soon.
-        let store = rendezvous::Client { addr, rank: 0, timeout: Duration::from_secs(60) };
+        let store = local_store(Duration::from_secs(60));
         let (tx, rx) = std::sync::mpsc::channel();
         let (tx2, ended) = std::sync::mpsc::channel();
         let t0 = Instant::now();
@@ -567,9 +573,7 @@ mod tests {
 
     #[test]
     fn a_stalled_rank_names_the_rank_behind_after_the_timeout() {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        rendezvous::serve(&addr).unwrap();
-        let store = rendezvous::Client { addr, rank: 0, timeout: Duration::from_millis(1500) };
+        let store = local_store(Duration::from_millis(1500));
         let (tx, rx) = std::sync::mpsc::channel();
         let dog = Watchdog::start_with(
             Box::new(move |e: &EntryError| tx.send(e.clone()).unwrap()),
