@@ -123,7 +123,7 @@ pub fn fingerprint() -> Fingerprint {
     let torch_dir = libtorch_dir();
     let (libtorch, cuda_build) = torch_dir.as_deref().map(torch_versions).unwrap_or((None, None));
     Fingerprint {
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default(),
+        hostname: hostname(),
         os: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| format!("Linux {}", s.trim()))
             .unwrap_or_else(|_| std::env::consts::OS.into()),
@@ -210,6 +210,11 @@ fn cuda_driver_version() -> Option<String> {
     // SAFETY: writes one int; the driver library is loaded (CUDA is usable).
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }.result().ok()?;
     Some(format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+/// This machine's host name (empty where it cannot be read).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default()
 }
 
 /// NCCL's version, from the libnccl.so.2 that libtorch uses when it is loaded

@@ -106,7 +106,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
             (_, true) => Some("a rank was lost".to_owned()),
             _ => None,
         };
-        run.keep(&mut result, record, &plan)?;
+        run.keep(&mut result, record)?;
         if let Some(why) = lost_because {
             return Err(RanksLost(format!(
                 "stopping the run: {why}\nfinished entries are kept in {}; `--resume` continues once every rank is back",
@@ -367,17 +367,15 @@ impl Run<'_> {
         let (entry, workload, device) = (entry.clone(), w.name.clone(), self.device_name.clone());
         Box::new(move |e: &EntryError| {
             say(e.message());
-            snap.entries.push(entry_result(&entry, &workload, &device, Err(e.clone())));
+            snap.add_entry(entry_result(&entry, &workload, &device, Err(e.clone())));
             let _ = snap.write_atomic(&out);
         })
     }
 
     /// Adds an entry's record to the result, in plan order whatever order
     /// resume ran things in, and rewrites the result file (rank 0).
-    fn keep(&self, result: &mut RunResult, record: EntryResult, plan: &Plan) -> anyhow::Result<()> {
-        result.entries.push(record);
-        let order = |id: &str| plan.entries.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
-        result.entries.sort_by_key(|e| order(&e.id));
+    fn keep(&self, result: &mut RunResult, record: EntryResult) -> anyhow::Result<()> {
+        result.add_entry(record);
         if self.writes {
             result.write_atomic(&self.opts.out)?;
         }
@@ -423,11 +421,7 @@ pub fn record_lost_entry(
             let world = suite.spec.suite.world_size as usize;
             let device = device_name(tch::Device::Cuda(0), gpu.as_ref(), world > 1, world);
             let message = format!("{why}; the entry could not finish");
-            result.entries.push(entry_result(e, &w.name, &device, Err(EntryError::RankLost { message })));
-            let order = |id: &str| result.plan.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
-            let mut entries = std::mem::take(&mut result.entries);
-            entries.sort_by_key(|r| order(&r.id));
-            result.entries = entries;
+            result.add_entry(entry_result(e, &w.name, &device, Err(EntryError::RankLost { message })));
             e.id.clone()
         }
         (None, _) => return Ok(group.last().map(|e| e.id.clone())),
@@ -576,34 +570,36 @@ fn run_nccl(
     let id = &ctx.entry.id;
     let mark = nccl_log.map(NcclLog::mark);
     let dog = Watchdog::start(on_fire, store.clone(), id, rank, world);
-    let mut out = match crate::ranks::nccl_settings_mismatch(&ctx.entry.strategy.nccl_env()) {
-        Some(why) => {
-            let e = EntryError::Other { message: why };
-            crate::ranks::publish_failure(store, id, rank, &e);
-            Err(e)
-        }
+    let (mut out, comm) = match crate::ranks::nccl_settings_mismatch(&ctx.entry.strategy.nccl_env()) {
+        Some(why) => (Err(EntryError::Other { message: why }), None),
         None => match nccl_join(store, &format!("nccl/{id}"), rank, world, ctx.entry.strategy.link, ctx.device) {
             Ok(mut comm) => {
                 let mut tick = |p: &Progress| {
                     dog.beat(p.step);
                     progress(p)
                 };
-                let out = run_rank(ctx, &mut comm, &mut tick);
-                if let Err(e) = &out {
-                    // Before anything that could wait for the peers: they
-                    // may be in a collective this rank will never enter.
-                    crate::ranks::publish_failure(store, id, rank, e);
-                    // ncclCommDestroy waits for peers stuck in such a
-                    // collective: a failed entry's communicator is left to
-                    // the end of the process.
-                    std::mem::forget(comm);
-                }
-                out
+                (run_rank(ctx, &mut comm, &mut tick), Some(comm))
             }
-            Err(e) => Err(EntryError::RankLost { message: format!("{e:#}") }),
+            Err(e) => (Err(EntryError::RankLost { message: format!("{e:#}") }), None),
         },
     };
-    dog.stop();
+    if out.is_ok() {
+        // Destroyed under the watchdog: every rank is destroying its own.
+        drop(comm);
+        dog.stop();
+    } else {
+        // Stopped first, so that a peer failing at the same moment does not
+        // end this process for an entry that is already over here.
+        dog.stop();
+        if let Err(e) = &out {
+            // Before anything that could wait for the peers: they may be in
+            // a collective this rank will never enter.
+            crate::ranks::publish_failure(store, id, rank, e);
+        }
+        // ncclCommDestroy waits for peers stuck in such a collective: a
+        // failed entry's communicator is left to the end of the process.
+        std::mem::forget(comm);
+    }
     if let (Ok(o), Some(log), Some(mark)) = (&mut out, nccl_log, mark) {
         o.metrics.nccl = Some(log.record(mark, device::nccl_version()));
     }

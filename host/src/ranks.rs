@@ -424,7 +424,7 @@ impl NcclLog {
         }
         let pid = std::process::id().to_string();
         let path = match var("NCCL_DEBUG_FILE") {
-            Some(p) => PathBuf::from(p.replace("%p", &pid).replace("%h", &hostname())),
+            Some(p) => PathBuf::from(p.replace("%p", &pid).replace("%h", &device::hostname())),
             None => {
                 let dir = out.with_extension("nccl");
                 if let Err(e) = std::fs::create_dir_all(&dir) {
@@ -463,11 +463,6 @@ impl NcclLog {
         };
         crate::results::NcclRecord { version: version.or(nccl_version), settings, transports, note }
     }
-}
-
-/// This machine's host name.
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_default()
 }
 
 /// The bytes of `path` from `offset` on, as text.

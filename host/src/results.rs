@@ -356,6 +356,15 @@ impl RunResult {
     /// Writes the file atomically: a temporary file in the same folder,
     /// fsync, rename over the target, fsync of the folder. A reader (or a
     /// crash) sees the old file or the new one, never half of one.
+    /// Adds an entry's record, keeping the entries in plan order whatever
+    /// order they ran in (resume, relaunched ranks).
+    pub fn add_entry(&mut self, record: EntryResult) {
+        self.entries.push(record);
+        let plan = &self.plan;
+        let order = |id: &str| plan.iter().position(|p| p.id == id).unwrap_or(usize::MAX);
+        self.entries.sort_by_key(|e| order(&e.id));
+    }
+
     pub fn write_atomic(&mut self, path: &Path) -> Result<(), ResultsError> {
         self.updated_at = now();
         self.complete = self.plan.iter().all(|p| self.entries.iter().any(|e| e.id == p.id));
