@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -261,5 +263,31 @@ char *hx_rng_set_state(int device, tensor state) {
     gen.set_state(*state);
   })
 }
+
+
+// Copies src[i] into dst[i] without waiting: a device-to-host copy into
+// pinned memory is queued on the current stream and the call returns; the
+// data is there once an event recorded after it (hx_event_record) completes.
+char *hx_copy_nonblocking(tensor *dst, tensor *src, int n) {
+  HX_TRY({
+    for (int i = 0; i < n; i++) dst[i]->copy_(*src[i], /*non_blocking=*/true);
+  })
+}
+
+// An event recorded on the current stream of CUDA device `device`: it
+// completes when everything queued there so far has run.
+char *hx_event_record(int device, void **out) {
+  HX_TRY({
+    auto *ev = new c10::Event(c10::DeviceType::CUDA);
+    c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    ev->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev));
+    *out = ev;
+  })
+}
+
+// Waits, on the calling thread, until the event completed.
+char *hx_event_synchronize(void *ev) { HX_TRY(static_cast<c10::Event *>(ev)->synchronize()) }
+
+void hx_event_free(void *ev) { delete static_cast<c10::Event *>(ev); }
 
 }  // extern "C"

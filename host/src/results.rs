@@ -501,8 +501,21 @@ pub struct ResilienceRecord {
     pub out_of_memory: Vec<OomRecord>,
     /// Steps executed, redone ones included (`steps` counts useful ones).
     pub steps_executed: u64,
-    /// Training seconds spent writing checkpoints.
+    /// Training seconds stopped for checkpoints: the snapshots' stalls
+    /// (with `checkpoint_async = false`, the whole writes).
     pub checkpoint_time_s: f64,
+    /// Extra training seconds of the steps that overlapped a snapshot's
+    /// copy or a persist, over steps that did not (summed; can be slightly
+    /// negative through noise).
+    #[serde(default)]
+    pub checkpoint_slowdown_s: f64,
+    /// How checkpoints were taken: `async` (host-memory snapshot, background
+    /// persist) or `sync` (training waits until on disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_mode: Option<String>,
+    /// Bytes of host memory held for snapshots (async).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_memory_bytes: Option<u64>,
     /// Training seconds lost to failures: the work since the last checkpoint
     /// plus the restore.
     pub time_lost_s: f64,
@@ -516,8 +529,25 @@ pub struct ResilienceRecord {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointRecord {
     pub step: u64,
+    /// Seconds training stopped for it: the snapshot (async), or the whole
+    /// write (sync).
     pub cost_s: f64,
+    /// Bytes on disk once persisted (this rank's part and, on rank 0, the
+    /// model), else the snapshot's bytes in host memory.
     pub bytes: u64,
+    /// Durable on disk (the policy asked for it, and the persist finished).
+    #[serde(default = "yes")]
+    pub persisted: bool,
+    /// Seconds the background persist took, from its start until durable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persist_s: Option<f64>,
+    /// Steps that ran while its snapshot copy or persist was under way.
+    #[serde(default)]
+    pub overlap_steps: u32,
+    /// Their extra seconds over the median of recent steps that overlapped
+    /// nothing.
+    #[serde(default)]
+    pub slowdown_s: f64,
     /// Checkpoints the policy deleted right after this one.
     #[serde(default)]
     pub deleted: Vec<u64>,
@@ -535,6 +565,12 @@ pub struct FailureRecord {
     pub lost_s: f64,
     /// Seconds the restore took.
     pub restore_s: f64,
+    /// Where the state came back from: `memory`, `disk` or `start`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_from: Option<String>,
+    /// The failure also lost the host-memory tier (`faults.lose_memory`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lost_memory: bool,
 }
 
 /// One out-of-memory error caught and retried with a smaller batch.
@@ -547,4 +583,8 @@ pub struct OomRecord {
     pub retried_with: u32,
     /// True when the error was emulated (`faults.oom_above_batch`).
     pub emulated: bool,
+}
+
+fn yes() -> bool {
+    true
 }

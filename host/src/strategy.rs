@@ -110,21 +110,38 @@ pub trait BatchPolicy {
 /// What the host knows about checkpoints and failures, for the policy.
 #[derive(Debug, Clone, Default)]
 pub struct CheckpointHistory {
-    /// Seconds the last checkpoint write took, measured by the host.
+    /// What the last checkpoint cost training, seconds: its stall plus the
+    /// slowdown of the steps that overlapped its persist so far (with
+    /// `checkpoint_async = false`, the whole write).
     pub last_cost_s: Option<f64>,
-    /// Steps of the checkpoints on disk, oldest first.
+    /// Steps of the checkpoints on disk (durable), oldest first.
     pub saved: Vec<u64>,
     /// Steps at which failures struck.
     pub failures: Vec<u64>,
-    /// Training seconds since the last checkpoint or restore (or the start).
+    /// Training seconds since the last checkpoint (either tier) or restore
+    /// (or the start).
     pub since_last_s: f64,
+    /// Steps of the snapshots held in host memory (the newest one).
+    pub in_memory: Vec<u64>,
+    /// The step whose checkpoint the background writer is persisting.
+    pub persisting: Option<u64>,
+    /// Seconds training stopped for the last snapshot.
+    pub last_stall_s: Option<f64>,
+    /// Seconds the last completed persist took, from its start to durable.
+    pub last_persist_s: Option<f64>,
+    /// Extra seconds of the steps that overlapped the last checkpoint's
+    /// snapshot copy and persist, over the steps that did not.
+    pub last_slowdown_s: Option<f64>,
 }
 
 /// A checkpoint policy's decision after a step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CheckpointDecision {
-    /// Save the current step now.
+    /// Snapshot the current step now (into host memory).
     pub save: bool,
+    /// Persist that snapshot to disk too (policies of the first contract
+    /// persist every snapshot).
+    pub persist: bool,
     /// Steps of saved checkpoints to delete (each in `saved`).
     pub delete: Vec<u64>,
 }

@@ -34,6 +34,10 @@ mod ffi {
             found_inf: *mut c_void,
         ) -> *mut c_char;
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_copy_nonblocking(dst: *const *mut c_void, src: *const *mut c_void, n: c_int) -> *mut c_char;
+        pub fn hx_event_record(device: c_int, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_event_synchronize(ev: *mut c_void) -> *mut c_char;
+        pub fn hx_event_free(ev: *mut c_void);
         pub fn hx_param_norms(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_storage_info(t: *mut c_void, nbytes: *mut u64, key: *mut u64) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
@@ -225,6 +229,51 @@ pub fn pin_memory(t: &Tensor) -> Result<Tensor, TorchError> {
     check(unsafe { ffi::hx_pin_memory(t.as_ptr() as *mut c_void, &mut out) })?;
     // SAFETY: out is a heap at::Tensor from the shim.
     Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
+/// Copies `src[i]` into `dst[i]` without waiting for the device: into
+/// pinned host memory the copies are queued on the current stream, and the
+/// data is there once an [`Event`] recorded afterwards completed. Shapes
+/// must match.
+pub fn copy_nonblocking(dst: &[Tensor], src: &[Tensor]) -> Result<(), TorchError> {
+    assert_eq!(dst.len(), src.len());
+    let d: Vec<*mut c_void> = dst.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    let s: Vec<*mut c_void> = src.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    // SAFETY: every pointer is a live tensor for the call; exceptions are caught.
+    check(unsafe { ffi::hx_copy_nonblocking(d.as_ptr(), s.as_ptr(), d.len() as c_int) })
+}
+
+/// A CUDA event recorded on a device's current stream: it completes once
+/// the work queued there before it has run. It may be waited for from any
+/// thread.
+pub struct Event(*mut c_void);
+
+// SAFETY: a CUDA event is not tied to the thread that recorded it; the
+// handle is only synchronised and freed, each through the runtime.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Records an event on the current stream of CUDA device `index`.
+    pub fn record(index: usize) -> Result<Event, TorchError> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out receives a heap c10::Event; exceptions are caught.
+        check(unsafe { ffi::hx_event_record(index as c_int, &mut out) })?;
+        Ok(Event(out))
+    }
+
+    /// Blocks the calling thread until the event completed.
+    pub fn synchronize(&self) -> Result<(), TorchError> {
+        // SAFETY: self.0 is a live event until drop.
+        check(unsafe { ffi::hx_event_synchronize(self.0) })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: self.0 came from hx_event_record and is freed once.
+        unsafe { ffi::hx_event_free(self.0) }
+    }
 }
 
 /// The CUDA caching allocator's figures for one device, in bytes.

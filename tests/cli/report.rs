@@ -41,6 +41,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         link: None,
         zero: 0,
         checkpoint_compress: false,
+        checkpoint_async: true,
         nccl: Default::default(),
         nccl_transport: Default::default(),
     }

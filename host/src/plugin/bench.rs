@@ -136,7 +136,13 @@ pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
                 // configured with none, and one that needs keys says so.
                 let plugin = set.instance("bench", "checkpoint", Kind::CheckpointPolicy, None, Device::Cpu)?;
                 let mut p = super::PluginCheckpoint { plugin };
-                let h = CheckpointHistory { last_cost_s: Some(1.0), saved: vec![10, 20, 30], failures: vec![15], since_last_s: 5.0 };
+                let h = CheckpointHistory {
+                    last_cost_s: Some(1.0),
+                    saved: vec![10, 20, 30],
+                    failures: vec![15],
+                    since_last_s: 5.0,
+                    ..Default::default()
+                };
                 let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.decide(&telemetry(i), &h).map(drop))?;
                 ("checkpointing.decide", timed)
             }

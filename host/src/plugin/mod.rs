@@ -617,7 +617,7 @@ impl CheckpointPolicy for PluginCheckpoint {
         if let Some(d) = delete.iter().enumerate().find_map(|(i, d)| delete[..i].contains(d).then_some(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d} twice")));
         }
-        Ok(CheckpointDecision { save, delete })
+        Ok(CheckpointDecision { save, persist: save, delete })
     }
 
     fn plugin_any(&mut self) -> Option<&mut dyn Any> {

@@ -251,6 +251,12 @@ pub struct FaultSpec {
     /// out of memory (as a real out-of-memory error would be handled).
     #[serde(default)]
     pub oom_above_batch: Option<u32>,
+    /// The share of failures (0 to 1, drawn with the failures' seed) that
+    /// also lose the checkpoints held in host memory, as losing a node
+    /// would: those restore from disk. Default 0: the host-memory tier
+    /// survives a failure of training.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lose_memory: Option<f64>,
 }
 
 fn default_eval_batches() -> u32 {
@@ -470,6 +476,13 @@ pub struct Strategy {
     /// Compress checkpoints (zstd) when the checkpoint policy saves.
     #[serde(default)]
     pub checkpoint_compress: bool,
+    /// Checkpoints in two tiers (the default): training stops only to copy
+    /// its state into preallocated host memory, the newest copy stays there
+    /// for restores, and a background writer persists it to disk. `false`:
+    /// the earlier path, where training waits until the checkpoint is on
+    /// disk and every restore reads it back from there.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub checkpoint_async: bool,
     /// NCCL's environment for this strategy's entries (`NCCL_ALGO`,
     /// `NCCL_PROTO`, `NCCL_MAX_NCHANNELS`, socket and IB options...): the
     /// rank processes of these entries start with it, since NCCL reads its
@@ -554,6 +567,7 @@ impl Strategy {
             link: None,
             zero: 0,
             checkpoint_compress: false,
+            checkpoint_async: true,
             nccl: Default::default(),
             nccl_transport: NcclTransport::Auto,
         }
@@ -570,3 +584,11 @@ pub const COMPRESSORS: &[&str] = &["allreduce"];
 pub const BATCH_POLICIES: &[&str] = &["fixed"];
 /// Built-in checkpoint policies.
 pub const CHECKPOINT_POLICIES: &[&str] = &["none"];
+
+fn default_true() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}

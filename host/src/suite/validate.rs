@@ -413,6 +413,11 @@ impl Checker<'_> {
         if f.seed.is_some() && f.mtbf_s.is_none() {
             self.err(&at_f("seed"), "`seed` only seeds random failures", Some("add `mtbf_s`, or remove `seed`".into()));
         }
+        if let Some(p) = f.lose_memory {
+            if !(0.0..=1.0).contains(&p) {
+                self.err(&at_f("lose_memory"), "`lose_memory` is the share of failures that lose host memory: a number from 0 to 1", None);
+            }
+        }
         if f.oom_above_batch == Some(0) {
             self.err(&at_f("oom_above_batch"), "`oom_above_batch` must be at least 1", None);
         }

@@ -24,13 +24,13 @@
 //! when the store is opened.
 
 use std::fs::{self, File};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// Version of the on-disk layout.
 pub const FORMAT: u32 = 1;
@@ -57,6 +57,9 @@ pub struct Snapshot {
     pub state: Vec<(String, Tensor)>,
     /// Plugin states by slot (`compressor`, `batch`, `checkpoint`).
     pub plugins: Vec<(String, Vec<u8>)>,
+    /// On CUDA, the event after the copies into this snapshot's buffers,
+    /// which were queued without waiting: readers wait for it first.
+    pub ready: Option<crate::torch_ext::Event>,
 }
 
 /// A copy on the host that later steps cannot change.
@@ -70,6 +73,14 @@ pub fn host_copy(t: &Tensor) -> Tensor {
 }
 
 impl Snapshot {
+    /// Waits until the copies into this snapshot have landed.
+    pub fn wait_ready(&self) -> Result<()> {
+        if let Some(e) = &self.ready {
+            e.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Bytes of tensor data held.
     pub fn bytes(&self) -> u64 {
         let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>();
@@ -218,7 +229,7 @@ impl Store {
                 None => state.push((name, t)),
             }
         }
-        Ok(Snapshot { position: m.position, model, state, plugins })
+        Ok(Snapshot { position: m.position, model, state, plugins, ready: None })
     }
 }
 
@@ -264,7 +275,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
 }
 
 fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    let mut f = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
@@ -282,6 +293,10 @@ fn sha256_file(path: &Path) -> Result<(u64, String)> {
 fn check_file(dir: &Path, rec: &FileRecord) -> Result<()> {
     let path = dir.join(&rec.file);
     let (bytes, sha) = sha256_file(&path)?;
+    damaged(&path, rec, bytes, &sha)
+}
+
+fn damaged(path: &Path, rec: &FileRecord, bytes: u64, sha: &str) -> Result<()> {
     if bytes != rec.bytes || sha != rec.sha256 {
         bail!("{} is damaged: {bytes} bytes with sha256 {sha}, written as {} bytes with sha256 {}", path.display(), rec.bytes, rec.sha256);
     }
@@ -298,40 +313,203 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing the directory {}", dir.display()))
 }
 
+/// Asks the kernel to drop a synced file's pages from the page cache: a
+/// checkpoint is read back only after a failure, and a restore from disk is
+/// then measured as the disk delivers it, not as memory does (the
+/// host-memory tier is the fast path, and says so).
+fn evict(f: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid descriptor; the call only advises the kernel.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
+/// Bytes hashed or written per call.
+const CHUNK: usize = 16 << 20;
+
+/// A writer that hashes what passes through it (for compressed files,
+/// where compression, not hashing, sets the pace).
+struct Hashing<W: Write> {
+    inner: W,
+    hash: Sha256,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// The safetensors dtype of a tensor kind.
+fn dtype_name(kind: Kind) -> Result<&'static str> {
+    Ok(match kind {
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        k => bail!("a checkpoint cannot hold {k:?} tensors"),
+    })
+}
+
+fn kind_of(dtype: safetensors::Dtype) -> Result<Kind> {
+    use safetensors::Dtype as D;
+    Ok(match dtype {
+        D::F32 => Kind::Float,
+        D::F64 => Kind::Double,
+        D::F16 => Kind::Half,
+        D::BF16 => Kind::BFloat16,
+        D::I64 => Kind::Int64,
+        D::I32 => Kind::Int,
+        D::I16 => Kind::Int16,
+        D::I8 => Kind::Int8,
+        D::U8 => Kind::Uint8,
+        D::BOOL => Kind::Bool,
+        d => bail!("a checkpoint file holds a {d:?} tensor, which harness does not write"),
+    })
+}
+
+/// The bytes of a contiguous host tensor, in place.
+fn host_bytes(t: &Tensor) -> &[u8] {
+    debug_assert!(t.device() == Device::Cpu && t.is_contiguous());
+    let n = t.numel() * t.kind().elt_size_in_bytes();
+    if n == 0 {
+        return &[];
+    }
+    // SAFETY: a contiguous CPU tensor's data is `n` initialised bytes at
+    // data_ptr, alive as long as `t` is (the borrow ties them).
+    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, n) }
+}
+
+/// The safetensors layout of `tensors`: the 8-byte header length, the JSON
+/// header (padded to 8 bytes), then each tensor's bytes in order.
+fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut header = serde_json::Map::new();
+    let mut at = 0usize;
+    for (name, t) in tensors {
+        let n = t.numel() * t.kind().elt_size_in_bytes();
+        header.insert(name.clone(), serde_json::json!({ "dtype": dtype_name(t.kind())?, "shape": t.size(), "data_offsets": [at, at + n] }));
+        at += n;
+    }
+    let mut json = serde_json::to_vec(&header)?;
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
 /// Writes `tensors` as safetensors (zstd-compressed with `compress`) into
-/// `dir/name`, synced, and returns the file's record.
+/// `dir/name`, synced, and returns the file's record. The bytes go straight
+/// from the tensors' memory to the file, and are hashed on a second thread
+/// as they are written: nothing is read back.
 fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress: bool) -> Result<FileRecord> {
     let path = dir.join(name);
-    if compress {
-        let raw = dir.join(format!("{name}.raw"));
-        Tensor::write_safetensors(tensors, &raw).with_context(|| format!("writing {}", raw.display()))?;
-        {
-            let mut src = BufReader::new(File::open(&raw)?);
-            let out = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-            let mut enc = zstd::Encoder::new(BufWriter::new(out), 3)?;
-            std::io::copy(&mut src, &mut enc)?;
-            let out = enc.finish()?.into_inner().map_err(|e| e.into_error())?;
-            out.sync_all()?;
+    let host: Vec<Tensor> = tensors
+        .iter()
+        .map(|(_, t)| if t.device() == Device::Cpu && t.is_contiguous() { t.shallow_clone() } else { host_copy(t).contiguous() })
+        .collect();
+    let header = safetensors_header(tensors)?;
+    let parts: Vec<&[u8]> = std::iter::once(header.as_slice()).chain(host.iter().map(host_bytes)).collect();
+    let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let (bytes, sha256) = if compress {
+        let mut enc = zstd::Encoder::new(Hashing { inner: BufWriter::new(&file), hash: Sha256::new(), bytes: 0 }, 3)?;
+        for p in &parts {
+            enc.write_all(p)?;
         }
-        fs::remove_file(&raw)?;
+        let mut h = enc.finish()?;
+        h.flush()?;
+        (h.bytes, hex::encode(h.hash.finalize()))
     } else {
-        Tensor::write_safetensors(tensors, &path).with_context(|| format!("writing {}", path.display()))?;
-        File::open(&path)?.sync_all().with_context(|| format!("syncing {}", path.display()))?;
-    }
-    let (bytes, sha256) = sha256_file(&path)?;
+        std::thread::scope(|s| -> Result<(u64, String)> {
+            let hasher = s.spawn(|| {
+                let mut h = Sha256::new();
+                for p in &parts {
+                    for c in p.chunks(CHUNK) {
+                        h.update(c);
+                    }
+                }
+                hex::encode(h.finalize())
+            });
+            let mut f = &file;
+            let mut n = 0u64;
+            for p in &parts {
+                for c in p.chunks(CHUNK) {
+                    f.write_all(c).with_context(|| format!("writing {}", path.display()))?;
+                    n += c.len() as u64;
+                }
+            }
+            Ok((n, hasher.join().expect("the hashing thread panicked")))
+        })?
+    };
+    file.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+    evict(&file);
     Ok(FileRecord { file: name.to_owned(), bytes, sha256 })
 }
 
-fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool) -> Result<Vec<(String, Tensor)>> {
-    check_file(dir, rec)?;
+/// Reads `rec`'s file whole, hashing on a second thread as it reads, and
+/// fails if size or hash differ from what was written.
+fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     let path = dir.join(&rec.file);
-    if !compressed {
-        return Tensor::read_safetensors(&path).with_context(|| format!("reading {}", path.display()));
+    let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let len = f.metadata()?.len();
+    if len != rec.bytes {
+        bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
     }
-    let mut raw = tempfile::NamedTempFile::new_in(dir.parent().unwrap_or(dir))?;
-    zstd::stream::copy_decode(BufReader::new(File::open(&path)?), raw.as_file_mut())
-        .with_context(|| format!("decompressing {}", path.display()))?;
-    Tensor::read_safetensors(raw.path()).with_context(|| format!("reading {}", path.display()))
+    let mut buf = vec![0u8; len as usize];
+    let sha = std::thread::scope(|s| -> Result<String> {
+        let (tx, rx) = std::sync::mpsc::channel::<&[u8]>();
+        let hasher = s.spawn(move || {
+            let mut h = Sha256::new();
+            for c in rx {
+                h.update(c);
+            }
+            hex::encode(h.finalize())
+        });
+        for c in buf.chunks_mut(CHUNK) {
+            f.read_exact(c).with_context(|| format!("reading {}", path.display()))?;
+            let filled: &[u8] = c;
+            let _ = tx.send(filled);
+        }
+        drop(tx);
+        Ok(hasher.join().expect("the hashing thread panicked"))
+    })?;
+    damaged(&path, rec, len, &sha)?;
+    Ok(buf)
+}
+
+/// Reads the tensors of `rec`'s file, verified against its size and hash.
+fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool) -> Result<Vec<(String, Tensor)>> {
+    let path = dir.join(&rec.file);
+    let mut bytes = read_verified(dir, rec)?;
+    if compressed {
+        bytes = zstd::decode_all(bytes.as_slice()).with_context(|| format!("decompressing {}", path.display()))?;
+    }
+    let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("parsing {}", path.display()))?;
+    let mut named: Vec<(usize, String, Tensor)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let kind = kind_of(view.dtype())?;
+        let at = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        named.push((at, name, Tensor::f_from_data_size(view.data(), &shape, kind)?));
+    }
+    // In the order written (the header's map order is not kept).
+    named.sort_by_key(|n| n.0);
+    Ok(named.into_iter().map(|(_, n, t)| (n, t)).collect())
 }
 
 #[cfg(test)]
@@ -344,6 +522,7 @@ mod tests {
             model: vec![("w".into(), Tensor::from_slice(&[v, v + 1.0]))],
             state: vec![("optimizer/exp_avg.0".into(), Tensor::from_slice(&[v * 2.0]))],
             plugins: vec![("compressor".into(), vec![1, 2, 3]), ("batch".into(), vec![])],
+            ready: None,
         }
     }
 

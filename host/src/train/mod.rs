@@ -28,6 +28,7 @@ pub mod replicas;
 pub mod resilience;
 pub mod setup;
 pub mod step;
+pub mod tiers;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -184,7 +185,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         safe.record.steps_executed += 1;
 
         if decision.fail {
-            step = safe.fail(&mut t, &mut batch, done, now, &mut |to| {
+            step = safe.fail(&mut t, &mut batch, done, now, decision.lose_memory, &mut |to| {
                 meter.rewind(to);
                 meter.train_elapsed()
             })?;
@@ -195,7 +196,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             let device = t.device;
             let sync = || synchronize(device);
             let elapsed = || meter.train_elapsed();
-            safe.save(&mut t, &batch, done, comm, &sync, &elapsed)?;
+            safe.save(&mut t, &batch, done, decision.persist, comm, &sync, &elapsed)?;
         }
         safe.delete(&decision.delete, t.rank)?;
         if replicas.due(done, t.world) {

@@ -3,7 +3,8 @@
 //! rank's training state, and what checkpoints and failures cost
 //! ([`Resilience`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -15,6 +16,7 @@ use super::batch::Batch;
 use super::checkpoint::{self, host_copy, Position, Snapshot, Store};
 use super::optim::{LossScaler, Optimizer};
 use super::setup::Training;
+use super::tiers::{copy_into, Persisted, Pool, Shared, Writer};
 use super::EntryContext;
 use crate::comm::{ranks_agree, Collective};
 use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
@@ -26,7 +28,10 @@ use crate::torch_ext;
 /// before the first checkpoint goes back to the start, kept in host memory.
 pub struct Resilience {
     clock: Option<FaultClock>,
-    store: Option<Store>,
+    store: Option<Arc<Store>>,
+    /// Host-memory snapshots and the background writer; `None` on the
+    /// synchronous path (`checkpoint_async = false`) or without a store.
+    tiers: Option<Tiers>,
     /// What the checkpoint policy is told.
     history: CheckpointHistory,
     /// Training time since which work is at risk: the last checkpoint's
@@ -34,29 +39,91 @@ pub struct Resilience {
     at_risk_since: Duration,
     /// The state at step 0, when failures may strike.
     initial: Option<Snapshot>,
+    rank: usize,
+    world: usize,
     pub record: ResilienceRecord,
 }
+
+/// The two tiers of one rank's asynchronous checkpoints.
+struct Tiers {
+    pool: Pool,
+    writer: Writer,
+    /// The newest snapshot, held in host memory.
+    memory: Option<Arc<Shared>>,
+    /// The memory tier's snapshot is to be persisted once the writer is
+    /// free (the newest snapshot is persisted when the writer gets to it).
+    pending: bool,
+    in_flight: Option<InFlight>,
+    /// Times of recent steps that overlapped no checkpoint work.
+    clean: VecDeque<f64>,
+    /// The checkpoint (index into the record) whose snapshot copy or
+    /// persist runs alongside the step now training.
+    overlapping: Option<usize>,
+}
+
+/// The persist under way.
+struct InFlight {
+    position: Position,
+    /// Index of its checkpoint in the record.
+    record: usize,
+    /// This rank's files are durable (and, with one rank, committed).
+    part_done: Option<Persisted>,
+}
+
+/// Clean steps the slowdown of overlapping steps is measured against.
+const CLEAN_WINDOW: usize = 32;
 
 /// Rank 0's checkpoint decision and whether a failure strikes, as every
 /// rank agreed on them.
 pub struct Decision {
     pub save: bool,
+    /// Persist the snapshot to disk as well.
+    pub persist: bool,
     pub fail: bool,
+    /// The failure also loses the host-memory tier.
+    pub lose_memory: bool,
     pub delete: Vec<u64>,
+    /// Ranks whose part of the persist in flight is durable.
+    parts_done: usize,
 }
 
 impl Resilience {
-    /// Opens the entry's checkpoint store (if its policy ever saves) and,
-    /// when failures are injected, keeps the starting state.
+    /// Opens the entry's checkpoint store (if its policy ever saves), with
+    /// its snapshot buffers and writer on the asynchronous path, and, when
+    /// failures are injected, keeps the starting state.
     pub fn open(ctx: &EntryContext<'_>, t: &mut Training, batch: &Batch) -> Result<Resilience> {
         let w = ctx.workload;
         let clock =
             w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some()).map(|f| FaultClock::new(f, ctx.entry.seed, t.rank));
+        let strategy = &ctx.entry.strategy;
         let store = if t.strategies.checkpoint.never_saves() {
             None
         } else {
-            Some(Store::open(&ctx.checkpoint_dir, t.rank, t.world, ctx.entry.strategy.checkpoint_compress, !ctx.resume)?)
+            Some(Arc::new(Store::open(&ctx.checkpoint_dir, t.rank, t.world, strategy.checkpoint_compress, !ctx.resume)?))
         };
+        let mut record = ResilienceRecord::default();
+        let tiers = match (&store, strategy.checkpoint_async) {
+            (Some(store), true) => {
+                // Every rank keeps the parameters in memory, for its own
+                // restores; rank 0 alone writes them to disk.
+                let (model, state) = state(t).sources(true);
+                let pool = Pool::allocate(&model, &state, t.device)?;
+                record.snapshot_memory_bytes = Some(pool.bytes());
+                Some(Tiers {
+                    pool,
+                    writer: Writer::spawn(store.clone()),
+                    memory: None,
+                    pending: false,
+                    in_flight: None,
+                    clean: VecDeque::new(),
+                    overlapping: None,
+                })
+            }
+            _ => None,
+        };
+        if store.is_some() {
+            record.checkpoint_mode = Some(if tiers.is_some() { "async" } else { "sync" }.into());
+        }
         let initial = match clock {
             Some(_) => {
                 let at = batch.position(0, t.data.position());
@@ -67,10 +134,13 @@ impl Resilience {
         Ok(Resilience {
             clock,
             store,
+            tiers,
             history: CheckpointHistory::default(),
             at_risk_since: Duration::ZERO,
             initial,
-            record: ResilienceRecord::default(),
+            rank: t.rank,
+            world: t.world,
+            record,
         })
     }
 
@@ -94,8 +164,11 @@ impl Resilience {
         self.store.is_some() || self.clock.is_some() || !self.record.out_of_memory.is_empty() || self.record.resumed_from.is_some()
     }
 
-    /// After `telemetry.step` steps at training time `now`: the policy
-    /// decides, a failure may strike, and the ranks agree on both.
+    /// After `telemetry.step` steps at training time `now`: the step's time
+    /// is accounted to the checkpoint work it overlapped, the writer's
+    /// progress is collected, the policy decides, a failure may strike, and
+    /// the ranks agree on all of it. A persist every rank has finished
+    /// becomes a checkpoint here.
     pub fn decide(
         &mut self,
         policy: &mut dyn CheckpointPolicy,
@@ -105,58 +178,181 @@ impl Resilience {
         device: Device,
     ) -> Result<Decision> {
         let done = telemetry.step;
+        self.account_step(telemetry.step_time_s);
+        let part_done = self.poll_writer()?;
         self.history.since_last_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
         let decision = policy.decide(telemetry, &self.history)?;
-        let fail = self.clock.as_mut().is_some_and(|c| c.strikes(done, now.as_secs_f64()));
-        let mut d = Decision { save: decision.save, fail, delete: decision.delete };
+        let (fail, lose_memory) = match &mut self.clock {
+            Some(c) => c.strikes(done, now.as_secs_f64()),
+            None => (false, false),
+        };
+        let mut d = Decision {
+            save: decision.save,
+            persist: decision.save && decision.persist,
+            fail,
+            lose_memory,
+            delete: decision.delete,
+            parts_done: part_done as usize,
+        };
         if comm.world_size() > 1 && (self.store.is_some() || self.clock.is_some()) {
             d = self.agree(d, comm, device)?;
+        }
+        if part_done && d.parts_done == self.world {
+            self.persisted()?;
         }
         Ok(d)
     }
 
     /// Rank 0's decision holds for every rank (a policy that reads the clock
-    /// may decide differently on each): save, failure, and which of the
-    /// checkpoints on disk (the same list on every rank) to delete.
+    /// may decide differently on each): save, persist, failure, and which of
+    /// the checkpoints on disk (the same list on every rank) to delete; the
+    /// ranks whose part of the persist in flight is durable are counted.
     fn agree(&self, d: Decision, comm: &mut dyn Collective, device: Device) -> Result<Decision> {
+        const FIXED: usize = 5;
         let saved = &self.history.saved;
-        let mut v = vec![0f32; 2 + saved.len()];
+        let mut v = vec![0f32; FIXED + saved.len()];
+        v[4] = d.parts_done as f32;
         if comm.rank() == 0 {
             v[0] = d.save as i32 as f32;
-            v[1] = d.fail as i32 as f32;
+            v[1] = d.persist as i32 as f32;
+            v[2] = d.fail as i32 as f32;
+            v[3] = d.lose_memory as i32 as f32;
             for (i, s) in saved.iter().enumerate() {
-                v[2 + i] = d.delete.contains(s) as i32 as f32;
+                v[FIXED + i] = d.delete.contains(s) as i32 as f32;
             }
         }
         let mut flags = Tensor::from_slice(&v).to_device(device);
         comm.all_reduce_sum(&mut flags)?;
         let got = Vec::<f32>::try_from(&flags.to_device(Device::Cpu))?;
-        let delete = saved.iter().zip(&got[2..]).filter(|(_, &d)| d > 0.0).map(|(&s, _)| s).collect();
-        Ok(Decision { save: got[0] > 0.0, fail: got[1] > 0.0, delete })
+        let delete = saved.iter().zip(&got[FIXED..]).filter(|(_, &d)| d > 0.0).map(|(&s, _)| s).collect();
+        Ok(Decision {
+            save: got[0] > 0.0,
+            persist: got[1] > 0.0,
+            fail: got[2] > 0.0,
+            lose_memory: got[3] > 0.0,
+            delete,
+            parts_done: got[4].round() as usize,
+        })
+    }
+
+    /// The last step's time goes to the checkpoint whose work ran alongside
+    /// it (as slowdown over the recent clean steps), or joins the clean ones.
+    fn account_step(&mut self, step_s: f64) {
+        let Some(tiers) = &mut self.tiers else { return };
+        let Some(i) = tiers.overlapping else {
+            if step_s.is_finite() && step_s > 0.0 {
+                tiers.clean.push_back(step_s);
+                if tiers.clean.len() > CLEAN_WINDOW {
+                    tiers.clean.pop_front();
+                }
+            }
+            return;
+        };
+        let last = i + 1 == self.record.checkpoints.len();
+        let c = &mut self.record.checkpoints[i];
+        c.overlap_steps += 1;
+        if let Some(base) = median(&tiers.clean) {
+            let extra = step_s - base;
+            c.slowdown_s += extra;
+            self.record.checkpoint_slowdown_s += extra;
+        }
+        if last {
+            self.history.last_slowdown_s = Some(c.slowdown_s);
+            self.history.last_cost_s = Some(c.cost_s + c.slowdown_s.max(0.0));
+        }
+        // The snapshot's copies ran during this step; only a persist goes on.
+        if tiers.in_flight.as_ref().map(|f| f.record) != Some(i) {
+            tiers.overlapping = None;
+        }
+    }
+
+    /// Collects the writer's report on the persist in flight. Returns
+    /// whether this rank's part of it is durable.
+    fn poll_writer(&mut self) -> Result<bool> {
+        let Some(tiers) = &mut self.tiers else { return Ok(false) };
+        let Some(f) = &mut tiers.in_flight else { return Ok(false) };
+        if f.part_done.is_none() {
+            f.part_done = tiers.writer.poll()?;
+        }
+        Ok(f.part_done.is_some())
+    }
+
+    /// Every rank's part of the persist in flight is durable: rank 0 commits
+    /// it (the writer already did with one rank), it counts as saved, and
+    /// the snapshot waiting for the writer, if any, goes next.
+    fn persisted(&mut self) -> Result<()> {
+        let tiers = self.tiers.as_mut().context("a persist without a writer")?;
+        let f = tiers.in_flight.take().context("no persist in flight")?;
+        let p = f.part_done.context("the persist is not durable")?;
+        let t0 = Instant::now();
+        if self.world > 1 && self.rank == 0 {
+            let store = self.store.as_ref().context("a persist without a store")?;
+            store.commit(f.position).with_context(|| format!("committing the checkpoint of step {}", p.step))?;
+        }
+        let seconds = p.seconds + t0.elapsed().as_secs_f64();
+        self.history.saved.retain(|&s| s != p.step);
+        self.history.saved.push(p.step);
+        self.history.persisting = None;
+        self.history.last_persist_s = Some(seconds);
+        let c = &mut self.record.checkpoints[f.record];
+        c.persisted = true;
+        c.persist_s = Some(seconds);
+        c.bytes = p.bytes;
+        if tiers.overlapping == Some(f.record) {
+            tiers.overlapping = None;
+        }
+        if std::mem::take(&mut tiers.pending) {
+            if let Some(snap) = tiers.memory.clone() {
+                self.start_persist(snap);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands `snap` to the writer.
+    fn start_persist(&mut self, snap: Arc<Shared>) {
+        let Some(tiers) = &mut self.tiers else { return };
+        let step = snap.position.step;
+        let record = self.record.checkpoints.iter().rposition(|c| c.step == step).unwrap_or(self.record.checkpoints.len() - 1);
+        tiers.writer.start(snap.clone(), self.world == 1);
+        tiers.in_flight = Some(InFlight { position: snap.position, record, part_done: None });
+        tiers.overlapping = Some(record);
+        self.history.persisting = Some(step);
     }
 
     /// A failure struck after `done` steps at training time `now`: the work
-    /// since the last checkpoint is lost, and every rank goes back to it.
-    /// `synchronized` waits for the device and forgets what was measured
-    /// after the restored step; `elapsed` is the training clock. Returns
-    /// the step training goes on from.
+    /// since the last checkpoint is lost, and every rank goes back to the
+    /// newest checkpoint of either tier (host memory, unless `lose_memory`
+    /// took it, then disk, then the start). `synchronized` waits for the
+    /// device and forgets what was measured after the restored step, and
+    /// returns the training clock. Returns the step training goes on from.
     pub fn fail(
         &mut self,
         t: &mut Training,
         batch: &mut Batch,
         done: u64,
         now: Duration,
+        lose_memory: bool,
         synchronized: &mut dyn FnMut(u64) -> Duration,
     ) -> Result<u64> {
         t.strategies.compressor.finish()?;
         let t0 = Instant::now();
+        if lose_memory {
+            self.lose_memory()?;
+        }
+        let memory = self.tiers.as_ref().and_then(|m| m.memory.clone());
+        let disk = self.history.saved.last().copied();
         let loaded;
-        let snap = match self.history.saved.last() {
-            Some(&s) => {
-                loaded = self.store.as_ref().context("a checkpoint without a store")?.read(s)?;
-                &loaded
+        let (snap, from): (&Snapshot, &str) = match (&memory, disk) {
+            (Some(m), d) if d.is_none_or(|d| m.position.step >= d) => {
+                m.wait_ready()?;
+                (m, "memory")
             }
-            None => self.initial.as_ref().context("no initial state to restart from")?,
+            (_, Some(s)) => {
+                loaded = self.store.as_ref().context("a checkpoint without a store")?.read(s)?;
+                (&loaded, "disk")
+            }
+            (_, None) => (self.initial.as_ref().context("no initial state to restart from")?, "start"),
         };
         let c = snap.position.step;
         restore(t, batch, snap).with_context(|| format!("restoring the checkpoint of step {c} after the failure at step {done}"))?;
@@ -166,15 +362,101 @@ impl Resilience {
         let lost_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
         self.at_risk_since = resumed_at;
         self.history.failures.push(done);
-        self.record.failures.push(FailureRecord { step: done, restored_to: c, lost_s, restore_s });
+        self.record.failures.push(FailureRecord {
+            step: done,
+            restored_to: c,
+            lost_s,
+            restore_s,
+            restored_from: Some(from.into()),
+            lost_memory: lose_memory,
+        });
         self.record.time_lost_s += lost_s + restore_s;
         Ok(c)
     }
 
-    /// Writes the checkpoint of `done` steps on every rank and commits it
-    /// on rank 0 once every part is durable. `synchronize` waits for the
-    /// device; `elapsed` reads the training clock afterwards.
+    /// A failure that loses the node's memory: the host-memory tier is
+    /// gone, and so is a persist under way (waited for, then deleted if it
+    /// was already committed: it could not have finished).
+    fn lose_memory(&mut self) -> Result<()> {
+        let Some(tiers) = &mut self.tiers else { return Ok(()) };
+        tiers.memory = None;
+        tiers.pending = false;
+        tiers.overlapping = None;
+        self.history.in_memory.clear();
+        if let Some(f) = tiers.in_flight.take() {
+            if f.part_done.is_none() {
+                tiers.writer.wait()?;
+            }
+            if self.world == 1 {
+                self.store.as_ref().context("a persist without a store")?.delete(f.position.step)?;
+            }
+            self.history.persisting = None;
+        }
+        Ok(())
+    }
+
+    /// Checkpoints `done` steps. Asynchronously (the default): a snapshot
+    /// into host memory while training waits, then, with `persist`, the
+    /// writer puts it on disk while training goes on. Synchronously: every
+    /// rank writes its part, and rank 0 commits it once every part is
+    /// durable. `synchronize` waits for the device; `elapsed` reads the
+    /// training clock afterwards.
+    #[allow(clippy::too_many_arguments)]
     pub fn save(
+        &mut self,
+        t: &mut Training,
+        batch: &Batch,
+        done: u64,
+        persist: bool,
+        comm: &mut dyn Collective,
+        synchronize: &dyn Fn(),
+        elapsed: &dyn Fn() -> Duration,
+    ) -> Result<()> {
+        if self.tiers.is_none() {
+            return self.save_sync(t, batch, done, comm, synchronize, elapsed);
+        }
+        let t0 = Instant::now();
+        let at = batch.position(done, t.data.position());
+        let tiers = self.tiers.as_mut().context("no snapshot buffers")?;
+        if tiers.pool.free().is_none() {
+            // The memory tier's snapshot gives way to the newer one (a
+            // persist waiting for it moves to the newer one too).
+            tiers.memory = None;
+        }
+        let (i, set) = tiers.pool.free().context("no free snapshot buffers")?;
+        state(t).capture_into(set, at, true)?;
+        let snap = tiers.pool.share(i);
+        tiers.memory = Some(snap.clone());
+        let stall = t0.elapsed().as_secs_f64();
+        self.record.checkpoints.push(CheckpointRecord {
+            step: done,
+            cost_s: stall,
+            bytes: snap.bytes(),
+            deleted: Vec::new(),
+            persisted: false,
+            persist_s: None,
+            overlap_steps: 0,
+            slowdown_s: 0.0,
+        });
+        tiers.overlapping = Some(self.record.checkpoints.len() - 1);
+        self.record.checkpoint_time_s += stall;
+        self.history.in_memory = vec![done];
+        self.history.last_stall_s = Some(stall);
+        self.history.last_slowdown_s = Some(0.0);
+        self.history.last_cost_s = Some(stall);
+        self.at_risk_since = elapsed();
+        if persist {
+            if tiers.in_flight.is_none() {
+                self.start_persist(snap);
+            } else {
+                tiers.pending = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The synchronous path: training waits until the checkpoint is durable.
+    fn save_sync(
         &mut self,
         t: &mut Training,
         batch: &Batch,
@@ -198,10 +480,22 @@ impl Resilience {
         }
         ranks_agree(comm, true, device)?;
         let cost = t0.elapsed().as_secs_f64();
+        self.history.saved.retain(|&s| s != done);
         self.history.saved.push(done);
         self.history.last_cost_s = Some(cost);
+        self.history.last_stall_s = Some(cost);
+        self.history.last_persist_s = Some(cost);
         self.at_risk_since = elapsed();
-        self.record.checkpoints.push(CheckpointRecord { step: done, cost_s: cost, bytes, deleted: Vec::new() });
+        self.record.checkpoints.push(CheckpointRecord {
+            step: done,
+            cost_s: cost,
+            bytes,
+            deleted: Vec::new(),
+            persisted: true,
+            persist_s: Some(cost),
+            overlap_steps: 0,
+            slowdown_s: 0.0,
+        });
         self.record.checkpoint_time_s += cost;
         Ok(())
     }
@@ -221,15 +515,26 @@ impl Resilience {
     }
 
     /// The entry finished: its checkpoints served a run that has not
-    /// finished, so rank 0 removes them. Returns the record when the
-    /// entry's results carry one.
-    pub fn finish(self, ctx: &EntryContext<'_>, rank: usize) -> Option<ResilienceRecord> {
+    /// finished, so rank 0 removes them (after the writer stopped). Returns
+    /// the record when the entry's results carry one.
+    pub fn finish(mut self, ctx: &EntryContext<'_>, rank: usize) -> Option<ResilienceRecord> {
+        drop(self.tiers.take());
         if let (Some(_), 0) = (&self.store, rank) {
             let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
         }
         let tracked = self.tracked();
         tracked.then_some(self.record)
     }
+}
+
+/// The median of `xs`, if any.
+fn median(xs: &VecDeque<f64>) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
+    }
+    let mut v: Vec<f64> = xs.iter().copied().collect();
+    v.sort_by(f64::total_cmp);
+    Some(v[v.len() / 2])
 }
 
 /// The training state a snapshot is taken of and restored into.
@@ -254,30 +559,34 @@ fn restore(t: &mut Training, batch: &mut Batch, snap: &Snapshot) -> Result<()> {
     Ok(())
 }
 
-/// When injected failures strike.
+/// When injected failures strike, and which of them lose host memory.
 pub struct FaultClock {
     /// Listed steps that have not struck yet (each strikes once).
     at_steps: BTreeSet<u64>,
     /// Random failures: the mean time between them, the generator and the
     /// training time of the next one.
     random: Option<(f64, ChaCha8Rng, f64)>,
+    /// The share of failures that lose host memory, and its generator.
+    lose: Option<(f64, ChaCha8Rng)>,
 }
 
 impl FaultClock {
-    /// The clock of `spec`. Random failures are drawn on rank 0 only (the
-    /// ranks then agree through a collective); listed steps on every rank.
+    /// The clock of `spec`. Random draws happen on rank 0 only (the ranks
+    /// then agree through a collective); listed steps strike on every rank.
     pub fn new(spec: &FaultSpec, entry_seed: u64, rank: usize) -> FaultClock {
+        let seed = spec.seed.unwrap_or(entry_seed);
         let random = spec.mtbf_s.filter(|_| rank == 0).map(|mtbf| {
-            let mut rng = ChaCha8Rng::seed_from_u64(spec.seed.unwrap_or(entry_seed) ^ 0xfa11_0fa1);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xfa11_0fa1);
             let first = exponential(&mut rng, mtbf);
             (mtbf, rng, first)
         });
-        FaultClock { at_steps: spec.at_steps.iter().copied().collect(), random }
+        let lose = spec.lose_memory.filter(|&p| rank == 0 && p > 0.0).map(|p| (p, ChaCha8Rng::seed_from_u64(seed ^ 0x10_5e_4e_40)));
+        FaultClock { at_steps: spec.at_steps.iter().copied().collect(), random, lose }
     }
 
     /// Whether a failure strikes now, with `done` steps completed after
-    /// `elapsed_s` seconds of training.
-    pub fn strikes(&mut self, done: u64, elapsed_s: f64) -> bool {
+    /// `elapsed_s` seconds of training, and whether it loses host memory.
+    pub fn strikes(&mut self, done: u64, elapsed_s: f64) -> (bool, bool) {
         let listed = self.at_steps.remove(&done);
         let random = match &mut self.random {
             Some((mtbf, rng, next)) if elapsed_s >= *next => {
@@ -286,7 +595,9 @@ impl FaultClock {
             }
             _ => false,
         };
-        listed || random
+        let fail = listed || random;
+        let lose = fail && self.lose.as_mut().is_some_and(|(p, rng)| rng.random::<f64>() < *p);
+        (fail, lose)
     }
 }
 
@@ -306,24 +617,62 @@ pub struct TrainState<'a> {
 }
 
 impl TrainState<'_> {
-    /// A host copy of this rank's state at `position`; `with_model` adds
-    /// the parameters (rank 0 writes them for every rank).
-    pub fn capture(&mut self, position: Position, with_model: bool) -> Result<Snapshot> {
-        let model = if with_model { self.names.iter().cloned().zip(self.params.iter().map(host_copy)).collect() } else { Vec::new() };
+    /// The tensors a snapshot copies, where they live: the parameters
+    /// (`with_model`: rank 0 writes them for every rank) and this rank's
+    /// optimizer and scaler state.
+    pub fn sources(&self, with_model: bool) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+        let model =
+            if with_model { self.names.iter().cloned().zip(self.params.iter().map(|p| p.shallow_clone())).collect() } else { Vec::new() };
         let mut state: Vec<(String, Tensor)> =
-            self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optimizer/{n}"), host_copy(&t))).collect();
+            self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)).collect();
         if let Some(s) = &self.scaler {
-            state.extend(s.state_tensors().into_iter().map(|(n, t)| (format!("scaler/{n}"), host_copy(&t))));
+            state.extend(s.state_tensors().into_iter().map(|(n, t)| (format!("scaler/{n}"), t)));
         }
-        state.push(("rng/cpu".into(), torch_ext::rng_state(Device::Cpu)?));
-        if self.device.is_cuda() {
-            state.push(("rng/device".into(), torch_ext::rng_state(self.device)?));
-        }
+        (model, state)
+    }
+
+    /// A host copy of this rank's state at `position` (see [`Self::sources`]).
+    pub fn capture(&mut self, position: Position, with_model: bool) -> Result<Snapshot> {
+        let (model, state) = self.sources(with_model);
+        let model = model.into_iter().map(|(n, t)| (n, host_copy(&t))).collect();
+        let mut state: Vec<(String, Tensor)> = state.into_iter().map(|(n, t)| (n, host_copy(&t))).collect();
+        self.capture_host_side(&mut state)?;
         let mut plugins = Vec::new();
         for (slot, p) in self.plugins() {
             plugins.push((slot.to_owned(), p.state_save()?));
         }
-        Ok(Snapshot { position, model, state, plugins })
+        Ok(Snapshot { position, model, state, plugins, ready: None })
+    }
+
+    /// Takes the snapshot of `position` into `dst`'s preallocated buffers:
+    /// the device copies are queued without waiting (an event marks their
+    /// end), the small host-side state is saved at once.
+    pub fn capture_into(&mut self, dst: &mut Snapshot, position: Position, with_model: bool) -> Result<()> {
+        let (model, state) = self.sources(with_model);
+        let buffers = dst.state.len().min(state.len());
+        dst.state.truncate(buffers);
+        copy_into(&dst.model, &model)?;
+        copy_into(&dst.state, &state)?;
+        dst.ready = match self.device {
+            Device::Cuda(i) => Some(torch_ext::Event::record(i)?),
+            _ => None,
+        };
+        self.capture_host_side(&mut dst.state)?;
+        dst.plugins.clear();
+        for (slot, p) in self.plugins() {
+            dst.plugins.push((slot.to_owned(), p.state_save()?));
+        }
+        dst.position = position;
+        Ok(())
+    }
+
+    /// The random generators' states, appended to `state`.
+    fn capture_host_side(&mut self, state: &mut Vec<(String, Tensor)>) -> Result<()> {
+        state.push(("rng/cpu".into(), torch_ext::rng_state(Device::Cpu)?));
+        if self.device.is_cuda() {
+            state.push(("rng/device".into(), torch_ext::rng_state(self.device)?));
+        }
+        Ok(())
     }
 
     /// Puts `snap` back: parameters, optimizer and scaler state, random
@@ -377,9 +726,9 @@ mod tests {
     fn listed_failures_strike_once_and_random_ones_follow_the_mtbf() {
         let spec = FaultSpec { at_steps: vec![3, 7], ..FaultSpec::default() };
         let mut c = FaultClock::new(&spec, 1, 0);
-        let hits: Vec<u64> = (1..=10).filter(|&s| c.strikes(s, 0.0)).collect();
+        let hits: Vec<u64> = (1..=10).filter(|&s| c.strikes(s, 0.0).0).collect();
         assert_eq!(hits, vec![3, 7]);
-        assert!(!c.strikes(3, 0.0), "a listed failure struck twice (after a restore)");
+        assert!(!c.strikes(3, 0.0).0, "a listed failure struck twice (after a restore)");
 
         // 20,000 draws with mean 5 s: the mean interval is 5 s within 3%.
         let spec = FaultSpec { mtbf_s: Some(5.0), seed: Some(9), ..FaultSpec::default() };
@@ -387,7 +736,7 @@ mod tests {
         let (mut n, mut t) = (0u32, 0.0);
         while n < 20_000 {
             t += 0.01;
-            if c.strikes(0, t) {
+            if c.strikes(0, t).0 {
                 n += 1;
             }
         }

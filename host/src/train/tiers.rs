@@ -1,0 +1,193 @@
+//! The two tiers of asynchronous checkpoints: snapshots in preallocated
+//! host memory ([`Pool`]), taken while training waits, and their
+//! persistence to disk by a background writer ([`Writer`]) while training
+//! goes on.
+//!
+//! On CUDA the snapshot's copies go into pinned memory without waiting: they
+//! are queued on the training stream behind the step that produced the
+//! state, an event marks their end, and whoever reads the snapshot (the
+//! writer, a restore) waits for that event first. Training stops only to
+//! queue the copies and save the small host-side state (random generators,
+//! plugin states); the copies themselves slow the step that follows, which
+//! the host measures as that checkpoint's slowdown.
+
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use tch::{Device, Tensor};
+
+use super::checkpoint::{Position, Snapshot, Store};
+use crate::torch_ext;
+
+/// A snapshot shared between the training thread (the memory tier,
+/// restores) and the writer.
+pub struct Shared(pub Snapshot);
+
+// SAFETY: a shared snapshot is only read (its tensors' bytes, copies out of
+// them), from any thread; it is written only through `Arc::get_mut`, when
+// no other thread holds it. libtorch allows concurrent reads of a tensor.
+unsafe impl Sync for Shared {}
+
+impl std::ops::Deref for Shared {
+    type Target = Snapshot;
+    fn deref(&self) -> &Snapshot {
+        &self.0
+    }
+}
+
+/// Two sets of host buffers shaped like one rank's training state: one
+/// can be persisted while the other takes the newest snapshot.
+pub struct Pool {
+    sets: Vec<Arc<Shared>>,
+}
+
+/// A set of buffers of `like`'s shapes on the host, pinned when the state
+/// lives on a GPU (so copies into them need not wait).
+fn buffers(like: &[(String, Tensor)], pinned: bool) -> Result<Vec<(String, Tensor)>> {
+    like.iter()
+        .map(|(n, t)| {
+            let b = Tensor::empty(t.size(), (t.kind(), Device::Cpu));
+            let b = if pinned { torch_ext::pin_memory(&b)? } else { b };
+            Ok((n.clone(), b))
+        })
+        .collect()
+}
+
+impl Pool {
+    /// Allocates the buffers for `model` (rank 0's parameters, else empty)
+    /// and `state` (this rank's optimizer and scaler state).
+    pub fn allocate(model: &[(String, Tensor)], state: &[(String, Tensor)], device: Device) -> Result<Pool> {
+        let pinned = device.is_cuda();
+        let mut sets = Vec::new();
+        for _ in 0..2 {
+            sets.push(Arc::new(Shared(Snapshot {
+                position: Position { step: 0, data_position: 0, micro_batch: 0, accum_steps: 0, lr_scale: 1.0 },
+                model: buffers(model, pinned).context("allocating host memory for checkpoint snapshots")?,
+                state: buffers(state, pinned).context("allocating host memory for checkpoint snapshots")?,
+                plugins: Vec::new(),
+                ready: None,
+            })));
+        }
+        Ok(Pool { sets })
+    }
+
+    /// Bytes of host memory the pool holds.
+    pub fn bytes(&self) -> u64 {
+        self.sets.iter().map(|s| s.bytes()).sum()
+    }
+
+    /// A set that nobody else holds (not the memory tier's, not the one
+    /// being persisted), to take a snapshot into.
+    pub fn free(&mut self) -> Option<(usize, &mut Snapshot)> {
+        self.sets.iter_mut().enumerate().find_map(|(i, s)| Arc::get_mut(s).map(|s| (i, &mut s.0)))
+    }
+
+    /// The set `i`, shared.
+    pub fn share(&self, i: usize) -> Arc<Shared> {
+        self.sets[i].clone()
+    }
+}
+
+/// Copies the device tensors `src` into the snapshot buffers `dst` (same
+/// names and shapes, in order) without waiting for the device.
+pub fn copy_into(dst: &[(String, Tensor)], src: &[(String, Tensor)]) -> Result<()> {
+    anyhow::ensure!(dst.len() == src.len(), "the training state changed shape since the snapshot buffers were allocated");
+    for ((dn, d), (sn, s)) in dst.iter().zip(src) {
+        anyhow::ensure!(dn == sn && d.size() == s.size(), "snapshot buffer `{dn}` {:?} does not fit `{sn}` {:?}", d.size(), s.size());
+    }
+    let d: Vec<Tensor> = dst.iter().map(|(_, t)| t.shallow_clone()).collect();
+    let s: Vec<Tensor> = src.iter().map(|(_, t)| t.detach()).collect();
+    tch::no_grad(|| torch_ext::copy_nonblocking(&d, &s))?;
+    Ok(())
+}
+
+/// A persist the writer finished: durable on this rank (and committed, with
+/// one rank).
+pub struct Persisted {
+    pub step: u64,
+    pub bytes: u64,
+    /// From the job's start to durable.
+    pub seconds: f64,
+}
+
+struct Job {
+    snap: Arc<Shared>,
+    commit: bool,
+}
+
+/// One rank's background writer: persists snapshots, one at a time.
+pub struct Writer {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Result<Persisted>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Starts the writer thread of `store`.
+    pub fn spawn(store: Arc<Store>) -> Writer {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (tx, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("checkpoint-writer".into())
+            .spawn(move || {
+                for job in rx {
+                    // The job (and its hold on the snapshot) ends before the
+                    // report, so the buffers are free once it is read.
+                    let r = persist(&store, job);
+                    if tx.send(r).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("starting the checkpoint writer thread");
+        Writer { jobs: Some(jobs), done, thread: Some(thread) }
+    }
+
+    /// Persists `snap`; with `commit` (one rank) the writer also makes it a
+    /// checkpoint once its files are durable.
+    pub fn start(&self, snap: Arc<Shared>, commit: bool) {
+        if let Some(j) = &self.jobs {
+            let _ = j.send(Job { snap, commit });
+        }
+    }
+
+    /// The finished persist, if the writer has one to report.
+    pub fn poll(&self) -> Result<Option<Persisted>> {
+        match self.done.try_recv() {
+            Ok(r) => r.map(Some),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => anyhow::bail!("the checkpoint writer thread ended"),
+        }
+    }
+
+    /// Waits for the persist in flight.
+    pub fn wait(&self) -> Result<Persisted> {
+        self.done.recv().context("the checkpoint writer thread ended")?
+    }
+}
+
+/// Writes one job's files, durably, and commits them if it says so.
+fn persist(store: &Store, job: Job) -> Result<Persisted> {
+    let t0 = Instant::now();
+    let step = job.snap.position.step;
+    job.snap.wait_ready()?;
+    let bytes = store.write_part(&job.snap).with_context(|| format!("writing the checkpoint of step {step}"))?;
+    if job.commit {
+        store.commit(job.snap.position).with_context(|| format!("committing the checkpoint of step {step}"))?;
+    }
+    Ok(Persisted { step, bytes, seconds: t0.elapsed().as_secs_f64() })
+}
+
+impl Drop for Writer {
+    /// Lets the persist in flight finish (its files stay consistent: until
+    /// committed, they are a temporary directory).
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
