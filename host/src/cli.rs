@@ -325,8 +325,8 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                     match r {
                         Ok(m) => {
                             let transport = match m.transport {
-                                crate::plugin::Transport::Wasm => "wasm",
-                                crate::plugin::Transport::Native => "native, unsandboxed",
+                                crate::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
+                                crate::plugin::Transport::Native => "native, unsandboxed".to_owned(),
                             };
                             println!(
                                 "plugin `{}`: {} {} ({}, {transport}) from {}",

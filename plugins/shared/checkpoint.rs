@@ -16,12 +16,15 @@ pub fn keep_from_config(config: &Config) -> Result<usize, Error> {
 /// `saved` is the host's list, oldest first; the oldest go first. Only steps
 /// in `saved` are returned, each once, and never `step` itself (a checkpoint
 /// of the current step already on disk is overwritten, not added).
-pub fn retain(saved: &[u64], keep: usize, step: u64) -> Vec<u64> {
+///
+/// `persisting` (a checkpoint on its way to disk) counts as on disk, but is
+/// never returned: it cannot be deleted before it is durable.
+pub fn retain(saved: &[u64], persisting: Option<u64>, keep: usize, step: u64) -> Vec<u64> {
     if keep == 0 {
         return Vec::new();
     }
-    let mut others: Vec<u64> = Vec::with_capacity(saved.len());
-    for &s in saved {
+    let mut others: Vec<u64> = Vec::with_capacity(saved.len() + 1);
+    for s in saved.iter().copied().chain(persisting) {
         if s != step && !others.contains(&s) {
             others.push(s);
         }
@@ -29,5 +32,6 @@ pub fn retain(saved: &[u64], keep: usize, step: u64) -> Vec<u64> {
     // After the save: `others` plus the new one.
     let excess = (others.len() + 1).saturating_sub(keep);
     others.truncate(excess);
+    others.retain(|s| saved.contains(s));
     others
 }

@@ -18,7 +18,7 @@
 use std::ffi::c_void;
 
 /// The ABI version: `major << 16 | minor` of the contract
-/// (`harness:strategy@0.1.0` is 0.1).
+/// (`harness:strategy@0.1.1` is 0.1).
 pub const ABI_VERSION: u32 = 1;
 
 /// Success.
@@ -395,6 +395,35 @@ pub struct Decision {
     pub n_delete: usize,
 }
 
+/// The WIT `checkpoint-state` (since contract 0.1.1): the history of
+/// contract 0.1.0 and the two tiers' state and costs.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct TieredHistory {
+    pub base: CheckpointHistory,
+    pub in_memory: *const u64,
+    pub n_in_memory: usize,
+    pub has_persisting: u8,
+    pub persisting: u64,
+    pub has_last_stall_s: u8,
+    pub last_stall_s: f64,
+    pub has_last_persist_s: u8,
+    pub last_persist_s: f64,
+    pub has_last_slowdown_s: u8,
+    pub last_slowdown_s: f64,
+}
+
+/// The WIT `tiered-decision` (since contract 0.1.1): `base.save` takes a
+/// snapshot into host memory, `persist` also writes it to disk.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct TieredDecision {
+    pub base: Decision,
+    pub persist: u8,
+}
+
 /// The plugin's name and version (UTF-8, valid while the instance lives).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -429,6 +458,8 @@ pub mod symbols {
     /// statistics.
     pub const BATCH_WANTS_GRADIENT_STATS: &[u8] = b"harness_batch_wants_gradient_stats\0";
     pub const CHECKPOINT_DECIDE: &[u8] = b"harness_checkpoint_decide\0";
+    /// Optional (since contract 0.1.1); the host prefers it when present.
+    pub const CHECKPOINT_DECIDE_TIERED: &[u8] = b"harness_checkpoint_decide_tiered\0";
 }
 
 /// Signatures of the plugin exports.
@@ -452,4 +483,6 @@ pub mod exports {
     pub type BatchWantsGradientStats = unsafe extern "C" fn(this: *mut c_void, out: *mut u8) -> i32;
     pub type CheckpointDecide =
         unsafe extern "C" fn(this: *mut c_void, t: *const StepTelemetry, h: *const CheckpointHistory, out: *mut Decision) -> i32;
+    pub type CheckpointDecideTiered =
+        unsafe extern "C" fn(this: *mut c_void, t: *const StepTelemetry, h: *const TieredHistory, out: *mut TieredDecision) -> i32;
 }

@@ -30,7 +30,7 @@
 //! ```
 //!
 //! `cargo build --target wasm32-wasip2 --release` gives the component
-//! (`harness:strategy@0.1.0`, world `compressor`, see `sdk/wit`);
+//! (`harness:strategy@0.1.1`, world `compressor`, see `sdk/wit`);
 //! `cargo build --release` gives the native library (the C ABI of
 //! [`abi`] and `sdk/include/harness_strategy.h`). The code is the same: on
 //! wasm32 the facade ([`Tensor`], [`Collective`], [`log`]) calls the
@@ -69,8 +69,9 @@ pub use tensor::{Device, Dtype, Tensor};
 pub use types::{Batch, BucketInfo, CheckpointHistory, Decision, Telemetry};
 
 /// Version of the plugin contract this SDK speaks (semver): the WIT package
-/// `harness:strategy@0.1.0`, native ABI version [`abi::ABI_VERSION`].
-pub const CONTRACT_VERSION: &str = "0.1.0";
+/// `harness:strategy@0.1.1`, native ABI version [`abi::ABI_VERSION`].
+/// Hosts load plugins of any earlier 0.1 contract.
+pub const CONTRACT_VERSION: &str = "0.1.1";
 
 /// What every plugin is: a name, a version, made from its configuration,
 /// with a state saved in checkpoints.
@@ -266,6 +267,21 @@ macro_rules! export {
             unsafe { $crate::__native::checkpoint_decide::<$ty>(this, t, h, out) }
         }
         const _: $crate::abi::exports::CheckpointDecide = harness_checkpoint_decide;
+
+        /// Native plugin export (see `harness_strategy.h`).
+        ///
+        /// # Safety
+        /// Called by the host as the C ABI says.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn harness_checkpoint_decide_tiered(
+            this: *mut ::core::ffi::c_void,
+            t: *const $crate::abi::StepTelemetry,
+            h: *const $crate::abi::TieredHistory,
+            out: *mut $crate::abi::TieredDecision,
+        ) -> i32 {
+            unsafe { $crate::__native::checkpoint_decide_tiered::<$ty>(this, t, h, out) }
+        }
+        const _: $crate::abi::exports::CheckpointDecideTiered = harness_checkpoint_decide_tiered;
     };
 }
 

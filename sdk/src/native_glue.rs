@@ -312,8 +312,9 @@ pub unsafe fn batch_wants_gradient_stats<T: BatchPolicy>(this: *mut c_void, out:
     }
 }
 
-/// `harness_checkpoint_decide`. The decision's deletions go to
-/// `out.delete_steps`, which has room for `h.n_saved` steps.
+/// `harness_checkpoint_decide` (contract 0.1.0: every snapshot is
+/// persisted). The decision's deletions go to `out.delete_steps`, which has
+/// room for `h.n_saved` steps.
 ///
 /// # Safety
 /// `this` is a live instance; `t` and `h` readable (with their arrays);
@@ -329,31 +330,79 @@ pub unsafe fn checkpoint_decide<T: CheckpointPolicy>(
         call::<T>(this, |plugin, _| {
             let t = telemetry_from(in_ptr(t, "the telemetry")?);
             let h = in_ptr(h, "the checkpoint history")?;
-            let history = CheckpointHistory {
-                last_cost_s: (h.has_last_cost_s != 0).then_some(h.last_cost_s),
-                saved: slice(h.saved, h.n_saved, "history.saved")?.to_vec(),
-                failures: slice(h.failures, h.n_failures, "history.failures")?.to_vec(),
-                since_last_s: h.since_last_s,
-            };
-            let out = out_ptr(out, "the output decision")?;
+            let history = history_from(h)?;
             let decision = configured(plugin)?.decide(&t, &history)?;
-            if decision.delete.len() > h.n_saved {
-                return Err(Error::new(format!(
-                    "the decision deletes {} checkpoints but only {} are saved",
-                    decision.delete.len(),
-                    h.n_saved
-                )));
-            }
-            if !decision.delete.is_empty() && out.delete_steps.is_null() {
-                return Err(Error::new("the output decision's delete_steps is null"));
-            }
-            for (i, step) in decision.delete.iter().enumerate() {
-                // SAFETY: the host gave room for `n_saved` >= len steps.
-                *out.delete_steps.add(i) = *step;
-            }
-            out.n_delete = decision.delete.len();
-            out.save = decision.save as u8;
+            decision_to(&decision, h.n_saved, out_ptr(out, "the output decision")?)
+        })
+    }
+}
+
+/// `harness_checkpoint_decide_tiered` (since contract 0.1.1).
+///
+/// # Safety
+/// As [`checkpoint_decide`], with `h.in_memory` readable too.
+pub unsafe fn checkpoint_decide_tiered<T: CheckpointPolicy>(
+    this: *mut c_void,
+    t: *const StepTelemetry,
+    h: *const crate::abi::TieredHistory,
+    out: *mut crate::abi::TieredDecision,
+) -> i32 {
+    // SAFETY: per the contract above.
+    unsafe {
+        call::<T>(this, |plugin, _| {
+            let t = telemetry_from(in_ptr(t, "the telemetry")?);
+            let h = in_ptr(h, "the checkpoint state")?;
+            let opt = |has: u8, v: f64| (has != 0).then_some(v);
+            let history = CheckpointHistory {
+                in_memory: slice(h.in_memory, h.n_in_memory, "state.in_memory")?.to_vec(),
+                persisting: (h.has_persisting != 0).then_some(h.persisting),
+                last_stall_s: opt(h.has_last_stall_s, h.last_stall_s),
+                last_persist_s: opt(h.has_last_persist_s, h.last_persist_s),
+                last_slowdown_s: opt(h.has_last_slowdown_s, h.last_slowdown_s),
+                ..history_from(&h.base)?
+            };
+            let decision = configured(plugin)?.decide(&t, &history)?;
+            let out = out_ptr(out, "the output decision")?;
+            decision_to(&decision, h.base.n_saved, &mut out.base)?;
+            out.persist = (decision.save && decision.persist) as u8;
             Ok(())
         })
     }
+}
+
+/// The history of contract 0.1.0's fields.
+///
+/// # Safety
+/// `h`'s arrays are readable.
+unsafe fn history_from(h: &RawHistory) -> Result<CheckpointHistory, Error> {
+    // SAFETY: per the contract above.
+    unsafe {
+        Ok(CheckpointHistory {
+            last_cost_s: (h.has_last_cost_s != 0).then_some(h.last_cost_s),
+            saved: slice(h.saved, h.n_saved, "history.saved")?.to_vec(),
+            failures: slice(h.failures, h.n_failures, "history.failures")?.to_vec(),
+            since_last_s: h.since_last_s,
+            ..CheckpointHistory::default()
+        })
+    }
+}
+
+/// Writes `decision` into `out`, whose `delete_steps` has room for `room`.
+///
+/// # Safety
+/// `out.delete_steps` has room for `room` steps.
+unsafe fn decision_to(decision: &crate::Decision, room: usize, out: &mut RawDecision) -> Result<(), Error> {
+    if decision.delete.len() > room {
+        return Err(Error::new(format!("the decision deletes {} checkpoints but only {room} are saved", decision.delete.len())));
+    }
+    if !decision.delete.is_empty() && out.delete_steps.is_null() {
+        return Err(Error::new("the output decision's delete_steps is null"));
+    }
+    for (i, step) in decision.delete.iter().enumerate() {
+        // SAFETY: the host gave room for `room` >= len steps.
+        unsafe { *out.delete_steps.add(i) = *step };
+    }
+    out.n_delete = decision.delete.len();
+    out.save = decision.save as u8;
+    Ok(())
 }

@@ -64,21 +64,40 @@ pub struct Telemetry {
 /// `checkpoint-history`).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CheckpointHistory {
-    /// Seconds the last checkpoint write took, as the host measured it.
+    /// What the last checkpoint cost training, seconds, as the host measured
+    /// it: its stall plus the slowdown of the steps that overlapped its copy
+    /// and persist so far (a synchronous checkpoint: the whole write).
     pub last_cost_s: Option<f64>,
-    /// Steps of the checkpoints on disk, oldest first.
+    /// Steps of the checkpoints on disk (durable), oldest first.
     pub saved: Vec<u64>,
     /// Steps at which failures happened.
     pub failures: Vec<u64>,
-    /// Seconds since the last checkpoint (or since the start).
+    /// Seconds since the last checkpoint of either tier (or since the start).
     pub since_last_s: f64,
+    /// Steps of the snapshots held in host memory. @since 0.1.1 (empty
+    /// from hosts of 0.1.0).
+    pub in_memory: Vec<u64>,
+    /// The step whose snapshot is being persisted. @since 0.1.1
+    pub persisting: Option<u64>,
+    /// Seconds training stopped for the last snapshot. @since 0.1.1
+    pub last_stall_s: Option<f64>,
+    /// Seconds the last completed persist took, until durable. @since 0.1.1
+    pub last_persist_s: Option<f64>,
+    /// Extra seconds of the steps that overlapped the last checkpoint's copy
+    /// and persist, over steps that overlapped none. @since 0.1.1
+    pub last_slowdown_s: Option<f64>,
 }
 
 /// A checkpoint decision (WIT `decision`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Decision {
-    /// Save a checkpoint of the current step now.
+    /// Take a checkpoint of the current step now: a snapshot into host
+    /// memory (training waits for it).
     pub save: bool,
+    /// With `save`, also persist the snapshot to disk (in the background).
+    /// `false` keeps it in host memory only. @since 0.1.1 (hosts of 0.1.0
+    /// persist every checkpoint).
+    pub persist: bool,
     /// Steps of saved checkpoints to delete (each must be in
     /// [`CheckpointHistory::saved`]).
     pub delete: Vec<u64>,
@@ -90,8 +109,13 @@ impl Decision {
         Decision::default()
     }
 
-    /// Save now, delete nothing.
+    /// Save now, to host memory and disk; delete nothing.
     pub fn save() -> Decision {
-        Decision { save: true, delete: Vec::new() }
+        Decision { save: true, persist: true, delete: Vec::new() }
+    }
+
+    /// A snapshot into host memory only; delete nothing. @since 0.1.1
+    pub fn snapshot() -> Decision {
+        Decision { save: true, persist: false, delete: Vec::new() }
     }
 }

@@ -16,8 +16,8 @@
 pub mod plugin {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-plugin@0.1.0;
-            world plugin { export harness:strategy/plugin@0.1.0; }
+            package harness:sdk-plugin@0.1.1;
+            world plugin { export harness:strategy/plugin@0.1.1; }
         ",
         path: "wit",
         world: "plugin",
@@ -31,12 +31,12 @@ pub mod plugin {
 pub mod compressor {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-compressor@0.1.0;
+            package harness:sdk-compressor@0.1.1;
             world compressor {
-                import harness:strategy/tensor@0.1.0;
-                import harness:strategy/collective@0.1.0;
-                import harness:strategy/log@0.1.0;
-                export harness:strategy/gradient-compression@0.1.0;
+                import harness:strategy/tensor@0.1.1;
+                import harness:strategy/collective@0.1.1;
+                import harness:strategy/log@0.1.1;
+                export harness:strategy/gradient-compression@0.1.1;
             }
         ",
         path: "wit",
@@ -51,10 +51,10 @@ pub mod compressor {
 pub mod batch_policy {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-batch-policy@0.1.0;
+            package harness:sdk-batch-policy@0.1.1;
             world batch-policy {
-                import harness:strategy/log@0.1.0;
-                export harness:strategy/batch-sizing@0.1.0;
+                import harness:strategy/log@0.1.1;
+                export harness:strategy/batch-sizing@0.1.1;
             }
         ",
         path: "wit",
@@ -63,8 +63,8 @@ pub mod batch_policy {
         default_bindings_module: "harness_sdk::__wasm::batch_policy",
         export_macro_name: "export_batch_policy",
         with: {
-            "harness:strategy/types@0.1.0": crate::__wasm::compressor::harness::strategy::types,
-            "harness:strategy/log@0.1.0": crate::__wasm::compressor::harness::strategy::log,
+            "harness:strategy/types@0.1.1": crate::__wasm::compressor::harness::strategy::types,
+            "harness:strategy/log@0.1.1": crate::__wasm::compressor::harness::strategy::log,
         },
     });
 }
@@ -72,10 +72,10 @@ pub mod batch_policy {
 pub mod checkpoint_policy {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-checkpoint-policy@0.1.0;
+            package harness:sdk-checkpoint-policy@0.1.1;
             world checkpoint-policy {
-                import harness:strategy/log@0.1.0;
-                export harness:strategy/checkpointing@0.1.0;
+                import harness:strategy/log@0.1.1;
+                export harness:strategy/tiered-checkpointing@0.1.1;
             }
         ",
         path: "wit",
@@ -84,8 +84,8 @@ pub mod checkpoint_policy {
         default_bindings_module: "harness_sdk::__wasm::checkpoint_policy",
         export_macro_name: "export_checkpoint_policy",
         with: {
-            "harness:strategy/types@0.1.0": crate::__wasm::compressor::harness::strategy::types,
-            "harness:strategy/log@0.1.0": crate::__wasm::compressor::harness::strategy::log,
+            "harness:strategy/types@0.1.1": crate::__wasm::compressor::harness::strategy::types,
+            "harness:strategy/log@0.1.1": crate::__wasm::compressor::harness::strategy::log,
         },
     });
 }
@@ -98,7 +98,7 @@ pub mod glue {
     use std::marker::PhantomData;
 
     use super::batch_policy::exports::harness::strategy::batch_sizing;
-    use super::checkpoint_policy::exports::harness::strategy::checkpointing;
+    use super::checkpoint_policy::exports::harness::strategy::tiered_checkpointing;
     use super::compressor::exports::harness::strategy::gradient_compression;
     use super::compressor::harness::strategy::{tensor as wit_tensor, types};
     use super::plugin::exports::harness::strategy::plugin;
@@ -186,11 +186,28 @@ pub mod glue {
         }
     }
 
-    impl<T: CheckpointPolicy> checkpointing::Guest for Adapter<T> {
-        fn decide(t: types::StepTelemetry, h: checkpointing::CheckpointHistory) -> Result<checkpointing::Decision, String> {
+    impl<T: CheckpointPolicy> tiered_checkpointing::Guest for Adapter<T> {
+        fn decide(
+            t: types::StepTelemetry,
+            h: tiered_checkpointing::CheckpointState,
+        ) -> Result<tiered_checkpointing::TieredDecision, String> {
             let t = telemetry(t);
-            let h = CheckpointHistory { last_cost_s: h.last_cost_s, saved: h.saved, failures: h.failures, since_last_s: h.since_last_s };
-            with::<T, _>(|p| p.decide(&t, &h)).map(|d| checkpointing::Decision { save: d.save, delete: d.delete })
+            let h = CheckpointHistory {
+                last_cost_s: h.last_cost_s,
+                saved: h.saved,
+                failures: h.failures,
+                since_last_s: h.since_last_s,
+                in_memory: h.in_memory,
+                persisting: h.persisting,
+                last_stall_s: h.last_stall_s,
+                last_persist_s: h.last_persist_s,
+                last_slowdown_s: h.last_slowdown_s,
+            };
+            with::<T, _>(|p| p.decide(&t, &h)).map(|d| tiered_checkpointing::TieredDecision {
+                snapshot: d.save,
+                persist: d.save && d.persist,
+                delete: d.delete,
+            })
         }
     }
 }

@@ -32,7 +32,11 @@ impl CheckpointPolicy for KeepLast {
         if self.greedy {
             delete.extend(&h.saved);
         }
-        Ok(Decision { save: t.step % self.every == 0, delete })
+        // Every second snapshot is persisted (contract 0.1.1; the 0.1.0 entry
+        // point persists them all). The tiers' state arrives as sent.
+        assert!(h.in_memory.is_empty() || h.in_memory == vec![7]);
+        assert!(h.persisting.is_none() || (h.persisting == Some(7) && h.last_stall_s == Some(0.25)));
+        Ok(Decision { save: t.step % self.every == 0, persist: t.step % (2 * self.every) == 0, delete })
     }
 }
 
@@ -63,6 +67,47 @@ fn decide(config: &str, step: u64, saved: &[u64]) -> (i32, abi::Decision, Vec<u6
         harness_plugin_destroy(this);
         let deleted = room[..out.n_delete].to_vec();
         (status, out, deleted, error)
+    }
+}
+
+#[test]
+fn the_tiered_entry_point_carries_the_tiers_both_ways() {
+    let mut host = FakeHost::new(1);
+    let table = host.table();
+    let (failures, saved, in_memory) = ([3u64], [1u64, 2, 3], [7u64]);
+    let mut room = vec![0u64; saved.len()];
+    for (step, save, persist) in [(4u64, 1u8, 1u8), (2, 1, 0), (3, 0, 0)] {
+        unsafe {
+            let this = harness_plugin_create(&table);
+            assert_eq!(harness_plugin_configure(this, "".as_ptr(), 0), abi::STATUS_OK);
+            let t = abi::StepTelemetry { step, ..Default::default() };
+            let h = abi::TieredHistory {
+                base: abi::CheckpointHistory {
+                    has_last_cost_s: 1,
+                    last_cost_s: 1.5,
+                    saved: saved.as_ptr(),
+                    n_saved: saved.len(),
+                    failures: failures.as_ptr(),
+                    n_failures: 1,
+                    since_last_s: 10.0,
+                },
+                in_memory: in_memory.as_ptr(),
+                n_in_memory: 1,
+                has_persisting: 1,
+                persisting: 7,
+                has_last_stall_s: 1,
+                last_stall_s: 0.25,
+                has_last_persist_s: 0,
+                last_persist_s: 0.0,
+                has_last_slowdown_s: 0,
+                last_slowdown_s: 0.0,
+            };
+            let mut out = abi::TieredDecision { base: abi::Decision { save: 0, delete_steps: room.as_mut_ptr(), n_delete: 0 }, persist: 9 };
+            assert_eq!(harness_checkpoint_decide_tiered(this, &t, &h, &mut out), abi::STATUS_OK, "step {step}");
+            assert_eq!((out.base.save, out.persist), (save, persist), "step {step}");
+            assert_eq!(room[..out.base.n_delete], [1]);
+            harness_plugin_destroy(this);
+        }
     }
 }
 

@@ -60,6 +60,14 @@ checkpoint_config = {{ every = 5, keep = 2 }}
 checkpoint_compress = true
 
 [[strategy]]
+name = "every5-sync"
+compressor = "topk"
+compressor_config = {{ ratio = 0.1 }}
+checkpoint = "every-n"
+checkpoint_config = {{ every = 5, keep = 2 }}
+checkpoint_async = false
+
+[[strategy]]
 name = "restart"
 compressor = "topk"
 compressor_config = {{ ratio = 0.1 }}
@@ -83,7 +91,7 @@ fn a_failure_goes_back_to_the_last_checkpoint_and_repeats_the_losses_bit_for_bit
     run_ok(harness(dir.path()).args(["run", "-q"]).arg(&clean).arg("--out").arg(&a));
     run_ok(harness(dir.path()).args(["run", "-q"]).arg(&faulty).arg("--out").arg(&b));
     let (a, b) = (results(&a), results(&b));
-    for s in ["every5", "every5-zstd", "restart"] {
+    for s in ["every5", "every5-zstd", "every5-sync", "restart"] {
         let (x, y) = (entry(&a, s), entry(&b, s));
         assert_eq!(y["status"], "ok", "{s}: {}", y["error"]);
         assert_eq!(losses(x).len(), 30, "{s}");
@@ -108,16 +116,36 @@ fn a_failure_goes_back_to_the_last_checkpoint_and_repeats_the_losses_bit_for_bit
             assert!(ttt < t13, "time to target {ttt} s is after the failure at step 13 ({t13} s)");
         } else {
             assert_eq!(failures, vec![(13, 10), (27, 25)], "{s}");
+            // Asynchronous checkpoints restore from host memory, synchronous
+            // ones from disk.
+            let from = if s == "every5-sync" { "disk" } else { "memory" };
+            assert!(r["failures"].as_array().unwrap().iter().all(|f| f["restored_from"] == from), "{s}: {}", r["failures"]);
+            assert_eq!(r["checkpoint_mode"], if s == "every5-sync" { "sync" } else { "async" });
             assert_eq!(r["steps_executed"], 30 + 3 + 2, "{s}");
             let written: Vec<u64> = r["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
             assert_eq!(written, vec![5, 10, 15, 20, 25, 30], "{s}");
-            // keep = 2: after saving 15 the policy deleted 5, and so on.
-            assert_eq!(r["checkpoints"][2]["deleted"], serde_json::json!([5]), "{s}");
-            assert!(r["checkpoints"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|c| c["cost_s"].as_f64().unwrap() > 0.0 && c["bytes"].as_u64().unwrap() > 0));
+            let records = r["checkpoints"].as_array().unwrap();
+            assert!(records.iter().all(|c| c["cost_s"].as_f64().unwrap() > 0.0 && c["bytes"].as_u64().unwrap() > 0));
+            if s == "every5-sync" {
+                // keep = 2: after saving 15 the policy deleted 5, and so on.
+                assert_eq!(records[2]["deleted"], serde_json::json!([5]), "{s}");
+                assert!(records.iter().all(|c| c["persisted"] == true));
+            } else {
+                // Persists overlap training, so which snapshots reached disk
+                // depends on timing (a snapshot waiting for the writer gives
+                // way to a newer one); deletions only ever name checkpoints
+                // that had been persisted before.
+                let mut durable = Vec::new();
+                for c in records {
+                    for d in c["deleted"].as_array().unwrap() {
+                        assert!(durable.contains(&d.as_u64().unwrap()), "{s}: deleted {d}, never persisted before: {records:?}");
+                    }
+                    if c["persisted"] == true {
+                        durable.push(c["step"].as_u64().unwrap());
+                    }
+                }
+                assert!(!durable.is_empty(), "{s}: nothing was persisted");
+            }
             // The plugin saw both failures in its history: the record names them.
             assert!(r["time_lost_s"].as_f64().unwrap() > 0.0);
         }
@@ -133,14 +161,16 @@ fn a_failure_goes_back_to_the_last_checkpoint_and_repeats_the_losses_bit_for_bit
 }
 
 #[test]
-fn checkpoint_writes_killed_at_any_instant_never_leave_a_torn_checkpoint() {
+fn checkpoint_writes_killed_at_any_instant_never_leave_a_torn_checkpoint_and_the_run_resumes() {
     let dir = tempfile::tempdir().unwrap();
+    // One rank (quick to start), a checkpoint persisted at every step, so
+    // that most kills land in a persist (the background writer) or in the
+    // snapshot before it.
     let s = format!(
         r#"[suite]
 name = "kill"
 device = "cpu"
 seed = 3
-world_size = 2
 
 [[workload]]
 name = "gpt"
@@ -163,24 +193,35 @@ checkpoint_config = {{ every = 1, keep = 3 }}
         artifact("every-n.wasm").display()
     );
     let suite = write(dir.path(), "kill.toml", &s);
-    let (mut kills, mut seen) = (0, 0usize);
+    let out = dir.path().join("kill.json");
+    let root = checkpoint_root(&out);
+    let (mut kills, mut seen, mut resumed) = (0, 0usize, 0);
     let mut rng = 0x2545_f491_4f6c_dd1du64;
-    for round in 0..12 {
-        let out = dir.path().join(format!("kill-{round}.json"));
-        let root = checkpoint_root(&out);
-        let mut child = harness(dir.path()).args(["run", "-q"]).arg(&suite).arg("--out").arg(&out).spawn().unwrap();
-        // Wait for the first checkpoint, then kill after a pseudo-random
-        // 0..400 ms: with a write every step, most kills land in one.
+    // 110 kills: each round starts the run (resuming after the first) and
+    // kills it at a pseudo-random 0..150 ms once a checkpoint newer than
+    // the last round's is on disk; so each round also shows the run
+    // resumed from what the previous kill left.
+    let mut newest = 0u64;
+    for round in 0..110 {
+        let mut cmd = harness(dir.path());
+        cmd.args(["run", "-q"]).arg(&suite).arg("--out").arg(&out);
+        if round > 0 {
+            cmd.arg("--resume");
+        }
+        let mut child = cmd.spawn().unwrap();
         let t0 = Instant::now();
-        while checkpoint::list(&root).is_empty() {
-            assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint appeared in {}", root.display());
-            assert!(child.try_wait().unwrap().is_none(), "harness exited early");
-            std::thread::sleep(Duration::from_millis(5));
+        while checkpoint::list(&root).last().is_none_or(|c| c.0 <= newest) {
+            assert!(t0.elapsed() < Duration::from_secs(120), "round {round}: no new checkpoint appeared in {}", root.display());
+            assert!(child.try_wait().unwrap().is_none(), "round {round}: harness exited early (it could not resume?)");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if round > 0 {
+            resumed += 1;
         }
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        std::thread::sleep(Duration::from_millis(rng % 400));
+        std::thread::sleep(Duration::from_millis(rng % 150));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         kills += 1;
@@ -190,10 +231,14 @@ checkpoint_config = {{ every = 1, keep = 3 }}
             let at = checkpoint::verify(path).unwrap_or_else(|e| panic!("round {round}: torn checkpoint {}: {e:#}", path.display()));
             assert_eq!(at.step, *step);
         }
+        newest = all.last().unwrap().0;
         seen += all.len();
     }
-    assert_eq!(kills, 12);
-    assert!(seen >= 12);
+    assert_eq!(kills, 110);
+    // Every round after the first went on from the checkpoint the kill left
+    // and wrote newer ones.
+    assert_eq!(resumed, 109);
+    assert!(seen >= 110);
 }
 
 /// The checkpoint directory of the only entry of the kill suite.
@@ -266,7 +311,9 @@ checkpoint_compress = true
     // keep = 3: never more than three on disk after any save.
     let mut on_disk: Vec<u64> = Vec::new();
     for c in checkpoints {
-        on_disk.push(c["step"].as_u64().unwrap());
+        if c["persisted"] == true {
+            on_disk.push(c["step"].as_u64().unwrap());
+        }
         on_disk.retain(|s| !c["deleted"].as_array().unwrap().iter().any(|d| d.as_u64() == Some(*s)));
         assert!(on_disk.len() <= 3, "{on_disk:?}");
     }
@@ -305,4 +352,58 @@ fn a_killed_run_resumes_from_its_newest_checkpoint_and_repeats_the_losses_bit_fo
     assert_eq!(losses(y), tail, "the resumed run's losses differ from the uninterrupted run's");
     assert_eq!(x["metrics"]["final_eval_loss"], y["metrics"]["final_eval_loss"]);
     assert!(!root.exists(), "the finished entry left its checkpoints");
+}
+
+#[test]
+fn a_failure_that_loses_host_memory_restores_from_disk_and_repeats_the_losses_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    // Snapshots every 5 steps, every second one persisted: 10, 20, 30 reach
+    // disk, 5, 15, 25 stay in memory.
+    let text = suite("");
+    let cut = text.find("[[strategy]]\nname = \"every5-zstd\"").unwrap();
+    let base = text[..cut]
+        .replace("checkpoint_config = { every = 5, keep = 2 }", "checkpoint_config = { every = 5, keep = 2, persist_every = 2 }");
+    let clean = write(dir.path(), "clean.toml", &base);
+    // A failure at 13 loses nothing: back to 10 (memory). At 27 with memory
+    // lost: back to 20 from disk (25 was in memory only).
+    let lossy = base.replace("target_loss = 100.0\n", "target_loss = 100.0\nfaults = { at_steps = [13, 27], lose_memory = 1.0 }\n");
+    let lossy = write(dir.path(), "lossy.toml", &lossy);
+    let (a, b) = (dir.path().join("clean.json"), dir.path().join("lossy.json"));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&clean).arg("--out").arg(&a));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&lossy).arg("--out").arg(&b));
+    let (x, y) = (results(&a), results(&b));
+    let (x, y) = (entry(&x, "every5"), entry(&y, "every5"));
+    assert_eq!(y["status"], "ok", "{}", y["error"]);
+    assert_eq!(losses(x), losses(y), "the run restored from disk repeats different losses");
+    let f = y["metrics"]["resilience"]["failures"].as_array().unwrap();
+    let got: Vec<(u64, u64, &str)> =
+        f.iter().map(|f| (f["step"].as_u64().unwrap(), f["restored_to"].as_u64().unwrap(), f["restored_from"].as_str().unwrap())).collect();
+    // lose_memory = 1: every failure loses memory, so both come from disk.
+    // At 13 the newest durable checkpoint is 10 if its persist finished in
+    // the 3 steps since, else the start (a persist under way is lost too).
+    assert!(got[0] == (13, 10, "disk") || got[0] == (13, 0, "start"), "{got:?}");
+    assert!(got[1].0 == 27 && got[1].2 == "disk" && [10, 20].contains(&got[1].1), "{got:?}");
+    assert!(f.iter().all(|f| f["lost_memory"] == true));
+}
+
+/// A checkpoint policy built against contract 0.1.0 (before the two tiers)
+/// still loads and runs: every snapshot it asks for is persisted.
+#[test]
+fn a_checkpoint_policy_of_contract_0_1_0_still_loads_and_persists_every_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = crate::repo_root().join("tests/fixtures/every-n-wit-0.1.0.wasm");
+    let text = suite("faults = { at_steps = [13] }").replace(&artifact("every-n.wasm").display().to_string(), &old.display().to_string());
+    let cut = text.find("[[strategy]]\nname = \"every5-zstd\"").unwrap();
+    let s = write(dir.path(), "old.toml", &text[..cut]);
+    let v = run_ok(harness(dir.path()).arg("validate").arg(&s));
+    let said = String::from_utf8_lossy(&v.stdout);
+    assert!(said.contains("every-n") && said.contains("0.1.0"), "{said}");
+    let out = dir.path().join("old.json");
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).arg("--out").arg(&out));
+    let r = results(&out);
+    let e = entry(&r, "every5");
+    assert_eq!(e["status"], "ok", "{}", e["error"]);
+    let res = &e["metrics"]["resilience"];
+    assert_eq!(res["failures"][0]["restored_to"], 10);
+    assert!(res["checkpoints"].as_array().unwrap().iter().any(|c| c["persisted"] == true));
 }

@@ -263,7 +263,7 @@ fn validate_configures_each_plugin_and_points_at_a_bad_config() {
     let out = run_ok(harness(dir.path()).arg("validate").arg(&good));
     // The suite's name for the plugin, then what the artifact says it is and how it runs.
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(said.contains("plugin `topk`: topk ") && said.contains("(compressor, wasm) from "), "{said}");
+    assert!(said.contains("plugin `topk`: topk ") && said.contains("(compressor, wasm, contract 0.1.1) from "), "{said}");
     let text = suite("{ ratoi = 0.2 }");
     let bad = write(dir.path(), "bad.toml", &text);
     let out = harness(dir.path()).arg("validate").arg(&bad).output().unwrap();

@@ -592,6 +592,9 @@ impl BatchPolicy for PluginBatch {
     }
 }
 
+/// A checkpoint policy's answer: snapshot, persist, steps to delete.
+pub type CheckpointAnswer = (bool, bool, Vec<u64>);
+
 /// A checkpoint-policy plugin behind the host's [`CheckpointPolicy`] trait.
 pub struct PluginCheckpoint {
     pub plugin: Plugin,
@@ -599,17 +602,9 @@ pub struct PluginCheckpoint {
 
 impl CheckpointPolicy for PluginCheckpoint {
     fn decide(&mut self, t: &StepTelemetry, h: &CheckpointHistory) -> Result<CheckpointDecision> {
-        let (save, delete) = self.plugin.call("decide", |i| match i {
-            Inst::Wasm(w) => {
-                let hist = wasm::wit_checkpoint::CheckpointHistory {
-                    last_cost_s: h.last_cost_s,
-                    saved: h.saved.clone(),
-                    failures: h.failures.clone(),
-                    since_last_s: h.since_last_s,
-                };
-                w.checkpoint_decide(&telemetry_wit(t), &hist).map(|r| r.map(|d| (d.save, d.delete)))
-            }
-            Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), &h.saved, &h.failures, h.last_cost_s, h.since_last_s),
+        let (save, persist, delete) = self.plugin.call("decide", |i| match i {
+            Inst::Wasm(w) => w.checkpoint_decide(&telemetry_wit(t), h),
+            Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), h),
         })?;
         if let Some(d) = delete.iter().find(|d| !h.saved.contains(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
@@ -617,7 +612,7 @@ impl CheckpointPolicy for PluginCheckpoint {
         if let Some(d) = delete.iter().enumerate().find_map(|(i, d)| delete[..i].contains(d).then_some(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d} twice")));
         }
-        Ok(CheckpointDecision { save, persist: save, delete })
+        Ok(CheckpointDecision { save, persist, delete })
     }
 
     fn plugin_any(&mut self) -> Option<&mut dyn Any> {

@@ -18,6 +18,7 @@ use libloading::Library;
 
 use super::ops::HostSide;
 use super::Kind as PluginKind;
+use crate::strategy::CheckpointHistory;
 
 /// An opened library whose ABI version matched.
 pub struct Artifact {
@@ -162,6 +163,7 @@ struct Fns {
     batch_next: Option<x::BatchNext>,
     batch_wants_gradient_stats: Option<x::BatchWantsGradientStats>,
     checkpoint_decide: Option<x::CheckpointDecide>,
+    checkpoint_decide_tiered: Option<x::CheckpointDecideTiered>,
 }
 
 /// One instance of a native plugin.
@@ -212,6 +214,7 @@ impl Instance {
             batch_next: inst.sym(symbols::BATCH_NEXT).ok(),
             batch_wants_gradient_stats: inst.sym(symbols::BATCH_WANTS_GRADIENT_STATS).ok(),
             checkpoint_decide: inst.sym(symbols::CHECKPOINT_DECIDE).ok(),
+            checkpoint_decide_tiered: inst.sym(symbols::CHECKPOINT_DECIDE_TIERED).ok(),
         };
         Ok(inst)
     }
@@ -341,35 +344,59 @@ impl Instance {
         Ok(self.status(code)?.map(|()| out != 0))
     }
 
-    /// `harness_checkpoint_decide`; returns (save, steps to delete).
-    pub fn checkpoint_decide(
-        &mut self,
-        t: &abi::StepTelemetry,
-        saved: &[u64],
-        failures: &[u64],
-        last_cost_s: Option<f64>,
-        since_last_s: f64,
-    ) -> Result<Result<(bool, Vec<u64>), String>> {
-        let f = Self::need(self.fns.checkpoint_decide, symbols::CHECKPOINT_DECIDE)?;
-        let h = abi::CheckpointHistory {
-            has_last_cost_s: last_cost_s.is_some() as u8,
-            last_cost_s: last_cost_s.unwrap_or(0.0),
-            saved: saved.as_ptr(),
-            n_saved: saved.len(),
-            failures: failures.as_ptr(),
-            n_failures: failures.len(),
-            since_last_s,
+    /// `harness_checkpoint_decide_tiered` when the library has it (contract
+    /// 0.1.1), else `harness_checkpoint_decide` (which persists every
+    /// snapshot); returns (save, persist, steps to delete).
+    pub fn checkpoint_decide(&mut self, t: &abi::StepTelemetry, h: &CheckpointHistory) -> Result<Result<super::CheckpointAnswer, String>> {
+        let opt = |v: Option<f64>| (v.is_some() as u8, v.unwrap_or(0.0));
+        let (has_last_cost_s, last_cost_s) = opt(h.last_cost_s);
+        let base = abi::CheckpointHistory {
+            has_last_cost_s,
+            last_cost_s,
+            saved: h.saved.as_ptr(),
+            n_saved: h.saved.len(),
+            failures: h.failures.as_ptr(),
+            n_failures: h.failures.len(),
+            since_last_s: h.since_last_s,
         };
-        let mut room = vec![0u64; saved.len()];
+        let mut room = vec![0u64; h.saved.len()];
         let mut d = abi::Decision { save: 0, delete_steps: room.as_mut_ptr(), n_delete: 0 };
-        // SAFETY: valid pointers; room has n_saved slots.
-        let code = unsafe { f(self.this, t, &h, &mut d) };
+        let (code, persist) = match self.fns.checkpoint_decide_tiered {
+            Some(f) => {
+                let (has_last_stall_s, last_stall_s) = opt(h.last_stall_s);
+                let (has_last_persist_s, last_persist_s) = opt(h.last_persist_s);
+                let (has_last_slowdown_s, last_slowdown_s) = opt(h.last_slowdown_s);
+                let th = abi::TieredHistory {
+                    base,
+                    in_memory: h.in_memory.as_ptr(),
+                    n_in_memory: h.in_memory.len(),
+                    has_persisting: h.persisting.is_some() as u8,
+                    persisting: h.persisting.unwrap_or(0),
+                    has_last_stall_s,
+                    last_stall_s,
+                    has_last_persist_s,
+                    last_persist_s,
+                    has_last_slowdown_s,
+                    last_slowdown_s,
+                };
+                let mut td = abi::TieredDecision { base: d, persist: 0 };
+                // SAFETY: valid pointers; room has n_saved slots.
+                let code = unsafe { f(self.this, t, &th, &mut td) };
+                d = td.base;
+                (code, td.persist != 0)
+            }
+            None => {
+                let f = Self::need(self.fns.checkpoint_decide, symbols::CHECKPOINT_DECIDE)?;
+                // SAFETY: valid pointers; room has n_saved slots.
+                (unsafe { f(self.this, t, &base, &mut d) }, true)
+            }
+        };
         Ok(self.status(code)?.and_then(|()| {
             if d.n_delete > room.len() {
                 return Err(format!("it listed {} checkpoints to delete, more than the {} saved", d.n_delete, room.len()));
             }
             room.truncate(d.n_delete);
-            Ok((d.save != 0, room))
+            Ok((d.save != 0, d.save != 0 && persist, room))
         }))
     }
 }

@@ -61,6 +61,18 @@ mod bindings {
             anyhow: true,
         });
     }
+    pub mod tiered_checkpoint_policy {
+        wasmtime::component::bindgen!({
+            path: "../sdk/wit",
+            world: "tiered-checkpoint-policy",
+            imports: { default: trappable },
+            with: {
+                "harness:strategy/log": super::compressor::harness::strategy::log,
+                "harness:strategy/types": super::compressor::harness::strategy::types,
+            },
+            anyhow: true,
+        });
+    }
 }
 
 pub use bindings::batch_policy::exports::harness::strategy::batch_sizing as wit_batch;
@@ -68,6 +80,7 @@ pub use bindings::checkpoint_policy::exports::harness::strategy::checkpointing a
 pub use bindings::compressor::exports::harness::strategy::gradient_compression as wit_compress;
 pub use bindings::compressor::harness::strategy::types as wit_types;
 use bindings::compressor::harness::strategy::{collective, log, tensor};
+use bindings::tiered_checkpoint_policy::exports::harness::strategy::tiered_checkpointing as wit_tiered;
 
 /// Ticks per second of the epoch clock that deadlines count in.
 const TICKS_PER_S: u64 = 100;
@@ -274,6 +287,8 @@ impl WasiView for State {
 pub struct Artifact {
     pre: InstancePre<State>,
     pub kind: PluginKind,
+    /// A checkpoint policy that exports `tiered-checkpointing` (0.1.1).
+    tiered: bool,
     /// The contract version the component was built against.
     pub contract: String,
 }
@@ -310,21 +325,23 @@ pub fn load(bytes: &[u8]) -> Result<Artifact> {
     let ty = component.component_type();
     let mut kind = None;
     let mut contract = None;
+    let mut tiered = false;
     for (name, _) in ty.exports(engine) {
         if let Some((iface, version)) = interface_version(name) {
             contract.get_or_insert_with(|| version.to_owned());
+            tiered |= iface == "tiered-checkpointing";
             kind = kind.or(match iface {
                 "gradient-compression" => Some(PluginKind::Compressor),
                 "batch-sizing" => Some(PluginKind::BatchPolicy),
-                "checkpointing" => Some(PluginKind::CheckpointPolicy),
+                "checkpointing" | "tiered-checkpointing" => Some(PluginKind::CheckpointPolicy),
                 _ => None,
             });
         }
     }
     let contract = contract.ok_or_else(|| anyhow!("it exports no harness:strategy interface: not a harness plugin"))?;
-    if contract != harness_sdk::CONTRACT_VERSION {
+    if !contract_supported(&contract) {
         anyhow::bail!(
-            "it was built against contract harness:strategy@{contract}, and this harness speaks @{}; rebuild it with a matching harness-sdk",
+            "it was built against contract harness:strategy@{contract}, and this harness speaks @{} (and earlier 0.1 contracts); rebuild it with a matching harness-sdk",
             harness_sdk::CONTRACT_VERSION
         );
     }
@@ -340,7 +357,21 @@ pub fn load(bytes: &[u8]) -> Result<Artifact> {
         }
     }
     let pre = linker.instantiate_pre(&component).map_err(anyhow::Error::from).context("its imports cannot be satisfied by the sandbox")?;
-    Ok(Artifact { pre, kind, contract })
+    Ok(Artifact { pre, kind, tiered, contract })
+}
+
+/// Whether this host loads a component of `contract`: the same 0.1 series,
+/// no newer than its own (additions come with a new patch version, and the
+/// host keeps the older worlds).
+fn contract_supported(contract: &str) -> bool {
+    let parse = |v: &str| -> Option<(u32, u32, u32)> {
+        let mut it = v.split('.').map(|p| p.parse::<u32>().ok());
+        Some((it.next()??, it.next()??, it.next()??))
+    };
+    match (parse(contract), parse(harness_sdk::CONTRACT_VERSION)) {
+        (Some((a, b, c)), Some((x, y, z))) => a == x && b == y && c <= z,
+        _ => false,
+    }
 }
 
 /// Sandbox limits of one instance.
@@ -354,6 +385,7 @@ enum World {
     Compressor(bindings::compressor::Compressor),
     Batch(bindings::batch_policy::BatchPolicy),
     Checkpoint(bindings::checkpoint_policy::CheckpointPolicy),
+    TieredCheckpoint(bindings::tiered_checkpoint_policy::TieredCheckpointPolicy),
 }
 
 /// One instance: a store and the component's exports.
@@ -381,6 +413,9 @@ impl Instance {
         let world = match a.kind {
             PluginKind::Compressor => World::Compressor(bindings::compressor::Compressor::new(&mut store, &instance)?),
             PluginKind::BatchPolicy => World::Batch(bindings::batch_policy::BatchPolicy::new(&mut store, &instance)?),
+            PluginKind::CheckpointPolicy if a.tiered => {
+                World::TieredCheckpoint(bindings::tiered_checkpoint_policy::TieredCheckpointPolicy::new(&mut store, &instance)?)
+            }
             PluginKind::CheckpointPolicy => World::Checkpoint(bindings::checkpoint_policy::CheckpointPolicy::new(&mut store, &instance)?),
         };
         Ok(Instance { store, world, deadline_ticks, deadline: limits.deadline, memory_bytes: limits.memory_bytes })
@@ -437,6 +472,10 @@ impl Instance {
                     let i = b.harness_strategy_plugin().call_info(s)?;
                     return Ok((i.name, i.version));
                 }
+                World::TieredCheckpoint(b) => {
+                    let i = b.harness_strategy_plugin().call_info(s)?;
+                    return Ok((i.name, i.version));
+                }
             };
             Ok((i.name, i.version))
         })
@@ -448,6 +487,7 @@ impl Instance {
             World::Compressor(b) => b.harness_strategy_plugin().call_configure(s, toml),
             World::Batch(b) => b.harness_strategy_plugin().call_configure(s, toml),
             World::Checkpoint(b) => b.harness_strategy_plugin().call_configure(s, toml),
+            World::TieredCheckpoint(b) => b.harness_strategy_plugin().call_configure(s, toml),
         })
     }
 
@@ -457,6 +497,7 @@ impl Instance {
             World::Compressor(b) => b.harness_strategy_plugin().call_state_save(s),
             World::Batch(b) => b.harness_strategy_plugin().call_state_save(s),
             World::Checkpoint(b) => b.harness_strategy_plugin().call_state_save(s),
+            World::TieredCheckpoint(b) => b.harness_strategy_plugin().call_state_save(s),
         })
     }
 
@@ -466,6 +507,7 @@ impl Instance {
             World::Compressor(b) => b.harness_strategy_plugin().call_state_load(s, state),
             World::Batch(b) => b.harness_strategy_plugin().call_state_load(s, state),
             World::Checkpoint(b) => b.harness_strategy_plugin().call_state_load(s, state),
+            World::TieredCheckpoint(b) => b.harness_strategy_plugin().call_state_load(s, state),
         })
     }
 
@@ -505,10 +547,35 @@ impl Instance {
     pub fn checkpoint_decide(
         &mut self,
         t: &wit_types::StepTelemetry,
-        h: &wit_checkpoint::CheckpointHistory,
-    ) -> Result<Result<wit_checkpoint::Decision, String>> {
+        h: &crate::strategy::CheckpointHistory,
+    ) -> Result<Result<super::CheckpointAnswer, String>> {
         self.call(|s, w| match w {
-            World::Checkpoint(b) => b.harness_strategy_checkpointing().call_decide(s, *t, h),
+            World::TieredCheckpoint(b) => {
+                let state = wit_tiered::CheckpointState {
+                    last_cost_s: h.last_cost_s,
+                    saved: h.saved.clone(),
+                    failures: h.failures.clone(),
+                    since_last_s: h.since_last_s,
+                    in_memory: h.in_memory.clone(),
+                    persisting: h.persisting,
+                    last_stall_s: h.last_stall_s,
+                    last_persist_s: h.last_persist_s,
+                    last_slowdown_s: h.last_slowdown_s,
+                };
+                let d = b.harness_strategy_tiered_checkpointing().call_decide(s, *t, &state)?;
+                Ok(d.map(|d| (d.snapshot, d.snapshot && d.persist, d.delete)))
+            }
+            World::Checkpoint(b) => {
+                // Contract 0.1.0: every snapshot is persisted.
+                let hist = wit_checkpoint::CheckpointHistory {
+                    last_cost_s: h.last_cost_s,
+                    saved: h.saved.clone(),
+                    failures: h.failures.clone(),
+                    since_last_s: h.since_last_s,
+                };
+                let d = b.harness_strategy_checkpointing().call_decide(s, *t, &hist)?;
+                Ok(d.map(|d| (d.save, d.save, d.delete)))
+            }
             _ => unreachable!("checkpoint call on a plugin of another kind"),
         })
     }

@@ -606,6 +606,9 @@ fn exponential(rng: &mut ChaCha8Rng, mean: f64) -> f64 {
     -(1.0 - rng.random::<f64>()).ln() * mean
 }
 
+/// Tensors by name.
+type Named = Vec<(String, Tensor)>;
+
 /// What a snapshot is taken of and restored into.
 pub struct TrainState<'a> {
     pub names: &'a [String],
@@ -620,7 +623,7 @@ impl TrainState<'_> {
     /// The tensors a snapshot copies, where they live: the parameters
     /// (`with_model`: rank 0 writes them for every rank) and this rank's
     /// optimizer and scaler state.
-    pub fn sources(&self, with_model: bool) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+    pub fn sources(&self, with_model: bool) -> (Named, Named) {
         let model =
             if with_model { self.names.iter().cloned().zip(self.params.iter().map(|p| p.shallow_clone())).collect() } else { Vec::new() };
         let mut state: Vec<(String, Tensor)> =

@@ -5,6 +5,8 @@
 //! every = 100     # save when step % every == 0 (default 100, >= 1)
 //! # every_s = 600 # or: save once `since_last_s` reaches this many seconds (> 0)
 //! keep = 2        # checkpoints kept on disk; 0 keeps all (default 0)
+//! persist_every = 1  # persist every k-th snapshot to disk, keep the others
+//!                    # in host memory only (default 1: all; >= 1)
 //! ```
 //!
 //! `every` and `every_s` exclude each other; with neither, `every = 100`.
@@ -34,6 +36,9 @@ pub enum Interval {
 pub struct EveryN {
     interval: Interval,
     keep: usize,
+    persist_every: u64,
+    /// Snapshots taken since the last persisted one.
+    since_persist: u64,
 }
 
 impl Plugin for EveryN {
@@ -41,7 +46,7 @@ impl Plugin for EveryN {
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn configure(config: &Config) -> Result<Self, Error> {
-        config.check_keys(&["every", "every_s", "keep"])?;
+        config.check_keys(&["every", "every_s", "keep", "persist_every"])?;
         let every: Option<u64> = config.get("every")?;
         let every_s: Option<f64> = config.get("every_s")?;
         let interval = match (every, every_s) {
@@ -54,7 +59,11 @@ impl Plugin for EveryN {
             (None, Some(s)) => Interval::Seconds(s),
             (None, None) => Interval::Steps(100),
         };
-        Ok(EveryN { interval, keep: checkpoint::keep_from_config(config)? })
+        let persist_every: u64 = config.get_or("persist_every", 1u64)?;
+        if persist_every == 0 {
+            return Err(Error::new("persist_every must be at least 1"));
+        }
+        Ok(EveryN { interval, keep: checkpoint::keep_from_config(config)?, persist_every, since_persist: 0 })
     }
 }
 
@@ -78,7 +87,12 @@ impl CheckpointPolicy for EveryN {
         if !self.due(t, h) {
             return Ok(Decision::none());
         }
-        Ok(Decision { save: true, delete: checkpoint::retain(&h.saved, self.keep, t.step) })
+        self.since_persist += 1;
+        if self.since_persist < self.persist_every {
+            return Ok(Decision::snapshot());
+        }
+        self.since_persist = 0;
+        Ok(Decision { save: true, persist: true, delete: checkpoint::retain(&h.saved, h.persisting, self.keep, t.step) })
     }
 }
 
@@ -193,7 +207,7 @@ mod tests {
         assert_eq!(p.decide(&step(7), &h(29.999, vec![])).unwrap(), Decision::none());
         assert_eq!(p.decide(&step(8), &h(30.0, vec![])).unwrap(), Decision::save());
         assert_eq!(p.decide(&step(9), &h(0.5, vec![8])).unwrap(), Decision::none());
-        assert_eq!(p.decide(&step(20), &h(31.0, vec![8])).unwrap(), Decision { save: true, delete: vec![8] });
+        assert_eq!(p.decide(&step(20), &h(31.0, vec![8])).unwrap(), Decision { save: true, persist: true, delete: vec![8] });
         // An integer is read as seconds too.
         assert_eq!(policy("every_s = 5").interval(), Interval::Seconds(5.0));
 
@@ -213,6 +227,17 @@ mod tests {
     }
 
     #[test]
+    fn persist_every_keeps_the_other_snapshots_in_memory_and_a_persist_under_way_counts_as_on_disk() {
+        let mut p = policy("every = 10\npersist_every = 3\nkeep = 2");
+        let h = CheckpointHistory { saved: vec![10], persisting: Some(40), ..Default::default() };
+        let d: Vec<Decision> = [10, 20, 30, 40, 50, 60].iter().map(|&s| p.decide(&step(s), &h).unwrap()).collect();
+        assert_eq!(d.iter().map(|d| (d.save, d.persist)).collect::<Vec<_>>(), [(true, false), (true, false), (true, true)].repeat(2));
+        // keep = 2 with 10 on disk and 40 on its way: 10 goes when 60 is persisted.
+        assert_eq!(d[5].delete, vec![10]);
+        assert!(d[2].delete == vec![10]);
+    }
+
+    #[test]
     fn configuration_errors() {
         assert_eq!(error("every = 0"), "every must be at least 1");
         assert!(error("every = -5").contains("`every`"));
@@ -223,7 +248,8 @@ mod tests {
         assert!(error("every_s = nan").starts_with("every_s must be finite and > 0"));
         assert!(error("every_s = inf").starts_with("every_s must be finite and > 0"));
         assert!(error("keep = -1").contains("`keep`"));
-        assert_eq!(error("evry = 3"), "unknown config key `evry` (known: every, every_s, keep)");
+        assert_eq!(error("evry = 3"), "unknown config key `evry` (known: every, every_s, keep, persist_every)");
+        assert_eq!(error("persist_every = 0"), "persist_every must be at least 1");
         assert!(error("every = ").starts_with("config is not valid TOML"));
     }
 

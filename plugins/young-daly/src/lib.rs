@@ -23,8 +23,12 @@
 //!
 //! Rule, after each step:
 //!
-//! - C is `history.last_cost_s`, the host's measurement of the latest
-//!   checkpoint write, so T follows the latest cost. Before a measurement
+//! - C is `history.last_cost_s`, the host's measurement of what the latest
+//!   checkpoint cost training: with asynchronous checkpoints its stall plus
+//!   the slowdown of the steps that overlapped its copy and persist (the
+//!   time the write itself took in the background does not stop training
+//!   and is not counted); with synchronous ones the whole write. So T
+//!   follows the latest cost. Before a measurement
 //!   (or if it is not finite or negative) C is `initial_cost_s`.
 //! - MTBF is `mtbf_s`; with `estimate_mtbf = true` and at least one failure in
 //!   `history.failures`, it is `telemetry.elapsed_s / failures.len()`; before
@@ -135,7 +139,7 @@ impl CheckpointPolicy for YoungDaly {
         if !(self.first_save(t, h) || h.since_last_s >= self.interval_s(t, h)) {
             return Ok(Decision::none());
         }
-        Ok(Decision { save: true, delete: checkpoint::retain(&h.saved, self.keep, t.step) })
+        Ok(Decision { save: true, persist: true, delete: checkpoint::retain(&h.saved, h.persisting, self.keep, t.step) })
     }
 }
 
@@ -161,7 +165,13 @@ mod tests {
     }
 
     fn hist(cost: Option<f64>, saved: &[u64], failures: &[u64], since: f64) -> CheckpointHistory {
-        CheckpointHistory { last_cost_s: cost, saved: saved.to_vec(), failures: failures.to_vec(), since_last_s: since }
+        CheckpointHistory {
+            last_cost_s: cost,
+            saved: saved.to_vec(),
+            failures: failures.to_vec(),
+            since_last_s: since,
+            ..Default::default()
+        }
     }
 
     fn close(a: f64, b: f64) -> bool {
@@ -376,6 +386,9 @@ mod tests {
         let mut p = policy("mtbf_s = 3600\nkeep = 1");
         assert!(p.state_save().is_empty());
         p.state_load(&[]).unwrap();
-        assert_eq!(p.decide(&tele(200, 200.0), &hist(Some(2.0), &[1], &[], 120.0)).unwrap(), Decision { save: true, delete: vec![1] });
+        assert_eq!(
+            p.decide(&tele(200, 200.0), &hist(Some(2.0), &[1], &[], 120.0)).unwrap(),
+            Decision { save: true, persist: true, delete: vec![1] }
+        );
     }
 }

@@ -23,7 +23,7 @@ impl CheckpointPolicy for DeleteTwice {
             Some(&s) if h.saved.len() >= 2 => vec![s, s],
             _ => Vec::new(),
         };
-        Ok(Decision { save: true, delete })
+        Ok(Decision { save: true, persist: true, delete })
     }
 }
 
