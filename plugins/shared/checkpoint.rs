@@ -10,28 +10,26 @@ pub fn keep_from_config(config: &Config) -> Result<usize, Error> {
     config.get_or("keep", 0usize)
 }
 
-/// The checkpoints to delete when the checkpoint of `step` is about to be
-/// saved, so that at most `keep` remain once it is (`keep` = 0 keeps all).
+/// The checkpoints to delete so that at most `keep` stay on disk (`keep` =
+/// 0 keeps all): the oldest of `saved` (the host's list of durable ones,
+/// oldest first) beyond the newest `keep`, each once.
 ///
-/// `saved` is the host's list, oldest first; the oldest go first. Only steps
-/// in `saved` are returned, each once, and never `step` itself (a checkpoint
-/// of the current step already on disk is overwritten, not added).
-///
-/// `persisting` (a checkpoint on its way to disk) counts as on disk, but is
-/// never returned: it cannot be deleted before it is durable.
-pub fn retain(saved: &[u64], persisting: Option<u64>, keep: usize, step: u64) -> Vec<u64> {
+/// Asked after every step, not only when saving: a checkpoint counts once
+/// it is durable, never before. A snapshot taken now, or one being
+/// persisted in the background, may never reach disk (a newer one can take
+/// its turn, a failure can cut its write), so deleting older ones for it
+/// first could leave fewer than `keep` to restore from.
+pub fn retain(saved: &[u64], keep: usize) -> Vec<u64> {
     if keep == 0 {
         return Vec::new();
     }
-    let mut others: Vec<u64> = Vec::with_capacity(saved.len() + 1);
-    for s in saved.iter().copied().chain(persisting) {
-        if s != step && !others.contains(&s) {
-            others.push(s);
+    let mut unique: Vec<u64> = Vec::with_capacity(saved.len());
+    for &s in saved {
+        if !unique.contains(&s) {
+            unique.push(s);
         }
     }
-    // After the save: `others` plus the new one.
-    let excess = (others.len() + 1).saturating_sub(keep);
-    others.truncate(excess);
-    others.retain(|s| saved.contains(s));
-    others
+    let excess = unique.len().saturating_sub(keep);
+    unique.truncate(excess);
+    unique
 }

@@ -102,7 +102,13 @@ impl Snapshot {
 struct FileRecord {
     file: String,
     bytes: u64,
+    /// Without `chunk_bytes`: the sha256 of the file. With it: the sha256 of
+    /// the concatenated sha256 digests of the file's consecutive pieces of
+    /// `chunk_bytes` bytes (the last one shorter), so that several threads
+    /// can hash one file as fast as the disk moves it.
     sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    chunk_bytes: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -292,8 +298,62 @@ fn sha256_file(path: &Path) -> Result<(u64, String)> {
 
 fn check_file(dir: &Path, rec: &FileRecord) -> Result<()> {
     let path = dir.join(&rec.file);
+    if rec.chunk_bytes.is_some() {
+        return read_verified(dir, rec).map(drop);
+    }
     let (bytes, sha) = sha256_file(&path)?;
     damaged(&path, rec, bytes, &sha)
+}
+
+/// Pieces hashed separately, on several threads (see [`FileRecord`]).
+const HASH_CHUNK: usize = 64 << 20;
+/// Threads that hash one file's pieces.
+const HASH_THREADS: usize = 4;
+
+/// The sha256 of the piece digests (see [`FileRecord::sha256`]).
+fn tree_digest(digests: &[[u8; 32]]) -> String {
+    let mut h = Sha256::new();
+    for d in digests {
+        h.update(d);
+    }
+    hex::encode(h.finalize())
+}
+
+/// Hashes the pieces of `HASH_CHUNK` bytes of the byte stream `parts` on
+/// [`HASH_THREADS`] threads; returns the tree digest.
+fn hash_pieces(parts: &[&[u8]]) -> String {
+    // Each piece as the slices of `parts` it covers.
+    let mut pieces: Vec<Vec<&[u8]>> = vec![Vec::new()];
+    let mut room = HASH_CHUNK;
+    for p in parts {
+        let mut p: &[u8] = p;
+        while !p.is_empty() {
+            if room == 0 {
+                pieces.push(Vec::new());
+                room = HASH_CHUNK;
+            }
+            let k = room.min(p.len());
+            pieces.last_mut().expect("a piece").push(&p[..k]);
+            p = &p[k..];
+            room -= k;
+        }
+    }
+    let mut digests = vec![[0u8; 32]; pieces.len()];
+    std::thread::scope(|s| {
+        let per = pieces.len().div_ceil(HASH_THREADS).max(1);
+        for (ds, ps) in digests.chunks_mut(per).zip(pieces.chunks(per)) {
+            s.spawn(move || {
+                for (d, piece) in ds.iter_mut().zip(ps) {
+                    let mut h = Sha256::new();
+                    for c in piece {
+                        h.update(c);
+                    }
+                    d.copy_from_slice(&h.finalize());
+                }
+            });
+        }
+    });
+    tree_digest(&digests)
 }
 
 fn damaged(path: &Path, rec: &FileRecord, bytes: u64, sha: &str) -> Result<()> {
@@ -436,15 +496,7 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
         (h.bytes, hex::encode(h.hash.finalize()))
     } else {
         std::thread::scope(|s| -> Result<(u64, String)> {
-            let hasher = s.spawn(|| {
-                let mut h = Sha256::new();
-                for p in &parts {
-                    for c in p.chunks(CHUNK) {
-                        h.update(c);
-                    }
-                }
-                hex::encode(h.finalize())
-            });
+            let hasher = s.spawn(|| hash_pieces(&parts));
             let mut f = &file;
             let mut n = 0u64;
             for p in &parts {
@@ -458,7 +510,8 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
     };
     file.sync_all().with_context(|| format!("syncing {}", path.display()))?;
     evict(&file);
-    Ok(FileRecord { file: name.to_owned(), bytes, sha256 })
+    let chunk_bytes = (!compress).then_some(HASH_CHUNK as u64);
+    Ok(FileRecord { file: name.to_owned(), bytes, sha256, chunk_bytes })
 }
 
 /// Reads `rec`'s file whole, hashing on a second thread as it reads, and
@@ -471,25 +524,44 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
         bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
     }
     let mut buf = vec![0u8; len as usize];
-    let sha = std::thread::scope(|s| -> Result<String> {
-        let (tx, rx) = std::sync::mpsc::channel::<&[u8]>();
-        let hasher = s.spawn(move || {
-            let mut h = Sha256::new();
-            for c in rx {
-                h.update(c);
-            }
-            hex::encode(h.finalize())
-        });
-        for c in buf.chunks_mut(CHUNK) {
-            f.read_exact(c).with_context(|| format!("reading {}", path.display()))?;
-            let filled: &[u8] = c;
-            let _ = tx.send(filled);
+    let sha = match rec.chunk_bytes {
+        Some(chunk) => read_hashing_pieces(&mut f, &mut buf, chunk as usize).with_context(|| format!("reading {}", path.display()))?,
+        None => {
+            f.read_exact(&mut buf).with_context(|| format!("reading {}", path.display()))?;
+            hex::encode(Sha256::digest(&buf))
         }
-        drop(tx);
-        Ok(hasher.join().expect("the hashing thread panicked"))
-    })?;
+    };
     damaged(&path, rec, len, &sha)?;
     Ok(buf)
+}
+
+/// Fills `buf` from `f` piece by piece, while [`HASH_THREADS`] threads hash
+/// the pieces already read; returns the tree digest.
+fn read_hashing_pieces(f: &mut File, buf: &mut [u8], chunk: usize) -> Result<String> {
+    anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
+    let n = buf.len().div_ceil(chunk);
+    let digests = std::sync::Mutex::new(vec![[0u8; 32]; n]);
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, &[u8])>();
+    let rx = std::sync::Mutex::new(rx);
+    std::thread::scope(|s| -> Result<()> {
+        // Dropped when reading ends, which ends the hashers' loops.
+        let tx = tx;
+        for _ in 0..HASH_THREADS {
+            s.spawn(|| loop {
+                let next = rx.lock().expect("the piece queue").recv();
+                let Ok((i, piece)) = next else { break };
+                let d: [u8; 32] = Sha256::digest(piece).into();
+                digests.lock().expect("the digests")[i] = d;
+            });
+        }
+        for (i, c) in buf.chunks_mut(chunk).enumerate() {
+            f.read_exact(c)?;
+            let filled: &[u8] = c;
+            let _ = tx.send((i, filled));
+        }
+        Ok(())
+    })?;
+    Ok(tree_digest(&digests.into_inner().expect("the digests")))
 }
 
 /// Reads the tensors of `rec`'s file, verified against its size and hash.

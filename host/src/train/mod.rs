@@ -147,8 +147,10 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     let mut t = Training::new(ctx, comm)?;
     let configured = BatchDecision { micro_batch: w.batch, accum_steps: w.grad_accum, lr_scale: 1.0 };
     let mut batch = Batch::initial(t.strategies.batch.as_mut(), configured, ctx.memory_total_bytes, t.world)?;
-    let mut meter = Meter::start(&t, target_loss(w, t.data.loss_floor()), ctx.memory_total_bytes)?;
+    // Before the training clock starts: the snapshot buffers (pinned host
+    // memory) take a while to allocate.
     let mut safe = Resilience::open(ctx, &mut t, &batch)?;
+    let mut meter = Meter::start(&t, target_loss(w, t.data.loss_floor()), ctx.memory_total_bytes)?;
     let mut step = safe.resume(ctx, &mut t, &mut batch)?.unwrap_or(0);
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let replicas = replica_check();

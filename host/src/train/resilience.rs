@@ -16,7 +16,7 @@ use super::batch::Batch;
 use super::checkpoint::{self, host_copy, Position, Snapshot, Store};
 use super::optim::{LossScaler, Optimizer};
 use super::setup::Training;
-use super::tiers::{copy_into, Persisted, Pool, Shared, Writer};
+use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
 use super::EntryContext;
 use crate::comm::{ranks_agree, Collective};
 use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
@@ -56,9 +56,15 @@ struct Tiers {
     in_flight: Option<InFlight>,
     /// Times of recent steps that overlapped no checkpoint work.
     clean: VecDeque<f64>,
-    /// The checkpoint (index into the record) whose snapshot copy or
-    /// persist runs alongside the step now training.
+    /// The checkpoint (index into the record) whose snapshot copy, persist
+    /// or deletions run alongside the step now training.
     overlapping: Option<usize>,
+    /// Deletions queued in the writer and not done yet.
+    deleting: usize,
+    /// The training clock at the last decision, and the stall taken since
+    /// (which is the checkpoint's own cost, not a slowdown).
+    last_now: Option<Duration>,
+    stall_since: Duration,
 }
 
 /// The persist under way.
@@ -117,6 +123,9 @@ impl Resilience {
                     in_flight: None,
                     clean: VecDeque::new(),
                     overlapping: None,
+                    deleting: 0,
+                    last_now: None,
+                    stall_since: Duration::ZERO,
                 })
             }
             _ => None,
@@ -178,7 +187,7 @@ impl Resilience {
         device: Device,
     ) -> Result<Decision> {
         let done = telemetry.step;
-        self.account_step(telemetry.step_time_s);
+        self.account_step(now);
         let part_done = self.poll_writer()?;
         self.history.since_last_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
         let decision = policy.decide(telemetry, &self.history)?;
@@ -235,13 +244,21 @@ impl Resilience {
         })
     }
 
-    /// The last step's time goes to the checkpoint whose work ran alongside
-    /// it (as slowdown over the recent clean steps), or joins the clean ones.
-    fn account_step(&mut self, step_s: f64) {
+    /// The last iteration's training time (the step, the policies, the
+    /// progress report: everything from one decision to the next but a
+    /// snapshot's own stall, on the training clock, so evaluation is left
+    /// out) goes to the checkpoint whose work ran alongside it, as the
+    /// slowdown over the median of recent iterations that overlapped
+    /// nothing, or joins those.
+    fn account_step(&mut self, now: Duration) {
         let Some(tiers) = &mut self.tiers else { return };
+        let since = tiers.last_now.replace(now);
+        let stall = std::mem::take(&mut tiers.stall_since);
+        let Some(since) = since else { return };
+        let iter_s = now.saturating_sub(since).saturating_sub(stall).as_secs_f64();
         let Some(i) = tiers.overlapping else {
-            if step_s.is_finite() && step_s > 0.0 {
-                tiers.clean.push_back(step_s);
+            if iter_s > 0.0 {
+                tiers.clean.push_back(iter_s);
                 if tiers.clean.len() > CLEAN_WINDOW {
                     tiers.clean.pop_front();
                 }
@@ -252,7 +269,7 @@ impl Resilience {
         let c = &mut self.record.checkpoints[i];
         c.overlap_steps += 1;
         if let Some(base) = median(&tiers.clean) {
-            let extra = step_s - base;
+            let extra = iter_s - base;
             c.slowdown_s += extra;
             self.record.checkpoint_slowdown_s += extra;
         }
@@ -260,21 +277,27 @@ impl Resilience {
             self.history.last_slowdown_s = Some(c.slowdown_s);
             self.history.last_cost_s = Some(c.cost_s + c.slowdown_s.max(0.0));
         }
-        // The snapshot's copies ran during this step; only a persist goes on.
-        if tiers.in_flight.as_ref().map(|f| f.record) != Some(i) {
+        // The snapshot's copies ran during this iteration; the writer's work
+        // for it may go on.
+        if tiers.in_flight.is_none() && tiers.deleting == 0 {
             tiers.overlapping = None;
         }
     }
 
-    /// Collects the writer's report on the persist in flight. Returns
-    /// whether this rank's part of it is durable.
+    /// Collects the writer's reports. Returns whether this rank's part of
+    /// the persist in flight is durable.
     fn poll_writer(&mut self) -> Result<bool> {
         let Some(tiers) = &mut self.tiers else { return Ok(false) };
-        let Some(f) = &mut tiers.in_flight else { return Ok(false) };
-        if f.part_done.is_none() {
-            f.part_done = tiers.writer.poll()?;
+        for r in tiers.writer.poll()? {
+            match r {
+                Report::Persisted(p) => match &mut tiers.in_flight {
+                    Some(f) => f.part_done = Some(p),
+                    None => anyhow::bail!("the checkpoint writer reported a persist nobody asked for"),
+                },
+                Report::Deleted(_) => tiers.deleting = tiers.deleting.saturating_sub(1),
+            }
         }
-        Ok(f.part_done.is_some())
+        Ok(tiers.in_flight.as_ref().is_some_and(|f| f.part_done.is_some()))
     }
 
     /// Every rank's part of the persist in flight is durable: rank 0 commits
@@ -298,7 +321,7 @@ impl Resilience {
         c.persisted = true;
         c.persist_s = Some(seconds);
         c.bytes = p.bytes;
-        if tiers.overlapping == Some(f.record) {
+        if tiers.overlapping == Some(f.record) && tiers.deleting == 0 {
             tiers.overlapping = None;
         }
         if std::mem::take(&mut tiers.pending) {
@@ -337,6 +360,11 @@ impl Resilience {
     ) -> Result<u64> {
         t.strategies.compressor.finish()?;
         let t0 = Instant::now();
+        if let Some(tiers) = &mut self.tiers {
+            // The restore's iteration is no step to compare.
+            tiers.last_now = None;
+            tiers.stall_since = Duration::ZERO;
+        }
         if lose_memory {
             self.lose_memory()?;
         }
@@ -384,8 +412,12 @@ impl Resilience {
         tiers.overlapping = None;
         self.history.in_memory.clear();
         if let Some(f) = tiers.in_flight.take() {
-            if f.part_done.is_none() {
-                tiers.writer.wait()?;
+            let mut durable = f.part_done.is_some();
+            while !durable {
+                match tiers.writer.wait()? {
+                    Report::Persisted(_) => durable = true,
+                    Report::Deleted(_) => tiers.deleting = tiers.deleting.saturating_sub(1),
+                }
             }
             if self.world == 1 {
                 self.store.as_ref().context("a persist without a store")?.delete(f.position.step)?;
@@ -439,6 +471,7 @@ impl Resilience {
             slowdown_s: 0.0,
         });
         tiers.overlapping = Some(self.record.checkpoints.len() - 1);
+        tiers.stall_since += t0.elapsed();
         self.record.checkpoint_time_s += stall;
         self.history.in_memory = vec![done];
         self.history.last_stall_s = Some(stall);
@@ -500,11 +533,21 @@ impl Resilience {
         Ok(())
     }
 
-    /// Deletes the checkpoints of `steps` (rank 0 deletes the files).
+    /// Deletes the checkpoints of `steps` (rank 0 deletes the files: on the
+    /// asynchronous path through the writer, behind the persist under way).
     pub fn delete(&mut self, steps: &[u64], rank: usize) -> Result<()> {
         for &d in steps {
             if rank == 0 {
-                self.store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?;
+                match &mut self.tiers {
+                    Some(tiers) => {
+                        tiers.writer.delete(d);
+                        tiers.deleting += 1;
+                        if let Some(c) = self.record.checkpoints.len().checked_sub(1) {
+                            tiers.overlapping.get_or_insert(c);
+                        }
+                    }
+                    None => self.store.as_ref().context("a checkpoint deletion without a store")?.delete(d)?,
+                }
             }
             self.history.saved.retain(|&s| s != d);
             if let Some(c) = self.record.checkpoints.last_mut() {

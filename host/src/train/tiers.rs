@@ -104,6 +104,12 @@ pub fn copy_into(dst: &[(String, Tensor)], src: &[(String, Tensor)]) -> Result<(
     Ok(())
 }
 
+/// What the writer finished.
+pub enum Report {
+    Persisted(Persisted),
+    Deleted(u64),
+}
+
 /// A persist the writer finished: durable on this rank (and committed, with
 /// one rank).
 pub struct Persisted {
@@ -113,15 +119,19 @@ pub struct Persisted {
     pub seconds: f64,
 }
 
-struct Job {
-    snap: Arc<Shared>,
-    commit: bool,
+enum Job {
+    Persist {
+        snap: Arc<Shared>,
+        commit: bool,
+    },
+    /// Rank 0: delete a checkpoint (after the persist queued before it).
+    Delete(u64),
 }
 
 /// One rank's background writer: persists snapshots, one at a time.
 pub struct Writer {
     jobs: Option<Sender<Job>>,
-    done: Receiver<Result<Persisted>>,
+    done: Receiver<Result<Report>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -134,9 +144,15 @@ impl Writer {
             .name("checkpoint-writer".into())
             .spawn(move || {
                 for job in rx {
-                    // The job (and its hold on the snapshot) ends before the
-                    // report, so the buffers are free once it is read.
-                    let r = persist(&store, job);
+                    let r = match job {
+                        // The job (and its hold on the snapshot) ends before
+                        // the report, so the buffers are free once it is read.
+                        Job::Persist { snap, commit } => persist(&store, snap, commit).map(Report::Persisted),
+                        Job::Delete(step) => store
+                            .delete(step)
+                            .map(|()| Report::Deleted(step))
+                            .with_context(|| format!("deleting the checkpoint of step {step}")),
+                    };
                     if tx.send(r).is_err() {
                         break;
                     }
@@ -150,33 +166,46 @@ impl Writer {
     /// checkpoint once its files are durable.
     pub fn start(&self, snap: Arc<Shared>, commit: bool) {
         if let Some(j) = &self.jobs {
-            let _ = j.send(Job { snap, commit });
+            let _ = j.send(Job::Persist { snap, commit });
         }
     }
 
-    /// The finished persist, if the writer has one to report.
-    pub fn poll(&self) -> Result<Option<Persisted>> {
-        match self.done.try_recv() {
-            Ok(r) => r.map(Some),
-            Err(TryRecvError::Empty) => Ok(None),
-            Err(TryRecvError::Disconnected) => anyhow::bail!("the checkpoint writer thread ended"),
+    /// Deletes the checkpoint of `step` once the work queued before is done.
+    /// In the writer, not on the training thread: deleting syncs the
+    /// checkpoint directory, which on common filesystems waits for the
+    /// persist under way to reach the disk.
+    pub fn delete(&self, step: u64) {
+        if let Some(j) = &self.jobs {
+            let _ = j.send(Job::Delete(step));
         }
     }
 
-    /// Waits for the persist in flight.
-    pub fn wait(&self) -> Result<Persisted> {
+    /// What the writer finished since the last call.
+    pub fn poll(&self) -> Result<Vec<Report>> {
+        let mut out = Vec::new();
+        loop {
+            match self.done.try_recv() {
+                Ok(r) => out.push(r?),
+                Err(TryRecvError::Empty) => return Ok(out),
+                Err(TryRecvError::Disconnected) => anyhow::bail!("the checkpoint writer thread ended"),
+            }
+        }
+    }
+
+    /// Waits for the next thing the writer finishes.
+    pub fn wait(&self) -> Result<Report> {
         self.done.recv().context("the checkpoint writer thread ended")?
     }
 }
 
 /// Writes one job's files, durably, and commits them if it says so.
-fn persist(store: &Store, job: Job) -> Result<Persisted> {
+fn persist(store: &Store, snap: Arc<Shared>, commit: bool) -> Result<Persisted> {
     let t0 = Instant::now();
-    let step = job.snap.position.step;
-    job.snap.wait_ready()?;
-    let bytes = store.write_part(&job.snap).with_context(|| format!("writing the checkpoint of step {step}"))?;
-    if job.commit {
-        store.commit(job.snap.position).with_context(|| format!("committing the checkpoint of step {step}"))?;
+    let step = snap.position.step;
+    snap.wait_ready()?;
+    let bytes = store.write_part(&snap).with_context(|| format!("writing the checkpoint of step {step}"))?;
+    if commit {
+        store.commit(snap.position).with_context(|| format!("committing the checkpoint of step {step}"))?;
     }
     Ok(Persisted { step, bytes, seconds: t0.elapsed().as_secs_f64() })
 }

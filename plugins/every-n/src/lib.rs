@@ -13,10 +13,13 @@
 //! With `every_s`, the clock is the host's `since_last_s` (seconds since the
 //! last checkpoint, or since the start), so a save restarts it.
 //!
-//! Retention: when it saves and more than `keep` checkpoints would then be on
-//! disk, the decision deletes the oldest of `history.saved` (never anything
-//! else), so exactly `keep` remain. Stateless: every decision follows from
-//! the step and the history, so the SDK's empty state is the whole state.
+//! Retention: after every step, when more than `keep` durable checkpoints
+//! are on disk (`history.saved`), the decision deletes the oldest of them
+//! (never anything else), so `keep` remain. A snapshot counts once it is
+//! durable, never before (one in host memory or being persisted may never
+//! reach disk). `persist_every` counts snapshots since the last persisted
+//! one: that count is the plugin's only state, and the SDK's empty state
+//! restarts it after a restore.
 
 #[path = "../../shared/checkpoint.rs"]
 mod checkpoint;
@@ -84,15 +87,16 @@ impl EveryN {
 
 impl CheckpointPolicy for EveryN {
     fn decide(&mut self, t: &Telemetry, h: &CheckpointHistory) -> Result<Decision, Error> {
+        let delete = checkpoint::retain(&h.saved, self.keep);
         if !self.due(t, h) {
-            return Ok(Decision::none());
+            return Ok(Decision { delete, ..Decision::none() });
         }
         self.since_persist += 1;
         if self.since_persist < self.persist_every {
-            return Ok(Decision::snapshot());
+            return Ok(Decision { delete, ..Decision::snapshot() });
         }
         self.since_persist = 0;
-        Ok(Decision { save: true, persist: true, delete: checkpoint::retain(&h.saved, h.persisting, self.keep, t.step) })
+        Ok(Decision { save: true, persist: true, delete })
     }
 }
 
@@ -156,26 +160,21 @@ mod tests {
     }
 
     #[test]
-    fn keep_last_k_deletes_the_oldest_and_keeps_exactly_k_after_each_save() {
+    fn keep_last_k_deletes_the_oldest_durable_ones_beyond_k() {
         for keep in [1usize, 2, 3, 5] {
             let mut p = policy(&format!("every = 4\nkeep = {keep}"));
             let mut saved = Vec::new();
             for s in 1..=100 {
                 let before = saved.clone();
                 let d = p.decide(&step(s), &CheckpointHistory { saved: saved.clone(), ..Default::default() }).unwrap();
+                // The deleted ones are the oldest of those on disk beyond `keep`.
+                assert_eq!(d.delete, before[..before.len().saturating_sub(keep)], "keep = {keep}, step {s}");
                 apply(&mut saved, s, &d);
-                if !d.save {
-                    assert!(d.delete.is_empty(), "step {s}: deleted without saving");
-                    continue;
-                }
-                // The deleted ones are the oldest of what was there.
-                let n_del = (before.len() + 1).saturating_sub(keep);
-                assert_eq!(d.delete, before[..n_del], "keep = {keep}, step {s}");
-                // After the save: min(saves so far, keep), the newest ones.
-                let saves_so_far = (s / 4) as usize;
-                assert_eq!(saved.len(), saves_so_far.min(keep), "keep = {keep}, step {s}");
+                // A save counts once durable (here at once): at most one over
+                // `keep` until the next decision, always the newest ones.
+                assert!(saved.len() <= keep + 1, "keep = {keep}, step {s}: {saved:?}");
                 let all: Vec<u64> = (1..=s / 4).map(|i| i * 4).collect();
-                assert_eq!(saved, all[all.len().saturating_sub(keep)..], "keep = {keep}, step {s}");
+                assert_eq!(saved, all[all.len() - saved.len()..], "keep = {keep}, step {s}");
             }
         }
     }
@@ -184,19 +183,18 @@ mod tests {
     fn keep_only_deletes_checkpoints_the_host_listed() {
         let mut p = policy("every = 10\nkeep = 2");
         // More on disk than `keep` (e.g. a resume with a smaller keep): back to
-        // exactly 2 after this save, oldest first, in the host's order.
+        // 2, oldest first, in the host's order.
         let h = CheckpointHistory { saved: vec![30, 10, 20, 40], ..Default::default() };
-        assert_eq!(p.decide(&step(50), &h).unwrap().delete, vec![30, 10, 20]);
-        // A checkpoint of this very step already on disk is rewritten, not
-        // deleted, and does not count twice.
-        let h = CheckpointHistory { saved: vec![30, 40, 50], ..Default::default() };
-        assert_eq!(p.decide(&step(50), &h).unwrap().delete, vec![30]);
+        assert_eq!(p.decide(&step(50), &h).unwrap().delete, vec![30, 10]);
+        // A step listed twice counts once.
+        let h = CheckpointHistory { saved: vec![30, 40, 40], ..Default::default() };
+        assert_eq!(p.decide(&step(50), &h).unwrap().delete, Vec::<u64>::new());
         // Nothing to delete yet.
         let h = CheckpointHistory { saved: vec![40], ..Default::default() };
         assert_eq!(p.decide(&step(50), &h).unwrap(), Decision::save());
-        // No save, no delete, even above `keep`.
+        // Deletions do not wait for a save.
         let h = CheckpointHistory { saved: vec![10, 20, 30, 40], ..Default::default() };
-        assert_eq!(p.decide(&step(51), &h).unwrap(), Decision::none());
+        assert_eq!(p.decide(&step(51), &h).unwrap(), Decision { delete: vec![10, 20], ..Decision::none() });
     }
 
     #[test]
@@ -207,7 +205,8 @@ mod tests {
         assert_eq!(p.decide(&step(7), &h(29.999, vec![])).unwrap(), Decision::none());
         assert_eq!(p.decide(&step(8), &h(30.0, vec![])).unwrap(), Decision::save());
         assert_eq!(p.decide(&step(9), &h(0.5, vec![8])).unwrap(), Decision::none());
-        assert_eq!(p.decide(&step(20), &h(31.0, vec![8])).unwrap(), Decision { save: true, persist: true, delete: vec![8] });
+        assert_eq!(p.decide(&step(20), &h(31.0, vec![8])).unwrap(), Decision::save());
+        assert_eq!(p.decide(&step(21), &h(0.1, vec![8, 20])).unwrap().delete, vec![8]);
         // An integer is read as seconds too.
         assert_eq!(policy("every_s = 5").interval(), Interval::Seconds(5.0));
 
@@ -227,14 +226,13 @@ mod tests {
     }
 
     #[test]
-    fn persist_every_keeps_the_other_snapshots_in_memory_and_a_persist_under_way_counts_as_on_disk() {
+    fn persist_every_keeps_the_other_snapshots_in_memory_and_retention_counts_durable_ones_only() {
         let mut p = policy("every = 10\npersist_every = 3\nkeep = 2");
-        let h = CheckpointHistory { saved: vec![10], persisting: Some(40), ..Default::default() };
+        let h = CheckpointHistory { saved: vec![10, 30], persisting: Some(60), in_memory: vec![50], ..Default::default() };
         let d: Vec<Decision> = [10, 20, 30, 40, 50, 60].iter().map(|&s| p.decide(&step(s), &h).unwrap()).collect();
         assert_eq!(d.iter().map(|d| (d.save, d.persist)).collect::<Vec<_>>(), [(true, false), (true, false), (true, true)].repeat(2));
-        // keep = 2 with 10 on disk and 40 on its way: 10 goes when 60 is persisted.
-        assert_eq!(d[5].delete, vec![10]);
-        assert!(d[2].delete == vec![10]);
+        // Two durable, one on its way: nothing is deleted for it yet.
+        assert!(d.iter().all(|d| d.delete.is_empty()));
     }
 
     #[test]
@@ -258,6 +256,6 @@ mod tests {
         let mut p = policy("every = 3\nkeep = 1");
         assert!(p.state_save().is_empty());
         p.state_load(&[]).unwrap();
-        assert_eq!(p.decide(&step(6), &CheckpointHistory { saved: vec![3], ..Default::default() }).unwrap().delete, vec![3]);
+        assert_eq!(p.decide(&step(6), &CheckpointHistory { saved: vec![3, 5], ..Default::default() }).unwrap().delete, vec![3]);
     }
 }

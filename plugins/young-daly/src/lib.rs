@@ -39,8 +39,9 @@
 //!   first_at_step`: that first write is what gives the host a real C, so
 //!   the guess `initial_cost_s` decides (almost) nothing.
 //!
-//! Retention (`keep`) as in `every-n`: when it saves and more than `keep`
-//! checkpoints would be on disk, it deletes the oldest of `history.saved`.
+//! Retention (`keep`) as in `every-n`: after every step, when more than
+//! `keep` durable checkpoints are on disk, it deletes the oldest of
+//! `history.saved`; a snapshot counts once durable.
 //! Stateless: every decision follows from the telemetry and the history.
 
 #[path = "../../shared/checkpoint.rs"]
@@ -136,10 +137,8 @@ impl YoungDaly {
 
 impl CheckpointPolicy for YoungDaly {
     fn decide(&mut self, t: &Telemetry, h: &CheckpointHistory) -> Result<Decision, Error> {
-        if !(self.first_save(t, h) || h.since_last_s >= self.interval_s(t, h)) {
-            return Ok(Decision::none());
-        }
-        Ok(Decision { save: true, persist: true, delete: checkpoint::retain(&h.saved, h.persisting, self.keep, t.step) })
+        let save = self.first_save(t, h) || h.since_last_s >= self.interval_s(t, h);
+        Ok(Decision { save, persist: save, delete: checkpoint::retain(&h.saved, self.keep) })
     }
 }
 
@@ -330,25 +329,25 @@ mod tests {
     }
 
     #[test]
-    fn keep_last_k_deletes_the_oldest_and_keeps_exactly_k_after_each_save() {
+    fn keep_last_k_deletes_the_oldest_durable_ones_beyond_k() {
         for keep in [1usize, 2, 4] {
             let mut p = policy(&format!("mtbf_s = 3600\nkeep = {keep}"));
             let (mut saved, mut since, mut n_saves) = (Vec::<u64>::new(), 0.0, 0usize);
             for s in 1..=2000u64 {
                 since += 1.0;
                 let d = p.decide(&tele(s, s as f64), &hist((n_saves > 0).then_some(2.0), &saved, &[], since)).unwrap();
-                if !d.save {
-                    assert!(d.delete.is_empty(), "step {s}: deleted without saving");
-                    continue;
-                }
-                let n_del = (saved.len() + 1).saturating_sub(keep);
+                // Deletions: the oldest durable ones beyond `keep`, at any step.
+                let n_del = saved.len().saturating_sub(keep);
                 assert_eq!(d.delete, saved[..n_del], "keep = {keep}, step {s}");
                 saved.drain(..n_del);
-                saved.push(s);
-                n_saves += 1;
-                since = 0.0;
-                assert_eq!(saved.len(), n_saves.min(keep), "keep = {keep}, step {s}");
+                if d.save {
+                    saved.push(s);
+                    n_saves += 1;
+                    since = 0.0;
+                }
+                assert!(saved.len() <= keep + 1, "keep = {keep}, step {s}");
             }
+            saved.drain(..saved.len().saturating_sub(keep));
             // Step 1, then every 120 steps: 1, 121, ..., 1921.
             assert_eq!(n_saves, 17);
             let all: Vec<u64> = (0..17u64).map(|k| 1 + 120 * k).collect();
@@ -387,7 +386,7 @@ mod tests {
         assert!(p.state_save().is_empty());
         p.state_load(&[]).unwrap();
         assert_eq!(
-            p.decide(&tele(200, 200.0), &hist(Some(2.0), &[1], &[], 120.0)).unwrap(),
+            p.decide(&tele(200, 200.0), &hist(Some(2.0), &[1, 121], &[], 120.0)).unwrap(),
             Decision { save: true, persist: true, delete: vec![1] }
         );
     }
