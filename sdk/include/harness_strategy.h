@@ -202,6 +202,28 @@ typedef struct harness_decision {
     size_t n_delete;
 } harness_decision;
 
+/* Since contract 0.1.1: the history above and the two tiers' state. */
+typedef struct harness_tiered_history {
+    harness_checkpoint_history base;
+    const uint64_t *in_memory; /* steps of the snapshots in host memory */
+    size_t n_in_memory;
+    uint8_t has_persisting;
+    uint64_t persisting; /* the step being persisted */
+    uint8_t has_last_stall_s;
+    double last_stall_s; /* seconds training stopped for the last snapshot */
+    uint8_t has_last_persist_s;
+    double last_persist_s; /* seconds the last persist took, until durable */
+    uint8_t has_last_slowdown_s;
+    double last_slowdown_s; /* extra seconds of the steps that overlapped it */
+} harness_tiered_history;
+
+/* Since contract 0.1.1: base.save takes a snapshot into host memory,
+ * persist also writes it to disk. */
+typedef struct harness_tiered_decision {
+    harness_decision base;
+    uint8_t persist;
+} harness_tiered_decision;
+
 typedef struct harness_info {
     const uint8_t *name;
     size_t name_len;
@@ -235,6 +257,9 @@ int32_t harness_batch_next(void *self, const harness_step_telemetry *t, harness_
 int32_t harness_batch_wants_gradient_stats(void *self, uint8_t *out);
 int32_t harness_checkpoint_decide(void *self, const harness_step_telemetry *t, const harness_checkpoint_history *h,
                                   harness_decision *out);
+/* Optional, since contract 0.1.1: preferred by the host when exported. */
+int32_t harness_checkpoint_decide_tiered(void *self, const harness_step_telemetry *t, const harness_tiered_history *h,
+                                         harness_tiered_decision *out);
 
 #ifdef __cplusplus
 }
