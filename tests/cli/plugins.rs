@@ -133,7 +133,7 @@ fn inspect_prints_a_pinnable_manifest_and_pins_are_enforced() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let sha = harness::plugin::sha256_file(&wasm).unwrap();
     assert!(text.contains(&format!("sha256 = \"{sha}\"")) && text.contains("kind = \"compressor\""), "{text}");
-    assert!(text.contains("harness:strategy@0.1.0"), "{text}");
+    assert!(text.contains("harness:strategy@0.1.1"), "{text}");
     // A pin that does not match fails validation and names both hashes.
     let pinned = format!(
         "[suite]\nname = \"pin\"\ndevice = \"cpu\"\nworld_size = 2\n{WORKLOAD}\n[[plugin]]\nname = \"avg\"\npath = \"{}\"\nsha256 = \"{}\"\n\

@@ -79,11 +79,71 @@ pub fn summary_table(r: &RunResult) -> String {
         out.push_str(&format!("\n{strategy}: {line}"));
     }
     for e in &r.entries {
+        if let Some(line) = e.metrics.as_ref().and_then(|m| m.resilience.as_ref()).and_then(resilience_line) {
+            out.push_str(&format!("\n{}: {line}", e.id));
+        }
+    }
+    for e in &r.entries {
         if let EntryStatus::Failed { error, .. } = &e.status {
             out.push_str(&format!("\n{}: {error}", e.id));
         }
     }
     out
+}
+
+/// What checkpoints and failures cost an entry, one line; none when it
+/// took no checkpoint and had no failure.
+pub fn resilience_line(r: &crate::results::ResilienceRecord) -> Option<String> {
+    if r.checkpoints.is_empty() && r.failures.is_empty() {
+        return None;
+    }
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+    let mut parts = Vec::new();
+    if !r.checkpoints.is_empty() {
+        let n = r.checkpoints.len();
+        let stalls: Vec<f64> = r.checkpoints.iter().map(|c| c.cost_s).collect();
+        let mode = r.checkpoint_mode.as_deref().unwrap_or("sync");
+        let mut p = format!("{n} checkpoint{} ({mode}): stall {} each", if n == 1 { "" } else { "s" }, seconds(mean(&stalls)));
+        let persisted: Vec<&crate::results::CheckpointRecord> = r.checkpoints.iter().filter(|c| c.persist_s.is_some()).collect();
+        if mode == "async" {
+            if !persisted.is_empty() {
+                let secs: Vec<f64> = persisted.iter().filter_map(|c| c.persist_s).collect();
+                let rate: Vec<f64> = persisted.iter().filter_map(|c| Some(c.bytes as f64 / c.persist_s? / 1e9)).collect();
+                p.push_str(&format!(", {} persisted in {} at {:.2} GB/s", persisted.len(), seconds(mean(&secs)), mean(&rate)));
+            }
+            let slow: Vec<f64> = r.checkpoints.iter().map(|c| c.slowdown_s).collect();
+            p.push_str(&format!(", slowdown {} each", seconds(mean(&slow))));
+        }
+        parts.push(p);
+    }
+    if !r.failures.is_empty() {
+        let restore: Vec<f64> = r.failures.iter().map(|f| f.restore_s).collect();
+        let mut from: Vec<(String, usize)> = Vec::new();
+        for f in &r.failures {
+            let k = f.restored_from.clone().unwrap_or_else(|| "checkpoint".into());
+            match from.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, n)) => *n += 1,
+                None => from.push((k, 1)),
+            }
+        }
+        let from = from.iter().map(|(k, n)| format!("{n} from {k}")).collect::<Vec<_>>().join(", ");
+        parts.push(format!(
+            "{} failures ({from}), restore {} each, {} lost",
+            r.failures.len(),
+            seconds(mean(&restore)),
+            seconds(r.time_lost_s)
+        ));
+    }
+    Some(parts.join("; "))
+}
+
+/// 0.0042 -> "4.2 ms", 1.5 -> "1.50 s".
+fn seconds(s: f64) -> String {
+    if s.abs() < 1.0 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
 }
 
 /// What NCCL ran with, one line: version, transports, settings.
