@@ -4,6 +4,8 @@
 // hx_free_error. Nothing here synchronises the device.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -289,5 +291,134 @@ char *hx_event_record(int device, void **out) {
 char *hx_event_synchronize(void *ev) { HX_TRY(static_cast<c10::Event *>(ev)->synchronize()) }
 
 void hx_event_free(void *ev) { delete static_cast<c10::Event *>(ev); }
+
+}  // extern "C"
+
+// Activation recomputation, as torch.utils.checkpoint's reentrant variant
+// does it: the forward pass of a block runs without recording a graph and
+// keeps only its input; the backward pass runs the block again with the
+// graph recorded (same autocast state, same random numbers) and
+// back-propagates through it, accumulating the parameters' gradients as a
+// plain backward pass would.
+//
+// The block is a Rust closure behind `ctx`: `run(ctx, in, &out, err, len)`
+// takes ownership of the tensor `in` and sets `*out` to a new tensor, or
+// leaves it NULL and writes a message into `err`. `drop(ctx)` frees the
+// closure once the graph no longer needs it.
+typedef void (*hx_block_fn)(void *ctx, tensor in, tensor *out, char *err, size_t err_len);
+typedef void (*hx_block_drop)(void *ctx);
+
+struct HxBlock : torch::CustomClassHolder {
+  hx_block_fn run;
+  hx_block_drop drop;
+  void *ctx;
+  bool autocast;
+  at::ScalarType autocast_dtype;
+  at::DeviceType device_type;
+  bool rng;  // restore the random state of the forward pass (dropout)
+  at::Tensor cpu_rng, cuda_rng;
+  int cuda_index = -1;
+  HxBlock(hx_block_fn r, hx_block_drop d, void *c) : run(r), drop(d), ctx(c) {}
+  ~HxBlock() override {
+    if (drop) drop(ctx);
+  }
+  at::Tensor call(const at::Tensor &x) {
+    char err[2048];
+    err[0] = 0;
+    tensor out = nullptr;
+    run(ctx, new at::Tensor(x), &out, err, sizeof err);
+    if (!out) throw std::runtime_error(err[0] ? err : "the recomputed block failed");
+    at::Tensor y = *out;
+    delete out;
+    return y;
+  }
+};
+
+static void hx_swap_rng(HxBlock &b, at::Tensor &cpu, at::Tensor &cuda) {
+  // Sets the generators to (cpu, cuda) and hands back their former states.
+  auto swap = [](at::Generator gen, at::Tensor &state) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    at::Tensor old = gen.get_state();
+    gen.set_state(state);
+    state = old;
+  };
+  swap(hx_generator(-1), cpu);
+  if (b.cuda_index >= 0) swap(hx_generator(b.cuda_index), cuda);
+}
+
+struct HxRecompute : torch::autograd::Function<HxRecompute> {
+  static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &x, c10::intrusive_ptr<HxBlock> block) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["block"] = c10::IValue::make_capsule(block);
+    return block->call(x);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx, torch::autograd::variable_list grads) {
+    auto block = c10::static_intrusive_pointer_cast<HxBlock>(ctx->saved_data["block"].toCapsule());
+    at::Tensor x = ctx->get_saved_variables()[0].detach();
+    x.requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode grad_on(true);
+      bool was = at::autocast::is_autocast_enabled(block->device_type);
+      at::ScalarType was_dtype = at::autocast::get_autocast_dtype(block->device_type);
+      at::autocast::set_autocast_enabled(block->device_type, block->autocast);
+      at::autocast::set_autocast_dtype(block->device_type, block->autocast_dtype);
+      at::Tensor cpu = block->cpu_rng, cuda = block->cuda_rng;
+      if (block->rng) hx_swap_rng(*block, cpu, cuda);
+      auto restore = [&] {
+        if (block->rng) hx_swap_rng(*block, cpu, cuda);
+        at::autocast::set_autocast_enabled(block->device_type, was);
+        at::autocast::set_autocast_dtype(block->device_type, was_dtype);
+        if (block->autocast) at::autocast::clear_cache();
+      };
+      try {
+        y = block->call(x);
+      } catch (...) {
+        restore();
+        throw;
+      }
+      restore();
+    }
+    torch::autograd::backward({y}, {grads[0]});
+    return {x.grad(), at::Tensor()};
+  }
+};
+
+extern "C" {
+
+// y = block(x), recomputed in the backward pass (see HxBlock). With grad
+// mode off, or no block, the block just runs. `rng`: restore the random
+// state (the block draws random numbers: dropout).
+char *hx_recompute(tensor x, hx_block_fn run, hx_block_drop drop, void *ctx, int rng, tensor *out) {
+  auto block = c10::make_intrusive<HxBlock>(run, drop, ctx);
+  HX_TRY({
+    if (!at::GradMode::is_enabled()) {
+      *out = new at::Tensor(block->call(*x));
+      return nullptr;
+    }
+    at::DeviceType dt = x->device().type();
+    block->device_type = dt;
+    block->autocast = at::autocast::is_autocast_enabled(dt);
+    block->autocast_dtype = at::autocast::get_autocast_dtype(dt);
+    block->rng = rng != 0;
+    if (block->rng) {
+      auto state = [](at::Generator gen) {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        return gen.get_state();
+      };
+      block->cpu_rng = state(hx_generator(-1));
+      if (dt == at::kCUDA) {
+        block->cuda_index = x->device().index();
+        block->cuda_rng = state(hx_generator(block->cuda_index));
+      }
+    }
+    // A block whose input needs no gradient (the encoder's first layer
+    // reads the data) still has parameters that do: give the function an
+    // input that requires grad, or autograd would not record it.
+    at::Tensor in = x->requires_grad() ? *x : x->detach().requires_grad_(true);
+    *out = new at::Tensor(HxRecompute::apply(in, block));
+  })
+}
 
 }  // extern "C"

@@ -8,6 +8,8 @@ use tch::{Device, Kind, Tensor};
 
 mod ffi {
     use super::*;
+    pub type BlockFn = unsafe extern "C" fn(ctx: *mut c_void, input: *mut c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize);
+    pub type BlockDrop = unsafe extern "C" fn(ctx: *mut c_void);
     extern "C" {
         pub fn hx_free_error(err: *mut c_char);
         pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
@@ -44,6 +46,14 @@ mod ffi {
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
         pub fn hx_rng_get_state(device: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_rng_set_state(device: c_int, state: *mut c_void) -> *mut c_char;
+        pub fn hx_recompute(
+            x: *mut c_void,
+            run: BlockFn,
+            drop: BlockDrop,
+            ctx: *mut c_void,
+            rng: c_int,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
         pub fn hx_set_grad_ready_hook(param: *mut c_void, cb: Option<GradReady>, ctx: *mut c_void, idx: i64) -> *mut c_char;
         pub fn hx_rand_seeded(
             kind: c_int,
@@ -384,6 +394,73 @@ pub fn rand_seeded(kind: RandKind, sizes: &[i64], seed: u64, device: tch::Device
     Ok(unsafe { Tensor::from_ptr(out as *mut _) })
 }
 
+/// A block of a model whose activations [`recompute`] drops.
+type Block = Box<dyn Fn(&Tensor) -> Tensor + Send>;
+
+/// Tests that seed or draw from libtorch's global generators take turns.
+#[cfg(test)]
+pub static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[cfg(test)]
+thread_local! {
+    /// How often a block given to [`recompute`] ran on this thread (tests).
+    pub static BLOCK_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// `block(x)`, with its activations dropped after the forward pass and
+/// recomputed in the backward pass (as `torch.utils.checkpoint` does): the
+/// backward pass runs `block` again on the kept input, with the autocast
+/// state of the forward pass and, with `rng` (the block draws random
+/// numbers: dropout), the random state it had, then back-propagates
+/// through it. The gradients are those of `block(x)` computed directly.
+/// With grad mode off, `block` just runs.
+///
+/// `block` is kept by the graph of the result until the backward pass (it
+/// may run on the autograd engine's thread), so it owns what it uses:
+/// shallow clones of the parameters.
+pub fn recompute(x: &Tensor, rng: bool, block: impl Fn(&Tensor) -> Tensor + Send + 'static) -> Result<Tensor, TorchError> {
+    unsafe extern "C" fn run(ctx: *mut c_void, input: *mut c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) {
+        // SAFETY: ctx is the Box<Block> leaked below, alive until drop_block;
+        // input is a new at::Tensor handed over to us.
+        let (block, input) = unsafe { (&*(ctx as *const Block), Tensor::from_ptr(input as *mut _)) };
+        #[cfg(test)]
+        BLOCK_RUNS.with(|n| n.set(n.get() + 1));
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| block(&input))) {
+            // SAFETY: out is valid for one write; the shim takes the tensor.
+            Ok(y) => {
+                // SAFETY: out is valid for one write; the shim takes over the
+                // at::Tensor, so y must not free it.
+                unsafe { *out = y.as_ptr() as *mut c_void };
+                std::mem::forget(y);
+            }
+            Err(payload) => {
+                let msg = payload
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| payload.downcast_ref::<&str>().copied())
+                    .unwrap_or("the recomputed block panicked");
+                let n = msg.len().min(err_len.saturating_sub(1));
+                // SAFETY: err holds err_len bytes; n + 1 <= err_len.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
+                    *err.add(n) = 0;
+                }
+            }
+        }
+    }
+    unsafe extern "C" fn drop_block(ctx: *mut c_void) {
+        // SAFETY: ctx is the Box<Block> leaked below; the shim calls this once.
+        drop(unsafe { Box::from_raw(ctx as *mut Block) });
+    }
+    let ctx = Box::into_raw(Box::new(Box::new(block) as Block)) as *mut c_void;
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: x is a live tensor; the shim owns ctx from here on and frees it
+    // through drop_block, also when it fails.
+    check(unsafe { ffi::hx_recompute(x.as_ptr() as *mut c_void, run, drop_block, ctx, rng as c_int, &mut out) })?;
+    // SAFETY: out is a heap at::Tensor from the shim, owned from here on.
+    Ok(unsafe { Tensor::from_ptr(out as *mut _) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,6 +524,7 @@ mod tests {
 
     #[test]
     fn seeded_random_repeats_and_leaves_the_global_stream_alone() {
+        let _turn = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(7);
         let before = Tensor::rand([4], (Kind::Float, Device::Cpu));
         tch::manual_seed(7);
@@ -514,6 +592,86 @@ mod tests {
         }
         (&a * 2.0).sum(Kind::Float).backward();
         assert_eq!(seen.len(), 2, "a removed hook fired");
+    }
+
+    /// A two-layer block with dropout: x -> dropout(gelu(x W1)) W2 + x.
+    fn block(w1: &Tensor, w2: &Tensor) -> impl Fn(&Tensor) -> Tensor + Send + 'static {
+        let (w1, w2) = (w1.shallow_clone(), w2.shallow_clone());
+        move |x: &Tensor| x.matmul(&w1).gelu("tanh").dropout(0.3, true).matmul(&w2) + x
+    }
+
+    /// Gradients of (w1, w2, x) of `sum(f(f(x))^2)`, the first application
+    /// through `recompute` or directly.
+    fn grads_of(again: bool, calls: &std::sync::Arc<std::sync::atomic::AtomicU32>) -> Vec<Tensor> {
+        let _turn = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(5);
+        let w1 = Tensor::randn([6, 12], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let w2 = Tensor::randn([12, 6], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::randn([4, 6], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let f = block(&w1, &w2);
+        let counted = {
+            let (f, calls) = (block(&w1, &w2), calls.clone());
+            move |x: &Tensor| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                f(x)
+            }
+        };
+        let h = if again { recompute(&x, true, counted).unwrap() } else { counted(&x) };
+        // The random draws after the recomputed block are those of a plain run.
+        let y = f(&h);
+        y.square().sum(Kind::Float).backward();
+        vec![w1.grad(), w2.grad(), x.grad()]
+    }
+
+    #[test]
+    fn recomputation_runs_the_block_again_and_gives_the_same_gradients_bit_for_bit() {
+        use std::sync::{atomic::AtomicU32, atomic::Ordering, Arc};
+        let (plain_calls, again_calls) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let plain = grads_of(false, &plain_calls);
+        let again = grads_of(true, &again_calls);
+        assert_eq!(plain_calls.load(Ordering::SeqCst), 1);
+        assert_eq!(again_calls.load(Ordering::SeqCst), 2, "the backward pass did not run the block again");
+        for (i, (a, b)) in plain.iter().zip(&again).enumerate() {
+            assert!(a.defined() && b.defined(), "gradient {i} missing");
+            assert!(a.equal(b), "gradient {i} differs: {a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn recomputation_keeps_the_autocast_of_the_forward_pass_and_reports_failures() {
+        let w = Tensor::randn([8, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::randn([2, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let grad = |again: bool| {
+            grads_to_none(std::slice::from_ref(&w)).unwrap();
+            set_autocast(AutocastDevice::Cpu, Some(Kind::BFloat16)).unwrap();
+            let wc = w.shallow_clone();
+            let f = move |x: &Tensor| x.matmul(&wc).relu();
+            let y = if again { recompute(&x, false, f).unwrap() } else { f(&x) };
+            set_autocast(AutocastDevice::Cpu, None).unwrap();
+            assert_eq!(y.kind(), Kind::BFloat16);
+            // The backward pass runs with autocast off: the recomputation
+            // must turn it back on, or its gradients come out in fp32 maths.
+            y.to_kind(Kind::Float).sum(Kind::Float).backward();
+            w.grad().copy()
+        };
+        let (plain, again) = (grad(false), grad(true));
+        assert!(plain.equal(&again), "bf16 gradients differ: {plain} vs {again}");
+        // A block that fails in the backward pass fails the backward pass
+        // with its message.
+        let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f = {
+            let fired = fired.clone();
+            let wc = w.shallow_clone();
+            move |x: &Tensor| {
+                if fired.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    panic!("CUDA out of memory (emulated)");
+                }
+                x.matmul(&wc)
+            }
+        };
+        let y = recompute(&x, false, f).unwrap();
+        let e = backward_with_grad(&y, &y.ones_like()).unwrap_err();
+        assert!(e.0.contains("out of memory (emulated)"), "{e}");
     }
 
     #[test]

@@ -332,3 +332,56 @@ fn every_shipped_suite_validates_with_its_plugins() {
         );
     }
 }
+
+/// Activation recomputation changes memory and speed, never the maths: on
+/// the CPU every training and eval loss is bit-identical with and without
+/// it, for each model family, with dropout (the recomputed layers draw the
+/// same numbers again), under bf16 autocast (they recompute in bf16), with
+/// gradient accumulation, and on two ranks.
+#[test]
+fn activation_recomputation_leaves_every_loss_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    // Dropout on one rank only: thread ranks share libtorch's CPU generator,
+    // so their dropout masks depend on the threads' interleaving.
+    let workloads = |setting: &str, dropout: f64| {
+        let extra = format!("{setting}\neval_every = 3");
+        let gpt = tiny_gpt("gpt", 6, &format!("{extra}\ngrad_accum = 2"))
+            .replace("preset = \"tiny\" }", &format!("preset = \"tiny\", dropout = {dropout} }}"));
+        let bf16 = tiny_gpt("gpt-bf16", 6, &format!("{extra}\nprecision = \"bf16\""));
+        let encoder = format!(
+            "\n[[workload]]\nname = \"encoder\"\nmodel = {{ kind = \"encoder\", preset = \"tiny\", dropout = {dropout} }}\n\
+             data = {{ kind = \"regression\", noise = 0.3 }}\nbatch = 8\nseq_len = 8\nsteps = 6\n\
+             optimizer = {{ kind = \"adamw\", lr = 2e-3 }}\neval_batches = 2\n{extra}\n"
+        );
+        let mlp = tiny_gpt("mlp", 6, &extra).replace("kind = \"gpt\"", "kind = \"mlp\"");
+        gpt + &bf16 + &encoder + &mlp
+    };
+    let losses = |setting: &str, world: u32, file: &str| {
+        let dropout = if world == 1 { 0.1 } else { 0.0 };
+        let text = suite("recompute", &format!("world_size = {world}"), &workloads(setting, dropout));
+        let s = write(dir.path(), &format!("{file}.toml"), &text);
+        run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", &format!("{file}.json")]));
+        let r = RunResult::read(&dir.path().join(format!("{file}.json"))).unwrap();
+        r.entries
+            .iter()
+            .map(|e| {
+                let m = e.metrics.clone().unwrap_or_else(|| panic!("{file}: {} has no metrics", e.id));
+                let curve: Vec<(u64, u64)> = m.loss_curve.iter().map(|&(step, _, loss)| (step, loss.to_bits())).collect();
+                let evals: Vec<u64> = m.eval_curve.iter().map(|&(_, _, loss)| loss.to_bits()).collect();
+                assert_eq!(m.steps, 6, "{file}: {}", e.id);
+                assert_eq!(m.model.get("recompute").is_some(), setting.contains("all") || setting.contains('2'), "{file}: {}", e.id);
+                (e.id.clone(), curve, evals, m.final_eval_loss.map(f64::to_bits))
+            })
+            .collect::<Vec<_>>()
+    };
+    for world in [1, 2] {
+        let plain = losses("", world, &format!("plain-{world}"));
+        assert_eq!(plain.len(), 4);
+        for (setting, file) in [("recompute = \"all\"", "all"), ("recompute = 2", "every2"), ("recompute = \"none\"", "none")] {
+            let again = losses(setting, world, &format!("{file}-{world}"));
+            for (p, a) in plain.iter().zip(&again) {
+                assert_eq!(p, a, "{setting}, {world} rank(s): {} differs from the run without recomputation", p.0);
+            }
+        }
+    }
+}

@@ -208,6 +208,11 @@ pub struct Workload {
     pub time_budget_s: Option<f64>,
     #[serde(default)]
     pub precision: Precision,
+    /// Activation recomputation: `"none"` (default), `"all"` layers, or
+    /// every k-th layer (`k`, an integer). Changes memory and speed, not
+    /// the maths.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<RecomputeSpec>,
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub schedule: ScheduleSpec,
@@ -352,6 +357,66 @@ fn default_val_fraction() -> f64 {
 }
 fn default_noise() -> f64 {
     0.1
+}
+
+/// `recompute` as written: a name or a layer interval.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum RecomputeSpec {
+    Name(String),
+    Every(i64),
+}
+
+/// Which layers drop their activations in the forward pass and compute
+/// them again in the backward pass.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Recompute {
+    #[default]
+    None,
+    /// Layers 0, k, 2k, ... (`Every(1)`: all of them).
+    Every(u32),
+}
+
+impl RecomputeSpec {
+    /// The setting, or what is wrong with it.
+    pub fn resolve(&self) -> Result<Recompute, String> {
+        match self {
+            RecomputeSpec::Name(n) if n == "none" => Ok(Recompute::None),
+            RecomputeSpec::Name(n) if n == "all" => Ok(Recompute::Every(1)),
+            RecomputeSpec::Name(n) => {
+                Err(format!("`recompute = \"{n}\"` is not a setting: \"none\", \"all\" or an integer k (every k-th layer)"))
+            }
+            RecomputeSpec::Every(k) if (1..=u32::MAX as i64).contains(k) => Ok(Recompute::Every(*k as u32)),
+            RecomputeSpec::Every(k) => Err(format!("`recompute = {k}`: every k-th layer needs k >= 1")),
+        }
+    }
+}
+
+impl Recompute {
+    /// As a suite writes it: `"none"`, `"all"` or k.
+    pub fn to_value(self) -> serde_json::Value {
+        match self {
+            Recompute::None => "none".into(),
+            Recompute::Every(1) => "all".into(),
+            Recompute::Every(k) => k.into(),
+        }
+    }
+
+    /// Whether layer `i` (from 0) is recomputed.
+    pub fn layer(self, i: usize) -> bool {
+        match self {
+            Recompute::None => false,
+            Recompute::Every(k) => i % k as usize == 0,
+        }
+    }
+}
+
+impl Workload {
+    /// The workload's activation recomputation (validated: errors here
+    /// cannot happen in a validated suite).
+    pub fn recompute(&self) -> anyhow::Result<Recompute> {
+        self.recompute.as_ref().map_or(Ok(Recompute::None), |r| r.resolve().map_err(anyhow::Error::msg))
+    }
 }
 
 /// Arithmetic precision of the step.

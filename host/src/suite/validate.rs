@@ -526,6 +526,13 @@ impl Checker<'_> {
                 self.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
             }
         }
+        if let Some(Err(msg)) = w.recompute.as_ref().map(|r| r.resolve()) {
+            self.err(
+                &[Key("workload"), Index(i), Key("recompute")],
+                msg,
+                Some("recompute = \"all\" drops every layer's activations".into()),
+            );
+        }
     }
 
     /// Every `[[plugin]]`.

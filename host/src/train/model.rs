@@ -7,12 +7,18 @@
 //!   with a mean-pool regression head (the TransformerEncoder regression
 //!   benchmark of docs/benchmarks.md).
 //! * `mlp`: a token MLP that predicts the next token from the current one.
+//!
+//! Activation recomputation (the workload's `recompute`) wraps a layer in
+//! [`torch_ext::recompute`]: its activations are dropped after the forward
+//! pass and computed again in the backward pass. A layer is a GPT block, an
+//! encoder layer, or the MLP's hidden layer.
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 pub use crate::suite::ModelConfig;
-use crate::suite::ModelKind;
+use crate::suite::{ModelKind, Recompute};
+use crate::torch_ext;
 
 /// Mean next-token cross-entropy of `[n, vocab]` logits.
 ///
@@ -47,17 +53,136 @@ fn linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
     nn::linear(p, i, o, cfg)
 }
 
-fn layer_norm(p: nn::Path, d: i64) -> nn::LayerNorm {
-    nn::layer_norm(p, vec![d], Default::default())
+/// A linear layer sharing `l`'s parameters (for a recomputed layer, which
+/// must own what it uses).
+fn share(l: &nn::Linear) -> nn::Linear {
+    nn::Linear { ws: l.ws.shallow_clone(), bs: l.bs.as_ref().map(Tensor::shallow_clone) }
+}
+
+/// LayerNorm over the last dimension, as `nn.LayerNorm(d)` (eps 1e-5):
+/// `tch`'s own keeps its configuration private, so a layer could not own a
+/// copy sharing its parameters.
+pub struct Norm {
+    ws: Tensor,
+    bs: Tensor,
+    d: i64,
+}
+
+impl Norm {
+    fn new(p: nn::Path, d: i64) -> Norm {
+        let ln = nn::layer_norm(p, vec![d], Default::default());
+        Norm { ws: ln.ws.expect("affine"), bs: ln.bs.expect("affine"), d }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.layer_norm([self.d], Some(&self.ws), Some(&self.bs), 1e-5, true)
+    }
+
+    fn share(&self) -> Norm {
+        Norm { ws: self.ws.shallow_clone(), bs: self.bs.shallow_clone(), d: self.d }
+    }
+}
+
+/// What a layer's forward pass needs besides its parameters.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    b: i64,
+    t: i64,
+    heads: i64,
+    d_model: i64,
+    dropout: f64,
+    train: bool,
+}
+
+impl Shape {
+    fn attention(&self, qkv: &Tensor, causal: bool) -> Tensor {
+        let (b, t, h) = (self.b, self.t, self.heads);
+        let qkv = qkv.view([b, t, 3, h, self.d_model / h]).permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        let p = if self.train { self.dropout } else { 0.0 };
+        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, causal, None, false);
+        y.transpose(1, 2).contiguous().view([b, t, self.d_model])
+    }
+
+    fn dropout(&self, x: Tensor) -> Tensor {
+        dropout(x, self.dropout, self.train)
+    }
 }
 
 pub struct GptBlock {
-    ln1: nn::LayerNorm,
+    ln1: Norm,
     c_attn: nn::Linear,
     attn_proj: nn::Linear,
-    ln2: nn::LayerNorm,
+    ln2: Norm,
     c_fc: nn::Linear,
     mlp_proj: nn::Linear,
+}
+
+impl GptBlock {
+    fn forward(&self, x: &Tensor, s: &Shape) -> Tensor {
+        let y = s.attention(&self.c_attn.forward(&self.ln1.forward(x)), true);
+        // Out of place on purpose: tch's `+=` adds in place, which would
+        // overwrite a tensor autograd saved for backward.
+        let x = residual(x, s.dropout(self.attn_proj.forward(&y)));
+        let m = self.c_fc.forward(&self.ln2.forward(&x)).gelu("tanh");
+        residual(&x, s.dropout(self.mlp_proj.forward(&m)))
+    }
+
+    fn share(&self) -> GptBlock {
+        GptBlock {
+            ln1: self.ln1.share(),
+            c_attn: share(&self.c_attn),
+            attn_proj: share(&self.attn_proj),
+            ln2: self.ln2.share(),
+            c_fc: share(&self.c_fc),
+            mlp_proj: share(&self.mlp_proj),
+        }
+    }
+}
+
+/// One `nn.TransformerEncoderLayer` (post-norm).
+pub struct EncoderLayer {
+    in_proj: nn::Linear,
+    out_proj: nn::Linear,
+    norm1: Norm,
+    lin1: nn::Linear,
+    lin2: nn::Linear,
+    norm2: Norm,
+}
+
+impl EncoderLayer {
+    fn forward(&self, x: &Tensor, s: &Shape) -> Tensor {
+        let y = s.attention(&self.in_proj.forward(x), false);
+        let x = self.norm1.forward(&(x + s.dropout(self.out_proj.forward(&y))));
+        let f = self.lin2.forward(&s.dropout(self.lin1.forward(&x).relu()));
+        self.norm2.forward(&(&x + s.dropout(f)))
+    }
+
+    fn share(&self) -> EncoderLayer {
+        EncoderLayer {
+            in_proj: share(&self.in_proj),
+            out_proj: share(&self.out_proj),
+            norm1: self.norm1.share(),
+            lin1: share(&self.lin1),
+            lin2: share(&self.lin2),
+            norm2: self.norm2.share(),
+        }
+    }
+}
+
+/// The MLP's hidden layer.
+pub struct Hidden {
+    fc: nn::Linear,
+}
+
+impl Hidden {
+    fn forward(&self, x: &Tensor, _: &Shape) -> Tensor {
+        self.fc.forward(x).gelu("tanh")
+    }
+
+    fn share(&self) -> Hidden {
+        Hidden { fc: share(&self.fc) }
+    }
 }
 
 /// What a forward pass ends with.
@@ -68,32 +193,44 @@ pub enum Output {
     Logits { logits: Tensor, target: Tensor },
 }
 
-/// The models, one enum so the step loop needs no dynamic dispatch.
-pub enum Model {
-    Gpt { cfg: ModelConfig, wte: nn::Embedding, wpe: nn::Embedding, blocks: Vec<GptBlock>, ln_f: nn::LayerNorm },
-    Encoder { cfg: ModelConfig, layers: Vec<EncoderLayer>, head: nn::Linear },
-    Mlp { cfg: ModelConfig, emb: nn::Embedding, fc: nn::Linear, out: nn::Linear },
+/// The networks, one enum so the step loop needs no dynamic dispatch.
+enum Net {
+    Gpt { wte: nn::Embedding, wpe: nn::Embedding, blocks: Vec<GptBlock>, ln_f: Norm },
+    Encoder { layers: Vec<EncoderLayer>, head: nn::Linear },
+    Mlp { emb: nn::Embedding, hidden: Hidden, out: nn::Linear },
 }
 
-/// One `nn.TransformerEncoderLayer` (post-norm).
-pub struct EncoderLayer {
-    in_proj: nn::Linear,
-    out_proj: nn::Linear,
-    norm1: nn::LayerNorm,
-    lin1: nn::Linear,
-    lin2: nn::Linear,
-    norm2: nn::LayerNorm,
+/// A model: its configuration, its network and which of its layers
+/// recompute their activations.
+pub struct Model {
+    cfg: ModelConfig,
+    net: Net,
+    recompute: Recompute,
+}
+
+/// Runs `layer` on `x`; with `recompute`, through [`torch_ext::recompute`]
+/// on a copy sharing the layer's parameters.
+macro_rules! layer {
+    ($layer:expr, $x:expr, $shape:expr, $recompute:expr) => {{
+        let (layer, x, s) = ($layer, $x, $shape);
+        if $recompute && s.train {
+            let (own, s) = (layer.share(), *s);
+            torch_ext::recompute(x, s.dropout > 0.0, move |x| own.forward(x, &s)).unwrap_or_else(|e| panic!("{e}"))
+        } else {
+            layer.forward(x, s)
+        }
+    }};
 }
 
 impl Model {
     /// Builds a model's variables under `p` (initialisation as nanoGPT:
     /// N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)), zero biases).
-    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Model {
+    pub fn new(p: &nn::Path, cfg: &ModelConfig, recompute: Recompute) -> Model {
         let d = cfg.d_model;
         let std = 0.02;
         let proj_std = 0.02 / ((2 * cfg.n_layer) as f64).sqrt();
         let emb_cfg = nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: std }, ..Default::default() };
-        match cfg.kind {
+        let net = match cfg.kind {
             ModelKind::Gpt => {
                 let wte = nn::embedding(p / "wte", cfg.vocab, d, emb_cfg);
                 let wpe = nn::embedding(p / "wpe", cfg.seq_len, d, emb_cfg);
@@ -101,16 +238,16 @@ impl Model {
                     .map(|i| {
                         let b = p / "h" / i;
                         GptBlock {
-                            ln1: layer_norm(&b / "ln_1", d),
+                            ln1: Norm::new(&b / "ln_1", d),
                             c_attn: linear(&b / "attn" / "c_attn", d, 3 * d, std),
                             attn_proj: linear(&b / "attn" / "c_proj", d, d, proj_std),
-                            ln2: layer_norm(&b / "ln_2", d),
+                            ln2: Norm::new(&b / "ln_2", d),
                             c_fc: linear(&b / "mlp" / "c_fc", d, cfg.d_ff, std),
                             mlp_proj: linear(&b / "mlp" / "c_proj", cfg.d_ff, d, proj_std),
                         }
                     })
                     .collect();
-                Model::Gpt { cfg: cfg.clone(), wte, wpe, blocks, ln_f: layer_norm(p / "ln_f", d) }
+                Net::Gpt { wte, wpe, blocks, ln_f: Norm::new(p / "ln_f", d) }
             }
             ModelKind::Encoder => {
                 let layers = (0..cfg.n_layer)
@@ -119,29 +256,32 @@ impl Model {
                         EncoderLayer {
                             in_proj: linear(&l / "self_attn" / "in_proj", d, 3 * d, std),
                             out_proj: linear(&l / "self_attn" / "out_proj", d, d, proj_std),
-                            norm1: layer_norm(&l / "norm1", d),
+                            norm1: Norm::new(&l / "norm1", d),
                             lin1: linear(&l / "linear1", d, cfg.d_ff, std),
                             lin2: linear(&l / "linear2", cfg.d_ff, d, proj_std),
-                            norm2: layer_norm(&l / "norm2", d),
+                            norm2: Norm::new(&l / "norm2", d),
                         }
                     })
                     .collect();
-                Model::Encoder { cfg: cfg.clone(), layers, head: linear(p / "head", d, 1, std) }
+                Net::Encoder { layers, head: linear(p / "head", d, 1, std) }
             }
-            ModelKind::Mlp => Model::Mlp {
-                cfg: cfg.clone(),
+            ModelKind::Mlp => Net::Mlp {
                 emb: nn::embedding(p / "emb", cfg.vocab, d, emb_cfg),
-                fc: linear(p / "fc", d, cfg.d_ff, std),
+                hidden: Hidden { fc: linear(p / "fc", d, cfg.d_ff, std) },
                 out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
             },
-        }
+        };
+        Model { cfg: cfg.clone(), net, recompute }
     }
 
     /// The resolved configuration.
     pub fn config(&self) -> &ModelConfig {
-        match self {
-            Model::Gpt { cfg, .. } | Model::Encoder { cfg, .. } | Model::Mlp { cfg, .. } => cfg,
-        }
+        &self.cfg
+    }
+
+    /// Which layers recompute their activations.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// Forward pass and loss (cross-entropy in nats, or MSE for regression).
@@ -155,51 +295,83 @@ impl Model {
     /// Forward pass up to the loss: token models stop at the logits, so the
     /// caller may compute the loss with a fused kernel.
     pub fn forward(&self, input: &Tensor, target: &Tensor, train: bool) -> Output {
-        match self {
-            Model::Gpt { cfg, wte, wpe, blocks, ln_f } => {
+        let cfg = &self.cfg;
+        let shape = |b, t| Shape { b, t, heads: cfg.n_head, d_model: cfg.d_model, dropout: cfg.dropout, train };
+        let again = |i: usize| self.recompute.layer(i);
+        match &self.net {
+            Net::Gpt { wte, wpe, blocks, ln_f } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
+                let s = shape(b, t);
                 let pos = Tensor::arange(t, (Kind::Int64, input.device()));
-                let mut x = wte.forward(input) + wpe.forward(&pos);
-                x = dropout(x, cfg.dropout, train);
-                let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
-                for blk in blocks {
-                    let qkv = blk.c_attn.forward(&blk.ln1.forward(&x));
-                    let qkv = qkv.view([b, t, 3, h, hd]).permute([2, 0, 3, 1, 4]);
-                    let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-                    let p = if train { cfg.dropout } else { 0.0 };
-                    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, true, None, false);
-                    let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
-                    // Out of place on purpose: tch's `+=` adds in place, which
-                    // would overwrite a tensor autograd saved for backward.
-                    x = residual(&x, dropout(blk.attn_proj.forward(&y), cfg.dropout, train));
-                    let m = blk.c_fc.forward(&blk.ln2.forward(&x)).gelu("tanh");
-                    x = residual(&x, dropout(blk.mlp_proj.forward(&m), cfg.dropout, train));
+                let mut x = s.dropout(wte.forward(input) + wpe.forward(&pos));
+                for (i, blk) in blocks.iter().enumerate() {
+                    x = layer!(blk, &x, &s, again(i));
                 }
                 let x = ln_f.forward(&x);
                 let logits = x.matmul(&wte.ws.tr());
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
-            Model::Encoder { cfg, layers, head } => {
+            Net::Encoder { layers, head } => {
                 let (b, t, _) = input.size3().expect("regression batches are 3-d");
-                let (h, hd) = (cfg.n_head, cfg.d_model / cfg.n_head);
+                let s = shape(b, t);
                 let mut x = input.shallow_clone();
-                for l in layers {
-                    let qkv = l.in_proj.forward(&x).view([b, t, 3, h, hd]).permute([2, 0, 3, 1, 4]);
-                    let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
-                    let p = if train { cfg.dropout } else { 0.0 };
-                    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, false, None, false);
-                    let y = y.transpose(1, 2).contiguous().view([b, t, cfg.d_model]);
-                    x = l.norm1.forward(&(x + dropout(l.out_proj.forward(&y), cfg.dropout, train)));
-                    let f = l.lin2.forward(&dropout(l.lin1.forward(&x).relu(), cfg.dropout, train));
-                    x = l.norm2.forward(&(x + dropout(f, cfg.dropout, train)));
+                for (i, l) in layers.iter().enumerate() {
+                    x = layer!(l, &x, &s, again(i));
                 }
                 let pred = head.forward(&x.mean_dim(1, false, None)).view([b]);
                 Output::Loss(pred.to_kind(Kind::Float).mse_loss(&target.to_kind(Kind::Float), tch::Reduction::Mean))
             }
-            Model::Mlp { cfg, emb, fc, out } => {
+            Net::Mlp { emb, hidden, out } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
-                let logits = out.forward(&fc.forward(&emb.forward(input)).gelu("tanh"));
+                let s = shape(b, t);
+                let logits = out.forward(&layer!(hidden, &emb.forward(input), &s, again(0)));
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suite::{ModelSpec, Recompute};
+
+    /// Gradients of a tiny GPT's loss, and how many layer runs went
+    /// through recomputation.
+    fn grads(recompute: Recompute) -> (Vec<Tensor>, u64) {
+        let spec = ModelSpec {
+            kind: ModelKind::Gpt,
+            preset: Some("tiny".into()),
+            n_layer: Some(3),
+            n_head: None,
+            d_model: None,
+            d_ff: None,
+            dropout: Some(0.1),
+        };
+        let cfg = ModelConfig::resolve(&spec, 32, 8).unwrap();
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let model = Model::new(&vs.root(), &cfg, recompute);
+        let input = Tensor::randint(32, [2, 8], (Kind::Int64, tch::Device::Cpu));
+        let before = torch_ext::BLOCK_RUNS.with(|n| n.get());
+        model.loss(&input, &input, true).backward();
+        let runs = torch_ext::BLOCK_RUNS.with(|n| n.get()) - before;
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        (named.into_iter().map(|(_, p)| p.grad()).collect(), runs)
+    }
+
+    #[test]
+    fn recomputed_layers_run_twice_and_give_the_same_gradients() {
+        let (plain, none) = grads(Recompute::None);
+        assert_eq!(none, 0);
+        // Three layers: "all" runs each twice; every 2nd: layers 0 and 2.
+        for (r, want) in [(Recompute::Every(1), 6), (Recompute::Every(2), 4)] {
+            let (g, runs) = grads(r);
+            assert_eq!(runs, want, "{r:?}");
+            for (a, b) in plain.iter().zip(&g) {
+                assert!(a.equal(b), "{r:?}: a gradient differs");
             }
         }
     }

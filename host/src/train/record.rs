@@ -17,6 +17,7 @@ use crate::comm::{Collective, CommStats};
 use crate::measure::{self, LatencySummary, PhaseTimer};
 use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord, ResilienceRecord};
 use crate::strategy::StepTelemetry;
+use crate::suite::Recompute;
 use crate::torch_ext;
 
 /// A small device value (a step's loss, gradient statistics) on its way to
@@ -316,8 +317,12 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
     let (histograms, plugins, runtime) = histograms(t, &m, o.comm);
     let cs = o.comm;
     let (final_eval, reached) = (m.eval_curve.last().map(|e| e.2), m.reached);
+    let mut model = serde_json::to_value(&t.cfg)?;
+    if t.model.recompute() != Recompute::None {
+        model["recompute"] = t.model.recompute().to_value();
+    }
     let metrics = Metrics {
-        model: serde_json::to_value(&t.cfg)?,
+        model,
         parameters: t.n_params,
         precision: format!("{:?}", t.precision).to_lowercase(),
         steps,

@@ -15,7 +15,7 @@ use super::EntryContext;
 use crate::comm::Collective;
 use crate::kernels;
 use crate::strategy::Strategies;
-use crate::suite::{ModelKind, Precision};
+use crate::suite::{ModelKind, Precision, Recompute};
 use crate::torch_ext::{self, AutocastDevice};
 
 /// Turns autocast off again when an entry ends, however it ends.
@@ -99,7 +99,7 @@ impl Training {
         let (rank, world) = (comm.rank(), comm.world_size());
         let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
         let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
-        let (vs, model, names, params) = init_model(&cfg, ctx.entry.seed, device);
+        let (vs, model, names, params) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
         if world > 1 {
             tch::no_grad(|| -> Result<()> {
                 for p in &params {
@@ -198,13 +198,13 @@ impl Training {
 /// The model from the entry's seed, parameters sorted by name. libtorch's
 /// generator is global to the process: thread ranks take turns so that each
 /// initialisation sees exactly the entry's seed.
-fn init_model(cfg: &ModelConfig, seed: u64, device: Device) -> (nn::VarStore, Model, Vec<String>, Vec<Tensor>) {
+fn init_model(cfg: &ModelConfig, recompute: Recompute, seed: u64, device: Device) -> (nn::VarStore, Model, Vec<String>, Vec<Tensor>) {
     static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let (vs, model) = {
         let _turn = INIT.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(seed as i64);
         let vs = nn::VarStore::new(device);
-        let model = Model::new(&vs.root(), cfg);
+        let model = Model::new(&vs.root(), cfg, recompute);
         (vs, model)
     };
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
