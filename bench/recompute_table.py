@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the activation-recomputation figures of harness result files, one
-row per entry: the setting, micro-batch, tokens/s, step time, peak device
-memory, final train loss, and for batch-policy entries the largest
+row per entry: the setting, micro-batch, tokens/s, step time, the peak
+device memory of a training step (evaluation excluded), final train loss, and for batch-policy entries the largest
 micro-batch reached and the out-of-memory errors caught.
 
     python3 bench/recompute_table.py RESULT.json [RESULT.json ...]
@@ -14,7 +14,7 @@ GIB = 2**30
 
 def main(paths):
     print(f"{'workload':14} {'recompute':9} {'batch':>9} {'tokens/s':>9} {'vs none':>7} {'step p50 ms':>11} "
-          f"{'peak alloc GiB':>14} {'vs none':>7} {'train loss':>10} {'OOMs':>4}")
+          f"{'step peak GiB':>14} {'vs none':>7} {'train loss':>10} {'OOMs':>4}")
     for path in paths:
         r = json.load(open(path))
         base = {}
@@ -25,7 +25,8 @@ def main(paths):
                 continue
             rc = m["model"].get("recompute", "none")
             model = m["model"].get("preset") or "?"
-            peak = (m["memory"].get("peak_device_allocated_bytes") or 0) / GIB
+            mem = m["memory"]
+            peak = (mem.get("peak_step_allocated_bytes") or mem.get("peak_device_allocated_bytes") or 0) / GIB
             tps = m["tokens_per_s"]
             if rc == "none":
                 base[model] = (tps, peak)

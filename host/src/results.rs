@@ -308,6 +308,10 @@ pub struct MemoryRecord {
     pub peak_device_allocated_bytes: Option<i64>,
     /// CUDA caching allocator: peak bytes reserved from the driver.
     pub peak_device_reserved_bytes: Option<i64>,
+    /// CUDA caching allocator: the largest peak of bytes in tensors within
+    /// one training step (evaluation excluded: what a step needs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_step_allocated_bytes: Option<i64>,
 }
 
 /// Current UTC time, RFC 3339.

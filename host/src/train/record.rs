@@ -385,6 +385,7 @@ fn memory_record(m: &Meter) -> Result<MemoryRecord> {
         peak_rss_bytes: measure::peak_rss_bytes(),
         peak_device_allocated_bytes: device.as_ref().map(|d| d.peak_allocated.max(m.peak_seen.0)),
         peak_device_reserved_bytes: device.as_ref().map(|d| d.peak_reserved.max(m.peak_seen.1)),
+        peak_step_allocated_bytes: device.as_ref().map(|_| m.peak_seen.0),
     })
 }
 
