@@ -26,11 +26,18 @@
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
+
+/// A write given up because its snapshot was lost (the failure took the
+/// node's memory); its temporary files are not a checkpoint.
+#[derive(Debug, thiserror::Error)]
+#[error("the checkpoint write was cancelled")]
+pub struct Cancelled;
 
 /// Version of the on-disk layout.
 pub const FORMAT: u32 = 1;
@@ -156,6 +163,16 @@ impl Store {
         self.root.join(dir_name(step))
     }
 
+    /// Removes the temporary files of an uncommitted write of `step` (one
+    /// rank: no other rank writes into them).
+    pub fn discard(&self, step: u64) -> Result<()> {
+        let tmp = self.tmp(step);
+        match fs::remove_dir_all(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("removing {}", tmp.display())),
+            _ => Ok(()),
+        }
+    }
+
     fn tmp(&self, step: u64) -> PathBuf {
         self.root.join(format!(".{}.tmp", dir_name(step)))
     }
@@ -172,17 +189,23 @@ impl Store {
     /// syncs them. Every rank calls it; then rank 0 calls [`Store::commit`].
     /// Returns the bytes written.
     pub fn write_part(&self, snap: &Snapshot) -> Result<u64> {
+        self.write_part_unless(snap, &AtomicBool::new(false))
+    }
+
+    /// [`Store::write_part`], given up with [`Cancelled`] as soon as
+    /// `cancel` is set (checked every 16 MiB written).
+    pub fn write_part_unless(&self, snap: &Snapshot, cancel: &AtomicBool) -> Result<u64> {
         let tmp = self.tmp(snap.position.step);
         fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let mut state: Vec<(String, Tensor)> = snap.state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
         for (slot, bytes) in &snap.plugins {
             state.push((format!("plugin/{slot}"), Tensor::from_slice(bytes)));
         }
-        let rec = write_tensors(&tmp, &format!("rank-{}{}", self.rank, self.ext()), &state, self.compress)?;
+        let rec = write_tensors(&tmp, &format!("rank-{}{}", self.rank, self.ext()), &state, self.compress, cancel)?;
         let mut bytes = rec.bytes;
         write_synced(&tmp.join(format!("rank-{}.json", self.rank)), &serde_json::to_vec_pretty(&rec)?)?;
         if self.rank == 0 {
-            let rec = write_tensors(&tmp, &format!("model{}", self.ext()), &snap.model, self.compress)?;
+            let rec = write_tensors(&tmp, &format!("model{}", self.ext()), &snap.model, self.compress, cancel)?;
             bytes += rec.bytes;
             write_synced(&tmp.join("model.json"), &serde_json::to_vec_pretty(&rec)?)?;
         }
@@ -230,6 +253,33 @@ impl Store {
         let mut state = Vec::new();
         let mut plugins = Vec::new();
         for (name, t) in read_tensors(&dir, &rec, m.compressed)? {
+            match name.strip_prefix("plugin/") {
+                Some(slot) => plugins.push((slot.to_owned(), Vec::<u8>::try_from(&t).context("a plugin state")?)),
+                None => state.push((name, t)),
+            }
+        }
+        Ok(Snapshot { position: m.position, model, state, plugins, ready: None })
+    }
+
+    /// As [`Store::read`], but the tensors land straight in `buffers`'
+    /// memory (a snapshot set of the host-memory tier: preallocated and,
+    /// on CUDA, pinned) wherever name, shape and kind match, with no copy
+    /// in between: each file is read once, in file order, while its pieces
+    /// are hashed on other threads. The snapshot returned shares those
+    /// buffers (and holds the few tensors they lack, such as the random
+    /// generators' states). Compressed checkpoints and files written
+    /// before pieces were hashed go through [`Store::read`].
+    pub fn read_into(&self, step: u64, buffers: &mut Snapshot) -> Result<Snapshot> {
+        let dir = self.dir(step);
+        let m = read_manifest(&dir)?;
+        let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
+        if m.compressed || m.model.chunk_bytes.is_none() || rec.chunk_bytes.is_none() || m.world_size as usize != self.world {
+            return self.read(step);
+        }
+        let model = read_file_into(&dir, &m.model, &buffers.model)?;
+        let mut state = Vec::new();
+        let mut plugins = Vec::new();
+        for (name, t) in read_file_into(&dir, &rec, &buffers.state)? {
             match name.strip_prefix("plugin/") {
                 Some(slot) => plugins.push((slot.to_owned(), Vec::<u8>::try_from(&t).context("a plugin state")?)),
                 None => state.push((name, t)),
@@ -477,7 +527,7 @@ fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 /// `dir/name`, synced, and returns the file's record. The bytes go straight
 /// from the tensors' memory to the file, and are hashed on a second thread
 /// as they are written: nothing is read back.
-fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress: bool) -> Result<FileRecord> {
+fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress: bool, cancel: &AtomicBool) -> Result<FileRecord> {
     let path = dir.join(name);
     let host: Vec<Tensor> = tensors
         .iter()
@@ -489,7 +539,12 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
     let (bytes, sha256) = if compress {
         let mut enc = zstd::Encoder::new(Hashing { inner: BufWriter::new(&file), hash: Sha256::new(), bytes: 0 }, 3)?;
         for p in &parts {
-            enc.write_all(p)?;
+            for c in p.chunks(CHUNK) {
+                if cancel.load(Ordering::Relaxed) {
+                    return Err(Cancelled.into());
+                }
+                enc.write_all(c)?;
+            }
         }
         let mut h = enc.finish()?;
         h.flush()?;
@@ -501,6 +556,9 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
             let mut n = 0u64;
             for p in &parts {
                 for c in p.chunks(CHUNK) {
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err(Cancelled.into());
+                    }
                     f.write_all(c).with_context(|| format!("writing {}", path.display()))?;
                     n += c.len() as u64;
                 }
@@ -564,6 +622,138 @@ fn read_hashing_pieces(f: &mut File, buf: &mut [u8], chunk: usize) -> Result<Str
     Ok(tree_digest(&digests.into_inner().expect("the digests")))
 }
 
+/// The bytes of a CPU tensor's memory, to be written (contiguous, on the
+/// host; empty for an empty tensor).
+///
+/// # Safety
+/// Nothing else may read or write `t`'s memory while the slice lives.
+#[allow(clippy::mut_from_ref)] // the memory is libtorch's, not the handle's
+unsafe fn host_bytes_mut(t: &Tensor) -> &mut [u8] {
+    let n = t.numel() * t.kind().elt_size_in_bytes();
+    if n == 0 {
+        return &mut [];
+    }
+    // SAFETY: a contiguous CPU tensor owns `n` bytes at its data pointer;
+    // the caller has it to itself.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, n) }
+}
+
+/// Reads the uncompressed, piece-hashed file of `rec` into the tensors of
+/// `into` that match its tensors by name, shape and kind (new host tensors
+/// for the others), in file order, hashing each piece on [`HASH_THREADS`]
+/// threads as soon as it is in memory; fails if size or hash differ from
+/// what was written. Returns the tensors in file order.
+fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+    let path = dir.join(&rec.file);
+    let chunk = rec.chunk_bytes.context("a file record without pieces")? as usize;
+    anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
+    let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let len = f.metadata()?.len();
+    if len != rec.bytes {
+        bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
+    }
+    sequential(&f);
+    let damaged_header = || anyhow::anyhow!("{} is damaged: its header does not parse (sha256 not checked)", path.display());
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix).with_context(|| format!("reading {}", path.display()))?;
+    let n = u64::from_le_bytes(prefix);
+    if n.checked_add(8).is_none_or(|end| end > len) {
+        return Err(damaged_header());
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).with_context(|| format!("reading {}", path.display()))?;
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&header).map_err(|_| damaged_header())?;
+    let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> = meta.tensors().into_iter().collect();
+    // By start, an empty tensor before a full one at the same offset.
+    infos.sort_by_key(|(_, i)| i.data_offsets);
+    // The data must tile the rest of the file exactly.
+    let mut end = 0;
+    let mut out = Vec::with_capacity(infos.len());
+    for (name, info) in &infos {
+        let (a, b) = info.data_offsets;
+        let kind = kind_of(info.dtype)?;
+        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        let want = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
+        if a != end || b < a || b - a != want {
+            return Err(damaged_header());
+        }
+        end = b;
+        let fits = |t: &Tensor| t.size() == shape && t.kind() == kind && t.device() == Device::Cpu && t.is_contiguous();
+        let t = match into.iter().find(|(n, t)| n == name && fits(t)) {
+            Some((_, t)) => t.shallow_clone(),
+            None => Tensor::f_empty(&shape, (kind, Device::Cpu))?,
+        };
+        out.push((name.clone(), t));
+    }
+    if 8 + n + end as u64 != len {
+        return Err(damaged_header());
+    }
+    // The file as a sequence of byte ranges in memory, the first two read.
+    let mut segments: Vec<(&mut [u8], bool)> = vec![(&mut prefix[..], true), (&mut header[..], true)];
+    for (_, t) in &out {
+        // SAFETY: each tensor is written only here and read (hashed) only
+        // after it was written, within this call; `into`'s tensors belong
+        // to the caller's free snapshot set, which nothing else uses.
+        segments.push((unsafe { host_bytes_mut(t) }, false));
+    }
+    let pieces = (len as usize).div_ceil(chunk);
+    let digests = std::sync::Mutex::new(vec![[0u8; 32]; pieces]);
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<&[u8]>)>();
+    let rx = std::sync::Mutex::new(rx);
+    std::thread::scope(|s| -> Result<()> {
+        let tx = tx;
+        for _ in 0..HASH_THREADS {
+            s.spawn(|| loop {
+                let next = rx.lock().expect("the piece queue").recv();
+                let Ok((i, parts)) = next else { break };
+                let mut h = Sha256::new();
+                for p in parts {
+                    h.update(p);
+                }
+                digests.lock().expect("the digests")[i] = h.finalize().into();
+            });
+        }
+        let mut segments = segments.into_iter();
+        let mut current: Option<(&mut [u8], bool)> = None;
+        for i in 0..pieces {
+            let mut room = chunk.min(len as usize - i * chunk);
+            let mut parts: Vec<&[u8]> = Vec::new();
+            while room > 0 {
+                let (seg, filled) = match current.take() {
+                    Some(c) => c,
+                    None => segments.next().expect("the segments cover the file"),
+                };
+                let take = room.min(seg.len());
+                let (now, rest) = seg.split_at_mut(take);
+                if !filled {
+                    f.read_exact(now).with_context(|| format!("reading {}", path.display()))?;
+                }
+                parts.push(now);
+                room -= take;
+                if !rest.is_empty() {
+                    current = Some((rest, filled));
+                }
+            }
+            let _ = tx.send((i, parts));
+        }
+        Ok(())
+    })?;
+    drop(rx);
+    let sha = tree_digest(&digests.into_inner().expect("the digests"));
+    damaged(&path, rec, len, &sha)?;
+    Ok(out)
+}
+
+/// Advises the kernel that `f` is read once from start to end (a larger
+/// read-ahead).
+fn sequential(f: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid descriptor; the call only advises the kernel.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    }
+}
+
 /// Reads the tensors of `rec`'s file, verified against its size and hash.
 fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool) -> Result<Vec<(String, Tensor)>> {
     let path = dir.join(&rec.file);
@@ -623,6 +813,53 @@ mod tests {
             assert!(e.contains("is damaged"), "{e}");
             assert!(s.read(10).is_err());
         }
+    }
+
+    #[test]
+    fn reads_into_snapshot_buffers_land_in_their_memory_and_find_damage() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
+        s.write_part(&snap(10, 1.5)).unwrap();
+        let dir = s.commit(snap(10, 1.5).position).unwrap();
+        let mut buffers = snap(0, 0.0);
+        buffers.plugins.clear();
+        let back = s.read_into(10, &mut buffers).unwrap();
+        assert_eq!(back.position, snap(10, 1.5).position);
+        // Straight into the buffers' memory, no copy.
+        assert_eq!(back.model[0].1.data_ptr(), buffers.model[0].1.data_ptr());
+        assert_eq!(Vec::<f32>::try_from(&buffers.model[0].1).unwrap(), vec![1.5, 2.5]);
+        assert_eq!(back.state[0].1.data_ptr(), buffers.state[0].1.data_ptr());
+        assert_eq!(Vec::<f32>::try_from(&buffers.state[0].1).unwrap(), vec![3.0]);
+        assert_eq!(back.plugin("compressor"), Some(&[1u8, 2, 3][..]));
+        assert_eq!(back.plugin("batch"), Some(&[][..]));
+
+        // Pieces of 7 bytes: they straddle the length prefix, the header
+        // and the tensors; the digest is the same tree as written.
+        let rec: FileRecord = read_json(&dir.join("rank-0.json")).unwrap();
+        let bytes = fs::read(dir.join(&rec.file)).unwrap();
+        let digests: Vec<[u8; 32]> = bytes.chunks(7).map(|c| Sha256::digest(c).into()).collect();
+        let small = FileRecord { sha256: tree_digest(&digests), chunk_bytes: Some(7), ..rec.clone() };
+        let into = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32]))];
+        let got = read_file_into(&dir, &small, &into).unwrap();
+        assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["optimizer/exp_avg.0", "plugin/compressor", "plugin/batch"]);
+        assert_eq!(Vec::<f32>::try_from(&into[0].1).unwrap(), vec![3.0]);
+
+        // A flipped byte in the data, or in the header, is found.
+        let f = dir.join(&rec.file);
+        for at in [bytes.len() - 1, 9] {
+            let mut b = bytes.clone();
+            b[at] ^= 1;
+            fs::write(&f, b).unwrap();
+            let Err(e) = s.read_into(10, &mut snap(0, 0.0)) else { panic!("byte {at}: the damage was not found") };
+            let e = format!("{e:#}");
+            assert!(e.contains("is damaged"), "byte {at}: {e}");
+        }
+        // A shape that does not match gets a tensor of its own.
+        fs::write(&f, &bytes).unwrap();
+        let odd = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32, 0.0]))];
+        let got = read_file_into(&dir, &rec, &odd).unwrap();
+        assert_ne!(got[0].1.data_ptr(), odd[0].1.data_ptr());
+        assert_eq!(Vec::<f32>::try_from(&got[0].1).unwrap(), vec![3.0]);
     }
 
     #[test]

@@ -159,13 +159,31 @@ impl Resilience {
         let (true, Some(store)) = (ctx.resume, &self.store) else { return Ok(None) };
         let on_disk: Vec<u64> = checkpoint::list(&ctx.checkpoint_dir).into_iter().map(|c| c.0).collect();
         let Some(&c) = on_disk.last() else { return Ok(None) };
+        let _ = store;
         let snap =
-            store.read(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
+            self.read_disk(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
         restore(t, batch, &snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;
         batch.rewind(c, true);
         self.history.saved = on_disk;
         self.record.resumed_from = Some(c);
         Ok(Some(c))
+    }
+
+    /// This rank's part of the checkpoint of `step`, read from disk into a
+    /// free snapshot set of the host-memory tier when there is one (no
+    /// allocation, and on CUDA pinned memory, from which the copies to the
+    /// device run at full speed).
+    fn read_disk(&mut self, step: u64) -> Result<Snapshot> {
+        let store = self.store.as_ref().context("a checkpoint without a store")?;
+        match self.tiers.as_mut().and_then(|t| t.pool.free()) {
+            Some((_, set)) => {
+                // Copies of a snapshot lost with the memory tier may still
+                // be landing in these buffers.
+                set.wait_ready()?;
+                store.read_into(step, set)
+            }
+            None => store.read(step),
+        }
     }
 
     /// Whether the entry's results carry a resilience section.
@@ -295,6 +313,8 @@ impl Resilience {
                     None => anyhow::bail!("the checkpoint writer reported a persist nobody asked for"),
                 },
                 Report::Deleted(_) => tiers.deleting = tiers.deleting.saturating_sub(1),
+                // Only a lost node cancels, and it waits for the report.
+                Report::Cancelled(step) => anyhow::bail!("the checkpoint writer gave up the persist of step {step} unasked"),
             }
         }
         Ok(tiers.in_flight.as_ref().is_some_and(|f| f.part_done.is_some()))
@@ -377,7 +397,7 @@ impl Resilience {
                 (m, "memory")
             }
             (_, Some(s)) => {
-                loaded = self.store.as_ref().context("a checkpoint without a store")?.read(s)?;
+                loaded = self.read_disk(s)?;
                 (&loaded, "disk")
             }
             (_, None) => (self.initial.as_ref().context("no initial state to restart from")?, "start"),
@@ -412,14 +432,23 @@ impl Resilience {
         tiers.overlapping = None;
         self.history.in_memory.clear();
         if let Some(f) = tiers.in_flight.take() {
-            let mut durable = f.part_done.is_some();
-            while !durable {
+            // The writer dies with the node: the persist under way stops
+            // (its temporary files are no checkpoint), or, if it finished
+            // already, its checkpoint is deleted (it could not have).
+            let mut over = f.part_done.is_some();
+            let mut committed = over;
+            if !over {
+                tiers.writer.cancel();
+            }
+            while !over {
                 match tiers.writer.wait()? {
-                    Report::Persisted(_) => durable = true,
+                    Report::Persisted(_) => (over, committed) = (true, true),
+                    Report::Cancelled(_) => over = true,
                     Report::Deleted(_) => tiers.deleting = tiers.deleting.saturating_sub(1),
                 }
             }
-            if self.world == 1 {
+            tiers.writer.cancel_done();
+            if committed && self.world == 1 {
                 self.store.as_ref().context("a persist without a store")?.delete(f.position.step)?;
             }
             self.history.persisting = None;

@@ -11,6 +11,7 @@
 //! plugin states); the copies themselves slow the step that follows, which
 //! the host measures as that checkpoint's slowdown.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -19,7 +20,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
-use super::checkpoint::{Position, Snapshot, Store};
+use super::checkpoint::{Cancelled, Position, Snapshot, Store};
 use crate::torch_ext;
 
 /// A snapshot shared between the training thread (the memory tier,
@@ -108,6 +109,9 @@ pub fn copy_into(dst: &[(String, Tensor)], src: &[(String, Tensor)]) -> Result<(
 pub enum Report {
     Persisted(Persisted),
     Deleted(u64),
+    /// A persist given up through [`Writer::cancel`] (with one rank, its
+    /// temporary files are removed).
+    Cancelled(u64),
 }
 
 /// A persist the writer finished: durable on this rank (and committed, with
@@ -131,6 +135,7 @@ enum Job {
 /// One rank's background writer: persists snapshots, one at a time.
 pub struct Writer {
     jobs: Option<Sender<Job>>,
+    cancel: Arc<AtomicBool>,
     done: Receiver<Result<Report>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -140,6 +145,8 @@ impl Writer {
     pub fn spawn(store: Arc<Store>) -> Writer {
         let (jobs, rx) = mpsc::channel::<Job>();
         let (tx, done) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cancelled = cancel.clone();
         let thread = std::thread::Builder::new()
             .name("checkpoint-writer".into())
             .spawn(move || {
@@ -147,7 +154,17 @@ impl Writer {
                     let r = match job {
                         // The job (and its hold on the snapshot) ends before
                         // the report, so the buffers are free once it is read.
-                        Job::Persist { snap, commit } => persist(&store, snap, commit).map(Report::Persisted),
+                        Job::Persist { snap, commit } => {
+                            let step = snap.position.step;
+                            match persist(&store, snap, commit, &cancelled) {
+                                Err(e) if e.is::<Cancelled>() => {
+                                    cancelled.store(false, Ordering::SeqCst);
+                                    let gone = if commit { store.discard(step) } else { Ok(()) };
+                                    gone.map(|()| Report::Cancelled(step))
+                                }
+                                r => r.map(Report::Persisted),
+                            }
+                        }
                         Job::Delete(step) => store
                             .delete(step)
                             .map(|()| Report::Deleted(step))
@@ -159,7 +176,21 @@ impl Writer {
                 }
             })
             .expect("starting the checkpoint writer thread");
-        Writer { jobs: Some(jobs), done, thread: Some(thread) }
+        Writer { jobs: Some(jobs), cancel, done, thread: Some(thread) }
+    }
+
+    /// Gives up the persist under way, if any, as soon as it notices (every
+    /// 16 MiB); its report is `Cancelled`, or `Persisted` if it had
+    /// finished. A node that fails loses its writer with its memory.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+
+    /// After the cancelled persist's report: a persist that had finished
+    /// before it noticed leaves the request set, which must not stop the
+    /// next one.
+    pub fn cancel_done(&self) {
+        self.cancel.store(false, Ordering::SeqCst);
     }
 
     /// Persists `snap`; with `commit` (one rank) the writer also makes it a
@@ -199,11 +230,14 @@ impl Writer {
 }
 
 /// Writes one job's files, durably, and commits them if it says so.
-fn persist(store: &Store, snap: Arc<Shared>, commit: bool) -> Result<Persisted> {
+fn persist(store: &Store, snap: Arc<Shared>, commit: bool, cancel: &AtomicBool) -> Result<Persisted> {
     let t0 = Instant::now();
     let step = snap.position.step;
     snap.wait_ready()?;
-    let bytes = store.write_part(&snap).with_context(|| format!("writing the checkpoint of step {step}"))?;
+    let bytes = match store.write_part_unless(&snap, cancel) {
+        Err(e) if e.is::<Cancelled>() => return Err(e),
+        r => r.with_context(|| format!("writing the checkpoint of step {step}"))?,
+    };
     if commit {
         store.commit(snap.position).with_context(|| format!("committing the checkpoint of step {step}"))?;
     }
@@ -218,5 +252,42 @@ impl Drop for Writer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::checkpoint;
+
+    fn shared(step: u64) -> Arc<Shared> {
+        Arc::new(Shared(Snapshot {
+            position: Position { step, data_position: 0, micro_batch: 1, accum_steps: 1, lr_scale: 1.0 },
+            model: vec![("w".into(), Tensor::ones([1 << 20], (tch::Kind::Float, Device::Cpu)))],
+            state: Vec::new(),
+            plugins: Vec::new(),
+            ready: None,
+        }))
+    }
+
+    #[test]
+    fn a_cancelled_persist_leaves_no_files_and_the_next_one_persists() {
+        let d = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(d.path(), 0, 1, false, true).unwrap());
+        let w = Writer::spawn(store.clone());
+        // Cancelled before its first piece is written.
+        w.cancel();
+        w.start(shared(5), true);
+        assert!(matches!(w.wait().unwrap(), Report::Cancelled(5)));
+        assert!(checkpoint::list(d.path()).is_empty());
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "temporary files left behind");
+        // A request that comes after the persist finished stops nothing later.
+        w.start(shared(6), true);
+        assert!(matches!(w.wait().unwrap(), Report::Persisted(Persisted { step: 6, .. })));
+        w.cancel();
+        w.cancel_done();
+        w.start(shared(7), true);
+        assert!(matches!(w.wait().unwrap(), Report::Persisted(Persisted { step: 7, .. })));
+        assert_eq!(checkpoint::list(d.path()).iter().map(|c| c.0).collect::<Vec<_>>(), [6, 7]);
     }
 }
