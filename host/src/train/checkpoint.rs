@@ -572,8 +572,8 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
     Ok(FileRecord { file: name.to_owned(), bytes, sha256, chunk_bytes })
 }
 
-/// Reads `rec`'s file whole, hashing on a second thread as it reads, and
-/// fails if size or hash differ from what was written.
+/// Reads `rec`'s file whole (through [`read_pieces`] when it was hashed in
+/// pieces), and fails if size or hash differ from what was written.
 fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     let path = dir.join(&rec.file);
     let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
@@ -583,7 +583,9 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     }
     let mut buf = vec![0u8; len as usize];
     let sha = match rec.chunk_bytes {
-        Some(chunk) => read_hashing_pieces(&mut f, &mut buf, chunk as usize).with_context(|| format!("reading {}", path.display()))?,
+        Some(chunk) => {
+            read_pieces(&f, vec![(&mut buf[..], false)], chunk as usize).with_context(|| format!("reading {}", path.display()))?
+        }
         None => {
             f.read_exact(&mut buf).with_context(|| format!("reading {}", path.display()))?;
             hex::encode(Sha256::digest(&buf))
@@ -593,29 +595,60 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Fills `buf` from `f` piece by piece, while [`HASH_THREADS`] threads hash
-/// the pieces already read; returns the tree digest.
-fn read_hashing_pieces(f: &mut File, buf: &mut [u8], chunk: usize) -> Result<String> {
+/// Reads the file `f` into `segments`, its bytes in file order (those
+/// marked `true` hold theirs already), on [`HASH_THREADS`] threads that
+/// each read whole pieces of `chunk` bytes at their offsets and hash them;
+/// returns the tree digest. Several reads in flight, and the kernel told to
+/// read the whole file ahead, keep the disk as busy as one large direct read
+/// would.
+fn read_pieces(f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize) -> Result<String> {
+    use std::os::unix::fs::FileExt;
     anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
-    let n = buf.len().div_ceil(chunk);
-    let digests = std::sync::Mutex::new(vec![[0u8; 32]; n]);
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, &[u8])>();
-    let rx = std::sync::Mutex::new(rx);
-    std::thread::scope(|s| -> Result<()> {
-        // Dropped when reading ends, which ends the hashers' loops.
-        let tx = tx;
-        for _ in 0..HASH_THREADS {
-            s.spawn(|| loop {
-                let next = rx.lock().expect("the piece queue").recv();
-                let Ok((i, piece)) = next else { break };
-                let d: [u8; 32] = Sha256::digest(piece).into();
-                digests.lock().expect("the digests")[i] = d;
-            });
+    will_need(f);
+    let mut pieces: Vec<Vec<(&mut [u8], bool)>> = Vec::new();
+    let mut piece = Vec::new();
+    let mut room = chunk;
+    for (mut seg, filled) in segments {
+        while !seg.is_empty() {
+            let (now, rest) = seg.split_at_mut(room.min(seg.len()));
+            room -= now.len();
+            piece.push((now, filled));
+            seg = rest;
+            if room == 0 {
+                pieces.push(std::mem::take(&mut piece));
+                room = chunk;
+            }
         }
-        for (i, c) in buf.chunks_mut(chunk).enumerate() {
-            f.read_exact(c)?;
-            let filled: &[u8] = c;
-            let _ = tx.send((i, filled));
+    }
+    if !piece.is_empty() {
+        pieces.push(piece);
+    }
+    let n = pieces.len();
+    let queue = std::sync::Mutex::new(pieces.into_iter().enumerate());
+    let digests = std::sync::Mutex::new(vec![[0u8; 32]; n]);
+    std::thread::scope(|s| -> Result<()> {
+        let readers: Vec<_> = (0..HASH_THREADS)
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    loop {
+                        let next = queue.lock().expect("the piece queue").next();
+                        let Some((i, parts)) = next else { return Ok(()) };
+                        let mut at = (i * chunk) as u64;
+                        let mut h = Sha256::new();
+                        for (part, filled) in parts {
+                            if !filled {
+                                f.read_exact_at(part, at)?;
+                            }
+                            h.update(&*part);
+                            at += part.len() as u64;
+                        }
+                        digests.lock().expect("the digests")[i] = h.finalize().into();
+                    }
+                })
+            })
+            .collect();
+        for r in readers {
+            r.join().expect("a checkpoint reader panicked")?;
         }
         Ok(())
     })?;
@@ -640,9 +673,8 @@ unsafe fn host_bytes_mut(t: &Tensor) -> &mut [u8] {
 
 /// Reads the uncompressed, piece-hashed file of `rec` into the tensors of
 /// `into` that match its tensors by name, shape and kind (new host tensors
-/// for the others), in file order, hashing each piece on [`HASH_THREADS`]
-/// threads as soon as it is in memory; fails if size or hash differ from
-/// what was written. Returns the tensors in file order.
+/// for the others), through [`read_pieces`]; fails if size or hash differ
+/// from what was written. Returns the tensors in file order.
 fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
     let path = dir.join(&rec.file);
     let chunk = rec.chunk_bytes.context("a file record without pieces")? as usize;
@@ -652,7 +684,6 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Re
     if len != rec.bytes {
         bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
     }
-    sequential(&f);
     let damaged_header = || anyhow::anyhow!("{} is damaged: its header does not parse (sha256 not checked)", path.display());
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).with_context(|| format!("reading {}", path.display()))?;
@@ -696,61 +727,18 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Re
         // to the caller's free snapshot set, which nothing else uses.
         segments.push((unsafe { host_bytes_mut(t) }, false));
     }
-    let pieces = (len as usize).div_ceil(chunk);
-    let digests = std::sync::Mutex::new(vec![[0u8; 32]; pieces]);
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<&[u8]>)>();
-    let rx = std::sync::Mutex::new(rx);
-    std::thread::scope(|s| -> Result<()> {
-        let tx = tx;
-        for _ in 0..HASH_THREADS {
-            s.spawn(|| loop {
-                let next = rx.lock().expect("the piece queue").recv();
-                let Ok((i, parts)) = next else { break };
-                let mut h = Sha256::new();
-                for p in parts {
-                    h.update(p);
-                }
-                digests.lock().expect("the digests")[i] = h.finalize().into();
-            });
-        }
-        let mut segments = segments.into_iter();
-        let mut current: Option<(&mut [u8], bool)> = None;
-        for i in 0..pieces {
-            let mut room = chunk.min(len as usize - i * chunk);
-            let mut parts: Vec<&[u8]> = Vec::new();
-            while room > 0 {
-                let (seg, filled) = match current.take() {
-                    Some(c) => c,
-                    None => segments.next().expect("the segments cover the file"),
-                };
-                let take = room.min(seg.len());
-                let (now, rest) = seg.split_at_mut(take);
-                if !filled {
-                    f.read_exact(now).with_context(|| format!("reading {}", path.display()))?;
-                }
-                parts.push(now);
-                room -= take;
-                if !rest.is_empty() {
-                    current = Some((rest, filled));
-                }
-            }
-            let _ = tx.send((i, parts));
-        }
-        Ok(())
-    })?;
-    drop(rx);
-    let sha = tree_digest(&digests.into_inner().expect("the digests"));
+    let sha = read_pieces(&f, segments, chunk).with_context(|| format!("reading {}", path.display()))?;
     damaged(&path, rec, len, &sha)?;
     Ok(out)
 }
 
-/// Advises the kernel that `f` is read once from start to end (a larger
-/// read-ahead).
-fn sequential(f: &File) {
+/// Advises the kernel that all of `f` will be read soon: it starts reading
+/// the file into its cache at once.
+fn will_need(f: &File) {
     use std::os::fd::AsRawFd;
     // SAFETY: a valid descriptor; the call only advises the kernel.
     unsafe {
-        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED);
     }
 }
 
