@@ -569,6 +569,12 @@ pub struct FailureRecord {
     pub lost_s: f64,
     /// Seconds the restore took.
     pub restore_s: f64,
+    /// Of `restore_s`, the seconds reading the checkpoint from disk (its
+    /// hashes checked), and the bytes read; absent for other sources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
     /// Where the state came back from: `memory`, `disk` or `start`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restored_from: Option<String>,

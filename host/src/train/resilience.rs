@@ -391,13 +391,16 @@ impl Resilience {
         let memory = self.tiers.as_ref().and_then(|m| m.memory.clone());
         let disk = self.history.saved.last().copied();
         let loaded;
+        let mut read = None;
         let (snap, from): (&Snapshot, &str) = match (&memory, disk) {
             (Some(m), d) if d.is_none_or(|d| m.position.step >= d) => {
                 m.wait_ready()?;
                 (m, "memory")
             }
             (_, Some(s)) => {
+                let r0 = Instant::now();
                 loaded = self.read_disk(s)?;
+                read = Some((r0.elapsed().as_secs_f64(), loaded.bytes()));
                 (&loaded, "disk")
             }
             (_, None) => (self.initial.as_ref().context("no initial state to restart from")?, "start"),
@@ -415,6 +418,8 @@ impl Resilience {
             restored_to: c,
             lost_s,
             restore_s,
+            read_s: read.map(|r| r.0),
+            read_bytes: read.map(|r| r.1),
             restored_from: Some(from.into()),
             lost_memory: lose_memory,
         });
