@@ -633,7 +633,7 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; len as usize];
     let sha = match rec.chunk_bytes {
         Some(chunk) => {
-            read_pieces(&f, &path, vec![(&mut buf[..], false)], chunk as usize).with_context(|| format!("reading {}", path.display()))?
+            read_pieces(&f, vec![(&mut buf[..], false)], chunk as usize).with_context(|| format!("reading {}", path.display()))?
         }
         None => {
             f.read_exact(&mut buf).with_context(|| format!("reading {}", path.display()))?;
@@ -644,22 +644,16 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Reads the file `f` (at `path`) into `segments`, its bytes in file order
-/// (those marked `true` hold theirs already), on [`HASH_THREADS`] threads
-/// that each read whole pieces of `chunk` bytes at their offsets, hash them
-/// and put them in place; returns the tree digest. Reads bypass the page
-/// cache (O_DIRECT, into an aligned buffer per thread, as a large direct
-/// read moves a file at the disk's speed) where the filesystem allows it;
-/// elsewhere they go through the cache, with the kernel told to read the
-/// whole file ahead.
-fn read_pieces(f: &File, path: &Path, segments: Vec<(&mut [u8], bool)>, chunk: usize) -> Result<String> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+/// Reads the file `f` into `segments`, its bytes in file order (those
+/// marked `true` hold theirs already), on [`HASH_THREADS`] threads that
+/// each read whole pieces of `chunk` bytes at their offsets and hash them;
+/// returns the tree digest. Several reads in flight, and the kernel told to
+/// read the whole file ahead, keep the disk as busy as one large direct read
+/// would.
+fn read_pieces(f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize) -> Result<String> {
+    use std::os::unix::fs::FileExt;
     anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
-    let direct =
-        (chunk % DIRECT_ALIGN == 0).then(|| fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).ok()).flatten();
-    if direct.is_none() {
-        will_need(f);
-    }
+    will_need(f);
     let mut pieces: Vec<Vec<(&mut [u8], bool)>> = Vec::new();
     let mut piece = Vec::new();
     let mut room = chunk;
@@ -684,39 +678,18 @@ fn read_pieces(f: &File, path: &Path, segments: Vec<(&mut [u8], bool)>, chunk: u
     std::thread::scope(|s| -> Result<()> {
         let readers: Vec<_> = (0..HASH_THREADS)
             .map(|_| {
-                s.spawn(|| -> Result<()> {
-                    let mut bounce = direct.as_ref().map(|_| AlignedBuf::new(chunk));
+                s.spawn(|| -> std::io::Result<()> {
                     loop {
                         let next = queue.lock().expect("the piece queue").next();
                         let Some((i, parts)) = next else { return Ok(()) };
-                        let at = (i * chunk) as u64;
-                        let len: usize = parts.iter().map(|(p, _)| p.len()).sum();
+                        let mut at = (i * chunk) as u64;
                         let mut h = Sha256::new();
-                        match (&direct, &mut bounce) {
-                            (Some(d), Some(buf)) => {
-                                let bytes = buf.read_at(d, at, len)?;
-                                h.update(bytes);
-                                let mut from = 0;
-                                for (part, filled) in parts {
-                                    let src = &bytes[from..from + part.len()];
-                                    if filled {
-                                        anyhow::ensure!(*part == *src, "the file changed while it was read");
-                                    } else {
-                                        part.copy_from_slice(src);
-                                    }
-                                    from += part.len();
-                                }
+                        for (part, filled) in parts {
+                            if !filled {
+                                f.read_exact_at(part, at)?;
                             }
-                            _ => {
-                                let mut at = at;
-                                for (part, filled) in parts {
-                                    if !filled {
-                                        f.read_exact_at(part, at)?;
-                                    }
-                                    h.update(&*part);
-                                    at += part.len() as u64;
-                                }
-                            }
+                            h.update(&*part);
+                            at += part.len() as u64;
                         }
                         digests.lock().expect("the digests")[i] = h.finalize().into();
                     }
@@ -729,54 +702,6 @@ fn read_pieces(f: &File, path: &Path, segments: Vec<(&mut [u8], bool)>, chunk: u
         Ok(())
     })?;
     Ok(tree_digest(&digests.into_inner().expect("the digests")))
-}
-
-/// The alignment of O_DIRECT reads (offsets, lengths and memory): the
-/// largest logical block size in use.
-const DIRECT_ALIGN: usize = 4096;
-
-/// A heap buffer aligned for O_DIRECT.
-struct AlignedBuf {
-    ptr: std::ptr::NonNull<u8>,
-    layout: std::alloc::Layout,
-}
-
-// SAFETY: the buffer is plain memory owned by one reader at a time.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    fn new(len: usize) -> AlignedBuf {
-        let layout = std::alloc::Layout::from_size_align(len.next_multiple_of(DIRECT_ALIGN), DIRECT_ALIGN).expect("a valid layout");
-        // SAFETY: the layout's size is not zero (chunk > 0).
-        let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc(layout) }).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, layout }
-    }
-
-    /// Reads `len` bytes of `f` at `at` (aligned) with direct reads of
-    /// whole blocks; the file must hold them.
-    fn read_at(&mut self, f: &File, at: u64, len: usize) -> Result<&[u8]> {
-        use std::os::unix::fs::FileExt;
-        // SAFETY: the buffer holds layout.size() bytes, owned by self.
-        let buf = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) };
-        let want = len.next_multiple_of(DIRECT_ALIGN).min(buf.len());
-        let mut got = 0;
-        while got < len {
-            // Whole blocks from an aligned offset; the last read may stop at
-            // the end of the file.
-            match f.read_at(&mut buf[got..want], at + got as u64)? {
-                0 => bail!("the file ended {} bytes early", len - got),
-                k => got += k,
-            }
-        }
-        Ok(&buf[..len])
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
 }
 
 /// The bytes of a CPU tensor's memory, to be written (contiguous, on the
@@ -851,7 +776,7 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Re
         // to the caller's free snapshot set, which nothing else uses.
         segments.push((unsafe { host_bytes_mut(t) }, false));
     }
-    let sha = read_pieces(&f, &path, segments, chunk).with_context(|| format!("reading {}", path.display()))?;
+    let sha = read_pieces(&f, segments, chunk).with_context(|| format!("reading {}", path.display()))?;
     damaged(&path, rec, len, &sha)?;
     Ok(out)
 }
