@@ -132,8 +132,9 @@ pub enum PluginCommand {
         #[arg(long)]
         sdk: Option<PathBuf>,
         /// The plugin's language: rust (a WASM component and a native
-        /// library from one crate) or c (a native library; compressors).
-        #[arg(long, default_value = "rust", value_parser = ["rust", "c"])]
+        /// library from one crate), c (a native library; compressors) or
+        /// python (a WASM component built by componentize-py; compressors).
+        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "python"])]
         lang: String,
     },
     /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
@@ -436,7 +437,11 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             let sdk = sdk.unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../sdk")));
             let made = crate::plugin::scaffold::create(&kind, &name, &dir, &sdk, &lang)?;
             println!("created {}", made.display());
-            let build = if lang == "c" { "make" } else { "cargo build --release --target wasm32-wasip2" };
+            let build = match lang.as_str() {
+                "c" => "make",
+                "python" => "./build.sh",
+                _ => "cargo build --release --target wasm32-wasip2",
+            };
             println!("build:  cd {} && {build}", made.display());
             println!("run:    harness run {}/suite.toml", made.display());
             Ok(exit::OK)

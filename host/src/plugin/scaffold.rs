@@ -43,6 +43,15 @@ const C_COMPRESSOR: [(&str, &str); 4] = [
     ("README.md", include_str!("../../../sdk/templates/c-compressor/README.md.tmpl")),
 ];
 
+/// The Python template (compressors): the source, the contract's WIT
+/// package copied next to it, and a build script that runs componentize-py.
+const PY_COMPRESSOR: [(&str, &str); 4] = [
+    ("app.py", include_str!("../../../sdk/templates/py-compressor/app.py.tmpl")),
+    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
+    ("build.sh", include_str!("../../../sdk/templates/py-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../../sdk/templates/py-compressor/README.md.tmpl")),
+];
+
 /// A small CPU suite that runs the generated plugin against the built-in
 /// baseline (two thread ranks for a compressor, so its collectives run),
 /// three repeats each, scored by time to a target the baseline reaches at
@@ -103,6 +112,7 @@ fn valid_name(name: &str) -> bool {
 
 /// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
 /// to a component and a native library; "c": a native library, compressors
+/// only; "python": a component built by componentize-py, compressors
 /// only); returns its folder.
 pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
@@ -114,18 +124,31 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Res
     }
     match lang {
         "rust" => {}
-        "c" if kind == "compressor" => {
-            std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
-            let mut files: Vec<(&str, String)> = C_COMPRESSOR.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
-            files.push(("suite.toml", suite(kind, name, &format!("lib{name}.so"), "make")));
-            files.push((".gitignore", "/*.so\n/results\n".to_owned()));
+        "c" | "python" if kind == "compressor" => {
+            let (template, artifact, build, ignore) = match lang {
+                "c" => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
+                _ => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
+            };
+            std::fs::create_dir_all(root.join("wit")).with_context(|| format!("cannot create {}", root.display()))?;
+            let mut files: Vec<(&str, String)> = template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
+            files.push(("suite.toml", suite(kind, name, &artifact, build)));
+            files.push((".gitignore", ignore.to_owned()));
             for (f, text) in files {
                 std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
             }
+            if lang == "c" {
+                std::fs::remove_dir(root.join("wit")).ok();
+            } else {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(root.join("build.sh"), std::fs::Permissions::from_mode(0o755))?;
+            }
             return Ok(root);
         }
-        "c" => bail!("the C template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust) or from sdk/include/harness_strategy.h"),
-        other => bail!("no template in `{other}` (rust, c)"),
+        "c" | "python" => bail!(
+            "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
+            if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
+        ),
+        other => bail!("no template in `{other}` (rust, c, python)"),
     }
     let t = template(kind)?;
     let sdk = std::fs::canonicalize(sdk).with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?;
