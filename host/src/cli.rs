@@ -132,9 +132,10 @@ pub enum PluginCommand {
         #[arg(long)]
         sdk: Option<PathBuf>,
         /// The plugin's language: rust (a WASM component and a native
-        /// library from one crate), c (a native library; compressors) or
-        /// python (a WASM component built by componentize-py; compressors).
-        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "python"])]
+        /// library from one crate), c (a native library; compressors),
+        /// python or js (a WASM component built by componentize-py or
+        /// componentize-js; compressors).
+        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "python", "js"])]
         lang: String,
     },
     /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
@@ -439,7 +440,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             println!("created {}", made.display());
             let build = match lang.as_str() {
                 "c" => "make",
-                "python" => "./build.sh",
+                "python" | "js" => "./build.sh",
                 _ => "cargo build --release --target wasm32-wasip2",
             };
             println!("build:  cd {} && {build}", made.display());

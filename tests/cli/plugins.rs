@@ -223,17 +223,17 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
     );
 }
 
-/// A third party's Python plugin: scaffolded, built by its own script
-/// (componentize-py, installed once into the cache), loaded into the
+/// A third party's plugin in another language: scaffolded, built by its own
+/// script (the toolchain installed once into the cache), loaded into the
 /// sandbox, and on two ranks it trains exactly as the Rust `allreduce`
-/// plugin and the built-in all-reduce do.
-#[test]
-fn plugin_new_in_python_builds_a_component_that_trains_like_the_rust_allreduce() {
+/// plugin and the built-in all-reduce do; a configuration it does not take
+/// is refused before anything trains, with the plugin's own message.
+fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
     let dir = tempfile::tempdir().unwrap();
-    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-py", "--lang", "python"]));
-    let folder = dir.path().join("my-py");
+    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", name, "--lang", lang]));
+    let folder = dir.path().join(name);
     let build = std::process::Command::new("./build.sh").current_dir(&folder).output().expect("bash runs build.sh");
-    assert!(build.status.success(), "the generated Python plugin does not build:\n{}", String::from_utf8_lossy(&build.stderr));
+    assert!(build.status.success(), "the generated {lang} plugin does not build:\n{}", String::from_utf8_lossy(&build.stderr));
     let suite = std::fs::read_to_string(folder.join("suite.toml")).unwrap()
         + &format!(
             "\n[[plugin]]\nname = \"rust-avg\"\npath = \"{}\"\n\n[[strategy]]\nname = \"rust\"\ncompressor = \"rust-avg\"\n",
@@ -247,28 +247,33 @@ fn plugin_new_in_python_builds_a_component_that_trains_like_the_rust_allreduce()
         entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
     };
     for k in 0..3 {
-        let e = entry(&r, &format!("mlp-tiny/with-my-py/r{k}"));
+        let id = format!("mlp-tiny/with-{name}/r{k}");
+        let e = entry(&r, &id);
         assert_eq!(e["status"], "ok", "{e}");
         assert_eq!(e["metrics"]["strategy_runtime"], "wasm");
         assert_eq!(e["metrics"]["world_size"], 2);
-        assert_eq!(e["metrics"]["plugins"][0]["name"], "my-py");
-        let py = losses(&format!("mlp-tiny/with-my-py/r{k}"));
-        assert_eq!(py, losses(&format!("mlp-tiny/rust/r{k}")), "repeat {k}: Python and Rust differ");
-        assert_eq!(py, losses(&format!("mlp-tiny/baseline/r{k}")), "repeat {k}");
+        assert_eq!(e["metrics"]["plugins"][0]["name"], name);
+        assert_eq!(losses(&id), losses(&format!("mlp-tiny/rust/r{k}")), "repeat {k}: {lang} and Rust differ");
+        assert_eq!(losses(&id), losses(&format!("mlp-tiny/baseline/r{k}")), "repeat {k}");
     }
-    // A configuration it does not take is refused before anything trains,
-    // with the plugin's own message.
     let bad = std::fs::read_to_string(folder.join("suite.toml"))
         .unwrap()
-        .replace("compressor = \"my-py\"", "compressor = \"my-py\"\ncompressor_config = { ratio = 0.1 }");
+        .replace(&format!("compressor = \"{name}\""), &format!("compressor = \"{name}\"\ncompressor_config = {{ ratio = 0.1 }}"));
     std::fs::write(folder.join("bad.toml"), bad).unwrap();
     let out = harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("my-py takes no configuration, got: ratio = 0.1"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("{name} takes no configuration, got: ratio = 0.1")), "{stderr}");
+}
+
+#[test]
+fn plugin_new_in_python_builds_a_component_that_trains_like_the_rust_allreduce() {
+    scaffolded_component_trains_like_the_rust_allreduce("python", "my-py");
+}
+
+#[test]
+fn plugin_new_in_javascript_builds_a_component_that_trains_like_the_rust_allreduce() {
+    scaffolded_component_trains_like_the_rust_allreduce("js", "my-js");
 }
 
 #[test]

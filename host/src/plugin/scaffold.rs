@@ -52,6 +52,16 @@ const PY_COMPRESSOR: [(&str, &str); 4] = [
     ("README.md", include_str!("../../../sdk/templates/py-compressor/README.md.tmpl")),
 ];
 
+/// The JavaScript template (compressors): the source, the contract's WIT
+/// package, and a build script that runs componentize-js.
+const JS_COMPRESSOR: [(&str, &str); 5] = [
+    ("app.js", include_str!("../../../sdk/templates/js-compressor/app.js.tmpl")),
+    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
+    ("build.mjs", include_str!("../../../sdk/templates/js-compressor/build.mjs.tmpl")),
+    ("build.sh", include_str!("../../../sdk/templates/js-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../../sdk/templates/js-compressor/README.md.tmpl")),
+];
+
 /// A small CPU suite that runs the generated plugin against the built-in
 /// baseline (two thread ranks for a compressor, so its collectives run),
 /// three repeats each, scored by time to a target the baseline reaches at
@@ -112,8 +122,8 @@ fn valid_name(name: &str) -> bool {
 
 /// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
 /// to a component and a native library; "c": a native library, compressors
-/// only; "python": a component built by componentize-py, compressors
-/// only); returns its folder.
+/// only; "python" / "js": a component built by componentize-py /
+/// componentize-js, compressors only); returns its folder.
 pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
@@ -124,10 +134,11 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Res
     }
     match lang {
         "rust" => {}
-        "c" | "python" if kind == "compressor" => {
-            let (template, artifact, build, ignore) = match lang {
+        "c" | "python" | "js" if kind == "compressor" => {
+            let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match lang {
                 "c" => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
-                _ => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
+                "python" => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
+                _ => (&JS_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n"),
             };
             std::fs::create_dir_all(root.join("wit")).with_context(|| format!("cannot create {}", root.display()))?;
             let mut files: Vec<(&str, String)> = template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
@@ -144,11 +155,11 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Res
             }
             return Ok(root);
         }
-        "c" | "python" => bail!(
+        "c" | "python" | "js" => bail!(
             "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
             if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
         ),
-        other => bail!("no template in `{other}` (rust, c, python)"),
+        other => bail!("no template in `{other}` (rust, c, python, js)"),
     }
     let t = template(kind)?;
     let sdk = std::fs::canonicalize(sdk).with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?;
