@@ -128,7 +128,8 @@ pub enum PluginCommand {
         /// Where to create the folder.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
-        /// The harness-sdk crate to depend on (default: this harness's own).
+        /// The harness-sdk crate to depend on (default: a copy of this
+        /// harness's own SDK, written into the plugin's folder).
         #[arg(long)]
         sdk: Option<PathBuf>,
         /// The plugin's language: rust (a WASM component and a native
@@ -435,8 +436,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Plugin(PluginCommand::New { kind, name, dir, sdk, lang }) => {
-            let sdk = sdk.unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../sdk")));
-            let made = crate::plugin::scaffold::create(&kind, &name, &dir, &sdk, &lang)?;
+            let made = crate::plugin::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
             println!("created {}", made.display());
             let build = match lang.as_str() {
                 "c" => "make",

@@ -157,6 +157,10 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     let dir = tempfile::tempdir().unwrap();
     run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-avg"]));
     let krate = dir.path().join("my-avg");
+    // It depends on the SDK copied into its own folder, not on this checkout.
+    let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
+    assert!(manifest.contains(r#"harness-sdk = { path = "harness-sdk" }"#), "{manifest}");
+    assert!(krate.join("harness-sdk/wit/strategy.wit").exists());
     // Share the workspace's build cache for the SDK's dependencies.
     let target = repo_root().join("target/scaffold-test");
     let build = std::process::Command::new(env!("CARGO"))

@@ -34,6 +34,53 @@ fn template(kind: &str) -> Result<Template> {
     })
 }
 
+/// The SDK crate as `harness plugin new` vendors it into a Rust plugin's
+/// folder (`harness-sdk/`): the plugin builds from its own folder, against
+/// the SDK and contract of the harness that made it, with no path into a
+/// harness checkout. (A test checks that every file of sdk/src is here.)
+const SDK_FILES: [(&str, &str); 14] = [
+    ("src/lib.rs", include_str!("../../../sdk/src/lib.rs")),
+    ("src/abi.rs", include_str!("../../../sdk/src/abi.rs")),
+    ("src/collective.rs", include_str!("../../../sdk/src/collective.rs")),
+    ("src/config.rs", include_str!("../../../sdk/src/config.rs")),
+    ("src/error.rs", include_str!("../../../sdk/src/error.rs")),
+    ("src/log.rs", include_str!("../../../sdk/src/log.rs")),
+    ("src/native.rs", include_str!("../../../sdk/src/native.rs")),
+    ("src/native_glue.rs", include_str!("../../../sdk/src/native_glue.rs")),
+    ("src/tensor.rs", include_str!("../../../sdk/src/tensor.rs")),
+    ("src/types.rs", include_str!("../../../sdk/src/types.rs")),
+    ("src/wasm.rs", include_str!("../../../sdk/src/wasm.rs")),
+    ("src/wasm_backend.rs", include_str!("../../../sdk/src/wasm_backend.rs")),
+    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
+    ("Cargo.toml", include_str!("../../../sdk/Cargo.toml")),
+];
+
+/// Writes the SDK crate into `dir`, its manifest made standalone (the
+/// workspace's values filled in, no dev-dependencies).
+fn vendor_sdk(dir: &Path) -> Result<()> {
+    for (file, text) in SDK_FILES {
+        let path = dir.join(file);
+        std::fs::create_dir_all(path.parent().expect("a file in a folder")).with_context(|| format!("cannot create {}", dir.display()))?;
+        let text = if file == "Cargo.toml" {
+            // rust-version first: "version.workspace" is part of it.
+            let manifest = text
+                .replace("rust-version.workspace = true", "rust-version = \"1.85\"")
+                .replace("version.workspace = true", &format!("version = \"{}\"", env!("CARGO_PKG_VERSION")))
+                .replace("edition.workspace = true", "edition = \"2021\"")
+                .replace("license.workspace = true", "license = \"Apache-2.0\"");
+            let manifest = manifest.split("[dev-dependencies]").next().unwrap_or(&manifest).trim_end().to_owned();
+            format!(
+                "# Vendored by `harness plugin new` from harness {}: the plugin SDK at that version.\n{manifest}\n",
+                env!("CARGO_PKG_VERSION")
+            )
+        } else {
+            text.to_owned()
+        };
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// The C template (compressors): the source, the SDK's header copied next
 /// to it (so the folder builds on its own, at this ABI version), a Makefile.
 const C_COMPRESSOR: [(&str, &str); 4] = [
@@ -121,10 +168,11 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
-/// to a component and a native library; "c": a native library, compressors
+/// to a component and a native library, against the SDK vendored into its
+/// folder or the one at `sdk`; "c": a native library, compressors
 /// only; "python" / "js": a component built by componentize-py /
 /// componentize-js, compressors only); returns its folder.
-pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Result<PathBuf> {
+pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
     }
@@ -162,13 +210,17 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Res
         other => bail!("no template in `{other}` (rust, c, python, js)"),
     }
     let t = template(kind)?;
-    let sdk = std::fs::canonicalize(sdk).with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?;
-    let crate_name = name.replace('-', "_");
-    let fill = |s: &str| {
-        s.replace("{{name}}", name)
-            .replace("{{crate_name}}", &crate_name)
-            .replace("{{sdk_path}}", &sdk.display().to_string().replace('\\', "/"))
+    // The SDK: vendored into the folder, or the crate at `--sdk PATH`.
+    let sdk_path = match sdk {
+        Some(sdk) => std::fs::canonicalize(sdk)
+            .with_context(|| format!("harness-sdk not found at {} (pass --sdk PATH)", sdk.display()))?
+            .display()
+            .to_string()
+            .replace('\\', "/"),
+        None => "harness-sdk".to_owned(),
     };
+    let crate_name = name.replace('-', "_");
+    let fill = |s: &str| s.replace("{{name}}", name).replace("{{crate_name}}", &crate_name).replace("{{sdk_path}}", &sdk_path);
     std::fs::create_dir_all(root.join("src")).with_context(|| format!("cannot create {}", root.display()))?;
     let files = [
         ("Cargo.toml", fill(t.cargo)),
@@ -182,6 +234,9 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: &Path, lang: &str) -> Res
     ];
     for (f, text) in files {
         std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
+    }
+    if sdk.is_none() {
+        vendor_sdk(&root.join("harness-sdk"))?;
     }
     Ok(root)
 }
@@ -204,4 +259,28 @@ pub fn manifest_toml(m: &Manifest) -> String {
         m.version,
         m.sha256
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vendored_sdk_holds_every_source_file_of_the_sdk() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/src");
+        let mut on_disk: Vec<String> =
+            std::fs::read_dir(&src).unwrap().map(|e| format!("src/{}", e.unwrap().file_name().to_string_lossy())).collect();
+        on_disk.sort();
+        let mut vendored: Vec<String> = SDK_FILES.iter().map(|(f, _)| f.to_string()).filter(|f| f.starts_with("src/")).collect();
+        vendored.sort();
+        assert_eq!(vendored, on_disk, "add the new SDK file to SDK_FILES");
+        let d = tempfile::tempdir().unwrap();
+        vendor_sdk(d.path()).unwrap();
+        let manifest = std::fs::read_to_string(d.path().join("Cargo.toml")).unwrap();
+        assert!(!manifest.contains("workspace") && !manifest.contains("dev-dependencies"), "{manifest}");
+        assert!(
+            manifest.contains("rust-version = \"1.85\"") && manifest.contains(&format!("\nversion = \"{}\"", env!("CARGO_PKG_VERSION"))),
+            "{manifest}"
+        );
+    }
 }
