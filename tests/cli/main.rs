@@ -17,6 +17,15 @@ mod submit;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Held by the tests whose checks depend on wall-clock deadlines (the
+/// sandbox's attacks) and by those that build plugins with other languages'
+/// toolchains, which load every core for seconds: the two never run side
+/// by side, so a deadline is not missed for want of a core.
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The repository root (suites/ lives there).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()

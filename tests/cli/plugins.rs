@@ -5,7 +5,7 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use crate::{artifact, entry, harness, repo_root, results, run_ok, write};
+use crate::{artifact, entry, exclusive, harness, repo_root, results, run_ok, write};
 
 const WORKLOAD: &str = r#"
 [[workload]]
@@ -233,6 +233,7 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
 /// plugin and the built-in all-reduce do; a configuration it does not take
 /// is refused before anything trains, with the plugin's own message.
 fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
+    let _alone = exclusive();
     let dir = tempfile::tempdir().unwrap();
     run_ok(harness(dir.path()).args(["plugin", "new", "compressor", name, "--lang", lang]));
     let folder = dir.path().join(name);
