@@ -69,6 +69,12 @@ pub fn entry<'a>(r: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
     r["entries"].as_array().unwrap().iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("no entry {id}"))
 }
 
+/// The train losses of the entry `id` of a result file (its loss curve
+/// without steps and clock).
+pub fn losses(r: &serde_json::Value, id: &str) -> Vec<serde_json::Value> {
+    entry(r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
+}
+
 /// Writes `text` to `dir/name` and returns the path.
 pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);

@@ -5,7 +5,7 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use crate::{artifact, entry, exclusive, harness, repo_root, results, run_ok, write};
+use crate::{artifact, entry, exclusive, harness, losses, repo_root, results, run_ok, write};
 
 const WORKLOAD: &str = r#"
 [[workload]]
@@ -101,9 +101,7 @@ fn a_wasm_all_reduce_plugin_trains_exactly_like_the_built_in_one() {
     run_ok(harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q"));
     let r = results(&out_path);
     // (step, seconds, loss): the losses, not the clock.
-    let curve = |id: &str| -> Vec<serde_json::Value> {
-        entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
-    };
+    let curve = |id: &str| losses(&r, id);
     let base = entry(&r, "mlp/builtin/r0");
     for id in ["mlp/wasm/r0", "mlp/native/r0"] {
         let e = entry(&r, id);
@@ -180,10 +178,7 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     let e = entry(&r, "mlp-tiny/with-my-avg/r0");
     assert_eq!(e["status"], "ok", "{e}");
     assert_eq!(e["metrics"]["plugins"][0]["name"], "my-avg");
-    let losses = |e: &serde_json::Value| -> Vec<serde_json::Value> {
-        e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
-    };
-    assert_eq!(losses(e), losses(entry(&r, "mlp-tiny/baseline/r0")));
+    assert_eq!(losses(&r, "mlp-tiny/with-my-avg/r0"), losses(&r, "mlp-tiny/baseline/r0"));
     // Three repeats each, and the target is within reach: every entry has a time to it.
     for id in ["baseline", "with-my-avg"].iter().flat_map(|s| (0..3).map(move |k| format!("mlp-tiny/{s}/r{k}"))) {
         assert!(entry(&r, &id)["metrics"]["time_to_target_s"].as_f64().is_some(), "{id} missed the scaffold's target");
@@ -202,9 +197,7 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
     let out_path = dir.path().join("r.json");
     run_ok(harness(&folder).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
     let r = results(&out_path);
-    let losses = |id: &str| -> Vec<serde_json::Value> {
-        entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
-    };
+    let losses = |id: &str| losses(&r, id);
     for k in 0..3 {
         let e = entry(&r, &format!("mlp-tiny/with-my-c/r{k}"));
         assert_eq!(e["status"], "ok", "{e}");
@@ -248,9 +241,7 @@ fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
     let out_path = dir.path().join("r.json");
     run_ok(harness(&folder).args(["run", "with-rust.toml", "--out"]).arg(&out_path).arg("-q"));
     let r = results(&out_path);
-    let losses = |id: &str| -> Vec<serde_json::Value> {
-        entry(&r, id)["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].clone()).collect()
-    };
+    let losses = |id: &str| losses(&r, id);
     for k in 0..3 {
         let id = format!("mlp-tiny/with-{name}/r{k}");
         let e = entry(&r, &id);

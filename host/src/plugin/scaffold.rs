@@ -58,24 +58,35 @@ const SDK_FILES: [(&str, &str); 14] = [
 /// Writes the SDK crate into `dir`, its manifest made standalone (the
 /// workspace's values filled in, no dev-dependencies).
 fn vendor_sdk(dir: &Path) -> Result<()> {
-    for (file, text) in SDK_FILES {
+    write_files(
+        dir,
+        SDK_FILES.iter().map(|&(file, text)| {
+            let text = if file == "Cargo.toml" {
+                // rust-version first: "version.workspace" is part of it.
+                let manifest = text
+                    .replace("rust-version.workspace = true", "rust-version = \"1.85\"")
+                    .replace("version.workspace = true", &format!("version = \"{}\"", env!("CARGO_PKG_VERSION")))
+                    .replace("edition.workspace = true", "edition = \"2021\"")
+                    .replace("license.workspace = true", "license = \"Apache-2.0\"");
+                let manifest = manifest.split("[dev-dependencies]").next().unwrap_or(&manifest).trim_end().to_owned();
+                format!(
+                    "# Vendored by `harness plugin new` from harness {}: the plugin SDK at that version.\n{manifest}\n",
+                    env!("CARGO_PKG_VERSION")
+                )
+            } else {
+                text.to_owned()
+            };
+            (file, text)
+        }),
+    )
+}
+
+/// Writes each `(relative path, text)` under `dir`, making folders as
+/// needed.
+fn write_files<'a>(dir: &Path, files: impl IntoIterator<Item = (&'a str, String)>) -> Result<()> {
+    for (file, text) in files {
         let path = dir.join(file);
         std::fs::create_dir_all(path.parent().expect("a file in a folder")).with_context(|| format!("cannot create {}", dir.display()))?;
-        let text = if file == "Cargo.toml" {
-            // rust-version first: "version.workspace" is part of it.
-            let manifest = text
-                .replace("rust-version.workspace = true", "rust-version = \"1.85\"")
-                .replace("version.workspace = true", &format!("version = \"{}\"", env!("CARGO_PKG_VERSION")))
-                .replace("edition.workspace = true", "edition = \"2021\"")
-                .replace("license.workspace = true", "license = \"Apache-2.0\"");
-            let manifest = manifest.split("[dev-dependencies]").next().unwrap_or(&manifest).trim_end().to_owned();
-            format!(
-                "# Vendored by `harness plugin new` from harness {}: the plugin SDK at that version.\n{manifest}\n",
-                env!("CARGO_PKG_VERSION")
-            )
-        } else {
-            text.to_owned()
-        };
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
@@ -188,18 +199,15 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
                 "python" => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
                 _ => (&JS_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n"),
             };
-            std::fs::create_dir_all(root.join("wit")).with_context(|| format!("cannot create {}", root.display()))?;
             let mut files: Vec<(&str, String)> = template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
             files.push(("suite.toml", suite(kind, name, &artifact, build)));
             files.push((".gitignore", ignore.to_owned()));
-            for (f, text) in files {
-                std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
-            }
-            if lang == "c" {
-                std::fs::remove_dir(root.join("wit")).ok();
-            } else {
+            write_files(&root, files)?;
+            if build == "./build.sh" {
                 use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(root.join("build.sh"), std::fs::Permissions::from_mode(0o755))?;
+                let script = root.join("build.sh");
+                std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
+                    .with_context(|| format!("cannot make {} executable", script.display()))?;
             }
             return Ok(root);
         }
@@ -221,7 +229,6 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
     };
     let crate_name = name.replace('-', "_");
     let fill = |s: &str| s.replace("{{name}}", name).replace("{{crate_name}}", &crate_name).replace("{{sdk_path}}", &sdk_path);
-    std::fs::create_dir_all(root.join("src")).with_context(|| format!("cannot create {}", root.display()))?;
     let files = [
         ("Cargo.toml", fill(t.cargo)),
         ("src/lib.rs", fill(t.lib)),
@@ -232,9 +239,7 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
         ),
         (".gitignore", "/target\n/results\n".to_owned()),
     ];
-    for (f, text) in files {
-        std::fs::write(root.join(f), text).with_context(|| format!("cannot write {}", root.join(f).display()))?;
-    }
+    write_files(&root, files)?;
     if sdk.is_none() {
         vendor_sdk(&root.join("harness-sdk"))?;
     }

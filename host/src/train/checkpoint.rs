@@ -243,43 +243,37 @@ impl Store {
     /// Reads this rank's part of the checkpoint of `step`, checking every
     /// file it reads against the sizes and hashes written with it.
     pub fn read(&self, step: u64) -> Result<Snapshot> {
-        let dir = self.dir(step);
-        let m = read_manifest(&dir)?;
-        if m.world_size as usize != self.world {
-            bail!("{} was written by {} ranks; this run has {}", dir.display(), m.world_size, self.world);
-        }
-        let model = read_tensors(&dir, &m.model, m.compressed)?;
-        let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
-        let mut state = Vec::new();
-        let mut plugins = Vec::new();
-        for (name, t) in read_tensors(&dir, &rec, m.compressed)? {
-            match name.strip_prefix("plugin/") {
-                Some(slot) => plugins.push((slot.to_owned(), Vec::<u8>::try_from(&t).context("a plugin state")?)),
-                None => state.push((name, t)),
-            }
-        }
-        Ok(Snapshot { position: m.position, model, state, plugins, ready: None })
+        self.read_with(step, None)
     }
 
     /// As [`Store::read`], but the tensors land straight in `buffers`'
     /// memory (a snapshot set of the host-memory tier: preallocated and,
     /// on CUDA, pinned) wherever name, shape and kind match, with no copy
-    /// in between: each file is read once, in file order, while its pieces
-    /// are hashed on other threads. The snapshot returned shares those
-    /// buffers (and holds the few tensors they lack, such as the random
-    /// generators' states). Compressed checkpoints and files written
-    /// before pieces were hashed go through [`Store::read`].
+    /// in between: each file is read once while its pieces are hashed
+    /// ([`read_file_into`]). The snapshot returned shares those buffers
+    /// (and holds the few tensors they lack, such as the random generators'
+    /// states). Compressed checkpoints and files written before pieces were
+    /// hashed are read as [`Store::read`] does.
     pub fn read_into(&self, step: u64, buffers: &mut Snapshot) -> Result<Snapshot> {
+        self.read_with(step, Some(buffers))
+    }
+
+    fn read_with(&self, step: u64, buffers: Option<&Snapshot>) -> Result<Snapshot> {
         let dir = self.dir(step);
         let m = read_manifest(&dir)?;
-        let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
-        if m.compressed || m.model.chunk_bytes.is_none() || rec.chunk_bytes.is_none() || m.world_size as usize != self.world {
-            return self.read(step);
+        if m.world_size as usize != self.world {
+            bail!("{} was written by {} ranks; this run has {}", dir.display(), m.world_size, self.world);
         }
-        let model = read_file_into(&dir, &m.model, &buffers.model)?;
+        let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
+        let buffers = buffers.filter(|_| !m.compressed && m.model.chunk_bytes.is_some() && rec.chunk_bytes.is_some());
+        let read = |file: &FileRecord, into: fn(&Snapshot) -> &[(String, Tensor)]| match buffers {
+            Some(b) => read_file_into(&dir, file, into(b)),
+            None => read_tensors(&dir, file, m.compressed),
+        };
+        let model = read(&m.model, |b| &b.model)?;
         let mut state = Vec::new();
         let mut plugins = Vec::new();
-        for (name, t) in read_file_into(&dir, &rec, &buffers.state)? {
+        for (name, t) in read(&rec, |b| &b.state)? {
             match name.strip_prefix("plugin/") {
                 Some(slot) => plugins.push((slot.to_owned(), Vec::<u8>::try_from(&t).context("a plugin state")?)),
                 None => state.push((name, t)),
@@ -621,15 +615,21 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
     Ok(FileRecord { file: name.to_owned(), bytes, sha256, chunk_bytes })
 }
 
-/// Reads `rec`'s file whole (through [`read_pieces`] when it was hashed in
-/// pieces), and fails if size or hash differ from what was written.
-fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
+/// Opens `rec`'s file; fails if its size is not the size written.
+fn open_record(dir: &Path, rec: &FileRecord) -> Result<(File, PathBuf, u64)> {
     let path = dir.join(&rec.file);
-    let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
     let len = f.metadata()?.len();
     if len != rec.bytes {
         bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
     }
+    Ok((f, path, len))
+}
+
+/// Reads `rec`'s file whole (through [`read_pieces`] when it was hashed in
+/// pieces), and fails if size or hash differ from what was written.
+fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
+    let (mut f, path, len) = open_record(dir, rec)?;
     let mut buf = vec![0u8; len as usize];
     let sha = match rec.chunk_bytes {
         Some(chunk) => {
@@ -725,14 +725,8 @@ unsafe fn host_bytes_mut(t: &Tensor) -> &mut [u8] {
 /// for the others), through [`read_pieces`]; fails if size or hash differ
 /// from what was written. Returns the tensors in file order.
 fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
-    let path = dir.join(&rec.file);
     let chunk = rec.chunk_bytes.context("a file record without pieces")? as usize;
-    anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
-    let mut f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let len = f.metadata()?.len();
-    if len != rec.bytes {
-        bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
-    }
+    let (mut f, path, len) = open_record(dir, rec)?;
     let damaged_header = || anyhow::anyhow!("{} is damaged: its header does not parse (sha256 not checked)", path.display());
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).with_context(|| format!("reading {}", path.display()))?;

@@ -156,10 +156,9 @@ impl Resilience {
     /// `harness run --resume`: an interrupted run of this entry goes on from
     /// its newest checkpoint. Returns the step it goes on from.
     pub fn resume(&mut self, ctx: &EntryContext<'_>, t: &mut Training, batch: &mut Batch) -> Result<Option<u64>> {
-        let (true, Some(store)) = (ctx.resume, &self.store) else { return Ok(None) };
+        let (true, Some(_)) = (ctx.resume, &self.store) else { return Ok(None) };
         let on_disk: Vec<u64> = checkpoint::list(&ctx.checkpoint_dir).into_iter().map(|c| c.0).collect();
         let Some(&c) = on_disk.last() else { return Ok(None) };
-        let _ = store;
         let snap =
             self.read_disk(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
         restore(t, batch, &snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;

@@ -234,10 +234,8 @@ fn persist(store: &Store, snap: Arc<Shared>, commit: bool, cancel: &AtomicBool) 
     let t0 = Instant::now();
     let step = snap.position.step;
     snap.wait_ready()?;
-    let bytes = match store.write_part_unless(&snap, cancel) {
-        Err(e) if e.is::<Cancelled>() => return Err(e),
-        r => r.with_context(|| format!("writing the checkpoint of step {step}"))?,
-    };
+    // A cancellation stays recognisable through the context (`is`).
+    let bytes = store.write_part_unless(&snap, cancel).with_context(|| format!("writing the checkpoint of step {step}"))?;
     if commit {
         store.commit(snap.position).with_context(|| format!("committing the checkpoint of step {step}"))?;
     }
