@@ -20,10 +20,24 @@ df -h "$WORK" > "$WORK/disk.txt" 2>&1
 dd if=/dev/zero of="$WORK/dd.bin" bs=16M count=96 conv=fsync 2> "$WORK/dd-write.txt"
 dd if="$WORK/dd.bin" of=/dev/null bs=16M iflag=direct 2> "$WORK/dd-read.txt"
 rm -f "$WORK/dd.bin"
+# The checkpoint reader against the disk: a 1.5 GB checkpoint written and
+# read back each way (harness bench checkpoint-read), then the same files
+# read by dd. The CPU's SHA extensions decide how fast hashing can go.
+grep -o -w -m1 sha_ni /proc/cpuinfo > "$WORK/cpu-sha.txt" || echo "no sha_ni" > "$WORK/cpu-sha.txt"
+"$BIN" bench checkpoint-read "$WORK" --gb 1.5 --rounds 3 --keep > "$WORK/checkpoint-read.txt" 2> "$WORK/checkpoint-read.err"
+KEPT=$(sed -n 's/^kept the checkpoint: //p' "$WORK/checkpoint-read.err")
+if [ -n "$KEPT" ]; then
+  for f in "$KEPT"/*.safetensors; do
+    dd if="$f" of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | sed "s|^|$(basename "$f"): |" >> "$WORK/dd-read-checkpoint.txt"
+  done
+  rm -rf "$(dirname "$KEPT")"
+fi
 "$BIN" run suites/gpu-checkpoint-tiers.toml --out "$WORK/tiers.json" > "$WORK/run.txt" 2>&1
 echo "harness run: rc=$?" >> "$WORK/run.txt"
 tar -C "$WORK" -czf "$OUT/checkpoint-tiers.tar.gz" --exclude='*.checkpoints' . 2>/dev/null
 tail -3 "$WORK/run.txt"
 echo "disk write (fsync): $(tail -1 "$WORK/dd-write.txt")"
 echo "disk read (direct): $(tail -1 "$WORK/dd-read.txt")"
+echo "dd of the bench's checkpoint files (direct):"; cat "$WORK/dd-read-checkpoint.txt"
+echo "cpu: $(cat "$WORK/cpu-sha.txt")"; cat "$WORK/checkpoint-read.txt"
 python3 bench/checkpoint_table.py "$WORK/tiers.json"

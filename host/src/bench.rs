@@ -101,3 +101,75 @@ pub fn allreduce(
         "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
     }))))
 }
+
+/// `harness bench checkpoint-read`: a checkpoint of `gb` GB (a model file
+/// and a rank file twice its size, as fp32 parameters and two AdamW moments
+/// are) written under `dir` through the checkpoint writer (timed), then
+/// restored `rounds` times in each way a restore could read it (the way
+/// restores use first) into the snapshot's own memory (as a restore reads
+/// into a preallocated snapshot set), its files dropped from the page cache
+/// before each read; once a round it is read raw (one thread, direct reads
+/// of 16 MiB, no hashing: what `dd iflag=direct bs=16M` measures), and last
+/// as many bytes in memory are hashed. The checkpoint is removed afterwards
+/// unless `keep`. Returns the table to print.
+pub fn checkpoint_read(dir: &Path, gb: f64, rounds: usize, keep: bool) -> Result<String> {
+    use crate::train::checkpoint::{self, Position, ReadMode, Snapshot, Store};
+    anyhow::ensure!(gb > 0.0, "--gb must be positive");
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+    t.set_header(vec!["way", "round", "GB", "seconds", "GB/s"]);
+    let mut row = |way: &str, round: String, bytes: u64, s: f64| {
+        let gb = bytes as f64 / 1e9;
+        t.add_row(vec![way.to_string(), round, format!("{gb:.3}"), format!("{s:.3}"), format!("{:.2}", gb / s)]);
+    };
+    let root = dir.join(format!("harness-bench-checkpoint-{}", std::process::id()));
+    let mut store = Store::open(&root, 0, 1, false, true)?;
+    let floats = |share: f64| (gb * 1e9 * share / 4.0) as i64;
+    let random = |n| Tensor::randn([n], (Kind::Float, Device::Cpu));
+    // Values that do not compress or repeat, as trained weights are.
+    tch::manual_seed(0);
+    let mut snap = Snapshot {
+        position: Position { step: 1, data_position: 0, micro_batch: 1, accum_steps: 1, lr_scale: 1.0 },
+        model: vec![("w".into(), random(floats(1.0 / 3.0)))],
+        state: vec![("optimizer/exp_avg".into(), random(floats(1.0 / 3.0))), ("optimizer/exp_avg_sq".into(), random(floats(1.0 / 3.0)))],
+        plugins: vec![],
+        ready: None,
+    };
+    let result = (|| -> Result<()> {
+        let t0 = Instant::now();
+        let want = snap.bytes();
+        let bytes = store.write_part(&snap)?;
+        let ckpt = store.commit(snap.position)?;
+        row("write (checkpoint writer, fsync)", "-".into(), bytes, t0.elapsed().as_secs_f64());
+        let ways = [
+            ("direct, 4 readers (restores)", ReadMode::RESTORE),
+            ("direct, 1 reader", ReadMode { direct: true, readers: 1 }),
+            ("direct, 2 readers", ReadMode { direct: true, readers: 2 }),
+            ("page cache, 4 readers", ReadMode { direct: false, readers: 4 }),
+        ];
+        for round in 1..=rounds {
+            checkpoint::evict_dir(&ckpt)?;
+            let t0 = Instant::now();
+            let raw = checkpoint::raw_direct_read(&ckpt)?;
+            row("raw: direct 16 MiB reads, no hash", round.to_string(), raw, t0.elapsed().as_secs_f64());
+            for (name, mode) in ways {
+                checkpoint::evict_dir(&ckpt)?;
+                store.read_mode = mode;
+                let t0 = Instant::now();
+                let back = store.read_into(1, &mut snap)?;
+                row(name, round.to_string(), raw, t0.elapsed().as_secs_f64());
+                anyhow::ensure!(back.bytes() == want, "read {} bytes of tensors back of {want}", back.bytes());
+            }
+        }
+        row("hash only, in memory", "-".into(), bytes, checkpoint::hash_seconds(bytes as usize));
+        if keep {
+            eprintln!("kept the checkpoint: {}", ckpt.display());
+        }
+        Ok(())
+    })();
+    if !keep {
+        std::fs::remove_dir_all(&root).with_context(|| format!("removing {}", root.display()))?;
+    }
+    result?;
+    Ok(format!("{t}\n"))
+}

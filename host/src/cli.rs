@@ -112,6 +112,25 @@ pub enum BenchCommand {
         #[arg(long)]
         untimed: bool,
     },
+    /// Writes a checkpoint to disk with the checkpoint writer and reads it
+    /// back as a restore does (sizes and hashes checked), each way of
+    /// reading in turn with the files dropped from the page cache first,
+    /// and raw as `dd iflag=direct` reads; prints a table of speeds.
+    CheckpointRead {
+        /// A directory on the disk to measure (the checkpoint goes into a
+        /// new folder there and is removed afterwards).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Size of the checkpoint.
+        #[arg(long, default_value_t = 1.5)]
+        gb: f64,
+        /// Keep the checkpoint written (its path goes to stderr).
+        #[arg(long)]
+        keep: bool,
+        /// Rounds over all ways of reading.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
 }
 
 /// `harness plugin ...`.
@@ -417,6 +436,10 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
                     Ok(exit::OK)
                 }
             }
+        }
+        Command::Bench(BenchCommand::CheckpointRead { dir, gb, keep, rounds }) => {
+            print!("{}", crate::bench::checkpoint_read(&dir, gb, rounds, keep)?);
+            Ok(exit::OK)
         }
         Command::Plugin(PluginCommand::Bench { paths, calls, evict_mb }) => {
             let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;

@@ -133,6 +133,9 @@ pub struct Store {
     rank: usize,
     world: usize,
     compress: bool,
+    /// How reads go to the disk ([`ReadMode::RESTORE`] unless a benchmark
+    /// compares others).
+    pub read_mode: ReadMode,
 }
 
 /// Name of the directory of the checkpoint of `step`.
@@ -155,7 +158,7 @@ impl Store {
                 }
             }
         }
-        Ok(Store { root: root.to_path_buf(), rank, world, compress })
+        Ok(Store { root: root.to_path_buf(), rank, world, compress, read_mode: ReadMode::RESTORE })
     }
 
     /// The directory of the checkpoint of `step`.
@@ -267,8 +270,8 @@ impl Store {
         let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
         let buffers = buffers.filter(|_| !m.compressed && m.model.chunk_bytes.is_some() && rec.chunk_bytes.is_some());
         let read = |file: &FileRecord, into: fn(&Snapshot) -> &[(String, Tensor)]| match buffers {
-            Some(b) => read_file_into(&dir, file, into(b)),
-            None => read_tensors(&dir, file, m.compressed),
+            Some(b) => read_file_into(&dir, file, into(b), self.read_mode),
+            None => read_tensors(&dir, file, m.compressed, self.read_mode),
         };
         let model = read(&m.model, |b| &b.model)?;
         let mut state = Vec::new();
@@ -293,6 +296,59 @@ pub fn verify(dir: &Path) -> Result<Position> {
         check_file(dir, &rec)?;
     }
     Ok(m.position)
+}
+
+/// Reads every file of the checkpoint in `dir` from start to end as `dd
+/// iflag=direct bs=16M` does (one thread, direct reads where the file
+/// system allows them, nothing checked); returns the bytes read. The
+/// benchmark's reference for the disk's read speed.
+pub fn raw_direct_read(dir: &Path) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = Aligned::new(CHUNK);
+    let buf = buf.get(CHUNK);
+    let mut total = 0;
+    for e in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = e?.path();
+        if !path.is_file() {
+            continue;
+        }
+        let f = match open_direct(&path) {
+            Some(f) => f,
+            None => File::open(&path).with_context(|| format!("opening {}", path.display()))?,
+        };
+        let mut at = 0u64;
+        loop {
+            let k = f.read_at(buf, at).with_context(|| format!("reading {}", path.display()))?;
+            if k == 0 {
+                break;
+            }
+            at += k as u64;
+        }
+        total += at;
+    }
+    Ok(total)
+}
+
+/// Seconds to hash `bytes` bytes already in memory as checkpoint files are
+/// hashed (pieces on [`HASH_THREADS`] threads): the benchmark's bound on
+/// how fast a verified read can go.
+pub fn hash_seconds(bytes: usize) -> f64 {
+    let data = vec![1u8; bytes];
+    let t0 = std::time::Instant::now();
+    std::hint::black_box(hash_pieces(&[&data]));
+    t0.elapsed().as_secs_f64()
+}
+
+/// Drops the files of the checkpoint in `dir` from the page cache (pages
+/// that are clean), so that the next read comes from the disk.
+pub fn evict_dir(dir: &Path) -> Result<()> {
+    for e in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = e?.path();
+        if path.is_file() {
+            evict(&File::open(&path).with_context(|| format!("opening {}", path.display()))?);
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoints under `root` (final names only), oldest first.
@@ -343,7 +399,7 @@ fn sha256_file(path: &Path) -> Result<(u64, String)> {
 fn check_file(dir: &Path, rec: &FileRecord) -> Result<()> {
     let path = dir.join(&rec.file);
     if rec.chunk_bytes.is_some() {
-        return read_verified(dir, rec).map(drop);
+        return read_verified(dir, rec, ReadMode::RESTORE).map(drop);
     }
     let (bytes, sha) = sha256_file(&path)?;
     damaged(&path, rec, bytes, &sha)
@@ -628,13 +684,12 @@ fn open_record(dir: &Path, rec: &FileRecord) -> Result<(File, PathBuf, u64)> {
 
 /// Reads `rec`'s file whole (through [`read_pieces`] when it was hashed in
 /// pieces), and fails if size or hash differ from what was written.
-fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
+fn read_verified(dir: &Path, rec: &FileRecord, mode: ReadMode) -> Result<Vec<u8>> {
     let (mut f, path, len) = open_record(dir, rec)?;
     let mut buf = vec![0u8; len as usize];
     let sha = match rec.chunk_bytes {
-        Some(chunk) => {
-            read_pieces(&f, vec![(&mut buf[..], false)], chunk as usize).with_context(|| format!("reading {}", path.display()))?
-        }
+        Some(chunk) => read_pieces(&path, &f, vec![(&mut buf[..], false)], chunk as usize, mode)
+            .with_context(|| format!("reading {}", path.display()))?,
         None => {
             f.read_exact(&mut buf).with_context(|| format!("reading {}", path.display()))?;
             hex::encode(Sha256::digest(&buf))
@@ -644,16 +699,62 @@ fn read_verified(dir: &Path, rec: &FileRecord) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Reads the file `f` into `segments`, its bytes in file order (those
-/// marked `true` hold theirs already), on [`HASH_THREADS`] threads that
-/// each read whole pieces of `chunk` bytes at their offsets and hash them;
-/// returns the tree digest. Several reads in flight, and the kernel told to
-/// read the whole file ahead, keep the disk as busy as one large direct read
-/// would.
-fn read_pieces(f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize) -> Result<String> {
+/// How [`read_pieces`] reads a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadMode {
+    /// Bypass the page cache (`O_DIRECT`, falling back to cached reads
+    /// where the file system refuses it): the disk's pages go straight to
+    /// the reader's aligned buffers, as `dd iflag=direct` reads.
+    pub direct: bool,
+    /// Threads that read whole pieces, in file order.
+    pub readers: usize,
+}
+
+impl ReadMode {
+    /// What restores use: measured by `harness bench checkpoint-read`
+    /// (docs/benchmarks.md).
+    pub const RESTORE: ReadMode = ReadMode { direct: true, readers: 4 };
+}
+
+/// Alignment of direct reads: offsets, lengths and buffer addresses.
+const DIRECT_ALIGN: usize = 4096;
+
+/// A piece's buffer, aligned for direct reads.
+struct Aligned {
+    bytes: Vec<u8>,
+    at: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        // Zeroed large allocations are fresh mappings: nothing is written
+        // until the pages are first touched.
+        let bytes = vec![0u8; len + DIRECT_ALIGN];
+        let at = bytes.as_ptr().align_offset(DIRECT_ALIGN);
+        Aligned { bytes, at }
+    }
+
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        &mut self.bytes[self.at..self.at + len]
+    }
+}
+
+/// Reads the file at `path` (opened as `f`) into `segments`, its bytes in
+/// file order (those marked `true` hold theirs already), and returns the
+/// tree digest of its pieces of `chunk` bytes. Reader threads read whole
+/// pieces, one large read each (as `dd` does), into buffers of their own;
+/// [`HASH_THREADS`] threads hash each piece and copy it where it belongs,
+/// so the disk never waits for hashing or copying.
+fn read_pieces(path: &Path, f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize, mode: ReadMode) -> Result<String> {
     use std::os::unix::fs::FileExt;
+    use std::sync::{mpsc, Mutex};
     anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
-    will_need(f);
+    let len = f.metadata()?.len() as usize;
+    // Direct reads need aligned offsets: pieces of whole pages.
+    let direct = if mode.direct && chunk % DIRECT_ALIGN == 0 { open_direct(path) } else { None };
+    if direct.is_none() {
+        will_need(f);
+    }
     let mut pieces: Vec<Vec<(&mut [u8], bool)>> = Vec::new();
     let mut piece = Vec::new();
     let mut room = chunk;
@@ -673,35 +774,119 @@ fn read_pieces(f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize) -> Resu
         pieces.push(piece);
     }
     let n = pieces.len();
-    let queue = std::sync::Mutex::new(pieces.into_iter().enumerate());
-    let digests = std::sync::Mutex::new(vec![[0u8; 32]; n]);
+    anyhow::ensure!(n == len.div_ceil(chunk), "the segments do not cover the file");
+    let readers = mode.readers.clamp(1, n.max(1));
+    let size = chunk.min(len).next_multiple_of(DIRECT_ALIGN);
+    // Free buffers: one per reader, and two for pieces being hashed (which
+    // goes a few times faster than disks read), so readers rarely wait.
+    let (free_tx, free_rx) = mpsc::channel::<Aligned>();
+    for _ in 0..(readers + 2).min(n) {
+        free_tx.send(Aligned::new(size)).expect("the free buffers");
+    }
+    let free_rx = Mutex::new(free_rx);
+    let queue = Mutex::new(pieces.into_iter().enumerate());
+    let (full_tx, full_rx) = mpsc::sync_channel::<(usize, Vec<(&mut [u8], bool)>, Aligned, usize)>(HASH_THREADS);
+    let full_rx = Mutex::new(full_rx);
+    let digests = Mutex::new(vec![[0u8; 32]; n]);
+    let failed = AtomicBool::new(false);
     std::thread::scope(|s| -> Result<()> {
-        let readers: Vec<_> = (0..HASH_THREADS)
+        let hashers: Vec<_> = (0..HASH_THREADS)
             .map(|_| {
-                s.spawn(|| -> std::io::Result<()> {
+                let free_tx = free_tx.clone();
+                s.spawn(|| {
+                    let free_tx = free_tx;
                     loop {
-                        let next = queue.lock().expect("the piece queue").next();
-                        let Some((i, parts)) = next else { return Ok(()) };
-                        let mut at = (i * chunk) as u64;
-                        let mut h = Sha256::new();
+                        let next = full_rx.lock().expect("the full buffers").recv();
+                        let Ok((i, parts, mut buf, got)) = next else { return };
+                        let bytes = buf.get(got);
+                        digests.lock().expect("the digests")[i] = Sha256::digest(&*bytes).into();
+                        let mut at = 0;
                         for (part, filled) in parts {
                             if !filled {
-                                f.read_exact_at(part, at)?;
+                                part.copy_from_slice(&bytes[at..at + part.len()]);
                             }
-                            h.update(&*part);
-                            at += part.len() as u64;
+                            at += part.len();
                         }
-                        digests.lock().expect("the digests")[i] = h.finalize().into();
+                        let _ = free_tx.send(buf);
                     }
                 })
             })
             .collect();
+        drop(free_tx);
+        let readers: Vec<_> = (0..readers)
+            .map(|_| {
+                let full_tx = full_tx.clone();
+                s.spawn(|| -> std::io::Result<()> {
+                    let full_tx = full_tx;
+                    loop {
+                        if failed.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        // A piece and a buffer, taken together so that the
+                        // pieces reach the disk in file order.
+                        let (next, buf) = {
+                            let mut q = queue.lock().expect("the piece queue");
+                            let Some(next) = q.next() else { return Ok(()) };
+                            (next, free_rx.lock().expect("the free buffers").recv())
+                        };
+                        let (i, parts) = next;
+                        let Ok(mut buf) = buf else { return Ok(()) };
+                        let want = chunk.min(len - i * chunk);
+                        let whole = if direct.is_some() { want.next_multiple_of(DIRECT_ALIGN) } else { want };
+                        let mut got = 0;
+                        let out = buf.get(whole);
+                        let mut src = direct.as_ref().unwrap_or(f);
+                        while got < want {
+                            match src.read_at(&mut out[got..], (i * chunk + got) as u64) {
+                                Ok(0) => {
+                                    failed.store(true, Ordering::Relaxed);
+                                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                                }
+                                Ok(k) => got += k,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                // A file system that opens files for direct
+                                // reads but refuses this one: read it cached.
+                                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput && !std::ptr::eq(src, f) => src = f,
+                                Err(e) => {
+                                    failed.store(true, Ordering::Relaxed);
+                                    return Err(e);
+                                }
+                            }
+                        }
+                        if full_tx.send((i, parts, buf, want)).is_err() {
+                            return Ok(());
+                        }
+                    }
+                })
+            })
+            .collect();
+        drop(full_tx);
+        let mut result = Ok(());
         for r in readers {
-            r.join().expect("a checkpoint reader panicked")?;
+            if let Err(e) = r.join().expect("a checkpoint reader panicked") {
+                result = Err(e);
+            }
         }
-        Ok(())
+        for h in hashers {
+            h.join().expect("a checkpoint hasher panicked");
+        }
+        Ok(result?)
     })?;
     Ok(tree_digest(&digests.into_inner().expect("the digests")))
+}
+
+/// `path` opened for direct reads, where its file system allows them.
+fn open_direct(path: &Path) -> Option<File> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        None
+    }
 }
 
 /// The bytes of a CPU tensor's memory, to be written (contiguous, on the
@@ -724,7 +909,7 @@ unsafe fn host_bytes_mut(t: &Tensor) -> &mut [u8] {
 /// `into` that match its tensors by name, shape and kind (new host tensors
 /// for the others), through [`read_pieces`]; fails if size or hash differ
 /// from what was written. Returns the tensors in file order.
-fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)], mode: ReadMode) -> Result<Vec<(String, Tensor)>> {
     let chunk = rec.chunk_bytes.context("a file record without pieces")? as usize;
     let (mut f, path, len) = open_record(dir, rec)?;
     let damaged_header = || anyhow::anyhow!("{} is damaged: its header does not parse (sha256 not checked)", path.display());
@@ -770,7 +955,7 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)]) -> Re
         // to the caller's free snapshot set, which nothing else uses.
         segments.push((unsafe { host_bytes_mut(t) }, false));
     }
-    let sha = read_pieces(&f, segments, chunk).with_context(|| format!("reading {}", path.display()))?;
+    let sha = read_pieces(&path, &f, segments, chunk, mode).with_context(|| format!("reading {}", path.display()))?;
     damaged(&path, rec, len, &sha)?;
     Ok(out)
 }
@@ -786,9 +971,9 @@ fn will_need(f: &File) {
 }
 
 /// Reads the tensors of `rec`'s file, verified against its size and hash.
-fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool) -> Result<Vec<(String, Tensor)>> {
+fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool, mode: ReadMode) -> Result<Vec<(String, Tensor)>> {
     let path = dir.join(&rec.file);
-    let mut bytes = read_verified(dir, rec)?;
+    let mut bytes = read_verified(dir, rec, mode)?;
     if compressed {
         bytes = zstd::decode_all(bytes.as_slice()).with_context(|| format!("decompressing {}", path.display()))?;
     }
@@ -871,7 +1056,7 @@ mod tests {
         let digests: Vec<[u8; 32]> = bytes.chunks(7).map(|c| Sha256::digest(c).into()).collect();
         let small = FileRecord { sha256: tree_digest(&digests), chunk_bytes: Some(7), ..rec.clone() };
         let into = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32]))];
-        let got = read_file_into(&dir, &small, &into).unwrap();
+        let got = read_file_into(&dir, &small, &into, ReadMode::RESTORE).unwrap();
         assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["optimizer/exp_avg.0", "plugin/compressor", "plugin/batch"]);
         assert_eq!(Vec::<f32>::try_from(&into[0].1).unwrap(), vec![3.0]);
 
@@ -888,9 +1073,43 @@ mod tests {
         // A shape that does not match gets a tensor of its own.
         fs::write(&f, &bytes).unwrap();
         let odd = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32, 0.0]))];
-        let got = read_file_into(&dir, &rec, &odd).unwrap();
+        let got = read_file_into(&dir, &rec, &odd, ReadMode::RESTORE).unwrap();
         assert_ne!(got[0].1.data_ptr(), odd[0].1.data_ptr());
         assert_eq!(Vec::<f32>::try_from(&got[0].1).unwrap(), vec![3.0]);
+    }
+
+    #[test]
+    fn every_read_mode_reads_the_same_bytes_and_finds_damage() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
+        let big: Vec<f32> = (0..100_003).map(|i| i as f32 * 0.5).collect();
+        let mut written = snap(10, 1.5);
+        written.state[0].1 = Tensor::from_slice(&big);
+        s.write_part(&written).unwrap();
+        let dir = s.commit(written.position).unwrap();
+        // Pieces of two pages (direct reads apply) over a 400 KB file: many
+        // pieces in flight, the last one short.
+        let rec: FileRecord = read_json(&dir.join("rank-0.json")).unwrap();
+        let bytes = fs::read(dir.join(&rec.file)).unwrap();
+        let chunk = 2 * DIRECT_ALIGN;
+        let digests: Vec<[u8; 32]> = bytes.chunks(chunk).map(|c| Sha256::digest(c).into()).collect();
+        let small = FileRecord { sha256: tree_digest(&digests), chunk_bytes: Some(chunk as u64), ..rec.clone() };
+        let f = dir.join(&rec.file);
+        for direct in [true, false] {
+            for readers in [1, 3, 8] {
+                let mode = ReadMode { direct, readers };
+                let into = vec![("optimizer/exp_avg.0".to_owned(), Tensor::zeros([100_003], (Kind::Float, Device::Cpu)))];
+                read_file_into(&dir, &small, &into, mode).unwrap();
+                assert_eq!(Vec::<f32>::try_from(&into[0].1).unwrap(), big, "{mode:?}");
+                // A flipped byte in a middle piece is found.
+                let mut b = bytes.clone();
+                b[bytes.len() / 2] ^= 1;
+                fs::write(&f, b).unwrap();
+                let e = format!("{:#}", read_file_into(&dir, &small, &into, mode).unwrap_err());
+                assert!(e.contains("is damaged"), "{mode:?}: {e}");
+                fs::write(&f, &bytes).unwrap();
+            }
+        }
     }
 
     #[test]
