@@ -107,6 +107,10 @@ impl Resilience {
         } else {
             Some(Arc::new(Store::open(&ctx.checkpoint_dir, t.rank, t.world, strategy.checkpoint_compress, !ctx.resume)?))
         };
+        if store.is_some() && t.device.is_cuda() {
+            // Before the training clock starts, as the snapshot sets are.
+            crate::train::checkpoint::reserve_read_buffers();
+        }
         let mut record = ResilienceRecord::default();
         let tiers = match (&store, strategy.checkpoint_async) {
             (Some(store), true) => {
