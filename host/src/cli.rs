@@ -153,9 +153,11 @@ pub enum PluginCommand {
         sdk: Option<PathBuf>,
         /// The plugin's language: rust (a WASM component and a native
         /// library from one crate), c (a native library; compressors),
-        /// python or js (a WASM component built by componentize-py or
-        /// componentize-js; compressors).
-        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "python", "js"])]
+        /// c-wasm (C built into a WASM component with wit-bindgen, a clang
+        /// for wasm32-wasi and wasm-tools; compressors), python or js (a
+        /// WASM component built by componentize-py or componentize-js;
+        /// compressors).
+        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "c-wasm", "python", "js"])]
         lang: String,
     },
     /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
@@ -463,7 +465,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             println!("created {}", made.display());
             let build = match lang.as_str() {
                 "c" => "make",
-                "python" | "js" => "./build.sh",
+                "c-wasm" | "python" | "js" => "./build.sh",
                 _ => "cargo build --release --target wasm32-wasip2",
             };
             println!("build:  cd {} && {build}", made.display());

@@ -273,6 +273,11 @@ fn plugin_new_in_javascript_builds_a_component_that_trains_like_the_rust_allredu
 }
 
 #[test]
+fn plugin_new_in_c_for_wasm_builds_a_component_that_trains_like_the_rust_allreduce() {
+    scaffolded_component_trains_like_the_rust_allreduce("c-wasm", "my-cw");
+}
+
+#[test]
 fn plugin_bench_times_a_hook_of_every_kind() {
     let dir = tempfile::tempdir().unwrap();
     let out = run_ok(

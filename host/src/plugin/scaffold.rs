@@ -101,6 +101,16 @@ const C_COMPRESSOR: [(&str, &str); 4] = [
     ("README.md", include_str!("../../../sdk/templates/c-compressor/README.md.tmpl")),
 ];
 
+/// The C-to-WebAssembly template (compressors): the source, the contract's
+/// WIT package, and a build script that runs wit-bindgen's C generator, a
+/// clang for wasm32-wasi and wasm-tools.
+const C_WASM_COMPRESSOR: [(&str, &str); 4] = [
+    ("plugin.c", include_str!("../../../sdk/templates/c-wasm-compressor/plugin.c.tmpl")),
+    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
+    ("build.sh", include_str!("../../../sdk/templates/c-wasm-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../../sdk/templates/c-wasm-compressor/README.md.tmpl")),
+];
+
 /// The Python template (compressors): the source, the contract's WIT
 /// package copied next to it, and a build script that runs componentize-py.
 const PY_COMPRESSOR: [(&str, &str); 4] = [
@@ -181,8 +191,10 @@ fn valid_name(name: &str) -> bool {
 /// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
 /// to a component and a native library, against the SDK vendored into its
 /// folder or the one at `sdk`; "c": a native library, compressors
-/// only; "python" / "js": a component built by componentize-py /
-/// componentize-js, compressors only); returns its folder.
+/// only; "c-wasm": C built into a component by wit-bindgen, a clang for
+/// wasm32-wasi and wasm-tools, compressors only; "python" / "js": a
+/// component built by componentize-py / componentize-js, compressors
+/// only); returns its folder.
 pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
@@ -193,9 +205,10 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
     }
     match lang {
         "rust" => {}
-        "c" | "python" | "js" if kind == "compressor" => {
+        "c" | "c-wasm" | "python" | "js" if kind == "compressor" => {
             let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match lang {
                 "c" => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
+                "c-wasm" => (&C_WASM_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/gen\n/results\n"),
                 "python" => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
                 _ => (&JS_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n"),
             };
@@ -211,11 +224,11 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
             }
             return Ok(root);
         }
-        "c" | "python" | "js" => bail!(
+        "c" | "c-wasm" | "python" | "js" => bail!(
             "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
             if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
         ),
-        other => bail!("no template in `{other}` (rust, c, python, js)"),
+        other => bail!("no template in `{other}` (rust, c, c-wasm, python, js)"),
     }
     let t = template(kind)?;
     // The SDK: vendored into the folder, or the crate at `--sdk PATH`.
