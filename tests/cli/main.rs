@@ -46,6 +46,24 @@ pub fn harness(dir: &Path) -> Command {
     c
 }
 
+/// The `harness` command a user gets from `./x install DIR`, run from
+/// `dir` without this process's library path (the command finds libtorch
+/// on its own): installed once per test process, wrapping the binary these
+/// tests run.
+pub fn installed_harness(dir: &Path) -> Command {
+    static INSTALLED: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    let (_, bin) = INSTALLED.get_or_init(|| {
+        let home = tempfile::tempdir().expect("a temporary folder");
+        let bin = home.path().join("bin");
+        let out = Command::new(repo_root().join("x")).arg("install").arg(&bin).arg("--no-build").output().expect("./x runs");
+        assert!(out.status.success(), "./x install failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        (home, bin.join("harness"))
+    });
+    let mut c = Command::new(bin);
+    c.current_dir(dir).env_remove("LD_LIBRARY_PATH");
+    c
+}
+
 /// Runs to completion and returns the output.
 pub fn run_ok(c: &mut Command) -> Output {
     let out = c.output().expect("harness starts");

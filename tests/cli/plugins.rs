@@ -5,7 +5,7 @@
 //!
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
-use crate::{artifact, entry, exclusive, harness, losses, repo_root, results, run_ok, write};
+use crate::{artifact, entry, exclusive, harness, installed_harness, losses, repo_root, results, run_ok, write};
 
 const WORKLOAD: &str = r#"
 [[workload]]
@@ -153,7 +153,7 @@ fn inspect_prints_a_pinnable_manifest_and_pins_are_enforced() {
 #[test]
 fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     let dir = tempfile::tempdir().unwrap();
-    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-avg"]));
+    run_ok(installed_harness(dir.path()).args(["plugin", "new", "compressor", "my-avg"]));
     let krate = dir.path().join("my-avg");
     // It depends on the SDK copied into its own folder, not on this checkout.
     let manifest = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
@@ -173,7 +173,7 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
     std::fs::create_dir_all(&want).unwrap();
     std::fs::copy(&built, want.join("my_avg.wasm")).unwrap();
     let out_path = dir.path().join("r.json");
-    run_ok(harness(&krate).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
+    run_ok(installed_harness(&krate).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
     let r = results(&out_path);
     let e = entry(&r, "mlp-tiny/with-my-avg/r0");
     assert_eq!(e["status"], "ok", "{e}");
@@ -188,14 +188,14 @@ fn plugin_new_makes_a_crate_that_builds_and_runs_as_generated() {
 #[test]
 fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_baseline() {
     let dir = tempfile::tempdir().unwrap();
-    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", "my-c", "--lang", "c"]));
+    run_ok(installed_harness(dir.path()).args(["plugin", "new", "compressor", "my-c", "--lang", "c"]));
     let folder = dir.path().join("my-c");
     // The folder builds on its own: the header is copied next to the source.
     let make = std::process::Command::new("make").current_dir(&folder).output().expect("make is installed");
     assert!(make.status.success(), "the generated C plugin does not build:\n{}", String::from_utf8_lossy(&make.stderr));
     assert!(!String::from_utf8_lossy(&make.stderr).contains("warning"), "{}", String::from_utf8_lossy(&make.stderr));
     let out_path = dir.path().join("r.json");
-    run_ok(harness(&folder).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
+    run_ok(installed_harness(&folder).args(["run", "suite.toml", "--out"]).arg(&out_path).arg("-q"));
     let r = results(&out_path);
     let losses = |id: &str| losses(&r, id);
     for k in 0..3 {
@@ -211,7 +211,7 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
         .unwrap()
         .replace("compressor = \"my-c\"", "compressor = \"my-c\"\ncompressor_config = { ratio = 0.1 }");
     std::fs::write(folder.join("bad.toml"), suite).unwrap();
-    let out = harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
+    let out = installed_harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("my-c takes no configuration, got: ratio = 0.1"),
@@ -220,15 +220,16 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
     );
 }
 
-/// A third party's plugin in another language: scaffolded, built by its own
-/// script (the toolchain installed once into the cache), loaded into the
+/// A third party's plugin in another language, from an empty folder with
+/// the installed `harness`: scaffolded, built by its own script (the
+/// toolchain installed once into the cache), loaded into the
 /// sandbox, and on two ranks it trains exactly as the Rust `allreduce`
 /// plugin and the built-in all-reduce do; a configuration it does not take
 /// is refused before anything trains, with the plugin's own message.
 fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
     let _alone = exclusive();
     let dir = tempfile::tempdir().unwrap();
-    run_ok(harness(dir.path()).args(["plugin", "new", "compressor", name, "--lang", lang]));
+    run_ok(installed_harness(dir.path()).args(["plugin", "new", "compressor", name, "--lang", lang]));
     let folder = dir.path().join(name);
     let build = std::process::Command::new("./build.sh").current_dir(&folder).output().expect("bash runs build.sh");
     assert!(build.status.success(), "the generated {lang} plugin does not build:\n{}", String::from_utf8_lossy(&build.stderr));
@@ -239,7 +240,7 @@ fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
         );
     std::fs::write(folder.join("with-rust.toml"), suite).unwrap();
     let out_path = dir.path().join("r.json");
-    run_ok(harness(&folder).args(["run", "with-rust.toml", "--out"]).arg(&out_path).arg("-q"));
+    run_ok(installed_harness(&folder).args(["run", "with-rust.toml", "--out"]).arg(&out_path).arg("-q"));
     let r = results(&out_path);
     let losses = |id: &str| losses(&r, id);
     for k in 0..3 {
@@ -256,7 +257,7 @@ fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
         .unwrap()
         .replace(&format!("compressor = \"{name}\""), &format!("compressor = \"{name}\"\ncompressor_config = {{ ratio = 0.1 }}"));
     std::fs::write(folder.join("bad.toml"), bad).unwrap();
-    let out = harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
+    let out = installed_harness(&folder).args(["validate", "bad.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("{name} takes no configuration, got: ratio = 0.1")), "{stderr}");

@@ -10,6 +10,11 @@
 //! match (truncated, corrupt) or that wasmtime refuses (another version or
 //! settings under the same key) is compiled again and replaced. Set
 //! `HARNESS_COMPILE_CACHE=0` to compile every time.
+//!
+//! The cache is bounded: after an entry is stored, the least recently
+//! used entries (a load marks an entry used) are removed until the
+//! compiled code takes at most `HARNESS_COMPILE_CACHE_MB` megabytes
+//! (default 2048). The entry just stored is always kept.
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -63,6 +68,8 @@ pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime:
             // this engine's settings (the key), unchanged since (their
             // sha256); wasmtime checks the version and settings again.
             if let Ok(comp) = unsafe { Component::deserialize(engine, &c) } {
+                // Used now: the last to go when the cache is pruned.
+                let _ = std::fs::File::options().write(true).open(&code).and_then(|f| f.set_modified(std::time::SystemTime::now()));
                 return Ok((comp, Source::Cached));
             }
         }
@@ -70,9 +77,44 @@ pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime:
     }
     let comp = Component::new(engine, bytes)?;
     if let Ok(c) = comp.serialize() {
-        let _ = store(dir, &code, &sum, &c);
+        if store(dir, &code, &sum, &c).is_ok() {
+            prune(dir, limit_bytes(), &code);
+        }
     }
     Ok((comp, source))
+}
+
+/// The cache's bound on compiled code, bytes.
+fn limit_bytes() -> u64 {
+    let mb = std::env::var("HARNESS_COMPILE_CACHE_MB").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(2048);
+    mb << 20
+}
+
+/// Removes the least recently used entries of `dir` (oldest modification
+/// time first) until their code takes at most `limit` bytes; `keep` stays.
+/// Best effort: an entry that cannot be removed is left.
+fn prune(dir: &Path, limit: u64, keep: &Path) {
+    let Ok(read) = std::fs::read_dir(dir) else { return };
+    let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = read
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+        .filter_map(|p| {
+            let m = std::fs::metadata(&p).ok()?;
+            Some((m.modified().ok()?, m.len(), p))
+        })
+        .collect();
+    let mut total: u64 = entries.iter().map(|e| e.1).sum();
+    entries.sort();
+    for (_, len, path) in entries {
+        if total <= limit {
+            break;
+        }
+        if path != keep && std::fs::remove_file(&path).is_ok() {
+            let _ = std::fs::remove_file(path.with_extension("sha256"));
+            total -= len;
+        }
+    }
 }
 
 /// Writes an entry: the code, then its hash, each to a temporary file
@@ -126,5 +168,32 @@ mod tests {
         assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
         // Without a cache folder nothing is stored.
         assert_eq!(component(engine, EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
+    }
+
+    #[test]
+    fn the_least_recently_used_entries_go_first_when_the_cache_is_over_its_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let day = std::time::Duration::from_secs(86_400);
+        let now = std::time::SystemTime::now();
+        // Four entries of 100 bytes, used 4, 3, 2 and 1 days ago.
+        let paths: Vec<PathBuf> = (0..4u32)
+            .map(|i| {
+                let code = dir.path().join(format!("e{i}.cwasm"));
+                std::fs::write(&code, [0u8; 100]).unwrap();
+                std::fs::write(code.with_extension("sha256"), "x").unwrap();
+                std::fs::File::options().write(true).open(&code).unwrap().set_modified(now - day * (4 - i)).unwrap();
+                code
+            })
+            .collect();
+        // Within the bound nothing goes.
+        prune(dir.path(), 400, &paths[3]);
+        assert!(paths.iter().all(|p| p.exists()));
+        // Over it, the oldest go first, with their hash files; the entry
+        // to keep stays even when it is the oldest.
+        prune(dir.path(), 200, &paths[0]);
+        let left: Vec<bool> = paths.iter().map(|p| p.exists()).collect();
+        assert_eq!(left, [true, false, false, true]);
+        assert!(!paths[1].with_extension("sha256").exists());
+        assert!(paths[3].with_extension("sha256").exists());
     }
 }
