@@ -296,9 +296,11 @@ impl Run<'_> {
                 steps: Some(PROCESS_WARMUP_STEPS),
                 time_budget_s: None,
                 eval_every: 0,
+                eval_every_tokens: None,
                 eval_batches: 1,
                 target_loss: None,
                 target_above_floor: None,
+                stop_at_target: false,
                 faults: None,
                 ..w.clone()
             };

@@ -28,6 +28,18 @@ fn an_entered_plugin_runs_next_to_the_track_baseline_and_the_run_is_official() {
         }
     }
     assert_eq!(ids.len(), 6, "only the batch-size track ran: {ids:?}");
+    // Every entry stopped at the evaluation that reached its target, and
+    // rank 0's evaluation decided: each rank evaluates its own held-out
+    // batches, and when any rank's could stop the run, fixed/r2 stopped at
+    // step 85 on rank 1's evaluation while rank 0's (the one recorded) was
+    // still above the target.
+    for e in r["entries"].as_array().unwrap() {
+        let m = &e["metrics"];
+        assert!(m["steps"].as_u64().unwrap() < 150, "{}: stopped before its 150 steps", e["id"]);
+        assert_eq!(m["steps"], m["steps_to_target"], "{}", e["id"]);
+        let last = m["eval_curve"].as_array().unwrap().last().unwrap();
+        assert!(last[2].as_f64().unwrap() <= m["target_loss"].as_f64().unwrap(), "{}", e["id"]);
+    }
     let s = &r["submission"];
     assert_eq!(s["tracks"], serde_json::json!(["batch-size"]));
     assert_eq!(s["released_suite"], true);

@@ -222,6 +222,12 @@ pub struct Workload {
     /// Evaluate every this many steps (0: only at the end).
     #[serde(default)]
     pub eval_every: u64,
+    /// Evaluate whenever this many more tokens (all ranks together) have
+    /// been trained, whatever the batch: entries whose batch policies pick
+    /// different batches are evaluated at the same amounts of data. Not
+    /// with `eval_every`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every_tokens: Option<u64>,
     #[serde(default = "default_eval_batches")]
     pub eval_batches: u32,
     /// Absolute target for the eval loss.
@@ -230,6 +236,11 @@ pub struct Workload {
     /// Target as a margin above the data's known loss floor.
     #[serde(default)]
     pub target_above_floor: Option<f64>,
+    /// End the entry at the first evaluation that reaches the target, as
+    /// time-to-target benchmarks do; `steps` (or `time_budget_s`) is then
+    /// the most it may train.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stop_at_target: bool,
     /// Injected failures and an emulated memory limit, to score checkpoint
     /// and batch-size policies.
     #[serde(default)]

@@ -18,13 +18,19 @@ pub struct Released {
     pub text: &'static str,
 }
 
-/// The standard suites this build releases. A result is official only if
-/// its suite text is byte-identical to one of them.
+/// The standard suites this build releases, current versions first, then
+/// earlier versions kept under suites/standard/VERSION/ so that their
+/// submissions still verify. A result is official only if its suite text
+/// is byte-identical to one of them.
 pub const RELEASED: &[Released] = &[
     Released { file: "suites/cpu-standard.toml", text: include_str!("../../../suites/cpu-standard.toml") },
     Released { file: "suites/a100.toml", text: include_str!("../../../suites/a100.toml") },
     Released { file: "suites/h100.toml", text: include_str!("../../../suites/h100.toml") },
     Released { file: "suites/h200.toml", text: include_str!("../../../suites/h200.toml") },
+    Released { file: "suites/standard/1.0/cpu-standard.toml", text: include_str!("../../../suites/standard/1.0/cpu-standard.toml") },
+    Released { file: "suites/standard/1.0/a100.toml", text: include_str!("../../../suites/standard/1.0/a100.toml") },
+    Released { file: "suites/standard/1.0/h100.toml", text: include_str!("../../../suites/standard/1.0/h100.toml") },
+    Released { file: "suites/standard/1.0/h200.toml", text: include_str!("../../../suites/standard/1.0/h200.toml") },
 ];
 
 /// The released standard suite whose text is exactly `text`.

@@ -325,6 +325,15 @@ impl Checker<'_> {
         if w.eval_batches == 0 {
             self.err(&at("eval_batches"), "`eval_batches` must be at least 1", None);
         }
+        match w.eval_every_tokens {
+            Some(0) => self.err(&at("eval_every_tokens"), "`eval_every_tokens` must be at least 1", None),
+            Some(_) if w.eval_every > 0 => self.err(
+                &at("eval_every_tokens"),
+                "give `eval_every` (steps) or `eval_every_tokens`, not both",
+                Some("`eval_every_tokens` evaluates entries with different batches at the same amounts of data".into()),
+            ),
+            _ => {}
+        }
     }
 
     /// The workload's `optimizer` table.
@@ -444,6 +453,22 @@ impl Checker<'_> {
         if let Some(t) = w.target_loss {
             if !t.is_finite() {
                 self.err(&at("target_loss"), "`target_loss` must be a number", None);
+            }
+        }
+        if w.stop_at_target {
+            if w.target_loss.is_none() && w.target_above_floor.is_none() {
+                self.err(
+                    &at("stop_at_target"),
+                    "`stop_at_target` needs a target",
+                    Some("set `target_loss` or `target_above_floor`".into()),
+                );
+            }
+            if w.eval_every == 0 && w.eval_every_tokens.is_none() {
+                self.err(
+                    &at("stop_at_target"),
+                    "`stop_at_target` needs evaluations during training: only evaluations can reach the target",
+                    Some("set `eval_every` or `eval_every_tokens`".into()),
+                );
             }
         }
     }
@@ -861,6 +886,24 @@ name = "b"
             let e = parse(&two_ranks.replace("name = \"b\"", &format!("name = \"b\"\n{bad}"))).unwrap_err();
             assert!(e.0[0].message.contains(says), "{bad}: {e}");
             assert_eq!(e.0[0].line_col().unwrap().0, 22, "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn stop_at_target_needs_a_target_and_evaluations() {
+        let stop = OK.replace("steps = 10", "steps = 10\nstop_at_target = true");
+        let e = parse(&stop).unwrap_err();
+        let all = e.to_string();
+        assert!(all.contains("`stop_at_target` needs a target"), "{all}");
+        assert!(all.contains("`stop_at_target` needs evaluations during training"), "{all}");
+        assert_eq!(e.0[0].line_col().unwrap().0, 13);
+        parse(&stop.replace("steps = 10", "steps = 10\ntarget_above_floor = 0.2\neval_every_tokens = 256")).unwrap();
+        parse(&stop.replace("steps = 10", "steps = 10\ntarget_loss = 3.0\neval_every = 2")).unwrap();
+        for (bad, says) in
+            [("eval_every_tokens = 0", "`eval_every_tokens` must be at least 1"), ("eval_every_tokens = 64\neval_every = 2", "not both")]
+        {
+            let e = parse(&OK.replace("steps = 10", &format!("steps = 10\n{bad}"))).unwrap_err();
+            assert!(e.0[0].message.contains(says), "{bad}: {e}");
         }
     }
 

@@ -161,6 +161,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         if should_stop(w, step, elapsed, budget, comm, t.device)? {
             break;
         }
+        let tokens_before = t.data.position();
         let recording = meter.begin_step(step, ctx.warmup_steps, comm);
         let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_fraction(w, step, elapsed, budget)) * batch.lr_scale;
         let mut out = match t.step(comm, &batch, &mut meter.timer, step, lr)? {
@@ -215,8 +216,15 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             loss: meter.last_loss,
             tokens_per_s: meter.tokens_per_s(now),
         });
-        if w.eval_every > 0 && step % w.eval_every == 0 && w.steps != Some(step) {
+        if eval_due(w, step, tokens_before, t.data.position(), t.world) && w.steps != Some(step) {
             meter.evaluate(&t, step)?;
+            // Only an evaluation can reach the target, and rank 0's decides
+            // (each rank evaluates its own held-out batches; rank 0's are
+            // the ones results record). Every rank stops together: none may
+            // wait in a collective for ranks that have stopped.
+            if w.stop_at_target && rank_zero_reached(meter.target_reached(), t.rank, comm, t.device)? {
+                break;
+            }
         }
     }
 
@@ -247,6 +255,24 @@ fn should_stop(
     Ok(stop)
 }
 
+/// Whether an evaluation is due after `step` steps: every `eval_every`
+/// steps, or each time the tokens trained (all ranks, from the data
+/// stream's position in samples before and after the step) pass a multiple
+/// of `eval_every_tokens`. Both counts survive restores and resumes, so
+/// every rank and every rerun evaluates at the same points.
+fn eval_due(w: &Workload, step: u64, samples_before: u64, samples_after: u64, world: usize) -> bool {
+    if let Some(every) = w.eval_every_tokens {
+        let tokens = |samples: u64| samples * u64::from(w.seq_len) * world as u64;
+        return tokens(samples_after) / every > tokens(samples_before) / every;
+    }
+    w.eval_every > 0 && step % w.eval_every == 0
+}
+
+/// Whether rank 0's evaluation reached the target, on every rank.
+fn rank_zero_reached(reached: bool, rank: usize, comm: &mut dyn Collective, device: Device) -> anyhow::Result<bool> {
+    Ok(any_rank(comm, rank == 0 && reached, device)?)
+}
+
 /// How far the entry is, by steps or by time (for the learning-rate schedule).
 fn progress_fraction(w: &Workload, step: u64, elapsed: Duration, budget: Option<Duration>) -> f64 {
     let by_steps = w.steps.map(|s| step as f64 / s as f64).unwrap_or(0.0);
@@ -275,5 +301,41 @@ fn replica_check() -> ReplicaCheck {
 fn synchronize(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(extra: &str) -> Workload {
+        let text = format!(
+            "name = \"w\"\nmodel = {{ kind = \"gpt\", preset = \"tiny\" }}\ndata = {{ kind = \"synthetic\", vocab = 64 }}\nbatch = 4\nseq_len = 16\nsteps = 10\noptimizer = {{ kind = \"adamw\", lr = 1e-3 }}\n{extra}"
+        );
+        toml::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn evaluations_by_tokens_fall_at_the_same_data_whatever_the_batch() {
+        // 2 ranks x 16 tokens per sample: every 256 tokens is every 8 samples.
+        let w = workload("eval_every_tokens = 256");
+        let points = |batches: &[u64]| {
+            let mut samples = 0;
+            let mut due = Vec::new();
+            for (step, b) in batches.iter().enumerate() {
+                if eval_due(&w, step as u64 + 1, samples, samples + b, 2) {
+                    due.push(samples + b);
+                }
+                samples += b;
+            }
+            due
+        };
+        assert_eq!(points(&[2; 12]), vec![8, 16, 24]);
+        assert_eq!(points(&[8; 3]), vec![8, 16, 24]);
+        // A step that crosses two multiples evaluates once, after it.
+        assert_eq!(points(&[4, 20]), vec![24]);
+        let by_steps = workload("eval_every = 3");
+        assert!(eval_due(&by_steps, 3, 0, 1, 1) && !eval_due(&by_steps, 4, 1, 2, 1));
+        assert!(!eval_due(&workload(""), 5, 0, 1000, 1));
     }
 }

@@ -272,15 +272,23 @@ impl Meter {
         }
     }
 
-    /// After the last of `steps` steps: the last loss, the final eval.
-    /// Returns the training time.
+    /// Whether an evaluation has reached the target.
+    pub fn target_reached(&self) -> bool {
+        self.reached.is_some()
+    }
+
+    /// After the last of `steps` steps: the last loss, the final eval
+    /// (unless an evaluation after that very step is already on the curve,
+    /// as when the entry stopped at its target). Returns the training time.
     pub fn close(&mut self, t: &Training, steps: u64) -> Result<Duration> {
         self.read_loss()?;
         self.synchronize();
         self.timer.flush()?;
         let train_time = self.train_elapsed();
-        let final_eval = t.evaluate()?;
-        self.eval_point(steps, train_time.as_secs_f64(), final_eval);
+        if self.eval_curve.last().is_none_or(|e| e.0 != steps) {
+            let final_eval = t.evaluate()?;
+            self.eval_point(steps, train_time.as_secs_f64(), final_eval);
+        }
         Ok(train_time)
     }
 }
