@@ -8,6 +8,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <ATen/record_function.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -420,5 +422,60 @@ char *hx_recompute(tensor x, hx_block_fn run, hx_block_drop drop, void *ctx, int
     *out = new at::Tensor(HxRecompute::apply(in, block));
   })
 }
+
+}  // extern "C"
+
+// The profiler behind `harness run --trace`: libtorch's Kineto profiler, as
+// torch.profiler drives it, recording operators on the CPU and, with
+// `cuda`, kernels and memory copies through CUPTI. Ranges name what
+// harness does (phases, plugin calls) on the same timeline.
+namespace {
+struct HxRange {
+  std::string name;
+  at::RecordFunction rf{at::RecordScope::USER_SCOPE};
+  explicit HxRange(const char *n) : name(n) {
+    if (rf.isActive()) {
+      rf.before(std::string_view(name), c10::ArrayRef<const c10::IValue>{});
+    }
+  }
+};
+}  // namespace
+
+extern "C" {
+
+char *hx_profiler_start(int cuda) {
+  HX_TRY({
+    using namespace torch::profiler::impl;
+    ProfilerConfig cfg(ProfilerState::KINETO, /*report_input_shapes=*/true);
+    std::set<ActivityType> acts{ActivityType::CPU};
+    if (cuda) {
+      acts.insert(ActivityType::CUDA);
+    }
+    torch::autograd::profiler::prepareProfiler(cfg, acts);
+    torch::autograd::profiler::enableProfiler(cfg, acts);
+  })
+}
+
+// Stops the profiler and writes its Chrome trace (JSON) to `path`.
+char *hx_profiler_stop(const char *path) {
+  HX_TRY({
+    auto result = torch::autograd::profiler::disableProfiler();
+    if (result) {
+      result->save(path);
+    }
+  })
+}
+
+// A named range on the trace's timeline, ended by hx_range_pop on the same
+// thread. Costs an allocation; harness opens ranges only while tracing.
+void *hx_range_push(const char *name) {
+  try {
+    return new HxRange(name);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void hx_range_pop(void *range) { delete static_cast<HxRange *>(range); }
 
 }  // extern "C"

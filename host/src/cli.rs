@@ -218,6 +218,12 @@ pub struct RunArgs {
     /// suite's world_size).
     #[arg(long)]
     pub gpus: Option<u32>,
+    /// Record a Chrome/Perfetto trace of one step of every entry (the first
+    /// after warm-up, on rank 0): operators, GPU kernels and copies, the
+    /// step's phases and plugin calls, in `<out stem>.trace/<entry>.json`.
+    /// The profiler slows that step down: measure without it.
+    #[arg(long)]
+    pub trace: bool,
 }
 
 /// `--plugin KIND=PATH` and `--plugin-config KEY=VALUE...` as an entry.
@@ -572,6 +578,9 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
         if args.quiet {
             child_args.push("--quiet".into());
         }
+        if args.trace {
+            child_args.push("--trace".into());
+        }
         for (flag, value) in [("--plugin", &args.plugin), ("--track", &args.track)] {
             if let Some(v) = value {
                 child_args.extend([flag.into(), v.into()]);
@@ -595,7 +604,7 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     if !follower {
         console.log_to(&Console::log_path(&out));
     }
-    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission, nccl_log };
+    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission, nccl_log, trace: args.trace };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
     crate::plugin::exit_guard::arm(true);

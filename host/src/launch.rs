@@ -38,13 +38,24 @@ pub struct RunOptions {
     pub submission: Option<crate::results::Submission>,
     /// A rank process's NCCL debug output ([`NcclLog::capture`]).
     pub nccl_log: Option<NcclLog>,
+    /// `--trace`: record a trace of one step of every entry.
+    pub trace: bool,
 }
 
 /// Where an entry's checkpoints go: next to the result file,
 /// `<out stem>.checkpoints/<entry id, with / as _>`.
 pub fn checkpoint_dir(out: &std::path::Path, entry_id: &str) -> PathBuf {
-    let safe: String = entry_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-    out.with_extension("checkpoints").join(safe)
+    out.with_extension("checkpoints").join(file_safe(entry_id))
+}
+
+/// Where `--trace` writes an entry's trace: next to the result file,
+/// `<out stem>.trace/<entry id, with / as _>.json`.
+pub fn trace_file(out: &std::path::Path, entry_id: &str) -> PathBuf {
+    out.with_extension("trace").join(format!("{}.json", file_safe(entry_id)))
+}
+
+fn file_safe(entry_id: &str) -> String {
+    entry_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect()
 }
 
 /// Runs every planned entry that `out` lacks; returns the final result.
@@ -98,6 +109,10 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
             for w in &out.warnings {
                 console.warning(w);
             }
+        }
+        let trace = trace_file(&opts.out, &entry.id);
+        if opts.trace && rank == 0 && trace.is_file() {
+            console.note(&format!("{}: trace of one step in {}", entry.id, trace.display()));
         }
         let record = entry_result(entry, &w.name, &run.device_name, outcome);
         console.entry_finished(&record);
@@ -307,8 +322,14 @@ impl Run<'_> {
             let plan =
                 PlanEntry { id: format!("warm-up/{}", w.name), strategy: crate::suite::Strategy::default_baseline(), ..(*entry).clone() };
             let scratch = std::env::temp_dir().join(format!("harness-warm-up-{}", std::process::id()));
-            let ctx =
-                EntryContext { workload: &short, entry: &plan, checkpoint_dir: scratch.clone(), resume: false, ..self.context(entry) };
+            let ctx = EntryContext {
+                workload: &short,
+                entry: &plan,
+                checkpoint_dir: scratch.clone(),
+                resume: false,
+                trace: None,
+                ..self.context(entry)
+            };
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(&ctx, &mut SingleRank::default(), &mut |_| {})));
             let _ = std::fs::remove_dir_all(&scratch);
             match outcome {
@@ -339,6 +360,7 @@ impl Run<'_> {
             plugins: &self.plugins,
             checkpoint_dir: checkpoint_dir(&self.opts.out, &entry.id),
             resume: self.opts.resume,
+            trace: self.opts.trace.then(|| trace_file(&self.opts.out, &entry.id)),
         }
     }
 

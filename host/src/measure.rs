@@ -144,6 +144,8 @@ pub struct PhaseTimer {
     /// This step's host time per phase (for device phases: time to issue them).
     host: BTreeMap<Phase, Duration>,
     open: Option<(Phase, Instant, Option<cuda::Event>)>,
+    /// The open phase as a range of the trace, when one is recorded.
+    range: Option<crate::torch_ext::Range>,
     spare: Vec<cuda::Event>,
     pub histograms: BTreeMap<Phase, Histogram<u64>>,
     /// On CUDA: host time spent issuing each device phase. A host time close
@@ -170,6 +172,7 @@ impl PhaseTimer {
             current: Vec::new(),
             host: BTreeMap::new(),
             open: None,
+            range: None,
             spare: Vec::new(),
             histograms,
             host_histograms,
@@ -199,6 +202,7 @@ impl PhaseTimer {
         } else {
             None
         };
+        self.range = crate::torch_ext::Range::open(|| format!("harness: {}", phase.name()));
         self.open = Some((phase, Instant::now(), ev));
         Ok(())
     }
@@ -212,6 +216,7 @@ impl PhaseTimer {
         let Some((phase, t0, ev)) = self.open.take() else {
             return Ok(());
         };
+        self.range = None;
         *self.host.entry(phase).or_default() += t0.elapsed();
         if let Some(start) = ev {
             let end = self.event()?;

@@ -385,3 +385,32 @@ fn activation_recomputation_leaves_every_loss_bit_identical() {
         }
     }
 }
+
+/// `harness run --trace`: a Chrome trace of one step per entry (the first
+/// after warm-up), on rank 0 of two, holding libtorch's operators, the
+/// step's phases and the plugin's calls as ranges; the result is the run's
+/// as without it.
+#[test]
+fn trace_records_one_step_with_its_operators_phases_and_plugin_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = format!("\n[[plugin]]\nname = \"topk\"\npath = \"{}\"\n", artifact("topk.wasm").display());
+    let strategy = "\n[[strategy]]\nname = \"topk\"\ncompressor = \"topk\"\ncompressor_config = { ratio = 0.1 }\n";
+    let text = suite("traced", "world_size = 2", &(plugin + &tiny_gpt("w", 5, "") + strategy));
+    let s = write(dir.path(), "s.toml", &text);
+    let out = run_ok(harness(dir.path()).arg("run").arg(&s).args(["--out", "r.json", "--trace"]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("w/topk/r0: trace of one step in"), "{}", String::from_utf8_lossy(&out.stderr));
+    let traces: Vec<_> = std::fs::read_dir(dir.path().join("r.trace")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(traces, vec![std::ffi::OsString::from("w_topk_r0.json")], "one trace, rank 0's");
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("r.trace/w_topk_r0.json")).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let named = |cat: &str| -> Vec<&str> { events.iter().filter(|e| e["cat"] == cat).map(|e| e["name"].as_str().unwrap()).collect() };
+    let ranges = named("user_annotation");
+    for phase in ["data", "forward", "backward", "communicate", "optimizer", "strategy"] {
+        assert_eq!(ranges.iter().filter(|r| **r == format!("harness: {phase}")).count(), 1, "one step's {phase}: {ranges:?}");
+    }
+    assert!(ranges.contains(&"plugin topk: compress"), "{ranges:?}");
+    let ops = named("cpu_op");
+    assert!(ops.contains(&"aten::topk") && ops.iter().any(|o| o.starts_with("aten::mm") || o.starts_with("aten::addmm")), "{ops:?}");
+    let r = results(&dir.path().join("r.json"));
+    assert_eq!(r["entries"][0]["metrics"]["steps"], 5);
+}

@@ -320,9 +320,11 @@ impl Plugin {
             Transport::Native => Some(exit_guard::CallScope::enter(&self.who, what)),
             Transport::Wasm => None,
         };
+        let range = crate::torch_ext::Range::open(|| format!("plugin {}: {what}", self.suite_name));
         let t0 = measure::mark();
         let r = f(&mut self.inst);
         drop(scope);
+        drop(range);
         measure::record_since(&mut self.hist, t0);
         self.calls += 1;
         match r {

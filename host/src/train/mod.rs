@@ -31,6 +31,8 @@ pub mod step;
 pub mod tiers;
 
 use std::collections::BTreeMap;
+
+use anyhow::Context;
 use std::path::Path;
 use std::time::Duration;
 
@@ -80,6 +82,9 @@ pub struct EntryContext<'a> {
     /// interrupted run of this entry left (else checkpoints there are stale
     /// and removed).
     pub resume: bool,
+    /// `harness run --trace`: the file for the trace of this entry's first
+    /// step after warm-up (rank 0 records it).
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// The outcome of a finished entry.
@@ -155,12 +160,14 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let replicas = replica_check();
     let compressor = &ctx.entry.strategy.compressor;
+    let mut trace = StepTrace::new(ctx, t.rank);
 
     loop {
         let elapsed = meter.train_elapsed();
         if should_stop(w, step, elapsed, budget, comm, t.device)? {
             break;
         }
+        trace.before(step, t.device)?;
         let tokens_before = t.data.position();
         let recording = meter.begin_step(step, ctx.warmup_steps, comm);
         let lr = learning_rate(w.optimizer.lr(), &w.schedule, step, progress_fraction(w, step, elapsed, budget)) * batch.lr_scale;
@@ -207,6 +214,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         }
 
         meter.end_step(recording);
+        trace.after(t.device)?;
         step = done;
         progress(&Progress {
             step,
@@ -235,6 +243,54 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     let resilience = safe.finish(ctx, t.rank);
     let comm_stats = comm.stats().clone();
     record::entry_output(ctx, &mut t, meter, Outcome { steps: step, train_time, batch_changes, resilience, comm: &comm_stats })
+}
+
+/// `harness run --trace`: libtorch's profiler records one step on rank 0,
+/// the first after warm-up (its retries and restores included), and writes
+/// its trace. The device is synchronised before the profiler stops, so the
+/// trace holds the step's kernels.
+struct StepTrace {
+    file: Option<std::path::PathBuf>,
+    step: u64,
+    on: bool,
+}
+
+impl StepTrace {
+    fn new(ctx: &EntryContext<'_>, rank: usize) -> StepTrace {
+        let last = ctx.workload.steps.map_or(u64::MAX, |s| s.saturating_sub(1));
+        StepTrace { file: ctx.trace.clone().filter(|_| rank == 0), step: ctx.warmup_steps.min(last), on: false }
+    }
+
+    fn before(&mut self, step: u64, device: Device) -> anyhow::Result<()> {
+        if self.file.is_some() && !self.on && step == self.step {
+            crate::torch_ext::profiler_start(device.is_cuda())?;
+            self.on = true;
+        }
+        Ok(())
+    }
+
+    fn after(&mut self, device: Device) -> anyhow::Result<()> {
+        if !self.on {
+            return Ok(());
+        }
+        self.on = false;
+        synchronize(device);
+        let file = self.file.take().expect("a trace file while tracing");
+        std::fs::create_dir_all(file.parent().expect("a trace file in a folder"))
+            .with_context(|| format!("creating {}", file.display()))?;
+        crate::torch_ext::profiler_stop(&file).with_context(|| format!("writing the trace {}", file.display()))?;
+        Ok(())
+    }
+}
+
+impl Drop for StepTrace {
+    /// An entry that fails during its traced step still stops the profiler,
+    /// so the next entry can start it again.
+    fn drop(&mut self) {
+        if self.on {
+            let _ = crate::torch_ext::profiler_stop(self.file.as_deref().unwrap_or(Path::new("/dev/null")));
+        }
+    }
 }
 
 /// Whether the entry is over: its steps are done or its time budget spent.
