@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
 """Prints harness vs PyTorch tokens/s from a folder of bench outputs
-(harness-*.json result files, pytorch-*.json from pytorch_gpt.py)."""
+(harness-*.json result files, pytorch-*.json from pytorch_gpt.py).
+
+    bench/summarize.py [DIR] [WORKLOAD]
+
+The ratios compare the harness workload WORKLOAD (default gpt2-124m-bf16)
+with the PyTorch runs."""
 import glob, json, os, sys
 
 d = sys.argv[1] if len(sys.argv) > 1 else "bench-out"
+workload = sys.argv[2] if len(sys.argv) > 2 else "gpt2-124m-bf16"
 rows = []
 for p in sorted(glob.glob(os.path.join(d, "harness-*.json"))):
     r = json.load(open(p))
@@ -23,7 +29,7 @@ for p in sorted(glob.glob(os.path.join(d, "pytorch-*.json"))):
 print(f"{'run':60s} {'tokens/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'peak GiB':>8s}")
 for name, tps, ms, mfu, mem, note in rows:
     print(f"{name:60s} {tps:10.0f} {ms:8.2f} {100*mfu:5.1f}% {mem/2**30:8.2f} {note}")
-h = [r[1] for r in rows if r[0].startswith("harness") and "gpt2-124m-bf16" in r[0] and r[1] > 0]
+h = [r[1] for r in rows if r[0].startswith("harness") and f":{workload}/" in r[0] and r[1] > 0]
 e = [r[1] for r in rows if r[0].startswith("pytorch-eager")]
 c = [r[1] for r in rows if r[0].startswith("pytorch-compile")]
 if h and e:
