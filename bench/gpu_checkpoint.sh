@@ -9,9 +9,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
-# The suites name their plugins under target/plugins; on a GPU machine they
-# come in .carry/plugins.
-[ -e target/plugins ] || { mkdir -p target && ln -s ../.carry/plugins target/plugins; }
 WORK=${WORK:-/tmp/ckpt-tiers}; rm -rf "$WORK"; mkdir -p "$WORK"
 "$BIN" env > "$WORK/env.txt" 2>&1
 df -h "$WORK" > "$WORK/disk.txt" 2>&1

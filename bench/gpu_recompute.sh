@@ -8,9 +8,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
-# The suites name their plugins under target/plugins; on a GPU machine they
-# come in .carry/plugins.
-[ -e target/plugins ] || { mkdir -p target && ln -s ../.carry/plugins target/plugins; }
 WORK=${WORK:-/tmp/recompute}; rm -rf "$WORK"; mkdir -p "$WORK"
 "$BIN" env > "$WORK/env.txt" 2>&1
 for s in gpu-recompute gpu-recompute-growth; do

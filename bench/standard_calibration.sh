@@ -8,7 +8,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
-[ -e target/plugins ] || { mkdir -p target && ln -s ../.carry/plugins target/plugins; }
 WORK=${WORK:-/tmp/calibration}; rm -rf "$WORK"; mkdir -p "$WORK"
 "$BIN" env > "$WORK/env.txt" 2>&1
 "$BIN" run suites/gpu-standard-calibration.toml --out "$WORK/calibration.json" --quiet > "$WORK/run.txt" 2>&1
