@@ -110,9 +110,11 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
                 console.warning(w);
             }
         }
-        let trace = trace_file(&opts.out, &entry.id);
-        if opts.trace && rank == 0 && trace.is_file() {
-            console.note(&format!("{}: trace of one step in {}", entry.id, trace.display()));
+        if opts.trace && rank == 0 {
+            let trace = trace_file(&opts.out, &entry.id);
+            if trace.is_file() {
+                console.note(&format!("{}: trace of one step in {}", entry.id, trace.display()));
+            }
         }
         let record = entry_result(entry, &w.name, &run.device_name, outcome);
         console.entry_finished(&record);
