@@ -425,6 +425,108 @@ char *hx_recompute(tensor x, hx_block_fn run, hx_block_drop drop, void *ctx, int
 
 }  // extern "C"
 
+// A differentiable operation whose forward and backward passes are Rust
+// callbacks (the fused kernels of kernels.rs): `fwd(ctx, in, n_in, out,
+// &n_out, saved, &n_saved, err, len)` reads the inputs and sets up to
+// HX_OP_MAX outputs and tensors to keep for the backward pass; `bwd(ctx,
+// saved, n_saved, grads, n_grads, in_grads, n_in, err, len)` gets the
+// outputs' gradients (NULL where none flowed) and sets the inputs'
+// (NULL for none). Every tensor handed across is a new at::Tensor that the
+// receiver owns. The kept tensors go through save_for_backward, so an output
+// kept for the backward pass makes no reference cycle.
+#define HX_OP_MAX 8
+typedef void (*hx_op_fwd)(void *ctx, tensor *in, int n_in, tensor *out, int *n_out, tensor *saved, int *n_saved, char *err,
+                          size_t err_len);
+typedef void (*hx_op_bwd)(void *ctx, tensor *saved, int n_saved, tensor *grads, int n_grads, tensor *in_grads, int n_in,
+                          char *err, size_t err_len);
+
+struct HxOp : torch::CustomClassHolder {
+  hx_op_fwd fwd;
+  hx_op_bwd bwd;
+  hx_block_drop drop;
+  void *ctx;
+  HxOp(hx_op_fwd f, hx_op_bwd b, hx_block_drop d, void *c) : fwd(f), bwd(b), drop(d), ctx(c) {}
+  ~HxOp() override {
+    if (drop) drop(ctx);
+  }
+};
+
+static void hx_take(tensor *ts, int n, std::vector<at::Tensor> &out) {
+  for (int i = 0; i < n; i++) {
+    out.push_back(ts[i] ? *ts[i] : at::Tensor());
+    delete ts[i];
+  }
+}
+
+static std::vector<at::Tensor> hx_op_forward(HxOp &op, at::TensorList in, std::vector<at::Tensor> &saved) {
+  std::vector<tensor> ins;
+  for (const auto &t : in) ins.push_back(new at::Tensor(t));
+  tensor outs[HX_OP_MAX] = {nullptr}, keep[HX_OP_MAX] = {nullptr};
+  int n_out = 0, n_keep = 0;
+  char err[2048];
+  err[0] = 0;
+  op.fwd(op.ctx, ins.data(), (int)ins.size(), outs, &n_out, keep, &n_keep, err, sizeof err);
+  std::vector<at::Tensor> result;
+  hx_take(outs, n_out, result);
+  hx_take(keep, n_keep, saved);
+  if (err[0] || n_out == 0) throw std::runtime_error(err[0] ? err : "a fused operation returned nothing");
+  return result;
+}
+
+struct HxCustom : torch::autograd::Function<HxCustom> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, at::TensorList in,
+                                                c10::intrusive_ptr<HxOp> op) {
+    std::vector<at::Tensor> saved;
+    auto out = hx_op_forward(*op, in, saved);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["op"] = c10::IValue::make_capsule(op);
+    ctx->saved_data["n_in"] = (int64_t)in.size();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx, torch::autograd::variable_list grads) {
+    auto op = c10::static_intrusive_pointer_cast<HxOp>(ctx->saved_data["op"].toCapsule());
+    int n_in = (int)ctx->saved_data["n_in"].toInt();
+    auto saved = ctx->get_saved_variables();
+    std::vector<tensor> s, g;
+    for (const auto &t : saved) s.push_back(new at::Tensor(t));
+    for (const auto &t : grads) g.push_back(t.defined() ? new at::Tensor(t) : nullptr);
+    std::vector<tensor> in_grads(n_in, nullptr);
+    char err[2048];
+    err[0] = 0;
+    op->bwd(op->ctx, s.data(), (int)s.size(), g.data(), (int)g.size(), in_grads.data(), n_in, err, sizeof err);
+    std::vector<at::Tensor> result;
+    hx_take(in_grads.data(), n_in, result);
+    if (err[0]) throw std::runtime_error(err);
+    result.push_back(at::Tensor());  // the op itself
+    return result;
+  }
+};
+
+extern "C" {
+
+// outs = op(in) (see HxOp); without grad mode the forward callback just runs.
+// Takes ownership of ctx (freed through drop, also on failure).
+char *hx_custom_op(tensor *in, int n_in, hx_op_fwd fwd, hx_op_bwd bwd, hx_block_drop drop, void *ctx, tensor *out,
+                   int *n_out) {
+  auto op = c10::make_intrusive<HxOp>(fwd, bwd, drop, ctx);
+  HX_TRY({
+    std::vector<at::Tensor> ins = hx_list(in, n_in);
+    std::vector<at::Tensor> result;
+    if (!at::GradMode::is_enabled()) {
+      std::vector<at::Tensor> saved;
+      result = hx_op_forward(*op, ins, saved);
+    } else {
+      result = HxCustom::apply(at::TensorList(ins), op);
+    }
+    *n_out = (int)result.size();
+    for (size_t i = 0; i < result.size() && i < HX_OP_MAX; i++) out[i] = new at::Tensor(result[i]);
+  })
+}
+
+}  // extern "C"
+
 // The profiler behind `harness run --trace`: libtorch's Kineto profiler, as
 // torch.profiler drives it, recording operators on the CPU and, with
 // `cuda`, kernels and memory copies through CUPTI. Ranges name what

@@ -103,6 +103,214 @@ extern "C" __global__ void __launch_bounds__(1024) ce_bf16(
   if (threadIdx.x == 0) loss_rows[row] = lse - bf2f(x[t]);
 }
 
+// Residual add + LayerNorm over rows of C channels (C % 4 == 0), thread t of
+// a block owning channels 4t..4t+3 (blockDim.x = C/4 rounded up to a warp),
+// blocks striding over rows. Statistics in fp32, two-pass variance.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? sh[lane] : 0.f;
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t;
+}
+__device__ __forceinline__ void ld_bf4(const bf16* p, float v[4]) {
+  uint2 u = *reinterpret_cast<const uint2*>(p);
+  v[0] = bf2f((bf16)(u.x & 0xffffu)); v[1] = bf2f((bf16)(u.x >> 16));
+  v[2] = bf2f((bf16)(u.y & 0xffffu)); v[3] = bf2f((bf16)(u.y >> 16));
+}
+__device__ __forceinline__ void st_bf4(bf16* p, const float v[4]) {
+  uint2 u;
+  u.x = (unsigned int)f2bf(v[0]) | ((unsigned int)f2bf(v[1]) << 16);
+  u.y = (unsigned int)f2bf(v[2]) | ((unsigned int)f2bf(v[3]) << 16);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+// xo = x + f + fb (fp32; f bf16 and fb, the branch's bias, fp32 [C], both
+// optional; without f, xo is not written), y = LayerNorm(xo) * w + b as
+// bf16, with each row's mean and 1/std kept.
+extern "C" __global__ void add_ln_fwd(const float* __restrict__ x, const bf16* __restrict__ f,
+    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, bf16* __restrict__ y,
+    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
+  __shared__ float sh[32];
+  const int c = 4 * threadIdx.x;
+  const bool on = c < C;
+  float wv[4] = {0.f, 0.f, 0.f, 0.f}, bv[4] = {0.f, 0.f, 0.f, 0.f}, fbv[4] = {0.f, 0.f, 0.f, 0.f};
+  if (on) {
+    float4 a = *reinterpret_cast<const float4*>(w + c), d = *reinterpret_cast<const float4*>(b + c);
+    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; bv[0] = d.x; bv[1] = d.y; bv[2] = d.z; bv[3] = d.w;
+    if (fb) { float4 e = *reinterpret_cast<const float4*>(fb + c); fbv[0] = e.x; fbv[1] = e.y; fbv[2] = e.z; fbv[3] = e.w; }
+  }
+  const float inv_c = 1.f / (float)C;
+  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+    const size_t at = (size_t)row * C + c;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (on) {
+      float4 a = *reinterpret_cast<const float4*>(x + at);
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      if (f) {
+        float g[4];
+        ld_bf4(f + at, g);
+        #pragma unroll
+        for (int j = 0; j < 4; j++) v[j] += g[j] + fbv[j];
+        *reinterpret_cast<float4*>(xo + at) = make_float4(v[0], v[1], v[2], v[3]);
+      }
+    }
+    const float m = block_sum(v[0] + v[1] + v[2] + v[3], sh) * inv_c;
+    float sq = 0.f;
+    if (on) {
+      #pragma unroll
+      for (int j = 0; j < 4; j++) { float d = v[j] - m; sq += d * d; }
+    }
+    const float r = rsqrtf(block_sum(sq, sh) * inv_c + eps);
+    if (on) {
+      float o[4];
+      #pragma unroll
+      for (int j = 0; j < 4; j++) o[j] = (v[j] - m) * r * wv[j] + bv[j];
+      st_bf4(y + at, o);
+    }
+    if (threadIdx.x == 0) { mean[row] = m; rstd[row] = r; }
+  }
+}
+// The backward pass of add_ln_fwd: from dy (bf16) and the LayerNorm's input
+// x, dx = dres + d(LayerNorm)/dx (fp32; dres optional), df = bf16(dx)
+// (optional), and per-block partial sums ([gridDim.x, 3, C] in part) of
+// dw = sum(dy * xhat), db = sum(dy) and, for the branch's bias, sum(dx).
+extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* __restrict__ x,
+    const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
+    const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
+    float* __restrict__ part, int N, int C) {
+  __shared__ float sh[32];
+  const int c = 4 * threadIdx.x;
+  const bool on = c < C;
+  float wv[4] = {0.f, 0.f, 0.f, 0.f}, dw[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
+  float dfb[4] = {0.f, 0.f, 0.f, 0.f};
+  if (on) {
+    float4 a = *reinterpret_cast<const float4*>(w + c);
+    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+  }
+  const float inv_c = 1.f / (float)C;
+  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+    const size_t at = (size_t)row * C + c;
+    const float m = mean[row], r = rstd[row];
+    float g[4] = {0.f, 0.f, 0.f, 0.f}, xh[4] = {0.f, 0.f, 0.f, 0.f}, s1 = 0.f, s2 = 0.f;
+    if (on) {
+      float d[4];
+      ld_bf4(dy + at, d);
+      float4 a = *reinterpret_cast<const float4*>(x + at);
+      float xv[4] = {a.x, a.y, a.z, a.w};
+      #pragma unroll
+      for (int j = 0; j < 4; j++) {
+        xh[j] = (xv[j] - m) * r;
+        g[j] = d[j] * wv[j];
+        s1 += g[j];
+        s2 += g[j] * xh[j];
+        dw[j] += d[j] * xh[j];
+        db[j] += d[j];
+      }
+    }
+    s1 = block_sum(s1, sh) * inv_c;
+    s2 = block_sum(s2, sh) * inv_c;
+    if (on) {
+      float o[4];
+      #pragma unroll
+      for (int j = 0; j < 4; j++) o[j] = r * (g[j] - s1 - xh[j] * s2);
+      if (dres) {
+        float4 a = *reinterpret_cast<const float4*>(dres + at);
+        o[0] += a.x; o[1] += a.y; o[2] += a.z; o[3] += a.w;
+      }
+      *reinterpret_cast<float4*>(dx + at) = make_float4(o[0], o[1], o[2], o[3]);
+      if (df) st_bf4(df + at, o);
+      #pragma unroll
+      for (int j = 0; j < 4; j++) dfb[j] += o[j];
+    }
+  }
+  if (on) {
+    float* p = part + (size_t)blockIdx.x * 3 * C + c;
+    *reinterpret_cast<float4*>(p) = make_float4(dw[0], dw[1], dw[2], dw[3]);
+    *reinterpret_cast<float4*>(p + C) = make_float4(db[0], db[1], db[2], db[3]);
+    *reinterpret_cast<float4*>(p + 2 * C) = make_float4(dfb[0], dfb[1], dfb[2], dfb[3]);
+  }
+}
+
+// Bias + GELU (tanh approximation) over rows of C channels (C % 8 == 0):
+// thread (blockIdx.y * blockDim.x + threadIdx.x) owns channels 8i..8i+7,
+// blocks stride over rows in blockIdx.x.
+#define GELU_K0 0.7978845608028654f
+#define GELU_K1 0.044715f
+// The hardware tanh (sm_75 on; relative error about 2^-11, below bf16's
+// 2^-8): the accurate tanhf made these kernels compute-bound.
+__device__ __forceinline__ float tanh_fast(float x) {
+#if __CUDA_ARCH__ >= 750
+  float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+#else
+  return tanhf(x);
+#endif
+}
+__device__ __forceinline__ void ld_bf8(const bf16* p, float v[8]) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  unsigned int w[4] = {u.x, u.y, u.z, u.w};
+  #pragma unroll
+  for (int j = 0; j < 4; j++) { v[2 * j] = bf2f((bf16)(w[j] & 0xffffu)); v[2 * j + 1] = bf2f((bf16)(w[j] >> 16)); }
+}
+__device__ __forceinline__ void st_bf8(bf16* p, const float v[8]) {
+  unsigned int w[4];
+  #pragma unroll
+  for (int j = 0; j < 4; j++) w[j] = (unsigned int)f2bf(v[2 * j]) | ((unsigned int)f2bf(v[2 * j + 1]) << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+// y = gelu(x + b) (x, y bf16 [N, C]; b fp32 [C]).
+extern "C" __global__ void bias_gelu_fwd(const bf16* __restrict__ x, const float* __restrict__ b,
+    bf16* __restrict__ y, int N, int C) {
+  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  float bv[8];
+  #pragma unroll
+  for (int j = 0; j < 8; j++) bv[j] = b[c + j];
+  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+    const size_t at = (size_t)row * C + c;
+    float v[8], o[8];
+    ld_bf8(x + at, v);
+    #pragma unroll
+    for (int j = 0; j < 8; j++) {
+      float u = v[j] + bv[j];
+      o[j] = 0.5f * u * (1.f + tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u)));
+    }
+    st_bf8(y + at, o);
+  }
+}
+// dx = dy * gelu'(x + b) (bf16), and per-block partial sums of dx over rows
+// (the bias's gradient) in part ([gridDim.x, C]).
+extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ x,
+    const float* __restrict__ b, bf16* __restrict__ dx, float* __restrict__ part, int N, int C) {
+  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  float bv[8], acc[8];
+  #pragma unroll
+  for (int j = 0; j < 8; j++) { bv[j] = b[c + j]; acc[j] = 0.f; }
+  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+    const size_t at = (size_t)row * C + c;
+    float v[8], d[8], o[8];
+    ld_bf8(x + at, v);
+    ld_bf8(dy + at, d);
+    #pragma unroll
+    for (int j = 0; j < 8; j++) {
+      float u = v[j] + bv[j];
+      float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
+      float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
+      o[j] = d[j] * g;
+      acc[j] += o[j];
+    }
+    st_bf8(dx + at, o);
+  }
+  float* p = part + (size_t)blockIdx.x * C + c;
+  #pragma unroll
+  for (int j = 0; j < 8; j++) p[j] = acc[j];
+}
+
 // Link emulation on the device timeline: stamp() records the GPU clock before
 // a collective; spin_until() after it waits until `ns` have passed since that
 // stamp, so the collective appears to take at least what the modelled link
@@ -120,6 +328,12 @@ extern "C" __global__ void spin_until(const unsigned long long* at, unsigned lon
 struct Loaded {
     _module: sys::CUmodule,
     ce_bf16: sys::CUfunction,
+    add_ln_fwd: sys::CUfunction,
+    add_ln_bwd: sys::CUfunction,
+    bias_gelu_fwd: sys::CUfunction,
+    bias_gelu_bwd: sys::CUfunction,
+    /// Streaming multiprocessors of the device (grid sizes).
+    sms: u32,
     stamp: sys::CUfunction,
     spin_until: sys::CUfunction,
 }
@@ -147,7 +361,18 @@ fn loaded() -> Result<&'static Loaded, String> {
             // SAFETY: module is loaded; the name is NUL-terminated.
             unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
         };
-        Ok(Loaded { _module: module, ce_bf16: get("ce_bf16")?, stamp: get("stamp")?, spin_until: get("spin_until")? })
+        let sms = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        Ok(Loaded {
+            _module: module,
+            ce_bf16: get("ce_bf16")?,
+            add_ln_fwd: get("add_ln_fwd")?,
+            add_ln_bwd: get("add_ln_bwd")?,
+            bias_gelu_fwd: get("bias_gelu_fwd")?,
+            bias_gelu_bwd: get("bias_gelu_bwd")?,
+            sms,
+            stamp: get("stamp")?,
+            spin_until: get("spin_until")?,
+        })
     })
     .as_ref()
     .map_err(Clone::clone)
@@ -214,6 +439,230 @@ pub fn cross_entropy_bf16(logits: &Tensor, target: &Tensor, factor: f32, scale: 
     Ok((rows.mean(Kind::Float), grad))
 }
 
+/// A device pointer argument: the tensor's data, or null for none.
+fn ptr(t: Option<&Tensor>) -> *mut c_void {
+    t.map_or(std::ptr::null_mut(), |t| t.data_ptr())
+}
+
+/// Launches `f` on the legacy default stream (libtorch's) with `args`, the
+/// kernel's parameters in order.
+///
+/// # Safety
+/// `args` must match the kernel's signature in number, order and types;
+/// every device pointer among them must stay valid until work queued after
+/// the launch on the same stream has run (libtorch's caching allocator keeps
+/// a freed tensor's memory from reuse by later work on that stream).
+unsafe fn launch(f: sys::CUfunction, grid: u32, block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
+    // SAFETY: per the function's contract.
+    unsafe { launch2(f, (grid, 1, 1), block, args) }
+}
+
+/// Whether [`add_layer_norm`] takes rows of `c` channels.
+pub fn layer_norm_fits(c: i64) -> bool {
+    c % 4 == 0 && (4..=4096).contains(&c)
+}
+
+/// Threads per block for rows of `c` channels (four per thread), and blocks.
+fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
+    let threads = ((c / 4 + 31) / 32 * 32) as u32;
+    let per_sm = (2048 / threads).clamp(1, 16);
+    (threads, (k.sms * per_sm).min(n.max(1) as u32))
+}
+
+/// The forward pass of a residual add and LayerNorm over the last dimension
+/// (eps `eps`) of fp32 CUDA rows `x` `[n, c]` ([`layer_norm_fits`]), with
+/// `f` (bf16, same shape) and its bias `fb` (fp32 `[c]`) added first when
+/// given: returns `x + f + fb` (fp32; only with `f`), the normalised rows as
+/// bf16, and each row's mean and 1/std (fp32 `[n]`) for
+/// [`add_layer_norm_backward`].
+pub fn add_layer_norm(
+    x: &Tensor,
+    f: Option<&Tensor>,
+    fb: Option<&Tensor>,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> anyhow::Result<(Option<Tensor>, Tensor, Tensor, Tensor)> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (n, c) = x.size2()?;
+    anyhow::ensure!(
+        layer_norm_fits(c) && x.kind() == Kind::Float && x.device().is_cuda() && x.is_contiguous(),
+        "fused LayerNorm takes contiguous fp32 CUDA rows"
+    );
+    anyhow::ensure!(
+        f.is_none_or(|f| f.kind() == Kind::BFloat16 && f.size() == [n, c] && f.is_contiguous()),
+        "the residual branch must be contiguous bf16 [{n}, {c}]"
+    );
+    anyhow::ensure!(
+        w.kind() == Kind::Float && b.kind() == Kind::Float && w.size() == [c] && b.size() == [c],
+        "LayerNorm parameters must be fp32 [{c}]"
+    );
+    anyhow::ensure!(
+        fb.is_none_or(|fb| f.is_some() && fb.kind() == Kind::Float && fb.size() == [c]),
+        "the branch's bias must be fp32 [{c}], with a branch"
+    );
+    let xo = f.map(|_| x.empty_like());
+    let y = Tensor::empty([n, c], (Kind::BFloat16, x.device()));
+    let mean = Tensor::empty([n], (Kind::Float, x.device()));
+    let rstd = mean.empty_like();
+    let (threads, blocks) = ln_shape(k, n, c);
+    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow add_ln_fwd's signature (device pointers to
+    // tensors of the checked shapes, kinds and contiguity, or null for the
+    // absent residual, then N, C, eps); every tensor outlives the call.
+    unsafe {
+        launch(
+            k.add_ln_fwd,
+            blocks,
+            threads,
+            &mut [
+                &mut x.data_ptr(),
+                &mut ptr(f),
+                &mut ptr(fb),
+                &mut w.data_ptr(),
+                &mut b.data_ptr(),
+                &mut ptr(xo.as_ref()),
+                &mut y.data_ptr(),
+                &mut mean.data_ptr(),
+                &mut rstd.data_ptr(),
+                &mut { n32 },
+                &mut { c32 },
+                &mut { eps },
+            ],
+        )?;
+    }
+    Ok((xo, y, mean, rstd))
+}
+
+/// The backward pass of [`add_layer_norm`]: from `dy` (bf16, the normalised
+/// rows' gradient), the LayerNorm's input `x`, the kept `mean` and `rstd`,
+/// and `dres` (fp32, the gradient reaching `x + f` from elsewhere, if any),
+/// returns dx (fp32; also `f`'s gradient when cast to bf16), `f`'s gradient
+/// (bf16, with `want_df`), dw, db and the branch bias's gradient (the sum
+/// of dx over rows), all fp32 `[c]`.
+pub fn add_layer_norm_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    w: &Tensor,
+    dres: Option<&Tensor>,
+    want_df: bool,
+) -> anyhow::Result<(Tensor, Option<Tensor>, Tensor, Tensor, Tensor)> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (n, c) = x.size2()?;
+    let dy = dy.to_kind(Kind::BFloat16).contiguous();
+    let dres = dres.map(|d| d.to_kind(Kind::Float).contiguous());
+    anyhow::ensure!(dy.size() == [n, c] && dres.as_ref().is_none_or(|d| d.size() == [n, c]), "gradients must be [{n}, {c}]");
+    anyhow::ensure!(
+        layer_norm_fits(c) && x.kind() == Kind::Float && x.is_contiguous() && mean.size() == [n] && rstd.size() == [n],
+        "fused LayerNorm backward: bad saved tensors"
+    );
+    let dx = x.empty_like();
+    let df = want_df.then(|| dy.empty_like());
+    let (threads, blocks) = ln_shape(k, n, c);
+    let part = Tensor::empty([blocks as i64, 3, c], (Kind::Float, x.device()));
+    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow add_ln_bwd's signature (device pointers to
+    // tensors of the checked shapes and kinds, null for the absent dres and
+    // df, then N, C); the partial sums have 3 rows per block.
+    unsafe {
+        launch(
+            k.add_ln_bwd,
+            blocks,
+            threads,
+            &mut [
+                &mut dy.data_ptr(),
+                &mut x.data_ptr(),
+                &mut mean.data_ptr(),
+                &mut rstd.data_ptr(),
+                &mut w.data_ptr(),
+                &mut ptr(dres.as_ref()),
+                &mut dx.data_ptr(),
+                &mut ptr(df.as_ref()),
+                &mut part.data_ptr(),
+                &mut { n32 },
+                &mut { c32 },
+            ],
+        )?;
+    }
+    let sums = part.sum_dim_intlist(0, false, Kind::Float);
+    Ok((dx, df, sums.get(0), sums.get(1), sums.get(2)))
+}
+
+/// Whether [`bias_gelu`] takes rows of `c` channels.
+pub fn gelu_fits(c: i64) -> bool {
+    c % 8 == 0 && c >= 8
+}
+
+/// Grid for the bias + GELU kernels: 128 threads of 8 channels per block
+/// across, blocks striding over rows down.
+fn gelu_shape(k: &Loaded, n: i64, c: i64) -> ((u32, u32, u32), u32) {
+    let threads = 128u32;
+    let across = ((c / 8) as u32).div_ceil(threads);
+    let down = ((k.sms * 16) / across).max(1).min(n.max(1) as u32);
+    ((down, across, 1), threads)
+}
+
+/// Launches a kernel on a 2-d grid (see [`launch`]).
+///
+/// # Safety
+/// As for [`launch`].
+unsafe fn launch2(f: sys::CUfunction, grid: (u32, u32, u32), block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
+    let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (&mut **a) as *mut dyn std::any::Any as *mut c_void).collect();
+    // SAFETY: per the function's contract; each parameter points at a live
+    // local of the caller for the duration of the call.
+    unsafe { result::launch_kernel(f, grid, (block, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    Ok(())
+}
+
+/// `gelu(x + b)` (tanh approximation) of contiguous bf16 CUDA rows `x`
+/// `[n, c]` ([`gelu_fits`]) and an fp32 bias `[c]`, as bf16.
+pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (n, c) = x.size2()?;
+    anyhow::ensure!(
+        gelu_fits(c) && x.kind() == Kind::BFloat16 && x.device().is_cuda() && x.is_contiguous(),
+        "fused GELU takes contiguous bf16 CUDA rows"
+    );
+    anyhow::ensure!(b.kind() == Kind::Float && b.size() == [c] && b.is_contiguous(), "the bias must be fp32 [{c}]");
+    let y = x.empty_like();
+    let (grid, threads) = gelu_shape(k, n, c);
+    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow bias_gelu_fwd's signature (device
+    // pointers to tensors of the checked shapes and kinds, then N, C).
+    unsafe {
+        launch2(k.bias_gelu_fwd, grid, threads, &mut [&mut x.data_ptr(), &mut b.data_ptr(), &mut y.data_ptr(), &mut { n32 }, &mut { c32 }])?
+    };
+    Ok(y)
+}
+
+/// The backward pass of [`bias_gelu`]: from `dy` and the kept `x` and `b`,
+/// returns dx (bf16; also the pre-bias input's gradient) and db (fp32).
+pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result<(Tensor, Tensor)> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (n, c) = x.size2()?;
+    let dy = dy.to_kind(Kind::BFloat16).contiguous();
+    anyhow::ensure!(dy.size() == [n, c] && gelu_fits(c) && x.is_contiguous(), "fused GELU backward: bad shapes");
+    let dx = x.empty_like();
+    let (grid, threads) = gelu_shape(k, n, c);
+    let part = Tensor::empty([grid.0 as i64, c], (Kind::Float, x.device()));
+    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow bias_gelu_bwd's signature; the partial
+    // sums have one row per block row of the grid.
+    unsafe {
+        launch2(
+            k.bias_gelu_bwd,
+            grid,
+            threads,
+            &mut [&mut dy.data_ptr(), &mut x.data_ptr(), &mut b.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
+                c32
+            }],
+        )?
+    };
+    Ok((dx, part.sum_dim_intlist(0, false, Kind::Float)))
+}
+
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
 pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
     let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
@@ -256,6 +705,10 @@ mod tests {
         let ptx = compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
+        for k in ["add_ln_fwd", "add_ln_bwd", "bias_gelu_fwd", "bias_gelu_bwd"] {
+            assert!(ptx.contains(&format!(".entry {k}")), "{k} missing");
+        }
+        assert!(ptx.contains("tanh.approx.f32"), "Hopper gets the hardware tanh");
     }
 
     #[test]

@@ -240,6 +240,10 @@ pub struct Metrics {
     /// (bf16 on CUDA) rather than libtorch's cross_entropy.
     #[serde(default)]
     pub fused_cross_entropy: bool,
+    /// Whether residual adds and LayerNorms ran through harness's fused
+    /// kernel (`kernels = "fused"`, bf16 on CUDA, the `gpt` family).
+    #[serde(default)]
+    pub fused_layer_norm: bool,
     /// What NCCL ran with (multi-GPU entries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nccl: Option<NcclRecord>,

@@ -213,6 +213,11 @@ pub struct Workload {
     /// the maths.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recompute: Option<RecomputeSpec>,
+    /// Which code computes the layers on CUDA: `"fused"` (default),
+    /// harness's own fused kernels where a layer has one, or `"libtorch"`,
+    /// libtorch's operations throughout. The same maths either way.
+    #[serde(default, skip_serializing_if = "Kernels::is_fused")]
+    pub kernels: Kernels,
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub schedule: ScheduleSpec,
@@ -427,6 +432,24 @@ impl Workload {
     /// cannot happen in a validated suite).
     pub fn recompute(&self) -> anyhow::Result<Recompute> {
         self.recompute.as_ref().map_or(Ok(Recompute::None), |r| r.resolve().map_err(anyhow::Error::msg))
+    }
+}
+
+/// `kernels = "fused" | "libtorch"`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kernels {
+    /// harness's fused kernels (bf16 on CUDA): the fused cross-entropy and
+    /// residual add + LayerNorm; libtorch's operations for the rest.
+    #[default]
+    Fused,
+    /// libtorch's operations only (the reference the fused kernels match).
+    Libtorch,
+}
+
+impl Kernels {
+    fn is_fused(&self) -> bool {
+        *self == Kernels::Fused
     }
 }
 

@@ -20,6 +20,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod data;
 pub mod dp;
+pub mod fused;
 pub mod model;
 pub mod oom;
 pub mod optim;

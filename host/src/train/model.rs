@@ -19,6 +19,7 @@ use tch::{Kind, Tensor};
 pub use crate::suite::ModelConfig;
 use crate::suite::{ModelKind, Recompute};
 use crate::torch_ext;
+use crate::train::fused;
 
 /// Mean next-token cross-entropy of `[n, vocab]` logits.
 ///
@@ -75,11 +76,41 @@ impl Norm {
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        x.layer_norm([self.d], Some(&self.ws), Some(&self.bs), 1e-5, true)
+        x.layer_norm([self.d], Some(&self.ws), Some(&self.bs), fused::EPS, true)
+    }
+
+    /// `(x + f, LayerNorm(x + f))`, or `(x, LayerNorm(x))` without `f`:
+    /// with `fused`, through [`fused::add_norm`] (the normalised rows in
+    /// bf16), else libtorch's add and LayerNorm.
+    fn add_forward(&self, x: &Tensor, f: Option<&Branch>, fused: bool) -> (Tensor, Tensor) {
+        if fused && fused::cuda_fits(self.d, x.device()) {
+            return fused::add_norm(x, f.map(|f| &f.out), f.and_then(|f| f.bias.as_ref()), &self.ws, &self.bs);
+        }
+        let x = f.map_or_else(|| x.shallow_clone(), |f| residual(x, f.value()));
+        let y = self.forward(&x);
+        (x, y)
     }
 
     fn share(&self) -> Norm {
         Norm { ws: self.ws.shallow_clone(), bs: self.bs.shallow_clone(), d: self.d }
+    }
+}
+
+/// A branch's output not yet added to the residual stream. With the fused
+/// kernels, the bias of the linear layer that made it is added with it (in
+/// [`fused::add_norm`]), not in the matmul.
+struct Branch {
+    out: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Branch {
+    /// The branch's value.
+    fn value(&self) -> Tensor {
+        match &self.bias {
+            Some(b) => &self.out + b,
+            None => self.out.shallow_clone(),
+        }
     }
 }
 
@@ -92,6 +123,8 @@ struct Shape {
     d_model: i64,
     dropout: f64,
     train: bool,
+    /// Residual adds and LayerNorms through [`fused::add_norm`].
+    fused: bool,
 }
 
 impl Shape {
@@ -115,6 +148,27 @@ impl Shape {
     fn dropout(&self, x: Tensor) -> Tensor {
         dropout(x, self.dropout, self.train)
     }
+
+    /// `l(y)` (then dropout) as a branch of the residual stream; with the
+    /// fused kernels and no dropout, its bias is left to the next
+    /// [`fused::add_norm`].
+    fn project(&self, l: &nn::Linear, y: &Tensor) -> Branch {
+        if self.fused && (!self.train || self.dropout == 0.0) && fused::cuda_fits(self.d_model, y.device()) {
+            Branch { out: y.linear(&l.ws, None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
+        } else {
+            Branch { out: self.dropout(l.forward(y)), bias: None }
+        }
+    }
+
+    /// `gelu(l(h))`: with the fused kernels, the bias and GELU in one kernel
+    /// each way ([`fused::bias_gelu`]).
+    fn linear_gelu(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
+        let out = *l.ws.size().first().expect("a weight matrix");
+        match &l.bs {
+            Some(b) if self.fused && fused::gelu_cuda_fits(out, h.device()) => fused::bias_gelu(&h.linear(&l.ws, None::<Tensor>), b),
+            _ => l.forward(h).gelu("tanh"),
+        }
+    }
 }
 
 pub struct GptBlock {
@@ -128,12 +182,20 @@ pub struct GptBlock {
 
 impl GptBlock {
     fn forward(&self, x: &Tensor, s: &Shape) -> Tensor {
-        let y = s.attention(&self.c_attn.forward(&self.ln1.forward(x)), true);
-        // Out of place on purpose: tch's `+=` adds in place, which would
-        // overwrite a tensor autograd saved for backward.
-        let x = residual(x, s.dropout(self.attn_proj.forward(&y)));
-        let m = self.c_fc.forward(&self.ln2.forward(&x)).gelu("tanh");
-        residual(&x, s.dropout(self.mlp_proj.forward(&m)))
+        let (x, f) = self.forward_pending(x, None, s);
+        residual(&x, f.value())
+    }
+
+    /// The block on the residual stream `x` plus the previous block's
+    /// pending MLP output `f`, which is added here, in the same kernel as
+    /// the first LayerNorm when fused: returns the stream before this
+    /// block's MLP output, and that output (pending for the next block).
+    fn forward_pending(&self, x: &Tensor, f: Option<&Branch>, s: &Shape) -> (Tensor, Branch) {
+        let (x, h) = self.ln1.add_forward(x, f, s.fused);
+        let y = s.attention(&self.c_attn.forward(&h), true);
+        let (x, h) = self.ln2.add_forward(&x, Some(&s.project(&self.attn_proj, &y)), s.fused);
+        let m = s.linear_gelu(&self.c_fc, &h);
+        (x, s.project(&self.mlp_proj, &m))
     }
 
     fn share(&self) -> GptBlock {
@@ -214,6 +276,7 @@ pub struct Model {
     cfg: ModelConfig,
     net: Net,
     recompute: Recompute,
+    fused: bool,
 }
 
 /// Runs `layer` on `x`; with `recompute`, through [`torch_ext::recompute`]
@@ -279,7 +342,19 @@ impl Model {
                 out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
             },
         };
-        Model { cfg: cfg.clone(), net, recompute }
+        Model { cfg: cfg.clone(), net, recompute, fused: false }
+    }
+
+    /// Computes residual adds and LayerNorms with harness's fused kernels
+    /// where they apply (bf16 autocast on CUDA; [`fused::add_norm`]).
+    pub fn use_fused_kernels(&mut self, on: bool) {
+        self.fused = on;
+    }
+
+    /// Whether the residual adds and LayerNorms run through
+    /// [`fused::add_norm`]'s CUDA kernels.
+    pub fn fused_layer_norm(&self) -> bool {
+        self.fused && matches!(self.net, Net::Gpt { .. }) && crate::kernels::layer_norm_fits(self.cfg.d_model)
     }
 
     /// The resolved configuration.
@@ -304,7 +379,7 @@ impl Model {
     /// caller may compute the loss with a fused kernel.
     pub fn forward(&self, input: &Tensor, target: &Tensor, train: bool) -> Output {
         let cfg = &self.cfg;
-        let shape = |b, t| Shape { b, t, heads: cfg.n_head, d_model: cfg.d_model, dropout: cfg.dropout, train };
+        let shape = |b, t| Shape { b, t, heads: cfg.n_head, d_model: cfg.d_model, dropout: cfg.dropout, train, fused: self.fused };
         let again = |i: usize| self.recompute.layer(i);
         match &self.net {
             Net::Gpt { wte, wpe, blocks, ln_f } => {
@@ -312,10 +387,22 @@ impl Model {
                 let s = shape(b, t);
                 let pos = Tensor::arange(t, (Kind::Int64, input.device()));
                 let mut x = s.dropout(wte.forward(input) + wpe.forward(&pos));
+                // Each block leaves its MLP output pending, for the next
+                // LayerNorm to add (fused with it on CUDA). A recomputed
+                // block takes one tensor: the pending output is added first.
+                let mut pending: Option<Branch> = None;
                 for (i, blk) in blocks.iter().enumerate() {
-                    x = layer!(blk, &x, &s, again(i));
+                    if again(i) && s.train {
+                        if let Some(f) = pending.take() {
+                            x = residual(&x, f.value());
+                        }
+                        x = layer!(blk, &x, &s, true);
+                    } else {
+                        let (nx, f) = blk.forward_pending(&x, pending.as_ref(), &s);
+                        (x, pending) = (nx, Some(f));
+                    }
                 }
-                let x = ln_f.forward(&x);
+                let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
                 let logits = x.matmul(&wte.ws.tr());
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }

@@ -369,6 +369,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         strategy_runtime: runtime,
         plugins,
         fused_cross_entropy: t.fused_ce,
+        fused_layer_norm: t.model.fused_layer_norm(),
         nccl: None,
         overlapped_reduction: t.overlapped,
         zero: ctx.entry.strategy.zero,

@@ -15,7 +15,7 @@ use super::EntryContext;
 use crate::comm::Collective;
 use crate::kernels;
 use crate::strategy::Strategies;
-use crate::suite::{ModelKind, Precision, Recompute};
+use crate::suite::{Kernels, ModelKind, Precision, Recompute};
 use crate::torch_ext::{self, AutocastDevice};
 
 /// Turns autocast off again when an entry ends, however it ends.
@@ -99,7 +99,7 @@ impl Training {
         let (rank, world) = (comm.rank(), comm.world_size());
         let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
         let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
-        let (vs, model, names, params) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
+        let (vs, mut model, names, params) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
         if world > 1 {
             tch::no_grad(|| -> Result<()> {
                 for p in &params {
@@ -136,7 +136,9 @@ impl Training {
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
-        let (fused_ce, warnings) = fused_cross_entropy(device, w.precision, w.model.kind);
+        let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);
+        let fused_ce = fused && w.model.kind != ModelKind::Encoder;
+        model.use_fused_kernels(fused);
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
             cfg,
@@ -213,15 +215,16 @@ fn init_model(cfg: &ModelConfig, recompute: Recompute, seed: u64, device: Device
     (vs, model, names, params)
 }
 
-/// Whether the fused bf16 cross-entropy kernel serves this entry, and a
-/// warning when it should and cannot.
-fn fused_cross_entropy(device: Device, precision: Precision, kind: ModelKind) -> (bool, Vec<String>) {
-    let cuda = device.is_cuda();
-    let fused = cuda && precision == Precision::Bf16 && kind != ModelKind::Encoder && kernels::available();
+/// Whether harness's fused kernels (bf16 on CUDA: cross-entropy, residual
+/// add + LayerNorm) serve this entry, and a warning when they should and
+/// cannot.
+fn fused_kernels(device: Device, precision: Precision, wanted: Kernels) -> (bool, Vec<String>) {
+    let eligible = device.is_cuda() && precision == Precision::Bf16 && wanted == Kernels::Fused;
+    let fused = eligible && kernels::available();
     let mut warnings = Vec::new();
-    if cuda && precision == Precision::Bf16 && !fused {
+    if eligible && !fused {
         if let Some(why) = kernels::unavailable_reason() {
-            warnings.push(format!("fused cross-entropy unavailable ({why}); using libtorch's"));
+            warnings.push(format!("fused kernels unavailable ({why}); using libtorch's operations"));
         }
     }
     (fused, warnings)
