@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine (the device tool): suites/gpu-kernels.toml as it is
 # (`kernels = "fused"`) and a copy with `kernels = "libtorch"` (same workload
-# names: same seeds), and prints bench/kernels_compare.py's table (speed,
-# memory, loss agreement).
-# TRACE=1 also records one step of each entry (`harness run --trace`) and
-# tabulates it with bench/trace_summary.py. Writes under ${OUT:-bench-out}.
+# names: same seeds), then the libtorch copy again (how far libtorch drifts
+# from itself) and an fp32 copy (no bf16 rounding), and prints bench/kernels_compare.py's table (speed, memory,
+# loss agreement). TRACE=1 then runs both once more with `harness run
+# --trace` (one step of each entry; separate runs, so that the profiler
+# does not touch the timed ones) and tabulates the traces with
+# bench/trace_summary.py. Writes under ${OUT:-bench-out}.
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-args=()
-[ "${TRACE:-0}" = 1 ] && args+=(--trace)
 sed 's/^kernels = "fused"/kernels = "libtorch"/' suites/gpu-kernels.toml > "$OUT/gpu-kernels-libtorch.toml"
-for k in fused libtorch; do
-  suite=suites/gpu-kernels.toml
-  [ $k = libtorch ] && suite="$OUT/gpu-kernels-libtorch.toml"
-  "$BIN" run "$suite" --out "$OUT/$k.json" --quiet "${args[@]}" > "$OUT/$k.txt" 2>&1 || { cat "$OUT/$k.txt"; exit 1; }
-done
+run() {  # NAME SUITE [ARGS]
+  local name=$1 suite=$2; shift 2
+  "$BIN" run "$suite" --out "$OUT/$name.json" --quiet "$@" > "$OUT/$name.txt" 2>&1 || { cat "$OUT/$name.txt"; exit 1; }
+}
+run fused suites/gpu-kernels.toml
+run libtorch "$OUT/gpu-kernels-libtorch.toml"
+run libtorch-again "$OUT/gpu-kernels-libtorch.toml"
+sed 's/^precision = "bf16"/precision = "fp32"/' suites/gpu-kernels.toml > "$OUT/gpu-kernels-fp32.toml"
+run fp32 "$OUT/gpu-kernels-fp32.toml"
 if [ "${TRACE:-0}" = 1 ]; then
-  for t in "$OUT"/*.trace/*.json; do
+  run traced-fused suites/gpu-kernels.toml --trace
+  run traced-libtorch "$OUT/gpu-kernels-libtorch.toml" --trace
+  for t in "$OUT"/traced-*.trace/*.json; do
     python3 bench/trace_summary.py "$t" --top 25 > "${t%.json}.txt"
     gzip -f "$t"
   done
 fi
-python3 bench/kernels_compare.py "$OUT/fused.json" "$OUT/libtorch.json"
+python3 bench/kernels_compare.py "$OUT/fused.json" "$OUT/libtorch.json" "$OUT/libtorch-again.json" "$OUT/fp32.json"

@@ -4,18 +4,33 @@
 tokens/s, peak memory, and how far the training losses (step by step, same
 seeds and data) and the evaluations drift apart, entry by entry.
 
-    bench/kernels_compare.py FUSED.json LIBTORCH.json [TOLERANCE]
+    bench/kernels_compare.py FUSED.json LIBTORCH.json [LIBTORCH_AGAIN.json [FP32.json]]
 
-TOLERANCE (default 0.01) bounds the largest relative difference of the
-training loss at any step, the bf16 rounding of two computations of the
-same maths; the script exits 1 when a pair exceeds it."""
+A second libtorch run measures the noise: libtorch's own kernels are not
+bitwise deterministic on CUDA, and early training amplifies any difference,
+so the same code run twice drifts too. A pair passes when the largest
+relative difference of the training loss at any step stays within 1% or
+within twice the libtorch runs' own drift, whichever is larger; the script
+exits 1 when one does not. An fp32 run of the same suite (no bf16
+rounding at all) shows which of the two bf16 paths stays closer to it."""
 import json
 import sys
 
 fused = {e["id"]: e for e in json.load(open(sys.argv[1]))["entries"]}
 libtorch = {e["id"]: e for e in json.load(open(sys.argv[2]))["entries"]}
-tol = float(sys.argv[3]) if len(sys.argv) > 3 else 0.01
+load = lambda i: {e["id"]: e for e in json.load(open(sys.argv[i]))["entries"]} if len(sys.argv) > i else {}
+again, fp32 = load(3), load(4)
 bad = False
+
+
+def drift(a, b):
+    """Largest absolute and relative difference of two loss curves."""
+    ac = {s: v for s, _, v in a["metrics"]["loss_curve"]}
+    bc = {s: v for s, _, v in b["metrics"]["loss_curve"]}
+    steps = sorted(set(ac) & set(bc))
+    return (max(abs(ac[s] - bc[s]) for s in steps), max(abs(ac[s] - bc[s]) / max(abs(bc[s]), 1e-9) for s in steps), len(steps))
+
+
 print(f"{'entry':32} {'fused tok/s':>11} {'libtorch':>10} {'ratio':>6} {'fused GiB':>9} {'libtorch':>8} "
       f"{'max |dloss|':>11} {'max rel':>8} {'eval fused':>10} {'libtorch':>9}")
 for base, f in sorted(fused.items()):
@@ -25,17 +40,21 @@ for base, f in sorted(fused.items()):
         bad = True
         continue
     fm, lm = f["metrics"], l["metrics"]
-    fc = {s: v for s, _, v in fm["loss_curve"]}
-    lc = {s: v for s, _, v in lm["loss_curve"]}
-    steps = sorted(set(fc) & set(lc))
-    diff = [abs(fc[s] - lc[s]) for s in steps]
-    rel = [abs(fc[s] - lc[s]) / max(abs(lc[s]), 1e-9) for s in steps]
+    diff, rel, steps = drift(f, l)
+    noise = drift(again[base], l)[1] if base in again and again[base]["status"] == "ok" else None
+    tol = max(0.01, 2 * noise) if noise is not None else 0.01
     gib = lambda m: (m["memory"].get("peak_device_allocated_bytes") or 0) / 2**30
     print(f"{base:32} {fm['tokens_per_s']:11.0f} {lm['tokens_per_s']:10.0f} {fm['tokens_per_s'] / lm['tokens_per_s']:6.3f} "
-          f"{gib(fm):9.2f} {gib(lm):8.2f} {max(diff):11.4f} {max(rel):8.4f} {fm['final_eval_loss']:10.4f} {lm['final_eval_loss']:9.4f}")
+          f"{gib(fm):9.2f} {gib(lm):8.2f} {diff:11.4f} {rel:8.4f} {fm['final_eval_loss']:10.4f} {lm['final_eval_loss']:9.4f}")
     print(f"  fused: cross-entropy {fm.get('fused_cross_entropy')}, layer norm {fm.get('fused_layer_norm')}; "
-          f"libtorch: {lm.get('fused_cross_entropy')}, {lm.get('fused_layer_norm')}; {len(steps)} steps compared")
-    if max(rel) > tol:
+          f"libtorch: {lm.get('fused_cross_entropy')}, {lm.get('fused_layer_norm')}; {steps} steps compared")
+    if noise is not None:
+        print(f"  libtorch run twice: max relative difference {noise:.4f} (eval {again[base]['metrics']['final_eval_loss']:.4f})")
+    if base in fp32 and fp32[base]["status"] == "ok":
+        x = fp32[base]
+        print(f"  against fp32 (eval {x['metrics']['final_eval_loss']:.4f}): max relative difference fused {drift(f, x)[1]:.4f}, "
+              f"libtorch {drift(l, x)[1]:.4f}")
+    if rel > tol:
         bad = True
-        print(f"  {base}: the losses differ by more than {tol:.1%} at some step")
+        print(f"  {base}: the losses differ by more than {tol:.2%} at some step")
 sys.exit(1 if bad else 0)
