@@ -7,12 +7,15 @@ seeds and data) and the evaluations drift apart, entry by entry.
     bench/kernels_compare.py FUSED.json LIBTORCH.json [LIBTORCH_AGAIN.json [FP32.json]]
 
 A second libtorch run measures the noise: libtorch's own kernels are not
-bitwise deterministic on CUDA, and early training amplifies any difference,
-so the same code run twice drifts too. A pair passes when the largest
-relative difference of the training loss at any step stays within 1% or
-within twice the libtorch runs' own drift, whichever is larger; the script
-exits 1 when one does not. An fp32 run of the same suite (no bf16
-rounding at all) shows which of the two bf16 paths stays closer to it."""
+bitwise deterministic on CUDA, and early training amplifies any difference
+(a loss spike in one run and not the other), so the same code run twice
+drifts too. With an fp32 run of the same suite (no bf16 rounding at all),
+a pair passes when the fused run's mean absolute distance from the fp32
+curve is no larger than the farther of the two libtorch runs' (or below
+0.01): the fused kernels stay as close to the exact maths as libtorch
+does. Without it, when the largest relative difference between fused and
+libtorch at any step stays within 1% or within twice the libtorch runs'
+own drift. The script exits 1 when a pair fails."""
 import json
 import sys
 
@@ -21,6 +24,14 @@ libtorch = {e["id"]: e for e in json.load(open(sys.argv[2]))["entries"]}
 load = lambda i: {e["id"]: e for e in json.load(open(sys.argv[i]))["entries"]} if len(sys.argv) > i else {}
 again, fp32 = load(3), load(4)
 bad = False
+
+
+def mean_distance(a, b):
+    """Mean absolute difference of two loss curves over their common steps."""
+    ac = {s: v for s, _, v in a["metrics"]["loss_curve"]}
+    bc = {s: v for s, _, v in b["metrics"]["loss_curve"]}
+    steps = sorted(set(ac) & set(bc))
+    return sum(abs(ac[s] - bc[s]) for s in steps) / len(steps)
 
 
 def drift(a, b):
@@ -52,9 +63,15 @@ for base, f in sorted(fused.items()):
         print(f"  libtorch run twice: max relative difference {noise:.4f} (eval {again[base]['metrics']['final_eval_loss']:.4f})")
     if base in fp32 and fp32[base]["status"] == "ok":
         x = fp32[base]
-        print(f"  against fp32 (eval {x['metrics']['final_eval_loss']:.4f}): max relative difference fused {drift(f, x)[1]:.4f}, "
-              f"libtorch {drift(l, x)[1]:.4f}")
-    if rel > tol:
+        runs = [("fused", f), ("libtorch", l)] + ([("libtorch again", again[base])] if noise is not None else [])
+        dist = {name: mean_distance(r, x) for name, r in runs}
+        print(f"  mean |loss - fp32 loss| over the steps (fp32 eval {x['metrics']['final_eval_loss']:.4f}): "
+              + ", ".join(f"{name} {d:.4f}" for name, d in dist.items()))
+        limit = max(0.01, max(d for name, d in dist.items() if name != "fused"))
+        if dist["fused"] > limit:
+            bad = True
+            print(f"  {base}: the fused run strays farther from fp32 ({dist['fused']:.4f}) than libtorch's runs ({limit:.4f})")
+    elif rel > tol:
         bad = True
         print(f"  {base}: the losses differ by more than {tol:.2%} at some step")
 sys.exit(1 if bad else 0)

@@ -418,7 +418,9 @@ pub fn cross_entropy_bf16(logits: &Tensor, target: &Tensor, factor: f32, scale: 
     let mut p_rows = rows.data_ptr();
     let mut v_i32 = i32::try_from(v)?;
     let mut p_scale = scale_t.as_ref().map_or(std::ptr::null_mut(), |s| s.data_ptr());
-    let mut factor = factor;
+    // The kernel writes (softmax - onehot) * factor: the gradient of the
+    // rows' sum. The loss is their mean, so its gradient carries 1/n.
+    let mut factor = factor / n as f32;
     let mut params: [*mut c_void; 7] = [
         &mut p_logits as *mut _ as *mut c_void,
         &mut p_target as *mut _ as *mut c_void,
@@ -720,7 +722,7 @@ mod tests {
         for (n, v) in [(64, 50304), (33, 1000), (7, 77)] {
             let logits = (Tensor::randn([n, v], (Kind::Float, dev)) * 3.0).to_kind(Kind::BFloat16);
             let target = Tensor::randint(v, [n], (Kind::Int64, dev));
-            let (loss, grad) = cross_entropy_bf16(&logits, &target, 1.0 / n as f32, None).unwrap();
+            let (loss, grad) = cross_entropy_bf16(&logits, &target, 1.0, None).unwrap();
             let x = logits.to_kind(Kind::Float).set_requires_grad(true);
             let want = x.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0);
             want.backward();

@@ -22,6 +22,14 @@ use crate::torch_ext::{self, CustomOp};
 /// LayerNorm's epsilon (as `nn.LayerNorm`).
 pub const EPS: f64 = 1e-5;
 
+/// Whether `HARNESS_FUSED_REFERENCE=1` asks for the libtorch reference on
+/// CUDA too (a diagnostic: it tells a kernel's error from the fused layers'
+/// own maths, e.g. the bias added in fp32).
+fn reference_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("HARNESS_FUSED_REFERENCE").is_ok_and(|v| v == "1"))
+}
+
 /// Which code computes the fused layers' maths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Engine {
@@ -156,7 +164,7 @@ pub fn cuda_fits(c: i64, device: tch::Device) -> bool {
 pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor, b: &Tensor) -> (Tensor, Tensor) {
     let c = *x.size().last().expect("add_norm takes rows");
     let shape = x.size();
-    let engine = if cuda_fits(c, x.device()) { Engine::Cuda } else { Engine::Reference };
+    let engine = if cuda_fits(c, x.device()) && !reference_forced() { Engine::Cuda } else { Engine::Reference };
     let rows = |t: &Tensor| t.reshape([-1, c]).contiguous();
     let x2 = rows(x);
     let f2 = f.map(rows);
@@ -218,7 +226,7 @@ pub fn gelu_cuda_fits(c: i64, device: tch::Device) -> bool {
 pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Tensor {
     let c = *x.size().last().expect("bias_gelu takes rows");
     let shape = x.size();
-    let engine = if gelu_cuda_fits(c, x.device()) { Engine::Cuda } else { Engine::Reference };
+    let engine = if gelu_cuda_fits(c, x.device()) && !reference_forced() { Engine::Cuda } else { Engine::Reference };
     let x2 = x.reshape([-1, c]).contiguous();
     let out = torch_ext::custom_op(BiasGelu { engine }, &[&x2, b]).unwrap_or_else(|e| panic!("{e}"));
     out[0].view(shape.as_slice())

@@ -137,7 +137,9 @@ impl Training {
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
         let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);
-        let fused_ce = fused && w.model.kind != ModelKind::Encoder;
+        // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
+        // kernels (a diagnostic, to tell the kernels' effects apart).
+        let fused_ce = fused && w.model.kind != ModelKind::Encoder && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
         model.use_fused_kernels(fused);
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
