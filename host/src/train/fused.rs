@@ -94,6 +94,43 @@ fn reference_backward(
     (dx, dw, db)
 }
 
+/// The gradients of a fused layer's vector parameters (LayerNorm's weight
+/// and bias, a bias), as the backward kernels leave them: per-block partial
+/// sums on CUDA, finished vectors from the reference.
+enum Sums {
+    Partials(kernels::Partials),
+    Tensors(Vec<Tensor>),
+}
+
+impl Sums {
+    /// Hands the gradients of `params` (in order) over. Where every one has
+    /// a gradient buffer ([`buffer`]), adds them in there directly (on
+    /// CUDA, reducing the partial sums and adding in one launch, against a
+    /// reduction, a memset and an add each through autograd) and returns no
+    /// gradients for autograd; else returns them.
+    fn deliver(self, params: &[&Tensor]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let buffers: Option<Vec<Tensor>> = params.iter().map(|p| buffer(p)).collect();
+        let Some(buffers) = buffers else {
+            return Ok(match self {
+                Sums::Partials(part) => {
+                    let sums = part.sums();
+                    (0..params.len()).map(|i| Some(sums.get(i as i64))).collect()
+                }
+                Sums::Tensors(ts) => ts.into_iter().map(Some).collect(),
+            });
+        };
+        match self {
+            Sums::Partials(part) => part.add_into(&buffers.iter().collect::<Vec<_>>())?,
+            Sums::Tensors(ts) => {
+                for (g, t) in buffers.iter().zip(&ts) {
+                    let _ = g.shallow_clone().f_add_(t)?;
+                }
+            }
+        }
+        Ok(params.iter().map(|_| None).collect())
+    }
+}
+
 impl CustomOp for AddNorm {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
         let (x, f, fb, w, b) = match (self.residual, self.bias, inputs) {
@@ -106,12 +143,17 @@ impl CustomOp for AddNorm {
             Engine::Cuda => kernels::add_layer_norm(x, f, fb, w, b, EPS as f32)?,
             Engine::Reference => reference_forward(x, f, fb, w, b),
         };
-        let kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone()];
+        let mut kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone(), b.shallow_clone()];
+        kept.extend(fb.map(Tensor::shallow_clone));
         Ok((xo.into_iter().chain([y]).collect(), kept))
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
-        let [x, mean, rstd, w] = saved else { anyhow::bail!("add_norm: {} kept tensors", saved.len()) };
+        let (x, mean, rstd, w, b, fb) = match saved {
+            [x, mean, rstd, w, b] => (x, mean, rstd, w, b, None),
+            [x, mean, rstd, w, b, fb] => (x, mean, rstd, w, b, Some(fb)),
+            _ => anyhow::bail!("add_norm: {} kept tensors", saved.len()),
+        };
         let (dres, dy) = match (self.residual, grads) {
             (true, [dres, dy]) => (dres.as_ref(), dy.as_ref()),
             (false, [dy]) => (None, dy.as_ref()),
@@ -134,16 +176,26 @@ impl CustomOp for AddNorm {
             let dfb = dres.map(|d| d.sum_dim_intlist(0, false, Kind::Float));
             return Ok(grads(dres.map(Tensor::shallow_clone), df, dfb, None, None));
         };
-        let (dx, df, dw, db, dfb) = match self.engine {
-            Engine::Cuda => kernels::add_layer_norm_backward(dy, x, mean, rstd, w, dres, self.residual)?,
+        let mut params = vec![w, b];
+        params.extend(fb);
+        let (dx, df, sums) = match self.engine {
+            Engine::Cuda => {
+                let (dx, df, part) = kernels::add_layer_norm_backward(dy, x, mean, rstd, w, dres, self.residual)?;
+                (dx, df, Sums::Partials(part))
+            }
             Engine::Reference => {
                 let (dx, dw, db) = reference_backward(dy, x, mean, rstd, w, dres);
                 let df = self.residual.then(|| dx.to_kind(dy.kind()));
-                let dfb = dx.sum_dim_intlist(0, false, Kind::Float);
-                (dx, df, dw, db, dfb)
+                let mut sums = vec![dw, db];
+                if fb.is_some() {
+                    sums.push(dx.sum_dim_intlist(0, false, Kind::Float));
+                }
+                (dx, df, Sums::Tensors(sums))
             }
         };
-        Ok(grads(Some(dx), df, Some(dfb), Some(dw), Some(db)))
+        let mut p = sums.deliver(&params)?.into_iter();
+        let (dw, db, dfb) = (p.next().flatten(), p.next().flatten(), p.next().flatten());
+        Ok(grads(Some(dx), df, dfb, dw, db))
     }
 }
 
@@ -201,14 +253,18 @@ impl CustomOp for BiasGelu {
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
         let ([x, b], [dy]) = (saved, grads) else { anyhow::bail!("bias_gelu: {} kept, {} gradients", saved.len(), grads.len()) };
         let Some(dy) = dy else { return Ok(vec![None, None]) };
-        let (dx, db) = match self.engine {
-            Engine::Cuda => kernels::bias_gelu_backward(dy, x, b)?,
+        let (dx, sums) = match self.engine {
+            Engine::Cuda => {
+                let (dx, part) = kernels::bias_gelu_backward(dy, x, b)?;
+                (dx, Sums::Partials(part))
+            }
             Engine::Reference => {
                 let d = (x.to_kind(Kind::Float) + b).gelu_backward(&dy.to_kind(Kind::Float), "tanh");
-                (d.to_kind(x.kind()), d.sum_dim_intlist(0, false, Kind::Float))
+                (d.to_kind(x.kind()), Sums::Tensors(vec![d.sum_dim_intlist(0, false, Kind::Float)]))
             }
         };
-        Ok(vec![Some(dx), Some(db)])
+        let mut db = sums.deliver(&[b])?;
+        Ok(vec![Some(dx), db.pop().flatten()])
     }
 }
 
@@ -232,6 +288,74 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Tensor {
     out[0].view(shape.as_slice())
 }
 
+/// A weight cast to bf16 for a matmul, whose gradient goes straight into
+/// the weight's `.grad`: the autograd node behind [`cast_weight`]. Input
+/// `[w]`, output `[bf16(w)]`, kept `[w]`.
+struct CastWeight {
+    engine: Engine,
+}
+
+impl CustomOp for CastWeight {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let [w] = inputs else { anyhow::bail!("cast_weight: {} inputs", inputs.len()) };
+        let y = match self.engine {
+            Engine::Cuda => kernels::cast_bf16(w)?,
+            Engine::Reference => w.to_kind(Kind::BFloat16),
+        };
+        Ok((vec![y], vec![w.shallow_clone()]))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let ([w], [dy]) = (saved, grads) else { anyhow::bail!("cast_weight: {} kept, {} gradients", saved.len(), grads.len()) };
+        let Some(dy) = dy else { return Ok(vec![None]) };
+        let Some(g) = buffer(w) else {
+            // No gradient buffer to add into (a model outside the training
+            // step): autograd's own accumulation, as after a plain cast.
+            return Ok(vec![Some(dy.to_kind(w.kind()))]);
+        };
+        match self.engine {
+            Engine::Cuda => kernels::accumulate_bf16(&g, dy)?,
+            Engine::Reference => {
+                let _ = g.shallow_clone().f_add_(&dy.to_kind(Kind::Float))?;
+            }
+        }
+        Ok(vec![None])
+    }
+}
+
+/// `p`'s gradient buffer, when it has one that a fused layer can add into
+/// directly: `.grad` defined, fp32, contiguous, of `p`'s shape (the data
+/// parallel code keeps each parameter's as a view of its bucket).
+///
+/// A layer that adds a gradient there itself hands autograd none for `p`.
+/// `p`'s AccumulateGrad node still runs, after the backward pass of every
+/// use of `p` (so after this one), and runs the post-accumulate-grad hook
+/// (the data parallel code's signal that the gradient is complete) with or
+/// without a gradient to add (libtorch 2.11's `AccumulateGrad::apply`; the
+/// tests pin one call per backward pass). A parameter used elsewhere too
+/// (the tied embedding) gets the other uses' gradients through it as usual.
+fn buffer(p: &Tensor) -> Option<Tensor> {
+    let g = p.grad();
+    (g.defined() && g.kind() == Kind::Float && g.size() == p.size() && g.is_contiguous()).then_some(g)
+}
+
+/// `w` (an fp32 parameter) as bf16 for a matmul under bf16 autocast, with
+/// its gradient added into `w`'s gradient buffer by the backward pass of
+/// the cast itself ([`buffer`]). Autocast's own cast makes the bf16
+/// gradient a new fp32 tensor which autograd then adds into `.grad`: two
+/// passes and a temporary, against one here (and on CUDA the forward cast
+/// is one vectorised kernel). The gradient is the same, bit for bit, for a
+/// weight used once: both add the exact fp32 value of the bf16 gradient (a
+/// weight used elsewhere too gets its uses' gradients added one after the
+/// other, not summed first: the same up to fp32 rounding). Without a gradient
+/// buffer the gradient flows to autograd's accumulation as it would after
+/// a plain cast.
+pub fn cast_weight(w: &Tensor) -> Tensor {
+    let engine = if w.device().is_cuda() && kernels::available() && !reference_forced() { Engine::Cuda } else { Engine::Reference };
+    let out = torch_ext::custom_op(CastWeight { engine }, &[w]).unwrap_or_else(|e| panic!("{e}"));
+    out[0].shallow_clone()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,8 +376,10 @@ mod tests {
     }
 
     /// Gradients (x, w, b, then f and fb where used) of a loss using both
-    /// outputs of `op` on `[n, c]` rows.
-    fn grads(op: AddNormFn, residual: bool, bias: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
+    /// outputs of `op` on `[n, c]` rows; `buffers`: w, b and fb have zeroed
+    /// gradient buffers beforehand, as the data parallel code gives them
+    /// (the fused layer then adds into them itself).
+    fn grads(op: AddNormFn, residual: bool, bias: bool, buffers: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(11);
         let leaf = |t: Tensor| t.set_requires_grad(true);
@@ -263,9 +389,16 @@ mod tests {
         let w = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1 + 1.0);
         let b = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1);
         let (py, pr) = (Tensor::randn([n, c], (Kind::Float, dev)), Tensor::randn([n, c], (Kind::Float, dev)));
+        let kept: Vec<Tensor> = [&w, &b, &fb].iter().filter(|_| buffers).map(|t| t.zeros_like()).collect();
+        for (t, g) in [&w, &b, &fb].iter().zip(&kept) {
+            torch_ext::set_grad(t, Some(g)).unwrap();
+        }
         let (xo, y) = op(&x, residual.then_some(&f), bias.then_some(&fb), &w, &b);
         let loss = (y.to_kind(Kind::Float) * &py).sum(Kind::Float) + (xo * &pr).sum(Kind::Float);
         loss.backward();
+        for (t, g) in [&w, &b, &fb].iter().zip(&kept) {
+            assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
         let mut g = vec![x.grad(), w.grad(), b.grad()];
         if residual {
             g.push(f.grad());
@@ -282,11 +415,13 @@ mod tests {
     fn the_written_out_backward_pass_matches_autograd() {
         // fp32 on the CPU: the reference's maths against autograd's.
         for (residual, bias) in CASES {
-            let want = grads(plain, residual, bias, Device::Cpu, Kind::Float, (6, 16));
-            let got = grads(add_norm, residual, bias, Device::Cpu, Kind::Float, (6, 16));
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                let err = (a - b).abs().max().double_value(&[]);
-                assert!(err < 1e-4, "residual={residual} bias={bias}, gradient {i}: max error {err}");
+            for buffers in [false, true] {
+                let want = grads(plain, residual, bias, buffers, Device::Cpu, Kind::Float, (6, 16));
+                let got = grads(add_norm, residual, bias, buffers, Device::Cpu, Kind::Float, (6, 16));
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let err = (a - b).abs().max().double_value(&[]);
+                    assert!(err < 1e-4, "residual={residual} bias={bias} buffers={buffers}, gradient {i}: max error {err}");
+                }
             }
         }
     }
@@ -304,12 +439,16 @@ mod tests {
     }
 
     /// GELU's output and the gradients of x and b, through `bias_gelu` or
-    /// the plain composition.
-    fn gelu_grads(fused: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
+    /// the plain composition; `buffer`: b has a zeroed gradient buffer
+    /// beforehand.
+    fn gelu_grads(fused: bool, buffer: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(5);
         let x = (Tensor::randn([n, c], (Kind::Float, dev)) * 2.0).to_kind(kind).set_requires_grad(true);
         let b = (Tensor::randn([c], (Kind::Float, dev)) * 0.5).set_requires_grad(true);
+        if buffer {
+            torch_ext::set_grad(&b, Some(&b.zeros_like())).unwrap();
+        }
         let p = Tensor::randn([n, c], (Kind::Float, dev));
         let y = if fused { bias_gelu(&x, &b) } else { (&x + &b).gelu("tanh") };
         (y.to_kind(Kind::Float) * p).sum(Kind::Float).backward();
@@ -318,17 +457,79 @@ mod tests {
 
     #[test]
     fn bias_gelu_matches_the_plain_composition() {
-        let want = gelu_grads(false, Device::Cpu, Kind::Float, (5, 24));
-        let got = gelu_grads(true, Device::Cpu, Kind::Float, (5, 24));
-        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-            let err = (a - b).abs().max().double_value(&[]);
-            assert!(err < 1e-4, "output/gradient {i}: max error {err}");
+        for buffer in [false, true] {
+            let want = gelu_grads(false, buffer, Device::Cpu, Kind::Float, (5, 24));
+            let got = gelu_grads(true, buffer, Device::Cpu, Kind::Float, (5, 24));
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                let err = (a - b).abs().max().double_value(&[]);
+                assert!(err < 1e-4, "buffer={buffer}, output/gradient {i}: max error {err}");
+            }
         }
     }
 
     fn relative(a: &Tensor, b: &Tensor) -> f64 {
         let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
         (&a - &b).norm().double_value(&[]) / a.norm().double_value(&[]).max(1e-6)
+    }
+
+    /// Gradients of `w` and `x` for `x @ cast(w)^T` used twice (as two
+    /// micro-batches would), and how often the post-accumulate-grad hook
+    /// ran, with a zeroed `.grad` buffer set beforehand as the data
+    /// parallel code sets it; `fused`: through [`cast_weight`], else a
+    /// plain cast and autograd's accumulation.
+    /// `tied`: `w` has a second, fp32 use in the same graph (as the tied
+    /// embedding's lookup).
+    fn cast_grads(fused: bool, tied: bool, dev: Device) -> (Tensor, Tensor, i64) {
+        unsafe extern "C" fn count(ctx: *mut std::ffi::c_void, _: i64) {
+            // SAFETY: ctx is the AtomicI64 below, alive until the hook is removed.
+            unsafe { &*(ctx as *const std::sync::atomic::AtomicI64) }.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(9);
+        let w = Tensor::randn([24, 16], (Kind::Float, dev)).set_requires_grad(true);
+        let x = Tensor::randn([5, 16], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let p = Tensor::randn([5, 24], (Kind::Float, dev));
+        let buffer = Tensor::zeros([24 * 16 + 8], (Kind::Float, dev));
+        torch_ext::set_grad(&w, Some(&buffer.narrow(0, 8, 24 * 16).view([24, 16]))).unwrap();
+        let calls = std::sync::atomic::AtomicI64::new(0);
+        let ctx = &calls as *const _ as *mut std::ffi::c_void;
+        // SAFETY: `calls` outlives the hook, removed below.
+        unsafe { torch_ext::set_grad_ready_hook(&w, Some(count), ctx, 0) }.unwrap();
+        for _ in 0..2 {
+            let wb = if fused { cast_weight(&w) } else { w.to_kind(Kind::BFloat16) };
+            let mut loss = (x.matmul(&wb.tr()).to_kind(Kind::Float) * &p).sum(Kind::Float);
+            if tied {
+                loss += (&w * 0.25).square().sum(Kind::Float);
+            }
+            loss.backward();
+        }
+        // SAFETY: removing the hook.
+        unsafe { torch_ext::set_grad_ready_hook(&w, None, std::ptr::null_mut(), 0) }.unwrap();
+        let g = w.grad();
+        assert_eq!(g.data_ptr(), buffer.narrow(0, 8, 1).data_ptr(), "the gradient stays in its buffer");
+        (g.copy(), x.grad().copy(), calls.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    #[test]
+    fn cast_weight_adds_the_gradient_autograd_would_and_signals_it_once() {
+        for tied in [false, true] {
+            let (gw, gx, calls) = cast_grads(false, tied, Device::Cpu);
+            let (fw, fx, fcalls) = cast_grads(true, tied, Device::Cpu);
+            // Tied, the second micro-batch adds the two uses' gradients into
+            // the buffer one after the other, where autograd adds their sum:
+            // the same up to fp32 rounding.
+            let err = (&gw - &fw).abs().max().double_value(&[]) / gw.abs().max().double_value(&[]);
+            assert!(if tied { err < 1e-6 } else { gw.equal(&fw) }, "tied={tied}: the weight's gradient differs: relative error {err}");
+            assert!(gx.equal(&fx), "tied={tied}: the input's gradient differs");
+            assert_eq!((calls, fcalls), (2, 2), "tied={tied}: one hook call per backward pass");
+        }
+    }
+
+    #[test]
+    fn cast_weight_without_a_buffer_leaves_accumulation_to_autograd() {
+        let w = Tensor::full([3, 4], 0.5, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        cast_weight(&w).to_kind(Kind::Float).sum(Kind::Float).backward();
+        assert!(w.grad().equal(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu))));
     }
 
     #[test]
@@ -340,20 +541,42 @@ mod tests {
         let dev = Device::Cuda(0);
         for shape in [(6, 16), (300, 768), (64, 2048)] {
             for (residual, bias) in CASES {
-                let want = grads(plain, residual, bias, dev, Kind::BFloat16, shape);
-                let got = grads(add_norm, residual, bias, dev, Kind::BFloat16, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 2e-2, "{shape:?} residual={residual} bias={bias}, gradient {i}: relative error {rel}");
+                for buffers in [false, true] {
+                    let want = grads(plain, residual, bias, buffers, dev, Kind::BFloat16, shape);
+                    let got = grads(add_norm, residual, bias, buffers, dev, Kind::BFloat16, shape);
+                    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                        let rel = relative(a, b);
+                        assert!(
+                            rel < 2e-2,
+                            "{shape:?} residual={residual} bias={bias} buffers={buffers}, gradient {i}: relative error {rel}"
+                        );
+                    }
                 }
             }
         }
+        for tied in [false, true] {
+            let (gw, gx, calls) = cast_grads(false, tied, dev);
+            let (fw, fx, fcalls) = cast_grads(true, tied, dev);
+            let err = (&gw - &fw).abs().max().double_value(&[]) / gw.abs().max().double_value(&[]);
+            assert!(err < 1e-6 && gx.equal(&fx) && calls == fcalls, "cast_weight on CUDA (tied={tied}): not autograd's gradients ({err})");
+        }
+        for n in [8 * 1000, 8 * 1000 + 5, 3] {
+            let w = Tensor::randn([n], (Kind::Float, dev)) * 100.0;
+            assert!(kernels::cast_bf16(&w).unwrap().equal(&w.to_kind(Kind::BFloat16)), "cast of {n}: not libtorch's rounding");
+            let d = Tensor::randn([n], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+            let g = Tensor::randn([n], (Kind::Float, dev));
+            let want = &g + d.to_kind(Kind::Float);
+            kernels::accumulate_bf16(&g, &d).unwrap();
+            assert!(g.equal(&want), "accumulation of {n}: not libtorch's sum");
+        }
         for shape in [(5, 24), (300, 3072), (64, 8192)] {
-            let want = gelu_grads(false, dev, Kind::BFloat16, shape);
-            let got = gelu_grads(true, dev, Kind::BFloat16, shape);
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                let rel = relative(a, b);
-                assert!(rel < 2e-2, "GELU {shape:?}, output/gradient {i}: relative error {rel}");
+            for buffer in [false, true] {
+                let want = gelu_grads(false, buffer, dev, Kind::BFloat16, shape);
+                let got = gelu_grads(true, buffer, dev, Kind::BFloat16, shape);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 2e-2, "GELU {shape:?} buffer={buffer}, output/gradient {i}: relative error {rel}");
+                }
             }
         }
     }

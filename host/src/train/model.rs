@@ -149,12 +149,29 @@ impl Shape {
         dropout(x, self.dropout, self.train)
     }
 
+    /// A linear layer's weight for its matmul: with the fused kernels, cast
+    /// to bf16 by [`fused::cast_weight`] (its gradient added into the
+    /// gradient buffer by the cast's backward pass), else as it is (autocast
+    /// casts it).
+    fn weight(&self, l: &nn::Linear) -> Tensor {
+        if self.fused && l.ws.device().is_cuda() {
+            fused::cast_weight(&l.ws)
+        } else {
+            l.ws.shallow_clone()
+        }
+    }
+
+    /// `l(h)` with its bias in the matmul.
+    fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
+        h.linear(&self.weight(l), l.bs.as_ref())
+    }
+
     /// `l(y)` (then dropout) as a branch of the residual stream; with the
     /// fused kernels and no dropout, its bias is left to the next
     /// [`fused::add_norm`].
     fn project(&self, l: &nn::Linear, y: &Tensor) -> Branch {
         if self.fused && (!self.train || self.dropout == 0.0) && fused::cuda_fits(self.d_model, y.device()) {
-            Branch { out: y.linear(&l.ws, None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
+            Branch { out: y.linear(&self.weight(l), None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
         } else {
             Branch { out: self.dropout(l.forward(y)), bias: None }
         }
@@ -165,7 +182,9 @@ impl Shape {
     fn linear_gelu(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
         let out = *l.ws.size().first().expect("a weight matrix");
         match &l.bs {
-            Some(b) if self.fused && fused::gelu_cuda_fits(out, h.device()) => fused::bias_gelu(&h.linear(&l.ws, None::<Tensor>), b),
+            Some(b) if self.fused && fused::gelu_cuda_fits(out, h.device()) => {
+                fused::bias_gelu(&h.linear(&self.weight(l), None::<Tensor>), b)
+            }
             _ => l.forward(h).gelu("tanh"),
         }
     }
@@ -192,7 +211,7 @@ impl GptBlock {
     /// block's MLP output, and that output (pending for the next block).
     fn forward_pending(&self, x: &Tensor, f: Option<&Branch>, s: &Shape) -> (Tensor, Branch) {
         let (x, h) = self.ln1.add_forward(x, f, s.fused);
-        let y = s.attention(&self.c_attn.forward(&h), true);
+        let y = s.attention(&s.linear(&self.c_attn, &h), true);
         let (x, h) = self.ln2.add_forward(&x, Some(&s.project(&self.attn_proj, &y)), s.fused);
         let m = s.linear_gelu(&self.c_fc, &h);
         (x, s.project(&self.mlp_proj, &m))
@@ -403,7 +422,8 @@ impl Model {
                     }
                 }
                 let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
-                let logits = x.matmul(&wte.ws.tr());
+                let head = if s.fused && wte.ws.device().is_cuda() { fused::cast_weight(&wte.ws) } else { wte.ws.shallow_clone() };
+                let logits = x.matmul(&head.tr());
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Net::Encoder { layers, head } => {
