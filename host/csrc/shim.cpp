@@ -129,20 +129,24 @@ char *hx_unscale_check(tensor *grads, int n, tensor found_inf, tensor inv_scale)
 
 // One AdamW step over all parameters with the fused multi-tensor kernel that
 // torch.optim.AdamW(fused=True) uses. found_inf may be NULL; when it is
-// nonzero the kernel skips the step (fp16 loss scaling).
+// nonzero the kernel skips the step (fp16 loss scaling). grad_scale may be
+// NULL; else the kernel divides each gradient by it as it reads it (and
+// writes the quotient back).
 char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp_avg_sq,
                      tensor *steps, int n, double lr, double beta1, double beta2,
-                     double weight_decay, double eps, tensor found_inf) {
+                     double weight_decay, double eps, tensor found_inf, tensor grad_scale) {
   HX_TRY({
     std::optional<at::Tensor> fi;
+    std::optional<at::Tensor> gs;
     if (found_inf) fi = *found_inf;
+    if (grad_scale) gs = *grad_scale;
     auto st = hx_list(steps, n);
     // As torch.optim's _fused_adamw: the kernel reads the already-incremented
     // step count; a skipped (overflowed) step takes the increment back.
     at::_foreach_add_(st, 1);
     at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
                       hx_list(exp_avg_sq, n), {}, st, lr, beta1, beta2,
-                      weight_decay, eps, false, false, std::nullopt, fi);
+                      weight_decay, eps, false, false, gs, fi);
     if (found_inf) at::_foreach_sub_(st, std::vector<at::Tensor>(st.size(), *found_inf));
   })
 }

@@ -56,6 +56,7 @@ mod ffi {
             weight_decay: f64,
             eps: f64,
             found_inf: *mut c_void,
+            grad_scale: *mut c_void,
         ) -> *mut c_char;
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_copy_nonblocking(dst: *const *mut c_void, src: *const *mut c_void, n: c_int) -> *mut c_char;
@@ -227,7 +228,11 @@ pub struct AdamWStep {
     pub eps: f64,
 }
 
-/// One fused AdamW step (`torch.optim.AdamW(fused=True)`'s kernel).
+/// One fused AdamW step (`torch.optim.AdamW(fused=True)`'s kernel). With
+/// `found_inf` (a device scalar), the step is skipped where it is nonzero;
+/// with `grad_scale` (a float device scalar), every gradient is divided by
+/// it as the kernel reads it, and the quotient written back.
+#[allow(clippy::too_many_arguments)]
 pub fn fused_adamw(
     params: &[Tensor],
     grads: &[Tensor],
@@ -236,6 +241,7 @@ pub fn fused_adamw(
     steps: &[Tensor],
     h: AdamWStep,
     found_inf: Option<&Tensor>,
+    grad_scale: Option<&Tensor>,
 ) -> Result<(), TorchError> {
     let n = params.len();
     assert!(grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n && steps.len() == n);
@@ -248,9 +254,15 @@ pub fn fused_adamw(
         }
     }
     let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(exp_avg), ptrs(exp_avg_sq), ptrs(steps));
+    if let Some(t) = grad_scale {
+        if t.kind() != Kind::Float || t.numel() != 1 {
+            return Err(TorchError(format!("AdamW: the gradient scale must be one float, not {:?} {:?}", t.kind(), t.size())));
+        }
+    }
     let fi = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
+    let gs = grad_scale.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
     // SAFETY: five arrays of n live tensor pointers (lengths asserted above),
-    // fi null or live; the kernel updates params and states in place.
+    // fi and gs null or live; the kernel updates params and states in place.
     check(unsafe {
         ffi::hx_fused_adamw(
             p.as_ptr(),
@@ -265,6 +277,7 @@ pub fn fused_adamw(
             h.weight_decay,
             h.eps,
             fi,
+            gs,
         )
     })
 }
@@ -653,7 +666,7 @@ mod tests {
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
         let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
         let before: Vec<f32> = Vec::try_from(&p).unwrap();
-        fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m], &[v], &[s], h, None).unwrap();
+        fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m], &[v], &[s], h, None, None).unwrap();
         let after: Vec<f32> = Vec::try_from(&p).unwrap();
         let gs: Vec<f32> = Vec::try_from(&g).unwrap();
         for i in 0..3 {
@@ -661,6 +674,37 @@ mod tests {
             let want = before[i] * (1.0 - 0.1 * 0.01) - 0.1 * gs[i] / (gs[i].abs() + 1e-8);
             assert!((after[i] - want).abs() < 1e-6, "{i}: {} vs {want}", after[i]);
         }
+    }
+
+    #[test]
+    fn a_gradient_scale_divides_the_gradients_as_the_kernel_reads_them() {
+        // The same step from g / 4 and from g with a scale of 4.
+        let run = |g: Tensor, scale: Option<&Tensor>| {
+            let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0]);
+            let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
+            let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-3 };
+            fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m.shallow_clone()], &[v], &[s], h, None, scale).unwrap();
+            (p, m, g)
+        };
+        let g = Tensor::from_slice(&[0.4f32, 0.8, -1.2, 2.0]);
+        let (want_p, want_m, _) = run(&g / 4.0, None);
+        let (p, m, g_after) = run(g.copy(), Some(&Tensor::from_slice(&[4.0f32]).squeeze()));
+        assert!(p.allclose(&want_p, 1e-6, 1e-7, false) && m.allclose(&want_m, 1e-6, 1e-7, false), "{p} vs {want_p}");
+        assert!(g_after.allclose(&(g / 4.0), 1e-6, 0.0, false), "the scaled gradient is written back");
+        let bad = Tensor::from_slice(&[1.0f64]);
+        let p = Tensor::from_slice(&[1.0f32]);
+        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
+        let e = fused_adamw(
+            &[p.shallow_clone()],
+            &[p.ones_like()],
+            &[p.zeros_like()],
+            &[p.zeros_like()],
+            &[p.zeros_like().squeeze()],
+            h,
+            None,
+            Some(&bad),
+        );
+        assert!(e.is_err(), "a double scale is refused");
     }
 
     #[test]
@@ -860,7 +904,7 @@ mod tests {
         let g = Tensor::from_slice(&[1.0f32]);
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
         let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
-        assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None).is_err());
+        assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None, None).is_err());
     }
 }
 

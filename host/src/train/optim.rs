@@ -118,9 +118,26 @@ impl Optimizer {
         })
     }
 
+    /// Whether [`Optimizer::step`] takes a gradient scale (a divisor that
+    /// the update applies to the gradients as it reads them: gradient
+    /// clipping at no extra pass).
+    pub fn takes_grad_scale(&self) -> bool {
+        matches!(self, Optimizer::AdamW { .. })
+    }
+
     /// One update at learning rate `lr`. With `found_inf` (fp16), an
     /// overflowed step is skipped by the kernel itself, without a host sync.
-    pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, found_inf: Option<&Tensor>) -> anyhow::Result<()> {
+    /// With `grad_scale` (a float device scalar; only where
+    /// [`Optimizer::takes_grad_scale`]), the update uses the gradients
+    /// divided by it, and leaves them so divided.
+    pub fn step(
+        &mut self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        lr: f64,
+        found_inf: Option<&Tensor>,
+        grad_scale: Option<&Tensor>,
+    ) -> anyhow::Result<()> {
         match self {
             Optimizer::AdamW { groups, exp_avg, exp_avg_sq, steps, betas, eps, weight_decay } => {
                 for (g, wd) in groups.iter().zip([*weight_decay, 0.0]) {
@@ -136,11 +153,13 @@ impl Optimizer {
                         &pick(steps, g),
                         h,
                         found_inf,
+                        grad_scale,
                     )?;
                 }
             }
             Optimizer::Sgd { bufs, momentum, nesterov, weight_decay } => {
                 anyhow::ensure!(found_inf.is_none(), "SGD does not support fp16 loss scaling");
+                anyhow::ensure!(grad_scale.is_none(), "SGD takes no gradient scale");
                 tch::no_grad(|| {
                     for (i, (p, g)) in params.iter().zip(grads).enumerate() {
                         let mut d = if *weight_decay > 0.0 { g + p * *weight_decay } else { g.shallow_clone() };
@@ -262,8 +281,8 @@ mod tests {
         let g = Tensor::from_slice(&[0.5f32]);
         let spec = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
         let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None).unwrap();
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None).unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None, None).unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None, None).unwrap();
         // buf1 = 0.5, buf2 = 0.9 * 0.5 + 0.5 = 0.95; p = 1 - 0.1 * (0.5 + 0.95)
         assert!((p.double_value(&[0]) - 0.855).abs() < 1e-6);
     }

