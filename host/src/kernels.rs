@@ -345,30 +345,21 @@ extern "C" __global__ void acc_bf16(float* __restrict__ g, const bf16* __restric
 // g_k[c] += sum over b of part[b, k, c] for part [B, K, C] (fp32, K <= 3):
 // the per-block partial sums of the backward kernels above, reduced and
 // added into the parameters' gradient buffers (any alignment) in one
-// launch. Block (32, 16): 32 columns, 16 row strides, four independent
-// sums per thread (the loads of a column are strided by K * C: a serial
-// sum per thread waited on each, 18 us a launch for GPT-2 124M's rows on an
-// H100); grid (C / 32, K). The order of the additions is fixed: the same
-// sums on every run.
+// launch. Block (32, 8): 32 columns, 8 row strides; grid (C / 32, K). The
+// order of the additions is fixed: the same sums on every run.
 extern "C" __global__ void add_partials(const float* __restrict__ part, float* g0, float* g1, float* g2, int B, int K, int C) {
-  __shared__ float sh[16][33];
+  __shared__ float sh[8][33];
   const int c = blockIdx.x * 32 + threadIdx.x, k = blockIdx.y;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  float s = 0.f;
   if (c < C) {
     const float* p = part + (size_t)k * C + c;
-    const size_t row = (size_t)K * C;
-    int b = threadIdx.y;
-    for (; b + 48 < B; b += 64) {
-      s0 += p[b * row]; s1 += p[(b + 16) * row]; s2 += p[(b + 32) * row]; s3 += p[(b + 48) * row];
-    }
-    for (; b < B; b += 16) s0 += p[b * row];
+    for (int b = threadIdx.y; b < B; b += 8) s += p[(size_t)b * K * C];
   }
-  sh[threadIdx.y][threadIdx.x] = (s0 + s1) + (s2 + s3);
+  sh[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
-    float s = 0.f;
     #pragma unroll
-    for (int j = 0; j < 16; j++) s += sh[j][threadIdx.x];
+    for (int j = 1; j < 8; j++) s += sh[j][threadIdx.x];
     float* g = k == 0 ? g0 : (k == 1 ? g1 : g2);
     g[c] += s;
   }
@@ -781,7 +772,7 @@ impl Partials {
         // fp32 [c] gradients (null beyond k, never read), then B, K, C; all
         // outlive the call; the launch goes to libtorch's (legacy default)
         // stream, as the kernel that wrote the sums did.
-        unsafe { result::launch_kernel(k.add_partials, grid, (32, 16, 1), 0, std::ptr::null_mut(), &mut params) }?;
+        unsafe { result::launch_kernel(k.add_partials, grid, (32, 8, 1), 0, std::ptr::null_mut(), &mut params) }?;
         Ok(())
     }
 }
@@ -893,9 +884,9 @@ mod tests {
         }
         let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let dev = tch::Device::Cuda(0);
-        // Rows below, at and past the kernel's unrolled stride (64), the
-        // shapes of GPT-2 124M's LayerNorm and GELU kernels, and a width
-        // that is not a multiple of the 32 columns of a block.
+        // Fewer rows than a block's row strides and many more (the shapes
+        // of GPT-2 124M's LayerNorm and GELU kernels), and a width that is
+        // not a multiple of the 32 columns of a block.
         for (b, k, c) in [(1, 1, 8), (63, 3, 768), (64, 3, 768), (1320, 3, 768), (704, 1, 3072), (77, 2, 40)] {
             let part = Partials(Tensor::randn([b, k, c], (Kind::Float, dev)));
             let gs: Vec<Tensor> = (0..k).map(|_| Tensor::randn([c], (Kind::Float, dev))).collect();
