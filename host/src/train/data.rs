@@ -9,6 +9,9 @@
 //!   then u16 tokens) or nanoGPT's headerless u16 files, memory-mapped.
 //! * Regression: Gaussian inputs, target `w . mean_t(x) * sqrt(T) + noise * e`;
 //!   the MSE floor is `noise^2`.
+//! * Images ([`super::images`]): class prototypes plus noise with label
+//!   noise; the floor is the label noise's entropy. Augmented on the data
+//!   threads.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
+use super::images::{ImageSample, ImageSource, ImageSpec};
 use crate::suite::{DataSpec, DEFAULT_BIN_VOCAB};
 
 /// Magic number of llm.c token files.
@@ -232,6 +236,7 @@ enum SampleSource {
     Markov(MarkovChain),
     File { file: TokenFile, range: (usize, usize) },
     Gaussian { dim: usize },
+    Images(ImageSource),
 }
 
 /// One training sample, made on the host.
@@ -240,6 +245,8 @@ enum Sample {
     Tokens(Vec<i64>),
     /// `seq_len x dim` inputs and one unit-normal noise draw for the target.
     Gaussian(Vec<f32>, f32),
+    /// One image and its label.
+    Image(ImageSample),
 }
 
 impl SampleSource {
@@ -260,6 +267,7 @@ impl SampleSource {
                 let x = (0..t * dim).map(|_| rng.sample::<f32, _>(StandardNormal)).collect();
                 Sample::Gaussian(x, rng.sample::<f32, _>(StandardNormal))
             }
+            SampleSource::Images(src) => Sample::Image(src.sample(rng)),
         }
     }
 }
@@ -347,8 +355,14 @@ pub struct Data {
     eval: Arc<SampleSource>,
     eval_seed: u64,
     floor: Option<f64>,
+    /// Classification: the best reachable top-1 accuracy.
+    best_accuracy: Option<f64>,
     /// Regression: the fixed unit vector and the noise level.
     regression: Option<(Tensor, f64)>,
+    /// Images: (channels, side).
+    image: Option<(i64, i64)>,
+    /// Threads making training samples.
+    workers: usize,
     seq_len: usize,
     consumed: u64,
     device: Device,
@@ -400,17 +414,44 @@ impl Data {
                 let src = Arc::new(SampleSource::Gaussian { dim });
                 (src.clone(), src, Some(noise * noise), Some((w, *noise)))
             }
+            DataSpec::Images { classes, image_size, channels, noise, label_noise, augment, padding, seed: s, .. } => {
+                let spec = ImageSpec {
+                    classes: *classes as usize,
+                    size: *image_size as usize,
+                    channels: *channels as usize,
+                    noise: *noise,
+                    label_noise: *label_noise,
+                    padding: *padding as usize,
+                    seed: s.unwrap_or(0x5eed),
+                };
+                // Training samples are augmented, eval samples only normalised.
+                let train = ImageSource::new(spec, *augment)?;
+                let eval = train.with_augment(false);
+                let floor = train.loss_floor();
+                (Arc::new(SampleSource::Images(train)), Arc::new(SampleSource::Images(eval)), Some(floor), None)
+            }
+        };
+        let (image, best_accuracy, workers) = match (spec, &*train) {
+            (DataSpec::Images { threads, .. }, SampleSource::Images(src)) => (
+                Some((src.spec().channels as i64, src.spec().size as i64)),
+                Some(src.best_accuracy()),
+                threads.map_or_else(data_workers, |n| n as usize),
+            ),
+            _ => (None, None, data_workers()),
         };
         // Deep enough for a few batches of the largest sizes in our suites.
         let depth = PREFETCH_DEPTH;
         Ok(Data {
-            train: Prefetch::start(train.clone(), seed, t, depth, 0, data_workers()),
+            train: Prefetch::start(train.clone(), seed, t, depth, 0, workers),
             source: train,
             seed,
             eval,
             eval_seed: seed ^ 0xe7a1_5eed,
             floor,
+            best_accuracy,
             regression,
+            image,
+            workers,
             seq_len: t,
             consumed: 0,
             device,
@@ -422,6 +463,11 @@ impl Data {
         self.floor
     }
 
+    /// The best reachable top-1 accuracy of a classification source.
+    pub fn best_accuracy(&self) -> Option<f64> {
+        self.best_accuracy
+    }
+
     /// Training samples taken so far (the stream's position).
     pub fn position(&self) -> u64 {
         self.consumed
@@ -431,7 +477,7 @@ impl Data {
     /// after [`Data::position`] returned it: the following batches are the
     /// ones that came next then.
     pub fn seek(&mut self, position: u64) {
-        self.train = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, data_workers());
+        self.train = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, self.workers);
         self.consumed = position;
     }
 
@@ -455,6 +501,20 @@ impl Data {
 
     fn to_batch(&self, samples: Vec<Sample>) -> Batch {
         let (b, t) = (samples.len(), self.seq_len);
+        if let Some((c, side)) = self.image {
+            let mut px = Vec::with_capacity(b * (c * side * side) as usize);
+            let mut labels = Vec::with_capacity(b);
+            for s in samples {
+                if let Sample::Image(img) = s {
+                    px.extend(img.pixels);
+                    labels.push(img.label);
+                }
+            }
+            let input = upload(Tensor::from_slice(&px).view([b as i64, c, side, side]), self.device);
+            let target = upload(Tensor::from_slice(&labels), self.device);
+            // One image is one "token" (seq_len is 1).
+            return Batch { input, target, tokens: b * t, samples: b };
+        }
         match &self.regression {
             None => {
                 let mut buf = Vec::with_capacity(b * (t + 1));
@@ -536,7 +596,7 @@ mod tests {
             (0..n)
                 .map(|_| match p.next() {
                     Sample::Gaussian(x, e) => (x, e),
-                    Sample::Tokens(_) => unreachable!("a Gaussian source"),
+                    Sample::Tokens(_) | Sample::Image(_) => unreachable!("a Gaussian source"),
                 })
                 .collect::<Vec<_>>()
         };

@@ -7,6 +7,7 @@
 //!   with a mean-pool regression head (the TransformerEncoder regression
 //!   benchmark of docs/benchmarks.md).
 //! * `mlp`: a token MLP that predicts the next token from the current one.
+//! * `vision`: a ResNet image classifier ([`super::vision`]).
 //!
 //! Activation recomputation (the workload's `recompute`) wraps a layer in
 //! [`torch_ext::recompute`]: its activations are dropped after the forward
@@ -268,6 +269,7 @@ enum Net {
     Gpt { wte: nn::Embedding, wpe: nn::Embedding, blocks: Vec<GptBlock>, ln_f: Norm },
     Encoder { layers: Vec<EncoderLayer>, head: nn::Linear },
     Mlp { emb: nn::Embedding, hidden: Hidden, out: nn::Linear },
+    Vision(super::vision::ResNet),
 }
 
 /// A model: its configuration, its network and which of its layers
@@ -341,6 +343,7 @@ impl Model {
                 hidden: Hidden { fc: linear(p / "fc", d, cfg.d_ff, std) },
                 out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
             },
+            ModelKind::Vision => Net::Vision(super::vision::ResNet::new(p, cfg)),
         };
         Model { cfg: cfg.clone(), net, recompute, fused: false }
     }
@@ -422,6 +425,7 @@ impl Model {
                 let logits = out.forward(&layer!(hidden, &emb.forward(input), &s, again(0)));
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
+            Net::Vision(net) => Output::Logits { logits: net.forward(input, train), target: target.shallow_clone() },
         }
     }
 }
