@@ -736,8 +736,17 @@ impl TrainState<'_> {
     /// end), the small host-side state is saved at once.
     pub fn capture_into(&mut self, dst: &mut Snapshot, position: Position, with_model: bool) -> Result<()> {
         let (model, state) = self.sources(with_model);
-        let buffers = dst.state.len().min(state.len());
-        dst.state.truncate(buffers);
+        // The set holds the state and, after a snapshot, the generators'
+        // states behind it (appended below).
+        let fits =
+            dst.state.len() >= state.len() && dst.state.iter().zip(&state).all(|((dn, d), (sn, s))| dn == sn && d.size() == s.size());
+        if fits {
+            dst.state.truncate(state.len());
+        } else {
+            // The state grew after the sets were allocated: SGD makes its
+            // momentum buffers at its first step. Allocated again, once.
+            dst.state = super::tiers::buffers(&state, self.device.is_cuda())?;
+        }
         copy_into(&dst.model, &model)?;
         copy_into(&dst.state, &state)?;
         dst.ready = match self.device {
