@@ -18,7 +18,8 @@ use crate::suite::{PlanEntry, Suite};
 ///   machine fingerprint).
 /// - 2: classification accuracy: `final_eval_accuracy`, `best_accuracy`,
 ///   `target_accuracy` and `accuracy_curve` in an entry's metrics (absent
-///   for models that do not classify); the model `vision` and its `image`.
+///   for models that do not classify); the model `vision`, its `image`
+///   and, for ViTs, `patch`.
 pub const FORMAT_VERSION: u32 = 2;
 
 /// Errors reading or writing result files.

@@ -21,6 +21,9 @@ pub struct ModelConfig {
     /// `vision`: the input images' (channels, height = width), from the data.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image: Option<[i64; 2]>,
+    /// `vision` Transformers (ViT presets): the side of a patch, in pixels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub patch: Option<i64>,
 }
 
 /// Presets: (kind, name, layers, heads, width, feed-forward width).
@@ -39,7 +42,14 @@ pub const PRESETS: &[(ModelKind, &str, i64, i64, i64, i64)] = &[
     (ModelKind::Vision, "tiny", 10, 1, 8, 64),
     (ModelKind::Vision, "resnet18", 18, 1, 64, 512),
     (ModelKind::Vision, "resnet50", 50, 1, 64, 2048),
+    // Vision Transformers: layers, heads, width, MLP width as for gpt.
+    (ModelKind::Vision, "vit-tiny", 2, 2, 32, 64),
+    (ModelKind::Vision, "vit-b16", 12, 12, 768, 3072),
 ];
+
+/// The patch side of the Vision Transformer presets (a `vision` model is a
+/// ViT exactly when its preset is one of these).
+pub const VIT_PATCH: &[(&str, i64)] = &[("vit-tiny", 4), ("vit-b16", 16)];
 
 /// A ResNet's blocks per stage and whether they are bottlenecks, by depth.
 pub fn resnet_stages(depth: i64) -> Option<([i64; 4], bool)> {
@@ -123,15 +133,16 @@ impl ModelConfig {
         let n_layer = pick(spec.n_layer, base.map(|p| p.2), "n_layer")?;
         let n_head = pick(spec.n_head, base.map(|p| p.3), "n_head")?;
         let d_model = pick(spec.d_model, base.map(|p| p.4), "d_model")?;
+        let patch = VIT_PATCH.iter().find(|v| spec.kind == ModelKind::Vision && spec.preset.as_deref() == Some(v.0)).map(|v| v.1);
         let mut d_ff = spec.d_ff.map(i64::from).or(base.map(|p| p.5)).unwrap_or(4 * d_model);
-        if let (ModelKind::Vision, Some((_, bottleneck))) = (spec.kind, resnet_stages(n_layer)) {
+        if let (ModelKind::Vision, None, Some((_, bottleneck))) = (spec.kind, patch, resnet_stages(n_layer)) {
             // The features the classifier reads.
             d_ff = d_model * 8 * if bottleneck { 4 } else { 1 };
         }
         if n_layer < 1 || n_head < 1 || d_model < 1 || d_ff < 1 {
             return Err(("model sizes must be at least 1".into(), None));
         }
-        if spec.kind == ModelKind::Vision {
+        if spec.kind == ModelKind::Vision && patch.is_none() {
             if resnet_stages(n_layer).is_none() {
                 return Err((format!("no ResNet of depth {n_layer}"), Some("`n_layer` is the depth: 10, 18, 34, 50 or 101".into())));
             }
@@ -156,6 +167,7 @@ impl ModelConfig {
             seq_len: seq_len as i64,
             dropout: spec.dropout.unwrap_or(0.0),
             image: None,
+            patch,
         })
     }
 
@@ -172,7 +184,15 @@ impl ModelConfig {
             // multiply-adds, backward twice the forward.
             ModelKind::Vision => {
                 let [c, s] = self.image.unwrap_or([3, 224]);
-                6.0 * resnet_macs(self.n_layer, self.d_model, c, s, self.vocab)
+                match self.patch {
+                    // As gpt's per token, times the patches and the class
+                    // token of one image.
+                    Some(p) => {
+                        let t = (s / p) * (s / p) + 1;
+                        t as f64 * (6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * t) as f64)
+                    }
+                    None => 6.0 * resnet_macs(self.n_layer, self.d_model, c, s, self.vocab),
+                }
             }
         }
     }

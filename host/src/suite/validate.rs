@@ -599,6 +599,16 @@ impl Checker<'_> {
             }
         }
         if w.model.kind == ModelKind::Vision {
+            let patch = ModelConfig::resolve(&w.model, 2, 1).ok().and_then(|c| c.patch);
+            if let (Some(p), DataSpec::Images { image_size, .. }) = (patch, &w.data) {
+                if i64::from(*image_size) % p != 0 {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("data"), Key("image_size")],
+                        format!("the Vision Transformer cuts images into {p} x {p} patches: `image_size` must be a multiple of {p}"),
+                        None,
+                    );
+                }
+            }
             if w.seq_len != 1 {
                 self.err(
                     &[Key("workload"), Index(i), Key("seq_len")],

@@ -21,11 +21,132 @@
 //! On CUDA the activations are channels-last (NHWC strides, what cuDNN's
 //! fastest convolutions and batch norms read), as are the convolution
 //! weights; on the CPU libtorch's default layout is kept.
+//!
+//! The ViT presets (`vit-b16`, `vit-tiny`) are Vision Transformers as
+//! torchvision's `vit_b_16` (Dosovitskiy et al. 2021): a strided
+//! convolution cuts the image into patches, a class token and learned
+//! positions are added, pre-LayerNorm encoder blocks (GELU MLP,
+//! non-causal attention through `scaled_dot_product_attention`), a final
+//! LayerNorm, and a linear head on the class token. Initialisation: patch
+//! convolution N(0, 1 / fan_in), positions N(0, 0.02), class token and
+//! head zero (as torchvision), other linear layers N(0, 0.02) with zero
+//! biases (nanoGPT's, as the other transformers here).
 
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
 use crate::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
+
+/// A `vision` network: a ResNet, or a Vision Transformer for the ViT presets.
+pub enum Vision {
+    ResNet(ResNet),
+    Vit(Vit),
+}
+
+impl Vision {
+    /// The network of `cfg` under `p`.
+    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Vision {
+        match cfg.patch {
+            Some(patch) => Vision::Vit(Vit::new(p, cfg, patch)),
+            None => Vision::ResNet(ResNet::new(p, cfg)),
+        }
+    }
+
+    /// `[n, classes]` logits of `[n, channels, side, side]` images.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        match self {
+            Vision::ResNet(n) => n.forward(x, train),
+            Vision::Vit(n) => n.forward(x),
+        }
+    }
+}
+
+fn vit_linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
+    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: std }, bs_init: Some(nn::Init::Const(0.0)), bias: true };
+    nn::linear(p, i, o, cfg)
+}
+
+/// One pre-LayerNorm encoder block of a ViT.
+struct VitBlock {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+/// A Vision Transformer.
+pub struct Vit {
+    patch: nn::Conv2D,
+    cls: Tensor,
+    pos: Tensor,
+    blocks: Vec<VitBlock>,
+    ln: nn::LayerNorm,
+    head: nn::Linear,
+    heads: i64,
+    width: i64,
+}
+
+impl Vit {
+    /// `cfg`'s layers, heads, width and MLP width; `patch`-pixel patches.
+    pub fn new(p: &nn::Path, cfg: &ModelConfig, patch: i64) -> Vit {
+        let [channels, side] = cfg.image.unwrap_or([3, 224]);
+        let d = cfg.d_model;
+        let tokens = (side / patch) * (side / patch) + 1;
+        let conv = nn::ConvConfig {
+            stride: patch,
+            ws_init: nn::Init::Randn { mean: 0.0, stdev: (1.0 / (channels * patch * patch) as f64).sqrt() },
+            bs_init: nn::Init::Const(0.0),
+            ..Default::default()
+        };
+        let blocks = (0..cfg.n_layer)
+            .map(|i| {
+                let b = p / "layers" / i;
+                VitBlock {
+                    ln1: nn::layer_norm(&b / "ln_1", vec![d], Default::default()),
+                    qkv: vit_linear(&b / "attn" / "in_proj", d, 3 * d, 0.02),
+                    proj: vit_linear(&b / "attn" / "out_proj", d, d, 0.02),
+                    ln2: nn::layer_norm(&b / "ln_2", vec![d], Default::default()),
+                    fc1: vit_linear(&b / "mlp" / "linear_1", d, cfg.d_ff, 0.02),
+                    fc2: vit_linear(&b / "mlp" / "linear_2", cfg.d_ff, d, 0.02),
+                }
+            })
+            .collect();
+        Vit {
+            patch: nn::conv2d(p / "conv_proj", channels, d, patch, conv),
+            cls: p.zeros("class_token", &[1, 1, d]),
+            pos: p.var("pos_embedding", &[1, tokens, d], nn::Init::Randn { mean: 0.0, stdev: 0.02 }),
+            blocks,
+            ln: nn::layer_norm(p / "ln", vec![d], Default::default()),
+            head: vit_linear(p / "head", d, cfg.vocab, 0.0),
+            heads: cfg.n_head,
+            width: d,
+        }
+    }
+
+    fn attention(&self, x: &Tensor, qkv: &nn::Linear, proj: &nn::Linear) -> Tensor {
+        let (b, t, d) = x.size3().expect("tokens are [n, t, d]");
+        let h = self.heads;
+        let parts = qkv.forward(x).view([b, t, 3, h, d / h]).permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
+        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, false, None, false);
+        proj.forward(&y.transpose(1, 2).reshape([b, t, d]))
+    }
+
+    /// `[n, classes]` logits of `[n, channels, side, side]` images.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let n = x.size()[0];
+        let patches = self.patch.forward(x).flatten(2, -1).transpose(1, 2);
+        let cls = self.cls.expand([n, 1, self.width], false).to_kind(patches.kind());
+        let mut y = Tensor::cat(&[cls, patches], 1) + &self.pos;
+        for b in &self.blocks {
+            y = &y + self.attention(&b.ln1.forward(&y), &b.qkv, &b.proj);
+            y = &y + b.fc2.forward(&b.fc1.forward(&b.ln2.forward(&y)).gelu("none"));
+        }
+        self.head.forward(&self.ln.forward(&y).select(1, 0))
+    }
+}
 
 /// `x` with channels-last strides (NHWC in memory, NCHW in shape). tch has
 /// no memory-format API; libtorch infers the format from the strides.
@@ -228,6 +349,26 @@ mod tests {
         assert!(before.iter().zip(stats()).all(|(a, b)| a.equal(&b)), "evaluation moved the running statistics");
         let _ = tch::no_grad(|| net.forward(&x, true));
         assert!(before.iter().zip(stats()).any(|(a, b)| !a.equal(&b)), "training left the running statistics");
+    }
+
+    #[test]
+    fn vit_b16_has_torchvisions_parameter_count_and_tiny_vits_classify() {
+        // torchvision's vit_b_16: 86,567,656 parameters at 1000 classes.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _net = Vision::new(&vs.root(), &config("vit-b16", 1000, [3, 224]));
+        assert_eq!(count(&vs, true), 86_567_656);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let cfg = config("vit-tiny", 10, [3, 32]);
+        assert_eq!(cfg.patch, Some(4));
+        let net = Vision::new(&vs.root(), &cfg);
+        let x = Tensor::randn([3, 3, 32, 32], (Kind::Float, Device::Cpu));
+        let y = net.forward(&x, true);
+        assert_eq!(y.size(), [3, 10]);
+        // The head starts at zero: uniform predictions, loss ln 10.
+        let loss = y.cross_entropy_for_logits(&Tensor::from_slice(&[1i64, 2, 3]));
+        assert!((loss.double_value(&[]) - 10f64.ln()).abs() < 1e-6);
+        loss.backward();
+        assert!(vs.trainable_variables().iter().all(|v| v.grad().defined()));
     }
 
     #[test]
