@@ -182,3 +182,37 @@ fn two_ranks_with_compressors_batch_policies_and_failures_repeat_every_loss_and_
     let bytes = |s: &str| entry(&a, &format!("vision/{s}/r0"))["metrics"]["bytes_on_wire"].as_u64().unwrap();
     assert!(bytes("topk") < bytes("ddp") / 2, "top-k {} vs all-reduce {}", bytes("topk"), bytes("ddp"));
 }
+
+#[test]
+fn zero_stages_train_the_resnet_as_ddp_does_and_a_tiny_vit_learns_in_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let vit = tiny_vision(60, "", "")
+        .replace("name = \"vision\"", "name = \"vit\"")
+        .replace("preset = \"tiny\"", "preset = \"vit-tiny\"")
+        .replace("{ kind = \"sgd\", lr = 0.05, momentum = 0.9 }", "{ kind = \"adamw\", lr = 3e-3 }")
+        + "precision = \"bf16\"\n";
+    let text = suite("zero", "world_size = 2", &(tiny_vision(20, "", "") + &vit))
+        + "\n[[strategy]]\nname = \"ddp\"\nbaseline = true\n\n[[strategy]]\nname = \"zero1\"\nzero = 1\n\n[[strategy]]\nname = \"zero2\"\nzero = 2\n";
+    let s = write(dir.path(), "s.toml", &text);
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = results(&dir.path().join("r.json"));
+    // Sharded optimizer state and gradients, the same maths: bit for bit
+    // without clipping (docs/suite-format.md, ZeRO), batch norm included.
+    let ddp = losses(&r, "vision/ddp/r0");
+    assert_eq!(ddp.len(), 20);
+    for z in ["zero1", "zero2"] {
+        assert_eq!(losses(&r, &format!("vision/{z}/r0")), ddp, "{z}");
+        let m = &entry(&r, &format!("vision/{z}/r0"))["metrics"];
+        assert_eq!(m["final_eval_accuracy"], entry(&r, "vision/ddp/r0")["metrics"]["final_eval_accuracy"], "{z}");
+    }
+    // The ViT: from uniform predictions (its head starts at zero) to well
+    // above chance (0.1) in 60 steps.
+    for z in ["ddp", "zero1", "zero2"] {
+        let m = &entry(&r, &format!("vit/{z}/r0"))["metrics"];
+        assert_eq!(m["model"]["patch"], 4);
+        let first = m["loss_curve"][0][2].as_f64().unwrap();
+        assert!((first - 10f64.ln()).abs() < 0.01, "{z}: first loss {first}");
+        let acc = m["final_eval_accuracy"].as_f64().unwrap();
+        assert!(acc > 0.3, "vit/{z}: accuracy {acc}");
+    }
+}
