@@ -337,6 +337,118 @@ impl Drop for Prefetch {
     }
 }
 
+/// Image batches collated ahead of the training thread, on a thread of
+/// their own: the samples of the next batch are gathered from the
+/// [`Prefetch`] workers into one `[n, C, H, W]` tensor (in pinned memory
+/// when training on CUDA, so the upload can run without blocking) while
+/// the device trains on the current one. The next batch is taken to be as
+/// large as the last; when the batch policy asks for another size, rows
+/// are split off or more are fetched, in stream order, so the batches hold
+/// the same samples whatever was guessed.
+struct Collator {
+    requests: std::sync::mpsc::Sender<usize>,
+    batches: std::sync::mpsc::Receiver<(Tensor, Tensor)>,
+    /// Sizes of the batches asked for and not yet received.
+    in_flight: std::collections::VecDeque<usize>,
+    /// Rows received and not yet handed out (pixels, labels).
+    leftover: Option<(Tensor, Tensor)>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Collator {
+    /// Collates the samples of `stream`, images of `shape` (C, H, W).
+    fn start(mut stream: Prefetch, shape: [i64; 3], pinned: bool) -> Collator {
+        let (requests, rx) = std::sync::mpsc::channel::<usize>();
+        let (tx, batches) = std::sync::mpsc::sync_channel(2);
+        let worker = std::thread::Builder::new()
+            .name("harness-collate".into())
+            .spawn(move || {
+                // Ends when the requests' sender or the batches' receiver goes.
+                while let Ok(n) = rx.recv() {
+                    let mut px = Vec::with_capacity(n * (shape[0] * shape[1] * shape[2]) as usize);
+                    let mut labels = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        if let Sample::Image(img) = stream.next() {
+                            px.extend(img.pixels);
+                            labels.push(img.label);
+                        }
+                    }
+                    let x = Tensor::from_slice(&px).view([n as i64, shape[0], shape[1], shape[2]]);
+                    let y = Tensor::from_slice(&labels);
+                    // Pinned memory can run out; the upload then copies
+                    // synchronously.
+                    let pin = |t: Tensor| if pinned { crate::torch_ext::pin_memory(&t).unwrap_or(t) } else { t };
+                    if tx.send((pin(x), pin(y))).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the collating thread");
+        Collator { requests, batches, in_flight: Default::default(), leftover: None, worker: Some(worker) }
+    }
+
+    fn ask(&mut self, n: usize) {
+        // The worker lives as long as `self`: the send cannot fail.
+        let _ = self.requests.send(n);
+        self.in_flight.push_back(n);
+    }
+
+    /// The next `n` images and labels of the stream, and the next batch
+    /// of as many asked for.
+    fn next(&mut self, n: usize) -> (Tensor, Tensor) {
+        let mut parts: Vec<(Tensor, Tensor)> = self.leftover.take().into_iter().collect();
+        let mut have: usize = parts.iter().map(|p| p.1.numel()).sum();
+        while have < n {
+            if self.in_flight.is_empty() {
+                self.ask(n - have);
+            }
+            let part = self.batches.recv().expect("the collating thread ended early");
+            self.in_flight.pop_front();
+            have += part.1.numel();
+            parts.push(part);
+        }
+        let (x, y) = if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+            (Tensor::cat(&xs, 0), Tensor::cat(&ys, 0))
+        };
+        let (x, y) = if have > n {
+            let extra = (have - n) as i64;
+            self.leftover = Some((x.narrow(0, n as i64, extra), y.narrow(0, n as i64, extra)));
+            (x.narrow(0, 0, n as i64), y.narrow(0, 0, n as i64))
+        } else {
+            (x, y)
+        };
+        if self.in_flight.is_empty() {
+            let ahead = n.saturating_sub(self.leftover.as_ref().map_or(0, |l| l.1.numel()));
+            if ahead > 0 {
+                self.ask(ahead);
+            }
+        }
+        (x, y)
+    }
+}
+
+impl Drop for Collator {
+    fn drop(&mut self) {
+        // Closing both channels ends the worker, which drops its stream.
+        let (dead, _) = std::sync::mpsc::channel();
+        self.requests = dead;
+        let (_, dead) = std::sync::mpsc::sync_channel(1);
+        self.batches = dead;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The training stream: samples, or image batches collated ahead.
+enum Stream {
+    Samples(Prefetch),
+    Images(Collator),
+}
+
 /// Samples made ahead of the training thread.
 const PREFETCH_DEPTH: usize = 256;
 
@@ -348,7 +460,7 @@ fn data_workers() -> usize {
 
 /// The data stream of one entry: training batches and a fixed eval set.
 pub struct Data {
-    train: Prefetch,
+    train: Stream,
     /// What `train` draws from, and its seed (to restart it elsewhere).
     source: Arc<SampleSource>,
     seed: u64,
@@ -442,7 +554,7 @@ impl Data {
         // Deep enough for a few batches of the largest sizes in our suites.
         let depth = PREFETCH_DEPTH;
         Ok(Data {
-            train: Prefetch::start(train.clone(), seed, t, depth, 0, workers),
+            train: stream(Prefetch::start(train.clone(), seed, t, depth, 0, workers), image, device),
             source: train,
             seed,
             eval,
@@ -477,15 +589,26 @@ impl Data {
     /// after [`Data::position`] returned it: the following batches are the
     /// ones that came next then.
     pub fn seek(&mut self, position: u64) {
-        self.train = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, self.workers);
+        let samples = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, self.workers);
+        self.train = stream(samples, self.image, self.device);
         self.consumed = position;
     }
 
     /// The next training batch of `batch` samples.
     pub fn next_train(&mut self, batch: usize) -> Batch {
-        let samples: Vec<Sample> = (0..batch).map(|_| self.train.next()).collect();
         self.consumed += batch as u64;
-        self.to_batch(samples)
+        match &mut self.train {
+            Stream::Samples(p) => {
+                let samples: Vec<Sample> = (0..batch).map(|_| p.next()).collect();
+                self.to_batch(samples)
+            }
+            Stream::Images(c) => {
+                let (x, y) = c.next(batch);
+                // One image is one "token" (seq_len is 1).
+                let tokens = batch * self.seq_len;
+                Batch { input: upload(x, self.device), target: upload(y, self.device), tokens, samples: batch }
+            }
+        }
     }
 
     /// The fixed eval set: `n` batches, the same at every evaluation.
@@ -542,6 +665,14 @@ impl Data {
                 Batch { input: x, target: y, tokens: b * t, samples: b }
             }
         }
+    }
+}
+
+/// The training stream of `samples`: collated ahead for images.
+fn stream(samples: Prefetch, image: Option<(i64, i64)>, device: Device) -> Stream {
+    match image {
+        Some((c, side)) => Stream::Images(Collator::start(samples, [c, side, side], device.is_cuda())),
+        None => Stream::Samples(samples),
     }
 }
 
@@ -607,6 +738,31 @@ mod tests {
         assert_eq!(&one[11..], &later[..], "seeking to sample 11 did not give the samples from 11 on");
         let other = take(&mut Prefetch::start(src, 8, 2, 16, 0, 1), 20);
         assert_ne!(one, other);
+    }
+
+    #[test]
+    fn collated_batches_hold_the_stream_in_order_whatever_their_sizes() {
+        let spec = ImageSpec { classes: 4, size: 8, channels: 2, noise: 0.1, label_noise: 0.2, padding: 1, seed: 1 };
+        let src = Arc::new(SampleSource::Images(ImageSource::new(spec, true).unwrap()));
+        let mut one = Prefetch::start(src.clone(), 5, 1, 16, 0, 1);
+        let (want_x, want_y): (Vec<Vec<f32>>, Vec<i64>) = (0..40)
+            .map(|_| match one.next() {
+                Sample::Image(i) => (i.pixels, i.label),
+                _ => unreachable!("an image source"),
+            })
+            .unzip();
+        // Sizes that change, as a batch policy changes them: fewer rows than
+        // were collated ahead, then more.
+        let mut c = Collator::start(Prefetch::start(src, 5, 1, 16, 0, 3), [2, 8, 8], false);
+        let mut at = 0;
+        for n in [4, 4, 2, 7, 3, 3, 9, 8] {
+            let (x, y) = c.next(n);
+            assert_eq!(x.size(), [n as i64, 2, 8, 8]);
+            assert_eq!(Vec::<i64>::try_from(&y).unwrap(), want_y[at..at + n], "labels of rows {at}..{}", at + n);
+            let px = Vec::<f32>::try_from(&x.reshape([-1])).unwrap();
+            assert_eq!(px, want_x[at..at + n].concat(), "pixels of rows {at}..{}", at + n);
+            at += n;
+        }
     }
 
     /// Joint entropy H(X_1..X_n) of the stationary chain, by enumerating every

@@ -21,7 +21,8 @@
 //! horizontal flip with probability 1/2; every sample, training or eval, is
 //! then normalised per channel. A sample's randomness (class, label, noise,
 //! crop, flip) comes from that sample's own generator, so the stream does
-//! not depend on how many threads make it.
+//! not depend on how many threads make it. `data.rs` collates batches of
+//! them ahead of the training thread (pinned on CUDA).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
