@@ -131,7 +131,9 @@ impl ModelConfig {
             }
         };
         let n_layer = pick(spec.n_layer, base.map(|p| p.2), "n_layer")?;
-        let n_head = pick(spec.n_head, base.map(|p| p.3), "n_head")?;
+        // A ResNet has no heads: without a ViT preset, 1.
+        let resnet = spec.kind == ModelKind::Vision && base.is_none_or(|p| !VIT_PATCH.iter().any(|v| v.0 == p.1));
+        let n_head = if resnet && spec.n_head.is_none() { 1 } else { pick(spec.n_head, base.map(|p| p.3), "n_head")? };
         let d_model = pick(spec.d_model, base.map(|p| p.4), "d_model")?;
         let patch = VIT_PATCH.iter().find(|v| spec.kind == ModelKind::Vision && spec.preset.as_deref() == Some(v.0)).map(|v| v.1);
         let mut d_ff = spec.d_ff.map(i64::from).or(base.map(|p| p.5)).unwrap_or(4 * d_model);

@@ -977,6 +977,74 @@ name = "b"
     }
 
     #[test]
+    fn vision_workloads_need_images_one_image_per_sample_and_a_resnet_depth_or_vit_patches() {
+        let vision = OK
+            .replace(r#"model = { kind = "gpt", preset = "tiny" }"#, r#"model = { kind = "vision", preset = "tiny" }"#)
+            .replace(r#"data = { kind = "synthetic", vocab = 64 }"#, r#"data = { kind = "images" }"#)
+            .replace("seq_len = 16", "seq_len = 1");
+        parse(&vision).unwrap();
+        parse(&vision.replace(
+            "steps = 10",
+            "steps = 10
+target_accuracy = 0.8
+stop_at_target = true
+eval_every = 5",
+        ))
+        .unwrap();
+        parse(&vision.replace(r#"preset = "tiny""#, r#"preset = "vit-tiny""#)).unwrap();
+        parse(&vision.replace(r#"preset = "tiny""#, "n_layer = 50, d_model = 16")).unwrap();
+        for (from, to, says) in [
+            ("seq_len = 1", "seq_len = 4", "`seq_len` must be 1"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "synthetic", vocab = 64 }"#, "trains on `kind = \"images\"` data"),
+            (r#"preset = "tiny""#, r#"preset = "tiny", n_layer = 12"#, "no ResNet of depth 12"),
+            (r#"preset = "tiny""#, r#"preset = "tiny", n_head = 2"#, "a ResNet has no `n_head`"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", label_noise = 0.9 }"#, "`label_noise` must lie in [0, 0.9000)"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", image_size = 8, padding = 8 }"#, "`padding` must be smaller"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", threads = 0 }"#, "`threads` must be at least 1"),
+            (
+                "steps = 10",
+                "steps = 10
+target_accuracy = 1.5",
+                "`target_accuracy` is a top-1 accuracy",
+            ),
+            (
+                "steps = 10",
+                "steps = 10
+target_accuracy = 0.5
+target_loss = 1.0",
+                "not both",
+            ),
+            (
+                "steps = 10",
+                "steps = 10
+recompute = \"all\"",
+                "does not recompute",
+            ),
+        ] {
+            let e = parse(&vision.replace(from, to)).unwrap_err();
+            assert!(e.to_string().contains(says), "{to}: {e}");
+        }
+        // A ViT cuts the image into whole patches.
+        let e = parse(
+            &vision
+                .replace(r#"preset = "tiny""#, r#"preset = "vit-tiny""#)
+                .replace(r#"{ kind = "images" }"#, r#"{ kind = "images", image_size = 30 }"#),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("a multiple of 4"), "{e}");
+        // Accuracy targets are for classifiers; images for the vision model.
+        let e = parse(&OK.replace(
+            "steps = 10",
+            "steps = 10
+target_accuracy = 0.9",
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("only classification workloads"), "{e}");
+        let e = parse(&OK.replace(r#"data = { kind = "synthetic", vocab = 64 }"#, r#"data = { kind = "images" }"#)).unwrap_err();
+        assert!(e.to_string().contains("image data needs `model.kind = \"vision\"`"), "{e}");
+    }
+
+    #[test]
     fn unknown_key_is_an_error_with_location() {
         let bad = OK.replace("seq_len = 16", "seq_len = 16\nsteps_ = 3");
         let e = parse(&bad).unwrap_err();
