@@ -216,3 +216,20 @@ fn zero_stages_train_the_resnet_as_ddp_does_and_a_tiny_vit_learns_in_bf16() {
         assert!(acc > 0.3, "vit/{z}: accuracy {acc}");
     }
 }
+
+#[test]
+fn fp16_with_loss_scaling_trains_the_resnet() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_vision(60, "", "precision = \"fp16\"")
+        .replace("{ kind = \"sgd\", lr = 0.05, momentum = 0.9 }", "{ kind = \"adamw\", lr = 3e-3 }");
+    let s = write(dir.path(), "s.toml", &suite("fp16", "", &w));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = RunResult::read(&dir.path().join("r.json")).unwrap();
+    let m = r.entries[0].metrics.as_ref().unwrap();
+    assert_eq!(m.precision, "fp16");
+    // From chance (0.1) to well above it; the scaler (from 2^16) skipped
+    // at most a few overflowed steps at the start.
+    let acc = m.final_eval_accuracy.unwrap();
+    assert!(acc > 0.6, "accuracy {acc}");
+    assert!(m.skipped_steps < 6, "{} steps skipped", m.skipped_steps);
+}
