@@ -356,13 +356,20 @@ struct Collator {
 }
 
 impl Collator {
-    /// Collates the samples of `stream`, images of `shape` (C, H, W).
-    fn start(mut stream: Prefetch, shape: [i64; 3], pinned: bool) -> Collator {
+    /// Collates the samples of `stream`, images of `shape` (C, H, W), in
+    /// pinned memory for the GPU `cuda`.
+    fn start(mut stream: Prefetch, shape: [i64; 3], cuda: Option<usize>) -> Collator {
         let (requests, rx) = std::sync::mpsc::channel::<usize>();
         let (tx, batches) = std::sync::mpsc::sync_channel(2);
         let worker = std::thread::Builder::new()
             .name("harness-collate".into())
             .spawn(move || {
+                // Pinned memory belongs to the current GPU's context: this
+                // thread's must be the training GPU's, or each rank process
+                // would also open a context on GPU 0 (PyTorch's pin-memory
+                // thread sets its device for the same reason). Without it,
+                // batches go unpinned and uploads copy synchronously.
+                let pinned = cuda.is_some_and(|i| crate::device::make_current(i).is_ok());
                 // Ends when the requests' sender or the batches' receiver goes.
                 while let Ok(n) = rx.recv() {
                     let mut px = Vec::with_capacity(n * (shape[0] * shape[1] * shape[2]) as usize);
@@ -671,7 +678,13 @@ impl Data {
 /// The training stream of `samples`: collated ahead for images.
 fn stream(samples: Prefetch, image: Option<(i64, i64)>, device: Device) -> Stream {
     match image {
-        Some((c, side)) => Stream::Images(Collator::start(samples, [c, side, side], device.is_cuda())),
+        Some((c, side)) => {
+            let cuda = match device {
+                Device::Cuda(i) => Some(i),
+                _ => None,
+            };
+            Stream::Images(Collator::start(samples, [c, side, side], cuda))
+        }
         None => Stream::Samples(samples),
     }
 }
@@ -753,7 +766,7 @@ mod tests {
             .unzip();
         // Sizes that change, as a batch policy changes them: fewer rows than
         // were collated ahead, then more.
-        let mut c = Collator::start(Prefetch::start(src, 5, 1, 16, 0, 3), [2, 8, 8], false);
+        let mut c = Collator::start(Prefetch::start(src, 5, 1, 16, 0, 3), [2, 8, 8], None);
         let mut at = 0;
         for n in [4, 4, 2, 7, 3, 3, 9, 8] {
             let (x, y) = c.next(n);
