@@ -274,15 +274,17 @@ mod tests {
     #[test]
     fn restored_momentum_leaves_the_checkpoints_tensor_alone() {
         // On the CPU a restore hands over the snapshot's own tensor; a
-        // later restore from the same snapshot must find it unchanged.
+        // later restore from the same snapshot must find it unchanged
+        // however training then updates the momentum in place.
         let p = Tensor::from_slice(&[1.0f32]);
         let spec = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
         let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
         let saved = Tensor::from_slice(&[0.25f32]);
         o.load_state(&mut |_| Some(saved.shallow_clone())).unwrap();
-        o.step(&[p.shallow_clone()], &[Tensor::from_slice(&[0.5f32])], 0.1, None).unwrap();
-        assert_eq!(saved.double_value(&[0]), 0.25);
-        // The update used the restored momentum: 0.9 * 0.25 + 0.5.
-        assert!((p.double_value(&[0]) - (1.0 - 0.1 * 0.725)).abs() < 1e-6);
+        let state = o.state_tensors();
+        assert_eq!(state.len(), 1);
+        assert_eq!(state[0].1.double_value(&[0]), 0.25);
+        let _ = state[0].1.shallow_clone().g_mul_scalar_(0.9);
+        assert_eq!(saved.double_value(&[0]), 0.25, "the restored momentum is the checkpoint's tensor");
     }
 }
