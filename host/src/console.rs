@@ -142,13 +142,16 @@ impl Console {
         }
         match (&record.status, &record.metrics) {
             (EntryStatus::Ok, Some(m)) => self.say(&format!(
-                "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}), {:.0} tokens/s",
+                "  {} ok (seed {}): {} steps, loss {:.4} (eval {:.4}{}){}, {:.0} tokens/s",
                 record.id,
                 record.seed,
                 m.steps,
                 m.final_train_loss.unwrap_or(f64::NAN),
                 m.final_eval_loss.unwrap_or(f64::NAN),
                 m.loss_floor.map(|f| format!(", floor {f:.4}")).unwrap_or_default(),
+                m.final_eval_accuracy
+                    .map(|a| format!(", accuracy {a:.4}{}", m.best_accuracy.map(|b| format!(" (best {b:.4})")).unwrap_or_default()))
+                    .unwrap_or_default(),
                 m.tokens_per_s
             )),
             (EntryStatus::Failed { error, .. }, _) => self.say(&format!("  {} FAILED: {error}", record.id)),

@@ -317,6 +317,7 @@ impl Run<'_> {
                 eval_batches: 1,
                 target_loss: None,
                 target_above_floor: None,
+                target_accuracy: None,
                 stop_at_target: false,
                 faults: None,
                 ..w.clone()

@@ -16,7 +16,11 @@ use crate::suite::{PlanEntry, Suite};
 /// Changelog:
 /// - 1: first version (suite, plan, entries with metrics and HDR histograms,
 ///   machine fingerprint).
-pub const FORMAT_VERSION: u32 = 1;
+/// - 2: classification accuracy: `final_eval_accuracy`, `best_accuracy`,
+///   `target_accuracy` and `accuracy_curve` in an entry's metrics (absent
+///   for models that do not classify); the model `vision`, its `image`
+///   and, for ViTs, `patch`.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Errors reading or writing result files.
 #[derive(Debug, thiserror::Error)]
@@ -171,6 +175,20 @@ pub struct Metrics {
     pub loss_curve: Vec<(u64, f64, f64)>,
     /// (step, training seconds, eval loss) at every evaluation.
     pub eval_curve: Vec<(u64, f64, f64)>,
+    /// Classifiers: top-1 accuracy on the eval set at the last evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_eval_accuracy: Option<f64>,
+    /// Classifiers: the best reachable top-1 accuracy of the data, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_accuracy: Option<f64>,
+    /// The target eval accuracy (`target_accuracy`); `time_to_target_s`
+    /// and `steps_to_target` then refer to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_accuracy: Option<f64>,
+    /// Classifiers: (step, training seconds, top-1 accuracy) at every
+    /// evaluation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accuracy_curve: Vec<(u64, f64, f64)>,
     /// fp16: steps skipped because gradients overflowed.
     pub skipped_steps: u64,
     /// Bytes this rank sent in training collectives (ring accounting).

@@ -13,6 +13,7 @@ mod run;
 mod sandbox;
 mod standard;
 mod submit;
+mod vision;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

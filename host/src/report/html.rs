@@ -321,6 +321,10 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
             esc(&b.device)
         );
         out.push_str("<table><tr><th>rank</th><th>strategy</th><th>target reached</th>");
+        let accuracy = super::board_has_accuracy(b);
+        if accuracy {
+            out.push_str("<th>eval accuracy</th>");
+        }
         for (name, _) in METRICS {
             let _ = write!(out, "<th>{}</th>", esc(name));
         }
@@ -334,6 +338,9 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
                 if r.group.baseline { " (baseline)" } else { "" },
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() }
             );
+            if accuracy {
+                let _ = write!(out, "<td>{}</td>", esc(&fmt_summary("eval accuracy", &r.accuracy)));
+            }
             for (i, (name, _)) in METRICS.iter().enumerate() {
                 let _ = write!(out, "<td>{}</td>", esc(&fmt_summary(name, &r.summaries[i])));
             }

@@ -19,10 +19,14 @@ use crate::results::{EntryStatus, Metrics, RunResult};
 use stats::{Summary, Verdict};
 
 /// A table of every entry: throughput, latency, MFU, memory, loss, target.
+///
+/// With classifiers among the entries, two more columns: the eval top-1
+/// accuracy and the data's best reachable accuracy.
 pub fn summary_table(r: &RunResult) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header([
+    let accuracy = r.entries.iter().any(|e| e.metrics.as_ref().is_some_and(|m| m.final_eval_accuracy.is_some()));
+    let mut header = vec![
         "entry",
         "status",
         "tokens/s",
@@ -34,7 +38,12 @@ pub fn summary_table(r: &RunResult) -> String {
         "floor",
         "target",
         "time to target",
-    ]);
+    ];
+    if accuracy {
+        header.splice(9..9, ["eval acc", "best acc"]);
+    }
+    let columns = header.len();
+    t.set_header(header);
     for e in &r.entries {
         let status = match &e.status {
             EntryStatus::Ok => "ok".to_owned(),
@@ -43,7 +52,8 @@ pub fn summary_table(r: &RunResult) -> String {
         let row: Vec<String> = match &e.metrics {
             Some(m) => {
                 let mem = m.memory.peak_device_allocated_bytes.map(|b| b as u64).or(m.memory.peak_rss_bytes).map_or("-".into(), bytes);
-                vec![
+                let has_target = m.target_loss.is_some() || m.target_accuracy.is_some();
+                let mut v = vec![
                     e.id.clone(),
                     status,
                     human(m.tokens_per_s),
@@ -53,23 +63,30 @@ pub fn summary_table(r: &RunResult) -> String {
                     mem,
                     opt(m.final_eval_loss),
                     opt(m.loss_floor),
-                    opt(m.target_loss),
-                    match (m.target_loss, m.time_to_target_s) {
-                        (None, _) => "-".into(),
-                        (Some(_), Some(s)) => format!("{s:.1} s"),
-                        (Some(_), None) => "missed".into(),
+                    match (m.target_loss, m.target_accuracy) {
+                        (None, Some(a)) => format!("acc {a:.4}"),
+                        (t, _) => opt(t),
                     },
-                ]
+                    match (has_target, m.time_to_target_s) {
+                        (false, _) => "-".into(),
+                        (true, Some(s)) => format!("{s:.1} s"),
+                        (true, None) => "missed".into(),
+                    },
+                ];
+                if accuracy {
+                    v.splice(9..9, [opt(m.final_eval_accuracy), opt(m.best_accuracy)]);
+                }
+                v
             }
             None => {
                 let mut v = vec![e.id.clone(), status];
-                v.extend(std::iter::repeat_n("-".to_owned(), 9));
+                v.extend(std::iter::repeat_n("-".to_owned(), columns - 2));
                 v
             }
         };
         t.add_row(row.into_iter().map(Cell::new));
     }
-    for c in 2..11 {
+    for c in 2..columns {
         if let Some(col) = t.column_mut(c) {
             col.set_cell_alignment(CellAlignment::Right);
         }
@@ -181,6 +198,11 @@ pub fn board_nccl(b: &Board) -> Vec<(String, String)> {
     nccl_by_strategy(b.rows.iter().flat_map(|r| r.group.runs.iter().map(|m| (r.group.strategy.as_str(), m))))
 }
 
+/// Whether a board's runs report classification accuracy.
+pub fn board_has_accuracy(b: &Board) -> bool {
+    b.rows.iter().any(|r| r.accuracy.is_some())
+}
+
 fn opt(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.4}"))
 }
@@ -267,6 +289,9 @@ pub struct Row {
     /// Repeats that reached the target, of those that ran.
     pub reached: (usize, usize),
     pub has_target: bool,
+    /// Classifiers: the final eval top-1 accuracy over repeats (a column
+    /// of the boards that have it; not a ranking metric).
+    pub accuracy: Option<Summary>,
     pub rank: Option<usize>,
     /// Engagement checks that failed.
     pub flags: Vec<String>,
@@ -368,9 +393,10 @@ fn score(group: Group) -> Row {
             Summary::of(&xs)
         })
         .collect();
-    let has_target = group.runs.iter().any(|m| m.target_loss.is_some());
+    let has_target = group.runs.iter().any(|m| m.target_loss.is_some() || m.target_accuracy.is_some());
+    let accuracy = Summary::of(&group.runs.iter().filter_map(|m| m.final_eval_accuracy).collect::<Vec<_>>());
     let reached = (group.runs.iter().filter(|m| m.time_to_target_s.is_some()).count(), group.runs.len() + group.failures.len());
-    Row { group, summaries, verdicts: vec![None; METRICS.len()], reached, has_target, rank: None, flags: Vec::new() }
+    Row { group, summaries, verdicts: vec![None; METRICS.len()], reached, has_target, accuracy, rank: None, flags: Vec::new() }
 }
 
 /// Time to target first: only groups whose every repeat reached the target
@@ -505,6 +531,10 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
         }
         out.push_str(&format!("\n### `{}` on {}\n\n", b.workload, b.device));
         let mut header = vec!["rank", "strategy", "target reached"];
+        let accuracy = board_has_accuracy(b);
+        if accuracy {
+            header.push("eval accuracy");
+        }
         header.extend(METRICS.iter().map(|m| m.0));
         header.extend(["tokens/s vs baseline", "time to target vs baseline", "flags"]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
@@ -514,6 +544,9 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
                 format!("{}{}", r.group.strategy, if r.group.baseline { " (baseline)" } else { "" }),
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() },
             ];
+            if accuracy {
+                cells.push(fmt_summary("eval accuracy", &r.accuracy));
+            }
             for (i, (name, _)) in METRICS.iter().enumerate() {
                 cells.push(if i == 0 && r.has_target && r.reached.0 < r.reached.1 {
                     "no score (missed)".into()

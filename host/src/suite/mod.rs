@@ -21,7 +21,7 @@ mod spec;
 pub mod standard;
 mod validate;
 
-pub use model::{ModelConfig, PRESETS};
+pub use model::{resnet_macs, resnet_stages, ModelConfig, PRESETS, SMALL_IMAGE, VIT_PATCH};
 pub use plan::{mix_seed, Plan, PlanEntry};
 pub use spec::{
     DataSpec, Decay, DeviceKind, FaultSpec, Kernels, ModelKind, ModelSpec, NcclTransport, OptimizerSpec, Order, PluginSpec, Precision,

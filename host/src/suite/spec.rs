@@ -241,6 +241,10 @@ pub struct Workload {
     /// Target as a margin above the data's known loss floor.
     #[serde(default)]
     pub target_above_floor: Option<f64>,
+    /// Classification: target for the eval top-1 accuracy (in (0, 1]),
+    /// instead of a loss target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_accuracy: Option<f64>,
     /// End the entry at the first evaluation that reaches the target, as
     /// time-to-target benchmarks do; `steps` (or `time_budget_s`) is then
     /// the most it may train.
@@ -314,6 +318,8 @@ pub enum ModelKind {
     Encoder,
     /// Token MLP: embedding, one hidden layer, logits of the next token.
     Mlp,
+    /// Image classifier (ResNet), on `images` data.
+    Vision,
 }
 
 /// Where batches come from.
@@ -348,6 +354,34 @@ pub enum DataSpec {
         #[serde(default)]
         seed: Option<u64>,
     },
+    /// Class-conditional images: a seeded smooth prototype per class plus
+    /// Gaussian pixel noise, labels flipped to another class with
+    /// probability `label_noise` (the floor is that noise's entropy).
+    Images {
+        #[serde(default = "default_classes")]
+        classes: u32,
+        /// Height and width, pixels.
+        #[serde(default = "default_image_size")]
+        image_size: u32,
+        #[serde(default = "default_channels")]
+        channels: u32,
+        /// Standard deviation of the pixel noise.
+        #[serde(default = "default_pixel_noise")]
+        noise: f64,
+        #[serde(default = "default_label_noise")]
+        label_noise: f64,
+        /// Training augmentation: random crop with `padding`, horizontal flip.
+        #[serde(default = "default_true")]
+        augment: bool,
+        #[serde(default = "default_padding")]
+        padding: u32,
+        /// Threads making (and augmenting) samples (default: a quarter of
+        /// the cores, 1 to 4).
+        #[serde(default)]
+        threads: Option<u32>,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
 }
 
 /// The vocabulary of token files that do not give one: GPT-2's rounded up
@@ -355,12 +389,15 @@ pub enum DataSpec {
 pub const DEFAULT_BIN_VOCAB: u32 = 50304;
 
 impl DataSpec {
-    /// The token vocabulary the data implies (None for regression data).
+    /// The token vocabulary the data implies, or the classes of images
+    /// (None for regression data).
     pub fn vocab(&self) -> Option<u32> {
         match self {
             DataSpec::Synthetic { vocab, .. } => Some(*vocab),
             DataSpec::Bin { vocab, .. } => Some(vocab.unwrap_or(DEFAULT_BIN_VOCAB)),
             DataSpec::Regression { .. } => None,
+            // A classifier's outputs are its classes.
+            DataSpec::Images { classes, .. } => Some(*classes),
         }
     }
 }
@@ -373,6 +410,24 @@ fn default_val_fraction() -> f64 {
 }
 fn default_noise() -> f64 {
     0.1
+}
+fn default_classes() -> u32 {
+    10
+}
+fn default_image_size() -> u32 {
+    32
+}
+fn default_channels() -> u32 {
+    3
+}
+fn default_pixel_noise() -> f64 {
+    0.5
+}
+fn default_label_noise() -> f64 {
+    0.1
+}
+fn default_padding() -> u32 {
+    4
 }
 
 /// `recompute` as written: a name or a layer interval.

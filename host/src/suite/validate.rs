@@ -455,12 +455,27 @@ impl Checker<'_> {
                 self.err(&at("target_loss"), "`target_loss` must be a number", None);
             }
         }
+        if let Some(a) = w.target_accuracy {
+            if !(a > 0.0 && a <= 1.0) {
+                self.err(&at("target_accuracy"), "`target_accuracy` is a top-1 accuracy: a number in (0, 1]", None);
+            }
+            if w.target_loss.is_some() || w.target_above_floor.is_some() {
+                self.err(&at("target_accuracy"), "give a loss target or `target_accuracy`, not both", None);
+            }
+            if w.model.kind != ModelKind::Vision {
+                self.err(
+                    &at("target_accuracy"),
+                    "only classification workloads report accuracy",
+                    Some("`target_accuracy` needs `model.kind = \"vision\"`".into()),
+                );
+            }
+        }
         if w.stop_at_target {
-            if w.target_loss.is_none() && w.target_above_floor.is_none() {
+            if w.target_loss.is_none() && w.target_above_floor.is_none() && w.target_accuracy.is_none() {
                 self.err(
                     &at("stop_at_target"),
                     "`stop_at_target` needs a target",
-                    Some("set `target_loss` or `target_above_floor`".into()),
+                    Some("set `target_loss`, `target_above_floor` or `target_accuracy`".into()),
                 );
             }
             if w.eval_every == 0 && w.eval_every_tokens.is_none() {
@@ -478,8 +493,10 @@ impl Checker<'_> {
     fn model_fits_data(&mut self, i: usize, w: &Workload) {
         let data_at = [Key("workload"), Index(i), Key("data")];
         match (&w.model.kind, &w.data) {
-            (ModelKind::Encoder, DataSpec::Regression { .. }) => {}
+            (ModelKind::Encoder, DataSpec::Regression { .. }) | (ModelKind::Vision, DataSpec::Images { .. }) => {}
             (ModelKind::Encoder, _) => self.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
+            (ModelKind::Vision, _) => self.err(&data_at, "the vision model trains on `kind = \"images\"` data", None),
+            (_, DataSpec::Images { .. }) => self.err(&data_at, "image data needs `model.kind = \"vision\"`", None),
             (_, DataSpec::Regression { .. }) => self.err(
                 &data_at,
                 "regression data needs `model.kind = \"encoder\"`",
@@ -536,6 +553,36 @@ impl Checker<'_> {
                     self.err(&[Key("workload"), Index(i), Key("data"), Key("noise")], "`noise` must be zero or positive", None);
                 }
             }
+            DataSpec::Images { classes, image_size, channels, noise, label_noise, padding, threads, .. } => {
+                let at = |k: &'static str| [Key("workload"), Index(i), Key("data"), Key(k)];
+                if *classes < 2 {
+                    self.err(&at("classes"), "`classes` must be at least 2", None);
+                }
+                if *image_size < 4 {
+                    self.err(&at("image_size"), "`image_size` must be at least 4 pixels", None);
+                }
+                if *channels < 1 {
+                    self.err(&at("channels"), "`channels` must be at least 1", None);
+                }
+                if !(noise.is_finite() && *noise >= 0.0) {
+                    self.err(&at("noise"), "`noise` must be zero or positive", None);
+                }
+                // Beyond (K-1)/K the true class is no longer the likeliest label.
+                let most = (*classes as f64 - 1.0) / (*classes as f64).max(1.0);
+                if !(*label_noise >= 0.0 && *label_noise < most) {
+                    self.err(
+                        &at("label_noise"),
+                        format!("`label_noise` must lie in [0, {most:.4}): (classes - 1) / classes"),
+                        Some("the probability that a label is flipped to another class".into()),
+                    );
+                }
+                if *padding >= *image_size {
+                    self.err(&at("padding"), "`padding` must be smaller than `image_size`", None);
+                }
+                if *threads == Some(0) {
+                    self.err(&at("threads"), "`threads` must be at least 1", None);
+                }
+            }
         }
     }
 
@@ -549,6 +596,28 @@ impl Checker<'_> {
         if let Some(d) = w.model.dropout {
             if !(0.0..1.0).contains(&d) {
                 self.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
+            }
+        }
+        if w.model.kind == ModelKind::Vision {
+            let patch = ModelConfig::resolve(&w.model, 2, 1).ok().and_then(|c| c.patch);
+            if let (Some(p), DataSpec::Images { image_size, .. }) = (patch, &w.data) {
+                if i64::from(*image_size) % p != 0 {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("data"), Key("image_size")],
+                        format!("the Vision Transformer cuts images into {p} x {p} patches: `image_size` must be a multiple of {p}"),
+                        None,
+                    );
+                }
+            }
+            if w.seq_len != 1 {
+                self.err(
+                    &[Key("workload"), Index(i), Key("seq_len")],
+                    "a vision workload's sample is one image: `seq_len` must be 1",
+                    Some("tokens/s then counts images/s".into()),
+                );
+            }
+            if w.recompute.as_ref().is_some_and(|r| r.resolve() != Ok(crate::suite::Recompute::None)) {
+                self.err(&[Key("workload"), Index(i), Key("recompute")], "the vision model does not recompute activations", None);
             }
         }
         if let Some(Err(msg)) = w.recompute.as_ref().map(|r| r.resolve()) {
@@ -905,6 +974,74 @@ name = "b"
             let e = parse(&OK.replace("steps = 10", &format!("steps = 10\n{bad}"))).unwrap_err();
             assert!(e.0[0].message.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn vision_workloads_need_images_one_image_per_sample_and_a_resnet_depth_or_vit_patches() {
+        let vision = OK
+            .replace(r#"model = { kind = "gpt", preset = "tiny" }"#, r#"model = { kind = "vision", preset = "tiny" }"#)
+            .replace(r#"data = { kind = "synthetic", vocab = 64 }"#, r#"data = { kind = "images" }"#)
+            .replace("seq_len = 16", "seq_len = 1");
+        parse(&vision).unwrap();
+        parse(&vision.replace(
+            "steps = 10",
+            "steps = 10
+target_accuracy = 0.8
+stop_at_target = true
+eval_every = 5",
+        ))
+        .unwrap();
+        parse(&vision.replace(r#"preset = "tiny""#, r#"preset = "vit-tiny""#)).unwrap();
+        parse(&vision.replace(r#"preset = "tiny""#, "n_layer = 50, d_model = 16")).unwrap();
+        for (from, to, says) in [
+            ("seq_len = 1", "seq_len = 4", "`seq_len` must be 1"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "synthetic", vocab = 64 }"#, "trains on `kind = \"images\"` data"),
+            (r#"preset = "tiny""#, r#"preset = "tiny", n_layer = 12"#, "no ResNet of depth 12"),
+            (r#"preset = "tiny""#, r#"preset = "tiny", n_head = 2"#, "a ResNet has no `n_head`"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", label_noise = 0.9 }"#, "`label_noise` must lie in [0, 0.9000)"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", image_size = 8, padding = 8 }"#, "`padding` must be smaller"),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", threads = 0 }"#, "`threads` must be at least 1"),
+            (
+                "steps = 10",
+                "steps = 10
+target_accuracy = 1.5",
+                "`target_accuracy` is a top-1 accuracy",
+            ),
+            (
+                "steps = 10",
+                "steps = 10
+target_accuracy = 0.5
+target_loss = 1.0",
+                "not both",
+            ),
+            (
+                "steps = 10",
+                "steps = 10
+recompute = \"all\"",
+                "does not recompute",
+            ),
+        ] {
+            let e = parse(&vision.replace(from, to)).unwrap_err();
+            assert!(e.to_string().contains(says), "{to}: {e}");
+        }
+        // A ViT cuts the image into whole patches.
+        let e = parse(
+            &vision
+                .replace(r#"preset = "tiny""#, r#"preset = "vit-tiny""#)
+                .replace(r#"{ kind = "images" }"#, r#"{ kind = "images", image_size = 30 }"#),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("a multiple of 4"), "{e}");
+        // Accuracy targets are for classifiers; images for the vision model.
+        let e = parse(&OK.replace(
+            "steps = 10",
+            "steps = 10
+target_accuracy = 0.9",
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("only classification workloads"), "{e}");
+        let e = parse(&OK.replace(r#"data = { kind = "synthetic", vocab = 64 }"#, r#"data = { kind = "images" }"#)).unwrap_err();
+        assert!(e.to_string().contains("image data needs `model.kind = \"vision\"`"), "{e}");
     }
 
     #[test]

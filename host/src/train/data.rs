@@ -9,6 +9,9 @@
 //!   then u16 tokens) or nanoGPT's headerless u16 files, memory-mapped.
 //! * Regression: Gaussian inputs, target `w . mean_t(x) * sqrt(T) + noise * e`;
 //!   the MSE floor is `noise^2`.
+//! * Images ([`super::images`]): class prototypes plus noise with label
+//!   noise; the floor is the label noise's entropy. Augmented on the data
+//!   threads.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
+use super::images::{ImageSample, ImageSource, ImageSpec};
 use crate::suite::{DataSpec, DEFAULT_BIN_VOCAB};
 
 /// Magic number of llm.c token files.
@@ -232,6 +236,7 @@ enum SampleSource {
     Markov(MarkovChain),
     File { file: TokenFile, range: (usize, usize) },
     Gaussian { dim: usize },
+    Images(ImageSource),
 }
 
 /// One training sample, made on the host.
@@ -240,6 +245,8 @@ enum Sample {
     Tokens(Vec<i64>),
     /// `seq_len x dim` inputs and one unit-normal noise draw for the target.
     Gaussian(Vec<f32>, f32),
+    /// One image and its label.
+    Image(ImageSample),
 }
 
 impl SampleSource {
@@ -260,6 +267,7 @@ impl SampleSource {
                 let x = (0..t * dim).map(|_| rng.sample::<f32, _>(StandardNormal)).collect();
                 Sample::Gaussian(x, rng.sample::<f32, _>(StandardNormal))
             }
+            SampleSource::Images(src) => Sample::Image(src.sample(rng)),
         }
     }
 }
@@ -329,6 +337,125 @@ impl Drop for Prefetch {
     }
 }
 
+/// Image batches collated ahead of the training thread, on a thread of
+/// their own: the samples of the next batch are gathered from the
+/// [`Prefetch`] workers into one `[n, C, H, W]` tensor (in pinned memory
+/// when training on CUDA, so the upload can run without blocking) while
+/// the device trains on the current one. The next batch is taken to be as
+/// large as the last; when the batch policy asks for another size, rows
+/// are split off or more are fetched, in stream order, so the batches hold
+/// the same samples whatever was guessed.
+struct Collator {
+    requests: std::sync::mpsc::Sender<usize>,
+    batches: std::sync::mpsc::Receiver<(Tensor, Tensor)>,
+    /// Sizes of the batches asked for and not yet received.
+    in_flight: std::collections::VecDeque<usize>,
+    /// Rows received and not yet handed out (pixels, labels).
+    leftover: Option<(Tensor, Tensor)>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Collator {
+    /// Collates the samples of `stream`, images of `shape` (C, H, W), in
+    /// pinned memory for the GPU `cuda`.
+    fn start(mut stream: Prefetch, shape: [i64; 3], cuda: Option<usize>) -> Collator {
+        let (requests, rx) = std::sync::mpsc::channel::<usize>();
+        let (tx, batches) = std::sync::mpsc::sync_channel(2);
+        let worker = std::thread::Builder::new()
+            .name("harness-collate".into())
+            .spawn(move || {
+                // Pinned memory belongs to the current GPU's context: this
+                // thread's must be the training GPU's, or each rank process
+                // would also open a context on GPU 0 (PyTorch's pin-memory
+                // thread sets its device for the same reason). Without it,
+                // batches go unpinned and uploads copy synchronously.
+                let pinned = cuda.is_some_and(|i| crate::device::make_current(i).is_ok());
+                // Ends when the requests' sender or the batches' receiver goes.
+                while let Ok(n) = rx.recv() {
+                    let mut px = Vec::with_capacity(n * (shape[0] * shape[1] * shape[2]) as usize);
+                    let mut labels = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        if let Sample::Image(img) = stream.next() {
+                            px.extend(img.pixels);
+                            labels.push(img.label);
+                        }
+                    }
+                    let x = Tensor::from_slice(&px).view([n as i64, shape[0], shape[1], shape[2]]);
+                    let y = Tensor::from_slice(&labels);
+                    // Pinned memory can run out; the upload then copies
+                    // synchronously.
+                    let pin = |t: Tensor| if pinned { crate::torch_ext::pin_memory(&t).unwrap_or(t) } else { t };
+                    if tx.send((pin(x), pin(y))).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the collating thread");
+        Collator { requests, batches, in_flight: Default::default(), leftover: None, worker: Some(worker) }
+    }
+
+    fn ask(&mut self, n: usize) {
+        // The worker lives as long as `self`: the send cannot fail.
+        let _ = self.requests.send(n);
+        self.in_flight.push_back(n);
+    }
+
+    /// The next `n` images and labels of the stream, and the next batch
+    /// of as many asked for.
+    fn next(&mut self, n: usize) -> (Tensor, Tensor) {
+        let mut parts: Vec<(Tensor, Tensor)> = self.leftover.take().into_iter().collect();
+        let mut have: usize = parts.iter().map(|p| p.1.numel()).sum();
+        while have < n {
+            if self.in_flight.is_empty() {
+                self.ask(n - have);
+            }
+            let part = self.batches.recv().expect("the collating thread ended early");
+            self.in_flight.pop_front();
+            have += part.1.numel();
+            parts.push(part);
+        }
+        let (x, y) = if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+            (Tensor::cat(&xs, 0), Tensor::cat(&ys, 0))
+        };
+        let (x, y) = if have > n {
+            let extra = (have - n) as i64;
+            self.leftover = Some((x.narrow(0, n as i64, extra), y.narrow(0, n as i64, extra)));
+            (x.narrow(0, 0, n as i64), y.narrow(0, 0, n as i64))
+        } else {
+            (x, y)
+        };
+        if self.in_flight.is_empty() {
+            let ahead = n.saturating_sub(self.leftover.as_ref().map_or(0, |l| l.1.numel()));
+            if ahead > 0 {
+                self.ask(ahead);
+            }
+        }
+        (x, y)
+    }
+}
+
+impl Drop for Collator {
+    fn drop(&mut self) {
+        // Closing both channels ends the worker, which drops its stream.
+        let (dead, _) = std::sync::mpsc::channel();
+        self.requests = dead;
+        let (_, dead) = std::sync::mpsc::sync_channel(1);
+        self.batches = dead;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The training stream: samples, or image batches collated ahead.
+enum Stream {
+    Samples(Prefetch),
+    Images(Collator),
+}
+
 /// Samples made ahead of the training thread.
 const PREFETCH_DEPTH: usize = 256;
 
@@ -340,15 +467,21 @@ fn data_workers() -> usize {
 
 /// The data stream of one entry: training batches and a fixed eval set.
 pub struct Data {
-    train: Prefetch,
+    train: Stream,
     /// What `train` draws from, and its seed (to restart it elsewhere).
     source: Arc<SampleSource>,
     seed: u64,
     eval: Arc<SampleSource>,
     eval_seed: u64,
     floor: Option<f64>,
+    /// Classification: the best reachable top-1 accuracy.
+    best_accuracy: Option<f64>,
     /// Regression: the fixed unit vector and the noise level.
     regression: Option<(Tensor, f64)>,
+    /// Images: (channels, side).
+    image: Option<(i64, i64)>,
+    /// Threads making training samples.
+    workers: usize,
     seq_len: usize,
     consumed: u64,
     device: Device,
@@ -400,17 +533,44 @@ impl Data {
                 let src = Arc::new(SampleSource::Gaussian { dim });
                 (src.clone(), src, Some(noise * noise), Some((w, *noise)))
             }
+            DataSpec::Images { classes, image_size, channels, noise, label_noise, augment, padding, seed: s, .. } => {
+                let spec = ImageSpec {
+                    classes: *classes as usize,
+                    size: *image_size as usize,
+                    channels: *channels as usize,
+                    noise: *noise,
+                    label_noise: *label_noise,
+                    padding: *padding as usize,
+                    seed: s.unwrap_or(0x5eed),
+                };
+                // Training samples are augmented, eval samples only normalised.
+                let train = ImageSource::new(spec, *augment)?;
+                let eval = train.with_augment(false);
+                let floor = train.loss_floor();
+                (Arc::new(SampleSource::Images(train)), Arc::new(SampleSource::Images(eval)), Some(floor), None)
+            }
+        };
+        let (image, best_accuracy, workers) = match (spec, &*train) {
+            (DataSpec::Images { threads, .. }, SampleSource::Images(src)) => (
+                Some((src.spec().channels as i64, src.spec().size as i64)),
+                Some(src.best_accuracy()),
+                threads.map_or_else(data_workers, |n| n as usize),
+            ),
+            _ => (None, None, data_workers()),
         };
         // Deep enough for a few batches of the largest sizes in our suites.
         let depth = PREFETCH_DEPTH;
         Ok(Data {
-            train: Prefetch::start(train.clone(), seed, t, depth, 0, data_workers()),
+            train: stream(Prefetch::start(train.clone(), seed, t, depth, 0, workers), image, device),
             source: train,
             seed,
             eval,
             eval_seed: seed ^ 0xe7a1_5eed,
             floor,
+            best_accuracy,
             regression,
+            image,
+            workers,
             seq_len: t,
             consumed: 0,
             device,
@@ -422,6 +582,11 @@ impl Data {
         self.floor
     }
 
+    /// The best reachable top-1 accuracy of a classification source.
+    pub fn best_accuracy(&self) -> Option<f64> {
+        self.best_accuracy
+    }
+
     /// Training samples taken so far (the stream's position).
     pub fn position(&self) -> u64 {
         self.consumed
@@ -431,15 +596,26 @@ impl Data {
     /// after [`Data::position`] returned it: the following batches are the
     /// ones that came next then.
     pub fn seek(&mut self, position: u64) {
-        self.train = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, data_workers());
+        let samples = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, self.workers);
+        self.train = stream(samples, self.image, self.device);
         self.consumed = position;
     }
 
     /// The next training batch of `batch` samples.
     pub fn next_train(&mut self, batch: usize) -> Batch {
-        let samples: Vec<Sample> = (0..batch).map(|_| self.train.next()).collect();
         self.consumed += batch as u64;
-        self.to_batch(samples)
+        match &mut self.train {
+            Stream::Samples(p) => {
+                let samples: Vec<Sample> = (0..batch).map(|_| p.next()).collect();
+                self.to_batch(samples)
+            }
+            Stream::Images(c) => {
+                let (x, y) = c.next(batch);
+                // One image is one "token" (seq_len is 1).
+                let tokens = batch * self.seq_len;
+                Batch { input: upload(x, self.device), target: upload(y, self.device), tokens, samples: batch }
+            }
+        }
     }
 
     /// The fixed eval set: `n` batches, the same at every evaluation.
@@ -455,6 +631,20 @@ impl Data {
 
     fn to_batch(&self, samples: Vec<Sample>) -> Batch {
         let (b, t) = (samples.len(), self.seq_len);
+        if let Some((c, side)) = self.image {
+            let mut px = Vec::with_capacity(b * (c * side * side) as usize);
+            let mut labels = Vec::with_capacity(b);
+            for s in samples {
+                if let Sample::Image(img) = s {
+                    px.extend(img.pixels);
+                    labels.push(img.label);
+                }
+            }
+            let input = upload(Tensor::from_slice(&px).view([b as i64, c, side, side]), self.device);
+            let target = upload(Tensor::from_slice(&labels), self.device);
+            // One image is one "token" (seq_len is 1).
+            return Batch { input, target, tokens: b * t, samples: b };
+        }
         match &self.regression {
             None => {
                 let mut buf = Vec::with_capacity(b * (t + 1));
@@ -482,6 +672,20 @@ impl Data {
                 Batch { input: x, target: y, tokens: b * t, samples: b }
             }
         }
+    }
+}
+
+/// The training stream of `samples`: collated ahead for images.
+fn stream(samples: Prefetch, image: Option<(i64, i64)>, device: Device) -> Stream {
+    match image {
+        Some((c, side)) => {
+            let cuda = match device {
+                Device::Cuda(i) => Some(i),
+                _ => None,
+            };
+            Stream::Images(Collator::start(samples, [c, side, side], cuda))
+        }
+        None => Stream::Samples(samples),
     }
 }
 
@@ -536,7 +740,7 @@ mod tests {
             (0..n)
                 .map(|_| match p.next() {
                     Sample::Gaussian(x, e) => (x, e),
-                    Sample::Tokens(_) => unreachable!("a Gaussian source"),
+                    Sample::Tokens(_) | Sample::Image(_) => unreachable!("a Gaussian source"),
                 })
                 .collect::<Vec<_>>()
         };
@@ -547,6 +751,31 @@ mod tests {
         assert_eq!(&one[11..], &later[..], "seeking to sample 11 did not give the samples from 11 on");
         let other = take(&mut Prefetch::start(src, 8, 2, 16, 0, 1), 20);
         assert_ne!(one, other);
+    }
+
+    #[test]
+    fn collated_batches_hold_the_stream_in_order_whatever_their_sizes() {
+        let spec = ImageSpec { classes: 4, size: 8, channels: 2, noise: 0.1, label_noise: 0.2, padding: 1, seed: 1 };
+        let src = Arc::new(SampleSource::Images(ImageSource::new(spec, true).unwrap()));
+        let mut one = Prefetch::start(src.clone(), 5, 1, 16, 0, 1);
+        let (want_x, want_y): (Vec<Vec<f32>>, Vec<i64>) = (0..40)
+            .map(|_| match one.next() {
+                Sample::Image(i) => (i.pixels, i.label),
+                _ => unreachable!("an image source"),
+            })
+            .unzip();
+        // Sizes that change, as a batch policy changes them: fewer rows than
+        // were collated ahead, then more.
+        let mut c = Collator::start(Prefetch::start(src, 5, 1, 16, 0, 3), [2, 8, 8], None);
+        let mut at = 0;
+        for n in [4, 4, 2, 7, 3, 3, 9, 8] {
+            let (x, y) = c.next(n);
+            assert_eq!(x.size(), [n as i64, 2, 8, 8]);
+            assert_eq!(Vec::<i64>::try_from(&y).unwrap(), want_y[at..at + n], "labels of rows {at}..{}", at + n);
+            let px = Vec::<f32>::try_from(&x.reshape([-1])).unwrap();
+            assert_eq!(px, want_x[at..at + n].concat(), "pixels of rows {at}..{}", at + n);
+            at += n;
+        }
     }
 
     /// Joint entropy H(X_1..X_n) of the stationary chain, by enumerating every

@@ -21,6 +21,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod dp;
 pub mod fused;
+pub mod images;
 pub mod model;
 pub mod oom;
 pub mod optim;
@@ -30,6 +31,7 @@ pub mod resilience;
 pub mod setup;
 pub mod step;
 pub mod tiers;
+pub mod vision;
 
 use std::collections::BTreeMap;
 
@@ -156,7 +158,8 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     // Before the training clock starts: the snapshot buffers (pinned host
     // memory) take a while to allocate.
     let mut safe = Resilience::open(ctx, &mut t, &batch)?;
-    let mut meter = Meter::start(&t, target_loss(w, t.data.loss_floor()), ctx.memory_total_bytes)?;
+    let target = record::Target { loss: target_loss(w, t.data.loss_floor()), accuracy: w.target_accuracy };
+    let mut meter = Meter::start(&t, target, ctx.memory_total_bytes)?;
     let mut step = safe.resume(ctx, &mut t, &mut batch)?.unwrap_or(0);
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
     let replicas = replica_check();

@@ -7,6 +7,7 @@
 //!   with a mean-pool regression head (the TransformerEncoder regression
 //!   benchmark of docs/benchmarks.md).
 //! * `mlp`: a token MLP that predicts the next token from the current one.
+//! * `vision`: ResNet and ViT image classifiers ([`super::vision`]).
 //!
 //! Activation recomputation (the workload's `recompute`) wraps a layer in
 //! [`torch_ext::recompute`]: its activations are dropped after the forward
@@ -287,6 +288,7 @@ enum Net {
     Gpt { wte: nn::Embedding, wpe: nn::Embedding, blocks: Vec<GptBlock>, ln_f: Norm },
     Encoder { layers: Vec<EncoderLayer>, head: nn::Linear },
     Mlp { emb: nn::Embedding, hidden: Hidden, out: nn::Linear },
+    Vision(Box<super::vision::Vision>),
 }
 
 /// A model: its configuration, its network and which of its layers
@@ -360,6 +362,7 @@ impl Model {
                 hidden: Hidden { fc: linear(p / "fc", d, cfg.d_ff, std) },
                 out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
             },
+            ModelKind::Vision => Net::Vision(Box::new(super::vision::Vision::new(p, cfg))),
         };
         Model { cfg: cfg.clone(), net, recompute, fused: false }
     }
@@ -442,6 +445,7 @@ impl Model {
                 let logits = out.forward(&layer!(hidden, &emb.forward(input), &s, again(0)));
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
+            Net::Vision(net) => Output::Logits { logits: net.forward(input, train), target: target.shallow_clone() },
         }
     }
 }

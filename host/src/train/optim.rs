@@ -111,7 +111,10 @@ impl Optimizer {
             }
             Optimizer::Sgd { bufs, .. } => {
                 for (i, b) in bufs.iter_mut().enumerate() {
-                    *b = get(&format!("momentum.{i}"));
+                    // A copy: on the CPU the checkpoint's tensor is the
+                    // snapshot's own buffer, which training must not write
+                    // into (a later restore reads it).
+                    *b = get(&format!("momentum.{i}")).map(|t| t.copy());
                 }
                 Ok(())
             }
@@ -285,5 +288,22 @@ mod tests {
         o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None, None).unwrap();
         // buf1 = 0.5, buf2 = 0.9 * 0.5 + 0.5 = 0.95; p = 1 - 0.1 * (0.5 + 0.95)
         assert!((p.double_value(&[0]) - 0.855).abs() < 1e-6);
+    }
+
+    #[test]
+    fn restored_momentum_leaves_the_checkpoints_tensor_alone() {
+        // On the CPU a restore hands over the snapshot's own tensor; a
+        // later restore from the same snapshot must find it unchanged
+        // however training then updates the momentum in place.
+        let p = Tensor::from_slice(&[1.0f32]);
+        let spec = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+        let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
+        let saved = Tensor::from_slice(&[0.25f32]);
+        o.load_state(&mut |_| Some(saved.shallow_clone())).unwrap();
+        let state = o.state_tensors();
+        assert_eq!(state.len(), 1);
+        assert_eq!(state[0].1.double_value(&[0]), 0.25);
+        let _ = state[0].1.shallow_clone().g_mul_scalar_(0.9);
+        assert_eq!(saved.double_value(&[0]), 0.25, "the restored momentum is the checkpoint's tensor");
     }
 }

@@ -10,7 +10,7 @@ use hdrhistogram::Histogram;
 use tch::{Device, Kind, Tensor};
 
 use super::batch::Batch;
-use super::setup::Training;
+use super::setup::{Evaluation, Training};
 use super::step::Trained;
 use super::{EntryContext, EntryOutput};
 use crate::comm::{Collective, CommStats};
@@ -74,6 +74,24 @@ pub struct NonFiniteLoss {
 /// (step, training seconds, value)
 type Curve = Vec<(u64, f64, f64)>;
 
+/// What an evaluation must reach: an eval loss at or below `loss`, or a
+/// top-1 accuracy at or above `accuracy` (a suite sets one of them).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Target {
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+}
+
+impl Target {
+    fn set(&self) -> bool {
+        self.loss.is_some() || self.accuracy.is_some()
+    }
+
+    fn reached(&self, ev: &Evaluation) -> bool {
+        self.set() && self.loss.is_none_or(|t| ev.loss <= t) && self.accuracy.is_none_or(|t| ev.accuracy.is_some_and(|a| a >= t))
+    }
+}
+
 /// The measurements of one entry on one rank.
 pub struct Meter {
     pub timer: PhaseTimer,
@@ -93,16 +111,18 @@ pub struct Meter {
     pending_loss: Option<Pending>,
     loss_curve: Curve,
     eval_curve: Curve,
+    /// Classifiers: top-1 accuracy at every evaluation.
+    accuracy_curve: Curve,
     pub last_loss: Option<f64>,
-    /// The target loss, and (step, training seconds) when eval reached it.
-    target: Option<f64>,
+    /// The target, and (step, training seconds) when eval reached it.
+    target: Target,
     reached: Option<(u64, f64)>,
     last_iter: Instant,
 }
 
 impl Meter {
     /// Starts the clocks and the memory peaks.
-    pub fn start(t: &Training, target: Option<f64>, memory_total_bytes: u64) -> Result<Meter> {
+    pub fn start(t: &Training, target: Target, memory_total_bytes: u64) -> Result<Meter> {
         measure::reset_peak_rss();
         let cuda = match t.device {
             Device::Cuda(i) => Some(i),
@@ -126,6 +146,7 @@ impl Meter {
             pending_loss: None,
             loss_curve: Vec::new(),
             eval_curve: Vec::new(),
+            accuracy_curve: Vec::new(),
             last_loss: None,
             target,
             reached: None,
@@ -239,6 +260,7 @@ impl Meter {
         self.pending_loss = None;
         self.loss_curve.retain(|e| e.0 < to);
         self.eval_curve.retain(|e| e.0 <= to);
+        self.accuracy_curve.retain(|e| e.0 <= to);
         self.synchronize();
     }
 
@@ -263,12 +285,13 @@ impl Meter {
         Ok(())
     }
 
-    fn eval_point(&mut self, step: u64, t_train: f64, ev: f64) {
-        self.eval_curve.push((step, t_train, ev));
-        if let (Some(t), None) = (self.target, self.reached) {
-            if ev <= t {
-                self.reached = Some((step, t_train));
-            }
+    fn eval_point(&mut self, step: u64, t_train: f64, ev: Evaluation) {
+        self.eval_curve.push((step, t_train, ev.loss));
+        if let Some(a) = ev.accuracy {
+            self.accuracy_curve.push((step, t_train, a));
+        }
+        if self.reached.is_none() && self.target.reached(&ev) {
+            self.reached = Some((step, t_train));
         }
     }
 
@@ -351,7 +374,11 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         final_train_loss: m.last_loss,
         final_eval_loss: final_eval,
         loss_floor: t.data.loss_floor(),
-        target_loss: m.target,
+        target_loss: m.target.loss,
+        final_eval_accuracy: m.accuracy_curve.last().map(|e| e.2),
+        best_accuracy: t.data.best_accuracy().filter(|_| t.classifies()),
+        target_accuracy: m.target.accuracy,
+        accuracy_curve: m.accuracy_curve,
         time_to_target_s: reached.map(|r| r.1),
         steps_to_target: reached.map(|r| r.0),
         loss_curve: subsample(m.loss_curve, 512),

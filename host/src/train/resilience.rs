@@ -622,6 +622,7 @@ fn state(t: &mut Training) -> TrainState<'_> {
     TrainState {
         names: &t.names,
         params: &t.params,
+        buffers: &t.buffers,
         optimizer: &mut t.optimizer,
         scaler: t.scaler.as_mut(),
         strategies: &mut t.strategies,
@@ -693,6 +694,9 @@ type Named = Vec<(String, Tensor)>;
 pub struct TrainState<'a> {
     pub names: &'a [String],
     pub params: &'a [Tensor],
+    /// Untrained model state (batch norm's running statistics): each
+    /// rank's own, so it goes with the rank's state, not rank 0's model.
+    pub buffers: &'a [(String, Tensor)],
     pub optimizer: &'a mut Optimizer,
     pub scaler: Option<&'a mut LossScaler>,
     pub strategies: &'a mut Strategies,
@@ -702,12 +706,12 @@ pub struct TrainState<'a> {
 impl TrainState<'_> {
     /// The tensors a snapshot copies, where they live: the parameters
     /// (`with_model`: rank 0 writes them for every rank) and this rank's
-    /// optimizer and scaler state.
+    /// buffers, optimizer and scaler state.
     pub fn sources(&self, with_model: bool) -> (Named, Named) {
         let model =
             if with_model { self.names.iter().cloned().zip(self.params.iter().map(|p| p.shallow_clone())).collect() } else { Vec::new() };
-        let mut state: Vec<(String, Tensor)> =
-            self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)).collect();
+        let mut state: Vec<(String, Tensor)> = self.buffers.iter().map(|(n, t)| (format!("buffer/{n}"), t.shallow_clone())).collect();
+        state.extend(self.optimizer.state_tensors().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         if let Some(s) = &self.scaler {
             state.extend(s.state_tensors().into_iter().map(|(n, t)| (format!("scaler/{n}"), t)));
         }
@@ -732,8 +736,17 @@ impl TrainState<'_> {
     /// end), the small host-side state is saved at once.
     pub fn capture_into(&mut self, dst: &mut Snapshot, position: Position, with_model: bool) -> Result<()> {
         let (model, state) = self.sources(with_model);
-        let buffers = dst.state.len().min(state.len());
-        dst.state.truncate(buffers);
+        // The set holds the state and, after a snapshot, the generators'
+        // states behind it (appended below).
+        let fits =
+            dst.state.len() >= state.len() && dst.state.iter().zip(&state).all(|((dn, d), (sn, s))| dn == sn && d.size() == s.size());
+        if fits {
+            dst.state.truncate(state.len());
+        } else {
+            // The state grew after the sets were allocated: SGD makes its
+            // momentum buffers at its first step. Allocated again, once.
+            dst.state = super::tiers::buffers(&state, self.device.is_cuda())?;
+        }
         copy_into(&dst.model, &model)?;
         copy_into(&dst.state, &state)?;
         dst.ready = match self.device {
@@ -771,6 +784,15 @@ impl TrainState<'_> {
                     p.size()
                 );
                 p.shallow_clone().copy_(&v.1);
+            }
+            for (name, b) in self.buffers {
+                let v = snap
+                    .state
+                    .iter()
+                    .find(|(n, _)| n.strip_prefix("buffer/") == Some(name))
+                    .with_context(|| format!("the checkpoint lacks buffer `{name}`"))?;
+                anyhow::ensure!(v.1.size() == b.size(), "buffer `{name}`: shape {:?} in the checkpoint, {:?} here", v.1.size(), b.size());
+                b.shallow_clone().copy_(&v.1);
             }
             Ok(())
         })?;

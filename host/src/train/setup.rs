@@ -7,7 +7,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::data::{self, Data};
 use super::dp::{self, DataParallel};
-use super::model::{Model, ModelConfig};
+use super::model::{self, Model, ModelConfig};
 use super::oom::OomGuard;
 use super::optim::{LossScaler, Optimizer};
 use super::record::Pending;
@@ -55,6 +55,10 @@ pub struct Training {
     /// Parameter names and tensors, sorted by name (the same on every rank).
     pub names: Vec<String>,
     pub params: Vec<Tensor>,
+    /// Variables that are state but not trained (batch norm's running
+    /// statistics), by name: out of the gradient buckets and the optimizer,
+    /// in each rank's checkpoint state.
+    pub buffers: Vec<(String, Tensor)>,
     pub n_params: i64,
     pub data: Data,
     /// The fixed evaluation batches.
@@ -95,14 +99,17 @@ impl Training {
         let w = ctx.workload;
         let device = ctx.device;
         // The encoder reads vectors of its own width.
-        let cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+        let mut cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+        if let crate::suite::DataSpec::Images { channels, image_size, .. } = &w.data {
+            cfg.image = Some([i64::from(*channels), i64::from(*image_size)]);
+        }
         let (rank, world) = (comm.rank(), comm.world_size());
         let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
         let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
-        let (vs, mut model, names, params) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
+        let (vs, mut model, names, params, buffers) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
         if world > 1 {
             tch::no_grad(|| -> Result<()> {
-                for p in &params {
+                for p in params.iter().chain(buffers.iter().map(|b| &b.1)) {
                     comm.broadcast(&mut p.shallow_clone(), 0)?;
                 }
                 Ok(())
@@ -139,7 +146,10 @@ impl Training {
         let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
-        let fused_ce = fused && w.model.kind != ModelKind::Encoder && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
+        // The fused cross-entropy serves the token models (gpt, mlp).
+        let fused_ce = fused
+            && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision)
+            && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
         model.use_fused_kernels(fused);
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
@@ -148,6 +158,7 @@ impl Training {
             model,
             names,
             params,
+            buffers,
             n_params,
             data,
             eval_set,
@@ -182,11 +193,29 @@ impl Training {
         self.dp.bucket_bytes()
     }
 
-    /// Mean loss over the fixed eval set (no gradients, no dropout).
-    pub fn evaluate(&self) -> Result<f64> {
+    /// Whether the model classifies (its evaluations report accuracy).
+    pub fn classifies(&self) -> bool {
+        self.cfg.kind == ModelKind::Vision
+    }
+
+    /// Mean loss over the fixed eval set (no gradients, no dropout, batch
+    /// norm with its running statistics) and, for a classifier, the share
+    /// of eval samples whose largest logit is their label's (top-1
+    /// accuracy).
+    pub fn evaluate(&self) -> Result<Evaluation> {
         let mut total: Option<Tensor> = None;
+        let mut correct: Option<Tensor> = None;
+        let mut samples = 0i64;
         for b in &self.eval_set {
-            let l = tch::no_grad(|| self.model.loss(&b.input, &b.target, false)).to_kind(Kind::Double);
+            let (l, hits) = tch::no_grad(|| match self.model.forward(&b.input, &b.target, false) {
+                model::Output::Logits { logits, target } => {
+                    let hits = self.classifies().then(|| logits.argmax(-1, false).eq_tensor(&target).sum(Kind::Int64));
+                    (model::token_loss(&logits, &target), hits)
+                }
+                model::Output::Loss(l) => (l, None),
+            });
+            let l = l.to_kind(Kind::Double);
+            samples += b.samples as i64;
             if self.autocast.on() {
                 torch_ext::autocast_clear_cache()?;
             }
@@ -194,15 +223,36 @@ impl Training {
                 Some(t) => t + l,
                 None => l,
             });
+            if let Some(h) = hits {
+                correct = Some(match correct {
+                    Some(c) => c + h,
+                    None => h,
+                });
+            }
         }
-        Ok(total.map_or(f64::NAN, |t| t.double_value(&[]) / self.eval_set.len() as f64))
+        let loss = total.map_or(f64::NAN, |t| t.double_value(&[]) / self.eval_set.len() as f64);
+        let accuracy = correct.map(|c| c.int64_value(&[]) as f64 / samples.max(1) as f64);
+        Ok(Evaluation { loss, accuracy })
     }
 }
 
-/// The model from the entry's seed, parameters sorted by name. libtorch's
-/// generator is global to the process: thread ranks take turns so that each
-/// initialisation sees exactly the entry's seed.
-fn init_model(cfg: &ModelConfig, recompute: Recompute, seed: u64, device: Device) -> (nn::VarStore, Model, Vec<String>, Vec<Tensor>) {
+/// What an evaluation measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Evaluation {
+    pub loss: f64,
+    /// Top-1 accuracy, for classifiers.
+    pub accuracy: Option<f64>,
+}
+
+/// What [`init_model`] makes: the store, the model, the parameters' names
+/// and tensors, and the untrained state variables (buffers) by name.
+type Initialised = (nn::VarStore, Model, Vec<String>, Vec<Tensor>, Vec<(String, Tensor)>);
+
+/// The model from the entry's seed, parameters and buffers (variables that
+/// need no gradient) each sorted by name. libtorch's generator is global to
+/// the process: thread ranks take turns so that each initialisation sees
+/// exactly the entry's seed.
+fn init_model(cfg: &ModelConfig, recompute: Recompute, seed: u64, device: Device) -> Initialised {
     static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let (vs, model) = {
         let _turn = INIT.lock().unwrap_or_else(|e| e.into_inner());
@@ -213,8 +263,9 @@ fn init_model(cfg: &ModelConfig, recompute: Recompute, seed: u64, device: Device
     };
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let (names, params) = named.into_iter().unzip();
-    (vs, model, names, params)
+    let (trained, buffers): (Vec<_>, Vec<_>) = named.into_iter().partition(|(_, t)| t.requires_grad());
+    let (names, params) = trained.into_iter().unzip();
+    (vs, model, names, params, buffers)
 }
 
 /// Whether harness's fused kernels (bf16 on CUDA: cross-entropy, residual

@@ -47,7 +47,7 @@ pub struct Pool {
 
 /// A set of buffers of `like`'s shapes on the host, pinned when the state
 /// lives on a GPU (so copies into them need not wait).
-fn buffers(like: &[(String, Tensor)], pinned: bool) -> Result<Vec<(String, Tensor)>> {
+pub(super) fn buffers(like: &[(String, Tensor)], pinned: bool) -> Result<Vec<(String, Tensor)>> {
     like.iter()
         .map(|(n, t)| {
             let b = Tensor::empty(t.size(), (t.kind(), Device::Cpu));

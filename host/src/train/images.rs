@@ -1,0 +1,344 @@
+//! Class-conditional images whose best reachable loss and accuracy are known,
+//! and the CPU input pipeline of image training (augmentation and
+//! normalisation, run on the data threads of [`super::data`]).
+//!
+//! Each of `K` classes has a seeded prototype: a `4 x 4` grid per channel of
+//! standard normal values, enlarged to the image by nearest-neighbour
+//! blocks, scaled by [`AMPLITUDE`] around [`MEAN`]. A sample draws a class
+//! uniformly, adds Gaussian pixel noise of standard deviation `noise`, and
+//! keeps the class as its label with probability `1 - p`, else takes a
+//! uniformly random other class (`p` = `label_noise`).
+//!
+//! When the noisy images still tell their class apart (checked when the
+//! source is made, see [`ImageSource::new`]), the posterior of the label
+//! given the image is `1 - p` on the true class and `p / (K - 1)` on each
+//! other, so the lowest expected cross-entropy is the entropy of the label
+//! noise, `H = -(1 - p) ln(1 - p) - p ln(p / (K - 1))`, and the best top-1
+//! accuracy is `1 - p`.
+//!
+//! Training samples are augmented as CIFAR and ImageNet pipelines do: a
+//! random crop of the image padded with `padding` zeros on each side, and a
+//! horizontal flip with probability 1/2; every sample, training or eval, is
+//! then normalised per channel. A sample's randomness (class, label, noise,
+//! crop, flip) comes from that sample's own generator, so the stream does
+//! not depend on how many threads make it. `data.rs` collates batches of
+//! them ahead of the training thread (pinned on CUDA).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::StandardNormal;
+
+/// Prototype grid cells per side.
+pub const GRID: usize = 4;
+/// Pixel mean of every channel before normalisation.
+pub const MEAN: f64 = 0.5;
+/// Scale of the prototypes around [`MEAN`].
+pub const AMPLITUDE: f64 = 0.25;
+/// The least separation between two classes' prototypes, in pixel-noise
+/// standard deviations from each to the midpoint, for the floor to hold:
+/// a noisy image is then nearer another class's prototype with
+/// probability below `(K - 1) x Phi(-6)`, about `1e-9 x K`.
+pub const MIN_SEPARATION: f64 = 6.0;
+
+/// The shape and randomness of an image source (the `images` data table).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageSpec {
+    pub classes: usize,
+    pub size: usize,
+    pub channels: usize,
+    pub noise: f64,
+    pub label_noise: f64,
+    pub padding: usize,
+    pub seed: u64,
+}
+
+/// Errors making an image source.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(
+        "image classes are not separable enough for the loss floor to hold: two prototypes lie {separation:.2} noise \
+         standard deviations from their midpoint (at least {MIN_SEPARATION} needed); lower `noise`, raise `image_size` or \
+         change the data `seed`"
+    )]
+    NotSeparable { separation: f64 },
+}
+
+/// Prototypes and label noise of the `images` data.
+#[derive(Debug)]
+pub struct ImageSource {
+    spec: ImageSpec,
+    /// `K x C x GRID x GRID` prototype values (standard normal).
+    grid: Vec<f32>,
+    /// Per channel: (mean, standard deviation) of the pixels.
+    norm: (f32, f32),
+    /// Training samples are cropped and flipped.
+    augment: bool,
+}
+
+/// One image sample: `C x H x W` normalised pixels and its label.
+pub struct ImageSample {
+    pub pixels: Vec<f32>,
+    pub label: i64,
+}
+
+impl ImageSource {
+    /// The source of `spec`; fails when the classes are too close for the
+    /// loss floor to hold.
+    pub fn new(spec: ImageSpec, augment: bool) -> Result<ImageSource, ImageError> {
+        let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
+        let n = spec.classes * spec.channels * GRID * GRID;
+        let grid: Vec<f32> = (0..n).map(|_| rng.sample::<f32, _>(StandardNormal)).collect();
+        // Pixels are MEAN + AMPLITUDE x z + noise x e with z, e standard
+        // normal: their variance is AMPLITUDE^2 + noise^2.
+        let std = (AMPLITUDE * AMPLITUDE + spec.noise * spec.noise).sqrt();
+        let src = ImageSource { spec, grid, norm: (MEAN as f32, std as f32), augment };
+        let separation = src.separation();
+        if separation < MIN_SEPARATION {
+            return Err(ImageError::NotSeparable { separation });
+        }
+        Ok(src)
+    }
+
+    /// The spec it was made from.
+    pub fn spec(&self) -> &ImageSpec {
+        &self.spec
+    }
+
+    /// The same prototypes, augmented or not.
+    pub fn with_augment(&self, augment: bool) -> ImageSource {
+        ImageSource { spec: self.spec.clone(), grid: self.grid.clone(), norm: self.norm, augment }
+    }
+
+    /// A lower bound of the distance between the two nearest prototypes,
+    /// over twice the pixel noise (infinite without noise). Every grid cell
+    /// covers at least `floor(size / GRID)^2` pixels, so the images'
+    /// distance is at least that side times the grids' distance.
+    pub fn separation(&self) -> f64 {
+        let (k, d) = (self.spec.classes, self.spec.channels * GRID * GRID);
+        let mut least = f64::INFINITY;
+        for a in 0..k {
+            for b in a + 1..k {
+                let sq: f64 = (0..d).map(|i| (self.grid[a * d + i] - self.grid[b * d + i]) as f64).map(|x| x * x).sum();
+                least = least.min(sq.sqrt());
+            }
+        }
+        let side = (self.spec.size / GRID) as f64;
+        if self.spec.noise == 0.0 {
+            return f64::INFINITY;
+        }
+        side * AMPLITUDE * least / (2.0 * self.spec.noise)
+    }
+
+    /// The lowest expected cross-entropy (nats): the label noise's entropy.
+    pub fn loss_floor(&self) -> f64 {
+        label_noise_entropy(self.spec.label_noise, self.spec.classes)
+    }
+
+    /// The best expected top-1 accuracy: `1 - label_noise`.
+    pub fn best_accuracy(&self) -> f64 {
+        1.0 - self.spec.label_noise
+    }
+
+    /// Values per image.
+    pub fn pixels(&self) -> usize {
+        self.spec.channels * self.spec.size * self.spec.size
+    }
+
+    /// The clean prototype of class `c` in pixel space (before noise and
+    /// normalisation), `C x H x W`.
+    pub fn prototype(&self, c: usize) -> Vec<f32> {
+        let (ch, s) = (self.spec.channels, self.spec.size);
+        let mut out = Vec::with_capacity(self.pixels());
+        for k in 0..ch {
+            for y in 0..s {
+                for x in 0..s {
+                    let (gy, gx) = (y * GRID / s, x * GRID / s);
+                    let z = self.grid[((c * ch + k) * GRID + gy) * GRID + gx];
+                    out.push((MEAN + AMPLITUDE * z as f64) as f32);
+                }
+            }
+        }
+        out
+    }
+
+    /// The class and label of a sample, drawn first from its generator.
+    fn draw_label(&self, rng: &mut ChaCha8Rng) -> (usize, usize) {
+        let k = self.spec.classes;
+        let class = rng.random_range(0..k);
+        let flip = rng.random::<f64>() < self.spec.label_noise;
+        let label = if flip {
+            // Uniform over the other K - 1 classes.
+            let other = rng.random_range(0..k - 1);
+            if other >= class {
+                other + 1
+            } else {
+                other
+            }
+        } else {
+            class
+        };
+        (class, label)
+    }
+
+    /// An image of `class` with its noise, in pixel space.
+    fn noisy(&self, class: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+        let sigma = self.spec.noise as f32;
+        let mut px = self.prototype(class);
+        for v in &mut px {
+            *v += sigma * rng.sample::<f32, _>(StandardNormal);
+        }
+        px
+    }
+
+    /// One sample from its own generator: class, label, noise, then (for
+    /// training) crop and flip, then normalisation.
+    pub fn sample(&self, rng: &mut ChaCha8Rng) -> ImageSample {
+        let (class, label) = self.draw_label(rng);
+        let px = self.noisy(class, rng);
+        let mut px = if self.augment {
+            let pad = self.spec.padding;
+            let (dy, dx) = (rng.random_range(0..=2 * pad), rng.random_range(0..=2 * pad));
+            let flip = rng.random::<bool>();
+            crop_flip(&px, self.spec.channels, self.spec.size, pad, dy, dx, flip)
+        } else {
+            px
+        };
+        let (m, s) = self.norm;
+        for v in &mut px {
+            *v = (*v - m) / s;
+        }
+        ImageSample { pixels: px, label: label as i64 }
+    }
+}
+
+/// The crop at offset (`dy`, `dx`) of the image padded with `pad` zeros on
+/// every side, mirrored left to right when `flip`: torchvision's
+/// `RandomCrop(size, padding)` then `RandomHorizontalFlip`.
+pub fn crop_flip(px: &[f32], channels: usize, size: usize, pad: usize, dy: usize, dx: usize, flip: bool) -> Vec<f32> {
+    let mut out = vec![0.0f32; px.len()];
+    for c in 0..channels {
+        let plane = &px[c * size * size..(c + 1) * size * size];
+        let dst = &mut out[c * size * size..(c + 1) * size * size];
+        for y in 0..size {
+            // Row y of the crop is row y + dy - pad of the image.
+            let sy = y + dy;
+            if sy < pad || sy >= size + pad {
+                continue;
+            }
+            let row = &plane[(sy - pad) * size..(sy - pad + 1) * size];
+            for x in 0..size {
+                let sx = x + dx;
+                if sx < pad || sx >= size + pad {
+                    continue;
+                }
+                let to = if flip { size - 1 - x } else { x };
+                dst[y * size + to] = row[sx - pad];
+            }
+        }
+    }
+    out
+}
+
+/// Entropy (nats) of a label that is the true class with probability
+/// `1 - p` and each of the other `k - 1` classes with probability
+/// `p / (k - 1)`.
+pub fn label_noise_entropy(p: f64, k: usize) -> f64 {
+    let keep = if p < 1.0 { -(1.0 - p) * (1.0 - p).ln() } else { 0.0 };
+    let flip = if p > 0.0 { -p * (p / (k as f64 - 1.0)).ln() } else { 0.0 };
+    keep + flip
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(classes: usize, size: usize, noise: f64, label_noise: f64) -> ImageSpec {
+        ImageSpec { classes, size, channels: 3, noise, label_noise, padding: 2, seed: 5 }
+    }
+
+    /// The true posterior of every label given a clean (un-augmented)
+    /// image, from the Gaussian likelihoods of all prototypes and the label
+    /// noise, computed without the separation assumption.
+    fn posterior(src: &ImageSource, px_normalised: &[f32]) -> Vec<f64> {
+        let (m, s) = src.norm;
+        let sigma = src.spec.noise;
+        let k = src.spec.classes;
+        let x: Vec<f64> = px_normalised.iter().map(|v| (v * s + m) as f64).collect();
+        let logl: Vec<f64> = (0..k)
+            .map(|c| {
+                let mu = src.prototype(c);
+                -x.iter().zip(&mu).map(|(a, b)| (a - *b as f64).powi(2)).sum::<f64>() / (2.0 * sigma * sigma)
+            })
+            .collect();
+        let top = logl.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = logl.iter().map(|l| (l - top).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let p = src.spec.label_noise;
+        (0..k).map(|y| (0..k).map(|c| w[c] / z * if y == c { 1.0 - p } else { p / (k as f64 - 1.0) }).sum()).collect()
+    }
+
+    #[test]
+    fn the_floor_and_best_accuracy_are_what_the_true_posterior_reaches() {
+        // Three settings; a formula without the K - 1 (0.33 instead of 0.55
+        // nats at p = 0.1, K = 10) or with p in place of 1 - p fails them.
+        for (k, p) in [(10, 0.1), (4, 0.3), (7, 0.0)] {
+            let src = ImageSource::new(spec(k, 16, 0.3, p), false).unwrap();
+            let n = 20_000u64;
+            let (mut nll, mut hits) = (0.0, 0u64);
+            for i in 0..n {
+                let mut rng = ChaCha8Rng::seed_from_u64(99);
+                rng.set_stream(i);
+                let s = src.sample(&mut rng);
+                let post = posterior(&src, &s.pixels);
+                nll -= post[s.label as usize].ln();
+                let best = (0..k).max_by(|&a, &b| post[a].total_cmp(&post[b])).unwrap();
+                hits += (best == s.label as usize) as u64;
+            }
+            let (nll, acc) = (nll / n as f64, hits as f64 / n as f64);
+            // Standard errors: at most 1.4 nats and 0.46 per sample.
+            let floor = src.loss_floor();
+            assert!((nll - floor).abs() < 0.035, "K={k} p={p}: posterior cross-entropy {nll}, floor {floor}");
+            assert!((acc - src.best_accuracy()).abs() < 0.012, "K={k} p={p}: posterior accuracy {acc}, best {}", src.best_accuracy());
+        }
+        assert!((label_noise_entropy(0.1, 10) - (-(0.9f64 * 0.9f64.ln()) - 0.1 * (0.1f64 / 9.0).ln())).abs() < 1e-12);
+    }
+
+    #[test]
+    fn classes_too_close_for_the_floor_are_refused() {
+        assert!(matches!(ImageSource::new(spec(10, 8, 5.0, 0.1), false), Err(ImageError::NotSeparable { .. })));
+    }
+
+    #[test]
+    fn crops_shift_and_flips_mirror() {
+        // One channel, 3x3: 1..9.
+        let px: Vec<f32> = (1..=9).map(|v| v as f32).collect();
+        assert_eq!(crop_flip(&px, 1, 3, 1, 1, 1, false), px, "the centre crop is the image");
+        assert_eq!(crop_flip(&px, 1, 3, 1, 1, 1, true), vec![3., 2., 1., 6., 5., 4., 9., 8., 7.]);
+        // Offset (0, 0): one row and one column of padding enter top left.
+        assert_eq!(crop_flip(&px, 1, 3, 1, 0, 0, false), vec![0., 0., 0., 0., 1., 2., 0., 4., 5.]);
+        assert_eq!(crop_flip(&px, 1, 3, 1, 2, 2, false), vec![5., 6., 0., 8., 9., 0., 0., 0., 0.]);
+    }
+
+    #[test]
+    fn samples_are_normalised_and_fixed_by_their_generator() {
+        let src = ImageSource::new(spec(10, 16, 0.5, 0.1), true).unwrap();
+        let draw = |i: u64| {
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            rng.set_stream(i);
+            src.sample(&mut rng)
+        };
+        assert_eq!(draw(7).pixels, draw(7).pixels);
+        assert_ne!(draw(7).pixels, draw(8).pixels);
+        // Clean samples: every pixel is standardised.
+        let clean = src.with_augment(false);
+        let mut all = Vec::new();
+        for i in 0..400 {
+            let mut rng = ChaCha8Rng::seed_from_u64(4);
+            rng.set_stream(i);
+            all.extend(clean.sample(&mut rng).pixels);
+        }
+        let mean = all.iter().map(|&v| v as f64).sum::<f64>() / all.len() as f64;
+        let var = all.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / all.len() as f64;
+        assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.1, "mean {mean}, variance {var}");
+    }
+}
