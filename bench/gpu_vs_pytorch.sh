@@ -7,16 +7,18 @@
 # torch.compile run (e.g. when comparing two harness builds in one call).
 # Another model: SUITE, PYARGS (bench/pytorch_gpt.py's model arguments) and
 # WORKLOAD (the harness workload to compare), e.g. SUITE=suites/gpu1-1.3b.toml
-# PYARGS="--preset 1.3b --batch 8" WORKLOAD=gpt-1.3b-bf16.
+# PYARGS="--preset 1.3b --batch 8" WORKLOAD=gpt-1.3b-bf16; another family:
+# PYBENCH (default bench/pytorch_gpt.py), e.g. SUITE=suites/gpu-t5.toml
+# PYBENCH=bench/pytorch_t5.py WORKLOAD=t5-large-bf16.
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 SUITE=${SUITE:-suites/gpu.toml}
 "$BIN" env | tee "$OUT/env.txt"
 for r in 1 2; do
   "$BIN" run "$SUITE" --out "$OUT/harness-$r.json" --quiet > "$OUT/harness-$r.txt" 2>&1 || { cat "$OUT/harness-$r.txt"; exit 1; }
-  python3 bench/pytorch_gpt.py ${PYARGS:-} --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
+  python3 "${PYBENCH:-bench/pytorch_gpt.py}" ${PYARGS:-} --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
 done
 if [ "${COMPILE:-1}" != 0 ]; then
-  python3 bench/pytorch_gpt.py ${PYARGS:-} --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
+  python3 "${PYBENCH:-bench/pytorch_gpt.py}" ${PYARGS:-} --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
 fi
 python3 bench/summarize.py "$OUT" "${WORKLOAD:-gpt2-124m-bf16}"

@@ -13,6 +13,7 @@ mod run;
 mod sandbox;
 mod standard;
 mod submit;
+mod t5;
 mod vision;
 
 use std::path::{Path, PathBuf};

@@ -45,6 +45,11 @@ pub const PRESETS: &[(ModelKind, &str, i64, i64, i64, i64)] = &[
     // Vision Transformers: layers, heads, width, MLP width as for gpt.
     (ModelKind::Vision, "vit-tiny", 2, 2, 32, 64),
     (ModelKind::Vision, "vit-b16", 12, 12, 768, 3072),
+    // T5 v1.0 as released: layers per stack (encoder and decoder alike).
+    (ModelKind::T5, "tiny", 2, 4, 64, 256),
+    (ModelKind::T5, "small", 6, 8, 512, 2048),
+    (ModelKind::T5, "base", 12, 12, 768, 3072),
+    (ModelKind::T5, "large", 24, 16, 1024, 4096),
 ];
 
 /// The patch side of the Vision Transformer presets (a `vision` model is a
@@ -196,6 +201,10 @@ impl ModelConfig {
                     None => 6.0 * resnet_macs(self.n_layer, self.d_model, c, s, self.vocab),
                 }
             }
+            // Per target token, the source as long as the target: the
+            // parameters, and three attentions per layer pair (the
+            // encoder's, the decoder's, the cross attention).
+            ModelKind::T5 => 6.0 * params as f64 + 36.0 * (self.n_layer * self.d_model * self.seq_len) as f64,
         }
     }
 }

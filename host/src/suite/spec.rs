@@ -320,6 +320,9 @@ pub enum ModelKind {
     Mlp,
     /// Image classifier (ResNet), on `images` data.
     Vision,
+    /// T5's encoder–decoder (v1.0), trained with teacher forcing on
+    /// sequence pairs (`pairs` data).
+    T5,
 }
 
 /// Where batches come from.
@@ -382,6 +385,17 @@ pub enum DataSpec {
         #[serde(default)]
         seed: Option<u64>,
     },
+    /// Sequence pairs for the `t5` model: a seeded word-for-word translation
+    /// of uniform source tokens, each target word replaced by a random one
+    /// with probability `noise` (the floor is that noise's entropy; `noise =
+    /// 1` gives random targets).
+    Pairs {
+        vocab: u32,
+        #[serde(default = "default_noise")]
+        noise: f64,
+        #[serde(default)]
+        seed: Option<u64>,
+    },
 }
 
 /// The vocabulary of token files that do not give one: GPT-2's rounded up
@@ -398,6 +412,7 @@ impl DataSpec {
             DataSpec::Regression { .. } => None,
             // A classifier's outputs are its classes.
             DataSpec::Images { classes, .. } => Some(*classes),
+            DataSpec::Pairs { vocab, .. } => Some(*vocab),
         }
     }
 }

@@ -11,8 +11,8 @@ use sha2::{Digest, Sha256};
 
 use super::model::ModelConfig;
 use super::spec::{
-    DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Strategy, SuiteMeta, SuiteSpec, Workload, BATCH_POLICIES,
-    CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
+    DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
+    BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
 
 /// A loaded, validated suite with its source.
@@ -493,10 +493,18 @@ impl Checker<'_> {
     fn model_fits_data(&mut self, i: usize, w: &Workload) {
         let data_at = [Key("workload"), Index(i), Key("data")];
         match (&w.model.kind, &w.data) {
-            (ModelKind::Encoder, DataSpec::Regression { .. }) | (ModelKind::Vision, DataSpec::Images { .. }) => {}
+            (ModelKind::Encoder, DataSpec::Regression { .. })
+            | (ModelKind::Vision, DataSpec::Images { .. })
+            | (ModelKind::T5, DataSpec::Pairs { .. }) => {}
             (ModelKind::Encoder, _) => self.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
             (ModelKind::Vision, _) => self.err(&data_at, "the vision model trains on `kind = \"images\"` data", None),
+            (ModelKind::T5, _) => self.err(&data_at, "the t5 model trains on sequence pairs: `kind = \"pairs\"` data", None),
             (_, DataSpec::Images { .. }) => self.err(&data_at, "image data needs `model.kind = \"vision\"`", None),
+            (_, DataSpec::Pairs { .. }) => self.err(
+                &data_at,
+                "pairs data needs `model.kind = \"t5\"`",
+                Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
+            ),
             (_, DataSpec::Regression { .. }) => self.err(
                 &data_at,
                 "regression data needs `model.kind = \"encoder\"`",
@@ -583,6 +591,22 @@ impl Checker<'_> {
                     self.err(&at("threads"), "`threads` must be at least 1", None);
                 }
             }
+            DataSpec::Pairs { vocab, noise, .. } => {
+                if !(4..=65536).contains(vocab) {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("data"), Key("vocab")],
+                        "`vocab` must lie in 4..=65536 (tokens 0 and 1 start the target and end the source; two words at least)",
+                        None,
+                    );
+                }
+                if !(0.0..=1.0).contains(noise) {
+                    self.err(
+                        &[Key("workload"), Index(i), Key("data"), Key("noise")],
+                        "`noise` is a probability: it must lie in [0, 1]",
+                        Some("1 makes every target token random".into()),
+                    );
+                }
+            }
         }
     }
 
@@ -625,6 +649,12 @@ impl Checker<'_> {
                 &[Key("workload"), Index(i), Key("recompute")],
                 msg,
                 Some("recompute = \"all\" drops every layer's activations".into()),
+            );
+        } else if w.model.kind == ModelKind::T5 && w.recompute().is_ok_and(|r| r != Recompute::None) {
+            self.err(
+                &[Key("workload"), Index(i), Key("recompute")],
+                "the t5 model does not recompute activations yet",
+                Some("leave `recompute` out, or set it to \"none\"".into()),
             );
         }
     }

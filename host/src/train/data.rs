@@ -12,6 +12,9 @@
 //! * Images ([`super::images`]): class prototypes plus noise with label
 //!   noise; the floor is the label noise's entropy. Augmented on the data
 //!   threads.
+//! * Pairs ([`Translation`]): source and target sequences of `seq_len`
+//!   tokens each for the `t5` model; the floor is the entropy of the
+//!   target's noise.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +26,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::images::{ImageSample, ImageSource, ImageSpec};
 use crate::suite::{DataSpec, DEFAULT_BIN_VOCAB};
+pub use crate::train::pairs::Translation;
 
 /// Magic number of llm.c token files.
 pub const LLMC_MAGIC: i32 = 20240520;
@@ -237,11 +241,13 @@ enum SampleSource {
     File { file: TokenFile, range: (usize, usize) },
     Gaussian { dim: usize },
     Images(ImageSource),
+    Pairs(Translation),
 }
 
 /// One training sample, made on the host.
 enum Sample {
-    /// `seq_len + 1` tokens.
+    /// `seq_len + 1` tokens, or for pairs the source (`seq_len` words and
+    /// the end token) then the target (`seq_len` words).
     Tokens(Vec<i64>),
     /// `seq_len x dim` inputs and one unit-normal noise draw for the target.
     Gaussian(Vec<f32>, f32),
@@ -268,6 +274,12 @@ impl SampleSource {
                 Sample::Gaussian(x, rng.sample::<f32, _>(StandardNormal))
             }
             SampleSource::Images(src) => Sample::Image(src.sample(rng)),
+            SampleSource::Pairs(task) => {
+                let (mut src, mut tgt) = (Vec::with_capacity(2 * t + 1), Vec::with_capacity(t));
+                task.sample_into(rng, t, &mut src, &mut tgt);
+                src.extend(tgt);
+                Sample::Tokens(src)
+            }
         }
     }
 }
@@ -483,6 +495,8 @@ pub struct Data {
     /// Threads making training samples.
     workers: usize,
     seq_len: usize,
+    /// Samples are (source, target) pairs.
+    pairs: bool,
     consumed: u64,
     device: Device,
 }
@@ -549,6 +563,14 @@ impl Data {
                 let floor = train.loss_floor();
                 (Arc::new(SampleSource::Images(train)), Arc::new(SampleSource::Images(eval)), Some(floor), None)
             }
+            DataSpec::Pairs { vocab, noise, seed: s } => {
+                // The dictionary is the task, fixed by the data seed as the
+                // Markov chain is.
+                let task = Translation::new(*vocab as usize, *noise, s.unwrap_or(0x5eed));
+                let floor = task.floor();
+                let src = Arc::new(SampleSource::Pairs(task));
+                (src.clone(), src, Some(floor), None)
+            }
         };
         let (image, best_accuracy, workers) = match (spec, &*train) {
             (DataSpec::Images { threads, .. }, SampleSource::Images(src)) => (
@@ -558,6 +580,7 @@ impl Data {
             ),
             _ => (None, None, data_workers()),
         };
+        let pairs = matches!(spec, DataSpec::Pairs { .. });
         // Deep enough for a few batches of the largest sizes in our suites.
         let depth = PREFETCH_DEPTH;
         Ok(Data {
@@ -572,6 +595,7 @@ impl Data {
             image,
             workers,
             seq_len: t,
+            pairs,
             consumed: 0,
             device,
         })
@@ -646,6 +670,17 @@ impl Data {
             return Batch { input, target, tokens: b * t, samples: b };
         }
         match &self.regression {
+            None if self.pairs => {
+                // Sources then targets: the targets are the predicted tokens.
+                let mut buf = Vec::with_capacity(b * (2 * t + 1));
+                for s in samples {
+                    if let Sample::Tokens(v) = s {
+                        buf.extend(v);
+                    }
+                }
+                let all = upload(Tensor::from_slice(&buf).view([b as i64, 2 * t as i64 + 1]), self.device);
+                Batch { input: all.narrow(1, 0, t as i64 + 1), target: all.narrow(1, t as i64 + 1, t as i64), tokens: b * t, samples: b }
+            }
             None => {
                 let mut buf = Vec::with_capacity(b * (t + 1));
                 for s in samples {

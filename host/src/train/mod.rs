@@ -25,11 +25,13 @@ pub mod images;
 pub mod model;
 pub mod oom;
 pub mod optim;
+pub mod pairs;
 pub mod record;
 pub mod replicas;
 pub mod resilience;
 pub mod setup;
 pub mod step;
+pub mod t5;
 pub mod tiers;
 pub mod vision;
 

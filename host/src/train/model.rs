@@ -20,7 +20,7 @@ use tch::{Kind, Tensor};
 pub use crate::suite::ModelConfig;
 use crate::suite::{ModelKind, Recompute};
 use crate::torch_ext;
-use crate::train::fused;
+use crate::train::{fused, t5};
 
 /// Mean next-token cross-entropy of `[n, vocab]` logits.
 ///
@@ -289,6 +289,7 @@ enum Net {
     Encoder { layers: Vec<EncoderLayer>, head: nn::Linear },
     Mlp { emb: nn::Embedding, hidden: Hidden, out: nn::Linear },
     Vision(Box<super::vision::Vision>),
+    T5(Box<t5::T5>),
 }
 
 /// A model: its configuration, its network and which of its layers
@@ -363,6 +364,7 @@ impl Model {
                 out: linear(p / "out", cfg.d_ff, cfg.vocab, std),
             },
             ModelKind::Vision => Net::Vision(Box::new(super::vision::Vision::new(p, cfg))),
+            ModelKind::T5 => Net::T5(Box::new(t5::T5::new(p, cfg.vocab, d, cfg.d_ff, cfg.n_head, cfg.n_layer, cfg.dropout))),
         };
         Model { cfg: cfg.clone(), net, recompute, fused: false }
     }
@@ -371,6 +373,9 @@ impl Model {
     /// where they apply (bf16 autocast on CUDA; [`fused::add_norm`]).
     pub fn use_fused_kernels(&mut self, on: bool) {
         self.fused = on;
+        if let Net::T5(m) = &mut self.net {
+            m.use_fused_kernels(on);
+        }
     }
 
     /// Whether the residual adds and LayerNorms run through
@@ -446,6 +451,8 @@ impl Model {
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Net::Vision(net) => Output::Logits { logits: net.forward(input, train), target: target.shallow_clone() },
+            // Teacher forcing: the target is also the decoder's input.
+            Net::T5(m) => Output::Logits { logits: m.forward(input, target, train), target: target.reshape([-1]) },
         }
     }
 }
