@@ -99,3 +99,24 @@ fn run_refuses_an_invalid_suite_before_touching_results() {
     assert_eq!(out.status.code(), Some(harness::cli::exit::INVALID_SUITE));
     assert!(!dir.path().join("results").exists());
 }
+
+#[test]
+fn every_suite_in_the_repository_validates() {
+    // The GPU suites too: validation needs no GPU, and a suite that no
+    // longer parses would otherwise be found only on a lent machine.
+    let root = repo_root();
+    let mut suites: Vec<std::path::PathBuf> = Vec::new();
+    for dir in ["suites", "suites/standard/1.0"] {
+        for e in std::fs::read_dir(root.join(dir)).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                suites.push(p);
+            }
+        }
+    }
+    assert!(suites.len() > 20, "{suites:?}");
+    for s in suites {
+        let out = harness(&root).arg("validate").arg(&s).output().unwrap();
+        assert!(out.status.success(), "{}: {}", s.display(), String::from_utf8_lossy(&out.stderr));
+    }
+}
