@@ -516,7 +516,7 @@ fn ptr(t: Option<&Tensor>) -> *mut c_void {
 /// a freed tensor's memory from reuse by later work on that stream).
 unsafe fn launch(f: sys::CUfunction, grid: u32, block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
     // SAFETY: per the function's contract.
-    unsafe { launch2(f, (grid, 1, 1), block, args) }
+    unsafe { launch2(f, (grid, 1, 1), (block, 1, 1), args) }
 }
 
 /// Whether [`add_layer_norm`] takes rows of `c` channels.
@@ -665,15 +665,21 @@ fn gelu_shape(k: &Loaded, n: i64, c: i64) -> ((u32, u32, u32), u32) {
     ((down, across, 1), threads)
 }
 
-/// Launches a kernel on a 2-d grid (see [`launch`]).
+/// Launches a kernel on a grid and blocks of up to 3 dimensions (see
+/// [`launch`]).
 ///
 /// # Safety
 /// As for [`launch`].
-unsafe fn launch2(f: sys::CUfunction, grid: (u32, u32, u32), block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
+unsafe fn launch2(
+    f: sys::CUfunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &mut [&mut dyn std::any::Any],
+) -> anyhow::Result<()> {
     let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (&mut **a) as *mut dyn std::any::Any as *mut c_void).collect();
     // SAFETY: per the function's contract; each parameter points at a live
     // local of the caller for the duration of the call.
-    unsafe { result::launch_kernel(f, grid, (block, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    unsafe { result::launch_kernel(f, grid, block, 0, std::ptr::null_mut(), &mut params) }?;
     Ok(())
 }
 
@@ -693,7 +699,12 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
     // SAFETY: the arguments follow bias_gelu_fwd's signature (device
     // pointers to tensors of the checked shapes and kinds, then N, C).
     unsafe {
-        launch2(k.bias_gelu_fwd, grid, threads, &mut [&mut x.data_ptr(), &mut b.data_ptr(), &mut y.data_ptr(), &mut { n32 }, &mut { c32 }])?
+        launch2(
+            k.bias_gelu_fwd,
+            grid,
+            (threads, 1, 1),
+            &mut [&mut x.data_ptr(), &mut b.data_ptr(), &mut y.data_ptr(), &mut { n32 }, &mut { c32 }],
+        )?
     };
     Ok(y)
 }
@@ -716,7 +727,7 @@ pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result
         launch2(
             k.bias_gelu_bwd,
             grid,
-            threads,
+            (threads, 1, 1),
             &mut [&mut dy.data_ptr(), &mut x.data_ptr(), &mut b.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
                 c32
             }],
@@ -749,30 +760,23 @@ impl Partials {
                 "a gradient to add partial sums into must be contiguous fp32 [{c}] on their device"
             );
         }
-        let mut g = [std::ptr::null_mut(); 3];
-        for (slot, t) in g.iter_mut().zip(into) {
-            *slot = t.data_ptr();
-        }
-        let (mut b32, mut k32, mut c32) = (i32::try_from(blocks)?, i32::try_from(n)?, i32::try_from(c)?);
+        let (b32, k32, c32) = (i32::try_from(blocks)?, i32::try_from(n)?, i32::try_from(c)?);
         // One row of blocks per gradient (the first `into.len()` sums).
         let grid = ((c32 as u32).div_ceil(32), into.len() as u32, 1);
-        let mut part = self.0.data_ptr();
-        let [mut g0, mut g1, mut g2] = g;
-        let mut params: [*mut c_void; 7] = [
-            &mut part as *mut _ as *mut c_void,
-            &mut g0 as *mut _ as *mut c_void,
-            &mut g1 as *mut _ as *mut c_void,
-            &mut g2 as *mut _ as *mut c_void,
-            &mut b32 as *mut _ as *mut c_void,
-            &mut k32 as *mut _ as *mut c_void,
-            &mut c32 as *mut _ as *mut c_void,
-        ];
-        // SAFETY: the parameters match add_partials' signature: the partial
-        // sums [blocks, k, c] (contiguous, fresh from empty()), k checked
-        // fp32 [c] gradients (null beyond k, never read), then B, K, C; all
-        // outlive the call; the launch goes to libtorch's (legacy default)
+        let g = |i: usize| ptr(into.get(i).copied());
+        // SAFETY: the arguments follow add_partials' signature: the partial
+        // sums [blocks, k, c] (contiguous, fresh from empty()), the checked
+        // fp32 [c] gradients (null beyond `into`, never read), then B, K, C;
+        // all outlive the call, which goes to libtorch's (legacy default)
         // stream, as the kernel that wrote the sums did.
-        unsafe { result::launch_kernel(k.add_partials, grid, (32, 8, 1), 0, std::ptr::null_mut(), &mut params) }?;
+        unsafe {
+            launch2(
+                k.add_partials,
+                grid,
+                (32, 8, 1),
+                &mut [&mut self.0.data_ptr(), &mut g(0), &mut g(1), &mut g(2), &mut { b32 }, &mut { k32 }, &mut { c32 }],
+            )?
+        };
         Ok(())
     }
 }

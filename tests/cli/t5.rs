@@ -149,7 +149,7 @@ optimizer = { kind = "adamw", lr = 1e-3 }
         "pairs data needs `model.kind = \"t5\"`",
         "`vocab` must lie in 4..=65536",
         "`noise` is a probability",
-        "the t5 model does not recompute activations yet",
+        "the t5 model does not recompute activations",
     ] {
         assert!(err.contains(want), "missing {want:?} in:\n{err}");
     }

@@ -640,9 +640,6 @@ impl Checker<'_> {
                     Some("tokens/s then counts images/s".into()),
                 );
             }
-            if w.recompute.as_ref().is_some_and(|r| r.resolve() != Ok(crate::suite::Recompute::None)) {
-                self.err(&[Key("workload"), Index(i), Key("recompute")], "the vision model does not recompute activations", None);
-            }
         }
         if let Some(Err(msg)) = w.recompute.as_ref().map(|r| r.resolve()) {
             self.err(
@@ -650,12 +647,20 @@ impl Checker<'_> {
                 msg,
                 Some("recompute = \"all\" drops every layer's activations".into()),
             );
-        } else if w.model.kind == ModelKind::T5 && w.recompute().is_ok_and(|r| r != Recompute::None) {
-            self.err(
-                &[Key("workload"), Index(i), Key("recompute")],
-                "the t5 model does not recompute activations yet",
-                Some("leave `recompute` out, or set it to \"none\"".into()),
-            );
+        } else if w.recompute().is_ok_and(|r| r != Recompute::None) {
+            // The families whose layers are not wrapped for recomputation.
+            let family = match w.model.kind {
+                ModelKind::Vision => Some("vision"),
+                ModelKind::T5 => Some("t5"),
+                _ => None,
+            };
+            if let Some(family) = family {
+                self.err(
+                    &[Key("workload"), Index(i), Key("recompute")],
+                    format!("the {family} model does not recompute activations"),
+                    Some("leave `recompute` out, or set it to \"none\"".into()),
+                );
+            }
         }
     }
 

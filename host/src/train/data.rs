@@ -495,8 +495,6 @@ pub struct Data {
     /// Threads making training samples.
     workers: usize,
     seq_len: usize,
-    /// Samples are (source, target) pairs.
-    pairs: bool,
     consumed: u64,
     device: Device,
 }
@@ -580,7 +578,6 @@ impl Data {
             ),
             _ => (None, None, data_workers()),
         };
-        let pairs = matches!(spec, DataSpec::Pairs { .. });
         // Deep enough for a few batches of the largest sizes in our suites.
         let depth = PREFETCH_DEPTH;
         Ok(Data {
@@ -595,7 +592,6 @@ impl Data {
             image,
             workers,
             seq_len: t,
-            pairs,
             consumed: 0,
             device,
         })
@@ -670,7 +666,8 @@ impl Data {
             return Batch { input, target, tokens: b * t, samples: b };
         }
         match &self.regression {
-            None if self.pairs => {
+            // Samples are (source, target) pairs.
+            None if matches!(*self.source, SampleSource::Pairs(_)) => {
                 // Sources then targets: the targets are the predicted tokens.
                 let mut buf = Vec::with_capacity(b * (2 * t + 1));
                 for s in samples {

@@ -356,6 +356,17 @@ pub fn cast_weight(w: &Tensor) -> Tensor {
     out[0].shallow_clone()
 }
 
+/// The weight `w` as a matmul under autocast takes it: with the fused
+/// kernels (`fused`) on CUDA, through [`cast_weight`]; else as it is
+/// (autocast casts it).
+pub fn matmul_weight(w: &Tensor, fused: bool) -> Tensor {
+    if fused && w.device().is_cuda() {
+        cast_weight(w)
+    } else {
+        w.shallow_clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

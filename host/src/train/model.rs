@@ -150,16 +150,9 @@ impl Shape {
         dropout(x, self.dropout, self.train)
     }
 
-    /// A linear layer's weight for its matmul: with the fused kernels, cast
-    /// to bf16 by [`fused::cast_weight`] (its gradient added into the
-    /// gradient buffer by the cast's backward pass), else as it is (autocast
-    /// casts it).
+    /// A linear layer's weight for its matmul ([`fused::matmul_weight`]).
     fn weight(&self, l: &nn::Linear) -> Tensor {
-        if self.fused && l.ws.device().is_cuda() {
-            fused::cast_weight(&l.ws)
-        } else {
-            l.ws.shallow_clone()
-        }
+        fused::matmul_weight(&l.ws, self.fused)
     }
 
     /// `l(h)` with its bias in the matmul.
@@ -430,8 +423,7 @@ impl Model {
                     }
                 }
                 let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
-                let head = if s.fused && wte.ws.device().is_cuda() { fused::cast_weight(&wte.ws) } else { wte.ws.shallow_clone() };
-                let logits = x.matmul(&head.tr());
+                let logits = x.matmul(&fused::matmul_weight(&wte.ws, s.fused).tr());
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Net::Encoder { layers, head } => {

@@ -24,8 +24,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::train::fused;
 
-/// How a layer takes its weights for a matmul: as they are, or through
-/// [`fused::cast_weight`] (`kernels = "fused"` on CUDA in bf16).
+/// How a layer takes its weights for a matmul: through
+/// [`fused::matmul_weight`], with the fused kernels or without.
 #[derive(Clone, Copy)]
 struct Weights {
     fused: bool,
@@ -33,11 +33,7 @@ struct Weights {
 
 impl Weights {
     fn get(self, w: &Tensor) -> Tensor {
-        if self.fused && w.device().is_cuda() {
-            fused::cast_weight(w)
-        } else {
-            w.shallow_clone()
-        }
+        fused::matmul_weight(w, self.fused)
     }
 }
 
