@@ -328,18 +328,22 @@ extern "C" __global__ void cast_bf16(const float* __restrict__ w, bf16* __restri
   }
   for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f2bf(w[i]);
 }
-extern "C" __global__ void acc_bf16(float* __restrict__ g, const bf16* __restrict__ d, long long n) {
+// g += d (add != 0) or g = d, for fp32 g and bf16 d.
+extern "C" __global__ void acc_bf16(float* __restrict__ g, const bf16* __restrict__ d, long long n, int add) {
   const long long n8 = n / 8, stride = (long long)gridDim.x * blockDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
     float v[8];
     ld_bf8(d + 8 * i, v);
     float4* gv = reinterpret_cast<float4*>(g) + 2 * i;
-    float4 a = gv[0], b = gv[1];
-    a.x += v[0]; a.y += v[1]; a.z += v[2]; a.w += v[3];
-    b.x += v[4]; b.y += v[5]; b.z += v[6]; b.w += v[7];
+    float4 a = make_float4(v[0], v[1], v[2], v[3]), b = make_float4(v[4], v[5], v[6], v[7]);
+    if (add) {
+      const float4 a0 = gv[0], b0 = gv[1];
+      a.x += a0.x; a.y += a0.y; a.z += a0.z; a.w += a0.w;
+      b.x += b0.x; b.y += b0.y; b.z += b0.z; b.w += b0.w;
+    }
     gv[0] = a; gv[1] = b;
   }
-  for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) g[i] += bf2f(d[i]);
+  for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) g[i] = (add ? g[i] : 0.f) + bf2f(d[i]);
 }
 
 // g_k[c] += sum over b of part[b, k, c] for part [B, K, C] (fp32, K <= 3):
@@ -825,11 +829,26 @@ pub fn accumulate_bf16(g: &Tensor, d: &Tensor) -> anyhow::Result<()> {
             return Ok(());
         }
     };
+    acc_bf16(k, g, d, true)
+}
+
+/// `d` (bf16) as a new fp32 tensor, in one vectorised pass (libtorch's
+/// conversion, for tensors the kernel does not take).
+pub fn widen_bf16(d: &Tensor) -> anyhow::Result<Tensor> {
+    let g = Tensor::empty(d.size(), (Kind::Float, d.device()));
+    match loaded() {
+        Ok(k) if d.kind() == Kind::BFloat16 && vector_fits(&[&g, d]) => acc_bf16(k, &g, d, false)?,
+        _ => return Ok(d.f_to_kind(Kind::Float)?),
+    }
+    Ok(g)
+}
+
+fn acc_bf16(k: &Loaded, g: &Tensor, d: &Tensor, add: bool) -> anyhow::Result<()> {
     let n = g.numel() as i64;
     // SAFETY: the arguments follow acc_bf16's signature: device pointers to
-    // n contiguous, 16-byte aligned elements (g fp32, read and written; d
-    // bf16), then n; both outlive the call.
-    unsafe { launch(k.acc_bf16, vector_blocks(k, n), 256, &mut [&mut g.data_ptr(), &mut d.data_ptr(), &mut { n }])? };
+    // n contiguous, 16-byte aligned elements (g fp32, written, and read when
+    // adding; d bf16), then n and the flag; both tensors outlive the call.
+    unsafe { launch(k.acc_bf16, vector_blocks(k, n), 256, &mut [&mut g.data_ptr(), &mut d.data_ptr(), &mut { n }, &mut (add as i32)])? };
     Ok(())
 }
 

@@ -101,9 +101,9 @@ fn the_number_of_data_threads_changes_no_loss() {
 /// Two ranks, fp32: the built-in all-reduce, top-k with error feedback
 /// (plugin state) and a batch ramp, each checkpointing every 5 steps; the
 /// faulty run loses its work at steps 13 and 47 and restores.
-fn two_rank_suite(faults: &str) -> String {
+fn two_rank_suite(data_extra: &str, faults: &str) -> String {
     let plugin = |name: &str, file: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display());
-    let workload = tiny_vision(60, "", faults);
+    let workload = tiny_vision(60, data_extra, faults);
     format!(
         r#"[suite]
 name = "vision-ranks"
@@ -143,9 +143,21 @@ checkpoint_async = false
 
 #[test]
 fn two_ranks_with_compressors_batch_policies_and_failures_repeat_every_loss_and_accuracy() {
+    two_ranks_repeat_every_loss_and_accuracy("");
+}
+
+/// The same with the images made by tensor ops on the training device (the
+/// default of GPU runs): its noise is drawn per batch, so the ramp's batch
+/// sizes and the restores must still give the same batches.
+#[test]
+fn images_made_on_the_device_train_and_restore_bit_for_bit() {
+    two_ranks_repeat_every_loss_and_accuracy(", pipeline = \"device\"");
+}
+
+fn two_ranks_repeat_every_loss_and_accuracy(data_extra: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let clean = write(dir.path(), "clean.toml", &two_rank_suite(""));
-    let faulty = write(dir.path(), "faulty.toml", &two_rank_suite("faults = { at_steps = [13, 47] }"));
+    let clean = write(dir.path(), "clean.toml", &two_rank_suite(data_extra, ""));
+    let faulty = write(dir.path(), "faulty.toml", &two_rank_suite(data_extra, "faults = { at_steps = [13, 47] }"));
     let (a, b) = (dir.path().join("clean.json"), dir.path().join("faulty.json"));
     run_ok(harness(dir.path()).args(["run", "-q"]).arg(&clean).arg("--out").arg(&a));
     run_ok(harness(dir.path()).args(["run", "-q"]).arg(&faulty).arg("--out").arg(&b));

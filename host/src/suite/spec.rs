@@ -177,6 +177,18 @@ pub enum Order {
     Rotate,
 }
 
+/// Where the training images of `images` data are made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImagePipeline {
+    /// On host threads (augmentation on the CPU, batches collated ahead
+    /// into pinned memory): the input pipeline of a real training job.
+    Host,
+    /// By tensor ops on the training device, no CPU work but the
+    /// per-sample draws: for throughput runs.
+    Device,
+}
+
 /// Where a suite runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -382,6 +394,10 @@ pub enum DataSpec {
         /// the cores, 1 to 4).
         #[serde(default)]
         threads: Option<u32>,
+        /// Where training images are made (default: on the device when
+        /// training on a GPU and `threads` is not set, else on the host).
+        #[serde(default)]
+        pipeline: Option<ImagePipeline>,
         #[serde(default)]
         seed: Option<u64>,
     },

@@ -11,8 +11,8 @@ use sha2::{Digest, Sha256};
 
 use super::model::ModelConfig;
 use super::spec::{
-    DataSpec, FaultSpec, ModelKind, OptimizerSpec, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
-    BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
+    DataSpec, FaultSpec, ImagePipeline, ModelKind, OptimizerSpec, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec,
+    Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
 
 /// A loaded, validated suite with its source.
@@ -561,7 +561,7 @@ impl Checker<'_> {
                     self.err(&[Key("workload"), Index(i), Key("data"), Key("noise")], "`noise` must be zero or positive", None);
                 }
             }
-            DataSpec::Images { classes, image_size, channels, noise, label_noise, padding, threads, .. } => {
+            DataSpec::Images { classes, image_size, channels, noise, label_noise, padding, threads, pipeline, .. } => {
                 let at = |k: &'static str| [Key("workload"), Index(i), Key("data"), Key(k)];
                 if *classes < 2 {
                     self.err(&at("classes"), "`classes` must be at least 2", None);
@@ -589,6 +589,13 @@ impl Checker<'_> {
                 }
                 if *threads == Some(0) {
                     self.err(&at("threads"), "`threads` must be at least 1", None);
+                }
+                if threads.is_some() && *pipeline == Some(ImagePipeline::Device) {
+                    self.err(
+                        &at("threads"),
+                        "`threads` makes images on the host, but `pipeline = \"device\"` makes them on the device",
+                        Some("drop `threads`, or set `pipeline = \"host\"`".into()),
+                    );
                 }
             }
             DataSpec::Pairs { vocab, noise, .. } => {
@@ -1036,6 +1043,12 @@ eval_every = 5",
             (r#"data = { kind = "images" }"#, r#"data = { kind = "images", label_noise = 0.9 }"#, "`label_noise` must lie in [0, 0.9000)"),
             (r#"data = { kind = "images" }"#, r#"data = { kind = "images", image_size = 8, padding = 8 }"#, "`padding` must be smaller"),
             (r#"data = { kind = "images" }"#, r#"data = { kind = "images", threads = 0 }"#, "`threads` must be at least 1"),
+            (
+                r#"data = { kind = "images" }"#,
+                r#"data = { kind = "images", threads = 2, pipeline = "device" }"#,
+                "`pipeline = \"device\"` makes them on the device",
+            ),
+            (r#"data = { kind = "images" }"#, r#"data = { kind = "images", pipeline = "gpu" }"#, "unknown variant `gpu`"),
             (
                 "steps = 10",
                 "steps = 10

@@ -24,8 +24,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
-use super::images::{ImageSample, ImageSource, ImageSpec};
-use crate::suite::{DataSpec, DEFAULT_BIN_VOCAB};
+use super::images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
+use crate::suite::{DataSpec, ImagePipeline, DEFAULT_BIN_VOCAB};
 pub use crate::train::pairs::Translation;
 
 /// Magic number of llm.c token files.
@@ -235,6 +235,18 @@ pub struct Batch {
     pub samples: usize,
 }
 
+impl Batch {
+    /// The batch on `device` (the same tensors when it is there already).
+    pub fn to_device(&self, device: Device) -> Batch {
+        let on = |t: &Tensor| match (t.device(), device) {
+            (from, to) if from == to => t.shallow_clone(),
+            (_, Device::Cpu) => t.to_device(Device::Cpu),
+            _ => upload(t.shallow_clone(), device),
+        };
+        Batch { input: on(&self.input), target: on(&self.target), tokens: self.tokens, samples: self.samples }
+    }
+}
+
 /// Where samples come from; shared with the prefetch thread.
 enum SampleSource {
     Markov(MarkovChain),
@@ -298,7 +310,7 @@ struct Prefetch {
 }
 
 /// The generator of sample `i` of the stream seeded `seed`.
-fn sample_rng(seed: u64, i: u64) -> ChaCha8Rng {
+pub(crate) fn sample_rng(seed: u64, i: u64) -> ChaCha8Rng {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(i);
     rng
@@ -466,6 +478,8 @@ impl Drop for Collator {
 enum Stream {
     Samples(Prefetch),
     Images(Collator),
+    /// Images made on the training device.
+    Device(DeviceImages),
 }
 
 /// Samples made ahead of the training thread.
@@ -494,6 +508,8 @@ pub struct Data {
     image: Option<(i64, i64)>,
     /// Threads making training samples.
     workers: usize,
+    /// Images: made on the device rather than on host threads.
+    on_device: bool,
     seq_len: usize,
     consumed: u64,
     device: Device,
@@ -570,18 +586,20 @@ impl Data {
                 (src.clone(), src, Some(floor), None)
             }
         };
-        let (image, best_accuracy, workers) = match (spec, &*train) {
-            (DataSpec::Images { threads, .. }, SampleSource::Images(src)) => (
+        let (image, best_accuracy, workers, on_device) = match (spec, &*train) {
+            (DataSpec::Images { threads, pipeline, .. }, SampleSource::Images(src)) => (
                 Some((src.spec().channels as i64, src.spec().size as i64)),
                 Some(src.best_accuracy()),
                 threads.map_or_else(data_workers, |n| n as usize),
+                // Throughput runs on a GPU make their images there unless
+                // asked for host threads.
+                pipeline.unwrap_or(if device.is_cuda() && threads.is_none() { ImagePipeline::Device } else { ImagePipeline::Host })
+                    == ImagePipeline::Device,
             ),
-            _ => (None, None, data_workers()),
+            _ => (None, None, data_workers(), false),
         };
-        // Deep enough for a few batches of the largest sizes in our suites.
-        let depth = PREFETCH_DEPTH;
         Ok(Data {
-            train: stream(Prefetch::start(train.clone(), seed, t, depth, 0, workers), image, device),
+            train: stream(&train, seed, t, 0, workers, image.filter(|_| !on_device), device),
             source: train,
             seed,
             eval,
@@ -591,6 +609,7 @@ impl Data {
             regression,
             image,
             workers,
+            on_device,
             seq_len: t,
             consumed: 0,
             device,
@@ -616,8 +635,8 @@ impl Data {
     /// after [`Data::position`] returned it: the following batches are the
     /// ones that came next then.
     pub fn seek(&mut self, position: u64) {
-        let samples = Prefetch::start(self.source.clone(), self.seed, self.seq_len, PREFETCH_DEPTH, position, self.workers);
-        self.train = stream(samples, self.image, self.device);
+        self.train =
+            stream(&self.source, self.seed, self.seq_len, position, self.workers, self.image.filter(|_| !self.on_device), self.device);
         self.consumed = position;
     }
 
@@ -635,16 +654,23 @@ impl Data {
                 let tokens = batch * self.seq_len;
                 Batch { input: upload(x, self.device), target: upload(y, self.device), tokens, samples: batch }
             }
+            Stream::Device(d) => {
+                let (input, target) = d.next(batch).expect("making images on the device");
+                Batch { input, target, tokens: batch * self.seq_len, samples: batch }
+            }
         }
     }
 
-    /// The fixed eval set: `n` batches, the same at every evaluation.
+    /// The fixed eval set: `n` batches, the same at every evaluation, kept
+    /// in host memory ([`Batch::to_device`] uploads one at a time) so that
+    /// it takes no device memory from training (ImageNet-shaped images are
+    /// 0.6 MB each).
     pub fn eval_set(&mut self, n: usize, batch: usize) -> Vec<Batch> {
         let mut rng = ChaCha8Rng::seed_from_u64(self.eval_seed);
         (0..n)
             .map(|_| {
                 let samples = (0..batch).map(|_| self.eval.sample(&mut rng, self.seq_len)).collect();
-                self.to_batch(samples)
+                self.to_batch(samples).to_device(Device::Cpu)
             })
             .collect()
     }
@@ -707,9 +733,25 @@ impl Data {
     }
 }
 
-/// The training stream of `samples`: collated ahead for images.
-fn stream(samples: Prefetch, image: Option<(i64, i64)>, device: Device) -> Stream {
-    match image {
+/// The training stream of `source` seeded `seed` from sample `skip` on:
+/// images of `host_images` (channels, side) made on `workers` host threads
+/// and collated ahead; other images made on the device; other samples made
+/// ahead on `workers` threads.
+fn stream(
+    source: &Arc<SampleSource>,
+    seed: u64,
+    t: usize,
+    skip: u64,
+    workers: usize,
+    host_images: Option<(i64, i64)>,
+    device: Device,
+) -> Stream {
+    if let (SampleSource::Images(src), None) = (&**source, host_images) {
+        return Stream::Device(DeviceImages::new(src, seed, skip, device));
+    }
+    // Deep enough for a few batches of the largest sizes in our suites.
+    let samples = Prefetch::start(source.clone(), seed, t, PREFETCH_DEPTH, skip, workers);
+    match host_images {
         Some((c, side)) => {
             let cuda = match device {
                 Device::Cuda(i) => Some(i),
@@ -743,7 +785,7 @@ fn check_split(file: &TokenFile, range: (usize, usize), t: usize, vocab: u32) ->
 
 /// Host-to-device copy through pinned memory, asynchronous on CUDA so the
 /// host can prepare the next batch while the device trains.
-fn upload(t: Tensor, device: Device) -> Tensor {
+pub(crate) fn upload(t: Tensor, device: Device) -> Tensor {
     match device {
         Device::Cpu => t,
         d => match crate::torch_ext::pin_memory(&t) {

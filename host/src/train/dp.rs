@@ -160,6 +160,8 @@ pub struct DataParallel {
     buckets: Vec<Bucket>,
     /// ZeRO: this rank's shard.
     segments: Vec<Segment>,
+    /// Autograd's own gradients, no buffers ([`DataParallel::use_local_grads`]).
+    local: bool,
 }
 
 /// Whether a parameter gets weight decay: matrices and embeddings, not biases
@@ -200,6 +202,7 @@ impl DataParallel {
             device,
             buckets,
             segments: Vec::new(),
+            local: false,
         };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
@@ -207,7 +210,7 @@ impl DataParallel {
                     let flat = Tensor::zeros([b.padded], (b.kind, device));
                     for (&i, &off) in b.params.iter().zip(&b.offsets) {
                         let p = &params[i];
-                        let view = flat.narrow(0, off, p.numel() as i64).view(p.size().as_slice());
+                        let view = slot(&flat, off, p);
                         view.shallow_clone().copy_(p);
                         // The parameter now lives in the flat buffer (its own
                         // storage is freed); autograd still sees the same leaf.
@@ -256,13 +259,41 @@ impl DataParallel {
             let mut views = Vec::with_capacity(b.params.len());
             for (&i, &off) in b.params.iter().zip(&b.offsets) {
                 let p = &params[i];
-                let view = flat.narrow(0, off, p.numel() as i64).view(p.size().as_slice());
+                let view = slot(&flat, off, p);
                 torch_ext::set_grad(p, Some(&view))?;
                 views.push(view);
             }
             b.grad = Some((flat, views));
         }
         Ok(())
+    }
+
+    /// One rank without ZeRO whose compressor is the plain average (which
+    /// has nothing to do with one rank): the gradients are autograd's own,
+    /// as in single-GPU PyTorch with `zero_grad(set_to_none=True)`, so the
+    /// buffers go. Autograd then allocates each gradient as the backward
+    /// pass reaches it, while the pass frees activations, instead of all of
+    /// them living through the peak of the forward pass (up to the size of
+    /// the gradients less at peak), and no zeroing pass runs. Returns
+    /// whether it applies.
+    pub fn use_local_grads(&mut self, plain_average: bool) -> anyhow::Result<bool> {
+        if self.world != 1 || self.stage.sharded() || !plain_average || self.overlap.is_some() {
+            return Ok(false);
+        }
+        for b in &mut self.buckets {
+            b.grad = None;
+        }
+        torch_ext::grads_to_none(&self.params)?;
+        self.local = true;
+        Ok(true)
+    }
+
+    /// With local gradients: every parameter's, in bucket order (zeros for
+    /// one that no backward pass reached).
+    fn local_grads(&self) -> anyhow::Result<Vec<Tensor>> {
+        let order: Vec<usize> = self.buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
+        let all = torch_ext::grads(&self.params)?;
+        Ok(order.into_iter().map(|i| if all[i].defined() { all[i].shallow_clone() } else { self.params[i].zeros_like() }).collect())
     }
 
     /// Turns on the overlap of all-reduces with the backward pass; returns
@@ -322,6 +353,12 @@ impl DataParallel {
     pub fn grad_sq_norm(&self) -> anyhow::Result<Tensor> {
         anyhow::ensure!(!self.stage.sharded(), "gradient statistics are not computed under ZeRO");
         let mut total = Tensor::zeros([1], (Kind::Double, self.device));
+        if self.local {
+            for g in self.local_grads()? {
+                total += g.norm().to_kind(Kind::Double).square();
+            }
+            return Ok(total);
+        }
         for b in &self.buckets {
             if let Some((flat, _)) = &b.grad {
                 // One reduction pass without a temporary copy of the buffer.
@@ -336,7 +373,11 @@ impl DataParallel {
     /// device (a finite sum could only overflow with elements near f32's
     /// limit divided by their count).
     pub fn grad_checksum(&self) -> Tensor {
-        let mut sums: Vec<Tensor> = self.buckets.iter().filter_map(|b| b.grad.as_ref().map(|(flat, _)| flat.sum(Kind::Float))).collect();
+        let mut sums: Vec<Tensor> = if self.local {
+            self.local_grads().unwrap_or_default().iter().map(|g| g.sum(Kind::Float)).collect()
+        } else {
+            self.buckets.iter().filter_map(|b| b.grad.as_ref().map(|(flat, _)| flat.sum(Kind::Float))).collect()
+        };
         match sums.len() {
             0 => Tensor::zeros([], (Kind::Float, self.device)),
             1 => sums.pop().expect("one sum"),
@@ -347,21 +388,39 @@ impl DataParallel {
     /// The index of the first gradient bucket holding a NaN or infinity
     /// (a pass per bucket: for error messages).
     pub fn first_non_finite_bucket(&self) -> Option<usize> {
+        if self.local {
+            let grads = self.local_grads().ok()?;
+            let mut at = 0;
+            return self.buckets.iter().position(|b| {
+                let bad = grads[at..at + b.params.len()].iter().any(|g| g.isfinite().all().int64_value(&[]) == 0);
+                at += b.params.len();
+                bad
+            });
+        }
         self.buckets.iter().position(|b| b.grad.as_ref().is_some_and(|(flat, _)| flat.isfinite().all().int64_value(&[]) == 0))
     }
 
     /// Start of a step: zeroes the gradient buffers (ZeRO-2 has released
-    /// them and allocates zeroed ones before the first backward pass).
-    pub fn begin_step(&mut self) {
+    /// them and allocates zeroed ones before the first backward pass), or
+    /// drops the local gradients.
+    pub fn begin_step(&mut self) -> anyhow::Result<()> {
+        if self.local {
+            torch_ext::grads_to_none(&self.params)?;
+            return Ok(());
+        }
         for b in &mut self.buckets {
             if let Some((flat, _)) = &mut b.grad {
                 let _ = flat.zero_();
             }
         }
+        Ok(())
     }
 
     /// Before each backward pass: gives released buffers back (ZeRO-2).
     pub fn before_backward(&mut self, params: &[Tensor]) -> anyhow::Result<()> {
+        if self.local {
+            return Ok(());
+        }
         self.attach_grads(params)
     }
 
@@ -369,6 +428,9 @@ impl DataParallel {
     /// `.grad` must still be its view (autograd replacing it would leave the
     /// buffers, and so the reduction, without that gradient).
     pub fn check_grads(&self, params: &[Tensor]) -> anyhow::Result<()> {
+        if self.local {
+            return Ok(());
+        }
         let grads = torch_ext::grads(params)?;
         for b in &self.buckets {
             let Some((_, views)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
@@ -397,6 +459,10 @@ impl DataParallel {
         step: u64,
         scan: bool,
     ) -> anyhow::Result<()> {
+        if self.local {
+            // One rank: the average is the gradient.
+            return Ok(());
+        }
         let n = self.world as f64;
         let count = self.buckets.len();
         if let (Some(o), true) = (&self.overlap, compressor.is_plain_average()) {
@@ -455,6 +521,9 @@ impl DataParallel {
     /// [`DataParallel::update_targets`]: every parameter's (views of the
     /// buffers), or under ZeRO the shard's pieces of the reduced chunks.
     pub fn grads(&self) -> anyhow::Result<Vec<Tensor>> {
+        if self.local {
+            return self.local_grads();
+        }
         if !self.stage.sharded() {
             let views = self.buckets.iter().map(|b| b.grad.as_ref().map(|g| &g.1));
             let mut out = Vec::new();
@@ -515,6 +584,9 @@ impl DataParallel {
     /// allocated and the reduced chunks.
     pub fn gradient_bytes(&self) -> u64 {
         let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        if self.local {
+            return torch_ext::grads(&self.params).map_or(0, |g| g.iter().filter(|g| g.defined()).map(bytes).sum());
+        }
         self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| bytes(&g.0)) + b.reduced.as_ref().map_or(0, bytes)).sum()
     }
 
@@ -562,6 +634,36 @@ pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
         }
     }
     out
+}
+
+/// `p`'s place in the flat buffer `flat` (its `numel` values from `off`):
+/// a view with `p`'s shape and, when `p` is dense in some dimension order
+/// (as channels-last convolution weights are), `p`'s strides, so that
+/// gradients and ZeRO's parameters keep the parameter's memory layout, as
+/// DDP's bucket views do (fused optimizers need parameters, gradients and
+/// states alike, and autograd copies gradients of another layout).
+fn slot(flat: &Tensor, off: i64, p: &Tensor) -> Tensor {
+    let (size, stride) = (p.size(), p.stride());
+    if is_dense(&size, &stride) {
+        flat.as_strided(size.as_slice(), stride.as_slice(), off)
+    } else {
+        flat.narrow(0, off, p.numel() as i64).view(size.as_slice())
+    }
+}
+
+/// Whether strides lay a tensor of `size` out densely: sorted by stride,
+/// each (of a dimension longer than 1) is the product of the sizes below it.
+fn is_dense(size: &[i64], stride: &[i64]) -> bool {
+    let mut dims: Vec<(i64, i64)> = size.iter().zip(stride).filter(|(&n, _)| n != 1).map(|(&n, &s)| (s, n)).collect();
+    dims.sort_unstable();
+    let mut next = 1;
+    for (s, n) in dims {
+        if s != next {
+            return false;
+        }
+        next *= n;
+    }
+    true
 }
 
 #[cfg(test)]
@@ -614,7 +716,7 @@ mod tests {
         let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap();
         assert_eq!(dp.bucket_bytes(), [60, 28 + 16, 36]);
         for step in 0..2 {
-            dp.begin_step();
+            dp.begin_step().unwrap();
             for k in [1.0, 2.0] {
                 dp.before_backward(&ps).unwrap();
                 loss(&ps, k).backward();
@@ -630,6 +732,63 @@ mod tests {
         torch_ext::set_grad(&ps[2], Some(&Tensor::zeros([2, 2], tch::kind::FLOAT_CPU))).unwrap();
         let e = dp.check_grads(&ps).unwrap_err().to_string();
         assert!(e.contains("parameter 2's gradient is no longer a view"), "{e}");
+    }
+
+    #[test]
+    fn one_rank_with_the_plain_average_keeps_autograds_gradients() {
+        let reference = params(1);
+        for k in [1.0, 2.0] {
+            loss(&reference, k).backward();
+        }
+        let want: Vec<Vec<f32>> = torch_ext::grads(&reference).unwrap().iter().map(values).collect();
+        // Two ranks, ZeRO or a compressor keep the buffers.
+        let ps = params(1);
+        assert!(!DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
+        assert!(!DataParallel::new(&ps, 44, ZeroStage::None, 0, 1).unwrap().use_local_grads(false).unwrap());
+        let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, 0, 1).unwrap();
+        assert!(dp.use_local_grads(true).unwrap());
+        assert_eq!(dp.gradient_bytes(), 0, "the buffers stayed");
+        for step in 0..2 {
+            dp.begin_step().unwrap();
+            assert!(torch_ext::grads(&ps).unwrap().iter().all(|g| !g.defined()), "step {step} began with gradients");
+            for k in [1.0, 2.0] {
+                dp.before_backward(&ps).unwrap();
+                loss(&ps, k).backward();
+            }
+            dp.check_grads(&ps).unwrap();
+            let got: Vec<Vec<f32>> = dp.grads().unwrap().iter().map(values).collect();
+            assert_eq!(got, want, "step {step}");
+            assert_eq!(dp.gradient_bytes(), 4 * 35);
+        }
+        // A parameter no pass reached gets zeros for the optimizer.
+        dp.begin_step().unwrap();
+        (&ps[0] * 2.0).sum(Kind::Float).backward();
+        let g = dp.grads().unwrap();
+        assert_eq!(values(&g[0]), vec![2.0; 15]);
+        assert!(g[1..].iter().all(|g| values(g).iter().all(|&v| v == 0.0)));
+    }
+
+    #[test]
+    fn gradients_and_zero_parameters_keep_a_channels_last_layout() {
+        assert!(is_dense(&[2, 3, 4, 5], &[60, 1, 15, 3]) && is_dense(&[7, 1], &[1, 1]) && !is_dense(&[4, 4], &[8, 1]));
+        let conv = || {
+            let w = (Tensor::arange(2 * 3 * 2 * 2, tch::kind::FLOAT_CPU) * 0.1).sin().view([2, 3, 2, 2]);
+            crate::train::vision::channels_last(&w).set_requires_grad(true)
+        };
+        let reference = conv();
+        (&reference * &reference).sum(Kind::Float).backward();
+        for stage in [ZeroStage::None, ZeroStage::Two] {
+            let ps = vec![conv(), Tensor::ones([5], tch::kind::FLOAT_CPU).set_requires_grad(true)];
+            let strides = ps[0].stride();
+            let mut dp = DataParallel::new(&ps, 1 << 20, stage, 0, 2).unwrap();
+            assert_eq!(ps[0].stride(), strides, "{stage:?} changed the parameter's layout");
+            assert_eq!(ps[0].grad().stride(), strides, "{stage:?}: the gradient's layout is not the parameter's");
+            dp.begin_step().unwrap();
+            dp.before_backward(&ps).unwrap();
+            (&ps[0] * &ps[0]).sum(Kind::Float).backward();
+            dp.check_grads(&ps).unwrap();
+            assert!(ps[0].grad().equal(&reference.grad()), "{stage:?}");
+        }
     }
 
     #[test]
@@ -693,7 +852,7 @@ mod tests {
                 let ps = params(3);
                 let mut dp = DataParallel::new(&ps, 44, stage, rank, 2).unwrap();
                 let full = dp.gradient_bytes();
-                dp.begin_step();
+                dp.begin_step().unwrap();
                 dp.before_backward(&ps).unwrap();
                 // Rank r's gradient is (r + 1) x the loss's: the average is 1.5 x.
                 (loss(&ps, 1.0) * (rank as f64 + 1.0)).backward();
@@ -738,7 +897,7 @@ mod tests {
         let out = two_ranks(|rank, comm| {
             let ps = params(4);
             let mut dp = DataParallel::new(&ps, 1 << 20, ZeroStage::None, rank, 2).unwrap();
-            dp.begin_step();
+            dp.begin_step().unwrap();
             dp.before_backward(&ps).unwrap();
             loss(&ps, 1.0).backward();
             dp.reduce(&ps, &mut Sevens, comm, 0, false).unwrap();

@@ -309,9 +309,14 @@ impl CustomOp for CastWeight {
         let ([w], [dy]) = (saved, grads) else { anyhow::bail!("cast_weight: {} kept, {} gradients", saved.len(), grads.len()) };
         let Some(dy) = dy else { return Ok(vec![None]) };
         let Some(g) = buffer(w) else {
-            // No gradient buffer to add into (a model outside the training
-            // step): autograd's own accumulation, as after a plain cast.
-            return Ok(vec![Some(dy.to_kind(w.kind()))]);
+            // No gradient buffer to add into (one rank keeps autograd's own
+            // gradients, or a model outside the training step): autograd's
+            // accumulation, as after a plain cast, which takes the widened
+            // gradient as `.grad` when there is none yet.
+            return Ok(vec![Some(match self.engine {
+                Engine::Cuda => kernels::widen_bf16(dy)?,
+                Engine::Reference => dy.to_kind(w.kind()),
+            })]);
         };
         match self.engine {
             Engine::Cuda => kernels::accumulate_bf16(&g, dy)?,

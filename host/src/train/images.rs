@@ -211,6 +211,114 @@ impl ImageSource {
     }
 }
 
+/// The per-sample draws of the device pipeline: everything but the pixel
+/// noise, which [`DeviceImages`] draws for a whole batch on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Draw {
+    pub class: usize,
+    pub label: usize,
+    /// Crop offsets into the padded image (`padding` each: no shift).
+    pub dy: usize,
+    pub dx: usize,
+    pub flip: bool,
+}
+
+impl ImageSource {
+    /// Class, label, crop and flip of one device-pipeline sample, from its
+    /// own generator (un-augmented sources keep the image as it is).
+    pub fn draw(&self, rng: &mut ChaCha8Rng) -> Draw {
+        let (class, label) = self.draw_label(rng);
+        let pad = self.spec.padding;
+        if !self.augment {
+            return Draw { class, label, dy: pad, dx: pad, flip: false };
+        }
+        let (dy, dx) = (rng.random_range(0..=2 * pad), rng.random_range(0..=2 * pad));
+        Draw { class, label, dy, dx, flip: rng.random::<bool>() }
+    }
+}
+
+/// The `images` data made on the training device (`pipeline = "device"`):
+/// the same distribution as [`ImageSource::sample`] with no CPU work but
+/// the per-sample draws. Sample `i` takes its class, label, crop and flip
+/// from its own generator (as the host pipeline), and a batch's pixel noise
+/// is one normal draw on the device from a generator seeded by the stream's
+/// seed and the batch's first sample, so a stream is fixed by its seed and
+/// its batch sizes. Prototypes are enlarged, noised, cropped, flipped and
+/// normalised by tensor ops.
+pub struct DeviceImages {
+    source: ImageSource,
+    seed: u64,
+    /// Index of the next sample.
+    next: u64,
+    device: tch::Device,
+    /// `K x C x GRID x GRID` prototypes in pixel space.
+    proto: tch::Tensor,
+    /// Grid cell of each pixel row (and column).
+    cell: tch::Tensor,
+}
+
+impl DeviceImages {
+    /// The stream seeded `seed` from sample `start` on, on `device`.
+    pub fn new(source: &ImageSource, seed: u64, start: u64, device: tch::Device) -> DeviceImages {
+        let s = &source.spec;
+        let grid = tch::Tensor::from_slice(&source.grid).view([s.classes as i64, s.channels as i64, GRID as i64, GRID as i64]);
+        // Normalised up front, channels last.
+        let (m, sd) = source.norm;
+        let proto = ((grid * AMPLITUDE + MEAN - m as f64) / sd as f64).permute([0, 2, 3, 1]).contiguous().to_device(device);
+        let cells: Vec<i64> = (0..s.size).map(|y| (y * GRID / s.size) as i64).collect();
+        let cell = tch::Tensor::from_slice(&cells).to_device(device);
+        DeviceImages { source: source.with_augment(source.augment), seed, next: start, device, proto, cell }
+    }
+
+    /// The next `n` images (`n x C x H x W`, f32, normalised; on CUDA with
+    /// channels-last strides, as the vision models take them there) and
+    /// their labels.
+    pub fn next(&mut self, n: usize) -> Result<(tch::Tensor, tch::Tensor), crate::torch_ext::TorchError> {
+        use tch::{Kind, Tensor};
+        let start = self.next;
+        let draws: Vec<Draw> = (start..start + n as u64).map(|i| self.source.draw(&mut super::data::sample_rng(self.seed, i))).collect();
+        self.next += n as u64;
+        let dev = self.device;
+        // One pinned, non-blocking upload of the draws (a pageable copy would
+        // wait for the device to finish the step before).
+        let pad = self.source.spec.padding as i64;
+        let mut v: Vec<i64> = Vec::with_capacity(5 * n);
+        v.extend(draws.iter().map(|d| d.class as i64));
+        v.extend(draws.iter().map(|d| d.label as i64));
+        v.extend(draws.iter().map(|d| d.dy as i64 - pad));
+        v.extend(draws.iter().map(|d| d.dx as i64 - pad));
+        v.extend(draws.iter().map(|d| d.flip as i64));
+        let all = super::data::upload(Tensor::from_slice(&v).view([5, n as i64]), dev);
+        let (classes, labels) = (all.get(0), all.get(1));
+        let s = &self.source.spec;
+        let (b, c, side, g) = (n as i64, s.channels as i64, s.size as i64, GRID as i64);
+        // Pixel (y, x) of a sample shows pixel (y + dy - pad, x' + dx -
+        // pad) of its image, x' = x or, flipped, side - 1 - x; outside the
+        // image it is padding.
+        let xs = Tensor::arange(side, (Kind::Int64, dev)).unsqueeze(0);
+        let rows = &xs + all.get(2).unsqueeze(1);
+        let cols = xs.flip([1]).where_self(&all.get(4).unsqueeze(1).to_kind(Kind::Bool), &xs) + all.get(3).unsqueeze(1);
+        let cell = |t: &Tensor| self.cell.index_select(0, &t.clamp(0, side - 1).view([-1]));
+        // The prototypes' cells at those pixels (channels last), then the
+        // noise: drawn at each pixel shown, which is the same in law as
+        // noising the image before cropping.
+        let img = self.proto.index_select(0, &classes);
+        let img = img.gather(1, &cell(&rows).view([b, side, 1, 1]).expand([b, side, g, c], false), false);
+        let img = img.gather(2, &cell(&cols).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
+        let noise_seed = crate::suite::mix_seed(self.seed, "device images", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut x = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
+        let (m, sd) = self.source.norm;
+        let _ = x.g_mul_scalar_(s.noise / sd as f64).g_add_(&img);
+        if self.source.augment && pad > 0 {
+            let inside = |t: &Tensor| t.ge(0).logical_and(&t.lt(side));
+            let outside = inside(&rows).view([b, side, 1, 1]).logical_and(&inside(&cols).view([b, 1, side, 1])).logical_not();
+            let _ = x.masked_fill_(&outside, -(m / sd) as f64);
+        }
+        let x = x.permute([0, 3, 1, 2]);
+        Ok((if dev.is_cuda() { x } else { x.contiguous() }, labels))
+    }
+}
+
 /// The crop at offset (`dy`, `dx`) of the image padded with `pad` zeros on
 /// every side, mirrored left to right when `flip`: torchvision's
 /// `RandomCrop(size, padding)` then `RandomHorizontalFlip`.
@@ -340,5 +448,77 @@ mod tests {
         let mean = all.iter().map(|&v| v as f64).sum::<f64>() / all.len() as f64;
         let var = all.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / all.len() as f64;
         assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.1, "mean {mean}, variance {var}");
+    }
+
+    /// The host's maths for the device pipeline's draws: the prototype,
+    /// plus `noise` (pixel space, or none), cropped, flipped, normalised.
+    fn host_image(src: &ImageSource, d: &Draw, noise: Option<&[f32]>) -> Vec<f32> {
+        let mut px = src.prototype(d.class);
+        if let Some(e) = noise {
+            for (v, e) in px.iter_mut().zip(e) {
+                *v += src.spec.noise as f32 * e;
+            }
+        }
+        let px = crop_flip(&px, src.spec.channels, src.spec.size, src.spec.padding, d.dy, d.dx, d.flip);
+        px.iter().map(|v| (v - src.norm.0) / src.norm.1).collect()
+    }
+
+    fn draws(src: &ImageSource, seed: u64, range: std::ops::Range<u64>) -> Vec<Draw> {
+        range.map(|i| src.draw(&mut crate::train::data::sample_rng(seed, i))).collect()
+    }
+
+    #[test]
+    fn device_images_crop_flip_and_normalise_as_the_host_does() {
+        // No pixel noise: the device's images are the host's maths exactly
+        // (up to f32 rounding of the prototypes), sample for sample; on the
+        // GPU machines on CUDA too.
+        let src = ImageSource::new(spec(10, 8, 0.0, 0.3), true).unwrap();
+        let cuda = tch::Cuda::is_available();
+        if !cuda {
+            eprintln!("CUDA part skipped: no CUDA device (it runs on the GPU machines)");
+        }
+        for dev in std::iter::once(tch::Device::Cpu).chain(cuda.then_some(tch::Device::Cuda(0))) {
+            device_images_match_the_host(&src, dev);
+        }
+    }
+
+    fn device_images_match_the_host(src: &ImageSource, dev: tch::Device) {
+        let (x, y) = DeviceImages::new(src, 9, 5, dev).next(16).unwrap();
+        let (x, y) = (x.to_device(tch::Device::Cpu), y.to_device(tch::Device::Cpu));
+        assert_eq!(x.size(), [16, 3, 8, 8]);
+        let ds = draws(src, 9, 5..21);
+        assert!(ds.iter().any(|d| d.flip) && ds.iter().any(|d| !d.flip) && ds.iter().any(|d| d.dy != 2));
+        assert!(ds.iter().any(|d| d.label != d.class), "label noise 0.3 flipped none of 16 labels");
+        assert_eq!(Vec::<i64>::try_from(&y).unwrap(), ds.iter().map(|d| d.label as i64).collect::<Vec<_>>());
+        for (i, d) in ds.iter().enumerate() {
+            let got = Vec::<f32>::try_from(&x.get(i as i64).flatten(0, -1)).unwrap();
+            let want = host_image(src, d, None);
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "{dev:?}, sample {i}: off by {worst}");
+        }
+    }
+
+    #[test]
+    fn device_images_carry_unit_pixel_noise_fixed_by_seed_and_position() {
+        let src = ImageSource::new(spec(10, 16, 0.5, 0.1), false).unwrap();
+        let batch = |seed: u64, start: u64| DeviceImages::new(&src, seed, start, tch::Device::Cpu).next(32).unwrap().0;
+        let a = batch(3, 0);
+        assert!(a.equal(&batch(3, 0)), "the same seed and position gave other images");
+        assert!(!a.equal(&batch(4, 0)) && !a.equal(&batch(3, 32)));
+        // A stream moved to a batch's start (a restore) makes that batch.
+        let mut s = DeviceImages::new(&src, 3, 0, tch::Device::Cpu);
+        let _ = s.next(32).unwrap();
+        assert!(s.next(32).unwrap().0.equal(&batch(3, 32)));
+        // What is left after taking the clean images away is the pixel
+        // noise: standard normal in units of `noise`.
+        let mut e = Vec::new();
+        for (i, d) in draws(&src, 3, 0..32).iter().enumerate() {
+            let got = Vec::<f32>::try_from(&a.get(i as i64).flatten(0, -1)).unwrap();
+            let clean = host_image(&src, d, None);
+            e.extend(got.iter().zip(&clean).map(|(g, c)| ((g - c) * src.norm.1 / 0.5) as f64));
+        }
+        let mean = e.iter().sum::<f64>() / e.len() as f64;
+        let var = e.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / e.len() as f64;
+        assert!(mean.abs() < 0.02 && (var - 1.0).abs() < 0.03, "noise mean {mean}, variance {var} over {} pixels", e.len());
     }
 }

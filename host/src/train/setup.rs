@@ -141,6 +141,10 @@ impl Training {
         // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
         let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats && !oom.agree;
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
+        // One rank with the plain average: autograd's own gradients
+        // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
+        let local_allowed = std::env::var("HARNESS_LOCAL_GRADS").map_or(true, |v| v != "0");
+        tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
         let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);
@@ -207,6 +211,7 @@ impl Training {
         let mut correct: Option<Tensor> = None;
         let mut samples = 0i64;
         for b in &self.eval_set {
+            let b = b.to_device(self.device);
             let (l, hits) = tch::no_grad(|| match self.model.forward(&b.input, &b.target, false) {
                 model::Output::Logits { logits, target } => {
                     let hits = self.classifies().then(|| logits.argmax(-1, false).eq_tensor(&target).sum(Kind::Int64));

@@ -43,7 +43,7 @@ pub struct Trained {
 impl Training {
     /// Trains one step of `batch` at learning rate `lr`; `step` counts from 0.
     pub fn step(&mut self, comm: &mut dyn Collective, batch: &Batch, timer: &mut PhaseTimer, step: u64, lr: f64) -> Result<Stepped> {
-        self.dp.begin_step();
+        self.dp.begin_step()?;
         let emulated = self.oom.emulated(batch.micro_batch);
         let mut out = Trained { loss: None, tokens: 0, samples: 0, grad_stats: None };
         let guard = self.oom;
