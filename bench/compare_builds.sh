@@ -7,7 +7,7 @@
 # Usage: bench/compare_builds.sh BEFORE_BIN AFTER_BIN   (writes under $OUT)
 # Another model: SUITE (its only workload; e.g. suites/gpu1-1.3b.toml) and
 # PYARGS (bench/pytorch_gpt.py's model arguments, e.g. "--preset 1.3b
-# --batch 8"). COMPILE=0 skips torch.compile. REPLICA=1 also runs the after
+# --batch 8"), or another family: PYBENCH (e.g. bench/pytorch_t5.py). COMPILE=0 skips torch.compile. REPLICA=1 also runs the after
 # build with the replica check forced on every step
 # (HARNESS_REPLICA_CHECK_FORCE=1, HARNESS_REPLICA_CHECK_EVERY=1), to
 # measure what the fingerprint costs.
@@ -29,10 +29,10 @@ run() {  # NAME BIN [ENV...]
 for r in 1 2; do
   run "before-$r" "$BEFORE"
   run "after-$r" "$AFTER"
-  python3 bench/pytorch_gpt.py ${PYARGS:-} --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
+  python3 "${PYBENCH:-bench/pytorch_gpt.py}" ${PYARGS:-} --steps 100 --warmup 10 --json "$OUT/pytorch-eager-$r.json"
 done
 if [ "${COMPILE:-1}" != 0 ]; then
-  python3 bench/pytorch_gpt.py ${PYARGS:-} --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
+  python3 "${PYBENCH:-bench/pytorch_gpt.py}" ${PYARGS:-} --compile --steps 100 --warmup 10 --json "$OUT/pytorch-compile.json" || echo "torch.compile run failed"
 fi
 if [ "${REPLICA:-0}" = 1 ]; then
   run after-replica-every-step "$AFTER" HARNESS_REPLICA_CHECK_FORCE=1 HARNESS_REPLICA_CHECK_EVERY=1

@@ -149,6 +149,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--trace", help="write a Chrome trace of one step (after warm-up, untimed) to this file")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -180,6 +181,15 @@ def main():
     for i in range(a.warmup):
         step(i)
     torch.cuda.synchronize()
+    if a.trace:
+        # One more warm-up step, recorded as `harness run --trace` records
+        # one: operators with their shapes, kernels and copies.
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+            with torch.profiler.record_function("pytorch: step"):
+                step(a.warmup - 1)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(a.trace)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(a.warmup, a.warmup + a.steps):

@@ -58,6 +58,13 @@ char *hx_autocast_set(int device_type, int enabled, int dtype) {
   })
 }
 
+// Turns autocast on or off for a device type, its dtype and cache kept (the
+// training step turns it off around the backward pass, as torch.autocast's
+// context covers only the forward pass).
+char *hx_autocast_enable(int device_type, int enabled) {
+  HX_TRY(at::autocast::set_autocast_enabled(hx_device_type(device_type), enabled != 0))
+}
+
 // Clears the cast-weight cache that autocast keeps inside one forward pass.
 // torch.autocast does this when its context exits; with autocast left on for
 // a whole run the caller must do it after every forward, or the next forward

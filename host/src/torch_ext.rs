@@ -36,6 +36,7 @@ mod ffi {
         pub fn hx_free_error(err: *mut c_char);
         pub fn hx_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> *mut c_char;
         pub fn hx_autocast_clear_cache() -> *mut c_char;
+        pub fn hx_autocast_enable(device_type: c_int, enabled: c_int) -> *mut c_char;
         pub fn hx_backward(out: *mut c_void, grad: *mut c_void) -> *mut c_char;
         pub fn hx_grads_to_none(params: *const *mut c_void, n: c_int) -> *mut c_char;
         pub fn hx_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
@@ -146,6 +147,13 @@ pub fn set_autocast(device: AutocastDevice, kind: Option<Kind>) -> Result<(), To
     };
     // SAFETY: plain values; the shim catches every exception.
     check(unsafe { ffi::hx_autocast_set(device as c_int, enabled, dtype) })
+}
+
+/// Turns autocast on `device` on or off, keeping its dtype (and its cache:
+/// [`autocast_clear_cache`] after each forward pass empties it).
+pub fn set_autocast_enabled(device: AutocastDevice, enabled: bool) -> Result<(), TorchError> {
+    // SAFETY: plain values; the shim catches every exception.
+    check(unsafe { ffi::hx_autocast_enable(device as c_int, enabled as c_int) })
 }
 
 /// Drops autocast's cached low-precision copies of the weights; call after

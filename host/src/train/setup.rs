@@ -36,6 +36,35 @@ impl AutocastGuard {
     pub fn on(&self) -> bool {
         self.0.is_some()
     }
+
+    /// Autocast off until the returned guard goes: for the backward pass,
+    /// which runs with the state of the thread that starts it (the autograd
+    /// engine carries the caller's thread-local state to its device
+    /// threads). torch.autocast covers the forward pass only, so under it
+    /// a backward op runs in the dtypes autograd saved; left on, autocast
+    /// would cast again where PyTorch does not (T5's math attention ran its
+    /// fp32 gradient matmuls in bf16 behind 72 casts of [256, 513, 513]
+    /// tensors a step). Recomputed blocks restore the forward pass's state
+    /// themselves. `HARNESS_AUTOCAST_BACKWARD=1` leaves it on (as before
+    /// 2026-11-25), to measure the difference.
+    pub fn paused(&self) -> Result<AutocastPause> {
+        let on = self.0.filter(|_| std::env::var("HARNESS_AUTOCAST_BACKWARD").map_or(true, |v| v != "1"));
+        if let Some(d) = on {
+            torch_ext::set_autocast_enabled(d, false)?;
+        }
+        Ok(AutocastPause(on))
+    }
+}
+
+/// Turns autocast back on when it goes ([`AutocastGuard::paused`]).
+pub struct AutocastPause(Option<AutocastDevice>);
+
+impl Drop for AutocastPause {
+    fn drop(&mut self) {
+        if let Some(d) = self.0 {
+            let _ = torch_ext::set_autocast_enabled(d, true);
+        }
+    }
 }
 
 impl Drop for AutocastGuard {

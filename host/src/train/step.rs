@@ -95,6 +95,7 @@ impl Training {
             self.dp.before_backward(&self.params)?;
             self.dp.arm_overlap(comm, micro + 1 == accum);
             timer.start(Phase::Backward)?;
+            let autocast_off = self.autocast.paused()?;
             match seed {
                 Some((logits, grad)) => torch_ext::backward_with_grad(&logits, &grad)?,
                 None => {
@@ -105,6 +106,7 @@ impl Training {
                     scaled.backward();
                 }
             }
+            drop(autocast_off);
             self.dp.disarm_overlap();
             timer.stop()?;
             let l = if accum > 1 { loss.detach() / accum as f64 } else { loss.detach() };
