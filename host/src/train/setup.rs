@@ -316,3 +316,27 @@ fn fused_kernels(device: Device, precision: Precision, wanted: Kernels) -> (bool
     }
     (fused, warnings)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn autocast_covers_the_forward_pass_and_pauses_for_the_backward_pass() {
+        // Autocast is thread-local: this test's thread only.
+        let (a, b) = (Tensor::ones([4, 4], tch::kind::FLOAT_CPU), Tensor::ones([4, 4], tch::kind::FLOAT_CPU));
+        let guard = AutocastGuard::set(Device::Cpu, Precision::Bf16).unwrap();
+        assert_eq!(a.matmul(&b).kind(), Kind::BFloat16, "autocast is on for the forward pass");
+        {
+            let _off = guard.paused().unwrap();
+            assert_eq!(a.matmul(&b).kind(), Kind::Float, "autocast stayed on for the backward pass");
+        }
+        assert_eq!(a.matmul(&b).kind(), Kind::BFloat16, "autocast did not come back after the backward pass");
+        drop(guard);
+        assert_eq!(a.matmul(&b).kind(), Kind::Float);
+        // fp32 runs have no autocast to pause.
+        let fp32 = AutocastGuard::set(Device::Cpu, Precision::Fp32).unwrap();
+        let _off = fp32.paused().unwrap();
+        assert_eq!(a.matmul(&b).kind(), Kind::Float);
+    }
+}
