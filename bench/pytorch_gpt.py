@@ -11,11 +11,13 @@ baseline); tokens/s is counted after the warm-up steps.
 
 Prints one JSON object (and writes it to --json).
 """
-import argparse, json, math, os, time
+import argparse, math, os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from benchlib import memory, timed, warm_up, write
 
 PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
 
@@ -103,24 +105,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for i in range(a.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    if a.trace:
-        # One more warm-up step, recorded as `harness run --trace` records
-        # one: operators with their shapes, kernels and copies.
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
-            with torch.profiler.record_function("pytorch: step"):
-                step(a.warmup - 1)
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(a.trace)
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(a.warmup, a.warmup + a.steps):
-        loss = step(i)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    warm_up(step, a.warmup, a.trace)
+    dt, loss = timed(step, a.warmup, a.steps)
     tokens = a.steps * a.batch * a.seq * world
     tps = tokens / dt
     flops_per_token = 6 * n_params + 12 * layers * d * a.seq
@@ -131,19 +117,15 @@ def main():
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
         "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "ms_per_step": 1e3 * dt / a.steps,
         "achieved_tflops": flops_per_token * tps / 1e12,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        **memory(),
         "final_loss": loss.item(),
     }
     if rank != 0:
         torch.distributed.destroy_process_group()
         return
-    print(json.dumps(out))
+    write(out, a.json)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ harness's results). The timed loop never synchronises inside a step.
 
 Prints one JSON object (and writes it to --json).
 """
-import argparse, json, math, time
+import argparse
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from benchlib import memory, timed, warm_up, write
 
 DEPTHS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3]}
 
@@ -112,7 +114,7 @@ def main():
     step_fn = torch.compile(model) if a.compile else model
     model.train()
 
-    def step():
+    def step(i):
         # Images and labels made on the GPU each step (no CPU pipeline).
         x = torch.randn(a.batch, 3, a.image_size, a.image_size, device=dev).contiguous(memory_format=torch.channels_last)
         y = torch.randint(0, a.classes, (a.batch,), device=dev)
@@ -123,15 +125,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    warm_up(step, a.warmup)
+    dt, loss = timed(step, a.warmup, a.steps)
     ips = a.steps * a.batch / dt
     out = {
         "impl": "pytorch-compile" if a.compile else "pytorch-eager",
@@ -141,14 +136,10 @@ def main():
         "tokens_per_s": ips, "images_per_s": ips, "steps_per_s": a.steps / dt, "ms_per_step": 1e3 * dt / a.steps,
         # Training: forward, and backward at twice the forward's cost.
         "achieved_tflops": 6 * macs * ips / 1e12,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        **memory(),
         "final_loss": loss.item(),
     }
-    print(json.dumps(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write(out, a.json)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ counts target tokens. The timed loop never synchronises inside a step.
 
 Prints one JSON object (and writes it to --json).
 """
-import argparse, json, math, time
+import argparse, math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from benchlib import memory, timed, warm_up, write
 
 # layers per stack, heads, width, feed-forward width
 PRESETS = {"small": (6, 8, 512, 2048), "base": (12, 12, 768, 3072), "large": (24, 16, 1024, 4096)}
@@ -178,24 +180,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for i in range(a.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    if a.trace:
-        # One more warm-up step, recorded as `harness run --trace` records
-        # one: operators with their shapes, kernels and copies.
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
-            with torch.profiler.record_function("pytorch: step"):
-                step(a.warmup - 1)
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(a.trace)
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(a.warmup, a.warmup + a.steps):
-        loss = step(i)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    warm_up(step, a.warmup, a.trace)
+    dt, loss = timed(step, a.warmup, a.steps)
     tokens = a.steps * a.batch * a.seq
     tps = tokens / dt
     # Per target token, source as long as target: 6 x parameters, and the
@@ -208,14 +194,10 @@ def main():
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
         "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "steps_per_s": a.steps / dt,
         "ms_per_step": 1e3 * dt / a.steps, "achieved_tflops": flops_per_token * tps / 1e12,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        **memory(),
         "final_loss": loss.item(),
     }
-    print(json.dumps(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write(out, a.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""What the PyTorch reference benches (pytorch_gpt.py, pytorch_t5.py,
+pytorch_resnet.py) share: warm-up, one traced step, the timed loop and
+their JSON output. `step(i)` trains step i and returns its loss."""
+import json
+import time
+
+import torch
+
+
+def warm_up(step, n, trace=None):
+    """Runs steps 0..n-1, then, with `trace` (a path), records step n-1 once
+    more as `harness run --trace` records one: operators with their shapes,
+    kernels and copies, as a Chrome trace."""
+    for i in range(n):
+        step(i)
+    torch.cuda.synchronize()
+    if trace:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+            with torch.profiler.record_function("pytorch: step"):
+                step(n - 1)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
+
+
+def timed(step, first, n):
+    """Steps first..first+n-1 from a reset peak-memory counter, never
+    synchronising inside a step: (seconds, the last step's loss)."""
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(first, first + n):
+        loss = step(i)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, loss
+
+
+def memory():
+    """The timed loop's peak device memory, allocated and reserved."""
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+def write(out, path=None, show=True):
+    """Prints the result as one JSON line and writes it to `path`."""
+    if show:
+        print(json.dumps(out))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
