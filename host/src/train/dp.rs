@@ -702,14 +702,29 @@ mod tests {
         Vec::<f32>::try_from(&t.reshape([-1])).unwrap()
     }
 
-    #[test]
-    fn flat_buckets_collect_what_autograd_computes_and_zero_each_step() {
-        // Reference: fresh gradients from autograd over two micro-batches.
+    /// Fresh gradients from autograd over two micro-batches.
+    fn autograd_reference() -> Vec<Vec<f32>> {
         let reference = params(1);
         for k in [1.0, 2.0] {
             loss(&reference, k).backward();
         }
-        let want: Vec<Vec<f32>> = torch_ext::grads(&reference).unwrap().iter().map(values).collect();
+        torch_ext::grads(&reference).unwrap().iter().map(values).collect()
+    }
+
+    /// The two micro-batches of [`autograd_reference`] through `dp`: the
+    /// gradients the optimizer would read.
+    fn two_micro_batches(dp: &mut DataParallel, ps: &[Tensor]) -> Vec<Vec<f32>> {
+        for k in [1.0, 2.0] {
+            dp.before_backward(ps).unwrap();
+            loss(ps, k).backward();
+        }
+        dp.check_grads(ps).unwrap();
+        dp.grads().unwrap().iter().map(values).collect()
+    }
+
+    #[test]
+    fn flat_buckets_collect_what_autograd_computes_and_zero_each_step() {
+        let want = autograd_reference();
 
         // Same parameters, gradients as views of flat buckets of at most 44 bytes.
         let ps = params(1);
@@ -717,12 +732,7 @@ mod tests {
         assert_eq!(dp.bucket_bytes(), [60, 28 + 16, 36]);
         for step in 0..2 {
             dp.begin_step().unwrap();
-            for k in [1.0, 2.0] {
-                dp.before_backward(&ps).unwrap();
-                loss(&ps, k).backward();
-            }
-            dp.check_grads(&ps).unwrap();
-            let got: Vec<Vec<f32>> = dp.grads().unwrap().iter().map(values).collect();
+            let got = two_micro_batches(&mut dp, &ps);
             assert_eq!(got, want, "step {step}");
             // The buffers hold them: bucket 1 is parameters 1 and 2, back to back.
             let flat = &dp.buckets[1].grad.as_ref().unwrap().0;
@@ -736,11 +746,7 @@ mod tests {
 
     #[test]
     fn one_rank_with_the_plain_average_keeps_autograds_gradients() {
-        let reference = params(1);
-        for k in [1.0, 2.0] {
-            loss(&reference, k).backward();
-        }
-        let want: Vec<Vec<f32>> = torch_ext::grads(&reference).unwrap().iter().map(values).collect();
+        let want = autograd_reference();
         // Two ranks, ZeRO or a compressor keep the buffers.
         let ps = params(1);
         assert!(!DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
@@ -751,12 +757,7 @@ mod tests {
         for step in 0..2 {
             dp.begin_step().unwrap();
             assert!(torch_ext::grads(&ps).unwrap().iter().all(|g| !g.defined()), "step {step} began with gradients");
-            for k in [1.0, 2.0] {
-                dp.before_backward(&ps).unwrap();
-                loss(&ps, k).backward();
-            }
-            dp.check_grads(&ps).unwrap();
-            let got: Vec<Vec<f32>> = dp.grads().unwrap().iter().map(values).collect();
+            let got = two_micro_batches(&mut dp, &ps);
             assert_eq!(got, want, "step {step}");
             assert_eq!(dp.gradient_bytes(), 4 * 35);
         }
