@@ -57,6 +57,11 @@ fn the_vision_suite_trains_to_its_floor_and_best_accuracy_and_reports_accuracy()
     assert!(md.contains("| eval accuracy |"), "{md}");
     let html = std::fs::read_to_string(board.join("index.html")).unwrap();
     assert!(html.contains("<th>eval accuracy</th>"));
+    // So does `harness compare`, a row beside the speed metrics.
+    let o = run_ok(harness(dir.path()).arg("compare").arg(&out).arg(&out));
+    let table = String::from_utf8_lossy(&o.stdout);
+    let row = table.lines().find(|l| l.contains("eval accuracy")).unwrap_or_else(|| panic!("no accuracy row:\n{table}"));
+    assert!(row.contains("1.000"), "{row}");
 }
 
 /// A tiny vision workload on 16 x 16 images, `steps` long.

@@ -595,8 +595,10 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             "B / A",
             "difference",
         ]);
-        for (i, (name, better)) in METRICS.iter().enumerate() {
-            let (sa, sb) = (&rx.summaries[i], &ry.summaries[i]);
+        // Classifiers also compare their final eval accuracy.
+        let rows = METRICS.iter().enumerate().map(|(i, (name, better))| (*name, better, &rx.summaries[i], &ry.summaries[i]));
+        let accuracy = ("eval accuracy", &Better::Higher, &rx.accuracy, &ry.accuracy);
+        for (name, better, sa, sb) in rows.chain(std::iter::once(accuracy)) {
             if sa.is_none() && sb.is_none() {
                 continue;
             }
