@@ -7,6 +7,16 @@ import time
 import torch
 
 
+def run_args(ap):
+    """The options every bench takes: how many steps to time and warm up,
+    torch.compile, where to write the JSON and a trace."""
+    ap.add_argument("--steps", type=int, default=100, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--trace", help="write a Chrome trace of one step (after warm-up, untimed) to this file")
+
+
 def warm_up(step, n, trace=None):
     """Runs steps 0..n-1, then, with `trace` (a path), records step n-1 once
     more as `harness run --trace` records one: operators with their shapes,

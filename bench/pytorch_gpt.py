@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, timed, warm_up, write
+from benchlib import memory, run_args, timed, warm_up, write
 
 PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
 
@@ -70,11 +70,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--steps", type=int, default=100, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--json")
-    ap.add_argument("--trace", help="write a Chrome trace of one step (after warm-up, untimed) to this file")
+    run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
     # Under torchrun: DDP over NCCL, one process per GPU (as harness's ranks).

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, timed, warm_up, write
+from benchlib import memory, run_args, timed, warm_up, write
 
 DEPTHS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3]}
 
@@ -99,10 +99,7 @@ def main():
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=5e-5)
-    ap.add_argument("--steps", type=int, default=100, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--json")
+    run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
@@ -125,7 +122,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    warm_up(step, a.warmup)
+    warm_up(step, a.warmup, a.trace)
     dt, loss = timed(step, a.warmup, a.steps)
     ips = a.steps * a.batch / dt
     out = {

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, timed, warm_up, write
+from benchlib import memory, run_args, timed, warm_up, write
 
 # layers per stack, heads, width, feed-forward width
 PRESETS = {"small": (6, 8, 512, 2048), "base": (12, 12, 768, 3072), "large": (24, 16, 1024, 4096)}
@@ -147,11 +147,7 @@ def main():
     ap.add_argument("--seq", type=int, default=512, help="target length (the source is as many words and the end token)")
     ap.add_argument("--vocab", type=int, default=32128)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--steps", type=int, default=100, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--json")
-    ap.add_argument("--trace", help="write a Chrome trace of one step (after warm-up, untimed) to this file")
+    run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"

@@ -107,6 +107,36 @@ pub fn suite(name: &str, extra_meta: &str, workloads: &str) -> String {
     format!("[suite]\nname = \"{name}\"\ndevice = \"cpu\"\nwarmup_steps = 2\nthreads = 1\n{extra_meta}\n{workloads}")
 }
 
+/// A `[[plugin]]` table for the native build `file` of plugin `name`.
+pub fn native_plugin(name: &str, file: &str) -> String {
+    format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display())
+}
+
+/// The strategies of the two-rank restore tests, with the plugin tables
+/// they need: the built-in all-reduce (the baseline) and top-k keeping 10%
+/// with error feedback (plugin state), each checkpointing every 5 steps and
+/// keeping 2.
+pub fn checkpointed_allreduce_and_topk() -> String {
+    format!(
+        r#"{}{}
+[[strategy]]
+name = "ddp"
+baseline = true
+checkpoint = "every-n"
+checkpoint_config = {{ every = 5, keep = 2 }}
+
+[[strategy]]
+name = "topk"
+compressor = "topk"
+compressor_config = {{ ratio = 0.1 }}
+checkpoint = "every-n"
+checkpoint_config = {{ every = 5, keep = 2 }}
+"#,
+        native_plugin("every-n", "libevery-n.so"),
+        native_plugin("topk", "libtopk.so"),
+    )
+}
+
 /// A tiny token workload with the given name, steps and extra keys.
 pub fn tiny_gpt(name: &str, steps: u32, extra: &str) -> String {
     format!(

@@ -44,14 +44,6 @@ seed = 5
 world_size = 2
 warmup_steps = 2
 
-[[plugin]]
-name = "every-n"
-path = "{}"
-
-[[plugin]]
-name = "topk"
-path = "{}"
-
 [[workload]]
 name = "t5"
 model = {{ kind = "t5", preset = "tiny", n_layer = 1 }}
@@ -64,21 +56,8 @@ eval_every = 10
 eval_batches = 2
 {faults}
 
-[[strategy]]
-name = "ddp"
-baseline = true
-checkpoint = "every-n"
-checkpoint_config = {{ every = 5, keep = 2 }}
-
-[[strategy]]
-name = "topk"
-compressor = "topk"
-compressor_config = {{ ratio = 0.1 }}
-checkpoint = "every-n"
-checkpoint_config = {{ every = 5, keep = 2 }}
-"#,
-        artifact("libevery-n.so").display(),
-        artifact("libtopk.so").display(),
+{}"#,
+        checkpointed_allreduce_and_topk()
     )
 }
 

@@ -107,7 +107,6 @@ fn the_number_of_data_threads_changes_no_loss() {
 /// (plugin state) and a batch ramp, each checkpointing every 5 steps; the
 /// faulty run loses its work at steps 13 and 47 and restores.
 fn two_rank_suite(data_extra: &str, faults: &str) -> String {
-    let plugin = |name: &str, file: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display());
     let workload = tiny_vision(60, data_extra, faults);
     format!(
         r#"[suite]
@@ -118,20 +117,7 @@ world_size = 2
 warmup_steps = 2
 threads = 1
 {workload}
-{}{}{}
-[[strategy]]
-name = "ddp"
-baseline = true
-checkpoint = "every-n"
-checkpoint_config = {{ every = 5, keep = 2 }}
-
-[[strategy]]
-name = "topk"
-compressor = "topk"
-compressor_config = {{ ratio = 0.1 }}
-checkpoint = "every-n"
-checkpoint_config = {{ every = 5, keep = 2 }}
-
+{}{}
 [[strategy]]
 name = "ramp"
 batch_policy = "ramp"
@@ -140,9 +126,8 @@ checkpoint = "every-n"
 checkpoint_config = {{ every = 5, keep = 2 }}
 checkpoint_async = false
 "#,
-        plugin("every-n", "libevery-n.so"),
-        plugin("topk", "libtopk.so"),
-        plugin("ramp", "libramp.so"),
+        checkpointed_allreduce_and_topk(),
+        native_plugin("ramp", "libramp.so"),
     )
 }
 
