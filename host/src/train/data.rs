@@ -646,7 +646,7 @@ impl Data {
         match &mut self.train {
             Stream::Samples(p) => {
                 let samples: Vec<Sample> = (0..batch).map(|_| p.next()).collect();
-                self.to_batch(samples)
+                self.to_batch(samples, self.device)
             }
             Stream::Images(c) => {
                 let (x, y) = c.next(batch);
@@ -670,12 +670,14 @@ impl Data {
         (0..n)
             .map(|_| {
                 let samples = (0..batch).map(|_| self.eval.sample(&mut rng, self.seq_len)).collect();
-                self.to_batch(samples).to_device(Device::Cpu)
+                self.to_batch(samples, Device::Cpu)
             })
             .collect()
     }
 
-    fn to_batch(&self, samples: Vec<Sample>) -> Batch {
+    /// `samples` as one batch on `device` (a regression batch's targets are
+    /// computed on the training device, where the task's vector lives).
+    fn to_batch(&self, samples: Vec<Sample>, device: Device) -> Batch {
         let (b, t) = (samples.len(), self.seq_len);
         if let Some((c, side)) = self.image {
             let mut px = Vec::with_capacity(b * (c * side * side) as usize);
@@ -686,8 +688,8 @@ impl Data {
                     labels.push(img.label);
                 }
             }
-            let input = upload(Tensor::from_slice(&px).view([b as i64, c, side, side]), self.device);
-            let target = upload(Tensor::from_slice(&labels), self.device);
+            let input = upload(Tensor::from_slice(&px).view([b as i64, c, side, side]), device);
+            let target = upload(Tensor::from_slice(&labels), device);
             // One image is one "token" (seq_len is 1).
             return Batch { input, target, tokens: b * t, samples: b };
         }
@@ -701,7 +703,7 @@ impl Data {
                         buf.extend(v);
                     }
                 }
-                let all = upload(Tensor::from_slice(&buf).view([b as i64, 2 * t as i64 + 1]), self.device);
+                let all = upload(Tensor::from_slice(&buf).view([b as i64, 2 * t as i64 + 1]), device);
                 Batch { input: all.narrow(1, 0, t as i64 + 1), target: all.narrow(1, t as i64 + 1, t as i64), tokens: b * t, samples: b }
             }
             None => {
@@ -711,7 +713,7 @@ impl Data {
                         buf.extend(v);
                     }
                 }
-                let all = upload(Tensor::from_slice(&buf).view([b as i64, t as i64 + 1]), self.device);
+                let all = upload(Tensor::from_slice(&buf).view([b as i64, t as i64 + 1]), device);
                 Batch { input: all.narrow(1, 0, t as i64), target: all.narrow(1, 1, t as i64), tokens: b * t, samples: b }
             }
             Some((w, noise)) => {
@@ -727,7 +729,7 @@ impl Data {
                 let x = upload(Tensor::from_slice(&xs).view([b as i64, t as i64, dim]), self.device);
                 let e = upload(Tensor::from_slice(&es), self.device);
                 let y = x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * *noise;
-                Batch { input: x, target: y, tokens: b * t, samples: b }
+                Batch { input: x, target: y, tokens: b * t, samples: b }.to_device(device)
             }
         }
     }

@@ -371,10 +371,12 @@ impl DataParallel {
     /// A scalar that is NaN or infinite when some gradient element is: the
     /// sum of the gradient buffers, one reduction pass that stays on the
     /// device (a finite sum could only overflow with elements near f32's
-    /// limit divided by their count).
-    pub fn grad_checksum(&self) -> Tensor {
+    /// limit divided by their count). `grads` are the step's
+    /// ([`DataParallel::grads`]), summed one by one when no buffers hold
+    /// them (local gradients).
+    pub fn grad_checksum(&self, grads: &[Tensor]) -> Tensor {
         let mut sums: Vec<Tensor> = if self.local {
-            self.local_grads().unwrap_or_default().iter().map(|g| g.sum(Kind::Float)).collect()
+            grads.iter().map(|g| g.sum(Kind::Float)).collect()
         } else {
             self.buckets.iter().filter_map(|b| b.grad.as_ref().map(|(flat, _)| flat.sum(Kind::Float))).collect()
         };

@@ -19,22 +19,27 @@ use crate::suite::{Kernels, ModelKind, Precision, Recompute};
 use crate::torch_ext::{self, AutocastDevice};
 
 /// Turns autocast off again when an entry ends, however it ends.
-pub struct AutocastGuard(Option<AutocastDevice>);
+pub struct AutocastGuard {
+    device: Option<AutocastDevice>,
+    /// Whether [`AutocastGuard::paused`] turns it off (read once).
+    pause_backward: bool,
+}
 
 impl AutocastGuard {
     fn set(device: Device, precision: Precision) -> Result<AutocastGuard> {
         let ac = if device.is_cuda() { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
+        let pause_backward = std::env::var("HARNESS_AUTOCAST_BACKWARD").map_or(true, |v| v != "1");
         let kind = match precision {
-            Precision::Fp32 => return Ok(AutocastGuard(None)),
+            Precision::Fp32 => return Ok(AutocastGuard { device: None, pause_backward }),
             Precision::Bf16 => Kind::BFloat16,
             Precision::Fp16 => Kind::Half,
         };
         torch_ext::set_autocast(ac, Some(kind))?;
-        Ok(AutocastGuard(Some(ac)))
+        Ok(AutocastGuard { device: Some(ac), pause_backward })
     }
 
     pub fn on(&self) -> bool {
-        self.0.is_some()
+        self.device.is_some()
     }
 
     /// Autocast off until the returned guard goes: for the backward pass,
@@ -48,7 +53,7 @@ impl AutocastGuard {
     /// themselves. `HARNESS_AUTOCAST_BACKWARD=1` leaves it on (as before
     /// 2026-11-25), to measure the difference.
     pub fn paused(&self) -> Result<AutocastPause> {
-        let on = self.0.filter(|_| std::env::var("HARNESS_AUTOCAST_BACKWARD").map_or(true, |v| v != "1"));
+        let on = self.device.filter(|_| self.pause_backward);
         if let Some(d) = on {
             torch_ext::set_autocast_enabled(d, false)?;
         }
@@ -69,7 +74,7 @@ impl Drop for AutocastPause {
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        if let Some(d) = self.0 {
+        if let Some(d) = self.device {
             let _ = torch_ext::set_autocast(d, None);
         }
     }

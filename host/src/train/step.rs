@@ -214,7 +214,7 @@ impl Training {
         if let OutputCheck::ByNorm(global_sq) = check {
             let norm = match clip_norm.or(global_sq) {
                 Some(n) => n,
-                None => self.dp.grad_checksum(),
+                None => self.dp.grad_checksum(&grads),
             };
             let dp = &self.dp;
             self.strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
