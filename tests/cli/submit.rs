@@ -146,7 +146,7 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(text(&out).contains("truncated.bundle"), "{}", text(&out));
     let md = std::fs::read_to_string(dir.join("board/LEADERBOARD.md")).unwrap();
     let subs = &md[md.find("## Submissions").expect("a submissions section")..];
-    assert!(subs.contains("### standard-cpu 1.1 · cpu · 2 ranks · track `compression`"), "{subs}");
+    assert!(subs.contains("### standard-cpu 1.2 · cpu · 2 ranks · track `compression`"), "{subs}");
     let row = |bundle: &str| -> String {
         subs.lines().find(|l| l.contains(&format!("`../{bundle}`"))).unwrap_or_else(|| panic!("no row for {bundle}:\n{subs}")).to_owned()
     };

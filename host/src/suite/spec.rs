@@ -230,6 +230,14 @@ pub struct Workload {
     /// libtorch's operations throughout. The same maths either way.
     #[serde(default, skip_serializing_if = "Kernels::is_fused")]
     pub kernels: Kernels,
+    /// On CUDA, whether cuDNN times its convolution algorithms for each new
+    /// input shape and keeps the fastest (`true`, as
+    /// `torch.backends.cudnn.benchmark = True`), or takes its heuristics'
+    /// choice (`false`, the default: timing costs seconds at every new
+    /// batch size, which a batch policy meets). Only convolutions (the
+    /// ResNets) are affected.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub cudnn_benchmark: bool,
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub schedule: ScheduleSpec,
@@ -776,4 +784,8 @@ fn default_true() -> bool {
 
 fn is_true(b: &bool) -> bool {
     *b
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }

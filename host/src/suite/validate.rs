@@ -1001,6 +1001,16 @@ name = "b"
     }
 
     #[test]
+    fn cudnn_autotuning_is_off_unless_a_workload_turns_it_on() {
+        let off = parse(OK).unwrap();
+        assert!(!off.spec.workloads[0].cudnn_benchmark);
+        let on = parse(&OK.replace("steps = 10", "steps = 10\ncudnn_benchmark = true")).unwrap();
+        assert!(on.spec.workloads[0].cudnn_benchmark);
+        let e = parse(&OK.replace("steps = 10", "steps = 10\ncudnn_benchmark = \"yes\"")).unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    #[test]
     fn stop_at_target_needs_a_target_and_evaluations() {
         let stop = OK.replace("steps = 10", "steps = 10\nstop_at_target = true");
         let e = parse(&stop).unwrap_err();

@@ -261,10 +261,23 @@ impl DeviceImages {
     /// The stream seeded `seed` from sample `start` on, on `device`.
     pub fn new(source: &ImageSource, seed: u64, start: u64, device: tch::Device) -> DeviceImages {
         let s = &source.spec;
-        let grid = tch::Tensor::from_slice(&source.grid).view([s.classes as i64, s.channels as i64, GRID as i64, GRID as i64]);
-        // Normalised up front, channels last.
-        let (m, sd) = source.norm;
-        let proto = ((grid * AMPLITUDE + MEAN - m as f64) / sd as f64).permute([0, 2, 3, 1]).contiguous().to_device(device);
+        // Normalised up front, channels last, `K x (GRID + 1) x (GRID + 1) x
+        // C`: the last row and column of cells hold the padding (pixel value
+        // 0), which a crop shows outside the image.
+        let (k, c, g) = (s.classes, s.channels, GRID);
+        let (m, sd) = (f64::from(source.norm.0), f64::from(source.norm.1));
+        let mut cells_px = vec![(-m / sd) as f32; k * (g + 1) * (g + 1) * c];
+        for class in 0..k {
+            for ch in 0..c {
+                for y in 0..g {
+                    for x in 0..g {
+                        let v = f64::from(source.grid[((class * c + ch) * g + y) * g + x]);
+                        cells_px[((class * (g + 1) + y) * (g + 1) + x) * c + ch] = ((v * AMPLITUDE + MEAN - m) / sd) as f32;
+                    }
+                }
+            }
+        }
+        let proto = tch::Tensor::from_slice(&cells_px).view([k as i64, g as i64 + 1, g as i64 + 1, c as i64]).to_device(device);
         let cells: Vec<i64> = (0..s.size).map(|y| (y * GRID / s.size) as i64).collect();
         let cell = tch::Tensor::from_slice(&cells).to_device(device);
         DeviceImages { source: source.with_augment(source.augment), seed, next: start, device, proto, cell }
@@ -298,23 +311,36 @@ impl DeviceImages {
         let xs = Tensor::arange(side, (Kind::Int64, dev)).unsqueeze(0);
         let rows = &xs + all.get(2).unsqueeze(1);
         let cols = xs.flip([1]).where_self(&all.get(4).unsqueeze(1).to_kind(Kind::Bool), &xs) + all.get(3).unsqueeze(1);
-        let cell = |t: &Tensor| self.cell.index_select(0, &t.clamp(0, side - 1).view([-1]));
+        let padded = self.source.augment && pad > 0;
+        let inside = |t: &Tensor| t.ge(0).logical_and(&t.lt(side));
+        // The cell each shown pixel row (column) falls in; outside the
+        // image, the padding's cell.
+        let cell = |t: &Tensor| {
+            let i = self.cell.index_select(0, &t.clamp(0, side - 1).view([-1])).view([b, side]);
+            if padded {
+                i.masked_fill(&inside(t).logical_not(), g)
+            } else {
+                i
+            }
+        };
         // The prototypes' cells at those pixels (channels last), then the
         // noise: drawn at each pixel shown, which is the same in law as
-        // noising the image before cropping.
+        // noising the image before cropping; none on the padding. One pass
+        // adds it (img + noise x scale, the scale 0 on the padding).
         let img = self.proto.index_select(0, &classes);
-        let img = img.gather(1, &cell(&rows).view([b, side, 1, 1]).expand([b, side, g, c], false), false);
-        let img = img.gather(2, &cell(&cols).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
+        let img = img.gather(1, &cell(&rows).view([b, side, 1, 1]).expand([b, side, g + 1, c], false), false);
+        let mut img = img.gather(2, &cell(&cols).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
         let noise_seed = crate::suite::mix_seed(self.seed, "device images", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let mut x = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
-        let (m, sd) = self.source.norm;
-        let _ = x.g_mul_scalar_(s.noise / sd as f64).g_add_(&img);
-        if self.source.augment && pad > 0 {
-            let inside = |t: &Tensor| t.ge(0).logical_and(&t.lt(side));
-            let outside = inside(&rows).view([b, side, 1, 1]).logical_and(&inside(&cols).view([b, 1, side, 1])).logical_not();
-            let _ = x.masked_fill_(&outside, -(m / sd) as f64);
-        }
-        let x = x.permute([0, 3, 1, 2]);
+        let noise = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
+        let scale = (s.noise / f64::from(self.source.norm.1)) as f32;
+        let scale = if padded {
+            let shown = |t: &Tensor| inside(t).to_kind(Kind::Float);
+            (shown(&rows) * f64::from(scale)).view([b, side, 1, 1]) * shown(&cols).view([b, 1, side, 1])
+        } else {
+            Tensor::full([], f64::from(scale), (Kind::Float, dev))
+        };
+        let _ = img.addcmul_(&noise, &scale);
+        let x = img.permute([0, 3, 1, 2]);
         Ok((if dev.is_cuda() { x } else { x.contiguous() }, labels))
     }
 }
@@ -496,6 +522,31 @@ mod tests {
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(worst < 1e-5, "{dev:?}, sample {i}: off by {worst}");
         }
+    }
+
+    #[test]
+    fn device_images_leave_the_padding_of_a_crop_without_noise() {
+        // A crop shifted past the image's edge shows padding (pixel value 0)
+        // there, exactly, and noisy image pixels everywhere else.
+        let src = ImageSource::new(spec(10, 16, 0.5, 0.0), true).unwrap();
+        let (x, _) = DeviceImages::new(&src, 7, 0, tch::Device::Cpu).next(32).unwrap();
+        let pad = -src.norm.0 / src.norm.1;
+        let (mut padding, mut shown) = (0, 0);
+        for (i, d) in draws(&src, 7, 0..32).iter().enumerate() {
+            let got = Vec::<f32>::try_from(&x.get(i as i64).flatten(0, -1)).unwrap();
+            let ones = vec![1.0f32; src.pixels()];
+            let mask = crop_flip(&ones, src.spec.channels, src.spec.size, src.spec.padding, d.dy, d.dx, d.flip);
+            for (g, m) in got.iter().zip(&mask) {
+                if *m == 0.0 {
+                    assert_eq!(*g, pad, "sample {i}: a padding pixel carries noise");
+                    padding += 1;
+                } else {
+                    assert_ne!(*g, pad, "sample {i}: an image pixel is padding");
+                    shown += 1;
+                }
+            }
+        }
+        assert!(padding > 0 && shown > padding, "{padding} padding pixels, {shown} shown");
     }
 
     #[test]

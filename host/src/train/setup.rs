@@ -179,6 +179,12 @@ impl Training {
         // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
         let local_allowed = std::env::var("HARNESS_LOCAL_GRADS").map_or(true, |v| v != "0");
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
+        // cuDNN's convolution algorithms: timed per input shape, or its
+        // heuristics' choice (a process-wide libtorch setting, set for
+        // every entry).
+        if device.is_cuda() {
+            tch::Cuda::cudnn_set_benchmark(w.cudnn_benchmark);
+        }
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
         let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);

@@ -86,6 +86,11 @@ impl Training {
                 model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
                 model::Output::Loss(l) => (l, None),
             };
+            // The input is not needed after the forward pass (autograd keeps
+            // what the backward pass reads, e.g. its bf16 cast under
+            // autocast): let go of it before the backward pass's peak.
+            let (tokens, samples) = (b.tokens, b.samples);
+            drop(b);
             if self.autocast.on() {
                 torch_ext::autocast_clear_cache()?;
             }
@@ -114,8 +119,8 @@ impl Training {
                 Some(acc) => acc + l,
                 None => l,
             });
-            out.tokens += b.tokens as u64;
-            out.samples += b.samples as u64;
+            out.tokens += tokens as u64;
+            out.samples += samples as u64;
         }
         Ok(())
     }
