@@ -115,6 +115,25 @@ impl Branch {
     }
 }
 
+/// Multi-head attention over a fused projection `qkv` of `b x t` tokens
+/// (`[b, t, 3 d]` or `[b t, 3 d]`, q, k and v side by side) with `heads`
+/// heads and dropout `p`: `[b, t, d]`.
+pub(crate) fn attention(qkv: &Tensor, b: i64, t: i64, heads: i64, p: f64, causal: bool) -> Tensor {
+    let d = qkv.size().last().copied().unwrap_or(0) / 3;
+    // q, k and v as strided views of the projection ([b, h, t, d], the
+    // last dimension contiguous, which SDPA takes without a copy). One
+    // `unbind`, not three `select`s: its backward is a single `stack`
+    // that writes the projection's gradient in its own [b, t, 3, h, d]
+    // layout, where each `select`'s backward zero-filled a [3, b, h, t,
+    // d] tensor and added into it, and a permute copied the sum back
+    // (measured on an H200, GPT-2 124M: 4.8 of a step's 42 ms of GPU
+    // time, results/h200/trace-0c84040/).
+    let parts = qkv.view([b, t, 3, heads, d / heads]).unbind(2);
+    let (q, k, v) = (parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2));
+    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, causal, None, false);
+    y.transpose(1, 2).contiguous().view([b, t, d])
+}
+
 /// What a layer's forward pass needs besides its parameters.
 #[derive(Debug, Clone, Copy)]
 struct Shape {
@@ -130,20 +149,8 @@ struct Shape {
 
 impl Shape {
     fn attention(&self, qkv: &Tensor, causal: bool) -> Tensor {
-        let (b, t, h) = (self.b, self.t, self.heads);
-        // q, k and v as strided views of the projection ([b, h, t, d], the
-        // last dimension contiguous, which SDPA takes without a copy). One
-        // `unbind`, not three `select`s: its backward is a single `stack`
-        // that writes the projection's gradient in its own [b, t, 3, h, d]
-        // layout, where each `select`'s backward zero-filled a [3, b, h, t,
-        // d] tensor and added into it, and a permute copied the sum back
-        // (measured on an H200, GPT-2 124M: 4.8 of a step's 42 ms of GPU
-        // time, results/h200/trace-0c84040/).
-        let parts = qkv.view([b, t, 3, h, self.d_model / h]).unbind(2);
-        let (q, k, v) = (parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2));
         let p = if self.train { self.dropout } else { 0.0 };
-        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, causal, None, false);
-        y.transpose(1, 2).contiguous().view([b, t, self.d_model])
+        attention(qkv, self.b, self.t, self.heads, p, causal)
     }
 
     fn dropout(&self, x: Tensor) -> Tensor {

@@ -126,12 +126,8 @@ impl Vit {
     }
 
     fn attention(&self, x: &Tensor, qkv: &nn::Linear, proj: &nn::Linear) -> Tensor {
-        let (b, t, d) = x.size3().expect("tokens are [n, t, d]");
-        let h = self.heads;
-        let parts = qkv.forward(x).view([b, t, 3, h, d / h]).permute([2, 0, 3, 1, 4]);
-        let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
-        let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, false, None, false);
-        proj.forward(&y.transpose(1, 2).reshape([b, t, d]))
+        let (b, t, _) = x.size3().expect("tokens are [n, t, d]");
+        proj.forward(&super::model::attention(&qkv.forward(x), b, t, self.heads, 0.0, false))
     }
 
     /// `[n, classes]` logits of `[n, channels, side, side]` images.
