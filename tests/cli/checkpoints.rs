@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use harness::train::checkpoint;
 
-use crate::{artifact, harness, run_ok, write};
+use crate::{artifact, harness, plugin_table, run_ok, write};
 
 fn results(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).expect("result file")).expect("result JSON")
@@ -21,7 +21,6 @@ fn entry<'a>(r: &'a serde_json::Value, strategy: &str) -> &'a serde_json::Value 
 /// Two ranks, top-k with error feedback (plugin state), every-n checkpoints
 /// keeping 2, plain and compressed, and a restart from scratch without any.
 fn suite(faults: &str) -> String {
-    let plugin = |name: &str, file: &str| format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display());
     format!(
         r#"[suite]
 name = "ckpt"
@@ -72,9 +71,9 @@ name = "restart"
 compressor = "topk"
 compressor_config = {{ ratio = 0.1 }}
 "#,
-        plugin("topk", "topk.wasm"),
-        plugin("every-n", "every-n.wasm"),
-        plugin("every-n-native", "libevery-n.so"),
+        plugin_table("topk", "topk.wasm"),
+        plugin_table("every-n", "every-n.wasm"),
+        plugin_table("every-n-native", "libevery-n.so"),
     )
 }
 

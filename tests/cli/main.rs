@@ -107,8 +107,9 @@ pub fn suite(name: &str, extra_meta: &str, workloads: &str) -> String {
     format!("[suite]\nname = \"{name}\"\ndevice = \"cpu\"\nwarmup_steps = 2\nthreads = 1\n{extra_meta}\n{workloads}")
 }
 
-/// A `[[plugin]]` table for the native build `file` of plugin `name`.
-pub fn native_plugin(name: &str, file: &str) -> String {
+/// A `[[plugin]]` table naming the built plugin artifact `file` (a `.wasm`
+/// component or a native library) `name`.
+pub fn plugin_table(name: &str, file: &str) -> String {
     format!("[[plugin]]\nname = \"{name}\"\npath = \"{}\"\n", artifact(file).display())
 }
 
@@ -132,8 +133,8 @@ compressor_config = {{ ratio = 0.1 }}
 checkpoint = "every-n"
 checkpoint_config = {{ every = 5, keep = 2 }}
 "#,
-        native_plugin("every-n", "libevery-n.so"),
-        native_plugin("topk", "libtopk.so"),
+        plugin_table("every-n", "libevery-n.so"),
+        plugin_table("topk", "libtopk.so"),
     )
 }
 

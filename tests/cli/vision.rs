@@ -127,7 +127,7 @@ checkpoint_config = {{ every = 5, keep = 2 }}
 checkpoint_async = false
 "#,
         checkpointed_allreduce_and_topk(),
-        native_plugin("ramp", "libramp.so"),
+        plugin_table("ramp", "libramp.so"),
     )
 }
 

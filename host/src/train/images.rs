@@ -144,6 +144,13 @@ impl ImageSource {
         self.spec.channels * self.spec.size * self.spec.size
     }
 
+    /// The pixel value (before noise and normalisation) of class `c`'s
+    /// prototype in channel `k`, grid cell (`gy`, `gx`).
+    fn cell_value(&self, c: usize, k: usize, gy: usize, gx: usize) -> f64 {
+        let z = self.grid[((c * self.spec.channels + k) * GRID + gy) * GRID + gx];
+        MEAN + AMPLITUDE * z as f64
+    }
+
     /// The clean prototype of class `c` in pixel space (before noise and
     /// normalisation), `C x H x W`.
     pub fn prototype(&self, c: usize) -> Vec<f32> {
@@ -152,9 +159,7 @@ impl ImageSource {
         for k in 0..ch {
             for y in 0..s {
                 for x in 0..s {
-                    let (gy, gx) = (y * GRID / s, x * GRID / s);
-                    let z = self.grid[((c * ch + k) * GRID + gy) * GRID + gx];
-                    out.push((MEAN + AMPLITUDE * z as f64) as f32);
+                    out.push(self.cell_value(c, k, y * GRID / s, x * GRID / s) as f32);
                 }
             }
         }
@@ -271,8 +276,7 @@ impl DeviceImages {
             for ch in 0..c {
                 for y in 0..g {
                     for x in 0..g {
-                        let v = f64::from(source.grid[((class * c + ch) * g + y) * g + x]);
-                        cells_px[((class * (g + 1) + y) * (g + 1) + x) * c + ch] = ((v * AMPLITUDE + MEAN - m) / sd) as f32;
+                        cells_px[((class * (g + 1) + y) * (g + 1) + x) * c + ch] = ((source.cell_value(class, ch, y, x) - m) / sd) as f32;
                     }
                 }
             }
@@ -311,16 +315,16 @@ impl DeviceImages {
         let xs = Tensor::arange(side, (Kind::Int64, dev)).unsqueeze(0);
         let rows = &xs + all.get(2).unsqueeze(1);
         let cols = xs.flip([1]).where_self(&all.get(4).unsqueeze(1).to_kind(Kind::Bool), &xs) + all.get(3).unsqueeze(1);
-        let padded = self.source.augment && pad > 0;
+        // With padding: which shown rows (columns) fall inside the image.
         let inside = |t: &Tensor| t.ge(0).logical_and(&t.lt(side));
+        let shown = (self.source.augment && pad > 0).then(|| (inside(&rows), inside(&cols)));
         // The cell each shown pixel row (column) falls in; outside the
         // image, the padding's cell.
-        let cell = |t: &Tensor| {
+        let cell = |t: &Tensor, shown: Option<&Tensor>| {
             let i = self.cell.index_select(0, &t.clamp(0, side - 1).view([-1])).view([b, side]);
-            if padded {
-                i.masked_fill(&inside(t).logical_not(), g)
-            } else {
-                i
+            match shown {
+                Some(s) => i.masked_fill(&s.logical_not(), g),
+                None => i,
             }
         };
         // The prototypes' cells at those pixels (channels last), then the
@@ -328,16 +332,17 @@ impl DeviceImages {
         // noising the image before cropping; none on the padding. One pass
         // adds it (img + noise x scale, the scale 0 on the padding).
         let img = self.proto.index_select(0, &classes);
-        let img = img.gather(1, &cell(&rows).view([b, side, 1, 1]).expand([b, side, g + 1, c], false), false);
-        let mut img = img.gather(2, &cell(&cols).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
+        let (rows_in, cols_in) = (shown.as_ref().map(|s| &s.0), shown.as_ref().map(|s| &s.1));
+        let img = img.gather(1, &cell(&rows, rows_in).view([b, side, 1, 1]).expand([b, side, g + 1, c], false), false);
+        let mut img = img.gather(2, &cell(&cols, cols_in).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
         let noise_seed = crate::suite::mix_seed(self.seed, "device images", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let noise = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
         let scale = (s.noise / f64::from(self.source.norm.1)) as f32;
-        let scale = if padded {
-            let shown = |t: &Tensor| inside(t).to_kind(Kind::Float);
-            (shown(&rows) * f64::from(scale)).view([b, side, 1, 1]) * shown(&cols).view([b, 1, side, 1])
-        } else {
-            Tensor::full([], f64::from(scale), (Kind::Float, dev))
+        let scale = match &shown {
+            Some((r_in, c_in)) => {
+                (r_in.to_kind(Kind::Float) * f64::from(scale)).view([b, side, 1, 1]) * c_in.to_kind(Kind::Float).view([b, 1, side, 1])
+            }
+            None => Tensor::full([], f64::from(scale), (Kind::Float, dev)),
         };
         let _ = img.addcmul_(&noise, &scale);
         let x = img.permute([0, 3, 1, 2]);
