@@ -1218,10 +1218,14 @@ pub mod nccl {
             CommError::Aborted { op, seq: self.stats.collectives, rank: self.rank, reason: reason.to_string() }
         }
 
-        /// NCCL's type code for a tensor NCCL can use in place: contiguous, on CUDA.
+        /// NCCL's type code for a tensor NCCL can use in place: dense (e.g.
+        /// contiguous, or a channels-last convolution weight, whose layout
+        /// every rank shares), on CUDA.
         fn dtype_of(&self, t: &Tensor, op: &'static str) -> Result<c_int, CommError> {
-            if !t.is_contiguous() || !t.device().is_cuda() {
-                return Err(self.fail(op, "NCCL needs a contiguous CUDA tensor"));
+            if !crate::torch_ext::is_dense(t) || !t.device().is_cuda() {
+                // Refused before NCCL sees it: the communicator stays usable.
+                let reason = "NCCL needs a dense CUDA tensor (contiguous or channels-last)".to_owned();
+                return Err(CommError::Invalid { op, seq: self.stats.collectives, rank: self.rank, reason });
             }
             dtype(t.kind()).ok_or_else(|| self.fail(op, format!("NCCL cannot move {:?}", t.kind())))
         }

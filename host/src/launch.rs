@@ -632,6 +632,12 @@ fn run_nccl(
     }
     let done = |r: usize| format!("done/{}/{r}", ctx.entry.id);
     if rank != 0 {
+        // Rank 0 stops the run after an entry that lost a rank (below): a
+        // rank that saw the loss itself stops too, rather than wait for a
+        // communicator for the next entry that no one will form.
+        if matches!(out, Err(EntryError::RankLost { .. })) {
+            *ranks_lost = true;
+        }
         let figures: Result<RankFigures, EntryError> = out.as_ref().map(RankFigures::of).map_err(Clone::clone);
         store.set(&done(rank), &serde_json::to_vec(&figures)?)?;
         return Ok(out);

@@ -907,6 +907,19 @@ mod tests {
     }
 
     #[test]
+    fn dense_tensors_are_contiguous_or_permuted_but_never_strided_or_overlapping() {
+        let x = Tensor::arange(2 * 3 * 4 * 5, (Kind::Float, Device::Cpu)).view([2, 3, 4, 5]);
+        assert!(is_dense(&x));
+        // channels-last: NHWC in memory, NCHW in shape.
+        let cl = x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2]);
+        assert!(!cl.is_contiguous() && is_dense(&cl));
+        assert!(is_dense(&x.transpose(1, 2)));
+        assert!(!is_dense(&x.narrow(3, 0, 4)), "a slice leaves gaps");
+        assert!(!is_dense(&x.select(1, 0).unsqueeze(1).expand([2, 3, 4, 5], false)), "expanded: elements overlap");
+        assert!(is_dense(&Tensor::zeros([1, 7, 1], (Kind::Float, Device::Cpu))));
+    }
+
+    #[test]
     fn adamw_refuses_mismatched_shapes() {
         let p = Tensor::from_slice(&[1.0f32, 2.0]);
         let g = Tensor::from_slice(&[1.0f32]);
@@ -914,6 +927,24 @@ mod tests {
         let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None, None).is_err());
     }
+}
+
+/// Whether `t`'s elements fill `numel` consecutive elements of memory from
+/// its data pointer, each once, in some order of its dimensions (a
+/// contiguous tensor, or one in channels-last layout): what a library that
+/// takes a pointer and a count (NCCL, a copy) may use in place when every
+/// side has the same layout.
+pub fn is_dense(t: &Tensor) -> bool {
+    let mut dims: Vec<(i64, i64)> = t.size().into_iter().zip(t.stride()).filter(|&(n, _)| n != 1).collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut expected = 1;
+    for (n, stride) in dims {
+        if stride != expected {
+            return false;
+        }
+        expected *= n;
+    }
+    true
 }
 
 /// Whether every element of a contiguous CPU tensor of floats (f32, bf16,
