@@ -26,25 +26,46 @@ fn main() {
             .filter(|s| s == "0" || s == "1")
             .unwrap_or_else(|| "1".into())
     });
-    cc::Build::new()
-        .cpp(true)
-        .file("csrc/shim.cpp")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .flag("-DGLOG_USE_GLOG_EXPORT")
-        .flag_if_supported("-Wno-unused-parameter")
-        .warnings(false)
-        .compile("harness_shim");
+    // The script also runs when any source changes (for the revision's
+    // `-dirty` mark), so the shim is compiled again only when what it is
+    // built from changed: the C++ text, the ABI flag or libtorch's folder.
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let stamp = out.join("harness_shim.stamp");
+    let source = std::fs::read("csrc/shim.cpp").expect("csrc/shim.cpp is readable");
+    let key = format!("{:016x} abi={abi} include={}", fnv1a(&source), include.display());
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(key.as_str()) && out.join("libharness_shim.a").is_file() {
+        println!("cargo:rustc-link-search=native={}", out.display());
+        println!("cargo:rustc-link-lib=static=harness_shim");
+    } else {
+        cc::Build::new()
+            .cpp(true)
+            .file("csrc/shim.cpp")
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .flag("-std=c++17")
+            .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+            .flag("-DGLOG_USE_GLOG_EXPORT")
+            .flag_if_supported("-Wno-unused-parameter")
+            .warnings(false)
+            .compile("harness_shim");
+        std::fs::write(&stamp, key).expect("OUT_DIR is writable");
+    }
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=c10");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=stdc++");
 }
 
+/// FNV-1a (64 bits) of `bytes`: whether the shim's source changed.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// Records the git revision (with `-dirty` for uncommitted changes) as
-/// HARNESS_GIT_REVISION, for the machine fingerprint of every result.
+/// HARNESS_GIT_REVISION, for the machine fingerprint of every result. The
+/// script runs again when a commit is made or checked out and when any of
+/// the crate's sources changes, so that a binary built from edited sources
+/// says `-dirty` (it did not, when only the commit was watched).
 fn git_revision() {
     let git = |args: &[&str]| {
         Command::new("git")
@@ -66,6 +87,7 @@ fn git_revision() {
         None => "unknown".into(),
     };
     println!("cargo:rustc-env=HARNESS_GIT_REVISION={rev}");
+    println!("cargo:rerun-if-changed=src");
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
         println!("cargo:rerun-if-changed={dir}/HEAD");
         println!("cargo:rerun-if-changed={dir}/index");
