@@ -437,14 +437,19 @@ pub fn default_path(dir: &Path, suite_name: &str) -> PathBuf {
     dir.join(format!("{suite_name}-{stamp}.json"))
 }
 
+/// Result files for tests of what reads them.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
 
-    fn sample() -> RunResult {
+    /// A suite `name` (with `[suite] version`, if given) of one workload
+    /// `w`, and a result of it with one finished entry of strategy
+    /// `baseline` on the CPU at `tokens_per_s`.
+    pub fn result(name: &str, version: Option<&str>, tokens_per_s: f64) -> RunResult {
+        let version = version.map_or(String::new(), |v| format!("version='{v}'\n"));
         let suite = Suite::parse(
             Path::new("s.toml"),
-            "[suite]\nname='s'\n[[workload]]\nname='w'\nmodel={kind='mlp',preset='tiny'}\ndata={kind='synthetic',vocab=8}\nbatch=2\nseq_len=4\nsteps=2\noptimizer={kind='sgd',lr=0.1}\n".into(),
+            format!("[suite]\nname='{name}'\n{version}[[workload]]\nname='w'\nmodel={{kind='mlp',preset='tiny'}}\ndata={{kind='synthetic',vocab=8}}\nbatch=2\nseq_len=4\nsteps=2\noptimizer={{kind='sgd',lr=0.1}}\n"),
         )
         .unwrap();
         let machine = Fingerprint {
@@ -473,10 +478,19 @@ mod tests {
             seed: 1,
             status: EntryStatus::Ok,
             device: "cpu".into(),
-            metrics: Some(Metrics { steps: 2, tokens_per_s: 1.5, loss_curve: vec![(1, 0.1, 2.0)], ..Default::default() }),
+            metrics: Some(Metrics { steps: 2, tokens_per_s, loss_curve: vec![(1, 0.1, 2.0)], ..Default::default() }),
             histograms: [("step".to_owned(), crate::measure::encode(&h))].into(),
         });
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> RunResult {
+        testing::result("s", None, 1.5)
     }
 
     #[test]

@@ -289,6 +289,7 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
             for w in b.workloads.iter().filter(|_| !r.reference) {
                 if let Some(i) = boards.iter().position(|x| {
                     x.suite == b.suite
+                        && x.version.as_deref().unwrap_or("-") == b.version
                         && &x.workload == w
                         && x.rows.iter().any(|row| row.group.strategy.contains(&r.sha256[..12.min(r.sha256.len())]))
                 }) {
@@ -316,7 +317,7 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
         let _ = write!(
             out,
             "<section id=\"board-{bi}\"><h2>{} / {} <small>on {}</small></h2>",
-            esc(&b.suite),
+            esc(&b.version.as_ref().map_or_else(|| b.suite.clone(), |v| format!("{} {v}", b.suite))),
             esc(&b.workload),
             esc(&b.device)
         );
