@@ -70,12 +70,15 @@ class ViT(nn.Module):
 
 def flops_per_image(model, side, patch=16):
     """Training FLOPs of one image as harness counts them (PaLM's
-    convention, per token: 6 x parameters + 12 x layers x width x tokens),
-    times the patches and the class token."""
+    convention, 6 x parameters per token a part sees + 12 x layers x width
+    x tokens per token for attention): the encoder blocks on the patches and
+    the class token, the patch projection on the patches, the head on the
+    class token."""
     d = model.ln.normalized_shape[0]
     t = (side // patch) ** 2 + 1
-    params = sum(p.numel() for p in model.parameters())
-    return t * (6 * params + 12 * len(model.layers) * d * t)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    blocks = count(model.layers)
+    return 6 * (t * blocks + (t - 1) * count(model.conv_proj) + count(model.head)) + 12 * len(model.layers) * d * t * t
 
 
 def main():

@@ -192,11 +192,17 @@ impl ModelConfig {
             ModelKind::Vision => {
                 let [c, s] = self.image.unwrap_or([3, 224]);
                 match self.patch {
-                    // As gpt's per token, times the patches and the class
-                    // token of one image.
+                    // As gpt's per token, with each part of the network
+                    // counted on the tokens it sees: the encoder blocks on
+                    // the patches and the class token, the patch projection
+                    // on the patches, the head on the class token alone;
+                    // the class token and positions do no multiply-adds.
                     Some(p) => {
-                        let t = (s / p) * (s / p) + 1;
-                        t as f64 * (6.0 * params as f64 + 12.0 * (self.n_layer * self.d_model * t) as f64)
+                        let (d, t) = (self.d_model, (s / p) * (s / p) + 1);
+                        let patch = c * p * p * d + d;
+                        let head = d * self.vocab + self.vocab;
+                        let blocks = params - patch - head - d - t * d - 2 * d;
+                        6.0 * (t * blocks + (t - 1) * patch + head) as f64 + 12.0 * (self.n_layer * d * t * t) as f64
                     }
                     None => 6.0 * resnet_macs(self.n_layer, self.d_model, c, s, self.vocab),
                 }

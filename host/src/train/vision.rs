@@ -353,6 +353,15 @@ mod tests {
         let vs = nn::VarStore::new(Device::Cpu);
         let _net = Vision::new(&vs.root(), &config("vit-b16", 1000, [3, 224]));
         assert_eq!(count(&vs, true), 86_567_656);
+        // Training FLOPs of one image: the 12 blocks on 197 tokens, the
+        // patch projection on 196, the head on the class token, attention
+        // 12 x layers x width x tokens per token.
+        let (d, f, t) = (768i64, 3072i64, 197i64);
+        let block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * f + f) + (f * d + d);
+        let macs = t * 12 * block + (t - 1) * (3 * 16 * 16 * d + d) + (d * 1000 + 1000);
+        let expected = 6.0 * macs as f64 + 12.0 * (12 * d * t * t) as f64;
+        let cfg = config("vit-b16", 1000, [3, 224]);
+        assert_eq!(cfg.flops_per_token(86_567_656), expected);
         let vs = nn::VarStore::new(Device::Cpu);
         let cfg = config("vit-tiny", 10, [3, 32]);
         assert_eq!(cfg.patch, Some(4));
