@@ -935,14 +935,20 @@ mod tests {
 /// takes a pointer and a count (NCCL, a copy) may use in place when every
 /// side has the same layout.
 pub fn is_dense(t: &Tensor) -> bool {
-    let mut dims: Vec<(i64, i64)> = t.size().into_iter().zip(t.stride()).filter(|&(n, _)| n != 1).collect();
-    dims.sort_by_key(|&(_, stride)| stride);
-    let mut expected = 1;
-    for (n, stride) in dims {
-        if stride != expected {
+    is_dense_layout(&t.size(), &t.stride())
+}
+
+/// [`is_dense`] of a tensor of `size` with `stride`: sorted by stride, each
+/// stride (of a dimension longer than 1) is the product of the sizes below.
+pub fn is_dense_layout(size: &[i64], stride: &[i64]) -> bool {
+    let mut dims: Vec<(i64, i64)> = size.iter().zip(stride).filter(|(&n, _)| n != 1).map(|(&n, &s)| (s, n)).collect();
+    dims.sort_unstable();
+    let mut next = 1;
+    for (s, n) in dims {
+        if s != next {
             return false;
         }
-        expected *= n;
+        next *= n;
     }
     true
 }

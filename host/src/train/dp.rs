@@ -646,26 +646,11 @@ pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
 /// states alike, and autograd copies gradients of another layout).
 fn slot(flat: &Tensor, off: i64, p: &Tensor) -> Tensor {
     let (size, stride) = (p.size(), p.stride());
-    if is_dense(&size, &stride) {
+    if crate::torch_ext::is_dense_layout(&size, &stride) {
         flat.as_strided(size.as_slice(), stride.as_slice(), off)
     } else {
         flat.narrow(0, off, p.numel() as i64).view(size.as_slice())
     }
-}
-
-/// Whether strides lay a tensor of `size` out densely: sorted by stride,
-/// each (of a dimension longer than 1) is the product of the sizes below it.
-fn is_dense(size: &[i64], stride: &[i64]) -> bool {
-    let mut dims: Vec<(i64, i64)> = size.iter().zip(stride).filter(|(&n, _)| n != 1).map(|(&n, &s)| (s, n)).collect();
-    dims.sort_unstable();
-    let mut next = 1;
-    for (s, n) in dims {
-        if s != next {
-            return false;
-        }
-        next *= n;
-    }
-    true
 }
 
 #[cfg(test)]
@@ -773,7 +758,8 @@ mod tests {
 
     #[test]
     fn gradients_and_zero_parameters_keep_a_channels_last_layout() {
-        assert!(is_dense(&[2, 3, 4, 5], &[60, 1, 15, 3]) && is_dense(&[7, 1], &[1, 1]) && !is_dense(&[4, 4], &[8, 1]));
+        use crate::torch_ext::is_dense_layout as dense;
+        assert!(dense(&[2, 3, 4, 5], &[60, 1, 15, 3]) && dense(&[7, 1], &[1, 1]) && !dense(&[4, 4], &[8, 1]));
         let conv = || {
             let w = (Tensor::arange(2 * 3 * 2 * 2, tch::kind::FLOAT_CPU) * 0.1).sin().view([2, 3, 2, 2]);
             crate::train::vision::channels_last(&w).set_requires_grad(true)
