@@ -15,6 +15,15 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, sys; sy
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy
 fi
 SP=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+# The CUDA runtime's headers come with torch's wheels, all but the `crt/`
+# ones they include; the libtorch shim's CUDA graph part compiles against
+# them (134 kB, once). Without them it is built without CUDA graphs.
+CRT_VERSION=13.0.88
+if [ -d "$SP/nvidia/cu13/include" ] && [ ! -f "$SP/nvidia/cu13/include/crt/host_defines.h" ]; then
+  echo "harness: installing nvidia-cuda-crt==$CRT_VERSION (the CUDA headers torch's wheels lack)" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cuda-crt==$CRT_VERSION" ||
+    echo "harness: could not install nvidia-cuda-crt; building without CUDA graphs" >&2
+fi
 export PATH="$VENV/bin:$PATH"
 export LIBTORCH_USE_PYTORCH=1
 export LIBTORCH_BYPASS_VERSION_CHECK=${LIBTORCH_BYPASS_VERSION_CHECK:-0}

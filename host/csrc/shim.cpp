@@ -139,8 +139,12 @@ char *hx_unscale_check(tensor *grads, int n, tensor found_inf, tensor inv_scale)
 // nonzero the kernel skips the step (fp16 loss scaling). grad_scale may be
 // NULL; else the kernel divides each gradient by it as it reads it (and
 // writes the quotient back).
+//
+// lr_t may be NULL; else the learning rate is read from it (a float scalar on
+// the parameters' device) when the kernel runs, not fixed when it is queued:
+// the overload a captured CUDA graph needs, as the schedule changes lr.
 char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp_avg_sq,
-                     tensor *steps, int n, double lr, double beta1, double beta2,
+                     tensor *steps, int n, double lr, tensor lr_t, double beta1, double beta2,
                      double weight_decay, double eps, tensor found_inf, tensor grad_scale) {
   HX_TRY({
     std::optional<at::Tensor> fi;
@@ -151,9 +155,15 @@ char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp
     // As torch.optim's _fused_adamw: the kernel reads the already-incremented
     // step count; a skipped (overflowed) step takes the increment back.
     at::_foreach_add_(st, 1);
-    at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
-                      hx_list(exp_avg_sq, n), {}, st, lr, beta1, beta2,
-                      weight_decay, eps, false, false, gs, fi);
+    if (lr_t) {
+      at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
+                        hx_list(exp_avg_sq, n), {}, st, *lr_t, beta1, beta2,
+                        weight_decay, eps, false, false, gs, fi);
+    } else {
+      at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
+                        hx_list(exp_avg_sq, n), {}, st, lr, beta1, beta2,
+                        weight_decay, eps, false, false, gs, fi);
+    }
     if (found_inf) at::_foreach_sub_(st, std::vector<at::Tensor>(st.size(), *found_inf));
   })
 }
@@ -188,6 +198,11 @@ char *hx_storage_info(tensor t, uint64_t *nbytes, uint64_t *key) {
     }
   })
 }
+
+// Gives the CUDA caching allocator's unused cached blocks back to the driver
+// (torch.cuda.empty_cache()); blocks of captured graphs' pools stay. Waits
+// for the device.
+char *hx_cuda_empty_cache() { HX_TRY(c10::getDeviceAllocator(at::kCUDA)->emptyCache()) }
 
 // The CUDA caching allocator's statistics for one device, in bytes:
 // out = {allocated now, allocated peak, reserved now, reserved peak}.
@@ -592,3 +607,126 @@ void *hx_range_push(const char *name) {
 void hx_range_pop(void *range) { delete static_cast<HxRange *>(range); }
 
 }  // extern "C"
+
+// CUDA graphs of the training step, and libtorch's current CUDA stream (the
+// stream harness's own kernels launch on, so that they join a capture).
+// Built when libtorch has CUDA (HX_CUDA); otherwise every entry point says so.
+#ifdef HX_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+// A captured graph and the side stream it is captured on (capture needs a
+// stream other than the default one). `guard` holds the side stream current
+// between hx_graph_enter and hx_graph_leave.
+struct hx_graph {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream side;
+  std::optional<c10::cuda::CUDAStreamGuard> guard;
+  // The graph's private memory pool, named up front so that a failed
+  // capture can end the allocator's routing of the side stream into it.
+  c10::MempoolId_t pool;
+  c10::DeviceIndex device;
+  hx_graph()
+      : side(c10::cuda::getStreamFromPool()), pool(at::cuda::graph_pool_handle()),
+        device(c10::cuda::current_device()) {}
+};
+
+extern "C" {
+
+int hx_has_cuda_graphs() { return 1; }
+
+// libtorch's current stream on the current device (NULL: the legacy
+// default stream). A capture's stream while one runs on this thread, or on
+// the autograd thread running a captured backward pass.
+char *hx_cuda_current_stream(void **out) { HX_TRY(*out = at::cuda::getCurrentCUDAStream().stream()) }
+
+char *hx_graph_new(hx_graph **out) { HX_TRY(*out = new hx_graph()) }
+
+// Makes `waiter` wait for the work queued on `on` so far.
+static void hx_stream_wait(cudaStream_t waiter, cudaStream_t on) {
+  cudaEvent_t ev;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  cudaError_t rec = cudaEventRecord(ev, on);
+  cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(waiter, ev, 0) : rec;
+  // Destroying an event with a wait pending is allowed: the wait holds.
+  (void)cudaEventDestroy(ev);
+  C10_CUDA_CHECK(wait);
+}
+
+// Makes the side stream current, after it waits for what the current stream
+// has queued (the batch's upload).
+char *hx_graph_enter(hx_graph *g) {
+  HX_TRY({
+    TORCH_CHECK(!g->guard.has_value(), "the graph's stream is already current");
+    hx_stream_wait(g->side.stream(), at::cuda::getCurrentCUDAStream().stream());
+    g->guard.emplace(g->side);
+  })
+}
+
+// Makes the stream that was current before hx_graph_enter current again; it
+// waits for what the side stream has queued.
+char *hx_graph_leave(hx_graph *g) {
+  HX_TRY({
+    if (!g->guard.has_value()) return nullptr;
+    g->guard.reset();
+    hx_stream_wait(at::cuda::getCurrentCUDAStream().stream(), g->side.stream());
+  })
+}
+
+// Starts capturing the side stream (current). Thread-local mode: other host
+// threads (the data workers) may keep using CUDA meanwhile; work queued on
+// the side stream from any thread (the autograd engine's) is captured.
+char *hx_graph_capture_begin(hx_graph *g) {
+  HX_TRY(g->graph.capture_begin(g->pool, cudaStreamCaptureModeThreadLocal))
+}
+
+char *hx_graph_capture_end(hx_graph *g) { HX_TRY(g->graph.capture_end()) }
+
+// Ends a capture that failed part way and discards what was captured, so
+// that the stream is usable again. Errors are ignored: the capture may have
+// been invalidated already.
+void hx_graph_abort(hx_graph *g) {
+  cudaGraph_t partial = nullptr;
+  cudaStreamCaptureStatus status;
+  if (cudaStreamIsCapturing(g->side.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    (void)cudaStreamEndCapture(g->side.stream(), &partial);
+    if (partial) (void)cudaGraphDestroy(partial);
+  }
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(g->device, g->pool);
+  } catch (...) {
+  }
+  (void)cudaGetLastError();
+}
+
+// Launches the captured work on the current stream.
+char *hx_graph_replay(hx_graph *g) { HX_TRY(g->graph.replay()) }
+
+void hx_graph_free(hx_graph *g) {
+  if (g) {
+    g->guard.reset();
+    delete g;
+  }
+}
+
+}  // extern "C"
+#else
+struct hx_graph;
+extern "C" {
+int hx_has_cuda_graphs() { return 0; }
+static char *hx_no_cuda() { return hx_err("this build of harness has no CUDA support in its libtorch shim"); }
+char *hx_cuda_current_stream(void **out) {
+  *out = nullptr;
+  return nullptr;
+}
+char *hx_graph_new(hx_graph **out) { return hx_no_cuda(); }
+char *hx_graph_enter(hx_graph *) { return hx_no_cuda(); }
+char *hx_graph_leave(hx_graph *) { return hx_no_cuda(); }
+char *hx_graph_capture_begin(hx_graph *) { return hx_no_cuda(); }
+char *hx_graph_capture_end(hx_graph *) { return hx_no_cuda(); }
+void hx_graph_abort(hx_graph *) {}
+char *hx_graph_replay(hx_graph *) { return hx_no_cuda(); }
+void hx_graph_free(hx_graph *) {}
+}  // extern "C"
+#endif

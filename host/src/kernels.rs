@@ -499,10 +499,18 @@ pub fn cross_entropy_bf16(logits: &Tensor, target: &Tensor, factor: f32, scale: 
     // pointers to tensors of the checked shapes and kinds, an int, a device
     // pointer or null, a float); all tensors stay alive until the function
     // returns and libtorch's caching allocator keeps their memory from reuse
-    // until work queued after the launch on the same (legacy default) stream
-    // has run. The launch goes to that same stream.
-    unsafe { result::launch_kernel(k.ce_bf16, (grid, 1, 1), (1024, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    // until work queued after the launch on the same (libtorch's current)
+    // stream has run. The launch goes to that same stream.
+    unsafe { result::launch_kernel(k.ce_bf16, (grid, 1, 1), (1024, 1, 1), 0, stream()?, &mut params) }?;
     Ok((rows.mean(Kind::Float), grad))
+}
+
+/// The stream every launch goes to: libtorch's current one, the legacy
+/// default stream where harness runs, or a CUDA graph's capture stream
+/// while the training step is captured (on the capturing thread, and on
+/// the autograd thread running the captured backward pass).
+fn stream() -> anyhow::Result<sys::CUstream> {
+    Ok(crate::torch_ext::current_cuda_stream()? as sys::CUstream)
 }
 
 /// A device pointer argument: the tensor's data, or null for none.
@@ -510,8 +518,8 @@ fn ptr(t: Option<&Tensor>) -> *mut c_void {
     t.map_or(std::ptr::null_mut(), |t| t.data_ptr())
 }
 
-/// Launches `f` on the legacy default stream (libtorch's) with `args`, the
-/// kernel's parameters in order.
+/// Launches `f` on libtorch's current stream with `args`, the kernel's
+/// parameters in order.
 ///
 /// # Safety
 /// `args` must match the kernel's signature in number, order and types;
@@ -683,7 +691,7 @@ unsafe fn launch2(
     let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (&mut **a) as *mut dyn std::any::Any as *mut c_void).collect();
     // SAFETY: per the function's contract; each parameter points at a live
     // local of the caller for the duration of the call.
-    unsafe { result::launch_kernel(f, grid, block, 0, std::ptr::null_mut(), &mut params) }?;
+    unsafe { result::launch_kernel(f, grid, block, 0, stream()?, &mut params) }?;
     Ok(())
 }
 
@@ -771,7 +779,7 @@ impl Partials {
         // SAFETY: the arguments follow add_partials' signature: the partial
         // sums [blocks, k, c] (contiguous, fresh from empty()), the checked
         // fp32 [c] gradients (null beyond `into`, never read), then B, K, C;
-        // all outlive the call, which goes to libtorch's (legacy default)
+        // all outlive the call, which goes to libtorch's current
         // stream, as the kernel that wrote the sums did.
         unsafe {
             launch2(
@@ -858,8 +866,8 @@ pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
     let mut p = at.data_ptr();
     let mut params: [*mut c_void; 1] = [&mut p as *mut _ as *mut c_void];
     // SAFETY: `at` is a live device tensor of at least 8 bytes; one thread
-    // writes one u64; the legacy default stream orders it.
-    unsafe { result::launch_kernel(k.stamp, (1, 1, 1), (1, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    // writes one u64; libtorch's current stream orders it.
+    unsafe { result::launch_kernel(k.stamp, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
     Ok(())
 }
 
@@ -870,7 +878,7 @@ pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
     let mut ns = ns;
     let mut params: [*mut c_void; 2] = [&mut p as *mut _ as *mut c_void, &mut ns as *mut _ as *mut c_void];
     // SAFETY: as in `stamp`; the kernel only reads the stamp.
-    unsafe { result::launch_kernel(k.spin_until, (1, 1, 1), (1, 1, 1), 0, std::ptr::null_mut(), &mut params) }?;
+    unsafe { result::launch_kernel(k.spin_until, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
     Ok(())
 }
 
@@ -885,6 +893,37 @@ mod tests {
         } else {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             false
+        }
+    }
+
+    /// A captured graph replays libtorch's operations and harness's own
+    /// kernels on the inputs of each replay: the kernels launch on the
+    /// capture's stream (launched on the legacy stream, they would have run
+    /// once at capture and never again).
+    #[test]
+    fn cuda_graph_replays_libtorch_and_harness_kernels_on_new_inputs() {
+        if !cuda() {
+            return;
+        }
+        assert!(crate::torch_ext::has_cuda_graphs(), "this build's shim has no CUDA graphs");
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = tch::Device::Cuda(0);
+        let x = Tensor::zeros([128, 256], (Kind::Float, dev));
+        let w = Tensor::randn([256, 64], (Kind::Float, dev));
+        let work = || -> anyhow::Result<Tensor> {
+            let h = cast_bf16(&x.matmul(&w).relu())?;
+            Ok(h.to_kind(Kind::Float).sum(Kind::Float))
+        };
+        let mut g = crate::torch_ext::CudaGraph::new().unwrap();
+        let _ = g.on_side_stream(work).unwrap();
+        let out = g.capture(work).unwrap();
+        assert!(g.replay().is_ok());
+        for k in 1..4 {
+            x.shallow_clone().copy_(&Tensor::randn([128, 256], (Kind::Float, dev)));
+            g.replay().unwrap();
+            let want = work().unwrap().double_value(&[]);
+            let got = out.double_value(&[]);
+            assert!(got != 0.0 && (got - want).abs() <= 1e-3 * want.abs(), "replay {k}: {got} against eager {want}");
         }
     }
 

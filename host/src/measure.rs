@@ -27,11 +27,15 @@ pub enum Phase {
     Optimizer,
     /// Batch-size and checkpoint policy hooks (host time).
     Strategy,
+    /// The forward pass, backward pass and update replayed as one CUDA
+    /// graph (device time), in place of those three phases.
+    Graph,
 }
 
 impl Phase {
     /// Every phase, in step order.
-    pub const ALL: [Phase; 6] = [Phase::Data, Phase::Forward, Phase::Backward, Phase::Communicate, Phase::Optimizer, Phase::Strategy];
+    pub const ALL: [Phase; 7] =
+        [Phase::Data, Phase::Forward, Phase::Backward, Phase::Communicate, Phase::Optimizer, Phase::Strategy, Phase::Graph];
 
     /// The phase's name in results.
     pub fn name(self) -> &'static str {
@@ -42,6 +46,7 @@ impl Phase {
             Phase::Communicate => "communicate",
             Phase::Optimizer => "optimizer",
             Phase::Strategy => "strategy",
+            Phase::Graph => "graph",
         }
     }
 }

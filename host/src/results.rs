@@ -262,6 +262,10 @@ pub struct Metrics {
     /// kernel (`kernels = "fused"`, bf16 on CUDA, the `gpt` family).
     #[serde(default)]
     pub fused_layer_norm: bool,
+    /// Steps that ran as replays of the step captured as a CUDA graph
+    /// (`cuda_graph`, one GPU); 0 when every step ran eagerly.
+    #[serde(default)]
+    pub cuda_graph_steps: u64,
     /// What NCCL ran with (multi-GPU entries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nccl: Option<NcclRecord>,

@@ -52,6 +52,7 @@ mod ffi {
             steps: *const *mut c_void,
             n: c_int,
             lr: f64,
+            lr_t: *mut c_void,
             beta1: f64,
             beta2: f64,
             weight_decay: f64,
@@ -60,6 +61,17 @@ mod ffi {
             grad_scale: *mut c_void,
         ) -> *mut c_char;
         pub fn hx_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_has_cuda_graphs() -> c_int;
+        pub fn hx_cuda_empty_cache() -> *mut c_char;
+        pub fn hx_cuda_current_stream(out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_graph_new(out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_graph_enter(g: *mut c_void) -> *mut c_char;
+        pub fn hx_graph_leave(g: *mut c_void) -> *mut c_char;
+        pub fn hx_graph_capture_begin(g: *mut c_void) -> *mut c_char;
+        pub fn hx_graph_capture_end(g: *mut c_void) -> *mut c_char;
+        pub fn hx_graph_abort(g: *mut c_void);
+        pub fn hx_graph_replay(g: *mut c_void) -> *mut c_char;
+        pub fn hx_graph_free(g: *mut c_void);
         pub fn hx_copy_nonblocking(dst: *const *mut c_void, src: *const *mut c_void, n: c_int) -> *mut c_char;
         pub fn hx_event_record(device: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_event_synchronize(ev: *mut c_void) -> *mut c_char;
@@ -226,10 +238,19 @@ pub fn unscale_check(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -
     check(unsafe { ffi::hx_unscale_check(g.as_ptr(), len(grads), found_inf.as_ptr() as *mut c_void, inv_scale.as_ptr() as *mut c_void) })
 }
 
+/// A learning rate: a number fixed when the update is queued, or a float
+/// scalar on the device read when it runs (what a captured CUDA graph of
+/// the step replays with a new value each step).
+#[derive(Debug, Clone, Copy)]
+pub enum Lr<'a> {
+    Host(f64),
+    Device(&'a Tensor),
+}
+
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy)]
-pub struct AdamWStep {
-    pub lr: f64,
+pub struct AdamWStep<'a> {
+    pub lr: Lr<'a>,
     pub beta1: f64,
     pub beta2: f64,
     pub weight_decay: f64,
@@ -267,6 +288,19 @@ pub fn fused_adamw(
             return Err(TorchError(format!("AdamW: the gradient scale must be one float, not {:?} {:?}", t.kind(), t.size())));
         }
     }
+    let (lr, lr_t) = match h.lr {
+        Lr::Host(lr) => (lr, std::ptr::null_mut()),
+        Lr::Device(t) => {
+            if t.kind() != Kind::Float || t.numel() != 1 || t.device() != params.first().map_or(t.device(), |p| p.device()) {
+                return Err(TorchError(format!(
+                    "AdamW: a device learning rate must be one float on the parameters' device, not {:?} {:?}",
+                    t.kind(),
+                    t.size()
+                )));
+            }
+            (f64::NAN, t.as_ptr() as *mut c_void)
+        }
+    };
     let fi = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
     let gs = grad_scale.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
     // SAFETY: five arrays of n live tensor pointers (lengths asserted above),
@@ -279,7 +313,8 @@ pub fn fused_adamw(
             v.as_ptr(),
             s.as_ptr(),
             len(params),
-            h.lr,
+            lr,
+            lr_t,
             h.beta1,
             h.beta2,
             h.weight_decay,
@@ -288,6 +323,108 @@ pub fn fused_adamw(
             gs,
         )
     })
+}
+
+/// libtorch's current CUDA stream on the current device, as a driver stream
+/// handle (null: the legacy default stream, where harness runs; inside
+/// [`CudaGraph::capture`], the capture's stream, on the capturing thread and
+/// on the autograd thread running the captured backward pass).
+pub fn current_cuda_stream() -> Result<*mut c_void, TorchError> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: out receives a stream handle (or null); nothing is allocated.
+    check(unsafe { ffi::hx_cuda_current_stream(&mut out) })?;
+    Ok(out)
+}
+
+/// Whether the shim was built with libtorch's CUDA library (graphs work).
+pub fn has_cuda_graphs() -> bool {
+    // SAFETY: a constant of the shim.
+    unsafe { ffi::hx_has_cuda_graphs() != 0 }
+}
+
+/// A CUDA graph (`at::cuda::CUDAGraph`) with the side stream it is captured
+/// on: libtorch routes the capture's allocations into the graph's private
+/// memory pool, which lives as long as the graph, so the tensors the
+/// captured work reads and writes keep their addresses for every replay.
+pub struct CudaGraph {
+    ptr: *mut c_void,
+    captured: bool,
+}
+
+// SAFETY: the shim's graph object is used by one thread at a time (the
+// entry's), and CUDA graphs and streams are not tied to a host thread.
+unsafe impl Send for CudaGraph {}
+
+impl CudaGraph {
+    pub fn new() -> Result<CudaGraph, TorchError> {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: ptr receives a new graph object, freed in Drop.
+        check(unsafe { ffi::hx_graph_new(&mut ptr) })?;
+        Ok(CudaGraph { ptr, captured: false })
+    }
+
+    /// Runs `work` with the graph's side stream as the current stream (it
+    /// first waits for the current stream's queued work, which then waits
+    /// for it): a warm-up on the capture's stream, as CUDA graphs need
+    /// (libraries set up per-stream state, such as cuBLAS's workspace, on
+    /// first use, which must not happen inside a capture).
+    pub fn on_side_stream<T>(&mut self, work: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        // SAFETY: self.ptr is a live graph object.
+        check(unsafe { ffi::hx_graph_enter(self.ptr) })?;
+        let out = work();
+        // SAFETY: as above; leaving is a no-op if entering failed.
+        let left = check(unsafe { ffi::hx_graph_leave(self.ptr) });
+        let out = out?;
+        left?;
+        Ok(out)
+    }
+
+    /// Captures the work `work` queues on the side stream (nothing runs:
+    /// [`CudaGraph::replay`] runs it). On an error the partial capture is
+    /// discarded and the graph stays empty.
+    pub fn capture<T>(&mut self, work: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        anyhow::ensure!(!self.captured, "the graph was captured already");
+        let ptr = self.ptr;
+        let out = self.on_side_stream(|| {
+            // SAFETY: ptr is a live graph object; its side stream is current.
+            check(unsafe { ffi::hx_graph_capture_begin(ptr) })?;
+            let out = work();
+            let ended = match &out {
+                // SAFETY: as above: the capture ends, or is aborted on failure.
+                Ok(_) => check(unsafe { ffi::hx_graph_capture_end(ptr) }),
+                Err(_) => {
+                    // SAFETY: as above.
+                    unsafe { ffi::hx_graph_abort(ptr) };
+                    Ok(())
+                }
+            };
+            if ended.is_err() {
+                // SAFETY: as above.
+                unsafe { ffi::hx_graph_abort(ptr) };
+            }
+            let out = out?;
+            ended?;
+            Ok(out)
+        })?;
+        self.captured = true;
+        Ok(out)
+    }
+
+    /// Launches the captured work on the current stream.
+    pub fn replay(&self) -> Result<(), TorchError> {
+        if !self.captured {
+            return Err(TorchError("replay of a CUDA graph that was not captured".into()));
+        }
+        // SAFETY: self.ptr is a live, captured graph.
+        check(unsafe { ffi::hx_graph_replay(self.ptr) })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: self.ptr came from hx_graph_new and is freed once, here.
+        unsafe { ffi::hx_graph_free(self.ptr) }
+    }
 }
 
 /// A page-locked copy of a CPU tensor (for asynchronous uploads).
@@ -359,6 +496,14 @@ pub fn cuda_memory(device: usize) -> Result<CudaMemory, TorchError> {
     // SAFETY: out has the four slots the shim writes.
     check(unsafe { ffi::hx_cuda_memory(device as c_int, out.as_mut_ptr()) })?;
     Ok(CudaMemory { allocated: out[0], peak_allocated: out[1], reserved: out[2], peak_reserved: out[3] })
+}
+
+/// Gives the CUDA caching allocator's unused cached blocks back to the
+/// driver (`torch.cuda.empty_cache()`); captured graphs keep their pools.
+/// Waits for the device.
+pub fn cuda_empty_cache() -> Result<(), TorchError> {
+    // SAFETY: no arguments; exceptions are caught in the shim.
+    check(unsafe { ffi::hx_cuda_empty_cache() })
 }
 
 /// Resets the allocator's peak figures.
@@ -672,7 +817,7 @@ mod tests {
         let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
         let g = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
-        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
+        let h = AdamWStep { lr: Lr::Host(0.1), beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
         let before: Vec<f32> = Vec::try_from(&p).unwrap();
         fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m], &[v], &[s], h, None, None).unwrap();
         let after: Vec<f32> = Vec::try_from(&p).unwrap();
@@ -690,7 +835,7 @@ mod tests {
         let run = |g: Tensor, scale: Option<&Tensor>| {
             let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0]);
             let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
-            let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-3 };
+            let h = AdamWStep { lr: Lr::Host(0.1), beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-3 };
             fused_adamw(&[p.shallow_clone()], &[g.shallow_clone()], &[m.shallow_clone()], &[v], &[s], h, None, scale).unwrap();
             (p, m, g)
         };
@@ -701,7 +846,7 @@ mod tests {
         assert!(g_after.allclose(&(g / 4.0), 1e-6, 0.0, false), "the scaled gradient is written back");
         let bad = Tensor::from_slice(&[1.0f64]);
         let p = Tensor::from_slice(&[1.0f32]);
-        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
+        let h = AdamWStep { lr: Lr::Host(0.1), beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         let e = fused_adamw(
             &[p.shallow_clone()],
             &[p.ones_like()],
@@ -924,7 +1069,7 @@ mod tests {
         let p = Tensor::from_slice(&[1.0f32, 2.0]);
         let g = Tensor::from_slice(&[1.0f32]);
         let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], (Kind::Float, Device::Cpu)));
-        let h = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
+        let h = AdamWStep { lr: Lr::Host(0.1), beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 };
         assert!(fused_adamw(&[p], &[g], &[m], &[v], &[s], h, None, None).is_err());
     }
 }

@@ -238,6 +238,13 @@ pub struct Workload {
     /// ResNets) are affected.
     #[serde(default, skip_serializing_if = "is_false")]
     pub cudnn_benchmark: bool,
+    /// On one GPU, whether the training step is captured as a CUDA graph
+    /// and replayed (`true`, where the step qualifies: docs/suite-format.md
+    /// says when), or runs eagerly, every operation launched from the host
+    /// (`false`, the default). The same maths either way. Entries that are
+    /// compared should run the same way: results record the replayed steps.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub cuda_graph: bool,
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub schedule: ScheduleSpec,

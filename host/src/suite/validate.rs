@@ -1011,6 +1011,16 @@ name = "b"
     }
 
     #[test]
+    fn cuda_graphs_are_off_unless_a_workload_turns_them_on() {
+        let off = parse(OK).unwrap();
+        assert!(!off.spec.workloads[0].cuda_graph);
+        let on = parse(&OK.replace("steps = 10", "steps = 10\ncuda_graph = true")).unwrap();
+        assert!(on.spec.workloads[0].cuda_graph);
+        let e = parse(&OK.replace("steps = 10", "steps = 10\ncuda_graph = \"auto\"")).unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    #[test]
     fn stop_at_target_needs_a_target_and_evaluations() {
         let stop = OK.replace("steps = 10", "steps = 10\nstop_at_target = true");
         let e = parse(&stop).unwrap_err();

@@ -288,6 +288,11 @@ impl DataParallel {
         Ok(true)
     }
 
+    /// Whether the gradients are autograd's own ([`DataParallel::use_local_grads`]).
+    pub fn local(&self) -> bool {
+        self.local
+    }
+
     /// With local gradients: every parameter's, in bucket order (zeros for
     /// one that no backward pass reached).
     fn local_grads(&self) -> anyhow::Result<Vec<Tensor>> {

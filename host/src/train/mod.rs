@@ -21,6 +21,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod dp;
 pub mod fused;
+pub mod graph;
 pub mod images;
 pub mod model;
 pub mod oom;

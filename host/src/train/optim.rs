@@ -4,7 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::suite::{Decay, OptimizerSpec, ScheduleSpec};
-use crate::torch_ext::{self, AdamWStep};
+use crate::torch_ext::{self, AdamWStep, Lr};
 
 /// An optimizer over a fixed list of parameters.
 pub enum Optimizer {
@@ -137,7 +137,7 @@ impl Optimizer {
         &mut self,
         params: &[Tensor],
         grads: &[Tensor],
-        lr: f64,
+        lr: Lr<'_>,
         found_inf: Option<&Tensor>,
         grad_scale: Option<&Tensor>,
     ) -> anyhow::Result<()> {
@@ -181,7 +181,12 @@ impl Optimizer {
                             d = if *nesterov { d + buf * *momentum } else { buf };
                         }
                         let mut p = p.shallow_clone();
-                        let _ = p.g_add_(&(d * -lr));
+                        // A device learning rate is read when the update
+                        // runs; p - d * lr is p + d * -lr bit for bit.
+                        let _ = match lr {
+                            Lr::Host(lr) => p.g_add_(&(d * -lr)),
+                            Lr::Device(t) => p.g_sub_(&(d * t)),
+                        };
                     }
                 });
             }
@@ -284,10 +289,44 @@ mod tests {
         let g = Tensor::from_slice(&[0.5f32]);
         let spec = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0 };
         let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None, None).unwrap();
-        o.step(&[p.shallow_clone()], &[g.shallow_clone()], 0.1, None, None).unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], Lr::Host(0.1), None, None).unwrap();
+        o.step(&[p.shallow_clone()], &[g.shallow_clone()], Lr::Host(0.1), None, None).unwrap();
         // buf1 = 0.5, buf2 = 0.9 * 0.5 + 0.5 = 0.95; p = 1 - 0.1 * (0.5 + 0.95)
         assert!((p.double_value(&[0]) - 0.855).abs() < 1e-6);
+    }
+
+    /// A learning rate read from a device scalar (what a captured step
+    /// replays with) updates as the same rate passed as a number: bit for
+    /// bit for SGD; for AdamW the rate is read as an fp32 where the number
+    /// is a double, so to within fp32 rounding.
+    #[test]
+    fn a_device_learning_rate_updates_as_the_number_does() {
+        let lr = 0.0123;
+        let specs = [
+            OptimizerSpec::Sgd { lr, momentum: 0.9, nesterov: true, weight_decay: 0.01 },
+            OptimizerSpec::Adamw { lr, betas: [0.9, 0.95], eps: 1e-8, weight_decay: 0.1 },
+        ];
+        for spec in specs {
+            let run = |device_lr: bool| {
+                let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0, 0.25]).reshape([5, 1]);
+                let mut o = Optimizer::new(&spec, &[p.shallow_clone()]);
+                let t = Tensor::full([], lr, (Kind::Float, Device::Cpu));
+                for k in 0..3 {
+                    let g = Tensor::from_slice(&[0.4f32, 0.8, -1.2, 2.0, -0.1]).reshape([5, 1]) * (k + 1) as f64;
+                    let r = if device_lr { Lr::Device(&t) } else { Lr::Host(lr) };
+                    o.step(&[p.shallow_clone()], &[g], r, None, None).unwrap();
+                }
+                Vec::<f32>::try_from(p.reshape([5])).unwrap()
+            };
+            let (host, device) = (run(false), run(true));
+            assert_ne!(host, vec![1.0f32, -2.0, 0.5, 3.0, 0.25], "{spec:?}: the parameters did not move");
+            for (h, d) in host.iter().zip(&device) {
+                match spec {
+                    OptimizerSpec::Sgd { .. } => assert_eq!(h.to_bits(), d.to_bits(), "{spec:?}: {host:?} vs {device:?}"),
+                    _ => assert!((h - d).abs() <= 1e-6 * h.abs().max(1.0), "{spec:?}: {host:?} vs {device:?}"),
+                }
+            }
+        }
     }
 
     #[test]

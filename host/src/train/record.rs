@@ -397,6 +397,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         plugins,
         fused_cross_entropy: t.fused_ce,
         fused_layer_norm: t.model.fused_layer_norm(),
+        cuda_graph_steps: t.graph_replays,
         nccl: None,
         overlapped_reduction: t.overlapped,
         zero: ctx.entry.strategy.zero,

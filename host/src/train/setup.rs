@@ -124,6 +124,10 @@ pub struct Training {
     pub(super) stats_in_flight: Option<Pending>,
     /// For the user, not failures (see `EntryOutput::warnings`).
     pub warnings: Vec<String>,
+    /// The step as a CUDA graph, where the entry's step is captured.
+    pub(super) graph: super::graph::StepGraph,
+    /// Steps that ran as a replay of the captured graph.
+    pub graph_replays: u64,
 }
 
 impl Training {
@@ -195,6 +199,25 @@ impl Training {
             && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision)
             && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
         model.use_fused_kernels(fused);
+        // The step as a CUDA graph where the workload asks for it
+        // (`cuda_graph = true`); HARNESS_CUDA_GRAPH=1 or 0 overrides the
+        // suite, to measure what graphs buy with the same suite.
+        let graph_allowed = match std::env::var("HARNESS_CUDA_GRAPH").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => w.cuda_graph,
+        };
+        let eligibility = super::graph::Eligibility {
+            cuda: device.is_cuda(),
+            world,
+            local_grads: dp.local(),
+            loss_scaling: scaler.is_some(),
+            grad_stats,
+            emulated_memory_limit: oom.limit.is_some(),
+            recompute: w.recompute()? != Recompute::None,
+            family_checked: matches!(w.model.kind, ModelKind::Gpt | ModelKind::Mlp | ModelKind::Vision),
+        };
+        let graph = super::graph::StepGraph::new(graph_allowed && eligibility.eligible());
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
             cfg,
@@ -224,6 +247,8 @@ impl Training {
             gradient_bytes: 0,
             stats_in_flight: None,
             warnings,
+            graph,
+            graph_replays: 0,
         })
     }
 

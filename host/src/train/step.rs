@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::batch::Batch;
+use super::data;
 use super::dp;
 use super::model;
 use super::record::Pending;
@@ -16,7 +17,7 @@ use super::setup::Training;
 use crate::comm::{any_rank, Collective};
 use crate::kernels;
 use crate::measure::{Phase, PhaseTimer};
-use crate::torch_ext;
+use crate::torch_ext::{self, Lr};
 
 /// What a step did.
 pub enum Stepped {
@@ -42,12 +43,31 @@ pub struct Trained {
 
 impl Training {
     /// Trains one step of `batch` at learning rate `lr`; `step` counts from 0.
+    /// Replays the step's CUDA graph where the entry's step is captured
+    /// (see [`super::graph`]), else runs it eagerly.
     pub fn step(&mut self, comm: &mut dyn Collective, batch: &Batch, timer: &mut PhaseTimer, step: u64, lr: f64) -> Result<Stepped> {
+        match self.graph_step(comm, batch, timer, step, lr)? {
+            Some(stepped) => Ok(stepped),
+            None => self.eager_step(comm, batch, timer, step, lr, None),
+        }
+    }
+
+    /// One step, each operation queued from the host as it comes. `fed`:
+    /// the step's micro-batch when already drawn (accumulation 1).
+    pub(super) fn eager_step(
+        &mut self,
+        comm: &mut dyn Collective,
+        batch: &Batch,
+        timer: &mut PhaseTimer,
+        step: u64,
+        lr: f64,
+        fed: Option<&data::Batch>,
+    ) -> Result<Stepped> {
         self.dp.begin_step()?;
         let emulated = self.oom.emulated(batch.micro_batch);
         let mut out = Trained { loss: None, tokens: 0, samples: 0, grad_stats: None };
         let guard = self.oom;
-        let mut oom = emulated || guard.catch(|| self.passes(comm, batch, timer, &mut out))?;
+        let mut oom = emulated || guard.catch(|| self.passes(comm, batch, timer, &mut out, fed))?;
         if guard.agree {
             oom = any_rank(comm, oom, self.device)?;
         }
@@ -64,17 +84,29 @@ impl Training {
         }
         self.dp.check_grads(&self.params)?;
         let (grads, check) = self.communicate(comm, timer, step, &mut out)?;
-        self.update(comm, timer, grads, check, step, lr)?;
+        self.update(comm, timer, grads, check, step, Lr::Host(lr))?;
         Ok(Stepped::Trained(out))
     }
 
     /// Forward and backward over the step's micro-batches, accumulating
-    /// the gradients in the buckets.
-    fn passes(&mut self, comm: &mut dyn Collective, batch: &Batch, timer: &mut PhaseTimer, out: &mut Trained) -> Result<()> {
+    /// the gradients in the buckets. `fed`: the one micro-batch, already
+    /// drawn (else each is drawn from the data stream).
+    pub(super) fn passes(
+        &mut self,
+        comm: &mut dyn Collective,
+        batch: &Batch,
+        timer: &mut PhaseTimer,
+        out: &mut Trained,
+        fed: Option<&data::Batch>,
+    ) -> Result<()> {
         let accum = batch.accum_steps;
+        anyhow::ensure!(fed.is_none() || accum == 1, "a drawn micro-batch is fed to steps of one micro-batch only");
         for micro in 0..accum {
             timer.start(Phase::Data)?;
-            let b = self.data.next_train(batch.micro_batch as usize);
+            let b = match fed {
+                Some(f) => f.to_device(self.device),
+                None => self.data.next_train(batch.micro_batch as usize),
+            };
             timer.stop()?;
             timer.start(Phase::Forward)?;
             let (loss, seed) = match self.model.forward(&b.input, &b.target, true) {
@@ -128,7 +160,7 @@ impl Training {
     /// The compressor reduces the gradient buckets across ranks. Returns
     /// the reduced gradients and how the compressor's output is still to
     /// be checked for NaN/inf.
-    fn communicate(
+    pub(super) fn communicate(
         &mut self,
         comm: &mut dyn Collective,
         timer: &mut PhaseTimer,
@@ -177,14 +209,14 @@ impl Training {
 
     /// Loss scaling, clipping, the check of the compressor's output and the
     /// optimizer step; under ZeRO, every rank then gathers the parameters.
-    fn update(
+    pub(super) fn update(
         &mut self,
         comm: &mut dyn Collective,
         timer: &mut PhaseTimer,
         grads: Vec<Tensor>,
         check: OutputCheck,
         step: u64,
-        lr: f64,
+        lr: Lr<'_>,
     ) -> Result<()> {
         let sharded = self.dp.sharded();
         timer.start(Phase::Optimizer)?;
@@ -239,14 +271,16 @@ impl Training {
         Ok(())
     }
 
-    /// After a restore: statistics in flight belong to the lost steps.
+    /// After a restore: statistics in flight belong to the lost steps, and
+    /// a captured step may hold state the restore replaced.
     pub fn forget_in_flight(&mut self) {
         self.stats_in_flight = None;
+        self.graph.reset();
     }
 }
 
 /// How the compressor's output is checked after the reduction.
-enum OutputCheck {
+pub(super) enum OutputCheck {
     /// Scanned bucket by bucket during the reduction, or not checked.
     Done,
     /// Through a norm of the reduced gradients: the clipping norm, else the
