@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 typedef at::Tensor *tensor;
@@ -616,6 +617,20 @@ void hx_range_pop(void *range) { delete static_cast<HxRange *>(range); }
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+// The stream graphs are captured on, one per device for the process: cuBLAS
+// and cuDNN keep a workspace per stream they meet (about 80 MB on Hopper,
+// allocated through the caching allocator and never freed), so a new pool
+// stream for every graph would leave another set behind at every entry.
+static c10::cuda::CUDAStream hx_side_stream() {
+  static std::mutex lock;
+  static std::vector<std::optional<c10::cuda::CUDAStream>> per_device;
+  std::lock_guard<std::mutex> held(lock);
+  auto device = c10::cuda::current_device();
+  if (per_device.size() <= static_cast<size_t>(device)) per_device.resize(device + 1);
+  if (!per_device[device]) per_device[device] = c10::cuda::getStreamFromPool(false, device);
+  return *per_device[device];
+}
+
 // A captured graph and the side stream it is captured on (capture needs a
 // stream other than the default one). `guard` holds the side stream current
 // between hx_graph_enter and hx_graph_leave.
@@ -628,7 +643,7 @@ struct hx_graph {
   c10::MempoolId_t pool;
   c10::DeviceIndex device;
   hx_graph()
-      : side(c10::cuda::getStreamFromPool()), pool(at::cuda::graph_pool_handle()),
+      : side(hx_side_stream()), pool(at::cuda::graph_pool_handle()),
         device(c10::cuda::current_device()) {}
 };
 
