@@ -71,19 +71,19 @@ pub struct Norm {
 }
 
 impl Norm {
-    fn new(p: nn::Path, d: i64) -> Norm {
+    pub(crate) fn new(p: nn::Path, d: i64) -> Norm {
         let ln = nn::layer_norm(p, vec![d], Default::default());
         Norm { ws: ln.ws.expect("affine"), bs: ln.bs.expect("affine"), d }
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         x.layer_norm([self.d], Some(&self.ws), Some(&self.bs), fused::EPS, true)
     }
 
     /// `(x + f, LayerNorm(x + f))`, or `(x, LayerNorm(x))` without `f`:
     /// with `fused`, through [`fused::add_norm`] (the normalised rows in
     /// bf16), else libtorch's add and LayerNorm.
-    fn add_forward(&self, x: &Tensor, f: Option<&Branch>, fused: bool) -> (Tensor, Tensor) {
+    pub(crate) fn add_forward(&self, x: &Tensor, f: Option<&Branch>, fused: bool) -> (Tensor, Tensor) {
         if fused && fused::cuda_fits(self.d, x.device()) {
             return fused::add_norm(x, f.map(|f| &f.out), f.and_then(|f| f.bias.as_ref()), &self.ws, &self.bs);
         }
@@ -100,12 +100,23 @@ impl Norm {
 /// A branch's output not yet added to the residual stream. With the fused
 /// kernels, the bias of the linear layer that made it is added with it (in
 /// [`fused::add_norm`]), not in the matmul.
-struct Branch {
+pub(crate) struct Branch {
     out: Tensor,
     bias: Option<Tensor>,
 }
 
 impl Branch {
+    /// `l(y)` as a branch of a residual stream of `d` channels (no
+    /// dropout): with the fused kernels (where [`fused::add_norm`] takes
+    /// rows of `d`), its bias is left to the next [`fused::add_norm`].
+    pub(crate) fn of(l: &nn::Linear, y: &Tensor, fused: bool, d: i64) -> Branch {
+        if fused && fused::cuda_fits(d, y.device()) {
+            Branch { out: y.linear(&fused::matmul_weight(&l.ws, fused), None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
+        } else {
+            Branch { out: y.linear(&fused::matmul_weight(&l.ws, fused), l.bs.as_ref()), bias: None }
+        }
+    }
+
     /// The branch's value.
     fn value(&self) -> Tensor {
         match &self.bias {
@@ -172,7 +183,7 @@ impl Shape {
     /// [`fused::add_norm`].
     fn project(&self, l: &nn::Linear, y: &Tensor) -> Branch {
         if self.fused && (!self.train || self.dropout == 0.0) && fused::cuda_fits(self.d_model, y.device()) {
-            Branch { out: y.linear(&self.weight(l), None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
+            Branch::of(l, y, true, self.d_model)
         } else {
             Branch { out: self.dropout(l.forward(y)), bias: None }
         }
@@ -373,15 +384,22 @@ impl Model {
     /// where they apply (bf16 autocast on CUDA; [`fused::add_norm`]).
     pub fn use_fused_kernels(&mut self, on: bool) {
         self.fused = on;
-        if let Net::T5(m) = &mut self.net {
-            m.use_fused_kernels(on);
+        match &mut self.net {
+            Net::T5(m) => m.use_fused_kernels(on),
+            Net::Vision(v) => v.use_fused_kernels(on),
+            _ => {}
         }
     }
 
     /// Whether the residual adds and LayerNorms run through
     /// [`fused::add_norm`]'s CUDA kernels.
     pub fn fused_layer_norm(&self) -> bool {
-        self.fused && matches!(self.net, Net::Gpt { .. }) && crate::kernels::layer_norm_fits(self.cfg.d_model)
+        let with_norms = match &self.net {
+            Net::Gpt { .. } => true,
+            Net::Vision(v) => v.is_transformer(),
+            _ => false,
+        };
+        self.fused && with_norms && crate::kernels::layer_norm_fits(self.cfg.d_model)
     }
 
     /// The resolved configuration.

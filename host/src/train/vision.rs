@@ -35,6 +35,8 @@
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
+use super::fused;
+use super::model::{Branch, Norm};
 use crate::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
 
 /// A `vision` network: a ResNet, or a Vision Transformer for the ViT presets.
@@ -59,6 +61,21 @@ impl Vision {
             Vision::Vit(n) => n.forward(x),
         }
     }
+
+    /// Whether it is a ViT (whose LayerNorms the fused kernels serve).
+    pub fn is_transformer(&self) -> bool {
+        matches!(self, Vision::Vit(_))
+    }
+
+    /// A ViT's residual adds and LayerNorms through [`fused::add_norm`],
+    /// its linear layers' weights cast by [`fused::cast_weight`], as the
+    /// `gpt` family's (bf16 on CUDA, `kernels = "fused"`). ResNets have
+    /// none of these layers.
+    pub fn use_fused_kernels(&mut self, on: bool) {
+        if let Vision::Vit(n) = self {
+            n.fused = on;
+        }
+    }
 }
 
 fn vit_linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
@@ -68,10 +85,10 @@ fn vit_linear(p: nn::Path, i: i64, o: i64, std: f64) -> nn::Linear {
 
 /// One pre-LayerNorm encoder block of a ViT.
 struct VitBlock {
-    ln1: nn::LayerNorm,
+    ln1: Norm,
     qkv: nn::Linear,
     proj: nn::Linear,
-    ln2: nn::LayerNorm,
+    ln2: Norm,
     fc1: nn::Linear,
     fc2: nn::Linear,
 }
@@ -82,10 +99,12 @@ pub struct Vit {
     cls: Tensor,
     pos: Tensor,
     blocks: Vec<VitBlock>,
-    ln: nn::LayerNorm,
+    ln: Norm,
     head: nn::Linear,
     heads: i64,
     width: i64,
+    /// harness's fused kernels ([`Vision::use_fused_kernels`]).
+    fused: bool,
 }
 
 impl Vit {
@@ -104,10 +123,10 @@ impl Vit {
             .map(|i| {
                 let b = p / "layers" / i;
                 VitBlock {
-                    ln1: nn::layer_norm(&b / "ln_1", vec![d], Default::default()),
+                    ln1: Norm::new(&b / "ln_1", d),
                     qkv: vit_linear(&b / "attn" / "in_proj", d, 3 * d, 0.02),
                     proj: vit_linear(&b / "attn" / "out_proj", d, d, 0.02),
-                    ln2: nn::layer_norm(&b / "ln_2", vec![d], Default::default()),
+                    ln2: Norm::new(&b / "ln_2", d),
                     fc1: vit_linear(&b / "mlp" / "linear_1", d, cfg.d_ff, 0.02),
                     fc2: vit_linear(&b / "mlp" / "linear_2", cfg.d_ff, d, 0.02),
                 }
@@ -118,29 +137,40 @@ impl Vit {
             cls: p.zeros("class_token", &[1, 1, d]),
             pos: p.var("pos_embedding", &[1, tokens, d], nn::Init::Randn { mean: 0.0, stdev: 0.02 }),
             blocks,
-            ln: nn::layer_norm(p / "ln", vec![d], Default::default()),
+            ln: Norm::new(p / "ln", d),
             head: vit_linear(p / "head", d, cfg.vocab, 0.0),
             heads: cfg.n_head,
             width: d,
+            fused: false,
         }
     }
 
-    fn attention(&self, x: &Tensor, qkv: &nn::Linear, proj: &nn::Linear) -> Tensor {
-        let (b, t, _) = x.size3().expect("tokens are [n, t, d]");
-        proj.forward(&super::model::attention(&qkv.forward(x), b, t, self.heads, 0.0, false))
+    /// `l(h)`, its weight cast by the fused kernels where they serve.
+    fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
+        h.linear(&fused::matmul_weight(&l.ws, self.fused), l.bs.as_ref())
     }
 
-    /// `[n, classes]` logits of `[n, channels, side, side]` images.
+    /// `[n, classes]` logits of `[n, channels, side, side]` images. The
+    /// residual stream takes each branch (attention, MLP) in the next
+    /// LayerNorm's add, one kernel each way with the fused kernels, which
+    /// also add the branch's projection bias there.
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let n = x.size()[0];
         let patches = self.patch.forward(x).flatten(2, -1).transpose(1, 2);
         let cls = self.cls.expand([n, 1, self.width], false).to_kind(patches.kind());
         let mut y = Tensor::cat(&[cls, patches], 1) + &self.pos;
+        let (_, t, _) = y.size3().expect("tokens are [n, t, d]");
+        let mut pending: Option<Branch> = None;
         for b in &self.blocks {
-            y = &y + self.attention(&b.ln1.forward(&y), &b.qkv, &b.proj);
-            y = &y + b.fc2.forward(&b.fc1.forward(&b.ln2.forward(&y)).gelu("none"));
+            let (x, h) = b.ln1.add_forward(&y, pending.as_ref(), self.fused);
+            let a = super::model::attention(&self.linear(&b.qkv, &h), n, t, self.heads, 0.0, false);
+            let (x, h) = b.ln2.add_forward(&x, Some(&Branch::of(&b.proj, &a, self.fused, self.width)), self.fused);
+            let m = self.linear(&b.fc1, &h).gelu("none");
+            pending = Some(Branch::of(&b.fc2, &m, self.fused, self.width));
+            y = x;
         }
-        self.head.forward(&self.ln.forward(&y).select(1, 0))
+        let (_, h) = self.ln.add_forward(&y, pending.as_ref(), self.fused);
+        self.head.forward(&h.select(1, 0))
     }
 }
 
@@ -313,6 +343,9 @@ mod tests {
 
     #[test]
     fn resnets_have_torchvisions_parameter_counts_and_multiply_adds() {
+        // Initialisation draws from libtorch's global generator: take turns
+        // with the tests that seed it and compare what they draw.
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         // torchvision's resnet18 has 11,689,512 parameters, resnet50
         // 25,557,032; fvcore counts 1.814 and 4.089 GMACs in their
         // convolutions and classifier at 224 x 224, 1000 classes.
@@ -330,6 +363,9 @@ mod tests {
 
     #[test]
     fn logits_have_one_row_per_image_and_batch_norm_statistics_move_only_in_training() {
+        // Initialisation draws from libtorch's global generator: take turns
+        // with the tests that seed it and compare what they draw.
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let cfg = config("tiny", 10, [3, 32]);
         let vs = nn::VarStore::new(Device::Cpu);
         let net = ResNet::new(&vs.root(), &cfg);
@@ -349,6 +385,9 @@ mod tests {
 
     #[test]
     fn vit_b16_has_torchvisions_parameter_count_and_tiny_vits_classify() {
+        // Initialisation draws from libtorch's global generator: take turns
+        // with the tests that seed it and compare what they draw.
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         // torchvision's vit_b_16: 86,567,656 parameters at 1000 classes.
         let vs = nn::VarStore::new(Device::Cpu);
         let _net = Vision::new(&vs.root(), &config("vit-b16", 1000, [3, 224]));
@@ -378,6 +417,9 @@ mod tests {
 
     #[test]
     fn channels_last_keeps_values_and_sets_nhwc_strides() {
+        // Initialisation draws from libtorch's global generator: take turns
+        // with the tests that seed it and compare what they draw.
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let x = Tensor::randn([2, 3, 5, 7], (Kind::Float, Device::Cpu));
         let y = channels_last(&x);
         assert!(y.equal(&x));
