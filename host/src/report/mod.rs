@@ -397,6 +397,7 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
                     row.flags = engagement(&row.group, &Default::default(), None, None);
                 }
             }
+            flag_mixed_graphs(&mut rows);
             rank(&mut rows);
             Board { suite, version, workload, device, rows }
         })
@@ -450,6 +451,26 @@ fn rank(rows: &mut [Row]) {
             r.rank = Some(next);
             next += 1;
         }
+    }
+}
+
+/// A strategy whose steps were replayed as a CUDA graph and one whose
+/// steps ran eagerly are not compared like for like (a graph removes the
+/// launch gaps between kernels; `cuda_graph` in docs/suite-format.md says
+/// which entries qualify): where a board holds both, every row says which
+/// it was.
+fn flag_mixed_graphs(rows: &mut [Row]) {
+    let graphed = |r: &Row| r.group.runs.iter().any(|m| m.cuda_graph_steps > 0);
+    let n = rows.iter().filter(|r| graphed(r)).count();
+    if n == 0 || n == rows.len() {
+        return;
+    }
+    for r in rows.iter_mut() {
+        r.flags.push(if graphed(r) {
+            "steps replayed as a CUDA graph, other strategies' eager: not like for like".into()
+        } else {
+            "steps eager, other strategies' replayed as a CUDA graph: not like for like".into()
+        });
     }
 }
 
@@ -689,6 +710,35 @@ mod tests {
         let mut rows = vec![row("a", 900.0, None), row("b", 1000.0, None)];
         rank(&mut rows);
         assert_eq!(rows[0].group.strategy, "b");
+    }
+
+    #[test]
+    fn strategies_run_as_cuda_graphs_and_eagerly_side_by_side_are_flagged() {
+        let row = |name: &str, graph_steps: u64| {
+            let runs = vec![Metrics { tokens_per_s: 100.0, steps: 10, cuda_graph_steps: graph_steps, ..Default::default() }];
+            let group = Group {
+                suite: "s".into(),
+                version: None,
+                workload: "w".into(),
+                strategy: name.into(),
+                device: "cuda".into(),
+                baseline: false,
+                parts: Default::default(),
+                runs,
+                step_histograms: vec![],
+                failures: vec![],
+            };
+            score(group)
+        };
+        let mut mixed = vec![row("graphed", 8), row("eager", 0)];
+        flag_mixed_graphs(&mut mixed);
+        assert!(mixed[0].flags[0].starts_with("steps replayed as a CUDA graph"), "{:?}", mixed[0].flags);
+        assert!(mixed[1].flags[0].starts_with("steps eager"), "{:?}", mixed[1].flags);
+        for same in [vec![row("a", 8), row("b", 8)], vec![row("a", 0), row("b", 0)]] {
+            let mut rows = same;
+            flag_mixed_graphs(&mut rows);
+            assert!(rows.iter().all(|r| r.flags.is_empty()), "like for like needs no flag");
+        }
     }
 
     #[test]
