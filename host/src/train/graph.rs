@@ -104,6 +104,7 @@ impl StepGraph {
 }
 
 /// Whether an entry's step may be captured (see the module's doc).
+#[derive(Debug, Clone, Copy)]
 pub struct Eligibility {
     pub cuda: bool,
     pub world: usize,
@@ -116,16 +117,20 @@ pub struct Eligibility {
 }
 
 impl Eligibility {
-    pub fn eligible(&self) -> bool {
-        self.cuda
-            && self.world == 1
-            && self.local_grads
-            && !self.loss_scaling
-            && !self.grad_stats
-            && !self.emulated_memory_limit
-            && !self.recompute
-            && self.family_checked
-            && crate::torch_ext::has_cuda_graphs()
+    /// Why the step cannot be captured, or None when it can.
+    pub fn why_not(&self) -> Option<&'static str> {
+        let reasons = [
+            (!self.cuda, "it trains on the CPU"),
+            (self.world != 1, "it trains on more than one rank"),
+            (!self.local_grads, "its gradients go through buckets (a compressor plugin or ZeRO)"),
+            (self.loss_scaling, "fp16 loss scaling decides on the host"),
+            (self.grad_stats, "its batch policy reads gradient statistics"),
+            (self.emulated_memory_limit, "it emulates a memory limit"),
+            (self.recompute, "it recomputes activations"),
+            (!self.family_checked, "its model family is not checked under capture (gpt, mlp and vision are)"),
+            (!crate::torch_ext::has_cuda_graphs(), "this build's libtorch shim has no CUDA graphs"),
+        ];
+        reasons.into_iter().find_map(|(applies, why)| applies.then_some(why))
     }
 }
 
@@ -271,4 +276,39 @@ fn release_cache(device: tch::Device, when: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_captured_only_where_nothing_in_it_decides_on_the_host() {
+        let ok = Eligibility {
+            cuda: true,
+            world: 1,
+            local_grads: true,
+            loss_scaling: false,
+            grad_stats: false,
+            emulated_memory_limit: false,
+            recompute: false,
+            family_checked: true,
+        };
+        let built_with_graphs = crate::torch_ext::has_cuda_graphs();
+        assert_eq!(ok.why_not().is_none(), built_with_graphs);
+        let cases = [
+            (Eligibility { cuda: false, ..ok }, "CPU"),
+            (Eligibility { world: 2, ..ok }, "more than one rank"),
+            (Eligibility { local_grads: false, ..ok }, "buckets"),
+            (Eligibility { loss_scaling: true, ..ok }, "fp16"),
+            (Eligibility { grad_stats: true, ..ok }, "gradient statistics"),
+            (Eligibility { emulated_memory_limit: true, ..ok }, "memory limit"),
+            (Eligibility { recompute: true, ..ok }, "recomputes"),
+            (Eligibility { family_checked: false, ..ok }, "model family"),
+        ];
+        for (e, says) in cases {
+            let why = e.why_not().expect("not eligible");
+            assert!(why.contains(says), "{why} should say {says}");
+        }
+    }
 }

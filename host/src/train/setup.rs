@@ -191,7 +191,7 @@ impl Training {
         }
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
-        let (fused, warnings) = fused_kernels(device, w.precision, w.kernels);
+        let (fused, mut warnings) = fused_kernels(device, w.precision, w.kernels);
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
         // The fused cross-entropy serves the token models (gpt, mlp).
@@ -217,7 +217,11 @@ impl Training {
             recompute: w.recompute()? != Recompute::None,
             family_checked: matches!(w.model.kind, ModelKind::Gpt | ModelKind::Mlp | ModelKind::Vision),
         };
-        let graph = super::graph::StepGraph::new(graph_allowed && eligibility.eligible());
+        let why_not = eligibility.why_not();
+        if let (true, Some(why)) = (graph_allowed, why_not) {
+            warnings.push(format!("cuda_graph: every step runs eagerly, since {why}"));
+        }
+        let graph = super::graph::StepGraph::new(graph_allowed && why_not.is_none());
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
             cfg,
