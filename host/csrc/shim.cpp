@@ -156,14 +156,16 @@ char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp
     // As torch.optim's _fused_adamw: the kernel reads the already-incremented
     // step count; a skipped (overflowed) step takes the increment back.
     at::_foreach_add_(st, 1);
+    // The two overloads differ only in the learning rate's type.
+    auto step = [&](const auto &rate) {
+      at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
+                        hx_list(exp_avg_sq, n), {}, st, rate, beta1, beta2,
+                        weight_decay, eps, false, false, gs, fi);
+    };
     if (lr_t) {
-      at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
-                        hx_list(exp_avg_sq, n), {}, st, *lr_t, beta1, beta2,
-                        weight_decay, eps, false, false, gs, fi);
+      step(*lr_t);
     } else {
-      at::_fused_adamw_(hx_list(params, n), hx_list(grads, n), hx_list(exp_avg, n),
-                        hx_list(exp_avg_sq, n), {}, st, lr, beta1, beta2,
-                        weight_decay, eps, false, false, gs, fi);
+      step(lr);
     }
     if (found_inf) at::_foreach_sub_(st, std::vector<at::Tensor>(st.size(), *found_inf));
   })
