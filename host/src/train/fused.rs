@@ -113,7 +113,7 @@ impl Sums {
         let Some(buffers) = buffers else {
             return Ok(match self {
                 Sums::Partials(part) => {
-                    let sums = part.sums();
+                    let sums = part.sums()?;
                     (0..params.len()).map(|i| Some(sums.get(i as i64))).collect()
                 }
                 Sums::Tensors(ts) => ts.into_iter().map(Some).collect(),
@@ -361,9 +361,104 @@ pub fn cast_weight(w: &Tensor) -> Tensor {
     out[0].shallow_clone()
 }
 
+/// `x w^T + b` under bf16 autocast with the weight's cast and gradient
+/// handled here: the autograd node behind [`linear`]. Inputs `[x, w, b?]`
+/// (`x` `[n, in]`, `w` fp32 `[out, in]`, `b` fp32 `[out]`), output `[y]`
+/// (bf16 `[n, out]`), kept `[bf16(x), bf16(w), w, b?]`.
+struct Linear {
+    engine: Engine,
+    bias: bool,
+    /// `x`'s kind, for its gradient.
+    x_kind: Kind,
+}
+
+impl CustomOp for Linear {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let (x, w, b) = match (self.bias, inputs) {
+            (true, [x, w, b]) => (x, w, Some(b)),
+            (false, [x, w]) => (x, w, None),
+            _ => anyhow::bail!("linear: {} inputs", inputs.len()),
+        };
+        let w16 = match self.engine {
+            Engine::Cuda => kernels::cast_bf16(w)?,
+            Engine::Reference => w.to_kind(Kind::BFloat16),
+        };
+        let x16 = x.to_kind(Kind::BFloat16);
+        let y = match b {
+            // The bias in the matmul's epilogue, as autocast's addmm.
+            Some(b) => b.to_kind(Kind::BFloat16).f_addmm(&x16, &w16.tr())?,
+            None => x16.f_mm(&w16.tr())?,
+        };
+        let mut kept = vec![x16, w16, w.shallow_clone()];
+        kept.extend(b.map(Tensor::shallow_clone));
+        Ok((vec![y], kept))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let (x16, w16, w, b, dy) = match (saved, grads) {
+            ([x16, w16, w], [dy]) => (x16, w16, w, None, dy),
+            ([x16, w16, w, b], [dy]) => (x16, w16, w, Some(b), dy),
+            _ => anyhow::bail!("linear: {} kept, {} gradients", saved.len(), grads.len()),
+        };
+        let Some(dy) = dy else { return Ok((1..saved.len()).map(|_| None).collect()) };
+        let dy = dy.to_kind(Kind::BFloat16);
+        let dx = dy.f_mm(w16)?.to_kind(self.x_kind);
+        // The weight's gradient straight out of the matmul in fp32 (bf16
+        // products, fp32 sums), where autocast's bf16 matmul rounds it to
+        // bf16 and a cast widens it again.
+        let dw = match self.engine {
+            Engine::Cuda => dy.tr().f_mm_dtype(x16, Kind::Float)?,
+            Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x16.to_kind(Kind::Float))?,
+        };
+        let dw = match buffer(w) {
+            Some(g) => {
+                let _ = g.shallow_clone().f_add_(&dw)?;
+                None
+            }
+            None => Some(dw),
+        };
+        let mut out = vec![Some(dx), dw];
+        if let Some(b) = b {
+            let sums = match self.engine {
+                Engine::Cuda => Sums::Partials(kernels::column_sums_bf16(&dy.contiguous())?),
+                Engine::Reference => Sums::Tensors(vec![dy.sum_dim_intlist(0, false, Kind::Float)]),
+            };
+            out.push(sums.deliver(&[b])?.pop().flatten());
+        }
+        Ok(out)
+    }
+}
+
+/// `x w^T + b` (a linear layer; `w` fp32 `[out, in]`, `x` `[.., in]`).
+/// With the fused kernels (`fused`) on CUDA, one autograd node: the weight
+/// cast to bf16 by one vectorised kernel, its gradient computed by the
+/// matmul in fp32 and added into its gradient buffer ([`buffer`]) or handed
+/// to autograd, and the bias's gradient summed by a kernel of harness's
+/// own. Else libtorch's linear (autocast casts the weight).
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Tensor {
+    if !(fused && w.device().is_cuda()) {
+        return x.linear(w, b);
+    }
+    let engine = if kernels::available() && !reference_forced() { Engine::Cuda } else { Engine::Reference };
+    linear_with(engine, x, w, b)
+}
+
+/// [`linear`]'s autograd node on `engine`.
+fn linear_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let mut shape = x.size();
+    let inner = *shape.last().expect("linear takes rows");
+    let x2 = x.reshape([-1, inner]);
+    let mut inputs = vec![&x2, w];
+    inputs.extend(b);
+    let op = Linear { engine, bias: b.is_some(), x_kind: x.kind() };
+    let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
+    *shape.last_mut().expect("linear takes rows") = w.size()[0];
+    out[0].view(shape.as_slice())
+}
+
 /// The weight `w` as a matmul under autocast takes it: with the fused
 /// kernels (`fused`) on CUDA, through [`cast_weight`]; else as it is
-/// (autocast casts it).
+/// (autocast casts it). For matmuls that are not a [`linear`] layer.
 pub fn matmul_weight(w: &Tensor, fused: bool) -> Tensor {
     if fused && w.device().is_cuda() {
         cast_weight(w)
@@ -548,6 +643,61 @@ mod tests {
         assert!(w.grad().equal(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu))));
     }
 
+    /// The output and the gradients (x, w, then b) of a loss over a linear
+    /// layer of `n` rows, `i` to `o`: through [`Linear`] on `engine`, or
+    /// (None) as autocast computes it (bf16 casts, then libtorch's matmul
+    /// and autograd). `buffers`: w and b have zeroed gradient buffers, which
+    /// must then hold their gradients.
+    fn linear_grads(engine: Option<Engine>, bias: bool, buffers: bool, dev: Device, (n, i, o): (i64, i64, i64)) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(17);
+        let x = Tensor::randn([2, n, i], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let w = (Tensor::randn([o, i], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let b = (Tensor::randn([o], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let p = Tensor::randn([2, n, o], (Kind::Float, dev));
+        let kept: Vec<Tensor> = [&w, &b].iter().filter(|_| buffers).map(|t| t.zeros_like()).collect();
+        for (t, g) in [&w, &b].iter().zip(&kept) {
+            torch_ext::set_grad(t, Some(g)).unwrap();
+        }
+        let bias_in = bias.then_some(&b);
+        let y = match engine {
+            Some(e) => linear_with(e, &x, &w, bias_in),
+            None => x.linear(&w.to_kind(Kind::BFloat16), bias_in.map(|b| b.to_kind(Kind::BFloat16))),
+        };
+        assert_eq!((y.size(), y.kind()), (vec![2, n, o], Kind::BFloat16));
+        (y.to_kind(Kind::Float) * p).sum(Kind::Float).backward();
+        for (t, g) in [&w, &b].iter().zip(&kept) {
+            if t.grad().defined() {
+                assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+            }
+        }
+        let mut out = vec![y.to_kind(Kind::Float), x.grad().to_kind(Kind::Float), w.grad()];
+        if bias {
+            out.push(b.grad());
+        }
+        out
+    }
+
+    #[test]
+    fn the_linear_node_gives_autocasts_gradients() {
+        // The input's gradient is the same bf16 matmul; the weight's is
+        // summed in fp32 instead of rounded to bf16 (within bf16's epsilon).
+        for bias in [false, true] {
+            for buffers in [false, true] {
+                let want = linear_grads(None, bias, buffers, Device::Cpu, (7, 24, 40));
+                let got = linear_grads(Some(Engine::Reference), bias, buffers, Device::Cpu, (7, 24, 40));
+                assert!(
+                    want[0].equal(&got[0]) && want[1].equal(&got[1]),
+                    "bias={bias} buffers={buffers}: output or input gradient differs"
+                );
+                for (k, (a, b)) in want.iter().zip(&got).enumerate().skip(2) {
+                    let rel = relative(a, b);
+                    assert!(rel < 8e-3, "bias={bias} buffers={buffers}, gradient {k}: relative error {rel}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn cuda_kernels_match_the_reference() {
         if !crate::device::init_cuda() {
@@ -584,6 +734,18 @@ mod tests {
             let want = &g + d.to_kind(Kind::Float);
             kernels::accumulate_bf16(&g, &d).unwrap();
             assert!(g.equal(&want), "accumulation of {n}: not libtorch's sum");
+        }
+        // GPT-2 124M's attention projection (with its bias) and a width not
+        // a multiple of the column sums' blocks.
+        for shape in [(512, 768, 2304), (33, 64, 8 * 130)] {
+            for (bias, buffers) in [(true, false), (true, true), (false, false)] {
+                let want = linear_grads(None, bias, buffers, dev, shape);
+                let got = linear_grads(Some(Engine::Cuda), bias, buffers, dev, shape);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 1e-2, "linear {shape:?} bias={bias} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                }
+            }
         }
         for shape in [(5, 24), (300, 3072), (64, 8192)] {
             for buffer in [false, true] {

@@ -111,9 +111,9 @@ impl Branch {
     /// rows of `d`), its bias is left to the next [`fused::add_norm`].
     pub(crate) fn of(l: &nn::Linear, y: &Tensor, fused: bool, d: i64) -> Branch {
         if fused && fused::cuda_fits(d, y.device()) {
-            Branch { out: y.linear(&fused::matmul_weight(&l.ws, fused), None::<Tensor>), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
+            Branch { out: fused::linear(y, &l.ws, None, fused), bias: l.bs.as_ref().map(Tensor::shallow_clone) }
         } else {
-            Branch { out: y.linear(&fused::matmul_weight(&l.ws, fused), l.bs.as_ref()), bias: None }
+            Branch { out: fused::linear(y, &l.ws, l.bs.as_ref(), fused), bias: None }
         }
     }
 
@@ -168,14 +168,9 @@ impl Shape {
         dropout(x, self.dropout, self.train)
     }
 
-    /// A linear layer's weight for its matmul ([`fused::matmul_weight`]).
-    fn weight(&self, l: &nn::Linear) -> Tensor {
-        fused::matmul_weight(&l.ws, self.fused)
-    }
-
-    /// `l(h)` with its bias in the matmul.
+    /// `l(h)` with its bias in the matmul ([`fused::linear`]).
     fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
-        h.linear(&self.weight(l), l.bs.as_ref())
+        fused::linear(h, &l.ws, l.bs.as_ref(), self.fused)
     }
 
     /// `l(y)` (then dropout) as a branch of the residual stream; with the
@@ -194,9 +189,7 @@ impl Shape {
     fn linear_gelu(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
         let out = *l.ws.size().first().expect("a weight matrix");
         match &l.bs {
-            Some(b) if self.fused && fused::gelu_cuda_fits(out, h.device()) => {
-                fused::bias_gelu(&h.linear(&self.weight(l), None::<Tensor>), b)
-            }
+            Some(b) if self.fused && fused::gelu_cuda_fits(out, h.device()) => fused::bias_gelu(&fused::linear(h, &l.ws, None, true), b),
             _ => l.forward(h).gelu("tanh"),
         }
     }
@@ -448,7 +441,7 @@ impl Model {
                     }
                 }
                 let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
-                let logits = x.matmul(&fused::matmul_weight(&wte.ws, s.fused).tr());
+                let logits = fused::linear(&x, &wte.ws, None, s.fused);
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Net::Encoder { layers, head } => {

@@ -68,7 +68,7 @@ impl Vision {
     }
 
     /// A ViT's residual adds and LayerNorms through [`fused::add_norm`],
-    /// its linear layers' weights cast by [`fused::cast_weight`], as the
+    /// its linear layers through [`fused::linear`], as the
     /// `gpt` family's (bf16 on CUDA, `kernels = "fused"`). ResNets have
     /// none of these layers.
     pub fn use_fused_kernels(&mut self, on: bool) {
@@ -145,9 +145,9 @@ impl Vit {
         }
     }
 
-    /// `l(h)`, its weight cast by the fused kernels where they serve.
+    /// `l(h)` ([`fused::linear`]).
     fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
-        h.linear(&fused::matmul_weight(&l.ws, self.fused), l.bs.as_ref())
+        fused::linear(h, &l.ws, l.bs.as_ref(), self.fused)
     }
 
     /// `[n, classes]` logits of `[n, channels, side, side]` images. The
