@@ -421,6 +421,85 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
   for (int j = 0; j < 8; j++) p[j] = acc[j];
 }
 
+// AdamW over a list of fp32 tensors, the maths of libtorch's _fused_adamw_
+// (its fp64 and fp32 steps as written there), one block per chunk of
+// ADAM_CHUNK elements of a tensor: p, m and v are read and written, g only
+// read (libtorch also writes the gradient back when it is scaled).
+// `step` holds each tensor's steps so far (this update is step + 1;
+// adamw_steps counts it afterwards). An update with *found_inf == 1 is
+// skipped; the learning rate is *lr_t where given, else lr; gradients are
+// divided by *grad_scale where given.
+#define ADAM_MAX 48
+#define ADAM_CHUNK 8192
+struct AdamList {
+  float* p[ADAM_MAX];
+  float* g[ADAM_MAX];
+  float* m[ADAM_MAX];
+  float* v[ADAM_MAX];
+  float* step[ADAM_MAX];
+  long long n[ADAM_MAX];
+  int first_block[ADAM_MAX + 1];
+  int count;
+};
+struct AdamScalars {
+  double lr, beta1, beta2, wd, eps;
+  float bc1, bc2_sqrt;
+  const float* grad_scale;
+};
+__device__ __forceinline__ void adam_elem(float& param, float grad, float& exp_avg, float& exp_avg_sq, const AdamScalars& a) {
+  if (a.grad_scale) grad /= (double)*a.grad_scale;
+  if (a.wd != 0.0) param -= a.lr * a.wd * param;
+  exp_avg = a.beta1 * exp_avg + (1 - a.beta1) * grad;
+  exp_avg_sq = a.beta2 * exp_avg_sq + (1 - a.beta2) * grad * grad;
+  const float step_size = a.lr / a.bc1;
+  const float denom = (sqrtf(exp_avg_sq) / a.bc2_sqrt) + a.eps;
+  param -= step_size * exp_avg / denom;
+}
+extern "C" __global__ void __launch_bounds__(512) adamw(const AdamList L, const float* __restrict__ lr_t, double lr,
+    double beta1, double beta2, double wd, double eps, const float* __restrict__ grad_scale,
+    const float* __restrict__ found_inf) {
+  if (found_inf && *found_inf == 1.f) return;
+  int lo = 0, hi = L.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (L.first_block[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
+  }
+  const int t = lo;
+  const long long start = (long long)(blockIdx.x - L.first_block[t]) * ADAM_CHUNK;
+  const long long end = min(L.n[t], start + ADAM_CHUNK);
+  const float step = *L.step[t] + 1.f;
+  AdamScalars a;
+  a.lr = lr_t ? (double)*lr_t : lr;
+  a.beta1 = beta1; a.beta2 = beta2; a.wd = wd; a.eps = eps; a.grad_scale = grad_scale;
+  a.bc1 = (float)(1.0 - pow(beta1, (double)step));
+  a.bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
+  float* p = L.p[t]; const float* g = L.g[t]; float* m = L.m[t]; float* v = L.v[t];
+  long long i = start + threadIdx.x;
+  if ((((size_t)p | (size_t)g | (size_t)m | (size_t)v) & 15) == 0) {
+    // start is a multiple of 4: float4 steps up to the last whole one.
+    const long long end4 = start + ((end - start) & ~3ll);
+    for (long long j = start + 4ll * threadIdx.x; j < end4; j += 4ll * blockDim.x) {
+      float4 pv = *reinterpret_cast<float4*>(p + j), gv = *reinterpret_cast<const float4*>(g + j);
+      float4 mv = *reinterpret_cast<float4*>(m + j), vv = *reinterpret_cast<float4*>(v + j);
+      adam_elem(pv.x, gv.x, mv.x, vv.x, a); adam_elem(pv.y, gv.y, mv.y, vv.y, a);
+      adam_elem(pv.z, gv.z, mv.z, vv.z, a); adam_elem(pv.w, gv.w, mv.w, vv.w, a);
+      *reinterpret_cast<float4*>(p + j) = pv; *reinterpret_cast<float4*>(m + j) = mv; *reinterpret_cast<float4*>(v + j) = vv;
+    }
+    i = end4 + threadIdx.x;
+  }
+  for (; i < end; i += blockDim.x) {
+    float pv = p[i], mv = m[i], vv = v[i];
+    adam_elem(pv, g[i], mv, vv, a);
+    p[i] = pv; m[i] = mv; v[i] = vv;
+  }
+}
+// After adamw: each tensor's step count += 1 - *found_inf (as libtorch adds
+// one before the update and takes found_inf off after it).
+extern "C" __global__ void adamw_steps(const AdamList L, const float* __restrict__ found_inf) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < L.count) *L.step[t] += 1.f - (found_inf ? *found_inf : 0.f);
+}
+
 // Link emulation on the device timeline: stamp() records the GPU clock before
 // a collective; spin_until() after it waits until `ns` have passed since that
 // stamp, so the collective appears to take at least what the modelled link
@@ -446,6 +525,8 @@ struct Loaded {
     acc_bf16: sys::CUfunction,
     add_partials: sys::CUfunction,
     col_sums_bf16: sys::CUfunction,
+    adamw: sys::CUfunction,
+    adamw_steps: sys::CUfunction,
     /// Streaming multiprocessors of the device (grid sizes).
     sms: u32,
     /// Dynamic shared memory a block of `ce_bf16` may take (bytes).
@@ -506,6 +587,8 @@ fn loaded() -> Result<&'static Loaded, String> {
             acc_bf16: get("acc_bf16")?,
             add_partials: get("add_partials")?,
             col_sums_bf16: get("col_sums_bf16")?,
+            adamw: get("adamw")?,
+            adamw_steps: get("adamw_steps")?,
             sms,
             stamp: get("stamp")?,
             spin_until: get("spin_until")?,
@@ -919,6 +1002,121 @@ impl Partials {
     }
 }
 
+/// Tensors per launch of the AdamW kernel (`ADAM_MAX`).
+const ADAM_MAX: usize = 48;
+/// Elements per block of the AdamW kernel (`ADAM_CHUNK`).
+const ADAM_CHUNK: i64 = 8192;
+
+/// The AdamW kernel's tensor list, laid out as its `AdamList`.
+#[repr(C)]
+struct AdamList {
+    p: [*mut c_void; ADAM_MAX],
+    g: [*mut c_void; ADAM_MAX],
+    m: [*mut c_void; ADAM_MAX],
+    v: [*mut c_void; ADAM_MAX],
+    step: [*mut c_void; ADAM_MAX],
+    n: [i64; ADAM_MAX],
+    first_block: [i32; ADAM_MAX + 1],
+    count: i32,
+}
+
+/// Whether [`adamw`] takes these tensors: fp32 CUDA, contiguous, one
+/// parameter's state and gradient of its shape, fp32 step counts.
+pub fn adamw_fits(params: &[Tensor], grads: &[Tensor], exp_avg: &[Tensor], exp_avg_sq: &[Tensor], steps: &[Tensor]) -> bool {
+    let fp32 = |t: &Tensor| t.kind() == Kind::Float && t.device().is_cuda() && t.is_contiguous();
+    available()
+        && [grads.len(), exp_avg.len(), exp_avg_sq.len(), steps.len()].iter().all(|&n| n == params.len())
+        && (0..params.len()).all(|i| {
+            let shape = params[i].size();
+            [&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]].iter().all(|t| fp32(t) && t.size() == shape)
+                && fp32(&steps[i])
+                && steps[i].numel() == 1
+        })
+}
+
+/// One AdamW update of `params` (libtorch's `_fused_adamw_`: the same
+/// maths, one kernel per 48 tensors, the step counts in `steps` advanced
+/// after it), without writing the gradients: libtorch's kernel writes each
+/// gradient back (divided by `grad_scale` when given), 4 of its 32 bytes of
+/// traffic per parameter. `lr_t`: the learning rate as a device scalar (read
+/// when the kernel runs), else `lr`. An update with `found_inf` = 1 is
+/// skipped. Tensors as [`adamw_fits`] says.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avg: &[Tensor],
+    exp_avg_sq: &[Tensor],
+    steps: &[Tensor],
+    (lr, lr_t): (f64, Option<&Tensor>),
+    (beta1, beta2, weight_decay, eps): (f64, f64, f64, f64),
+    found_inf: Option<&Tensor>,
+    grad_scale: Option<&Tensor>,
+) -> anyhow::Result<()> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    anyhow::ensure!(adamw_fits(params, grads, exp_avg, exp_avg_sq, steps), "AdamW kernel: tensors it does not take");
+    for t in [lr_t, found_inf, grad_scale].into_iter().flatten() {
+        anyhow::ensure!(
+            t.kind() == Kind::Float && t.numel() == 1 && t.device().is_cuda(),
+            "AdamW kernel: scalars must be one fp32 on the device"
+        );
+    }
+    for start in (0..params.len()).step_by(ADAM_MAX) {
+        let end = (start + ADAM_MAX).min(params.len());
+        let null = std::ptr::null_mut();
+        let mut list = AdamList {
+            p: [null; ADAM_MAX],
+            g: [null; ADAM_MAX],
+            m: [null; ADAM_MAX],
+            v: [null; ADAM_MAX],
+            step: [null; ADAM_MAX],
+            n: [0; ADAM_MAX],
+            first_block: [0; ADAM_MAX + 1],
+            count: (end - start) as i32,
+        };
+        let mut blocks = 0i64;
+        for (j, i) in (start..end).enumerate() {
+            list.p[j] = params[i].data_ptr();
+            list.g[j] = grads[i].data_ptr();
+            list.m[j] = exp_avg[i].data_ptr();
+            list.v[j] = exp_avg_sq[i].data_ptr();
+            list.step[j] = steps[i].data_ptr();
+            list.n[j] = params[i].numel() as i64;
+            list.first_block[j] = i32::try_from(blocks)?;
+            blocks += (list.n[j] + ADAM_CHUNK - 1) / ADAM_CHUNK;
+        }
+        list.first_block[end - start] = i32::try_from(blocks)?;
+        if blocks > 0 {
+            // SAFETY: the arguments follow adamw's signature: the list (laid
+            // out as AdamList, pointers to the checked fp32 CUDA tensors,
+            // alive until the call returns and, through libtorch's caching
+            // allocator, until the stream's later work), then a device
+            // scalar or null, five doubles, two device scalars or null.
+            unsafe {
+                launch2(
+                    k.adamw,
+                    (u32::try_from(blocks)?, 1, 1),
+                    (512, 1, 1),
+                    &mut [
+                        &mut list,
+                        &mut ptr(lr_t),
+                        &mut { lr },
+                        &mut { beta1 },
+                        &mut { beta2 },
+                        &mut { weight_decay },
+                        &mut { eps },
+                        &mut ptr(grad_scale),
+                        &mut ptr(found_inf),
+                    ],
+                )?
+            };
+        }
+        // SAFETY: as above; one thread per tensor of the list.
+        unsafe { launch2(k.adamw_steps, (1, 1, 1), (ADAM_MAX as u32, 1, 1), &mut [&mut list, &mut ptr(found_inf)])? };
+    }
+    Ok(())
+}
+
 /// Whether [`cast_bf16`] and [`accumulate_bf16`] take these tensors:
 /// contiguous CUDA data whose first element is 16-byte aligned (a
 /// parameter or gradient inside a ZeRO flat buffer may start anywhere).
@@ -1011,6 +1209,7 @@ pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::torch_ext::Lr;
 
     /// Skips (with a message) where no GPU is usable.
     fn cuda() -> bool {
@@ -1059,7 +1258,18 @@ mod tests {
         let ptx = compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
-        for k in ["add_ln_fwd", "add_ln_bwd", "bias_gelu_fwd", "bias_gelu_bwd", "cast_bf16", "acc_bf16", "add_partials", "col_sums_bf16"] {
+        for k in [
+            "add_ln_fwd",
+            "add_ln_bwd",
+            "bias_gelu_fwd",
+            "bias_gelu_bwd",
+            "cast_bf16",
+            "acc_bf16",
+            "add_partials",
+            "col_sums_bf16",
+            "adamw",
+            "adamw_steps",
+        ] {
             assert!(ptx.contains(&format!(".entry {k}")), "{k} missing");
         }
         assert!(ptx.contains("tanh.approx.f32"), "Hopper gets the hardware tanh");
@@ -1106,6 +1316,62 @@ mod tests {
             let err = (got.get(0) - &want).abs().max().double_value(&[]);
             assert!(err < 1e-3 * (n as f64).sqrt(), "[{n}, {c}]: max error {err}");
         }
+    }
+
+    #[test]
+    fn cuda_adamw_matches_libtorchs_fused_adamw() {
+        if !cuda() {
+            return;
+        }
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = tch::Device::Cuda(0);
+        let f32s = (Kind::Float, dev);
+        // Several blocks with a tail that is not a whole float4, small
+        // tensors, a view that starts 4 bytes into its storage (the scalar
+        // path), and more tensors than one launch takes.
+        let mut params: Vec<Tensor> = vec![
+            Tensor::randn([768, 2304], f32s),
+            Tensor::randn([8193], f32s),
+            Tensor::randn([3], f32s),
+            Tensor::randn([5, 7], f32s),
+            Tensor::randn([50_002], f32s).narrow(0, 1, 50_001),
+        ];
+        params.extend((0..50).map(|i| Tensor::randn([64 + i], f32s)));
+        let zeros = |ps: &[Tensor]| ps.iter().map(|p| p.zeros_like()).collect::<Vec<_>>();
+        let copies = |ps: &[Tensor]| ps.iter().map(|p| p.copy()).collect::<Vec<_>>();
+        let (ours, theirs) = (copies(&params), copies(&params));
+        let (m1, v1, m2, v2) = (zeros(&params), zeros(&params), zeros(&params), zeros(&params));
+        let steps = || params.iter().map(|_| Tensor::zeros([], f32s)).collect::<Vec<_>>();
+        let (s1, s2) = (steps(), steps());
+        let lr_t = Tensor::full([], 3e-3, f32s);
+        let scale = Tensor::full([], 2.5, f32s);
+        for step in 0..4 {
+            let grads: Vec<Tensor> = params.iter().map(|p| p.randn_like()).collect();
+            // Host then device learning rate, a gradient scale, a skipped
+            // update (found_inf = 1), then a taken one (0).
+            let lr = if step == 0 { Lr::Host(1e-3) } else { Lr::Device(&lr_t) };
+            let gs = (step == 1).then_some(&scale);
+            let fi = match step {
+                2 => Some(Tensor::ones([], f32s)),
+                3 => Some(Tensor::zeros([], f32s)),
+                _ => None,
+            };
+            let h = crate::torch_ext::AdamWStep { lr, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, eps: 1e-8 };
+            crate::torch_ext::fused_adamw(&theirs, &copies(&grads), &m2, &v2, &s2, h, fi.as_ref(), gs).unwrap();
+            let lr = match lr {
+                Lr::Host(lr) => (lr, None),
+                Lr::Device(t) => (f64::NAN, Some(t)),
+            };
+            adamw(&ours, &grads, &m1, &v1, &s1, lr, (0.9, 0.95, 0.1, 1e-8), fi.as_ref(), gs).unwrap();
+            for (i, (a, b)) in ours.iter().chain(&m1).chain(&v1).zip(theirs.iter().chain(&m2).chain(&v2)).enumerate() {
+                let err = (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30);
+                assert!(err < 1e-6, "step {step}, tensor {i} (params, then m, then v): relative error {err}");
+            }
+            for (a, b) in s1.iter().zip(&s2) {
+                assert_eq!(a.double_value(&[]), b.double_value(&[]), "step {step}: step counts differ");
+            }
+        }
+        assert!(!ours[0].equal(&params[0]), "the parameters moved");
     }
 
     #[test]

@@ -221,7 +221,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         }
 
         meter.end_step(recording);
-        trace.after(t.device)?;
+        trace.after(t.device, w.steps == Some(done))?;
         step = done;
         progress(&Progress {
             step,
@@ -254,18 +254,22 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
 
 /// `harness run --trace`: libtorch's profiler records one step on rank 0,
 /// the first after warm-up (its retries and restores included), and writes
-/// its trace. The device is synchronised before the profiler stops, so the
-/// trace holds the step's kernels.
+/// its trace; `HARNESS_TRACE_STEPS=n` records n steps (the gaps between
+/// steps). The device is synchronised before the profiler stops, so the
+/// trace holds the steps' kernels.
 struct StepTrace {
     file: Option<std::path::PathBuf>,
     step: u64,
+    /// Steps still to record once started.
+    left: u64,
     on: bool,
 }
 
 impl StepTrace {
     fn new(ctx: &EntryContext<'_>, rank: usize) -> StepTrace {
         let last = ctx.workload.steps.map_or(u64::MAX, |s| s.saturating_sub(1));
-        StepTrace { file: ctx.trace.clone().filter(|_| rank == 0), step: ctx.warmup_steps.min(last), on: false }
+        let steps = std::env::var("HARNESS_TRACE_STEPS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+        StepTrace { file: ctx.trace.clone().filter(|_| rank == 0), step: ctx.warmup_steps.min(last), left: steps, on: false }
     }
 
     fn before(&mut self, step: u64, device: Device) -> anyhow::Result<()> {
@@ -276,8 +280,12 @@ impl StepTrace {
         Ok(())
     }
 
-    fn after(&mut self, device: Device) -> anyhow::Result<()> {
+    fn after(&mut self, device: Device, last_step: bool) -> anyhow::Result<()> {
         if !self.on {
+            return Ok(());
+        }
+        self.left -= 1;
+        if self.left > 0 && !last_step {
             return Ok(());
         }
         self.on = false;

@@ -3,6 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::kernels;
 use crate::suite::{Decay, OptimizerSpec, ScheduleSpec};
 use crate::torch_ext::{self, AdamWStep, Lr};
 
@@ -18,6 +19,9 @@ pub enum Optimizer {
         betas: [f64; 2],
         eps: f64,
         weight_decay: f64,
+        /// Updates through harness's CUDA kernel ([`kernels::adamw`]) where
+        /// it takes the tensors, else libtorch's fused AdamW.
+        own_kernel: bool,
     },
     Sgd {
         bufs: Vec<Option<Tensor>>,
@@ -54,6 +58,7 @@ impl Optimizer {
                     betas: *betas,
                     eps: *eps,
                     weight_decay: *weight_decay,
+                    own_kernel: false,
                 }
             }
             OptimizerSpec::Sgd { momentum, nesterov, weight_decay, .. } => Optimizer::Sgd {
@@ -124,6 +129,15 @@ impl Optimizer {
     /// Whether [`Optimizer::step`] takes a gradient scale (a divisor that
     /// the update applies to the gradients as it reads them: gradient
     /// clipping at no extra pass).
+    /// Updates AdamW's CUDA tensors with harness's kernel
+    /// ([`kernels::adamw`], libtorch's maths without writing the gradients
+    /// back) instead of libtorch's fused AdamW.
+    pub fn use_own_kernel(&mut self, on: bool) {
+        if let Optimizer::AdamW { own_kernel, .. } = self {
+            *own_kernel = on;
+        }
+    }
+
     pub fn takes_grad_scale(&self) -> bool {
         matches!(self, Optimizer::AdamW { .. })
     }
@@ -132,7 +146,8 @@ impl Optimizer {
     /// overflowed step is skipped by the kernel itself, without a host sync.
     /// With `grad_scale` (a float device scalar; only where
     /// [`Optimizer::takes_grad_scale`]), the update uses the gradients
-    /// divided by it, and leaves them so divided.
+    /// divided by it; libtorch's kernel leaves them so divided, harness's
+    /// ([`Optimizer::use_own_kernel`]) as they were.
     pub fn step(
         &mut self,
         params: &[Tensor],
@@ -142,22 +157,22 @@ impl Optimizer {
         grad_scale: Option<&Tensor>,
     ) -> anyhow::Result<()> {
         match self {
-            Optimizer::AdamW { groups, exp_avg, exp_avg_sq, steps, betas, eps, weight_decay } => {
+            Optimizer::AdamW { groups, exp_avg, exp_avg_sq, steps, betas, eps, weight_decay, own_kernel } => {
                 for (g, wd) in groups.iter().zip([*weight_decay, 0.0]) {
                     if g.is_empty() {
                         continue;
                     }
+                    let (p, gr, m, v, s) = (pick(params, g), pick(grads, g), pick(exp_avg, g), pick(exp_avg_sq, g), pick(steps, g));
+                    if *own_kernel && kernels::adamw_fits(&p, &gr, &m, &v, &s) {
+                        let lr = match lr {
+                            Lr::Host(lr) => (lr, None),
+                            Lr::Device(t) => (f64::NAN, Some(t)),
+                        };
+                        kernels::adamw(&p, &gr, &m, &v, &s, lr, (betas[0], betas[1], wd, *eps), found_inf, grad_scale)?;
+                        continue;
+                    }
                     let h = AdamWStep { lr, beta1: betas[0], beta2: betas[1], weight_decay: wd, eps: *eps };
-                    torch_ext::fused_adamw(
-                        &pick(params, g),
-                        &pick(grads, g),
-                        &pick(exp_avg, g),
-                        &pick(exp_avg_sq, g),
-                        &pick(steps, g),
-                        h,
-                        found_inf,
-                        grad_scale,
-                    )?;
+                    torch_ext::fused_adamw(&p, &gr, &m, &v, &s, h, found_inf, grad_scale)?;
                 }
             }
             Optimizer::Sgd { bufs, momentum, nesterov, weight_decay } => {

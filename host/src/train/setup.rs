@@ -162,7 +162,7 @@ impl Training {
         let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
         let mut dp = tch::no_grad(|| DataParallel::new(&params, ctx.bucket_bytes, stage, rank, world))?;
         let (targets, decay) = dp.update_targets(&params);
-        let optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
+        let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
         let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
         let mut strategies =
             Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
@@ -199,6 +199,9 @@ impl Training {
             && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision)
             && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
         model.use_fused_kernels(fused);
+        // AdamW through harness's kernel with the fused kernels
+        // (HARNESS_FUSED_ADAMW=0 keeps libtorch's, a diagnostic).
+        optimizer.use_own_kernel(fused && std::env::var("HARNESS_FUSED_ADAMW").map_or(true, |v| v != "0"));
         // The step as a CUDA graph where the workload asks for it
         // (`cuda_graph = true`); HARNESS_CUDA_GRAPH=1 or 0 overrides the
         // suite, to measure what graphs buy with the same suite.
