@@ -168,19 +168,29 @@ extern "C" __global__ void add_ln_fwd(const float* __restrict__ x, const bf16* _
     if (fb) { float4 e = *reinterpret_cast<const float4*>(fb + c); fbv[0] = e.x; fbv[1] = e.y; fbv[2] = e.z; fbv[3] = e.w; }
   }
   const float inv_c = 1.f / (float)C;
-  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+  // The next row's loads are issued before this row's reductions, so a
+  // block keeps memory busy while it synchronises.
+  float4 xa = make_float4(0.f, 0.f, 0.f, 0.f);
+  uint2 fa = make_uint2(0u, 0u);
+  int row = blockIdx.x;
+  if (on && row < N) {
+    xa = *reinterpret_cast<const float4*>(x + (size_t)row * C + c);
+    if (f) fa = *reinterpret_cast<const uint2*>(f + (size_t)row * C + c);
+  }
+  for (; row < N; row += gridDim.x) {
     const size_t at = (size_t)row * C + c;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (on) {
-      float4 a = *reinterpret_cast<const float4*>(x + at);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-      if (f) {
-        float g[4];
-        ld_bf4(f + at, g);
-        #pragma unroll
-        for (int j = 0; j < 4; j++) v[j] += g[j] + fbv[j];
-        *reinterpret_cast<float4*>(xo + at) = make_float4(v[0], v[1], v[2], v[3]);
-      }
+    float v[4] = {xa.x, xa.y, xa.z, xa.w};
+    const uint2 fu = fa;
+    const int next = row + gridDim.x;
+    if (on && next < N) {
+      xa = *reinterpret_cast<const float4*>(x + (size_t)next * C + c);
+      if (f) fa = *reinterpret_cast<const uint2*>(f + (size_t)next * C + c);
+    }
+    if (on && f) {
+      const float g[4] = {bf_lo(fu.x), bf_hi(fu.x), bf_lo(fu.y), bf_hi(fu.y)};
+      #pragma unroll
+      for (int j = 0; j < 4; j++) v[j] += g[j] + fbv[j];
+      *reinterpret_cast<float4*>(xo + at) = make_float4(v[0], v[1], v[2], v[3]);
     }
     const float m = block_sum(v[0] + v[1] + v[2] + v[3], sh) * inv_c;
     float sq = 0.f;
@@ -216,15 +226,33 @@ extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* 
     wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
   }
   const float inv_c = 1.f / (float)C;
-  for (int row = blockIdx.x; row < N; row += gridDim.x) {
+  // The next row's loads are issued before this row's reductions (as in
+  // add_ln_fwd).
+  uint2 da = make_uint2(0u, 0u);
+  float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), ra = make_float4(0.f, 0.f, 0.f, 0.f);
+  int row = blockIdx.x;
+  float ma = row < N ? mean[row] : 0.f, rsa = row < N ? rstd[row] : 0.f;
+  if (on && row < N) {
+    da = *reinterpret_cast<const uint2*>(dy + (size_t)row * C + c);
+    xa = *reinterpret_cast<const float4*>(x + (size_t)row * C + c);
+    if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)row * C + c);
+  }
+  for (; row < N; row += gridDim.x) {
     const size_t at = (size_t)row * C + c;
-    const float m = mean[row], r = rstd[row];
+    const float m = ma, r = rsa;
+    const uint2 du = da;
+    const float4 xu = xa, ru = ra;
+    const int next = row + gridDim.x;
+    if (next < N) { ma = mean[next]; rsa = rstd[next]; }
+    if (on && next < N) {
+      da = *reinterpret_cast<const uint2*>(dy + (size_t)next * C + c);
+      xa = *reinterpret_cast<const float4*>(x + (size_t)next * C + c);
+      if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)next * C + c);
+    }
     float g[4] = {0.f, 0.f, 0.f, 0.f}, xh[4] = {0.f, 0.f, 0.f, 0.f}, s1 = 0.f, s2 = 0.f;
     if (on) {
-      float d[4];
-      ld_bf4(dy + at, d);
-      float4 a = *reinterpret_cast<const float4*>(x + at);
-      float xv[4] = {a.x, a.y, a.z, a.w};
+      const float d[4] = {bf_lo(du.x), bf_hi(du.x), bf_lo(du.y), bf_hi(du.y)};
+      const float xv[4] = {xu.x, xu.y, xu.z, xu.w};
       #pragma unroll
       for (int j = 0; j < 4; j++) {
         xh[j] = (xv[j] - m) * r;
@@ -241,10 +269,7 @@ extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* 
       float o[4];
       #pragma unroll
       for (int j = 0; j < 4; j++) o[j] = r * (g[j] - s1 - xh[j] * s2);
-      if (dres) {
-        float4 a = *reinterpret_cast<const float4*>(dres + at);
-        o[0] += a.x; o[1] += a.y; o[2] += a.z; o[3] += a.w;
-      }
+      if (dres) { o[0] += ru.x; o[1] += ru.y; o[2] += ru.z; o[3] += ru.w; }
       *reinterpret_cast<float4*>(dx + at) = make_float4(o[0], o[1], o[2], o[3]);
       if (df) st_bf4(df + at, o);
       #pragma unroll
@@ -314,11 +339,14 @@ extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16
   float bv[8], acc[8];
   #pragma unroll
   for (int j = 0; j < 8; j++) { bv[j] = b[c + j]; acc[j] = 0.f; }
-  for (int row = blockIdx.x; row < N; row += gridDim.x) {
-    const size_t at = (size_t)row * C + c;
-    float v[8], d[8], o[8];
+  // Two rows per iteration: twice the loads in flight.
+  for (int row = blockIdx.x; row < N; row += 2 * gridDim.x) {
+    const bool two = row + gridDim.x < N;
+    const size_t at = (size_t)row * C + c, at2 = (size_t)(row + gridDim.x) * C + c;
+    float v[8], d[8], v2[8], d2[8], o[8];
     ld_bf8(x + at, v);
     ld_bf8(dy + at, d);
+    if (two) { ld_bf8(x + at2, v2); ld_bf8(dy + at2, d2); }
     #pragma unroll
     for (int j = 0; j < 8; j++) {
       float u = v[j] + bv[j];
@@ -328,6 +356,17 @@ extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16
       acc[j] += o[j];
     }
     st_bf8(dx + at, o);
+    if (two) {
+      #pragma unroll
+      for (int j = 0; j < 8; j++) {
+        float u = v2[j] + bv[j];
+        float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
+        float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
+        o[j] = d2[j] * g;
+        acc[j] += o[j];
+      }
+      st_bf8(dx + at2, o);
+    }
   }
   float* p = part + (size_t)blockIdx.x * C + c;
   #pragma unroll
