@@ -330,6 +330,17 @@ extern "C" __global__ void bias_gelu_fwd(const bf16* __restrict__ x, const float
     st_bf8(y + at, o);
   }
 }
+// o = d * gelu'(v + b) for 8 channels, added into acc.
+__device__ __forceinline__ void gelu_bwd8(const float v[8], const float d[8], const float b[8], float o[8], float acc[8]) {
+  #pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const float u = v[j] + b[j];
+    const float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
+    const float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
+    o[j] = d[j] * g;
+    acc[j] += o[j];
+  }
+}
 // dx = dy * gelu'(x + b) (bf16), and per-block partial sums of dx over rows
 // (the bias's gradient) in part ([gridDim.x, C]).
 extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ x,
@@ -347,24 +358,10 @@ extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16
     ld_bf8(x + at, v);
     ld_bf8(dy + at, d);
     if (two) { ld_bf8(x + at2, v2); ld_bf8(dy + at2, d2); }
-    #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      float u = v[j] + bv[j];
-      float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
-      float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
-      o[j] = d[j] * g;
-      acc[j] += o[j];
-    }
+    gelu_bwd8(v, d, bv, o, acc);
     st_bf8(dx + at, o);
     if (two) {
-      #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        float u = v2[j] + bv[j];
-        float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
-        float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
-        o[j] = d2[j] * g;
-        acc[j] += o[j];
-      }
+      gelu_bwd8(v2, d2, bv, o, acc);
       st_bf8(dx + at2, o);
     }
   }
