@@ -126,9 +126,6 @@ impl Optimizer {
         })
     }
 
-    /// Whether [`Optimizer::step`] takes a gradient scale (a divisor that
-    /// the update applies to the gradients as it reads them: gradient
-    /// clipping at no extra pass).
     /// Updates AdamW's CUDA tensors with harness's kernel
     /// ([`kernels::adamw`], libtorch's maths without writing the gradients
     /// back) instead of libtorch's fused AdamW.
@@ -138,6 +135,9 @@ impl Optimizer {
         }
     }
 
+    /// Whether [`Optimizer::step`] takes a gradient scale (a divisor that
+    /// the update applies to the gradients as it reads them: gradient
+    /// clipping at no extra pass).
     pub fn takes_grad_scale(&self) -> bool {
         matches!(self, Optimizer::AdamW { .. })
     }
