@@ -3,7 +3,7 @@
 //!
 //! The kernels of `kernels = "fused"` (the layers in `train::fused` and the
 //! loss): residual add + LayerNorm and bias + GELU with their backward
-//! passes, the weights' cast to bf16 and their gradients' accumulation, a
+//! passes, the weights' cast to bf16, the AdamW update, a
 //! bias's gradient (column sums), the reduction of the backward kernels'
 //! partial sums into the parameters' gradients, and the fused cross-entropy.
 //! The last, for bf16 logits: autocast's cross-entropy writes an fp32 copy
@@ -383,23 +383,6 @@ extern "C" __global__ void cast_bf16(const float* __restrict__ w, bf16* __restri
   }
   for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f2bf(w[i]);
 }
-// g += d (add != 0) or g = d, for fp32 g and bf16 d.
-extern "C" __global__ void acc_bf16(float* __restrict__ g, const bf16* __restrict__ d, long long n, int add) {
-  const long long n8 = n / 8, stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
-    float v[8];
-    ld_bf8(d + 8 * i, v);
-    float4* gv = reinterpret_cast<float4*>(g) + 2 * i;
-    float4 a = make_float4(v[0], v[1], v[2], v[3]), b = make_float4(v[4], v[5], v[6], v[7]);
-    if (add) {
-      const float4 a0 = gv[0], b0 = gv[1];
-      a.x += a0.x; a.y += a0.y; a.z += a0.z; a.w += a0.w;
-      b.x += b0.x; b.y += b0.y; b.z += b0.z; b.w += b0.w;
-    }
-    gv[0] = a; gv[1] = b;
-  }
-  for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) g[i] = (add ? g[i] : 0.f) + bf2f(d[i]);
-}
 
 // g_k[c] += sum over b of part[b, k, c] for part [B, K, C] (fp32, K <= 3),
 // or g_k[c] = that sum (assign != 0): the per-block partial sums of the
@@ -558,7 +541,6 @@ struct Loaded {
     bias_gelu_fwd: sys::CUfunction,
     bias_gelu_bwd: sys::CUfunction,
     cast_bf16: sys::CUfunction,
-    acc_bf16: sys::CUfunction,
     add_partials: sys::CUfunction,
     col_sums_bf16: sys::CUfunction,
     adamw: sys::CUfunction,
@@ -620,7 +602,6 @@ fn loaded() -> Result<&'static Loaded, String> {
             bias_gelu_fwd: get("bias_gelu_fwd")?,
             bias_gelu_bwd: get("bias_gelu_bwd")?,
             cast_bf16: get("cast_bf16")?,
-            acc_bf16: get("acc_bf16")?,
             add_partials: get("add_partials")?,
             col_sums_bf16: get("col_sums_bf16")?,
             adamw: get("adamw")?,
@@ -1153,7 +1134,7 @@ pub fn adamw(
     Ok(())
 }
 
-/// Whether [`cast_bf16`] and [`accumulate_bf16`] take these tensors:
+/// Whether [`cast_bf16`] takes these tensors:
 /// contiguous CUDA data whose first element is 16-byte aligned (a
 /// parameter or gradient inside a ZeRO flat buffer may start anywhere).
 fn vector_fits(ts: &[&Tensor]) -> bool {
@@ -1182,42 +1163,6 @@ pub fn cast_bf16(w: &Tensor) -> anyhow::Result<Tensor> {
     // fresh bf16 tensor from the allocator), then n; both outlive the call.
     unsafe { launch(k.cast_bf16, vector_blocks(k, n), 256, &mut [&mut w.data_ptr(), &mut out.data_ptr(), &mut { n }])? };
     Ok(out)
-}
-
-/// `g += d` for an fp32 gradient `g` and a bf16 gradient `d` of the same
-/// shape, in place, in one pass (libtorch casts `d` to a new fp32 tensor
-/// first, then adds). Falls back to libtorch's mixed-kind add for tensors
-/// the kernel does not take.
-pub fn accumulate_bf16(g: &Tensor, d: &Tensor) -> anyhow::Result<()> {
-    anyhow::ensure!(g.size() == d.size(), "a gradient of shape {:?} cannot be added to one of {:?}", d.size(), g.size());
-    let k = match loaded() {
-        Ok(k) if g.kind() == Kind::Float && d.kind() == Kind::BFloat16 && vector_fits(&[g, d]) => k,
-        _ => {
-            let _ = g.shallow_clone().f_add_(d)?;
-            return Ok(());
-        }
-    };
-    acc_bf16(k, g, d, true)
-}
-
-/// `d` (bf16) as a new fp32 tensor, in one vectorised pass (libtorch's
-/// conversion, for tensors the kernel does not take).
-pub fn widen_bf16(d: &Tensor) -> anyhow::Result<Tensor> {
-    let g = Tensor::empty(d.size(), (Kind::Float, d.device()));
-    match loaded() {
-        Ok(k) if d.kind() == Kind::BFloat16 && vector_fits(&[&g, d]) => acc_bf16(k, &g, d, false)?,
-        _ => return Ok(d.f_to_kind(Kind::Float)?),
-    }
-    Ok(g)
-}
-
-fn acc_bf16(k: &Loaded, g: &Tensor, d: &Tensor, add: bool) -> anyhow::Result<()> {
-    let n = g.numel() as i64;
-    // SAFETY: the arguments follow acc_bf16's signature: device pointers to
-    // n contiguous, 16-byte aligned elements (g fp32, written, and read when
-    // adding; d bf16), then n and the flag; both tensors outlive the call.
-    unsafe { launch(k.acc_bf16, vector_blocks(k, n), 256, &mut [&mut g.data_ptr(), &mut d.data_ptr(), &mut { n }, &mut (add as i32)])? };
-    Ok(())
 }
 
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
@@ -1300,7 +1245,6 @@ mod tests {
             "bias_gelu_fwd",
             "bias_gelu_bwd",
             "cast_bf16",
-            "acc_bf16",
             "add_partials",
             "col_sums_bf16",
             "adamw",

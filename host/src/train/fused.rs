@@ -288,46 +288,6 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Tensor {
     out[0].view(shape.as_slice())
 }
 
-/// A weight cast to bf16 for a matmul, whose gradient goes straight into
-/// the weight's `.grad`: the autograd node behind [`cast_weight`]. Input
-/// `[w]`, output `[bf16(w)]`, kept `[w]`.
-struct CastWeight {
-    engine: Engine,
-}
-
-impl CustomOp for CastWeight {
-    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let [w] = inputs else { anyhow::bail!("cast_weight: {} inputs", inputs.len()) };
-        let y = match self.engine {
-            Engine::Cuda => kernels::cast_bf16(w)?,
-            Engine::Reference => w.to_kind(Kind::BFloat16),
-        };
-        Ok((vec![y], vec![w.shallow_clone()]))
-    }
-
-    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
-        let ([w], [dy]) = (saved, grads) else { anyhow::bail!("cast_weight: {} kept, {} gradients", saved.len(), grads.len()) };
-        let Some(dy) = dy else { return Ok(vec![None]) };
-        let Some(g) = buffer(w) else {
-            // No gradient buffer to add into (one rank keeps autograd's own
-            // gradients, or a model outside the training step): autograd's
-            // accumulation, as after a plain cast, which takes the widened
-            // gradient as `.grad` when there is none yet.
-            return Ok(vec![Some(match self.engine {
-                Engine::Cuda => kernels::widen_bf16(dy)?,
-                Engine::Reference => dy.to_kind(w.kind()),
-            })]);
-        };
-        match self.engine {
-            Engine::Cuda => kernels::accumulate_bf16(&g, dy)?,
-            Engine::Reference => {
-                let _ = g.shallow_clone().f_add_(&dy.to_kind(Kind::Float))?;
-            }
-        }
-        Ok(vec![None])
-    }
-}
-
 /// `p`'s gradient buffer, when it has one that a fused layer can add into
 /// directly: `.grad` defined, fp32, contiguous, of `p`'s shape (the data
 /// parallel code keeps each parameter's as a view of its bucket).
@@ -342,23 +302,6 @@ impl CustomOp for CastWeight {
 fn buffer(p: &Tensor) -> Option<Tensor> {
     let g = p.grad();
     (g.defined() && g.kind() == Kind::Float && g.size() == p.size() && g.is_contiguous()).then_some(g)
-}
-
-/// `w` (an fp32 parameter) as bf16 for a matmul under bf16 autocast, with
-/// its gradient added into `w`'s gradient buffer by the backward pass of
-/// the cast itself ([`buffer`]). Autocast's own cast makes the bf16
-/// gradient a new fp32 tensor which autograd then adds into `.grad`: two
-/// passes and a temporary, against one here (and on CUDA the forward cast
-/// is one vectorised kernel). The gradient is the same, bit for bit, for a
-/// weight used once: both add the exact fp32 value of the bf16 gradient (a
-/// weight used elsewhere too gets its uses' gradients added one after the
-/// other, not summed first: the same up to fp32 rounding). Without a gradient
-/// buffer the gradient flows to autograd's accumulation as it would after
-/// a plain cast.
-pub fn cast_weight(w: &Tensor) -> Tensor {
-    let engine = if w.device().is_cuda() && kernels::available() && !reference_forced() { Engine::Cuda } else { Engine::Reference };
-    let out = torch_ext::custom_op(CastWeight { engine }, &[w]).unwrap_or_else(|e| panic!("{e}"));
-    out[0].shallow_clone()
 }
 
 /// `x w^T + b` under bf16 autocast with the weight's cast and gradient
@@ -454,17 +397,6 @@ fn linear_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Te
     let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
     *shape.last_mut().expect("linear takes rows") = w.size()[0];
     out[0].view(shape.as_slice())
-}
-
-/// The weight `w` as a matmul under autocast takes it: with the fused
-/// kernels (`fused`) on CUDA, through [`cast_weight`]; else as it is
-/// (autocast casts it). For matmuls that are not a [`linear`] layer.
-pub fn matmul_weight(w: &Tensor, fused: bool) -> Tensor {
-    if fused && w.device().is_cuda() {
-        cast_weight(w)
-    } else {
-        w.shallow_clone()
-    }
 }
 
 #[cfg(test)]
@@ -583,14 +515,14 @@ mod tests {
         (&a - &b).norm().double_value(&[]) / a.norm().double_value(&[]).max(1e-6)
     }
 
-    /// Gradients of `w` and `x` for `x @ cast(w)^T` used twice (as two
+    /// Gradients of `w` and `x` for `x @ w^T` in bf16 used twice (as two
     /// micro-batches would), and how often the post-accumulate-grad hook
     /// ran, with a zeroed `.grad` buffer set beforehand as the data
-    /// parallel code sets it; `fused`: through [`cast_weight`], else a
+    /// parallel code sets it; `engine`: through [`Linear`], else (None) a
     /// plain cast and autograd's accumulation.
     /// `tied`: `w` has a second, fp32 use in the same graph (as the tied
     /// embedding's lookup).
-    fn cast_grads(fused: bool, tied: bool, dev: Device) -> (Tensor, Tensor, i64) {
+    fn hook_grads(engine: Option<Engine>, tied: bool, dev: Device) -> (Tensor, Tensor, i64) {
         unsafe extern "C" fn count(ctx: *mut std::ffi::c_void, _: i64) {
             // SAFETY: ctx is the AtomicI64 below, alive until the hook is removed.
             unsafe { &*(ctx as *const std::sync::atomic::AtomicI64) }.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -607,8 +539,11 @@ mod tests {
         // SAFETY: `calls` outlives the hook, removed below.
         unsafe { torch_ext::set_grad_ready_hook(&w, Some(count), ctx, 0) }.unwrap();
         for _ in 0..2 {
-            let wb = if fused { cast_weight(&w) } else { w.to_kind(Kind::BFloat16) };
-            let mut loss = (x.matmul(&wb.tr()).to_kind(Kind::Float) * &p).sum(Kind::Float);
+            let y = match engine {
+                Some(e) => linear_with(e, &x, &w, None),
+                None => x.matmul(&w.to_kind(Kind::BFloat16).tr()),
+            };
+            let mut loss = (y.to_kind(Kind::Float) * &p).sum(Kind::Float);
             if tied {
                 loss += (&w * 0.25).square().sum(Kind::Float);
             }
@@ -622,25 +557,25 @@ mod tests {
     }
 
     #[test]
-    fn cast_weight_adds_the_gradient_autograd_would_and_signals_it_once() {
+    fn the_linear_node_adds_into_the_buffer_and_signals_it_once() {
         for tied in [false, true] {
-            let (gw, gx, calls) = cast_grads(false, tied, Device::Cpu);
-            let (fw, fx, fcalls) = cast_grads(true, tied, Device::Cpu);
-            // Tied, the second micro-batch adds the two uses' gradients into
-            // the buffer one after the other, where autograd adds their sum:
-            // the same up to fp32 rounding.
+            let (gw, gx, calls) = hook_grads(None, tied, Device::Cpu);
+            let (fw, fx, fcalls) = hook_grads(Some(Engine::Reference), tied, Device::Cpu);
+            // The node sums the weight's gradient in fp32 where autocast
+            // rounds it to bf16 first: the same within bf16's epsilon.
             let err = (&gw - &fw).abs().max().double_value(&[]) / gw.abs().max().double_value(&[]);
-            assert!(if tied { err < 1e-6 } else { gw.equal(&fw) }, "tied={tied}: the weight's gradient differs: relative error {err}");
+            assert!(err < 8e-3, "tied={tied}: the weight's gradient differs: relative error {err}");
             assert!(gx.equal(&fx), "tied={tied}: the input's gradient differs");
             assert_eq!((calls, fcalls), (2, 2), "tied={tied}: one hook call per backward pass");
         }
     }
 
     #[test]
-    fn cast_weight_without_a_buffer_leaves_accumulation_to_autograd() {
+    fn the_linear_node_without_a_buffer_leaves_accumulation_to_autograd() {
         let w = Tensor::full([3, 4], 0.5, (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        cast_weight(&w).to_kind(Kind::Float).sum(Kind::Float).backward();
-        assert!(w.grad().equal(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu))));
+        let x = Tensor::ones([2, 4], (Kind::BFloat16, Device::Cpu));
+        linear_with(Engine::Reference, &x, &w, None).to_kind(Kind::Float).sum(Kind::Float).backward();
+        assert!(w.grad().equal(&Tensor::full([3, 4], 2.0, (Kind::Float, Device::Cpu))));
     }
 
     /// The output and the gradients (x, w, then b) of a loss over a linear
@@ -721,19 +656,15 @@ mod tests {
             }
         }
         for tied in [false, true] {
-            let (gw, gx, calls) = cast_grads(false, tied, dev);
-            let (fw, fx, fcalls) = cast_grads(true, tied, dev);
+            let (gw, gx, calls) = hook_grads(None, tied, dev);
+            let (fw, fx, fcalls) = hook_grads(Some(Engine::Cuda), tied, dev);
             let err = (&gw - &fw).abs().max().double_value(&[]) / gw.abs().max().double_value(&[]);
-            assert!(err < 1e-6 && gx.equal(&fx) && calls == fcalls, "cast_weight on CUDA (tied={tied}): not autograd's gradients ({err})");
+            let errx = relative(&gx, &fx);
+            assert!(err < 8e-3 && errx < 1e-2 && calls == fcalls, "linear on CUDA (tied={tied}): not autograd's gradients ({err}, {errx})");
         }
         for n in [8 * 1000, 8 * 1000 + 5, 3] {
             let w = Tensor::randn([n], (Kind::Float, dev)) * 100.0;
             assert!(kernels::cast_bf16(&w).unwrap().equal(&w.to_kind(Kind::BFloat16)), "cast of {n}: not libtorch's rounding");
-            let d = Tensor::randn([n], (Kind::Float, dev)).to_kind(Kind::BFloat16);
-            let g = Tensor::randn([n], (Kind::Float, dev));
-            let want = &g + d.to_kind(Kind::Float);
-            kernels::accumulate_bf16(&g, &d).unwrap();
-            assert!(g.equal(&want), "accumulation of {n}: not libtorch's sum");
         }
         // GPT-2 124M's attention projection (with its bias) and a width not
         // a multiple of the column sums' blocks.

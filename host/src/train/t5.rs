@@ -24,16 +24,17 @@ use tch::{Device, Kind, Tensor};
 
 use crate::train::fused;
 
-/// How a layer takes its weights for a matmul: through
-/// [`fused::matmul_weight`], with the fused kernels or without.
+/// How a layer runs its matmuls: through [`fused::linear`], with the fused
+/// kernels or without.
 #[derive(Clone, Copy)]
 struct Weights {
     fused: bool,
 }
 
 impl Weights {
-    fn get(self, w: &Tensor) -> Tensor {
-        fused::matmul_weight(w, self.fused)
+    /// `x w^T`.
+    fn linear(self, x: &Tensor, w: &Tensor) -> Tensor {
+        fused::linear(x, w, None, self.fused)
     }
 }
 
@@ -122,11 +123,11 @@ impl Attention {
         let (b, tq, d) = x.size3().expect("[b, t, d]");
         let tk = kv.size()[1];
         let split = |t: Tensor, n: i64| t.view([b, n, heads, d / heads]).transpose(1, 2);
-        let q = split(x.linear::<Tensor>(&w.get(&self.q), None), tq);
-        let k = split(kv.linear::<Tensor>(&w.get(&self.k), None), tk);
-        let v = split(kv.linear::<Tensor>(&w.get(&self.v), None), tk);
+        let q = split(w.linear(x, &self.q), tq);
+        let k = split(w.linear(kv, &self.k), tk);
+        let v = split(w.linear(kv, &self.v), tk);
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, bias, p, false, Some(1.0), false);
-        y.transpose(1, 2).contiguous().view([b, tq, d]).linear::<Tensor>(&w.get(&self.o), None)
+        w.linear(&y.transpose(1, 2).contiguous().view([b, tq, d]), &self.o)
     }
 }
 
@@ -145,7 +146,7 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor, p: f64, train: bool, w: Weights) -> Tensor {
-        dropout(x.linear::<Tensor>(&w.get(&self.wi), None).relu(), p, train).linear::<Tensor>(&w.get(&self.wo), None)
+        w.linear(&dropout(w.linear(x, &self.wi).relu(), p, train), &self.wo)
     }
 }
 
@@ -187,7 +188,7 @@ pub struct T5 {
     d_model: i64,
     heads: i64,
     dropout: f64,
-    /// Weights cast by [`fused::cast_weight`] (`kernels = "fused"`).
+    /// Matmuls through [`fused::linear`]'s node (`kernels = "fused"`).
     fused: bool,
     /// Bucket tables by (queries, keys, bidirectional), made once per shape.
     tables: Mutex<Vec<(TableKey, Tensor)>>,
@@ -238,8 +239,8 @@ impl T5 {
         }
     }
 
-    /// Casts the weights of the matmuls with [`fused::cast_weight`] on
-    /// CUDA (`kernels = "fused"` in bf16).
+    /// Runs the matmuls through [`fused::linear`]'s node on CUDA
+    /// (`kernels = "fused"` in bf16).
     pub fn use_fused_kernels(&mut self, on: bool) {
         self.fused = on;
     }
@@ -301,7 +302,7 @@ impl T5 {
             x = &x + dropout(l.ffn.forward(&rms_norm(&x, &l.ln3), p, train, w), p, train);
         }
         let y = dropout(rms_norm(&x, &self.dec_norm), p, train) * (self.d_model as f64).powf(-0.5);
-        y.matmul(&w.get(&self.shared).tr()).view([b * t, -1])
+        w.linear(&y, &self.shared).view([b * t, -1])
     }
 }
 
@@ -361,6 +362,9 @@ mod tests {
         // t5-small: 60,506,624 parameters (32,128 vocabulary, d 512, d_ff
         // 2048, 8 heads, 6 + 6 layers), as the released checkpoint counts
         // them (the shared embedding once, one bias table per stack).
+        // Its initialisation draws from the global generator, which tests
+        // beside this one seed and draw from under this lock.
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let vs = nn::VarStore::new(Device::Cpu);
         let _m = T5::new(&vs.root(), 32128, 512, 2048, 8, 6, 0.0);
         let n: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
