@@ -141,11 +141,6 @@ extern "C" __global__ void __launch_bounds__(512, 2) ce_bf16(
 // Residual add + LayerNorm over rows of C channels (C % 4 == 0), thread t of
 // a block owning channels 4t..4t+3 (blockDim.x = C/4 rounded up to a warp),
 // blocks striding over rows. Statistics in fp32, two-pass variance.
-__device__ __forceinline__ void ld_bf4(const bf16* p, float v[4]) {
-  uint2 u = *reinterpret_cast<const uint2*>(p);
-  v[0] = bf2f((bf16)(u.x & 0xffffu)); v[1] = bf2f((bf16)(u.x >> 16));
-  v[2] = bf2f((bf16)(u.y & 0xffffu)); v[3] = bf2f((bf16)(u.y >> 16));
-}
 __device__ __forceinline__ void st_bf4(bf16* p, const float v[4]) {
   uint2 u;
   u.x = (unsigned int)f2bf(v[0]) | ((unsigned int)f2bf(v[1]) << 16);
@@ -298,12 +293,13 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return tanhf(x);
 #endif
 }
-__device__ __forceinline__ void ld_bf8(const bf16* p, float v[8]) {
-  uint4 u = *reinterpret_cast<const uint4*>(p);
-  unsigned int w[4] = {u.x, u.y, u.z, u.w};
+// 8 bf16 values (16 bytes) as floats.
+__device__ __forceinline__ void unpack_bf8(uint4 u, float v[8]) {
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
   #pragma unroll
-  for (int j = 0; j < 4; j++) { v[2 * j] = bf2f((bf16)(w[j] & 0xffffu)); v[2 * j + 1] = bf2f((bf16)(w[j] >> 16)); }
+  for (int j = 0; j < 4; j++) { v[2 * j] = bf_lo(w[j]); v[2 * j + 1] = bf_hi(w[j]); }
 }
+__device__ __forceinline__ void ld_bf8(const bf16* p, float v[8]) { unpack_bf8(*reinterpret_cast<const uint4*>(p), v); }
 __device__ __forceinline__ void st_bf8(bf16* p, const float v[8]) {
   unsigned int w[4];
   #pragma unroll
@@ -424,9 +420,10 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
     for (int r = 0; r < 4; r++) u[r] = *reinterpret_cast<const uint4*>(x + (size_t)(row + r * step) * C + c);
     #pragma unroll
     for (int r = 0; r < 4; r++) {
-      const unsigned int w[4] = {u[r].x, u[r].y, u[r].z, u[r].w};
+      float v[8];
+      unpack_bf8(u[r], v);
       #pragma unroll
-      for (int j = 0; j < 4; j++) { acc[2 * j] += bf_lo(w[j]); acc[2 * j + 1] += bf_hi(w[j]); }
+      for (int j = 0; j < 8; j++) acc[j] += v[j];
     }
   }
   for (; row < N; row += step) {
@@ -448,8 +445,8 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
 // adamw_steps counts it afterwards). An update with *found_inf == 1 is
 // skipped; the learning rate is *lr_t where given, else lr; gradients are
 // divided by *grad_scale where given.
-#define ADAM_MAX 48
-#define ADAM_CHUNK 8192
+// ADAM_MAX and ADAM_CHUNK come from the Rust constants of the same names
+// (compile()'s -D options).
 struct AdamList {
   float* p[ADAM_MAX];
   float* g[ADAM_MAX];
@@ -618,7 +615,8 @@ fn loaded() -> Result<&'static Loaded, String> {
 /// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
 fn compile(major: i32, minor: i32) -> Result<String, String> {
     let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
+    let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}")];
+    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
     let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
         .map_err(|_| "libnvrtc could not be loaded".to_owned())?
         .map_err(|e| format!("NVRTC: {e:?}"))?;
@@ -851,9 +849,15 @@ pub fn gelu_fits(c: i64) -> bool {
 /// Grid for the bias + GELU kernels: 128 threads of 8 channels per block
 /// across, blocks striding over rows down.
 fn gelu_shape(k: &Loaded, n: i64, c: i64) -> ((u32, u32, u32), u32) {
+    rows_of_8_shape(k, n, c, 16)
+}
+
+/// Grid for kernels with 128 threads of 8 channels per block across and
+/// blocks striding over rows down: `per_sm` blocks per SM in all.
+fn rows_of_8_shape(k: &Loaded, n: i64, c: i64, per_sm: u32) -> ((u32, u32, u32), u32) {
     let threads = 128u32;
     let across = ((c / 8) as u32).div_ceil(threads);
-    let down = ((k.sms * 16) / across).max(1).min(n.max(1) as u32);
+    let down = ((k.sms * per_sm) / across).max(1).min(n.max(1) as u32);
     ((down, across, 1), threads)
 }
 
@@ -939,22 +943,13 @@ pub fn column_sums_bf16(x: &Tensor) -> anyhow::Result<Partials> {
         c % 8 == 0 && x.kind() == Kind::BFloat16 && x.device().is_cuda() && x.is_contiguous(),
         "column sums take contiguous bf16 CUDA rows of a multiple of 8"
     );
-    let threads = 128u32;
-    let across = ((c / 8) as u32).div_ceil(threads);
-    let down = ((k.sms * 8) / across).max(1).min(n.max(1) as u32);
-    let part = Tensor::empty([down as i64, 1, c], (Kind::Float, x.device()));
+    let (grid, threads) = rows_of_8_shape(k, n, c, 8);
+    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
     let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
     // SAFETY: the arguments follow col_sums_bf16's signature (device pointers
     // to the checked rows and to partial sums of one row per block row of
     // the grid, then N, C).
-    unsafe {
-        launch2(
-            k.col_sums_bf16,
-            (down, across, 1),
-            (threads, 1, 1),
-            &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
-        )?
-    };
+    unsafe { launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])? };
     Ok(Partials(part))
 }
 
@@ -1019,9 +1014,9 @@ impl Partials {
     }
 }
 
-/// Tensors per launch of the AdamW kernel (`ADAM_MAX`).
+/// Tensors per launch of the AdamW kernel (its `ADAM_MAX`, passed to NVRTC).
 const ADAM_MAX: usize = 48;
-/// Elements per block of the AdamW kernel (`ADAM_CHUNK`).
+/// Elements per block of the AdamW kernel (its `ADAM_CHUNK`, passed to NVRTC).
 const ADAM_CHUNK: i64 = 8192;
 
 /// The AdamW kernel's tensor list, laid out as its `AdamList`.
@@ -1039,10 +1034,9 @@ struct AdamList {
 
 /// Whether [`adamw`] takes these tensors: fp32 CUDA, contiguous, one
 /// parameter's state and gradient of its shape, fp32 step counts.
-pub fn adamw_fits(params: &[Tensor], grads: &[Tensor], exp_avg: &[Tensor], exp_avg_sq: &[Tensor], steps: &[Tensor]) -> bool {
+fn adamw_fits(params: &[Tensor], grads: &[Tensor], exp_avg: &[Tensor], exp_avg_sq: &[Tensor], steps: &[Tensor]) -> bool {
     let fp32 = |t: &Tensor| t.kind() == Kind::Float && t.device().is_cuda() && t.is_contiguous();
-    available()
-        && [grads.len(), exp_avg.len(), exp_avg_sq.len(), steps.len()].iter().all(|&n| n == params.len())
+    [grads.len(), exp_avg.len(), exp_avg_sq.len(), steps.len()].iter().all(|&n| n == params.len())
         && (0..params.len()).all(|i| {
             let shape = params[i].size();
             [&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]].iter().all(|t| fp32(t) && t.size() == shape)
@@ -1057,7 +1051,9 @@ pub fn adamw_fits(params: &[Tensor], grads: &[Tensor], exp_avg: &[Tensor], exp_a
 /// gradient back (divided by `grad_scale` when given), 4 of its 32 bytes of
 /// traffic per parameter. `lr_t`: the learning rate as a device scalar (read
 /// when the kernel runs), else `lr`. An update with `found_inf` = 1 is
-/// skipped. Tensors as [`adamw_fits`] says.
+/// skipped. Returns false, having done nothing, where the kernel does not
+/// take the tensors (not fp32 CUDA, not contiguous, a state or gradient of
+/// another shape, no NVRTC): the caller updates them otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw(
     params: &[Tensor],
@@ -1069,9 +1065,11 @@ pub fn adamw(
     (beta1, beta2, weight_decay, eps): (f64, f64, f64, f64),
     found_inf: Option<&Tensor>,
     grad_scale: Option<&Tensor>,
-) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
-    anyhow::ensure!(adamw_fits(params, grads, exp_avg, exp_avg_sq, steps), "AdamW kernel: tensors it does not take");
+) -> anyhow::Result<bool> {
+    let Ok(k) = loaded() else { return Ok(false) };
+    if !adamw_fits(params, grads, exp_avg, exp_avg_sq, steps) {
+        return Ok(false);
+    }
     for t in [lr_t, found_inf, grad_scale].into_iter().flatten() {
         anyhow::ensure!(
             t.kind() == Kind::Float && t.numel() == 1 && t.device().is_cuda(),
@@ -1131,7 +1129,7 @@ pub fn adamw(
         // SAFETY: as above; one thread per tensor of the list.
         unsafe { launch2(k.adamw_steps, (1, 1, 1), (ADAM_MAX as u32, 1, 1), &mut [&mut list, &mut ptr(found_inf)])? };
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Whether [`cast_bf16`] takes these tensors:
@@ -1342,7 +1340,10 @@ mod tests {
                 Lr::Host(lr) => (lr, None),
                 Lr::Device(t) => (f64::NAN, Some(t)),
             };
-            adamw(&ours, &grads, &m1, &v1, &s1, lr, (0.9, 0.95, 0.1, 1e-8), fi.as_ref(), gs).unwrap();
+            assert!(
+                adamw(&ours, &grads, &m1, &v1, &s1, lr, (0.9, 0.95, 0.1, 1e-8), fi.as_ref(), gs).unwrap(),
+                "the kernel took the tensors"
+            );
             for (i, (a, b)) in ours.iter().chain(&m1).chain(&v1).zip(theirs.iter().chain(&m2).chain(&v2)).enumerate() {
                 let err = (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30);
                 assert!(err < 1e-6, "step {step}, tensor {i} (params, then m, then v): relative error {err}");

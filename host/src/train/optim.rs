@@ -163,12 +163,12 @@ impl Optimizer {
                         continue;
                     }
                     let (p, gr, m, v, s) = (pick(params, g), pick(grads, g), pick(exp_avg, g), pick(exp_avg_sq, g), pick(steps, g));
-                    if *own_kernel && kernels::adamw_fits(&p, &gr, &m, &v, &s) {
-                        let lr = match lr {
-                            Lr::Host(lr) => (lr, None),
-                            Lr::Device(t) => (f64::NAN, Some(t)),
-                        };
-                        kernels::adamw(&p, &gr, &m, &v, &s, lr, (betas[0], betas[1], wd, *eps), found_inf, grad_scale)?;
+                    let kernel_lr = match lr {
+                        Lr::Host(lr) => (lr, None),
+                        Lr::Device(t) => (f64::NAN, Some(t)),
+                    };
+                    if *own_kernel && kernels::adamw(&p, &gr, &m, &v, &s, kernel_lr, (betas[0], betas[1], wd, *eps), found_inf, grad_scale)?
+                    {
                         continue;
                     }
                     let h = AdamWStep { lr, beta1: betas[0], beta2: betas[1], weight_decay: wd, eps: *eps };
