@@ -471,6 +471,7 @@ mod tests {
 
     #[test]
     fn without_grad_mode_only_the_forward_pass_runs() {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let _g = tch::no_grad_guard();
         let x = Tensor::randn([3, 8], (Kind::Float, Device::Cpu));
         let f = Tensor::randn([3, 8], (Kind::Float, Device::Cpu));
@@ -663,7 +664,10 @@ mod tests {
             assert!(err < 8e-3 && errx < 1e-2 && calls == fcalls, "linear on CUDA (tied={tied}): not autograd's gradients ({err}, {errx})");
         }
         for n in [8 * 1000, 8 * 1000 + 5, 3] {
-            let w = Tensor::randn([n], (Kind::Float, dev)) * 100.0;
+            let w = {
+                let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+                Tensor::randn([n], (Kind::Float, dev)) * 100.0
+            };
             assert!(kernels::cast_bf16(&w).unwrap().equal(&w.to_kind(Kind::BFloat16)), "cast of {n}: not libtorch's rounding");
         }
         // GPT-2 124M's attention projection (with its bias) and a width not
