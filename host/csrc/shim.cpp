@@ -649,6 +649,16 @@ struct hx_graph {
         device(c10::cuda::current_device()) {}
 };
 
+// From ATen/cuda/CUDAContextLight.h, declared here: that header includes
+// the cuSPARSE and fp16 headers, which need CUDA toolkit headers that a
+// PyTorch installation lacks.
+struct cublasLtContext;
+namespace at::cuda {
+cublasLtContext *getCurrentCUDABlasLtHandle();
+size_t getCUDABlasLtWorkspaceSize();
+void *getCUDABlasLtWorkspace();
+}  // namespace at::cuda
+
 extern "C" {
 
 int hx_has_cuda_graphs() { return 1; }
@@ -657,6 +667,17 @@ int hx_has_cuda_graphs() { return 1; }
 // default stream). A capture's stream while one runs on this thread, or on
 // the autograd thread running a captured backward pass.
 char *hx_cuda_current_stream(void **out) { HX_TRY(*out = at::cuda::getCurrentCUDAStream().stream()) }
+
+// libtorch's cuBLASLt handle for this thread and device, and its workspace
+// for the current stream (allocated by libtorch on first use), so that
+// harness's own cuBLASLt calls share them instead of keeping their own.
+char *hx_cublaslt(void **handle, void **workspace, size_t *bytes) {
+  HX_TRY({
+    *handle = (void *)at::cuda::getCurrentCUDABlasLtHandle();
+    *workspace = at::cuda::getCUDABlasLtWorkspace();
+    *bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  })
+}
 
 char *hx_graph_new(hx_graph **out) { HX_TRY(*out = new hx_graph()) }
 
@@ -737,6 +758,7 @@ char *hx_cuda_current_stream(void **out) {
   *out = nullptr;
   return nullptr;
 }
+char *hx_cublaslt(void **, void **, size_t *) { return hx_no_cuda(); }
 char *hx_graph_new(hx_graph **out) { return hx_no_cuda(); }
 char *hx_graph_enter(hx_graph *) { return hx_no_cuda(); }
 char *hx_graph_leave(hx_graph *) { return hx_no_cuda(); }

@@ -437,6 +437,55 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
   for (int j = 0; j < 8; j++) p[j] = acc[j];
 }
 
+// Token and position embeddings of N = B * T tokens (row r = b * T + t):
+// x[r] = wte[idx[r]] + wpe[t] (fp32 rows of C, C % 4 == 0). One block of
+// at least C / 4 threads per position t, looping over the batch. A token
+// outside [0, V) stops the kernel (__trap), as libtorch's device-side
+// index check stops its gather.
+extern "C" __global__ void embed_fwd(const long long* __restrict__ idx, const float* __restrict__ wte,
+    const float* __restrict__ wpe, float* __restrict__ x, int B, int T, int C, long long V) {
+  const int t = blockIdx.x, c = 4 * threadIdx.x;
+  if (c >= C) return;
+  const float4 p = *reinterpret_cast<const float4*>(wpe + (size_t)t * C + c);
+  #pragma unroll 4
+  for (int b = 0; b < B; b++) {
+    const size_t r = (size_t)b * T + t;
+    const long long tok = idx[r];
+    if (tok < 0 || tok >= V) __trap();
+    const float4 a = *reinterpret_cast<const float4*>(wte + (size_t)tok * C + c);
+    *reinterpret_cast<float4*>(x + r * C + c) = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
+  }
+}
+// Four floats added into global memory without reading them back: one
+// vector reduction from sm_90 on.
+__device__ __forceinline__ void red_add4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+#else
+  atomicAdd(p, v.x); atomicAdd(p + 1, v.y); atomicAdd(p + 2, v.z); atomicAdd(p + 3, v.w);
+#endif
+}
+// The backward pass of embed_fwd from dx [N, C] (fp32): gwpe[t] = (assign)
+// or += the sum over b of dx[b * T + t], in b order; gwte[idx[r]] += dx[r]
+// by atomic adds, so the rows of a token that occurs more than once are
+// summed in an order that varies between runs (the last bits may differ).
+extern "C" __global__ void embed_bwd(const long long* __restrict__ idx, const float* __restrict__ dx,
+    float* gwte, float* gwpe, int B, int T, int C, int assign) {
+  const int t = blockIdx.x, c = 4 * threadIdx.x;
+  if (c >= C) return;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+  #pragma unroll 4
+  for (int b = 0; b < B; b++) {
+    const size_t r = (size_t)b * T + t;
+    const float4 d = *reinterpret_cast<const float4*>(dx + r * C + c);
+    s.x += d.x; s.y += d.y; s.z += d.z; s.w += d.w;
+    red_add4(gwte + (size_t)idx[r] * C + c, d);
+  }
+  float4* o = reinterpret_cast<float4*>(gwpe + (size_t)t * C + c);
+  if (!assign) { const float4 g = *o; s.x += g.x; s.y += g.y; s.z += g.z; s.w += g.w; }
+  *o = s;
+}
+
 // AdamW over a list of fp32 tensors, the maths of libtorch's _fused_adamw_
 // (its fp64 and fp32 steps as written there), one block per chunk of
 // ADAM_CHUNK elements of a tensor: p, m and v are read and written, g only
@@ -540,6 +589,8 @@ struct Loaded {
     cast_bf16: sys::CUfunction,
     add_partials: sys::CUfunction,
     col_sums_bf16: sys::CUfunction,
+    embed_fwd: sys::CUfunction,
+    embed_bwd: sys::CUfunction,
     adamw: sys::CUfunction,
     adamw_steps: sys::CUfunction,
     /// Streaming multiprocessors of the device (grid sizes).
@@ -601,6 +652,8 @@ fn loaded() -> Result<&'static Loaded, String> {
             cast_bf16: get("cast_bf16")?,
             add_partials: get("add_partials")?,
             col_sums_bf16: get("col_sums_bf16")?,
+            embed_fwd: get("embed_fwd")?,
+            embed_bwd: get("embed_bwd")?,
             adamw: get("adamw")?,
             adamw_steps: get("adamw_steps")?,
             sms,
@@ -716,7 +769,7 @@ pub fn layer_norm_fits(c: i64) -> bool {
 
 /// Threads per block for rows of `c` channels (four per thread), and blocks.
 fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
-    let threads = ((c / 4 + 31) / 32 * 32) as u32;
+    let threads = quad_threads(c);
     let per_sm = (2048 / threads).clamp(1, 16);
     (threads, (k.sms * per_sm).min(n.max(1) as u32))
 }
@@ -951,6 +1004,106 @@ pub fn column_sums_bf16(x: &Tensor) -> anyhow::Result<Partials> {
     // the grid, then N, C).
     unsafe { launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])? };
     Ok(Partials(part))
+}
+
+/// Whether [`embed`] takes rows of `c` channels.
+pub fn embed_fits(c: i64) -> bool {
+    c % 4 == 0 && (4..=4096).contains(&c)
+}
+
+/// Threads for rows of `c` channels, four per thread.
+fn quad_threads(c: i64) -> u32 {
+    ((c / 4 + 31) / 32 * 32) as u32
+}
+
+/// Token plus position embeddings of int64 tokens `idx` `[b, t]` (CUDA,
+/// contiguous): `wte[idx] + wpe[..t]`, fp32 `[b, t, c]`, from the fp32
+/// tables `wte` `[v, c]` and `wpe` `[>= t, c]` ([`embed_fits`]). A token
+/// outside `[0, v)` stops the kernel (a device-side error, as libtorch's
+/// gather raises).
+pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (b, t) = idx.size2()?;
+    let (v, c) = wte.size2()?;
+    anyhow::ensure!(
+        idx.kind() == Kind::Int64 && idx.device().is_cuda() && idx.is_contiguous(),
+        "fused embedding takes contiguous int64 CUDA tokens"
+    );
+    anyhow::ensure!(
+        embed_fits(c)
+            && [wte, wpe].iter().all(|w| w.kind() == Kind::Float && w.is_contiguous() && w.device() == idx.device())
+            && wpe.size().len() == 2
+            && wpe.size()[1] == c
+            && wpe.size()[0] >= t,
+        "fused embedding: tables must be contiguous fp32 [v, {c}] and [>= {t}, {c}]"
+    );
+    let x = Tensor::empty([b, t, c], (Kind::Float, idx.device()));
+    let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow embed_fwd's signature (device pointers to
+    // the checked tokens, tables and a fresh [b, t, c] output, then B, T, C,
+    // V); every tensor outlives the call.
+    unsafe {
+        launch(
+            k.embed_fwd,
+            u32::try_from(t)?,
+            quad_threads(c),
+            &mut [
+                &mut idx.data_ptr(),
+                &mut wte.data_ptr(),
+                &mut wpe.data_ptr(),
+                &mut x.data_ptr(),
+                &mut { b32 },
+                &mut { t32 },
+                &mut { c32 },
+                &mut { v },
+            ],
+        )?
+    };
+    Ok(x)
+}
+
+/// The backward pass of [`embed`] from `dx` (`[b, t, c]`): adds each token's
+/// row of `dx` into `gwte` (fp32 `[v, c]`, by atomic adds: a token that
+/// occurs more than once is summed in an order that varies between runs),
+/// and writes (`assign`) or adds the sum over the batch into the first `t`
+/// rows of `gwpe` (fp32 `[>= t, c]`).
+pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, assign: bool) -> anyhow::Result<()> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (b, t) = idx.size2()?;
+    let c = gwte.size2()?.1;
+    let dx = dx.to_kind(Kind::Float).contiguous();
+    anyhow::ensure!(dx.size() == [b, t, c] && embed_fits(c), "fused embedding backward: dx must be [{b}, {t}, {c}]");
+    anyhow::ensure!(
+        [gwte, gwpe].iter().all(|g| g.kind() == Kind::Float && g.is_contiguous() && g.device() == idx.device())
+            && gwpe.size().len() == 2
+            && gwpe.size()[1] == c
+            && gwpe.size()[0] >= t
+            && idx.kind() == Kind::Int64
+            && idx.is_contiguous(),
+        "fused embedding backward: gradients must be contiguous fp32 [v, {c}] and [>= {t}, {c}]"
+    );
+    let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow embed_bwd's signature (device pointers to
+    // the checked tokens, dx and the two gradients, then B, T, C and the
+    // flag); the tokens were checked in range by the forward pass's kernel.
+    unsafe {
+        launch(
+            k.embed_bwd,
+            u32::try_from(t)?,
+            quad_threads(c),
+            &mut [
+                &mut idx.data_ptr(),
+                &mut dx.data_ptr(),
+                &mut gwte.data_ptr(),
+                &mut gwpe.data_ptr(),
+                &mut { b32 },
+                &mut { t32 },
+                &mut { c32 },
+                &mut { i32::from(assign) },
+            ],
+        )?
+    };
+    Ok(())
 }
 
 /// Per-block partial sums of a backward kernel, `[blocks, k, c]` fp32: `k`
@@ -1245,6 +1398,8 @@ mod tests {
             "cast_bf16",
             "add_partials",
             "col_sums_bf16",
+            "embed_fwd",
+            "embed_bwd",
             "adamw",
             "adamw_steps",
         ] {

@@ -12,6 +12,7 @@
 //! that `tch` lacks.
 
 pub mod bench;
+pub mod blaslt;
 pub mod cli;
 pub mod comm;
 pub mod console;

@@ -64,6 +64,7 @@ mod ffi {
         pub fn hx_has_cuda_graphs() -> c_int;
         pub fn hx_cuda_empty_cache() -> *mut c_char;
         pub fn hx_cuda_current_stream(out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_cublaslt(handle: *mut *mut c_void, workspace: *mut *mut c_void, bytes: *mut usize) -> *mut c_char;
         pub fn hx_graph_new(out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_graph_enter(g: *mut c_void) -> *mut c_char;
         pub fn hx_graph_leave(g: *mut c_void) -> *mut c_char;
@@ -334,6 +335,15 @@ pub fn current_cuda_stream() -> Result<*mut c_void, TorchError> {
     // SAFETY: out receives a stream handle (or null); nothing is allocated.
     check(unsafe { ffi::hx_cuda_current_stream(&mut out) })?;
     Ok(out)
+}
+
+/// libtorch's cuBLASLt handle for this thread and device, and its cuBLASLt
+/// workspace for the current stream (pointer and bytes).
+pub fn cublaslt() -> Result<(*mut c_void, *mut c_void, usize), TorchError> {
+    let (mut handle, mut workspace, mut bytes) = (std::ptr::null_mut(), std::ptr::null_mut(), 0usize);
+    // SAFETY: the three out-parameters receive libtorch's pointers and size.
+    check(unsafe { ffi::hx_cublaslt(&mut handle, &mut workspace, &mut bytes) })?;
+    Ok((handle, workspace, bytes))
 }
 
 /// Whether the shim was built with libtorch's CUDA library (graphs work).

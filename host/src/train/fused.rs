@@ -41,8 +41,10 @@ enum Engine {
 
 /// `y = LayerNorm(x + f + fb)` with the sum kept: the autograd node behind
 /// [`add_norm`]. Inputs `[x, f?, fb?, w, b]` (`fb` only with `f`); outputs
-/// `[x + f + fb, y]` with `f`, `[y]` without; kept `[the sum or x, mean,
-/// rstd, w]`.
+/// `[x + f + fb, y]` with `f`, `[x, y]` without (`x` passed through, so
+/// that the gradient reaching it from its other uses is added in the
+/// backward kernel, where autograd would sum the two in a pass of its own);
+/// kept `[the sum or x, mean, rstd, w]`.
 struct AddNorm {
     engine: Engine,
     residual: bool,
@@ -145,7 +147,7 @@ impl CustomOp for AddNorm {
         };
         let mut kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone(), b.shallow_clone()];
         kept.extend(fb.map(Tensor::shallow_clone));
-        Ok((xo.into_iter().chain([y]).collect(), kept))
+        Ok((vec![xo.unwrap_or_else(|| x.shallow_clone()), y], kept))
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
@@ -154,11 +156,8 @@ impl CustomOp for AddNorm {
             [x, mean, rstd, w, b, fb] => (x, mean, rstd, w, b, Some(fb)),
             _ => anyhow::bail!("add_norm: {} kept tensors", saved.len()),
         };
-        let (dres, dy) = match (self.residual, grads) {
-            (true, [dres, dy]) => (dres.as_ref(), dy.as_ref()),
-            (false, [dy]) => (None, dy.as_ref()),
-            _ => anyhow::bail!("add_norm: {} gradients", grads.len()),
-        };
+        let [dres, dy] = grads else { anyhow::bail!("add_norm: {} gradients", grads.len()) };
+        let (dres, dy) = (dres.as_ref(), dy.as_ref());
         let grads = |dx: Option<Tensor>, df: Option<Tensor>, dfb: Option<Tensor>, dw: Option<Tensor>, db: Option<Tensor>| {
             let mut g = vec![dx];
             if self.residual {
@@ -227,11 +226,8 @@ pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor,
     inputs.extend([w, b]);
     let op = AddNorm { engine, residual: f.is_some(), bias: fb.is_some() };
     let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
-    match (f, &out[..]) {
-        (Some(_), [xo, y]) => (xo.view(shape.as_slice()), y.view(shape.as_slice())),
-        (None, [y]) => (x.shallow_clone(), y.view(shape.as_slice())),
-        _ => unreachable!("add_norm returns its outputs"),
-    }
+    let [xo, y] = &out[..] else { unreachable!("add_norm returns two outputs") };
+    (xo.view(shape.as_slice()), y.view(shape.as_slice()))
 }
 
 /// `gelu(x + b)` (tanh approximation): the autograd node behind
@@ -313,6 +309,10 @@ struct Linear {
     bias: bool,
     /// `x`'s kind, for its gradient.
     x_kind: Kind,
+    /// The weight is also [`embed`]'s table: without a gradient buffer,
+    /// its gradient goes there, for the embedding's backward pass to add
+    /// its rows into and hand to autograd.
+    tie: Option<Tie>,
 }
 
 impl CustomOp for Linear {
@@ -353,12 +353,13 @@ impl CustomOp for Linear {
             Engine::Cuda => dy.tr().f_mm_dtype(x16, Kind::Float)?,
             Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x16.to_kind(Kind::Float))?,
         };
-        let dw = match buffer(w) {
-            Some(g) => {
+        let dw = match (buffer(w), &self.tie) {
+            (Some(g), _) => {
                 let _ = g.shallow_clone().f_add_(&dw)?;
                 None
             }
-            None => Some(dw),
+            (None, Some(tie)) => tie.put(dw),
+            (None, None) => Some(dw),
         };
         let mut out = vec![Some(dx), dw];
         if let Some(b) = b {
@@ -382,21 +383,289 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Tensor
     if !(fused && w.device().is_cuda()) {
         return x.linear(w, b);
     }
-    let engine = if kernels::available() && !reference_forced() { Engine::Cuda } else { Engine::Reference };
-    linear_with(engine, x, w, b)
+    linear_with(engine(), x, w, b, None)
+}
+
+/// [`linear`] without a bias through a weight that is also the table of
+/// the [`embed`] that gave `tie`: the output layer of a tied embedding.
+pub fn tied_linear(x: &Tensor, w: &Tensor, tie: Option<&Tie>, fused: bool) -> Tensor {
+    match tie {
+        Some(tie) if fused && w.device().is_cuda() => linear_with(engine(), x, w, None, Some(tie.clone())),
+        _ => linear(x, w, None, fused),
+    }
+}
+
+/// The engine of the fused layers on CUDA.
+fn engine() -> Engine {
+    if kernels::available() && !reference_forced() {
+        Engine::Cuda
+    } else {
+        Engine::Reference
+    }
 }
 
 /// [`linear`]'s autograd node on `engine`.
-fn linear_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+fn linear_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>, tie: Option<Tie>) -> Tensor {
     let mut shape = x.size();
     let inner = *shape.last().expect("linear takes rows");
     let x2 = x.reshape([-1, inner]);
     let mut inputs = vec![&x2, w];
     inputs.extend(b);
-    let op = Linear { engine, bias: b.is_some(), x_kind: x.kind() };
+    let op = Linear { engine, bias: b.is_some(), x_kind: x.kind(), tie };
     let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
     *shape.last_mut().expect("linear takes rows") = w.size()[0];
     out[0].view(shape.as_slice())
+}
+
+/// A GPT block's MLP, `gelu(h w1^T + b1) w2^T` without the second bias (left
+/// to the next [`add_norm`]): the autograd node behind [`mlp`]. Inputs `[h,
+/// w1, b1, w2]` (`h` bf16 `[n, c]`, the weights fp32 `[f, c]` and `[c2,
+/// f]`, `b1` fp32 `[f]`), output `[y]` (bf16 `[n, c2]`), kept `[h, w1 (bf16),
+/// w2 (bf16), w1, b1, w2]`. The hidden layer, `pre = h w1^T + b1` and `m =
+/// gelu(pre)`, is held by the node itself: the backward pass frees `m` once
+/// the second weight's gradient is out and `pre` once GELU's derivative
+/// is, as the separate layers' nodes freed them, where autograd would keep
+/// kept tensors to the end of the node (at the peak of the backward pass,
+/// two more hidden layers alive than before the node existed).
+struct Mlp {
+    engine: Engine,
+    hidden: std::sync::Mutex<Option<(Tensor, Tensor)>>,
+}
+
+impl CustomOp for Mlp {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let [h, w1, b1, w2] = inputs else { anyhow::bail!("mlp: {} inputs", inputs.len()) };
+        let h = h.to_kind(Kind::BFloat16).contiguous();
+        let (w1h, w2h) = (cast(self.engine, w1)?, cast(self.engine, w2)?);
+        let (pre, m) = match self.engine {
+            Engine::Cuda => crate::blaslt::gelu_forward(&h, &w1h, b1)?,
+            Engine::Reference => {
+                let b = b1.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+                let acc = h.to_kind(Kind::Float).mm(&w1h.to_kind(Kind::Float).tr()) + b;
+                (acc.to_kind(Kind::BFloat16), acc.gelu("tanh").to_kind(Kind::BFloat16))
+            }
+        };
+        let y = m.f_mm(&w2h.tr())?;
+        *self.hidden.lock().unwrap_or_else(|e| e.into_inner()) = Some((pre, m));
+        Ok((vec![y], vec![h, w1h, w2h, w1.shallow_clone(), b1.shallow_clone(), w2.shallow_clone()]))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let ([h, w1h, w2h, w1, b1, w2], [dy]) = (saved, grads) else {
+            anyhow::bail!("mlp: {} kept, {} gradients", saved.len(), grads.len())
+        };
+        let hidden = self.hidden.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(dy) = dy else { return Ok((0..4).map(|_| None).collect()) };
+        let Some((pre, m)) = hidden else { anyhow::bail!("mlp: the backward pass ran twice (retain_graph is not supported)") };
+        let dy = dy.to_kind(Kind::BFloat16).contiguous();
+        let dw2 = weight_grad(self.engine, &dy, &m)?;
+        drop(m);
+        let (dpre, db1) = match self.engine {
+            Engine::Cuda => {
+                let dpre = crate::blaslt::dgelu_backward(&dy, w2h, &pre)?;
+                let sums = Sums::Partials(kernels::column_sums_bf16(&dpre)?);
+                (dpre, sums)
+            }
+            Engine::Reference => {
+                let dm = dy.to_kind(Kind::Float).mm(&w2h.to_kind(Kind::Float));
+                let d = pre.to_kind(Kind::Float).gelu_backward(&dm, "tanh").to_kind(Kind::BFloat16);
+                let sums = Sums::Tensors(vec![d.sum_dim_intlist(0, false, Kind::Float)]);
+                (d, sums)
+            }
+        };
+        drop(pre);
+        let dw1 = weight_grad(self.engine, &dpre, h)?;
+        let dh = dpre.f_mm(w1h)?;
+        let db1 = db1.deliver(&[b1])?.pop().flatten();
+        Ok(vec![Some(dh), into_buffer(w1, dw1)?, db1, into_buffer(w2, dw2)?])
+    }
+}
+
+/// `w` as bf16 for a matmul (the vectorised kernel on CUDA).
+fn cast(engine: Engine, w: &Tensor) -> anyhow::Result<Tensor> {
+    Ok(match engine {
+        Engine::Cuda => kernels::cast_bf16(w)?,
+        Engine::Reference => w.to_kind(Kind::BFloat16),
+    })
+}
+
+/// A weight's gradient `dy^T x` in fp32 straight out of the matmul (bf16
+/// products, fp32 sums).
+fn weight_grad(engine: Engine, dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
+    Ok(match engine {
+        Engine::Cuda => dy.tr().f_mm_dtype(x, Kind::Float)?,
+        Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x.to_kind(Kind::Float))?,
+    })
+}
+
+/// `g` added into `p`'s gradient buffer (none for autograd), or handed to
+/// autograd where `p` has none.
+fn into_buffer(p: &Tensor, g: Tensor) -> anyhow::Result<Option<Tensor>> {
+    Ok(match buffer(p) {
+        Some(b) => {
+            let _ = b.shallow_clone().f_add_(&g)?;
+            None
+        }
+        None => Some(g),
+    })
+}
+
+/// Whether [`mlp`] runs on CUDA for `n` rows of `c` channels, `f` hidden
+/// units and `c2` outputs: the fused kernels are there and cuBLASLt has
+/// algorithms for its two epilogues. `HARNESS_FUSED_MLP=0` keeps the
+/// separate layers (a diagnostic).
+pub fn mlp_cuda_fits(device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("HARNESS_FUSED_MLP").is_ok_and(|v| v == "0"));
+    !off && device.is_cuda() && kernels::available() && !reference_forced() && crate::blaslt::mlp_fits(n, c, f, c2)
+}
+
+/// `gelu(h w1^T + b1) w2^T` (tanh GELU; the second layer's bias left to the
+/// caller) over bf16 rows `h` `[.., c]`, fp32 weights `w1` `[f, c]`, `w2`
+/// `[c2, f]` and bias `b1` `[f]`: one autograd node whose first matmul adds
+/// the bias and applies the GELU in its epilogue (keeping the
+/// pre-activation), and whose backward pass gets GELU's derivative and the
+/// bias's gradient from the epilogue of the matmul that makes the hidden
+/// layer's gradient ([`crate::blaslt`]). The weights' gradients come out of
+/// their matmuls in fp32, into their buffers where they have them. Only on
+/// CUDA where [`mlp_cuda_fits`].
+pub fn mlp(h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
+    mlp_with(Engine::Cuda, h, w1, b1, w2)
+}
+
+/// [`mlp`]'s autograd node on `engine`.
+fn mlp_with(engine: Engine, h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
+    let mut shape = h.size();
+    let c = *shape.last().expect("mlp takes rows");
+    let h2 = h.reshape([-1, c]);
+    let op = Mlp { engine, hidden: Default::default() };
+    let out = torch_ext::custom_op(op, &[&h2, w1, b1, w2]).unwrap_or_else(|e| panic!("{e}"));
+    *shape.last_mut().expect("mlp takes rows") = w2.size()[0];
+    out[0].view(shape.as_slice())
+}
+
+/// The link between a tied embedding's two uses of its table in one
+/// forward pass ([`embed`] and [`tied_linear`]): the output layer's
+/// backward pass, which runs first, leaves the table's dense gradient here
+/// (where the table has no gradient buffer) instead of handing it to
+/// autograd; the embedding's backward pass adds its rows into it and hands
+/// autograd the sum. Autograd would otherwise sum a dense gradient from
+/// each use: a zero-filled table, a scatter into it, and an add of two
+/// tables (about 0.5 ms per step for GPT-2 124M on an H100).
+#[derive(Clone, Default)]
+pub struct Tie(std::sync::Arc<std::sync::Mutex<Option<Tensor>>>);
+
+impl Tie {
+    /// Leaves the output layer's gradient for the embedding (returns none
+    /// for autograd).
+    fn put(&self, g: Tensor) -> Option<Tensor> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(g);
+        None
+    }
+
+    /// The output layer's gradient, if its backward pass left one.
+    fn take(&self) -> Option<Tensor> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// Token plus position embeddings: the autograd node behind [`embed`].
+/// Inputs `[idx, wte, wpe]`, output `[x]`, kept `[idx, wte, wpe]`.
+struct Embed {
+    engine: Engine,
+    tie: Tie,
+}
+
+impl CustomOp for Embed {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let [idx, wte, wpe] = inputs else { anyhow::bail!("embed: {} inputs", inputs.len()) };
+        let t = idx.size2()?.1;
+        let x = match self.engine {
+            Engine::Cuda => kernels::embed(idx, wte, wpe)?,
+            Engine::Reference => Tensor::f_embedding(wte, idx, -1, false, false)? + wpe.narrow(0, 0, t),
+        };
+        Ok((vec![x], vec![idx.shallow_clone(), wte.shallow_clone(), wpe.shallow_clone()]))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let ([idx, wte, wpe], [dx]) = (saved, grads) else { anyhow::bail!("embed: {} kept, {} gradients", saved.len(), grads.len()) };
+        let head = self.tie.take();
+        let Some(dx) = dx else { return Ok(vec![None, head, None]) };
+        let t = idx.size2()?.1;
+        // The table's gradient: its buffer (where the output layer has
+        // already added its part), else the output layer's, else zeros.
+        let (gwte, wte_out) = match (buffer(wte), head) {
+            (Some(g), head) => {
+                if let Some(h) = head {
+                    let _ = g.shallow_clone().f_add_(&h)?;
+                }
+                (g, None)
+            }
+            (None, Some(h)) => (h.shallow_clone(), Some(h)),
+            (None, None) => {
+                let z = wte.zeros_like();
+                (z.shallow_clone(), Some(z))
+            }
+        };
+        // Positions beyond the sequence get no gradient: the kernel writes
+        // the first t rows, so a fresh tensor is zeroed where t is shorter.
+        let (gwpe, wpe_out, assign) = match buffer(wpe) {
+            Some(g) => (g, None, false),
+            None if t == wpe.size()[0] => {
+                let g = wpe.empty_like();
+                (g.shallow_clone(), Some(g), true)
+            }
+            None => {
+                let g = wpe.zeros_like();
+                (g.shallow_clone(), Some(g), false)
+            }
+        };
+        match self.engine {
+            Engine::Cuda => kernels::embed_backward(idx, dx, &gwte, &gwpe, assign)?,
+            Engine::Reference => {
+                let c = gwte.size()[1];
+                let d = dx.to_kind(Kind::Float);
+                let _ = gwte.shallow_clone().f_index_add_(0, &idx.reshape([-1]), &d.reshape([-1, c]))?;
+                let mut rows = gwpe.narrow(0, 0, t);
+                let sum = d.sum_dim_intlist(0, false, Kind::Float);
+                if assign {
+                    rows.copy_(&sum);
+                } else {
+                    let _ = rows.f_add_(&sum)?;
+                }
+            }
+        }
+        Ok(vec![None, wte_out, wpe_out])
+    }
+}
+
+/// Whether [`embed`] runs on CUDA for tables of `c` channels on this
+/// device (else a caller keeps libtorch's embeddings).
+/// `HARNESS_FUSED_EMBED=0` keeps libtorch's (a diagnostic).
+pub fn embed_cuda_fits(c: i64, device: tch::Device) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("HARNESS_FUSED_EMBED").is_ok_and(|v| v == "0"));
+    !off && device.is_cuda() && kernels::embed_fits(c)
+}
+
+/// `wte[idx] + wpe[..t]` for int64 tokens `idx` `[b, t]`: fp32 `[b, t, c]`
+/// (the token and position embeddings of GPT-2, before dropout), as one
+/// autograd node, and the [`Tie`] for an output layer that shares `wte`
+/// ([`tied_linear`]). On CUDA ([`embed_cuda_fits`]) one kernel each way:
+/// the backward pass adds each token's row into the table's gradient by
+/// atomic adds and sums the positions' over the batch. Elsewhere the same
+/// maths in libtorch operations.
+pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> (Tensor, Tie) {
+    embed_with(engine(), idx, wte, wpe)
+}
+
+/// [`embed`]'s autograd node on `engine`.
+fn embed_with(engine: Engine, idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> (Tensor, Tie) {
+    let tie = Tie::default();
+    let op = Embed { engine, tie: tie.clone() };
+    let idx = idx.to_kind(Kind::Int64).contiguous();
+    let out = torch_ext::custom_op(op, &[&idx, wte, wpe]).unwrap_or_else(|e| panic!("{e}"));
+    (out[0].shallow_clone(), tie)
 }
 
 #[cfg(test)]
@@ -541,7 +810,7 @@ mod tests {
         unsafe { torch_ext::set_grad_ready_hook(&w, Some(count), ctx, 0) }.unwrap();
         for _ in 0..2 {
             let y = match engine {
-                Some(e) => linear_with(e, &x, &w, None),
+                Some(e) => linear_with(e, &x, &w, None, None),
                 None => x.matmul(&w.to_kind(Kind::BFloat16).tr()),
             };
             let mut loss = (y.to_kind(Kind::Float) * &p).sum(Kind::Float);
@@ -575,7 +844,7 @@ mod tests {
     fn the_linear_node_without_a_buffer_leaves_accumulation_to_autograd() {
         let w = Tensor::full([3, 4], 0.5, (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let x = Tensor::ones([2, 4], (Kind::BFloat16, Device::Cpu));
-        linear_with(Engine::Reference, &x, &w, None).to_kind(Kind::Float).sum(Kind::Float).backward();
+        linear_with(Engine::Reference, &x, &w, None, None).to_kind(Kind::Float).sum(Kind::Float).backward();
         assert!(w.grad().equal(&Tensor::full([3, 4], 2.0, (Kind::Float, Device::Cpu))));
     }
 
@@ -597,7 +866,7 @@ mod tests {
         }
         let bias_in = bias.then_some(&b);
         let y = match engine {
-            Some(e) => linear_with(e, &x, &w, bias_in),
+            Some(e) => linear_with(e, &x, &w, bias_in, None),
             None => x.linear(&w.to_kind(Kind::BFloat16), bias_in.map(|b| b.to_kind(Kind::BFloat16))),
         };
         assert_eq!((y.size(), y.kind()), (vec![2, n, o], Kind::BFloat16));
@@ -632,6 +901,130 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The output and gradients (h, w1, b1, w2) of a loss over a GPT
+    /// block's MLP (`n` rows of `c`, `f` hidden units): through [`Mlp`] on
+    /// `engine`, or (None) as autocast computes the two layers and the GELU
+    /// in libtorch. `buffers`: the parameters have zeroed gradient buffers,
+    /// which must then hold their gradients.
+    fn mlp_grads(engine: Option<Engine>, buffers: bool, dev: Device, (n, c, f): (i64, i64, i64)) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(29);
+        let h = Tensor::randn([2, n, c], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let w1 = (Tensor::randn([f, c], (Kind::Float, dev)) * 0.05).set_requires_grad(true);
+        let b1 = (Tensor::randn([f], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let w2 = (Tensor::randn([c, f], (Kind::Float, dev)) * 0.05).set_requires_grad(true);
+        let p = Tensor::randn([2, n, c], (Kind::Float, dev));
+        let params = [&w1, &b1, &w2];
+        let kept: Vec<Tensor> = params.iter().filter(|_| buffers).map(|t| t.zeros_like()).collect();
+        for (t, g) in params.iter().zip(&kept) {
+            torch_ext::set_grad(t, Some(g)).unwrap();
+        }
+        let y = match engine {
+            Some(e) => mlp_with(e, &h, &w1, &b1, &w2),
+            None => {
+                let bf = |t: &Tensor| t.to_kind(Kind::BFloat16);
+                h.linear(&bf(&w1), Some(&bf(&b1))).gelu("tanh").linear::<Tensor>(&bf(&w2), None)
+            }
+        };
+        assert_eq!((y.size(), y.kind()), (vec![2, n, c], Kind::BFloat16));
+        (y.to_kind(Kind::Float) * p).sum(Kind::Float).backward();
+        for (t, g) in params.iter().zip(&kept) {
+            assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
+        vec![y.to_kind(Kind::Float), h.grad().to_kind(Kind::Float), w1.grad(), b1.grad(), w2.grad()]
+    }
+
+    #[test]
+    fn the_mlp_node_gives_autocasts_gradients() {
+        // The reference sums in fp32 where autocast rounds to bf16 between
+        // steps (the bias added in bf16, the weights' gradients rounded):
+        // the same within bf16's epsilon, relative to each tensor's size.
+        for buffers in [false, true] {
+            let want = mlp_grads(None, buffers, Device::Cpu, (9, 16, 64));
+            let got = mlp_grads(Some(Engine::Reference), buffers, Device::Cpu, (9, 16, 64));
+            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                let rel = relative(a, b);
+                assert!(rel < 2e-2, "buffers={buffers}, output/gradient {k}: relative error {rel}");
+            }
+        }
+    }
+
+    /// The gradients (wte, wpe) of a loss over GPT-2's embeddings of `b x t`
+    /// tokens (`seq` positions, `v` words, `c` channels) and, with `tied`,
+    /// an output layer through the same table: through [`Embed`] and
+    /// [`tied_linear`]'s node on `engine`, or (None) as libtorch's
+    /// embeddings and autocast's linear layer compute them. `buffers`: the
+    /// tables have zeroed gradient buffers, which must then hold them.
+    fn embed_grads(
+        engine: Option<Engine>,
+        tied: bool,
+        buffers: bool,
+        dev: Device,
+        (b, t, seq, v, c): (i64, i64, i64, i64, i64),
+    ) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(23);
+        let wte = (Tensor::randn([v, c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let wpe = (Tensor::randn([seq, c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        // Few words, so that tokens repeat within and across rows.
+        let idx = Tensor::randint(v, [b, t], (Kind::Int64, dev));
+        let p = Tensor::randn([b, t, c], (Kind::Float, dev));
+        let q = Tensor::randn([b, t, v], (Kind::Float, dev));
+        let kept: Vec<Tensor> = [&wte, &wpe].iter().filter(|_| buffers).map(|w| w.zeros_like()).collect();
+        for (w, g) in [&wte, &wpe].iter().zip(&kept) {
+            torch_ext::set_grad(w, Some(g)).unwrap();
+        }
+        let (x, head) = match engine {
+            Some(e) => {
+                let (x, tie) = embed_with(e, &idx, &wte, &wpe);
+                let head = tied.then(|| linear_with(e, &x.to_kind(Kind::BFloat16), &wte, None, Some(tie)));
+                (x, head)
+            }
+            None => {
+                let pos = Tensor::arange(t, (Kind::Int64, dev));
+                let x = Tensor::embedding(&wte, &idx, -1, false, false) + Tensor::embedding(&wpe, &pos, -1, false, false);
+                let head = tied.then(|| x.to_kind(Kind::BFloat16).linear::<Tensor>(&wte.to_kind(Kind::BFloat16), None));
+                (x, head)
+            }
+        };
+        assert_eq!((x.size(), x.kind()), (vec![b, t, c], Kind::Float));
+        let mut loss = (&x * &p).sum(Kind::Float);
+        if let Some(h) = head {
+            loss += (h.to_kind(Kind::Float) * &q).sum(Kind::Float);
+        }
+        loss.backward();
+        for (w, g) in [&wte, &wpe].iter().zip(&kept) {
+            assert_eq!(w.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
+        vec![x.detach(), wte.grad(), wpe.grad()]
+    }
+
+    /// `embed_grads` through `engine` against libtorch, every case: tied or
+    /// not, gradient buffers or not, all positions or fewer.
+    fn check_embed(engine: Engine, dev: Device, shapes: &[(i64, i64, i64, i64, i64)]) {
+        for &shape in shapes {
+            for tied in [false, true] {
+                for buffers in [false, true] {
+                    let want = embed_grads(None, tied, buffers, dev, shape);
+                    let got = embed_grads(Some(engine), tied, buffers, dev, shape);
+                    assert!(want[0].equal(&got[0]), "{shape:?}: the embeddings differ");
+                    for (k, (a, b)) in want.iter().zip(&got).enumerate().skip(1) {
+                        // The output layer's part of the table's gradient is
+                        // summed in fp32, autocast's rounded to bf16.
+                        let rel = relative(a, b);
+                        let tol = if tied && k == 1 { 8e-3 } else { 1e-5 };
+                        assert!(rel < tol, "{shape:?} tied={tied} buffers={buffers}, gradient {k}: relative error {rel}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_embedding_node_gives_libtorchs_gradients() {
+        check_embed(Engine::Reference, Device::Cpu, &[(3, 8, 8, 11, 16), (2, 5, 8, 7, 12)]);
     }
 
     #[test]
@@ -692,5 +1085,39 @@ mod tests {
                 }
             }
         }
+        // cuBLASLt's epilogues against the reference (GPT-2 124M's widths
+        // and a small odd one), where cuBLASLt has algorithms for them.
+        for shape in [(512, 768, 3072), (40, 64, 256)] {
+            if !crate::blaslt::mlp_fits(2 * shape.0, shape.1, shape.2, shape.1) {
+                eprintln!("cuBLASLt has no GELU epilogues for {shape:?}: the fused MLP is not used there");
+                continue;
+            }
+            for buffers in [false, true] {
+                let want = mlp_grads(Some(Engine::Reference), buffers, dev, shape);
+                let got = mlp_grads(Some(Engine::Cuda), buffers, dev, shape);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 2e-2, "MLP {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                }
+            }
+        }
+        // The epilogue's GELU is the tanh approximation (GPT-2's), not erf:
+        // pre-activations near -2.5, where the two differ by more than
+        // bf16's step at the output's size.
+        {
+            let (n, c, f) = (64i64, 64i64, 128i64);
+            let h = Tensor::ones([n, c], (Kind::BFloat16, dev));
+            let w = (Tensor::linspace(-2.0, -3.0, f, (Kind::Float, dev)) / c as f64).unsqueeze(1).expand([f, c], false).contiguous();
+            let b = Tensor::zeros([f], (Kind::Float, dev));
+            let (pre, m) = crate::blaslt::gelu_forward(&h, &w.to_kind(Kind::BFloat16), &b).unwrap();
+            let x = pre.to_kind(Kind::Float);
+            let m = m.to_kind(Kind::Float);
+            let tanh = (&m - x.gelu("tanh")).abs().max().double_value(&[]);
+            let erf = (&m - x.gelu("none")).abs().max().double_value(&[]);
+            assert!(tanh < erf, "cuBLASLt's GELU is closer to erf ({erf}) than to tanh ({tanh})");
+        }
+        // GPT-2's widths, a row of 4 channels, and fewer positions than the
+        // table: the kernels against libtorch (atomic adds in another order).
+        check_embed(Engine::Cuda, dev, &[(4, 64, 64, 50, 768), (3, 5, 8, 7, 4), (2, 100, 128, 1000, 1600)]);
     }
 }

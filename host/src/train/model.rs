@@ -184,6 +184,27 @@ impl Shape {
         }
     }
 
+    /// `proj(gelu(fc(h)))` as a branch of the residual stream: with the
+    /// fused kernels, no dropout and cuBLASLt's GELU epilogues for these
+    /// sizes, one node ([`fused::mlp`]) with the second bias left to the
+    /// next [`fused::add_norm`]; else the two layers as [`Shape::linear_gelu`]
+    /// and [`Shape::project`] make them.
+    fn mlp(&self, fc: &nn::Linear, proj: &nn::Linear, h: &Tensor) -> Branch {
+        let (f, c2) = (fc.ws.size()[0], proj.ws.size()[0]);
+        let n = h.numel() as i64 / self.d_model;
+        match &fc.bs {
+            Some(b)
+                if self.fused
+                    && (!self.train || self.dropout == 0.0)
+                    && fused::cuda_fits(self.d_model, h.device())
+                    && fused::mlp_cuda_fits(h.device(), n, self.d_model, f, c2) =>
+            {
+                Branch { out: fused::mlp(h, &fc.ws, b, &proj.ws), bias: proj.bs.as_ref().map(Tensor::shallow_clone) }
+            }
+            _ => self.project(proj, &self.linear_gelu(fc, h)),
+        }
+    }
+
     /// `gelu(l(h))`: with the fused kernels, the bias and GELU in one kernel
     /// each way ([`fused::bias_gelu`]).
     fn linear_gelu(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
@@ -218,8 +239,7 @@ impl GptBlock {
         let (x, h) = self.ln1.add_forward(x, f, s.fused);
         let y = s.attention(&s.linear(&self.c_attn, &h), true);
         let (x, h) = self.ln2.add_forward(&x, Some(&s.project(&self.attn_proj, &y)), s.fused);
-        let m = s.linear_gelu(&self.c_fc, &h);
-        (x, s.project(&self.mlp_proj, &m))
+        (x, s.mlp(&self.c_fc, &self.mlp_proj, &h))
     }
 
     fn share(&self) -> GptBlock {
@@ -423,8 +443,14 @@ impl Model {
             Net::Gpt { wte, wpe, blocks, ln_f } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let s = shape(b, t);
-                let pos = Tensor::arange(t, (Kind::Int64, input.device()));
-                let mut x = s.dropout(wte.forward(input) + wpe.forward(&pos));
+                let (x, tie) = if s.fused && fused::embed_cuda_fits(cfg.d_model, input.device()) {
+                    let (x, tie) = fused::embed(input, &wte.ws, &wpe.ws);
+                    (x, Some(tie))
+                } else {
+                    let pos = Tensor::arange(t, (Kind::Int64, input.device()));
+                    (wte.forward(input) + wpe.forward(&pos), None)
+                };
+                let mut x = s.dropout(x);
                 // Each block leaves its MLP output pending, for the next
                 // LayerNorm to add (fused with it on CUDA). A recomputed
                 // block takes one tensor: the pending output is added first.
@@ -441,7 +467,7 @@ impl Model {
                     }
                 }
                 let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
-                let logits = fused::linear(&x, &wte.ws, None, s.fused);
+                let logits = fused::tied_linear(&x, &wte.ws, tie.as_ref(), s.fused);
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }
             }
             Net::Encoder { layers, head } => {
