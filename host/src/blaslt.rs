@@ -34,6 +34,10 @@ const CANDIDATES: usize = 8;
 /// The epilogues harness uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Epilogue {
+    /// `D = A B`.
+    Plain,
+    /// `D = A B + bias` (bias bf16, one per row of D).
+    Bias,
     /// `D = gelu(A B + bias)`, `aux = A B + bias` (bias bf16).
     GeluAuxBias,
     /// `D = (A B) * gelu'(aux)`.
@@ -43,14 +47,24 @@ enum Epilogue {
 impl Epilogue {
     fn sys(self) -> sys::cublasLtEpilogue_t {
         match self {
+            Epilogue::Plain => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::GeluAuxBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::DGelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU,
         }
     }
+
+    fn bias(self) -> bool {
+        matches!(self, Epilogue::Bias | Epilogue::GeluAuxBias)
+    }
+
+    fn aux(self) -> bool {
+        matches!(self, Epilogue::GeluAuxBias | Epilogue::DGelu)
+    }
 }
 
 /// A column-major problem (cuBLASLt's view): `D [m, n] = op(A) op(B)`,
-/// bf16 operands and output, fp32 accumulation.
+/// bf16 operands, fp32 accumulation, D in bf16 or (`f32_out`) fp32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Problem {
     m: u64,
@@ -59,6 +73,7 @@ struct Problem {
     trans_a: bool,
     trans_b: bool,
     epilogue: Epilogue,
+    f32_out: bool,
 }
 
 type Status = sys::cublasStatus_t;
@@ -230,17 +245,20 @@ fn describe(api: &'static Api, p: &Problem, bias: *const c_void, aux: *const c_v
         set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(p.trans_a))?;
         set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(p.trans_b))?;
         set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &p.epilogue.sys())?;
-        if p.epilogue == Epilogue::GeluAuxBias {
+        if p.epilogue.bias() {
             set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
         }
-        set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
-        set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
+        if p.epilogue.aux() {
+            set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
+            set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
+        }
     }
     let bf = sys::cudaDataType::CUDA_R_16BF;
+    let out = if p.f32_out { sys::cudaDataType::CUDA_R_32F } else { bf };
     // Stored (column-major) shapes: op(A) is [m, k], op(B) [k, n].
     let (ar, ac) = if p.trans_a { (p.k, p.m) } else { (p.m, p.k) };
     let (br, bc) = if p.trans_b { (p.n, p.k) } else { (p.k, p.n) };
-    Ok((desc, [layout(api, bf, ar, ac)?, layout(api, bf, br, bc)?, layout(api, bf, p.m, p.n)?]))
+    Ok((desc, [layout(api, bf, ar, ac)?, layout(api, bf, br, bc)?, layout(api, out, p.m, p.n)?]))
 }
 
 /// cuBLASLt's heuristic's candidates for `p` (up to [`CANDIDATES`]).
@@ -388,20 +406,39 @@ pub fn mlp_fits(n: i64, c: i64, f: i64, c2: i64) -> bool {
 /// Row-major `pre = h w^T + b`, `m = gelu(pre)` as column-major `D^T`:
 /// `D [f, n] = op(A = w as [c, f] col-major, transposed) B (h as [c, n])`.
 fn gelu_problem(n: u64, c: u64, f: u64) -> Problem {
-    Problem { m: f, n, k: c, trans_a: true, trans_b: false, epilogue: Epilogue::GeluAuxBias }
+    Problem { epilogue: Epilogue::GeluAuxBias, ..linear_problem(n, c, f, false) }
+}
+
+/// Row-major `y = x w^T (+ b)` (x `[n, k]`, w `[o, k]`): `D [o, n] = op(A =
+/// w as [k, o] col-major, transposed) B (x as [k, n])`.
+fn linear_problem(n: u64, k: u64, o: u64, bias: bool) -> Problem {
+    let epilogue = if bias { Epilogue::Bias } else { Epilogue::Plain };
+    Problem { m: o, n, k, trans_a: true, trans_b: false, epilogue, f32_out: false }
+}
+
+/// Row-major `dx = dy w` (dy `[n, o]`, w `[o, k]`): `D [k, n] = A (w as
+/// [k, o] col-major) B (dy as [o, n])`.
+fn input_grad_problem(n: u64, o: u64, k: u64) -> Problem {
+    Problem { m: k, n, k: o, trans_a: false, trans_b: false, epilogue: Epilogue::Plain, f32_out: false }
+}
+
+/// Row-major `dw = dy^T x` in fp32 (dy `[n, o]`, x `[n, k]`): `D [k, o] = A
+/// (x as [k, n] col-major) op(B = dy as [o, n], transposed)`.
+fn weight_grad_problem(n: u64, o: u64, k: u64) -> Problem {
+    Problem { m: k, n: o, k: n, trans_a: false, trans_b: true, epilogue: Epilogue::Plain, f32_out: true }
 }
 
 /// Row-major `dpre = (dout w2) * gelu'(pre)` (dout `[n, c2]`, w2 `[c2, f]`):
 /// `D [f, n] = A (w2 as [f, c2] col-major) B (dout as [c2, n])`.
 fn dgelu_problem(n: u64, c2: u64, f: u64) -> Problem {
-    Problem { m: f, n, k: c2, trans_a: false, trans_b: false, epilogue: Epilogue::DGelu }
+    Problem { epilogue: Epilogue::DGelu, ..input_grad_problem(n, c2, f) }
 }
 
 /// Runs `p` on libtorch's current stream.
-fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, aux: &Tensor) -> anyhow::Result<()> {
+fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, aux: Option<&Tensor>) -> anyhow::Result<()> {
     let l = library().map_err(anyhow::Error::msg)?;
-    let (desc, layouts) =
-        describe(l.api, &p, bias.map_or(std::ptr::null_mut(), |b| b.data_ptr()), aux.data_ptr()).map_err(anyhow::Error::msg)?;
+    let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.data_ptr());
+    let (desc, layouts) = describe(l.api, &p, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
     let stream = crate::torch_ext::current_cuda_stream()? as dsys::CUstream;
     let ptrs = (a.data_ptr() as *const c_void, b.data_ptr() as *const c_void, d.data_ptr());
     let algo = {
@@ -448,7 +485,7 @@ pub fn gelu_forward(h: &Tensor, w: &Tensor, b: &Tensor) -> anyhow::Result<(Tenso
     let pre = Tensor::empty([n, f], (Kind::BFloat16, h.device()));
     let m = pre.empty_like();
     let b = b.to_kind(Kind::BFloat16).contiguous();
-    run(gelu_problem(n as u64, c as u64, f as u64), w, h, &m, Some(&b), &pre)?;
+    run(gelu_problem(n as u64, c as u64, f as u64), w, h, &m, Some(&b), Some(&pre))?;
     Ok((pre, m))
 }
 
@@ -459,8 +496,49 @@ pub fn dgelu_backward(dout: &Tensor, w2: &Tensor, pre: &Tensor) -> anyhow::Resul
     let ((n, c2), (c2w, f)) = (dout.size2()?, w2.size2()?);
     anyhow::ensure!(c2 == c2w && pre.size() == [n, f], "dgelu_backward: dout [{n}, {c2}], w2 [{c2w}, {f}], pre {:?}", pre.size());
     let dpre = pre.empty_like();
-    run(dgelu_problem(n as u64, c2 as u64, f as u64), w2, dout, &dpre, None, pre)?;
+    run(dgelu_problem(n as u64, c2 as u64, f as u64), w2, dout, &dpre, None, Some(pre))?;
     Ok(dpre)
+}
+
+/// Whether the plain matmuls below run through cuBLASLt: libtorch's
+/// library is there, and `HARNESS_LT_MATMULS=0` does not keep libtorch's
+/// (a diagnostic).
+pub fn matmuls_available() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HARNESS_LT_MATMULS").map_or(true, |v| v != "0") && api().is_ok())
+}
+
+/// `y = x w^T + bf16(b)` (bf16 `[n, o]`) for bf16 `x` `[n, k]` and `w` `[o,
+/// k]`, the bias (if any, `[o]`) rounded to bf16 as autocast adds it.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> anyhow::Result<Tensor> {
+    check_bf16(&[x, w])?;
+    let ((n, k), (o, k1)) = (x.size2()?, w.size2()?);
+    anyhow::ensure!(k == k1 && b.is_none_or(|b| b.size() == [o]), "linear: x [{n}, {k}], w [{o}, {k1}]");
+    let y = Tensor::empty([n, o], (Kind::BFloat16, x.device()));
+    let b = b.map(|b| b.to_kind(Kind::BFloat16).contiguous());
+    run(linear_problem(n as u64, k as u64, o as u64, b.is_some()), w, x, &y, b.as_ref(), None)?;
+    Ok(y)
+}
+
+/// `dx = dy w` (bf16 `[n, k]`) for bf16 `dy` `[n, o]` and `w` `[o, k]`.
+pub fn input_grad(dy: &Tensor, w: &Tensor) -> anyhow::Result<Tensor> {
+    check_bf16(&[dy, w])?;
+    let ((n, o), (o1, k)) = (dy.size2()?, w.size2()?);
+    anyhow::ensure!(o == o1, "input_grad: dy [{n}, {o}], w [{o1}, {k}]");
+    let dx = Tensor::empty([n, k], (Kind::BFloat16, dy.device()));
+    run(input_grad_problem(n as u64, o as u64, k as u64), w, dy, &dx, None, None)?;
+    Ok(dx)
+}
+
+/// `dw = dy^T x` in fp32 (`[o, k]`: bf16 products, fp32 sums) for bf16 `dy`
+/// `[n, o]` and `x` `[n, k]`.
+pub fn weight_grad(dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
+    check_bf16(&[dy, x])?;
+    let ((n, o), (n1, k)) = (dy.size2()?, x.size2()?);
+    anyhow::ensure!(n == n1, "weight_grad: dy [{n}, {o}], x [{n1}, {k}]");
+    let dw = Tensor::empty([o, k], (Kind::Float, dy.device()));
+    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, &dw, None, None)?;
+    Ok(dw)
 }
 
 #[cfg(test)]

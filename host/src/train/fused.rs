@@ -326,12 +326,9 @@ impl CustomOp for Linear {
             Engine::Cuda => kernels::cast_bf16(w)?,
             Engine::Reference => w.to_kind(Kind::BFloat16),
         };
-        let x16 = x.to_kind(Kind::BFloat16);
-        let y = match b {
-            // The bias in the matmul's epilogue, as autocast's addmm.
-            Some(b) => b.to_kind(Kind::BFloat16).f_addmm(&x16, &w16.tr())?,
-            None => x16.f_mm(&w16.tr())?,
-        };
+        let x16 = x.to_kind(Kind::BFloat16).contiguous();
+        // The bias in the matmul's epilogue, as autocast's addmm.
+        let y = matmul(self.engine, &x16, &w16, b)?;
         let mut kept = vec![x16, w16, w.shallow_clone()];
         kept.extend(b.map(Tensor::shallow_clone));
         Ok((vec![y], kept))
@@ -344,15 +341,12 @@ impl CustomOp for Linear {
             _ => anyhow::bail!("linear: {} kept, {} gradients", saved.len(), grads.len()),
         };
         let Some(dy) = dy else { return Ok((1..saved.len()).map(|_| None).collect()) };
-        let dy = dy.to_kind(Kind::BFloat16);
-        let dx = dy.f_mm(w16)?.to_kind(self.x_kind);
+        let dy = dy.to_kind(Kind::BFloat16).contiguous();
+        let dx = input_grad(self.engine, &dy, w16)?.to_kind(self.x_kind);
         // The weight's gradient straight out of the matmul in fp32 (bf16
         // products, fp32 sums), where autocast's bf16 matmul rounds it to
         // bf16 and a cast widens it again.
-        let dw = match self.engine {
-            Engine::Cuda => dy.tr().f_mm_dtype(x16, Kind::Float)?,
-            Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x16.to_kind(Kind::Float))?,
-        };
+        let dw = weight_grad(self.engine, &dy, x16)?;
         let dw = match (buffer(w), &self.tie) {
             (Some(g), _) => {
                 let _ = g.shallow_clone().f_add_(&dw)?;
@@ -445,7 +439,7 @@ impl CustomOp for Mlp {
                 (acc.to_kind(Kind::BFloat16), acc.gelu("tanh").to_kind(Kind::BFloat16))
             }
         };
-        let y = m.f_mm(&w2h.tr())?;
+        let y = matmul(self.engine, &m, &w2h, None)?;
         *self.hidden.lock().unwrap_or_else(|e| e.into_inner()) = Some((pre, m));
         Ok((vec![y], vec![h, w1h, w2h, w1.shallow_clone(), b1.shallow_clone(), w2.shallow_clone()]))
     }
@@ -475,7 +469,7 @@ impl CustomOp for Mlp {
         };
         drop(pre);
         let dw1 = weight_grad(self.engine, &dpre, h)?;
-        let dh = dpre.f_mm(w1h)?;
+        let dh = input_grad(self.engine, &dpre, w1h)?;
         let db1 = db1.deliver(&[b1])?.pop().flatten();
         Ok(vec![Some(dh), into_buffer(w1, dw1)?, db1, into_buffer(w2, dw2)?])
     }
@@ -489,9 +483,42 @@ fn cast(engine: Engine, w: &Tensor) -> anyhow::Result<Tensor> {
     })
 }
 
+/// Whether bf16 operands go to [`crate::blaslt`]'s matmuls (algorithms
+/// timed per problem) rather than libtorch's: on CUDA where they are
+/// available, for contiguous 16-byte aligned operands.
+fn lt(engine: Engine, ts: &[&Tensor]) -> bool {
+    engine == Engine::Cuda
+        && crate::blaslt::matmuls_available()
+        && ts.iter().all(|t| t.kind() == Kind::BFloat16 && t.is_contiguous() && (t.data_ptr() as usize) % 16 == 0)
+}
+
+/// `x w^T (+ b)` in bf16 for bf16 `x` `[n, k]` and `w` `[o, k]`, the bias
+/// (fp32 `[o]`) rounded to bf16 and added in the matmul's epilogue, as
+/// autocast's addmm does.
+fn matmul(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> anyhow::Result<Tensor> {
+    if lt(engine, &[x, w]) {
+        return crate::blaslt::linear(x, w, b);
+    }
+    Ok(match b {
+        Some(b) => b.to_kind(Kind::BFloat16).f_addmm(x, &w.tr())?,
+        None => x.f_mm(&w.tr())?,
+    })
+}
+
+/// `dy w` in bf16: the input's gradient of [`matmul`].
+fn input_grad(engine: Engine, dy: &Tensor, w: &Tensor) -> anyhow::Result<Tensor> {
+    if lt(engine, &[dy, w]) {
+        return crate::blaslt::input_grad(dy, w);
+    }
+    Ok(dy.f_mm(w)?)
+}
+
 /// A weight's gradient `dy^T x` in fp32 straight out of the matmul (bf16
 /// products, fp32 sums).
 fn weight_grad(engine: Engine, dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
+    if lt(engine, &[dy, x]) {
+        return crate::blaslt::weight_grad(dy, x);
+    }
     Ok(match engine {
         Engine::Cuda => dy.tr().f_mm_dtype(x, Kind::Float)?,
         Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x.to_kind(Kind::Float))?,

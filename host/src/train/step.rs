@@ -112,7 +112,9 @@ impl Training {
             let (loss, seed) = match self.model.forward(&b.input, &b.target, true) {
                 model::Output::Logits { logits, target } if self.fused_ce => {
                     let scale = self.scaler.as_ref().map(|s| &s.scale);
-                    let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / accum as f32, scale)?;
+                    // The gradient over the logits: nothing reads them again
+                    // (the output layer's backward pass keeps its input).
+                    let (loss, grad) = kernels::cross_entropy_bf16(&logits, &target, 1.0 / accum as f32, scale, true)?;
                     (loss, Some((logits, grad)))
                 }
                 model::Output::Logits { logits, target } => (model::token_loss(&logits, &target), None),
