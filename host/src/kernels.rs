@@ -569,6 +569,36 @@ extern "C" __global__ void adamw_steps(const AdamList L, const float* __restrict
   if (t < L.count) *L.step[t] += 1.f - (found_inf ? *found_inf : 0.f);
 }
 
+// Many weights' casts in one launch (the fused layers' weights at the start
+// of a step): out_i = bf16(w_i) as cast_bf16, one block of 256 threads per
+// chunk of CAST_CHUNK elements of a tensor (w_i and out_i 16-byte aligned).
+struct CastList {
+  const float* w[ADAM_MAX];
+  bf16* out[ADAM_MAX];
+  long long n[ADAM_MAX];
+  int first_block[ADAM_MAX + 1];
+  int count;
+};
+extern "C" __global__ void __launch_bounds__(256) cast_list(const CastList L) {
+  int lo = 0, hi = L.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (L.first_block[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
+  }
+  const float* w = L.w[lo];
+  bf16* out = L.out[lo];
+  const long long start = (long long)(blockIdx.x - L.first_block[lo]) * CAST_CHUNK;
+  const long long end = min(L.n[lo], start + CAST_CHUNK);
+  // Chunks start at multiples of 8: whole groups of 8, then a tail.
+  const long long end8 = start + (end - start) / 8 * 8;
+  for (long long i = start + 8 * threadIdx.x; i < end8; i += 8 * blockDim.x) {
+    const float4 a = *reinterpret_cast<const float4*>(w + i), b = *reinterpret_cast<const float4*>(w + i + 4);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    st_bf8(out + i, v);
+  }
+  for (long long i = end8 + threadIdx.x; i < end; i += blockDim.x) out[i] = f2bf(w[i]);
+}
+
 // Link emulation on the device timeline: stamp() records the GPU clock before
 // a collective; spin_until() after it waits until `ns` have passed since that
 // stamp, so the collective appears to take at least what the modelled link
@@ -597,6 +627,7 @@ struct Loaded {
     embed_bwd: sys::CUfunction,
     adamw: sys::CUfunction,
     adamw_steps: sys::CUfunction,
+    cast_list: sys::CUfunction,
     /// Streaming multiprocessors of the device (grid sizes).
     sms: u32,
     /// Dynamic shared memory a block of `ce_bf16` may take (bytes).
@@ -660,6 +691,7 @@ fn loaded() -> Result<&'static Loaded, String> {
             embed_bwd: get("embed_bwd")?,
             adamw: get("adamw")?,
             adamw_steps: get("adamw_steps")?,
+            cast_list: get("cast_list")?,
             sms,
             stamp: get("stamp")?,
             spin_until: get("spin_until")?,
@@ -672,7 +704,7 @@ fn loaded() -> Result<&'static Loaded, String> {
 /// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
 fn compile(major: i32, minor: i32) -> Result<String, String> {
     let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-    let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}")];
+    let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}"), format!("-DCAST_CHUNK={CAST_CHUNK}")];
     let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
     let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
         .map_err(|_| "libnvrtc could not be loaded".to_owned())?
@@ -1329,6 +1361,59 @@ pub fn cast_bf16(w: &Tensor) -> anyhow::Result<Tensor> {
     Ok(out)
 }
 
+/// Elements per block of the list cast (its `CAST_CHUNK`, passed to NVRTC).
+const CAST_CHUNK: i64 = 16384;
+
+/// [`cast_list`]'s argument, laid out as the kernel's `CastList`.
+#[repr(C)]
+struct CastList {
+    w: [*mut c_void; ADAM_MAX],
+    out: [*mut c_void; ADAM_MAX],
+    n: [i64; ADAM_MAX],
+    first_block: [i32; ADAM_MAX + 1],
+    count: i32,
+}
+
+/// Each of `ws` (fp32) as bf16, as [`cast_bf16`] casts one: those the
+/// vectorised kernel takes (contiguous, 16-byte aligned CUDA) in one launch
+/// per 48, the others one by one.
+pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
+    let k = match loaded() {
+        Ok(k) => k,
+        Err(_) => return ws.iter().map(cast_bf16).collect(),
+    };
+    let outs: Vec<Tensor> = ws.iter().map(|w| Tensor::empty(w.size(), (Kind::BFloat16, w.device()))).collect();
+    let listed: Vec<usize> = (0..ws.len()).filter(|&i| ws[i].kind() == Kind::Float && vector_fits(&[&ws[i]])).collect();
+    let mut outs: Vec<Option<Tensor>> = outs.into_iter().map(Some).collect();
+    for group in listed.chunks(ADAM_MAX) {
+        let null = std::ptr::null_mut();
+        let mut list = CastList {
+            w: [null; ADAM_MAX],
+            out: [null; ADAM_MAX],
+            n: [0; ADAM_MAX],
+            first_block: [0; ADAM_MAX + 1],
+            count: group.len() as i32,
+        };
+        let mut blocks = 0i64;
+        for (j, &i) in group.iter().enumerate() {
+            list.w[j] = ws[i].data_ptr();
+            list.out[j] = outs[i].as_ref().expect("not cast yet").data_ptr();
+            list.n[j] = ws[i].numel() as i64;
+            list.first_block[j] = i32::try_from(blocks)?;
+            blocks += (list.n[j] + CAST_CHUNK - 1) / CAST_CHUNK;
+        }
+        list.first_block[group.len()] = i32::try_from(blocks)?;
+        if blocks > 0 {
+            // SAFETY: the argument follows cast_list's signature (the list
+            // laid out as CastList: 16-byte aligned contiguous fp32 CUDA
+            // weights and fresh bf16 tensors of their sizes, alive until
+            // the stream's later work through libtorch's caching allocator).
+            unsafe { launch2(k.cast_list, (u32::try_from(blocks)?, 1, 1), (256, 1, 1), &mut [&mut list])? };
+        }
+    }
+    (0..ws.len()).map(|i| if listed.contains(&i) { Ok(outs[i].take().expect("cast once")) } else { cast_bf16(&ws[i]) }).collect()
+}
+
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
 pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
     let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
@@ -1415,6 +1500,7 @@ mod tests {
             "embed_bwd",
             "adamw",
             "adamw_steps",
+            "cast_list",
         ] {
             assert!(ptx.contains(&format!(".entry {k}")), "{k} missing");
         }

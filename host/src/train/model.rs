@@ -404,6 +404,11 @@ impl Model {
         }
     }
 
+    /// Whether the fused kernels are on ([`Model::use_fused_kernels`]).
+    pub fn uses_fused_kernels(&self) -> bool {
+        self.fused
+    }
+
     /// Whether the residual adds and LayerNorms run through
     /// [`fused::add_norm`]'s CUDA kernels.
     pub fn fused_layer_norm(&self) -> bool {

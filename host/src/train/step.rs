@@ -101,6 +101,11 @@ impl Training {
     ) -> Result<()> {
         let accum = batch.accum_steps;
         anyhow::ensure!(fed.is_none() || accum == 1, "a drawn micro-batch is fed to steps of one micro-batch only");
+        // The fused layers' weights cast to bf16 once for all the passes
+        // (HARNESS_FUSED_CASTS=0 leaves each layer to cast its own, a
+        // diagnostic).
+        let casts = self.model.uses_fused_kernels() && std::env::var("HARNESS_FUSED_CASTS").map_or(true, |v| v != "0");
+        let _casts = if casts { Some(crate::train::fused::WeightCasts::new(&self.params)?) } else { None };
         for micro in 0..accum {
             timer.start(Phase::Data)?;
             let b = match fed {
