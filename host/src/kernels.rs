@@ -1082,6 +1082,7 @@ pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor>
             && wpe.size()[0] >= t,
         "fused embedding: tables must be contiguous fp32 [v, {c}] and [>= {t}, {c}]"
     );
+    anyhow::ensure!([wte, wpe].iter().all(|w| (w.data_ptr() as usize) % 16 == 0), "fused embedding: the tables must start 16-byte aligned");
     let x = Tensor::empty([b, t, c], (Kind::Float, idx.device()));
     let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
     // SAFETY: the arguments follow embed_fwd's signature (device pointers to
@@ -1117,7 +1118,13 @@ pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, a
     let (b, t) = idx.size2()?;
     let c = gwte.size2()?.1;
     let dx = dx.to_kind(Kind::Float).contiguous();
+    // The kernel reads dx four floats at a time.
+    let dx = if (dx.data_ptr() as usize) % 16 == 0 { dx } else { dx.copy() };
     anyhow::ensure!(dx.size() == [b, t, c] && embed_fits(c), "fused embedding backward: dx must be [{b}, {t}, {c}]");
+    anyhow::ensure!(
+        [gwte, gwpe].iter().all(|g| (g.data_ptr() as usize) % 16 == 0),
+        "fused embedding backward: the gradients must start 16-byte aligned"
+    );
     anyhow::ensure!(
         [gwte, gwpe].iter().all(|g| g.kind() == Kind::Float && g.is_contiguous() && g.device() == idx.device())
             && gwpe.size().len() == 2

@@ -646,9 +646,10 @@ impl CustomOp for Embed {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
         let [idx, wte, wpe] = inputs else { anyhow::bail!("embed: {} inputs", inputs.len()) };
         let t = idx.size2()?.1;
-        let x = match self.engine {
-            Engine::Cuda => kernels::embed(idx, wte, wpe)?,
-            Engine::Reference => Tensor::f_embedding(wte, idx, -1, false, false)? + wpe.narrow(0, 0, t),
+        let x = if self.engine == Engine::Cuda && aligned(&[wte, wpe]) {
+            kernels::embed(idx, wte, wpe)?
+        } else {
+            Tensor::f_embedding(wte, idx, -1, false, false)? + wpe.narrow(0, 0, t)
         };
         Ok((vec![x], vec![idx.shallow_clone(), wte.shallow_clone(), wpe.shallow_clone()]))
     }
@@ -687,8 +688,8 @@ impl CustomOp for Embed {
             }
         };
         match self.engine {
-            Engine::Cuda => kernels::embed_backward(idx, dx, &gwte, &gwpe, assign)?,
-            Engine::Reference => {
+            Engine::Cuda if aligned(&[&gwte, &gwpe]) => kernels::embed_backward(idx, dx, &gwte, &gwpe, assign)?,
+            _ => {
                 let c = gwte.size()[1];
                 let d = dx.to_kind(Kind::Float);
                 let _ = gwte.shallow_clone().f_index_add_(0, &idx.reshape([-1]), &d.reshape([-1, c]))?;
@@ -703,6 +704,13 @@ impl CustomOp for Embed {
         }
         Ok(vec![None, wte_out, wpe_out])
     }
+}
+
+/// Whether the tensors start 16-byte aligned, as the embedding kernels'
+/// vector loads and adds need (a table or gradient inside a ZeRO flat
+/// buffer may start anywhere: then libtorch's operations run instead).
+fn aligned(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| (t.data_ptr() as usize) % 16 == 0)
 }
 
 /// Whether [`embed`] runs on CUDA for tables of `c` channels on this
@@ -1196,5 +1204,24 @@ mod tests {
         // GPT-2's widths, a row of 4 channels, and fewer positions than the
         // table: the kernels against libtorch (atomic adds in another order).
         check_embed(Engine::Cuda, dev, &[(4, 64, 64, 50, 768), (3, 5, 8, 7, 4), (2, 100, 128, 1000, 1600)]);
+        // Tables that start off 16 bytes (as in a ZeRO flat buffer): the
+        // node runs libtorch's maths instead of the vector kernels.
+        {
+            let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+            let flat = Tensor::randn([1 + 50 * 8 + 16 * 8], (Kind::Float, dev));
+            let wte = flat.narrow(0, 1, 50 * 8).view([50, 8]).detach().set_requires_grad(true);
+            let wpe = flat.narrow(0, 1 + 50 * 8, 16 * 8).view([16, 8]).detach().set_requires_grad(true);
+            let idx = Tensor::randint(50, [2, 16], (Kind::Int64, dev));
+            let (x, _) = embed_with(Engine::Cuda, &idx, &wte, &wpe);
+            x.sum(Kind::Float).backward();
+            let pos = Tensor::arange(16, (Kind::Int64, dev));
+            let want = Tensor::embedding(&wte, &idx, -1, false, false) + Tensor::embedding(&wpe, &pos, -1, false, false);
+            assert!(x.allclose(&want, 1e-6, 1e-6, false), "unaligned tables: wrong embeddings");
+            let counts = Tensor::zeros([50], (Kind::Float, dev)).index_add(0, &idx.reshape([-1]), &Tensor::ones([32], (Kind::Float, dev)));
+            assert!(
+                wte.grad().sum_dim_intlist(1, false, Kind::Float).allclose(&(counts * 8.0), 1e-5, 1e-5, false),
+                "unaligned tables: wrong gradient"
+            );
+        }
     }
 }
