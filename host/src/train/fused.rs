@@ -426,7 +426,7 @@ struct Mlp {
 impl CustomOp for Mlp {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
         let [h, w1, b1, w2] = inputs else { anyhow::bail!("mlp: {} inputs", inputs.len()) };
-        let h = h.to_kind(Kind::BFloat16).contiguous();
+        let h = aligned_rows(h);
         let (w1h, w2h) = (cast(self.engine, w1)?, cast(self.engine, w2)?);
         let (pre, m) = match self.engine {
             Engine::Cuda => crate::blaslt::gelu_forward(&h, &w1h, b1)?,
@@ -448,7 +448,7 @@ impl CustomOp for Mlp {
         let hidden = self.hidden.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(dy) = dy else { return Ok((0..4).map(|_| None).collect()) };
         let Some((pre, m)) = hidden else { anyhow::bail!("mlp: the backward pass ran twice (retain_graph is not supported)") };
-        let dy = dy.to_kind(Kind::BFloat16).contiguous();
+        let dy = aligned_rows(dy);
         let dw2 = weight_grad(self.engine, &dy, &m)?;
         drop(m);
         let (dpre, db1) = match self.engine {
@@ -469,6 +469,17 @@ impl CustomOp for Mlp {
         let dh = input_grad(self.engine, &dpre, w1h)?;
         let db1 = db1.deliver(&[b1])?.pop().flatten();
         Ok(vec![Some(dh), into_buffer(w1, dw1)?, db1, into_buffer(w2, dw2)?])
+    }
+}
+
+/// `x` as contiguous bf16 rows starting 16-byte aligned (cuBLASLt's
+/// epilogue matmuls take no other): a copy where a view starts elsewhere.
+fn aligned_rows(x: &Tensor) -> Tensor {
+    let x = x.to_kind(Kind::BFloat16).contiguous();
+    if aligned(&[&x]) {
+        x
+    } else {
+        x.copy()
     }
 }
 
