@@ -207,6 +207,72 @@ extern "C" __global__ void add_ln_fwd(const float* __restrict__ x, const bf16* _
     if (threadIdx.x == 0) { mean[row] = m; rstd[row] = r; }
   }
 }
+// add_ln_fwd for rows of at most 1024 channels: one warp per row, lane l
+// owning the float4 chunks l, l + 32, ... (all of a row's loads issued
+// before its reductions, which are warp shuffles: no block-wide
+// synchronisation). Same arguments and results.
+extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(const float* __restrict__ x, const bf16* __restrict__ f,
+    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, bf16* __restrict__ y,
+    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
+  const int lane = threadIdx.x % 32, nq = C / 4;
+  const int warps = blockDim.x / 32;
+  const float inv_c = 1.f / (float)C;
+  for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
+    const size_t base = (size_t)row * C;
+    float v[8][4];
+    #pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int q = lane + 32 * j;
+      if (q < nq) {
+        const float4 a = *reinterpret_cast<const float4*>(x + base + 4 * q);
+        v[j][0] = a.x; v[j][1] = a.y; v[j][2] = a.z; v[j][3] = a.w;
+        if (f) {
+          const uint2 u = *reinterpret_cast<const uint2*>(f + base + 4 * q);
+          const float g[4] = {bf_lo(u.x), bf_hi(u.x), bf_lo(u.y), bf_hi(u.y)};
+          float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (fb) e = *reinterpret_cast<const float4*>(fb + 4 * q);
+          const float h[4] = {e.x, e.y, e.z, e.w};
+          #pragma unroll
+          for (int i = 0; i < 4; i++) v[j][i] += g[i] + h[i];
+        }
+      } else {
+        #pragma unroll
+        for (int i = 0; i < 4; i++) v[j][i] = 0.f;
+      }
+    }
+    float s = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 8; j++) s += v[j][0] + v[j][1] + v[j][2] + v[j][3];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float m = s * inv_c;
+    float sq = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 8; j++) {
+      if (lane + 32 * j < nq) {
+        #pragma unroll
+        for (int i = 0; i < 4; i++) { const float d = v[j][i] - m; sq += d * d; }
+      }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const float r = rsqrtf(sq * inv_c + eps);
+    #pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int q = lane + 32 * j;
+      if (q < nq) {
+        if (f) *reinterpret_cast<float4*>(xo + base + 4 * q) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+        const float4 wq = *reinterpret_cast<const float4*>(w + 4 * q), bq = *reinterpret_cast<const float4*>(b + 4 * q);
+        const float wv[4] = {wq.x, wq.y, wq.z, wq.w}, bv[4] = {bq.x, bq.y, bq.z, bq.w};
+        float o[4];
+        #pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = (v[j][i] - m) * r * wv[i] + bv[i];
+        st_bf4(y + base + 4 * q, o);
+      }
+    }
+    if (lane == 0) { mean[row] = m; rstd[row] = r; }
+  }
+}
 // The backward pass of add_ln_fwd: from dy (bf16) and the LayerNorm's input
 // x, dx = dres + d(LayerNorm)/dx (fp32; dres optional), df = bf16(dx)
 // (optional), and per-block partial sums ([gridDim.x, 3, C] in part) of
@@ -617,6 +683,7 @@ struct Loaded {
     _module: sys::CUmodule,
     ce_bf16: sys::CUfunction,
     add_ln_fwd: sys::CUfunction,
+    add_ln_fwd_warp: sys::CUfunction,
     add_ln_bwd: sys::CUfunction,
     bias_gelu_fwd: sys::CUfunction,
     bias_gelu_bwd: sys::CUfunction,
@@ -681,6 +748,7 @@ fn loaded() -> Result<&'static Loaded, String> {
             ce_bf16,
             ce_smem,
             add_ln_fwd: get("add_ln_fwd")?,
+            add_ln_fwd_warp: get("add_ln_fwd_warp")?,
             add_ln_bwd: get("add_ln_bwd")?,
             bias_gelu_fwd: get("bias_gelu_fwd")?,
             bias_gelu_bwd: get("bias_gelu_bwd")?,
@@ -812,6 +880,12 @@ pub fn layer_norm_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
 }
 
+/// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
+fn ln_warp() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("HARNESS_LN_WARP").map_or(true, |v| v != "0"))
+}
+
 /// Threads per block for rows of `c` channels (four per thread), and blocks.
 fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
     let threads = quad_threads(c);
@@ -855,14 +929,21 @@ pub fn add_layer_norm(
     let y = Tensor::empty([n, c], (Kind::BFloat16, x.device()));
     let mean = Tensor::empty([n], (Kind::Float, x.device()));
     let rstd = mean.empty_like();
-    let (threads, blocks) = ln_shape(k, n, c);
+    // Rows of up to 1024 channels: a warp per row (HARNESS_LN_WARP=0 keeps
+    // the block per row, a diagnostic).
+    let (f_ln, (threads, blocks)) = if c <= 1024 && ln_warp() {
+        (k.add_ln_fwd_warp, (256, (n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32))
+    } else {
+        (k.add_ln_fwd, ln_shape(k, n, c))
+    };
     let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
-    // SAFETY: the arguments follow add_ln_fwd's signature (device pointers to
-    // tensors of the checked shapes, kinds and contiguity, or null for the
-    // absent residual, then N, C, eps); every tensor outlives the call.
+    // SAFETY: the arguments follow add_ln_fwd's signature, which
+    // add_ln_fwd_warp shares (device pointers to tensors of the checked
+    // shapes, kinds and contiguity, or null for the absent residual, then
+    // N, C, eps); every tensor outlives the call.
     unsafe {
         launch(
-            k.add_ln_fwd,
+            f_ln,
             blocks,
             threads,
             &mut [
@@ -1497,6 +1578,7 @@ mod tests {
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [
             "add_ln_fwd",
+            "add_ln_fwd_warp",
             "add_ln_bwd",
             "bias_gelu_fwd",
             "bias_gelu_bwd",
