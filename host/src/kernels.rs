@@ -880,10 +880,16 @@ pub fn layer_norm_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
 }
 
+/// Whether the diagnostic switch `var` turns its part of the fused path
+/// off (`var=0`; anything else, or unset, leaves it on).
+pub fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "0")
+}
+
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
 fn ln_warp() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HARNESS_LN_WARP").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| !switched_off("HARNESS_LN_WARP"))
 }
 
 /// Threads per block for rows of `c` channels (four per thread), and blocks.
@@ -1318,6 +1324,21 @@ struct AdamList {
     count: i32,
 }
 
+/// A list kernel's `first_block` for tensors of `ns` elements (at most
+/// [`ADAM_MAX`]), `chunk` elements per block: each tensor's first block,
+/// closed by the total, which comes back too.
+fn first_blocks(ns: &[i64], chunk: i64) -> anyhow::Result<([i32; ADAM_MAX + 1], i64)> {
+    anyhow::ensure!(ns.len() <= ADAM_MAX, "{} tensors for one launch of at most {ADAM_MAX}", ns.len());
+    let mut first = [0i32; ADAM_MAX + 1];
+    let mut blocks = 0i64;
+    for (j, &n) in ns.iter().enumerate() {
+        first[j] = i32::try_from(blocks)?;
+        blocks += (n + chunk - 1) / chunk;
+    }
+    first[ns.len()] = i32::try_from(blocks)?;
+    Ok((first, blocks))
+}
+
 /// Whether [`adamw`] takes these tensors: fp32 CUDA, contiguous, one
 /// parameter's state and gradient of its shape, fp32 step counts.
 fn adamw_fits(params: &[Tensor], grads: &[Tensor], exp_avg: &[Tensor], exp_avg_sq: &[Tensor], steps: &[Tensor]) -> bool {
@@ -1365,6 +1386,8 @@ pub fn adamw(
     for start in (0..params.len()).step_by(ADAM_MAX) {
         let end = (start + ADAM_MAX).min(params.len());
         let null = std::ptr::null_mut();
+        let ns: Vec<i64> = params[start..end].iter().map(|p| p.numel() as i64).collect();
+        let (first_block, blocks) = first_blocks(&ns, ADAM_CHUNK)?;
         let mut list = AdamList {
             p: [null; ADAM_MAX],
             g: [null; ADAM_MAX],
@@ -1372,21 +1395,17 @@ pub fn adamw(
             v: [null; ADAM_MAX],
             step: [null; ADAM_MAX],
             n: [0; ADAM_MAX],
-            first_block: [0; ADAM_MAX + 1],
+            first_block,
             count: (end - start) as i32,
         };
-        let mut blocks = 0i64;
         for (j, i) in (start..end).enumerate() {
             list.p[j] = params[i].data_ptr();
             list.g[j] = grads[i].data_ptr();
             list.m[j] = exp_avg[i].data_ptr();
             list.v[j] = exp_avg_sq[i].data_ptr();
             list.step[j] = steps[i].data_ptr();
-            list.n[j] = params[i].numel() as i64;
-            list.first_block[j] = i32::try_from(blocks)?;
-            blocks += (list.n[j] + ADAM_CHUNK - 1) / ADAM_CHUNK;
+            list.n[j] = ns[j];
         }
-        list.first_block[end - start] = i32::try_from(blocks)?;
         if blocks > 0 {
             // SAFETY: the arguments follow adamw's signature: the list (laid
             // out as AdamList, pointers to the checked fp32 CUDA tensors,
@@ -1466,31 +1485,24 @@ struct CastList {
 /// vectorised kernel takes (contiguous, 16-byte aligned CUDA) in one launch
 /// per 48, the others one by one.
 pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
-    let k = match loaded() {
-        Ok(k) => k,
-        Err(_) => return ws.iter().map(cast_bf16).collect(),
-    };
-    let outs: Vec<Tensor> = ws.iter().map(|w| Tensor::empty(w.size(), (Kind::BFloat16, w.device()))).collect();
-    let listed: Vec<usize> = (0..ws.len()).filter(|&i| ws[i].kind() == Kind::Float && vector_fits(&[&ws[i]])).collect();
-    let mut outs: Vec<Option<Tensor>> = outs.into_iter().map(Some).collect();
+    let Ok(k) = loaded() else { return ws.iter().map(cast_bf16).collect() };
+    // An output for each weight the kernel takes (the others are cast one
+    // by one at the end).
+    let outs: Vec<Option<Tensor>> = ws
+        .iter()
+        .map(|w| (w.kind() == Kind::Float && vector_fits(&[w])).then(|| Tensor::empty(w.size(), (Kind::BFloat16, w.device()))))
+        .collect();
+    let listed: Vec<usize> = (0..ws.len()).filter(|&i| outs[i].is_some()).collect();
     for group in listed.chunks(ADAM_MAX) {
+        let ns: Vec<i64> = group.iter().map(|&i| ws[i].numel() as i64).collect();
+        let (first_block, blocks) = first_blocks(&ns, CAST_CHUNK)?;
         let null = std::ptr::null_mut();
-        let mut list = CastList {
-            w: [null; ADAM_MAX],
-            out: [null; ADAM_MAX],
-            n: [0; ADAM_MAX],
-            first_block: [0; ADAM_MAX + 1],
-            count: group.len() as i32,
-        };
-        let mut blocks = 0i64;
+        let mut list = CastList { w: [null; ADAM_MAX], out: [null; ADAM_MAX], n: [0; ADAM_MAX], first_block, count: group.len() as i32 };
         for (j, &i) in group.iter().enumerate() {
             list.w[j] = ws[i].data_ptr();
-            list.out[j] = outs[i].as_ref().expect("not cast yet").data_ptr();
-            list.n[j] = ws[i].numel() as i64;
-            list.first_block[j] = i32::try_from(blocks)?;
-            blocks += (list.n[j] + CAST_CHUNK - 1) / CAST_CHUNK;
+            list.out[j] = outs[i].as_ref().map_or(null, |o| o.data_ptr());
+            list.n[j] = ns[j];
         }
-        list.first_block[group.len()] = i32::try_from(blocks)?;
         if blocks > 0 {
             // SAFETY: the argument follows cast_list's signature (the list
             // laid out as CastList: 16-byte aligned contiguous fp32 CUDA
@@ -1499,7 +1511,7 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
             unsafe { launch2(k.cast_list, (u32::try_from(blocks)?, 1, 1), (256, 1, 1), &mut [&mut list])? };
         }
     }
-    (0..ws.len()).map(|i| if listed.contains(&i) { Ok(outs[i].take().expect("cast once")) } else { cast_bf16(&ws[i]) }).collect()
+    ws.iter().zip(outs).map(|(w, o)| o.map_or_else(|| cast_bf16(w), Ok)).collect()
 }
 
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
@@ -1568,6 +1580,16 @@ mod tests {
             let got = out.double_value(&[]);
             assert!(got != 0.0 && (got - want).abs() <= 1e-3 * want.abs(), "replay {k}: {got} against eager {want}");
         }
+    }
+
+    #[test]
+    fn list_launches_give_each_tensor_its_blocks() {
+        // The list kernels find a block's tensor by binary search over
+        // first_block: each tensor's chunks in order, empty ones none, the
+        // total closing the list.
+        let (first, total) = first_blocks(&[2 * 8192 + 1, 5, 0, 8192], 8192).unwrap();
+        assert_eq!((&first[..5], total), (&[0, 3, 4, 4, 5][..], 5));
+        assert!(first_blocks(&vec![1; ADAM_MAX + 1], 8192).is_err(), "more tensors than one launch takes");
     }
 
     #[test]

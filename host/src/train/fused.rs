@@ -343,19 +343,15 @@ impl CustomOp for Linear {
         // The weight's gradient straight out of the matmul in fp32 (bf16
         // products, fp32 sums), where autocast's bf16 matmul rounds it to
         // bf16 and a cast widens it again.
-        let dw = weight_grad(self.engine, &dy, x16)?;
-        let dw = match (buffer(w), &self.tie) {
-            (Some(g), _) => {
-                let _ = g.shallow_clone().f_add_(&dw)?;
-                None
-            }
-            (None, Some(tie)) => tie.put(dw),
-            (None, None) => Some(dw),
+        let dw = into_buffer(w, weight_grad(self.engine, &dy, x16)?)?;
+        let dw = match (dw, &self.tie) {
+            (Some(dw), Some(tie)) => tie.put(dw),
+            (dw, _) => dw,
         };
         let mut out = vec![Some(dx), dw];
         if let Some(b) = b {
             let sums = match self.engine {
-                Engine::Cuda => Sums::Partials(kernels::column_sums_bf16(&dy.contiguous())?),
+                Engine::Cuda => Sums::Partials(kernels::column_sums_bf16(&dy)?),
                 Engine::Reference => Sums::Tensors(vec![dy.sum_dim_intlist(0, false, Kind::Float)]),
             };
             out.push(sums.deliver(&[b])?.pop().flatten());
@@ -539,7 +535,8 @@ impl Drop for WeightCasts {
 fn lt(engine: Engine, ts: &[&Tensor]) -> bool {
     engine == Engine::Cuda
         && crate::blaslt::matmuls_available()
-        && ts.iter().all(|t| t.kind() == Kind::BFloat16 && t.is_contiguous() && (t.data_ptr() as usize) % 16 == 0)
+        && ts.iter().all(|t| t.kind() == Kind::BFloat16 && t.is_contiguous())
+        && aligned(ts)
 }
 
 /// `x w^T (+ b)` in bf16 for bf16 `x` `[n, k]` and `w` `[o, k]`, the bias
@@ -593,17 +590,21 @@ fn into_buffer(p: &Tensor, g: Tensor) -> anyhow::Result<Option<Tensor>> {
 /// separate layers (a diagnostic).
 pub fn mlp_cuda_fits(device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("HARNESS_FUSED_MLP").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && kernels::available() && !reference_forced() && crate::blaslt::mlp_fits(n, c, f, c2)
+    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_MLP"))
+        && device.is_cuda()
+        && kernels::available()
+        && !reference_forced()
+        && crate::blaslt::mlp_fits(n, c, f, c2)
 }
 
 /// `gelu(h w1^T + b1) w2^T` (tanh GELU; the second layer's bias left to the
 /// caller) over bf16 rows `h` `[.., c]`, fp32 weights `w1` `[f, c]`, `w2`
 /// `[c2, f]` and bias `b1` `[f]`: one autograd node whose first matmul adds
 /// the bias and applies the GELU in its epilogue (keeping the
-/// pre-activation), and whose backward pass gets GELU's derivative and the
-/// bias's gradient from the epilogue of the matmul that makes the hidden
-/// layer's gradient ([`crate::blaslt`]). The weights' gradients come out of
+/// pre-activation), and whose backward pass gets GELU's derivative from the
+/// epilogue of the matmul that makes the hidden layer's gradient
+/// ([`crate::blaslt`]) and the bias's gradient from the column-sum kernel.
+/// The weights' gradients come out of
 /// their matmuls in fp32, into their buffers where they have them. Only on
 /// CUDA where [`mlp_cuda_fits`].
 pub fn mlp(h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
@@ -718,8 +719,9 @@ impl CustomOp for Embed {
 }
 
 /// Whether the tensors start 16-byte aligned, as the embedding kernels'
-/// vector loads and adds need (a table or gradient inside a ZeRO flat
-/// buffer may start anywhere: then libtorch's operations run instead).
+/// vector loads and adds and cuBLASLt's matmuls need (a parameter or
+/// gradient inside a ZeRO flat buffer may start anywhere: then libtorch's
+/// operations run instead, or a copy).
 fn aligned(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| (t.data_ptr() as usize) % 16 == 0)
 }
@@ -729,8 +731,7 @@ fn aligned(ts: &[&Tensor]) -> bool {
 /// `HARNESS_FUSED_EMBED=0` keeps libtorch's (a diagnostic).
 pub fn embed_cuda_fits(c: i64, device: tch::Device) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("HARNESS_FUSED_EMBED").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && kernels::embed_fits(c)
+    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_EMBED")) && device.is_cuda() && kernels::embed_fits(c)
 }
 
 /// `wte[idx] + wpe[..t]` for int64 tokens `idx` `[b, t]`: fp32 `[b, t, c]`

@@ -195,13 +195,12 @@ impl Training {
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
         // The fused cross-entropy serves the token models (gpt, mlp).
-        let fused_ce = fused
-            && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision)
-            && std::env::var("HARNESS_FUSED_CE").map_or(true, |v| v != "0");
+        let fused_ce =
+            fused && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision) && !crate::kernels::switched_off("HARNESS_FUSED_CE");
         model.use_fused_kernels(fused);
         // AdamW through harness's kernel with the fused kernels
         // (HARNESS_FUSED_ADAMW=0 keeps libtorch's, a diagnostic).
-        optimizer.use_own_kernel(fused && std::env::var("HARNESS_FUSED_ADAMW").map_or(true, |v| v != "0"));
+        optimizer.use_own_kernel(fused && !crate::kernels::switched_off("HARNESS_FUSED_ADAMW"));
         // The step as a CUDA graph where the workload asks for it
         // (`cuda_graph = true`); HARNESS_CUDA_GRAPH=1 or 0 overrides the
         // suite, to measure what graphs buy with the same suite.
