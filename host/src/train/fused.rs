@@ -332,32 +332,151 @@ impl CustomOp for Linear {
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
-        let (x16, w16, w, b, dy) = match (saved, grads) {
-            ([x16, w16, w], [dy]) => (x16, w16, w, None, dy),
-            ([x16, w16, w, b], [dy]) => (x16, w16, w, Some(b), dy),
-            _ => anyhow::bail!("linear: {} kept, {} gradients", saved.len(), grads.len()),
-        };
+        let [dy] = grads else { anyhow::bail!("linear: {} gradients", grads.len()) };
         let Some(dy) = dy else { return Ok((1..saved.len()).map(|_| None).collect()) };
         let dy = dy.to_kind(Kind::BFloat16).contiguous();
-        let dx = input_grad(self.engine, &dy, w16)?.to_kind(self.x_kind);
-        // The weight's gradient straight out of the matmul in fp32 (bf16
-        // products, fp32 sums), where autocast's bf16 matmul rounds it to
-        // bf16 and a cast widens it again.
-        let dw = into_buffer(w, weight_grad(self.engine, &dy, x16)?)?;
-        let dw = match (dw, &self.tie) {
-            (Some(dw), Some(tie)) => tie.put(dw),
-            (dw, _) => dw,
-        };
-        let mut out = vec![Some(dx), dw];
-        if let Some(b) = b {
-            let sums = match self.engine {
+        let engine = self.engine;
+        linear_backward(engine, saved, &dy, self.x_kind, self.tie.as_ref(), || {
+            Ok(match engine {
                 Engine::Cuda => Sums::Partials(kernels::column_sums_bf16(&dy)?),
                 Engine::Reference => Sums::Tensors(vec![dy.sum_dim_intlist(0, false, Kind::Float)]),
-            };
-            out.push(sums.deliver(&[b])?.pop().flatten());
-        }
-        Ok(out)
+            })
+        })
     }
+}
+
+/// The backward pass of a linear layer that kept `[bf16(x), bf16(w), w,
+/// b?]`, from its output's gradient `dy` (contiguous bf16 rows) and, with a
+/// bias, the sums of `dy` over its rows (`bias_sums`): the gradients of `[x
+/// (as `x_kind`), w, b?]`, the weight's and the bias's added into their
+/// buffers where they have them ([`into_buffer`], [`Sums::deliver`]), the
+/// weight's left at `tie` for a tied embedding.
+fn linear_backward(
+    engine: Engine,
+    saved: &[Tensor],
+    dy: &Tensor,
+    x_kind: Kind,
+    tie: Option<&Tie>,
+    bias_sums: impl FnOnce() -> anyhow::Result<Sums>,
+) -> anyhow::Result<Vec<Option<Tensor>>> {
+    let (x16, w16, w, b) = match saved {
+        [x16, w16, w] => (x16, w16, w, None),
+        [x16, w16, w, b] => (x16, w16, w, Some(b)),
+        _ => anyhow::bail!("linear: {} kept", saved.len()),
+    };
+    let dx = input_grad(engine, dy, w16)?.to_kind(x_kind);
+    // The weight's gradient straight out of the matmul in fp32 (bf16
+    // products, fp32 sums), where autocast's bf16 matmul rounds it to bf16
+    // and a cast widens it again.
+    let dw = into_buffer(w, weight_grad(engine, dy, x16)?)?;
+    let dw = match (dw, tie) {
+        (Some(dw), Some(tie)) => tie.put(dw),
+        (dw, _) => dw,
+    };
+    let mut out = vec![Some(dx), dw];
+    if let Some(b) = b {
+        out.push(bias_sums()?.deliver(&[b])?.pop().flatten());
+    }
+    Ok(out)
+}
+
+/// A GPT block's q, k, v projection `x w^T + b` split into the heads' q, k
+/// and v (`[batch, heads, t, d]` strided views of the projection, which
+/// scaled-dot-product attention takes without a copy): the autograd node
+/// behind [`qkv`]. Inputs `[x, w, b?]` as [`Linear`]'s, outputs `[q, k,
+/// v]`, kept as [`Linear`]'s. Its backward pass writes q, k and v's
+/// gradients side by side into the projection's and sums the bias's
+/// gradient in the same pass ([`kernels::pack_qkv`]), where autograd's
+/// backward of the split (a stack) and the bias's column sums read them
+/// twice (about 0.3 ms per GPT-2 124M step on an H100).
+struct QkvProj {
+    engine: Engine,
+    bias: bool,
+    x_kind: Kind,
+    /// Batch, sequence length and heads.
+    shape: (i64, i64, i64),
+}
+
+impl CustomOp for QkvProj {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let (x, w, b) = match (self.bias, inputs) {
+            (true, [x, w, b]) => (x, w, Some(b)),
+            (false, [x, w]) => (x, w, None),
+            _ => anyhow::bail!("qkv: {} inputs", inputs.len()),
+        };
+        let w16 = cast(self.engine, w)?;
+        let x16 = x.to_kind(Kind::BFloat16).contiguous();
+        let y = matmul(self.engine, &x16, &w16, b)?;
+        let (bt, t, heads) = self.shape;
+        let d = y.size().last().copied().unwrap_or(0) / 3;
+        let parts = y.view([bt, t, 3, heads, d / heads]).unbind(2);
+        let outs = parts.iter().map(|p| p.transpose(1, 2)).collect();
+        let mut kept = vec![x16, w16, w.shallow_clone()];
+        kept.extend(b.map(Tensor::shallow_clone));
+        Ok((outs, kept))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let [gq, gk, gv] = grads else { anyhow::bail!("qkv: {} gradients", grads.len()) };
+        if gq.is_none() && gk.is_none() && gv.is_none() {
+            return Ok((1..saved.len()).map(|_| None).collect());
+        }
+        let (bt, t, _) = self.shape;
+        let d = saved[1].size()[0] / 3;
+        // Each part's gradient as [b t, d] rows (SDPA's come in that layout:
+        // no copy); a part without one is zeros.
+        let rows = |g: &Option<Tensor>| -> Tensor {
+            match g {
+                Some(g) => g.to_kind(Kind::BFloat16).transpose(1, 2).contiguous().view([bt * t, d]),
+                None => Tensor::zeros([bt * t, d], (Kind::BFloat16, saved[0].device())),
+            }
+        };
+        let (q, k, v) = (rows(gq), rows(gk), rows(gv));
+        let (dy, sums) = match self.engine {
+            Engine::Cuda if aligned(&[&q, &k, &v]) && d % 8 == 0 => {
+                let (dy, part) = kernels::pack_qkv(&q, &k, &v)?;
+                (dy, Sums::Partials(part))
+            }
+            _ => {
+                let dy = Tensor::cat(&[q, k, v], 1);
+                let sums = Sums::Tensors(vec![dy.sum_dim_intlist(0, false, Kind::Float)]);
+                (dy, sums)
+            }
+        };
+        linear_backward(self.engine, saved, &dy, self.x_kind, None, || Ok(sums))
+    }
+}
+
+/// A GPT block's q, k, v projection of `x` (`[batch, t, c]`) by `w` (fp32
+/// `[3 c', c]`) and `b`, split into `heads` heads: `(q, k, v)`, each
+/// `[batch, heads, t, c' / heads]`, as one autograd node ([`QkvProj`]).
+/// Only on CUDA where [`qkv_cuda_fits`].
+pub fn qkv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, shape: (i64, i64, i64)) -> (Tensor, Tensor, Tensor) {
+    qkv_with(Engine::Cuda, x, w, b, shape)
+}
+
+/// Whether [`qkv`] runs as one node on CUDA for projections of `c` (= 3 c')
+/// outputs on this device. `HARNESS_FUSED_QKV=0` keeps a linear layer and
+/// autograd's split (a diagnostic).
+pub fn qkv_cuda_fits(c: i64, device: tch::Device) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_QKV"))
+        && device.is_cuda()
+        && kernels::available()
+        && !reference_forced()
+        && c % 24 == 0
+}
+
+/// [`qkv`]'s autograd node on `engine`.
+fn qkv_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>, shape: (i64, i64, i64)) -> (Tensor, Tensor, Tensor) {
+    let inner = *x.size().last().expect("qkv takes rows");
+    let x2 = x.reshape([-1, inner]);
+    let mut inputs = vec![&x2, w];
+    inputs.extend(b);
+    let op = QkvProj { engine, bias: b.is_some(), x_kind: x.kind(), shape };
+    let mut out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}")).into_iter();
+    let mut next = || out.next().expect("qkv has three outputs");
+    (next(), next(), next())
 }
 
 /// `x w^T + b` (a linear layer; `w` fp32 `[out, in]`, `x` `[.., in]`).
@@ -989,6 +1108,50 @@ mod tests {
         }
     }
 
+    /// The outputs and gradients (x, w, b) of a loss over a q, k, v
+    /// projection of `[2, t, c]` split into `heads` heads: through
+    /// [`QkvProj`] (`fused`), or through the linear node and autograd's
+    /// split, both on `engine`. `buffers`: w and b have zeroed gradient
+    /// buffers, which must then hold their gradients.
+    fn qkv_grads(fused: bool, engine: Engine, buffers: bool, dev: Device, (t, c, heads): (i64, i64, i64)) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(23);
+        let x = Tensor::randn([2, t, c], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let w = (Tensor::randn([3 * c, c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let b = (Tensor::randn([3 * c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
+        let ps: Vec<Tensor> = (0..3).map(|_| Tensor::randn([2, heads, t, c / heads], (Kind::Float, dev))).collect();
+        let kept: Vec<Tensor> = [&w, &b].iter().filter(|_| buffers).map(|t| t.zeros_like()).collect();
+        for (t, g) in [&w, &b].iter().zip(&kept) {
+            torch_ext::set_grad(t, Some(g)).unwrap();
+        }
+        let (q, k, v) = if fused {
+            qkv_with(engine, &x, &w, Some(&b), (2, t, heads))
+        } else {
+            let y = linear_with(engine, &x, &w, Some(&b), None);
+            let parts = y.view([2, t, 3, heads, c / heads]).unbind(2);
+            (parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2))
+        };
+        // Only q and v reach the loss: k's gradient is none.
+        let loss = (q.to_kind(Kind::Float) * &ps[0]).sum(Kind::Float) + (v.to_kind(Kind::Float) * &ps[2]).sum(Kind::Float);
+        loss.backward();
+        for (t, g) in [&w, &b].iter().zip(&kept) {
+            assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
+        vec![q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float), x.grad().to_kind(Kind::Float), w.grad(), b.grad()]
+    }
+
+    #[test]
+    fn the_qkv_node_gives_the_linear_layers_and_splits_gradients() {
+        // The same matmuls on the same packed gradient: equal, bit for bit.
+        for buffers in [false, true] {
+            let want = qkv_grads(false, Engine::Reference, buffers, Device::Cpu, (5, 24, 3));
+            let got = qkv_grads(true, Engine::Reference, buffers, Device::Cpu, (5, 24, 3));
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(a.equal(b), "buffers={buffers}: output or gradient {i} differs");
+            }
+        }
+    }
+
     /// The output and gradients (h, w1, b1, w2) of a loss over a GPT
     /// block's MLP (`n` rows of `c`, `f` hidden units): through [`Mlp`] on
     /// `engine`, or (None) as autocast computes the two layers and the GELU
@@ -1120,7 +1283,9 @@ mod tests {
             return;
         }
         let dev = Device::Cuda(0);
-        for shape in [(6, 16), (300, 768), (64, 2048)] {
+        // A warp per row (768; 256 with several rows per warp) and a
+        // block per row (16, 2048).
+        for shape in [(6, 16), (300, 768), (5000, 256), (64, 2048)] {
             for (residual, bias) in CASES {
                 for buffers in [false, true] {
                     let want = grads(plain, residual, bias, buffers, dev, Kind::BFloat16, shape);
@@ -1169,6 +1334,19 @@ mod tests {
                 for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                     let rel = relative(a, b);
                     assert!(rel < 1e-2, "linear {shape:?} bias={bias} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                }
+            }
+        }
+        // The q, k, v node's packing kernel against the linear node and
+        // autograd's split: GPT-2 124M's widths, and a width not a multiple
+        // of the kernel's blocks (its bias sums in another order).
+        for shape in [(256, 768, 12), (33, 64 * 5, 5)] {
+            for buffers in [false, true] {
+                let want = qkv_grads(false, Engine::Cuda, buffers, dev, shape);
+                let got = qkv_grads(true, Engine::Cuda, buffers, dev, shape);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 1e-5, "qkv {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
                 }
             }
         }

@@ -141,8 +141,15 @@ pub(crate) fn attention(qkv: &Tensor, b: i64, t: i64, heads: i64, p: f64, causal
     // time, results/h200/trace-0c84040/).
     let parts = qkv.view([b, t, 3, heads, d / heads]).unbind(2);
     let (q, k, v) = (parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2));
-    let y = Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, p, causal, None, false);
-    y.transpose(1, 2).contiguous().view([b, t, d])
+    heads_attention(&q, &k, &v, p, causal)
+}
+
+/// Scaled-dot-product attention over the heads' `q`, `k` and `v` (`[b, h,
+/// t, d]`) with dropout `p`: `[b, t, h d]`.
+fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: f64, causal: bool) -> Tensor {
+    let (b, h, t, d) = q.size4().expect("q is [b, h, t, d]");
+    let y = Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, p, causal, None, false);
+    y.transpose(1, 2).contiguous().view([b, t, h * d])
 }
 
 /// What a layer's forward pass needs besides its parameters.
@@ -160,8 +167,28 @@ struct Shape {
 
 impl Shape {
     fn attention(&self, qkv: &Tensor, causal: bool) -> Tensor {
-        let p = if self.train { self.dropout } else { 0.0 };
-        attention(qkv, self.b, self.t, self.heads, p, causal)
+        attention(qkv, self.b, self.t, self.heads, self.attention_dropout(), causal)
+    }
+
+    fn attention_dropout(&self) -> f64 {
+        if self.train {
+            self.dropout
+        } else {
+            0.0
+        }
+    }
+
+    /// Attention over `l(h)`, `l` the fused q, k, v projection: with the
+    /// fused kernels on CUDA, the projection and its split into the heads
+    /// as one node ([`fused::qkv`]), whose backward pass packs the three
+    /// gradients and sums the bias's in one kernel; else
+    /// [`Shape::attention`] over [`Shape::linear`].
+    fn qkv_attention(&self, l: &nn::Linear, h: &Tensor, causal: bool) -> Tensor {
+        if !(self.fused && fused::qkv_cuda_fits(l.ws.size()[0], h.device())) {
+            return self.attention(&self.linear(l, h), causal);
+        }
+        let (q, k, v) = fused::qkv(h, &l.ws, l.bs.as_ref(), (self.b, self.t, self.heads));
+        heads_attention(&q, &k, &v, self.attention_dropout(), causal)
     }
 
     fn dropout(&self, x: Tensor) -> Tensor {
@@ -237,7 +264,7 @@ impl GptBlock {
     /// block's MLP output, and that output (pending for the next block).
     fn forward_pending(&self, x: &Tensor, f: Option<&Branch>, s: &Shape) -> (Tensor, Branch) {
         let (x, h) = self.ln1.add_forward(x, f, s.fused);
-        let y = s.attention(&s.linear(&self.c_attn, &h), true);
+        let y = s.qkv_attention(&self.c_attn, &h, true);
         let (x, h) = self.ln2.add_forward(&x, Some(&s.project(&self.attn_proj, &y)), s.fused);
         (x, s.mlp(&self.c_fc, &self.mlp_proj, &h))
     }
