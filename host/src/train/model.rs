@@ -152,6 +152,20 @@ fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: f64, causal: bool) -> 
     y.transpose(1, 2).contiguous().view([b, t, h * d])
 }
 
+/// Multi-head attention over `l(h)`, `l` the fused q, k, v projection of
+/// `b x t` tokens `h` (`[b, t, d]`), with `heads` heads and dropout `p`:
+/// `[b, t, d']`. With the fused kernels (`fused`) on CUDA, the projection
+/// and its split into the heads are one node ([`fused::qkv`]), whose
+/// backward pass writes the three gradients side by side and sums the
+/// bias's in one kernel; else [`attention`] over [`fused::linear`].
+pub(crate) fn qkv_attention(l: &nn::Linear, h: &Tensor, fused: bool, (b, t, heads): (i64, i64, i64), p: f64, causal: bool) -> Tensor {
+    if fused && fused::qkv_cuda_fits(l.ws.size()[0], h.device()) {
+        let (q, k, v) = fused::qkv(h, &l.ws, l.bs.as_ref(), (b, t, heads));
+        return heads_attention(&q, &k, &v, p, causal);
+    }
+    attention(&fused::linear(h, &l.ws, l.bs.as_ref(), fused), b, t, heads, p, causal)
+}
+
 /// What a layer's forward pass needs besides its parameters.
 #[derive(Debug, Clone, Copy)]
 struct Shape {
@@ -178,26 +192,14 @@ impl Shape {
         }
     }
 
-    /// Attention over `l(h)`, `l` the fused q, k, v projection: with the
-    /// fused kernels on CUDA, the projection and its split into the heads
-    /// as one node ([`fused::qkv`]), whose backward pass packs the three
-    /// gradients and sums the bias's in one kernel; else
-    /// [`Shape::attention`] over [`Shape::linear`].
+    /// Attention over `l(h)`, `l` the fused q, k, v projection
+    /// ([`qkv_attention`]).
     fn qkv_attention(&self, l: &nn::Linear, h: &Tensor, causal: bool) -> Tensor {
-        if !(self.fused && fused::qkv_cuda_fits(l.ws.size()[0], h.device())) {
-            return self.attention(&self.linear(l, h), causal);
-        }
-        let (q, k, v) = fused::qkv(h, &l.ws, l.bs.as_ref(), (self.b, self.t, self.heads));
-        heads_attention(&q, &k, &v, self.attention_dropout(), causal)
+        qkv_attention(l, h, self.fused, (self.b, self.t, self.heads), self.attention_dropout(), causal)
     }
 
     fn dropout(&self, x: Tensor) -> Tensor {
         dropout(x, self.dropout, self.train)
-    }
-
-    /// `l(h)` with its bias in the matmul ([`fused::linear`]).
-    fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
-        fused::linear(h, &l.ws, l.bs.as_ref(), self.fused)
     }
 
     /// `l(y)` (then dropout) as a branch of the residual stream; with the
