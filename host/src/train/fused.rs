@@ -317,17 +317,7 @@ struct Linear {
 
 impl CustomOp for Linear {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let (x, w, b) = match (self.bias, inputs) {
-            (true, [x, w, b]) => (x, w, Some(b)),
-            (false, [x, w]) => (x, w, None),
-            _ => anyhow::bail!("linear: {} inputs", inputs.len()),
-        };
-        let w16 = cast(self.engine, w)?;
-        let x16 = x.to_kind(Kind::BFloat16).contiguous();
-        // The bias in the matmul's epilogue, as autocast's addmm.
-        let y = matmul(self.engine, &x16, &w16, b)?;
-        let mut kept = vec![x16, w16, w.shallow_clone()];
-        kept.extend(b.map(Tensor::shallow_clone));
+        let (y, kept) = linear_forward(self.engine, self.bias, inputs)?;
         Ok((vec![y], kept))
     }
 
@@ -343,6 +333,24 @@ impl CustomOp for Linear {
             })
         })
     }
+}
+
+/// The forward pass of a linear layer over `inputs` (`[x, w, b]` with a
+/// `bias`, else `[x, w]`): `x w^T + b` in bf16, the bias in the matmul's
+/// epilogue as autocast's addmm adds it, and what its backward pass keeps,
+/// `[bf16(x), bf16(w), w, b?]`.
+fn linear_forward(engine: Engine, bias: bool, inputs: &[Tensor]) -> anyhow::Result<(Tensor, Vec<Tensor>)> {
+    let (x, w, b) = match (bias, inputs) {
+        (true, [x, w, b]) => (x, w, Some(b)),
+        (false, [x, w]) => (x, w, None),
+        _ => anyhow::bail!("linear: {} inputs", inputs.len()),
+    };
+    let w16 = cast(engine, w)?;
+    let x16 = x.to_kind(Kind::BFloat16).contiguous();
+    let y = matmul(engine, &x16, &w16, b)?;
+    let mut kept = vec![x16, w16, w.shallow_clone()];
+    kept.extend(b.map(Tensor::shallow_clone));
+    Ok((y, kept))
 }
 
 /// The backward pass of a linear layer that kept `[bf16(x), bf16(w), w,
@@ -399,21 +407,11 @@ struct QkvProj {
 
 impl CustomOp for QkvProj {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let (x, w, b) = match (self.bias, inputs) {
-            (true, [x, w, b]) => (x, w, Some(b)),
-            (false, [x, w]) => (x, w, None),
-            _ => anyhow::bail!("qkv: {} inputs", inputs.len()),
-        };
-        let w16 = cast(self.engine, w)?;
-        let x16 = x.to_kind(Kind::BFloat16).contiguous();
-        let y = matmul(self.engine, &x16, &w16, b)?;
+        let (y, kept) = linear_forward(self.engine, self.bias, inputs)?;
         let (bt, t, heads) = self.shape;
         let d = y.size().last().copied().unwrap_or(0) / 3;
         let parts = y.view([bt, t, 3, heads, d / heads]).unbind(2);
-        let outs = parts.iter().map(|p| p.transpose(1, 2)).collect();
-        let mut kept = vec![x16, w16, w.shallow_clone()];
-        kept.extend(b.map(Tensor::shallow_clone));
-        Ok((outs, kept))
+        Ok((parts.iter().map(|p| p.transpose(1, 2)).collect(), kept))
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
