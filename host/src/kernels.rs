@@ -161,11 +161,25 @@ __device__ __forceinline__ void st_bf4(bf16* p, const float v[4]) {
   u.y = (unsigned int)f2bf(v[2]) | ((unsigned int)f2bf(v[3]) << 16);
   *reinterpret_cast<uint2*>(p) = u;
 }
+// Four channels of the LayerNorm's output or of its gradient: bf16 where
+// a matmul takes it (pre-norm blocks), fp32 where it is the residual
+// stream (post-norm layers, the `_f32` kernels).
+template <typename Y> struct Quad;
+template <> struct Quad<bf16> { typedef uint2 T; };
+template <> struct Quad<float> { typedef float4 T; };
+template <typename Y> __device__ __forceinline__ typename Quad<Y>::T ld4(const Y* p) {
+  return *reinterpret_cast<const typename Quad<Y>::T*>(p);
+}
+__device__ __forceinline__ void unquad(uint2 u, float d[4]) { d[0] = bf_lo(u.x); d[1] = bf_hi(u.x); d[2] = bf_lo(u.y); d[3] = bf_hi(u.y); }
+__device__ __forceinline__ void unquad(float4 u, float d[4]) { d[0] = u.x; d[1] = u.y; d[2] = u.z; d[3] = u.w; }
+__device__ __forceinline__ void st4(bf16* p, const float v[4]) { st_bf4(p, v); }
+__device__ __forceinline__ void st4(float* p, const float v[4]) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
 // xo = x + f + fb (fp32; f bf16 and fb, the branch's bias, fp32 [C], both
 // optional; without f, xo is not written), y = LayerNorm(xo) * w + b as
-// bf16, with each row's mean and 1/std kept.
-extern "C" __global__ void add_ln_fwd(const float* __restrict__ x, const bf16* __restrict__ f,
-    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, bf16* __restrict__ y,
+// Y (bf16, or fp32 in add_ln_fwd_f32), with each row's mean and 1/std kept.
+template <typename Y>
+__device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* __restrict__ f,
+    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
   PDL_WAIT();
   __shared__ float sh[32];
@@ -213,17 +227,23 @@ extern "C" __global__ void add_ln_fwd(const float* __restrict__ x, const bf16* _
       float o[4];
       #pragma unroll
       for (int j = 0; j < 4; j++) o[j] = (v[j] - m) * r * wv[j] + bv[j];
-      st_bf4(y + at, o);
+      st4(y + at, o);
     }
     if (threadIdx.x == 0) { mean[row] = m; rstd[row] = r; }
   }
 }
+#define LN_FWD_ARGS(Y) const float* __restrict__ x, const bf16* __restrict__ f, const float* __restrict__ fb, \
+    const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y, \
+    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps
+extern "C" __global__ void add_ln_fwd(LN_FWD_ARGS(bf16)) { ln_fwd<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
+extern "C" __global__ void add_ln_fwd_f32(LN_FWD_ARGS(float)) { ln_fwd<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
 // add_ln_fwd for rows of at most 1024 channels: one warp per row, lane l
 // owning the float4 chunks l, l + 32, ... (all of a row's loads issued
 // before its reductions, which are warp shuffles: no block-wide
 // synchronisation). Same arguments and results.
-extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(const float* __restrict__ x, const bf16* __restrict__ f,
-    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, bf16* __restrict__ y,
+template <typename Y>
+__device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const bf16* __restrict__ f,
+    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
   PDL_WAIT();
   const int lane = threadIdx.x % 32, nq = C / 4;
@@ -279,17 +299,25 @@ extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(const float* _
         float o[4];
         #pragma unroll
         for (int i = 0; i < 4; i++) o[i] = (v[j][i] - m) * r * wv[i] + bv[i];
-        st_bf4(y + base + 4 * q, o);
+        st4(y + base + 4 * q, o);
       }
     }
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
   }
 }
-// The backward pass of add_ln_fwd: from dy (bf16) and the LayerNorm's input
-// x, dx = dres + d(LayerNorm)/dx (fp32; dres optional), df = bf16(dx)
-// (optional), and per-block partial sums ([gridDim.x, 3, C] in part) of
-// dw = sum(dy * xhat), db = sum(dy) and, for the branch's bias, sum(dx).
-extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(LN_FWD_ARGS(bf16)) {
+  ln_fwd_warp<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
+}
+extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp_f32(LN_FWD_ARGS(float)) {
+  ln_fwd_warp<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
+}
+// The backward pass of add_ln_fwd: from dy (Y: bf16, or fp32 in the _f32
+// kernels) and the LayerNorm's input x, dx = dres + d(LayerNorm)/dx (fp32;
+// dres optional), df = bf16(dx) (optional), and per-block partial sums
+// ([gridDim.x, 3, C] in part) of dw = sum(dy * xhat), db = sum(dy) and, for
+// the branch's bias, sum(dx).
+template <typename Y>
+__device__ __forceinline__ void ln_bwd(const Y* __restrict__ dy, const float* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
     const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
     float* __restrict__ part, int N, int C) {
@@ -306,30 +334,31 @@ extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* 
   const float inv_c = 1.f / (float)C;
   // The next row's loads are issued before this row's reductions (as in
   // add_ln_fwd).
-  uint2 da = make_uint2(0u, 0u);
+  typename Quad<Y>::T da{};
   float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), ra = make_float4(0.f, 0.f, 0.f, 0.f);
   int row = blockIdx.x;
   float ma = row < N ? mean[row] : 0.f, rsa = row < N ? rstd[row] : 0.f;
   if (on && row < N) {
-    da = *reinterpret_cast<const uint2*>(dy + (size_t)row * C + c);
+    da = ld4(dy + (size_t)row * C + c);
     xa = *reinterpret_cast<const float4*>(x + (size_t)row * C + c);
     if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)row * C + c);
   }
   for (; row < N; row += gridDim.x) {
     const size_t at = (size_t)row * C + c;
     const float m = ma, r = rsa;
-    const uint2 du = da;
+    const typename Quad<Y>::T du = da;
     const float4 xu = xa, ru = ra;
     const int next = row + gridDim.x;
     if (next < N) { ma = mean[next]; rsa = rstd[next]; }
     if (on && next < N) {
-      da = *reinterpret_cast<const uint2*>(dy + (size_t)next * C + c);
+      da = ld4(dy + (size_t)next * C + c);
       xa = *reinterpret_cast<const float4*>(x + (size_t)next * C + c);
       if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)next * C + c);
     }
     float g[4] = {0.f, 0.f, 0.f, 0.f}, xh[4] = {0.f, 0.f, 0.f, 0.f}, s1 = 0.f, s2 = 0.f;
     if (on) {
-      const float d[4] = {bf_lo(du.x), bf_hi(du.x), bf_lo(du.y), bf_hi(du.y)};
+      float d[4];
+      unquad(du, d);
       const float xv[4] = {xu.x, xu.y, xu.z, xu.w};
       #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -361,6 +390,11 @@ extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* 
     *reinterpret_cast<float4*>(p + 2 * C) = make_float4(dfb[0], dfb[1], dfb[2], dfb[3]);
   }
 }
+#define LN_BWD_ARGS(Y) const Y* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean, \
+    const float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ dres, float* __restrict__ dx, \
+    bf16* __restrict__ df, float* __restrict__ part, int N, int C
+extern "C" __global__ void add_ln_bwd(LN_BWD_ARGS(bf16)) { ln_bwd<bf16>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
+extern "C" __global__ void add_ln_bwd_f32(LN_BWD_ARGS(float)) { ln_bwd<float>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
 
 // add_ln_bwd for rows of C = 128 * NQ channels: a warp per row, lane l
 // owning the float4 chunks l, l + 32, ... (all of a row's loads issued
@@ -374,8 +408,8 @@ extern "C" __global__ void add_ln_bwd(const bf16* __restrict__ dy, const float* 
 // lane's registers, 72 at 768 channels, ran slower on an H100: 2.00 ms of
 // GPT-2 124M's step in 8-warp blocks, 1.80 in 4-warp ones, against 1.69
 // here.) Same arguments and results as add_ln_bwd.
-template <int NQ>
-__device__ __forceinline__ void ln_bwd_warp(const bf16* __restrict__ dy, const float* __restrict__ x,
+template <typename Y, int NQ>
+__device__ __forceinline__ void ln_bwd_warp(const Y* __restrict__ dy, const float* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
     const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
     float* __restrict__ part, int N, int C) {
@@ -395,12 +429,12 @@ __device__ __forceinline__ void ln_bwd_warp(const bf16* __restrict__ dy, const f
   for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
     const size_t base = (size_t)row * C;
     const float m = mean[row], r = rstd[row];
-    uint2 du[NQ];
+    typename Quad<Y>::T du[NQ];
     float4 xv[NQ], rv[NQ];
     #pragma unroll
     for (int j = 0; j < NQ; j++) {
       const int c = 4 * (lane + 32 * j);
-      du[j] = *reinterpret_cast<const uint2*>(dy + base + c);
+      du[j] = ld4(dy + base + c);
       xv[j] = *reinterpret_cast<const float4*>(x + base + c);
       rv[j] = dres ? *reinterpret_cast<const float4*>(dres + base + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -409,7 +443,8 @@ __device__ __forceinline__ void ln_bwd_warp(const bf16* __restrict__ dy, const f
     for (int j = 0; j < NQ; j++) {
       const int c = 4 * (lane + 32 * j);
       const float4 wq = *reinterpret_cast<const float4*>(w + c);
-      const float d[4] = {bf_lo(du[j].x), bf_hi(du[j].x), bf_lo(du[j].y), bf_hi(du[j].y)};
+      float d[4];
+      unquad(du[j], d);
       const float xa[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, wa[4] = {wq.x, wq.y, wq.z, wq.w};
       float pw[4];
       #pragma unroll
@@ -436,7 +471,8 @@ __device__ __forceinline__ void ln_bwd_warp(const bf16* __restrict__ dy, const f
     for (int j = 0; j < NQ; j++) {
       const int c = 4 * (lane + 32 * j);
       const float4 wq = *reinterpret_cast<const float4*>(w + c);
-      const float d[4] = {bf_lo(du[j].x), bf_hi(du[j].x), bf_lo(du[j].y), bf_hi(du[j].y)};
+      float d[4];
+      unquad(du[j], d);
       const float xa[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, wa[4] = {wq.x, wq.y, wq.z, wq.w};
       const float ra[4] = {rv[j].x, rv[j].y, rv[j].z, rv[j].w};
       float o[4];
@@ -457,10 +493,11 @@ __device__ __forceinline__ void ln_bwd_warp(const bf16* __restrict__ dy, const f
   }
 }
 #define LN_BWD_WARP(NQ) \
-  extern "C" __global__ void add_ln_bwd_warp##NQ(const bf16* __restrict__ dy, const float* __restrict__ x, \
-      const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w, \
-      const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df, float* __restrict__ part, int N, int C) { \
-    ln_bwd_warp<NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
+  extern "C" __global__ void add_ln_bwd_warp##NQ(LN_BWD_ARGS(bf16)) { \
+    ln_bwd_warp<bf16, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
+  } \
+  extern "C" __global__ void add_ln_bwd_warp_f32_##NQ(LN_BWD_ARGS(float)) { \
+    ln_bwd_warp<float, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
   }
 LN_BWD_WARP(1)
 LN_BWD_WARP(2)
@@ -858,12 +895,15 @@ extern "C" __global__ void spin_until(const unsigned long long* at, unsigned lon
 struct Loaded {
     _module: sys::CUmodule,
     ce_bf16: sys::CUfunction,
-    add_ln_fwd: sys::CUfunction,
-    add_ln_fwd_warp: sys::CUfunction,
-    add_ln_bwd: sys::CUfunction,
-    /// `add_ln_bwd_warp{NQ}` for NQ = 1..=8 (rows of 128 NQ channels), with
-    /// the blocks of 256 threads each SM holds at once.
-    add_ln_bwd_warp: [(sys::CUfunction, u32); 8],
+    /// The LayerNorm kernels by the kind of its output and of that
+    /// output's gradient ([`ln_index`]): bf16, then fp32 (`_f32`).
+    add_ln_fwd: [sys::CUfunction; 2],
+    add_ln_fwd_warp: [sys::CUfunction; 2],
+    add_ln_bwd: [sys::CUfunction; 2],
+    /// `add_ln_bwd_warp{NQ}` (and `add_ln_bwd_warp_f32_{NQ}`) for NQ =
+    /// 1..=8 (rows of 128 NQ channels), with the blocks of 128 threads each
+    /// SM holds at once.
+    add_ln_bwd_warp: [[(sys::CUfunction, u32); 8]; 2],
     bias_gelu_fwd: sys::CUfunction,
     bias_gelu_bwd: sys::CUfunction,
     cast_bf16: sys::CUfunction,
@@ -929,19 +969,21 @@ fn loaded() -> Result<&'static Loaded, String> {
             _module: module,
             ce_bf16,
             ce_smem,
-            add_ln_fwd: get("add_ln_fwd")?,
-            add_ln_fwd_warp: get("add_ln_fwd_warp")?,
-            add_ln_bwd: get("add_ln_bwd")?,
+            add_ln_fwd: [get("add_ln_fwd")?, get("add_ln_fwd_f32")?],
+            add_ln_fwd_warp: [get("add_ln_fwd_warp")?, get("add_ln_fwd_warp_f32")?],
+            add_ln_bwd: [get("add_ln_bwd")?, get("add_ln_bwd_f32")?],
             add_ln_bwd_warp: {
-                let mut fs = [(std::ptr::null_mut(), 0); 8];
-                for (i, f) in fs.iter_mut().enumerate() {
-                    let func = get(&format!("add_ln_bwd_warp{}", i + 1))?;
-                    let smem = ln_bwd_warp_smem(128 * (i as i64 + 1));
-                    // SAFETY: func is a function of the loaded module.
-                    let per_sm =
-                        unsafe { result::occupancy::max_active_block_per_multiprocessor(func, LN_BWD_THREADS as i32, smem as usize) }
-                            .map_err(|e| format!("add_ln_bwd_warp occupancy: {e:?}"))?;
-                    *f = (func, per_sm.max(1) as u32);
+                let mut fs = [[(std::ptr::null_mut(), 0); 8]; 2];
+                for (prefix, set) in ["add_ln_bwd_warp", "add_ln_bwd_warp_f32_"].iter().zip(fs.iter_mut()) {
+                    for (i, f) in set.iter_mut().enumerate() {
+                        let func = get(&format!("{prefix}{}", i + 1))?;
+                        let smem = ln_bwd_warp_smem(128 * (i as i64 + 1));
+                        // SAFETY: func is a function of the loaded module.
+                        let per_sm =
+                            unsafe { result::occupancy::max_active_block_per_multiprocessor(func, LN_BWD_THREADS as i32, smem as usize) }
+                                .map_err(|e| format!("{prefix} occupancy: {e:?}"))?;
+                        *f = (func, per_sm.max(1) as u32);
+                    }
                 }
                 fs
             },
@@ -1105,6 +1147,16 @@ fn ln_bwd_warp() -> bool {
     *ON.get_or_init(|| !switched_off("HARNESS_LN_BWD_WARP"))
 }
 
+/// Which of the LayerNorm kernels serve an output (and gradient) of
+/// `kind`: bf16 (0) or fp32 (1).
+fn ln_index(kind: Kind) -> anyhow::Result<usize> {
+    match kind {
+        Kind::BFloat16 => Ok(0),
+        Kind::Float => Ok(1),
+        k => anyhow::bail!("fused LayerNorm writes bf16 or fp32 rows, not {k:?}"),
+    }
+}
+
 /// Threads per block for rows of `c` channels (four per thread), and blocks.
 fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
     let threads = quad_threads(c);
@@ -1115,8 +1167,9 @@ fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
 /// The forward pass of a residual add and LayerNorm over the last dimension
 /// (eps `eps`) of fp32 CUDA rows `x` `[n, c]` ([`layer_norm_fits`]), with
 /// `f` (bf16, same shape) and its bias `fb` (fp32 `[c]`) added first when
-/// given: returns `x + f + fb` (fp32; only with `f`), the normalised rows as
-/// bf16, and each row's mean and 1/std (fp32 `[n]`) for
+/// given: returns `x + f + fb` (fp32; only with `f`), the normalised rows in
+/// `y_kind` (bf16 for a matmul, or fp32 for a post-norm residual stream),
+/// and each row's mean and 1/std (fp32 `[n]`) for
 /// [`add_layer_norm_backward`].
 pub fn add_layer_norm(
     x: &Tensor,
@@ -1125,6 +1178,7 @@ pub fn add_layer_norm(
     w: &Tensor,
     b: &Tensor,
     eps: f32,
+    y_kind: Kind,
 ) -> anyhow::Result<(Option<Tensor>, Tensor, Tensor, Tensor)> {
     let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
     let (n, c) = x.size2()?;
@@ -1144,16 +1198,17 @@ pub fn add_layer_norm(
         fb.is_none_or(|fb| f.is_some() && fb.kind() == Kind::Float && fb.size() == [c]),
         "the branch's bias must be fp32 [{c}], with a branch"
     );
+    let out = ln_index(y_kind)?;
     let xo = f.map(|_| x.empty_like());
-    let y = Tensor::empty([n, c], (Kind::BFloat16, x.device()));
+    let y = Tensor::empty([n, c], (y_kind, x.device()));
     let mean = Tensor::empty([n], (Kind::Float, x.device()));
     let rstd = mean.empty_like();
     // Rows of up to 1024 channels: a warp per row (HARNESS_LN_WARP=0 keeps
     // the block per row, a diagnostic).
     let (f_ln, (threads, blocks)) = if c <= 1024 && ln_warp() {
-        (k.add_ln_fwd_warp, (256, (n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32))
+        (k.add_ln_fwd_warp[out], (256, (n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32))
     } else {
-        (k.add_ln_fwd, ln_shape(k, n, c))
+        (k.add_ln_fwd[out], ln_shape(k, n, c))
     };
     let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
     // SAFETY: the arguments follow add_ln_fwd's signature, which
@@ -1184,8 +1239,9 @@ pub fn add_layer_norm(
     Ok((xo, y, mean, rstd))
 }
 
-/// The backward pass of [`add_layer_norm`]: from `dy` (bf16, the normalised
-/// rows' gradient), the LayerNorm's input `x`, the kept `mean` and `rstd`,
+/// The backward pass of [`add_layer_norm`]: from `dy` (the normalised rows'
+/// gradient: fp32 for fp32 rows, else taken as bf16), the LayerNorm's input
+/// `x`, the kept `mean` and `rstd`,
 /// and `dres` (fp32, the gradient reaching `x + f` from elsewhere, if any),
 /// returns dx (fp32; also `f`'s gradient when cast to bf16), `f`'s gradient
 /// (bf16, with `want_df`), and the partial sums of dw, db and the branch
@@ -1201,7 +1257,8 @@ pub fn add_layer_norm_backward(
 ) -> anyhow::Result<(Tensor, Option<Tensor>, Partials)> {
     let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
     let (n, c) = x.size2()?;
-    let dy = dy.to_kind(Kind::BFloat16).contiguous();
+    let dy = if dy.kind() == Kind::Float { dy.contiguous() } else { dy.to_kind(Kind::BFloat16).contiguous() };
+    let out = ln_index(dy.kind())?;
     let dres = dres.map(|d| d.to_kind(Kind::Float).contiguous());
     anyhow::ensure!(dy.size() == [n, c] && dres.as_ref().is_none_or(|d| d.size() == [n, c]), "gradients must be [{n}, {c}]");
     anyhow::ensure!(
@@ -1209,10 +1266,10 @@ pub fn add_layer_norm_backward(
         "fused LayerNorm backward: bad saved tensors"
     );
     let dx = x.empty_like();
-    let df = want_df.then(|| dy.empty_like());
+    let df = want_df.then(|| Tensor::empty([n, c], (Kind::BFloat16, x.device())));
     // A warp per row for rows of 128, 256, .. 1024 channels (as many
     // blocks as the SMs hold at once), else a block per row.
-    let warp = (c % 128 == 0 && c <= 1024 && ln_bwd_warp()).then(|| k.add_ln_bwd_warp[(c / 128 - 1) as usize]);
+    let warp = (c % 128 == 0 && c <= 1024 && ln_bwd_warp()).then(|| k.add_ln_bwd_warp[out][(c / 128 - 1) as usize]);
     let (f, blocks, threads, smem) = match warp {
         Some((f, per_sm)) => {
             let blocks = (k.sms * per_sm).min((n.max(1) as u32).div_ceil(LN_BWD_THREADS / 32));
@@ -1220,7 +1277,7 @@ pub fn add_layer_norm_backward(
         }
         None => {
             let (threads, blocks) = ln_shape(k, n, c);
-            (k.add_ln_bwd, blocks, threads, 0)
+            (k.add_ln_bwd[out], blocks, threads, 0)
         }
     };
     let part = Tensor::empty([blocks as i64, 3, c], (Kind::Float, x.device()));
@@ -1908,8 +1965,13 @@ mod tests {
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [
             "add_ln_fwd",
+            "add_ln_fwd_f32",
             "add_ln_fwd_warp",
+            "add_ln_fwd_warp_f32",
             "add_ln_bwd",
+            "add_ln_bwd_f32",
+            "add_ln_bwd_warp8",
+            "add_ln_bwd_warp_f32_4",
             "bias_gelu_fwd",
             "bias_gelu_bwd",
             "cast_bf16",

@@ -177,12 +177,13 @@ pub enum Order {
     Rotate,
 }
 
-/// Where the training images of `images` data are made.
+/// Where the training samples of `images` and `regression` data are made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ImagePipeline {
-    /// On host threads (augmentation on the CPU, batches collated ahead
-    /// into pinned memory): the input pipeline of a real training job.
+pub enum Pipeline {
+    /// On host threads (for images, augmentation on the CPU; batches
+    /// collated ahead into pinned memory): the input pipeline of a real
+    /// training job.
     Host,
     /// By tensor ops on the training device, no CPU work but the
     /// per-sample draws: for throughput runs.
@@ -381,6 +382,10 @@ pub enum DataSpec {
     Regression {
         #[serde(default = "default_noise")]
         noise: f64,
+        /// Where training inputs are drawn (default: on the device when
+        /// training on a GPU, else on the host).
+        #[serde(default)]
+        pipeline: Option<Pipeline>,
         #[serde(default)]
         seed: Option<u64>,
     },
@@ -412,7 +417,7 @@ pub enum DataSpec {
         /// Where training images are made (default: on the device when
         /// training on a GPU and `threads` is not set, else on the host).
         #[serde(default)]
-        pipeline: Option<ImagePipeline>,
+        pipeline: Option<Pipeline>,
         #[serde(default)]
         seed: Option<u64>,
     },

@@ -11,8 +11,8 @@ use sha2::{Digest, Sha256};
 
 use super::model::ModelConfig;
 use super::spec::{
-    DataSpec, FaultSpec, ImagePipeline, ModelKind, OptimizerSpec, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec,
-    Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
+    DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
+    BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
 
 /// A loaded, validated suite with its source.
@@ -590,7 +590,7 @@ impl Checker<'_> {
                 if *threads == Some(0) {
                     self.err(&at("threads"), "`threads` must be at least 1", None);
                 }
-                if threads.is_some() && *pipeline == Some(ImagePipeline::Device) {
+                if threads.is_some() && *pipeline == Some(Pipeline::Device) {
                     self.err(
                         &at("threads"),
                         "`threads` makes images on the host, but `pipeline = \"device\"` makes them on the device",

@@ -25,7 +25,7 @@ use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
 use super::images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
-use crate::suite::{DataSpec, ImagePipeline, DEFAULT_BIN_VOCAB};
+use crate::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
 pub use crate::train::pairs::Translation;
 
 /// Magic number of llm.c token files.
@@ -480,6 +480,8 @@ enum Stream {
     Images(Collator),
     /// Images made on the training device.
     Device(DeviceImages),
+    /// Regression inputs drawn on the training device.
+    Gaussian(DeviceGaussian),
 }
 
 /// Samples made ahead of the training thread.
@@ -508,7 +510,8 @@ pub struct Data {
     image: Option<(i64, i64)>,
     /// Threads making training samples.
     workers: usize,
-    /// Images: made on the device rather than on host threads.
+    /// Images or regression inputs: made on the device rather than on
+    /// host threads.
     on_device: bool,
     seq_len: usize,
     consumed: u64,
@@ -553,7 +556,7 @@ impl Data {
                 }
                 (Arc::new(train_src), Arc::new(eval_src), None, None)
             }
-            DataSpec::Regression { noise, seed: s } => {
+            DataSpec::Regression { noise, seed: s, .. } => {
                 let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(0x5eed));
                 let w: Vec<f32> = (0..dim).map(|_| normal(&mut rng) as f32).collect();
                 let w = Tensor::from_slice(&w);
@@ -593,13 +596,22 @@ impl Data {
                 threads.map_or_else(data_workers, |n| n as usize),
                 // Throughput runs on a GPU make their images there unless
                 // asked for host threads.
-                pipeline.unwrap_or(if device.is_cuda() && threads.is_none() { ImagePipeline::Device } else { ImagePipeline::Host })
-                    == ImagePipeline::Device,
+                pipeline.unwrap_or(if device.is_cuda() && threads.is_none() { Pipeline::Device } else { Pipeline::Host })
+                    == Pipeline::Device,
+            ),
+            // Regression inputs on a GPU are drawn there unless asked for
+            // host threads: at the claims5 encoder's 32 x 128 tokens, host
+            // threads took 14 of a 24 ms step on an H100.
+            (DataSpec::Regression { pipeline, .. }, _) => (
+                None,
+                None,
+                data_workers(),
+                pipeline.unwrap_or(if device.is_cuda() { Pipeline::Device } else { Pipeline::Host }) == Pipeline::Device,
             ),
             _ => (None, None, data_workers(), false),
         };
         Ok(Data {
-            train: stream(&train, seed, t, 0, workers, image.filter(|_| !on_device), device),
+            train: stream(&train, seed, t, 0, workers, on_device, image, device),
             source: train,
             seed,
             eval,
@@ -635,8 +647,7 @@ impl Data {
     /// after [`Data::position`] returned it: the following batches are the
     /// ones that came next then.
     pub fn seek(&mut self, position: u64) {
-        self.train =
-            stream(&self.source, self.seed, self.seq_len, position, self.workers, self.image.filter(|_| !self.on_device), self.device);
+        self.train = stream(&self.source, self.seed, self.seq_len, position, self.workers, self.on_device, self.image, self.device);
         self.consumed = position;
     }
 
@@ -657,6 +668,11 @@ impl Data {
             Stream::Device(d) => {
                 let (input, target) = d.next(batch).expect("making images on the device");
                 Batch { input, target, tokens: batch * self.seq_len, samples: batch }
+            }
+            Stream::Gaussian(g) => {
+                let (x, e) = g.next(batch).expect("drawing regression inputs on the device");
+                let (w, noise) = self.regression.as_ref().expect("a regression stream has its task");
+                Batch { target: regression_target(&x, &e, w, *noise), input: x, tokens: batch * self.seq_len, samples: batch }
             }
         }
     }
@@ -728,32 +744,73 @@ impl Data {
                 }
                 let x = upload(Tensor::from_slice(&xs).view([b as i64, t as i64, dim]), self.device);
                 let e = upload(Tensor::from_slice(&es), self.device);
-                let y = x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * *noise;
+                let y = regression_target(&x, &e, w, *noise);
                 Batch { input: x, target: y, tokens: b * t, samples: b }.to_device(device)
             }
         }
     }
 }
 
+/// The regression target of inputs `x` (`[b, t, dim]`) and unit noise
+/// draws `e` (`[b]`) for the task's unit vector `w`: `w . mean_t(x) *
+/// sqrt(t) + noise * e`.
+fn regression_target(x: &Tensor, e: &Tensor, w: &Tensor, noise: f64) -> Tensor {
+    let t = x.size()[1];
+    x.mean_dim(1, false, Kind::Float).matmul(w) * (t as f64).sqrt() + e * noise
+}
+
+/// Regression inputs drawn on the training device (`pipeline = "device"`):
+/// the same law as [`SampleSource::Gaussian`]'s samples, a batch's inputs
+/// and target noise drawn at once from a generator seeded by the stream's
+/// seed and the batch's first sample, so a stream is fixed by its seed and
+/// its batch sizes.
+struct DeviceGaussian {
+    seed: u64,
+    /// Index of the next sample.
+    next: u64,
+    t: i64,
+    dim: i64,
+    device: Device,
+}
+
+impl DeviceGaussian {
+    /// The next `n` samples' inputs (`[n, t, dim]`) and target noise
+    /// draws (`[n]`).
+    fn next(&mut self, n: usize) -> Result<(Tensor, Tensor), crate::torch_ext::TorchError> {
+        let (start, b) = (self.next, n as i64);
+        self.next += n as u64;
+        let seed = crate::suite::mix_seed(self.seed, "device regression", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let all = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b * (self.t * self.dim + 1)], seed, self.device)?;
+        let x = all.narrow(0, 0, b * self.t * self.dim).view([b, self.t, self.dim]);
+        Ok((x, all.narrow(0, b * self.t * self.dim, b)))
+    }
+}
+
 /// The training stream of `source` seeded `seed` from sample `skip` on:
-/// images of `host_images` (channels, side) made on `workers` host threads
-/// and collated ahead; other images made on the device; other samples made
-/// ahead on `workers` threads.
+/// with `on_device`, images or regression inputs made on the device; else
+/// images of `image` (channels, side) made on `workers` host threads and
+/// collated ahead, and other samples made ahead on `workers` threads.
+#[allow(clippy::too_many_arguments)]
 fn stream(
     source: &Arc<SampleSource>,
     seed: u64,
     t: usize,
     skip: u64,
     workers: usize,
-    host_images: Option<(i64, i64)>,
+    on_device: bool,
+    image: Option<(i64, i64)>,
     device: Device,
 ) -> Stream {
-    if let (SampleSource::Images(src), None) = (&**source, host_images) {
-        return Stream::Device(DeviceImages::new(src, seed, skip, device));
+    match (&**source, on_device) {
+        (SampleSource::Images(src), true) => return Stream::Device(DeviceImages::new(src, seed, skip, device)),
+        (SampleSource::Gaussian { dim }, true) => {
+            return Stream::Gaussian(DeviceGaussian { seed, next: skip, t: t as i64, dim: *dim as i64, device });
+        }
+        _ => {}
     }
     // Deep enough for a few batches of the largest sizes in our suites.
     let samples = Prefetch::start(source.clone(), seed, t, PREFETCH_DEPTH, skip, workers);
-    match host_images {
+    match image {
         Some((c, side)) => {
             let cuda = match device {
                 Device::Cuda(i) => Some(i),
@@ -851,6 +908,53 @@ mod tests {
             let px = Vec::<f32>::try_from(&x.reshape([-1])).unwrap();
             assert_eq!(px, want_x[at..at + n].concat(), "pixels of rows {at}..{}", at + n);
             at += n;
+        }
+    }
+
+    /// Regression data of `seq_len` 8 and width 16 drawn through `pipeline`.
+    fn regression(pipeline: Pipeline, seed: u64) -> Data {
+        let spec = DataSpec::Regression { noise: 0.5, pipeline: Some(pipeline), seed: None };
+        Data::new(&spec, Path::new("."), 8, 16, seed, Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn device_regression_streams_are_fixed_by_seed_and_batch_sizes_and_restore() {
+        let batches = |d: &mut Data| [4, 3, 5].map(|n| d.next_train(n));
+        let one = batches(&mut regression(Pipeline::Device, 3));
+        let again = batches(&mut regression(Pipeline::Device, 3));
+        for (a, b) in one.iter().zip(&again) {
+            assert!(a.input.equal(&b.input) && a.target.equal(&b.target), "the same seed gave another stream");
+        }
+        assert_eq!(one[1].input.size(), [3, 8, 16]);
+        assert_eq!(one[1].target.size(), [3]);
+        assert!(!one[0].input.equal(&batches(&mut regression(Pipeline::Device, 4))[0].input), "another seed gave the same inputs");
+        // A restore seeks to the position a checkpoint recorded.
+        let mut restored = regression(Pipeline::Device, 3);
+        restored.seek(4);
+        let (b1, b2) = (restored.next_train(3), restored.next_train(5));
+        assert!(b1.input.equal(&one[1].input) && b2.target.equal(&one[2].target), "seeking did not repeat the stream");
+        assert_eq!(restored.position(), 12);
+    }
+
+    #[test]
+    fn device_and_host_regression_inputs_follow_the_same_law() {
+        // Inputs unit normal; the target is w . mean_t(x) sqrt(t) (unit
+        // variance) plus noise 0.5: variance 1.25, and a residual of
+        // variance 0.25, the loss floor.
+        for pipeline in [Pipeline::Host, Pipeline::Device] {
+            let mut d = regression(pipeline, 9);
+            assert_eq!(d.loss_floor(), Some(0.25));
+            let b = d.next_train(4000);
+            let x = &b.input;
+            let (mean, var) = (x.mean(Kind::Float).double_value(&[]), x.var(true).double_value(&[]));
+            assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.01, "{pipeline:?}: inputs of mean {mean}, variance {var}");
+            let y = &b.target;
+            let vy = y.var(true).double_value(&[]);
+            assert!((vy - 1.25).abs() < 0.1, "{pipeline:?}: targets of variance {vy}");
+            let (w, _) = d.regression.as_ref().unwrap();
+            let residual = y - x.mean_dim(1, false, Kind::Float).matmul(w) * 8f64.sqrt();
+            let vr = residual.var(true).double_value(&[]);
+            assert!((vr - 0.25).abs() < 0.03, "{pipeline:?}: residual of variance {vr}");
         }
     }
 

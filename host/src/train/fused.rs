@@ -49,26 +49,30 @@ struct AddNorm {
     engine: Engine,
     residual: bool,
     bias: bool,
+    /// `y`'s kind: bf16 before a matmul ([`add_norm`]), fp32 as a post-norm
+    /// layer's residual stream ([`post_norm`]).
+    y_kind: Kind,
+    /// `f`'s kind, for its gradient.
+    f_kind: Kind,
 }
 
-/// The reference forward pass: `(x + f + fb, y, mean, rstd)`, y in `f`'s
-/// kind (or `x`'s without `f`).
+/// The reference forward pass: `(x + f + fb, y, mean, rstd)`, y in `y_kind`.
 fn reference_forward(
     x: &Tensor,
     f: Option<&Tensor>,
     fb: Option<&Tensor>,
     w: &Tensor,
     b: &Tensor,
+    y_kind: Kind,
 ) -> (Option<Tensor>, Tensor, Tensor, Tensor) {
     let xo = f.map(|f| match fb {
         Some(fb) => x + f.to_kind(Kind::Float) + fb,
         None => x + f,
     });
     let xin = xo.as_ref().unwrap_or(x);
-    let kind = f.map_or(x.kind(), Tensor::kind);
     let (mean, var) = (xin.mean_dim(-1, true, Kind::Float), xin.var_dim(-1, false, true));
     let rstd = (var + EPS).rsqrt();
-    let y = ((xin - &mean) * &rstd * w + b).to_kind(kind);
+    let y = ((xin - &mean) * &rstd * w + b).to_kind(y_kind);
     (xo, y, mean.squeeze_dim(-1), rstd.squeeze_dim(-1))
 }
 
@@ -142,8 +146,8 @@ impl CustomOp for AddNorm {
             _ => anyhow::bail!("add_norm: {} inputs", inputs.len()),
         };
         let (xo, y, mean, rstd) = match self.engine {
-            Engine::Cuda => kernels::add_layer_norm(x, f, fb, w, b, EPS as f32)?,
-            Engine::Reference => reference_forward(x, f, fb, w, b),
+            Engine::Cuda => kernels::add_layer_norm(x, f, fb, w, b, EPS as f32, self.y_kind)?,
+            Engine::Reference => reference_forward(x, f, fb, w, b, self.y_kind),
         };
         let mut kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone(), b.shallow_clone()];
         kept.extend(fb.map(Tensor::shallow_clone));
@@ -184,7 +188,7 @@ impl CustomOp for AddNorm {
             }
             Engine::Reference => {
                 let (dx, dw, db) = reference_backward(dy, x, mean, rstd, w, dres);
-                let df = self.residual.then(|| dx.to_kind(dy.kind()));
+                let df = self.residual.then(|| dx.to_kind(self.f_kind));
                 let mut sums = vec![dw, db];
                 if fb.is_some() {
                     sums.push(dx.sum_dim_intlist(0, false, Kind::Float));
@@ -213,9 +217,46 @@ pub fn cuda_fits(c: i64, device: tch::Device) -> bool {
 /// CUDA ([`cuda_fits`]) one kernel each way; elsewhere the same maths in
 /// libtorch operations.
 pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor, b: &Tensor) -> (Tensor, Tensor) {
+    let engine = if cuda_fits(*x.size().last().expect("add_norm takes rows"), x.device()) && !reference_forced() {
+        Engine::Cuda
+    } else {
+        Engine::Reference
+    };
+    // The kernels write bf16 rows (for the next matmul); the reference
+    // writes f's kind (x's without f).
+    let y_kind = match engine {
+        Engine::Cuda => Kind::BFloat16,
+        Engine::Reference => f.map_or(x.kind(), Tensor::kind),
+    };
+    add_norm_with(engine, x, f, fb, w, b, y_kind)
+}
+
+/// `LayerNorm(x + f + fb)` over the last dimension in fp32: a post-norm
+/// layer's residual add and LayerNorm (`nn.TransformerEncoderLayer`), whose
+/// output is the next layer's fp32 residual stream and input. `x` is the
+/// fp32 stream `[.., c]`, `f` the branch output (bf16 under autocast), `fb`
+/// (fp32 `[c]`, optional) the bias of the linear layer that made it, and
+/// `w`, `b` the LayerNorm's parameters. On CUDA ([`cuda_fits`], `f` bf16)
+/// one kernel each way; elsewhere the same maths in libtorch operations.
+pub fn post_norm(x: &Tensor, f: &Tensor, fb: Option<&Tensor>, w: &Tensor, b: &Tensor) -> Tensor {
+    let c = *x.size().last().expect("post_norm takes rows");
+    let cuda = cuda_fits(c, x.device()) && !reference_forced() && x.kind() == Kind::Float && f.kind() == Kind::BFloat16;
+    let engine = if cuda { Engine::Cuda } else { Engine::Reference };
+    add_norm_with(engine, x, Some(f), fb, w, b, Kind::Float).1
+}
+
+/// [`add_norm`]'s node on `engine`, the normalised rows in `y_kind`.
+fn add_norm_with(
+    engine: Engine,
+    x: &Tensor,
+    f: Option<&Tensor>,
+    fb: Option<&Tensor>,
+    w: &Tensor,
+    b: &Tensor,
+    y_kind: Kind,
+) -> (Tensor, Tensor) {
     let c = *x.size().last().expect("add_norm takes rows");
     let shape = x.size();
-    let engine = if cuda_fits(c, x.device()) && !reference_forced() { Engine::Cuda } else { Engine::Reference };
     let rows = |t: &Tensor| t.reshape([-1, c]).contiguous();
     let x2 = rows(x);
     let f2 = f.map(rows);
@@ -224,7 +265,7 @@ pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor,
     inputs.extend(f2.as_ref());
     inputs.extend(fb);
     inputs.extend([w, b]);
-    let op = AddNorm { engine, residual: f.is_some(), bias: fb.is_some() };
+    let op = AddNorm { engine, residual: f.is_some(), bias: fb.is_some(), y_kind, f_kind: f.map_or(x.kind(), Tensor::kind) };
     let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
     let [xo, y] = &out[..] else { unreachable!("add_norm returns two outputs") };
     (xo.view(shape.as_slice()), y.view(shape.as_slice()))
@@ -926,6 +967,47 @@ mod tests {
 
     const CASES: [(bool, bool); 3] = [(true, true), (true, false), (false, false)];
 
+    /// The output and gradients (x, f, fb, w, b) of a loss over a post-norm
+    /// layer's `LayerNorm(x + f + fb)` on `[n, c]` rows, `f` in `kind`:
+    /// through [`post_norm`] (`fused`), or libtorch's add and LayerNorm.
+    /// `buffers`: fb, w and b have zeroed gradient buffers beforehand.
+    fn post_grads(fused: bool, buffers: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(13);
+        let leaf = |t: Tensor| t.set_requires_grad(true);
+        let x = leaf(Tensor::randn([n, c], (Kind::Float, dev)) * 2.0 + 0.5);
+        let f = leaf(Tensor::randn([n, c], (Kind::Float, dev)).to_kind(kind));
+        let fb = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1);
+        let w = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1 + 1.0);
+        let b = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1);
+        let p = Tensor::randn([n, c], (Kind::Float, dev));
+        let kept: Vec<Tensor> = [&fb, &w, &b].iter().filter(|_| buffers).map(|t| t.zeros_like()).collect();
+        for (t, g) in [&fb, &w, &b].iter().zip(&kept) {
+            torch_ext::set_grad(t, Some(g)).unwrap();
+        }
+        let y = if fused { post_norm(&x, &f, Some(&fb), &w, &b) } else { (&x + &f + &fb).layer_norm([c], Some(&w), Some(&b), EPS, false) };
+        assert_eq!(y.kind(), Kind::Float, "a post-norm layer's output is the fp32 stream");
+        (&y * &p).sum(Kind::Float).backward();
+        for (t, g) in [&fb, &w, &b].iter().zip(&kept) {
+            assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
+        assert_eq!(f.grad().kind(), kind, "the branch's gradient is not in its kind");
+        vec![y.detach(), x.grad(), f.grad().to_kind(Kind::Float), fb.grad(), w.grad(), b.grad()]
+    }
+
+    #[test]
+    fn the_post_norm_node_matches_libtorchs_layers() {
+        // fp32 on the CPU: the reference's maths against autograd's.
+        for buffers in [false, true] {
+            let want = post_grads(false, buffers, Device::Cpu, Kind::Float, (6, 16));
+            let got = post_grads(true, buffers, Device::Cpu, Kind::Float, (6, 16));
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                let err = (a - b).abs().max().double_value(&[]);
+                assert!(err < 1e-4, "buffers={buffers}, output/gradient {i}: max error {err}");
+            }
+        }
+    }
+
     #[test]
     fn the_written_out_backward_pass_matches_autograd() {
         // fp32 on the CPU: the reference's maths against autograd's.
@@ -1055,11 +1137,20 @@ mod tests {
     /// layer of `n` rows, `i` to `o`: through [`Linear`] on `engine`, or
     /// (None) as autocast computes it (bf16 casts, then libtorch's matmul
     /// and autograd). `buffers`: w and b have zeroed gradient buffers, which
-    /// must then hold their gradients.
-    fn linear_grads(engine: Option<Engine>, bias: bool, buffers: bool, dev: Device, (n, i, o): (i64, i64, i64)) -> Vec<Tensor> {
+    /// must then hold their gradients. `x` is bf16 (a pre-norm block's
+    /// LayerNorm output) or fp32 (a post-norm encoder's residual stream),
+    /// and its gradient comes back in its kind.
+    fn linear_grads(
+        engine: Option<Engine>,
+        bias: bool,
+        buffers: bool,
+        dev: Device,
+        x_kind: Kind,
+        (n, i, o): (i64, i64, i64),
+    ) -> Vec<Tensor> {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(17);
-        let x = Tensor::randn([2, n, i], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let x = Tensor::randn([2, n, i], (Kind::Float, dev)).to_kind(Kind::BFloat16).to_kind(x_kind).set_requires_grad(true);
         let w = (Tensor::randn([o, i], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
         let b = (Tensor::randn([o], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
         let p = Tensor::randn([2, n, o], (Kind::Float, dev));
@@ -1070,10 +1161,11 @@ mod tests {
         let bias_in = bias.then_some(&b);
         let y = match engine {
             Some(e) => linear_with(e, &x, &w, bias_in, None),
-            None => x.linear(&w.to_kind(Kind::BFloat16), bias_in.map(|b| b.to_kind(Kind::BFloat16))),
+            None => x.to_kind(Kind::BFloat16).linear(&w.to_kind(Kind::BFloat16), bias_in.map(|b| b.to_kind(Kind::BFloat16))),
         };
         assert_eq!((y.size(), y.kind()), (vec![2, n, o], Kind::BFloat16));
         (y.to_kind(Kind::Float) * p).sum(Kind::Float).backward();
+        assert_eq!(x.grad().kind(), x_kind, "the input's gradient is not in the input's kind");
         for (t, g) in [&w, &b].iter().zip(&kept) {
             if t.grad().defined() {
                 assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
@@ -1090,17 +1182,17 @@ mod tests {
     fn the_linear_node_gives_autocasts_gradients() {
         // The input's gradient is the same bf16 matmul; the weight's is
         // summed in fp32 instead of rounded to bf16 (within bf16's epsilon).
-        for bias in [false, true] {
-            for buffers in [false, true] {
-                let want = linear_grads(None, bias, buffers, Device::Cpu, (7, 24, 40));
-                let got = linear_grads(Some(Engine::Reference), bias, buffers, Device::Cpu, (7, 24, 40));
-                assert!(
-                    want[0].equal(&got[0]) && want[1].equal(&got[1]),
-                    "bias={bias} buffers={buffers}: output or input gradient differs"
-                );
-                for (k, (a, b)) in want.iter().zip(&got).enumerate().skip(2) {
-                    let rel = relative(a, b);
-                    assert!(rel < 8e-3, "bias={bias} buffers={buffers}, gradient {k}: relative error {rel}");
+        for x_kind in [Kind::BFloat16, Kind::Float] {
+            for bias in [false, true] {
+                for buffers in [false, true] {
+                    let want = linear_grads(None, bias, buffers, Device::Cpu, x_kind, (7, 24, 40));
+                    let got = linear_grads(Some(Engine::Reference), bias, buffers, Device::Cpu, x_kind, (7, 24, 40));
+                    let case = format!("{x_kind:?} input, bias={bias} buffers={buffers}");
+                    assert!(want[0].equal(&got[0]) && want[1].equal(&got[1]), "{case}: output or input gradient differs");
+                    for (k, (a, b)) in want.iter().zip(&got).enumerate().skip(2) {
+                        let rel = relative(a, b);
+                        assert!(rel < 8e-3, "{case}, gradient {k}: relative error {rel}");
+                    }
                 }
             }
         }
@@ -1111,10 +1203,10 @@ mod tests {
     /// [`QkvProj`] (`fused`), or through the linear node and autograd's
     /// split, both on `engine`. `buffers`: w and b have zeroed gradient
     /// buffers, which must then hold their gradients.
-    fn qkv_grads(fused: bool, engine: Engine, buffers: bool, dev: Device, (t, c, heads): (i64, i64, i64)) -> Vec<Tensor> {
+    fn qkv_grads(fused: bool, engine: Engine, buffers: bool, dev: Device, x_kind: Kind, (t, c, heads): (i64, i64, i64)) -> Vec<Tensor> {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(23);
-        let x = Tensor::randn([2, t, c], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let x = Tensor::randn([2, t, c], (Kind::Float, dev)).to_kind(x_kind).set_requires_grad(true);
         let w = (Tensor::randn([3 * c, c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
         let b = (Tensor::randn([3 * c], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
         let ps: Vec<Tensor> = (0..3).map(|_| Tensor::randn([2, heads, t, c / heads], (Kind::Float, dev))).collect();
@@ -1135,17 +1227,20 @@ mod tests {
         for (t, g) in [&w, &b].iter().zip(&kept) {
             assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
         }
+        assert_eq!(x.grad().kind(), x_kind, "the input's gradient is not in the input's kind");
         vec![q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float), x.grad().to_kind(Kind::Float), w.grad(), b.grad()]
     }
 
     #[test]
     fn the_qkv_node_gives_the_linear_layers_and_splits_gradients() {
         // The same matmuls on the same packed gradient: equal, bit for bit.
-        for buffers in [false, true] {
-            let want = qkv_grads(false, Engine::Reference, buffers, Device::Cpu, (5, 24, 3));
-            let got = qkv_grads(true, Engine::Reference, buffers, Device::Cpu, (5, 24, 3));
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                assert!(a.equal(b), "buffers={buffers}: output or gradient {i} differs");
+        for x_kind in [Kind::BFloat16, Kind::Float] {
+            for buffers in [false, true] {
+                let want = qkv_grads(false, Engine::Reference, buffers, Device::Cpu, x_kind, (5, 24, 3));
+                let got = qkv_grads(true, Engine::Reference, buffers, Device::Cpu, x_kind, (5, 24, 3));
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    assert!(a.equal(b), "{x_kind:?} input, buffers={buffers}: output or gradient {i} differs");
+                }
             }
         }
     }
@@ -1298,6 +1393,18 @@ mod tests {
                 }
             }
         }
+        // Post-norm (fp32 rows out, fp32 gradients in): the claims5
+        // encoder's width, a block per row (2048), several rows per warp.
+        for shape in [(300, 512), (64, 2048), (5000, 256)] {
+            for buffers in [false, true] {
+                let want = post_grads(false, buffers, dev, Kind::BFloat16, shape);
+                let got = post_grads(true, buffers, dev, Kind::BFloat16, shape);
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 1e-2, "post-norm {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                }
+            }
+        }
         for tied in [false, true] {
             let (gw, gx, calls) = hook_grads(None, tied, dev);
             let (fw, fx, fcalls) = hook_grads(Some(Engine::Cuda), tied, dev);
@@ -1325,26 +1432,32 @@ mod tests {
         }
         // GPT-2 124M's attention projection (with its bias) and a width not
         // a multiple of the column sums' blocks.
-        for shape in [(512, 768, 2304), (33, 64, 8 * 130)] {
+        // The claims5 encoder's feed-forward layer takes fp32 rows (its
+        // post-norm residual stream).
+        for (shape, x_kind) in [((512, 768, 2304), Kind::BFloat16), ((33, 64, 8 * 130), Kind::BFloat16), ((256, 512, 2048), Kind::Float)] {
             for (bias, buffers) in [(true, false), (true, true), (false, false)] {
-                let want = linear_grads(None, bias, buffers, dev, shape);
-                let got = linear_grads(Some(Engine::Cuda), bias, buffers, dev, shape);
+                let want = linear_grads(None, bias, buffers, dev, x_kind, shape);
+                let got = linear_grads(Some(Engine::Cuda), bias, buffers, dev, x_kind, shape);
                 for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                     let rel = relative(a, b);
-                    assert!(rel < 1e-2, "linear {shape:?} bias={bias} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                    assert!(
+                        rel < 1e-2,
+                        "linear {shape:?} {x_kind:?} bias={bias} buffers={buffers}, output/gradient {i}: relative error {rel}"
+                    );
                 }
             }
         }
         // The q, k, v node's packing kernel against the linear node and
         // autograd's split: GPT-2 124M's widths, and a width not a multiple
         // of the kernel's blocks (its bias sums in another order).
-        for shape in [(256, 768, 12), (33, 64 * 5, 5)] {
+        // The claims5 encoder's projection takes fp32 rows.
+        for (shape, x_kind) in [((256, 768, 12), Kind::BFloat16), ((33, 64 * 5, 5), Kind::BFloat16), ((128, 512, 8), Kind::Float)] {
             for buffers in [false, true] {
-                let want = qkv_grads(false, Engine::Cuda, buffers, dev, shape);
-                let got = qkv_grads(true, Engine::Cuda, buffers, dev, shape);
+                let want = qkv_grads(false, Engine::Cuda, buffers, dev, x_kind, shape);
+                let got = qkv_grads(true, Engine::Cuda, buffers, dev, x_kind, shape);
                 for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                     let rel = relative(a, b);
-                    assert!(rel < 1e-5, "qkv {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                    assert!(rel < 1e-5, "qkv {shape:?} {x_kind:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
                 }
             }
         }

@@ -92,6 +92,17 @@ impl Norm {
         (x, y)
     }
 
+    /// `LayerNorm(x + f)`, a post-norm layer's residual add and LayerNorm
+    /// (fp32 out, the next residual stream): with `fused`, through
+    /// [`fused::post_norm`] with the branch's pending bias added there,
+    /// else libtorch's add and LayerNorm.
+    fn post_forward(&self, x: &Tensor, f: &Branch, fused: bool) -> Tensor {
+        if fused && fused::cuda_fits(self.d, x.device()) {
+            return fused::post_norm(x, &f.out, f.bias.as_ref(), &self.ws, &self.bs);
+        }
+        self.forward(&residual(x, f.value()))
+    }
+
     fn share(&self) -> Norm {
         Norm { ws: self.ws.shallow_clone(), bs: self.bs.shallow_clone(), d: self.d }
     }
@@ -175,15 +186,11 @@ struct Shape {
     d_model: i64,
     dropout: f64,
     train: bool,
-    /// Residual adds and LayerNorms through [`fused::add_norm`].
+    /// harness's fused layers ([`fused::add_norm`], [`fused::linear`], ...).
     fused: bool,
 }
 
 impl Shape {
-    fn attention(&self, qkv: &Tensor, causal: bool) -> Tensor {
-        attention(qkv, self.b, self.t, self.heads, self.attention_dropout(), causal)
-    }
-
     fn attention_dropout(&self) -> f64 {
         if self.train {
             self.dropout
@@ -202,6 +209,11 @@ impl Shape {
         dropout(x, self.dropout, self.train)
     }
 
+    /// `l(h)` ([`fused::linear`]).
+    fn linear(&self, l: &nn::Linear, h: &Tensor) -> Tensor {
+        fused::linear(h, &l.ws, l.bs.as_ref(), self.fused)
+    }
+
     /// `l(y)` (then dropout) as a branch of the residual stream; with the
     /// fused kernels and no dropout, its bias is left to the next
     /// [`fused::add_norm`].
@@ -209,7 +221,7 @@ impl Shape {
         if self.fused && (!self.train || self.dropout == 0.0) && fused::cuda_fits(self.d_model, y.device()) {
             Branch::of(l, y, true, self.d_model)
         } else {
-            Branch { out: self.dropout(l.forward(y)), bias: None }
+            Branch { out: self.dropout(self.linear(l, y)), bias: None }
         }
     }
 
@@ -283,7 +295,11 @@ impl GptBlock {
     }
 }
 
-/// One `nn.TransformerEncoderLayer` (post-norm).
+/// One `nn.TransformerEncoderLayer` (post-norm). With the fused kernels
+/// its linear layers are [`fused::linear`]'s nodes, its attention
+/// [`qkv_attention`]'s, and each residual add with its LayerNorm (and the
+/// bias of the layer before) one [`fused::post_norm`] node, whose output
+/// stays the fp32 residual stream.
 pub struct EncoderLayer {
     in_proj: nn::Linear,
     out_proj: nn::Linear,
@@ -295,10 +311,10 @@ pub struct EncoderLayer {
 
 impl EncoderLayer {
     fn forward(&self, x: &Tensor, s: &Shape) -> Tensor {
-        let y = s.attention(&self.in_proj.forward(x), false);
-        let x = self.norm1.forward(&(x + s.dropout(self.out_proj.forward(&y))));
-        let f = self.lin2.forward(&s.dropout(self.lin1.forward(&x).relu()));
-        self.norm2.forward(&(&x + s.dropout(f)))
+        let y = s.qkv_attention(&self.in_proj, x, false);
+        let x = self.norm1.post_forward(x, &s.project(&self.out_proj, &y), s.fused);
+        let h = s.dropout(s.linear(&self.lin1, &x).relu());
+        self.norm2.post_forward(&x, &s.project(&self.lin2, &h), s.fused)
     }
 
     fn share(&self) -> EncoderLayer {
@@ -422,8 +438,10 @@ impl Model {
         Model { cfg: cfg.clone(), net, recompute, fused: false }
     }
 
-    /// Computes residual adds and LayerNorms with harness's fused kernels
-    /// where they apply (bf16 autocast on CUDA; [`fused::add_norm`]).
+    /// Computes layers with harness's fused kernels where they apply (bf16
+    /// autocast on CUDA): residual adds and LayerNorms ([`fused::add_norm`]),
+    /// linear layers ([`fused::linear`]), attention projections
+    /// ([`fused::qkv`]), ...
     pub fn use_fused_kernels(&mut self, on: bool) {
         self.fused = on;
         match &mut self.net {
@@ -439,10 +457,10 @@ impl Model {
     }
 
     /// Whether the residual adds and LayerNorms run through
-    /// [`fused::add_norm`]'s CUDA kernels.
+    /// [`fused::add_norm`]'s (or, post-norm, [`fused::post_norm`]'s) CUDA kernels.
     pub fn fused_layer_norm(&self) -> bool {
         let with_norms = match &self.net {
-            Net::Gpt { .. } => true,
+            Net::Gpt { .. } | Net::Encoder { .. } => true,
             Net::Vision(v) => v.is_transformer(),
             _ => false,
         };
