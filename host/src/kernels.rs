@@ -640,8 +640,18 @@ extern "C" __global__ void add_partials(const float* __restrict__ part, float* g
 // Per-block partial sums over the rows of bf16 x [N, C] (C % 8 == 0) in
 // part [gridDim.x, C] (a bias's gradient, reduced by add_partials): thread
 // (blockIdx.y * blockDim.x + threadIdx.x) owns channels 8i..8i+7, blocks
-// stride over rows in blockIdx.x, four rows in flight per thread.
-extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __restrict__ part, int N, int C) {
+// stride over rows in blockIdx.x, four rows in flight per thread. With
+// RELU, x is the gradient of a ReLU's output m [N, C] (bf16): what is summed
+// (and written to dx) is x where m > 0 and 0 elsewhere, ReLU's backward.
+__device__ __forceinline__ void relu_mask(uint4 m, float v[8]) {
+  float mv[8];
+  unpack_bf8(m, mv);
+  #pragma unroll
+  for (int j = 0; j < 8; j++) v[j] = mv[j] > 0.f ? v[j] : 0.f;
+}
+template <bool RELU>
+__device__ __forceinline__ void col_sums(const bf16* __restrict__ x, const bf16* __restrict__ m, bf16* __restrict__ dx,
+    float* __restrict__ part, int N, int C) {
   PDL_WAIT();
   const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
   if (c >= C) return;
@@ -649,13 +659,20 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
   const int step = gridDim.x;
   int row = blockIdx.x;
   for (; row + 3 * step < N; row += 4 * step) {
-    uint4 u[4];
+    uint4 u[4], um[4];
     #pragma unroll
-    for (int r = 0; r < 4; r++) u[r] = *reinterpret_cast<const uint4*>(x + (size_t)(row + r * step) * C + c);
+    for (int r = 0; r < 4; r++) {
+      u[r] = *reinterpret_cast<const uint4*>(x + (size_t)(row + r * step) * C + c);
+      if (RELU) um[r] = *reinterpret_cast<const uint4*>(m + (size_t)(row + r * step) * C + c);
+    }
     #pragma unroll
     for (int r = 0; r < 4; r++) {
       float v[8];
       unpack_bf8(u[r], v);
+      if (RELU) {
+        relu_mask(um[r], v);
+        st_bf8(dx + (size_t)(row + r * step) * C + c, v);
+      }
       #pragma unroll
       for (int j = 0; j < 8; j++) acc[j] += v[j];
     }
@@ -663,12 +680,23 @@ extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __re
   for (; row < N; row += step) {
     float v[8];
     ld_bf8(x + (size_t)row * C + c, v);
+    if (RELU) {
+      relu_mask(*reinterpret_cast<const uint4*>(m + (size_t)row * C + c), v);
+      st_bf8(dx + (size_t)row * C + c, v);
+    }
     #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] += v[j];
   }
   float* p = part + (size_t)blockIdx.x * C + c;
   #pragma unroll
   for (int j = 0; j < 8; j++) p[j] = acc[j];
+}
+extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __restrict__ part, int N, int C) {
+  col_sums<false>(x, nullptr, nullptr, part, N, C);
+}
+extern "C" __global__ void relu_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ m, bf16* __restrict__ dx,
+    float* __restrict__ part, int N, int C) {
+  col_sums<true>(dy, m, dx, part, N, C);
 }
 
 // The gradient of a fused q, k, v projection from its three parts: q, k
@@ -909,6 +937,7 @@ struct Loaded {
     cast_bf16: sys::CUfunction,
     add_partials: sys::CUfunction,
     col_sums_bf16: sys::CUfunction,
+    relu_bwd: sys::CUfunction,
     pack_qkv: sys::CUfunction,
     embed_fwd: sys::CUfunction,
     embed_bwd: sys::CUfunction,
@@ -992,6 +1021,7 @@ fn loaded() -> Result<&'static Loaded, String> {
             cast_bf16: get("cast_bf16")?,
             add_partials: get("add_partials")?,
             col_sums_bf16: get("col_sums_bf16")?,
+            relu_bwd: get("relu_bwd")?,
             pack_qkv: get("pack_qkv")?,
             embed_fwd: get("embed_fwd")?,
             embed_bwd: get("embed_bwd")?,
@@ -1503,6 +1533,37 @@ pub fn column_sums_bf16(x: &Tensor) -> anyhow::Result<Partials> {
     Ok(Partials(part))
 }
 
+/// ReLU's backward pass from its output `m` and the output's gradient `dy`
+/// (bf16 `[n, c]`, contiguous, `c % 8 == 0`): `dx = dy` where `m > 0`, else
+/// 0 (bf16), and the partial sums of `dx` over the rows (the gradient of the
+/// bias added before the ReLU), in one pass.
+pub fn relu_backward(dy: &Tensor, m: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
+    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let (n, c) = dy.size2()?;
+    for t in [dy, m] {
+        anyhow::ensure!(
+            c % 8 == 0 && t.size() == [n, c] && t.kind() == Kind::BFloat16 && t.device().is_cuda() && t.is_contiguous(),
+            "ReLU's backward takes contiguous bf16 CUDA rows [{n}, {c}] of a multiple of 8"
+        );
+    }
+    let (grid, threads) = rows_of_8_shape(k, n, c, 8);
+    let dx = dy.empty_like();
+    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, dy.device()));
+    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    // SAFETY: the arguments follow relu_bwd's signature (device pointers to
+    // the checked rows, to dx of their shape and to partial sums of one row
+    // per block row of the grid, then N, C).
+    unsafe {
+        launch2(
+            k.relu_bwd,
+            grid,
+            (threads, 1, 1),
+            &mut [&mut dy.data_ptr(), &mut m.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
+        )?
+    };
+    Ok((dx, Partials(part)))
+}
+
 /// Whether [`embed`] takes rows of `c` channels.
 pub fn embed_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
@@ -1977,6 +2038,7 @@ mod tests {
             "cast_bf16",
             "add_partials",
             "col_sums_bf16",
+            "relu_bwd",
             "embed_fwd",
             "embed_bwd",
             "adamw",

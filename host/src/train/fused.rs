@@ -231,6 +231,19 @@ pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor,
     add_norm_with(engine, x, f, fb, w, b, y_kind)
 }
 
+/// Whether [`post_norm`] runs the CUDA kernels on rows of `c` channels of
+/// this device (else a caller keeps libtorch's layers).
+/// `HARNESS_FUSED_POST_NORM=0` keeps libtorch's (a diagnostic).
+pub fn post_norm_cuda_fits(c: i64, device: tch::Device) -> bool {
+    post_norm_on() && cuda_fits(c, device)
+}
+
+/// Whether `HARNESS_FUSED_POST_NORM=0` leaves post-norm layers to libtorch.
+pub fn post_norm_on() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_POST_NORM"))
+}
+
 /// `LayerNorm(x + f + fb)` over the last dimension in fp32: a post-norm
 /// layer's residual add and LayerNorm (`nn.TransformerEncoderLayer`), whose
 /// output is the next layer's fp32 residual stream and input. `x` is the
@@ -562,20 +575,27 @@ fn linear_with(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>, tie: 
     out[0].view(shape.as_slice())
 }
 
-/// A GPT block's MLP, `gelu(h w1^T + b1) w2^T` without the second bias (left
-/// to the next [`add_norm`]): the autograd node behind [`mlp`]. Inputs `[h,
-/// w1, b1, w2]` (`h` bf16 `[n, c]`, the weights fp32 `[f, c]` and `[c2,
-/// f]`, `b1` fp32 `[f]`), output `[y]` (bf16 `[n, c2]`), kept `[h, w1 (bf16),
-/// w2 (bf16), w1, b1, w2]`. The hidden layer, `pre = h w1^T + b1` and `m =
-/// gelu(pre)`, is held by the node itself: the backward pass frees `m` once
-/// the second weight's gradient is out and `pre` once GELU's derivative
-/// is, as the separate layers' nodes freed them, where autograd would keep
-/// kept tensors to the end of the node (at the peak of the backward pass,
-/// two more hidden layers alive than before the node existed).
+/// A GPT block's or an encoder layer's MLP, `act(h w1^T + b1) w2^T` without
+/// the second bias (left to the next [`add_norm`] or [`post_norm`]): the
+/// autograd node behind [`mlp`]. Inputs `[h, w1, b1, w2]` (`h` `[n, c]`,
+/// bf16 or fp32, the weights fp32 `[f, c]` and `[c2, f]`, `b1` fp32 `[f]`),
+/// output `[y]` (bf16 `[n, c2]`), kept `[bf16(h), w1 (bf16), w2 (bf16), w1,
+/// b1, w2]`. The hidden layer, `m = act(h w1^T + b1)`, and what the
+/// derivative needs (`aux`: GELU's pre-activation, ReLU's bitmask) are held
+/// by the node itself: the backward pass frees `m` once the second weight's
+/// gradient is out and `aux` once the derivative is, as the separate
+/// layers' nodes freed them, where autograd would keep kept tensors to the
+/// end of the node (at the peak of the backward pass, two more hidden
+/// layers alive than before the node existed).
 struct Mlp {
     engine: Engine,
+    act: Act,
+    /// `h`'s kind, for its gradient.
+    h_kind: Kind,
     hidden: std::sync::Mutex<Option<(Tensor, Tensor)>>,
 }
+
+pub use crate::blaslt::Act;
 
 impl CustomOp for Mlp {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
@@ -583,11 +603,15 @@ impl CustomOp for Mlp {
         let h = aligned_rows(h);
         let (w1h, w2h) = (cast(self.engine, w1)?, cast(self.engine, w2)?);
         let (pre, m) = match self.engine {
-            Engine::Cuda => crate::blaslt::gelu_forward(&h, &w1h, b1)?,
+            Engine::Cuda => crate::blaslt::act_forward(self.act, &h, &w1h, b1)?,
             Engine::Reference => {
                 let b = b1.to_kind(Kind::BFloat16).to_kind(Kind::Float);
                 let acc = h.to_kind(Kind::Float).mm(&w1h.to_kind(Kind::Float).tr()) + b;
-                (acc.to_kind(Kind::BFloat16), acc.gelu("tanh").to_kind(Kind::BFloat16))
+                let m = match self.act {
+                    Act::Gelu => acc.gelu("tanh"),
+                    Act::Relu => acc.relu(),
+                };
+                (acc.to_kind(Kind::BFloat16), m.to_kind(Kind::BFloat16))
             }
         };
         let y = matmul(self.engine, &m, &w2h, None)?;
@@ -606,21 +630,32 @@ impl CustomOp for Mlp {
         let dw2 = weight_grad(self.engine, &dy, &m)?;
         drop(m);
         let (dpre, db1) = match self.engine {
-            Engine::Cuda => {
-                let dpre = crate::blaslt::dgelu_backward(&dy, w2h, &pre)?;
-                let sums = Sums::Partials(kernels::column_sums_bf16(&dpre)?);
-                (dpre, sums)
-            }
+            Engine::Cuda => match self.act {
+                Act::Gelu => {
+                    let dpre = crate::blaslt::dgelu_backward(&dy, w2h, &pre)?;
+                    let sums = Sums::Partials(kernels::column_sums_bf16(&dpre)?);
+                    (dpre, sums)
+                }
+                // `pre` is the ReLU's output: the mask of its derivative.
+                Act::Relu => {
+                    let (dpre, part) = kernels::relu_backward(&input_grad(self.engine, &dy, w2h)?, &pre)?;
+                    (dpre, Sums::Partials(part))
+                }
+            },
             Engine::Reference => {
                 let dm = dy.to_kind(Kind::Float).mm(&w2h.to_kind(Kind::Float));
-                let d = pre.to_kind(Kind::Float).gelu_backward(&dm, "tanh").to_kind(Kind::BFloat16);
+                let d = match self.act {
+                    Act::Gelu => pre.to_kind(Kind::Float).gelu_backward(&dm, "tanh"),
+                    Act::Relu => dm * pre.gt(0.0),
+                };
+                let d = d.to_kind(Kind::BFloat16);
                 let sums = Sums::Tensors(vec![d.sum_dim_intlist(0, false, Kind::Float)]);
                 (d, sums)
             }
         };
         drop(pre);
         let dw1 = weight_grad(self.engine, &dpre, h)?;
-        let dh = input_grad(self.engine, &dpre, w1h)?;
+        let dh = input_grad(self.engine, &dpre, w1h)?.to_kind(self.h_kind);
         let db1 = db1.deliver(&[b1])?.pop().flatten();
         Ok(vec![Some(dh), into_buffer(w1, dw1)?, db1, into_buffer(w2, dw2)?])
     }
@@ -743,38 +778,38 @@ fn into_buffer(p: &Tensor, g: Tensor) -> anyhow::Result<Option<Tensor>> {
 }
 
 /// Whether [`mlp`] runs on CUDA for `n` rows of `c` channels, `f` hidden
-/// units and `c2` outputs: the fused kernels are there and cuBLASLt has
-/// algorithms for its two epilogues. `HARNESS_FUSED_MLP=0` keeps the
-/// separate layers (a diagnostic).
-pub fn mlp_cuda_fits(device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
+/// units and `c2` outputs with activation `act`: the fused kernels are there
+/// and cuBLASLt has algorithms for its two epilogues. `HARNESS_FUSED_MLP=0`
+/// keeps the separate layers (a diagnostic).
+pub fn mlp_cuda_fits(act: Act, device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_MLP"))
         && device.is_cuda()
         && kernels::available()
         && !reference_forced()
-        && crate::blaslt::mlp_fits(n, c, f, c2)
+        && crate::blaslt::mlp_fits(act, n, c, f, c2)
 }
 
-/// `gelu(h w1^T + b1) w2^T` (tanh GELU; the second layer's bias left to the
-/// caller) over bf16 rows `h` `[.., c]`, fp32 weights `w1` `[f, c]`, `w2`
-/// `[c2, f]` and bias `b1` `[f]`: one autograd node whose first matmul adds
-/// the bias and applies the GELU in its epilogue (keeping the
-/// pre-activation), and whose backward pass gets GELU's derivative from the
-/// epilogue of the matmul that makes the hidden layer's gradient
-/// ([`crate::blaslt`]) and the bias's gradient from the column-sum kernel.
-/// The weights' gradients come out of
-/// their matmuls in fp32, into their buffers where they have them. Only on
-/// CUDA where [`mlp_cuda_fits`].
-pub fn mlp(h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
-    mlp_with(Engine::Cuda, h, w1, b1, w2)
+/// `act(h w1^T + b1) w2^T` (GELU's tanh approximation, or ReLU; the second
+/// layer's bias left to the caller) over rows `h` `[.., c]` (bf16, or fp32
+/// as a post-norm stream), fp32 weights `w1` `[f, c]`, `w2` `[c2, f]` and
+/// bias `b1` `[f]`: one autograd node whose first matmul adds the bias and
+/// applies the activation in its epilogue (keeping what its derivative
+/// needs), and whose backward pass gets the derivative from the epilogue of
+/// the matmul that makes the hidden layer's gradient ([`crate::blaslt`]) and
+/// the bias's gradient from the column-sum kernel. The weights' gradients
+/// come out of their matmuls in fp32, into their buffers where they have
+/// them. Only on CUDA where [`mlp_cuda_fits`].
+pub fn mlp(h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, act: Act) -> Tensor {
+    mlp_with(Engine::Cuda, act, h, w1, b1, w2)
 }
 
 /// [`mlp`]'s autograd node on `engine`.
-fn mlp_with(engine: Engine, h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
+fn mlp_with(engine: Engine, act: Act, h: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> Tensor {
     let mut shape = h.size();
     let c = *shape.last().expect("mlp takes rows");
     let h2 = h.reshape([-1, c]);
-    let op = Mlp { engine, hidden: Default::default() };
+    let op = Mlp { engine, act, h_kind: h.kind(), hidden: Default::default() };
     let out = torch_ext::custom_op(op, &[&h2, w1, b1, w2]).unwrap_or_else(|e| panic!("{e}"));
     *shape.last_mut().expect("mlp takes rows") = w2.size()[0];
     out[0].view(shape.as_slice())
@@ -1246,14 +1281,16 @@ mod tests {
     }
 
     /// The output and gradients (h, w1, b1, w2) of a loss over a GPT
-    /// block's MLP (`n` rows of `c`, `f` hidden units): through [`Mlp`] on
-    /// `engine`, or (None) as autocast computes the two layers and the GELU
-    /// in libtorch. `buffers`: the parameters have zeroed gradient buffers,
+    /// block's (`act` GELU, `h` bf16) or an encoder layer's (ReLU, fp32)
+    /// MLP (`n` rows of `c`, `f` hidden units): through [`Mlp`] on `engine`,
+    /// or (None) as autocast computes the two layers and the activation in
+    /// libtorch. `buffers`: the parameters have zeroed gradient buffers,
     /// which must then hold their gradients.
-    fn mlp_grads(engine: Option<Engine>, buffers: bool, dev: Device, (n, c, f): (i64, i64, i64)) -> Vec<Tensor> {
+    fn mlp_grads(engine: Option<Engine>, act: Act, buffers: bool, dev: Device, (n, c, f): (i64, i64, i64)) -> Vec<Tensor> {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(29);
-        let h = Tensor::randn([2, n, c], (Kind::Float, dev)).to_kind(Kind::BFloat16).set_requires_grad(true);
+        let h_kind = if act == Act::Gelu { Kind::BFloat16 } else { Kind::Float };
+        let h = Tensor::randn([2, n, c], (Kind::Float, dev)).to_kind(Kind::BFloat16).to_kind(h_kind).set_requires_grad(true);
         let w1 = (Tensor::randn([f, c], (Kind::Float, dev)) * 0.05).set_requires_grad(true);
         let b1 = (Tensor::randn([f], (Kind::Float, dev)) * 0.1).set_requires_grad(true);
         let w2 = (Tensor::randn([c, f], (Kind::Float, dev)) * 0.05).set_requires_grad(true);
@@ -1264,10 +1301,12 @@ mod tests {
             torch_ext::set_grad(t, Some(g)).unwrap();
         }
         let y = match engine {
-            Some(e) => mlp_with(e, &h, &w1, &b1, &w2),
+            Some(e) => mlp_with(e, act, &h, &w1, &b1, &w2),
             None => {
                 let bf = |t: &Tensor| t.to_kind(Kind::BFloat16);
-                h.linear(&bf(&w1), Some(&bf(&b1))).gelu("tanh").linear::<Tensor>(&bf(&w2), None)
+                let pre = bf(&h).linear(&bf(&w1), Some(&bf(&b1)));
+                let m = if act == Act::Gelu { pre.gelu("tanh") } else { pre.relu() };
+                m.linear::<Tensor>(&bf(&w2), None)
             }
         };
         assert_eq!((y.size(), y.kind()), (vec![2, n, c], Kind::BFloat16));
@@ -1275,6 +1314,7 @@ mod tests {
         for (t, g) in params.iter().zip(&kept) {
             assert_eq!(t.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
         }
+        assert_eq!(h.grad().kind(), h_kind, "the input's gradient is not in the input's kind");
         vec![y.to_kind(Kind::Float), h.grad().to_kind(Kind::Float), w1.grad(), b1.grad(), w2.grad()]
     }
 
@@ -1283,12 +1323,14 @@ mod tests {
         // The reference sums in fp32 where autocast rounds to bf16 between
         // steps (the bias added in bf16, the weights' gradients rounded):
         // the same within bf16's epsilon, relative to each tensor's size.
-        for buffers in [false, true] {
-            let want = mlp_grads(None, buffers, Device::Cpu, (9, 16, 64));
-            let got = mlp_grads(Some(Engine::Reference), buffers, Device::Cpu, (9, 16, 64));
-            for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                let rel = relative(a, b);
-                assert!(rel < 2e-2, "buffers={buffers}, output/gradient {k}: relative error {rel}");
+        for act in [Act::Gelu, Act::Relu] {
+            for buffers in [false, true] {
+                let want = mlp_grads(None, act, buffers, Device::Cpu, (9, 16, 64));
+                let got = mlp_grads(Some(Engine::Reference), act, buffers, Device::Cpu, (9, 16, 64));
+                for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                    let rel = relative(a, b);
+                    assert!(rel < 2e-2, "{act:?} buffers={buffers}, output/gradient {k}: relative error {rel}");
+                }
             }
         }
     }
@@ -1471,19 +1513,22 @@ mod tests {
                 }
             }
         }
-        // cuBLASLt's epilogues against the reference (GPT-2 124M's widths
-        // and a small odd one), where cuBLASLt has algorithms for them.
-        for shape in [(512, 768, 3072), (40, 64, 256)] {
-            if !crate::blaslt::mlp_fits(2 * shape.0, shape.1, shape.2, shape.1) {
-                eprintln!("cuBLASLt has no GELU epilogues for {shape:?}: the fused MLP is not used there");
+        // cuBLASLt's epilogues against the reference (GPT-2 124M's and the
+        // claims5 encoder's widths, and small ones), where cuBLASLt has
+        // algorithms for them.
+        for (act, shape) in
+            [(Act::Gelu, (512, 768, 3072)), (Act::Gelu, (40, 64, 256)), (Act::Relu, (512, 512, 2048)), (Act::Relu, (40, 64, 256))]
+        {
+            if !crate::blaslt::mlp_fits(act, 2 * shape.0, shape.1, shape.2, shape.1) {
+                eprintln!("cuBLASLt has no {act:?} epilogues for {shape:?}: the fused MLP is not used there");
                 continue;
             }
             for buffers in [false, true] {
-                let want = mlp_grads(Some(Engine::Reference), buffers, dev, shape);
-                let got = mlp_grads(Some(Engine::Cuda), buffers, dev, shape);
+                let want = mlp_grads(Some(Engine::Reference), act, buffers, dev, shape);
+                let got = mlp_grads(Some(Engine::Cuda), act, buffers, dev, shape);
                 for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                     let rel = relative(a, b);
-                    assert!(rel < 2e-2, "MLP {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
+                    assert!(rel < 2e-2, "{act:?} MLP {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
                 }
             }
         }
@@ -1495,7 +1540,7 @@ mod tests {
             let h = Tensor::ones([n, c], (Kind::BFloat16, dev));
             let w = (Tensor::linspace(-2.0, -3.0, f, (Kind::Float, dev)) / c as f64).unsqueeze(1).expand([f, c], false).contiguous();
             let b = Tensor::zeros([f], (Kind::Float, dev));
-            let (pre, m) = crate::blaslt::gelu_forward(&h, &w.to_kind(Kind::BFloat16), &b).unwrap();
+            let (pre, m) = crate::blaslt::act_forward(Act::Gelu, &h, &w.to_kind(Kind::BFloat16), &b).unwrap();
             let x = pre.to_kind(Kind::Float);
             let m = m.to_kind(Kind::Float);
             let tanh = (&m - x.gelu("tanh")).abs().max().double_value(&[]);

@@ -15,7 +15,7 @@
 //! collectives, no compressor), bf16 or fp32 (fp16's loss scaling decides
 //! on the host), no gradient statistics for a batch policy, no emulated
 //! memory limit, no activation recomputation, one micro-batch a step, and a
-//! model family checked under capture (gpt, mlp, vision). Everything else,
+//! model family checked under capture (gpt, encoder, mlp, vision). Everything else,
 //! and any step whose capture fails, runs eagerly.
 //!
 //! At each micro-batch size the first step runs eagerly, the second on the
@@ -127,7 +127,7 @@ impl Eligibility {
             (self.grad_stats, "its batch policy reads gradient statistics"),
             (self.emulated_memory_limit, "it emulates a memory limit"),
             (self.recompute, "it recomputes activations"),
-            (!self.family_checked, "its model family is not checked under capture (gpt, mlp and vision are)"),
+            (!self.family_checked, "its model family is not checked under capture (gpt, encoder, mlp and vision are)"),
             (!crate::torch_ext::has_cuda_graphs(), "this build's libtorch shim has no CUDA graphs"),
         ];
         reasons.into_iter().find_map(|(applies, why)| applies.then_some(why))

@@ -97,7 +97,7 @@ impl Norm {
     /// [`fused::post_norm`] with the branch's pending bias added there,
     /// else libtorch's add and LayerNorm.
     fn post_forward(&self, x: &Tensor, f: &Branch, fused: bool) -> Tensor {
-        if fused && fused::cuda_fits(self.d, x.device()) {
+        if fused && fused::post_norm_cuda_fits(self.d, x.device()) {
             return fused::post_norm(x, &f.out, f.bias.as_ref(), &self.ws, &self.bs);
         }
         self.forward(&residual(x, f.value()))
@@ -238,11 +238,32 @@ impl Shape {
                 if self.fused
                     && (!self.train || self.dropout == 0.0)
                     && fused::cuda_fits(self.d_model, h.device())
-                    && fused::mlp_cuda_fits(h.device(), n, self.d_model, f, c2) =>
+                    && fused::mlp_cuda_fits(fused::Act::Gelu, h.device(), n, self.d_model, f, c2) =>
             {
-                Branch { out: fused::mlp(h, &fc.ws, b, &proj.ws), bias: proj.bs.as_ref().map(Tensor::shallow_clone) }
+                Branch { out: fused::mlp(h, &fc.ws, b, &proj.ws, fused::Act::Gelu), bias: proj.bs.as_ref().map(Tensor::shallow_clone) }
             }
             _ => self.project(proj, &self.linear_gelu(fc, h)),
+        }
+    }
+
+    /// `l2(dropout(relu(l1(h))))` as a branch of the residual stream (an
+    /// encoder layer's feed-forward block): with the fused kernels, no
+    /// dropout and cuBLASLt's ReLU epilogues for these sizes, one node
+    /// ([`fused::mlp`]) with the second bias left to the next
+    /// [`fused::post_norm`]; else the two layers and libtorch's ReLU.
+    fn relu_mlp(&self, l1: &nn::Linear, l2: &nn::Linear, h: &Tensor) -> Branch {
+        let (f, c2) = (l1.ws.size()[0], l2.ws.size()[0]);
+        let n = h.numel() as i64 / self.d_model;
+        match &l1.bs {
+            Some(b)
+                if self.fused
+                    && (!self.train || self.dropout == 0.0)
+                    && fused::cuda_fits(self.d_model, h.device())
+                    && fused::mlp_cuda_fits(fused::Act::Relu, h.device(), n, self.d_model, f, c2) =>
+            {
+                Branch { out: fused::mlp(h, &l1.ws, b, &l2.ws, fused::Act::Relu), bias: l2.bs.as_ref().map(Tensor::shallow_clone) }
+            }
+            _ => self.project(l2, &self.dropout(self.linear(l1, h).relu())),
         }
     }
 
@@ -296,10 +317,11 @@ impl GptBlock {
 }
 
 /// One `nn.TransformerEncoderLayer` (post-norm). With the fused kernels
-/// its linear layers are [`fused::linear`]'s nodes, its attention
-/// [`qkv_attention`]'s, and each residual add with its LayerNorm (and the
-/// bias of the layer before) one [`fused::post_norm`] node, whose output
-/// stays the fp32 residual stream.
+/// its attention is [`qkv_attention`]'s, its feed-forward block one
+/// [`fused::mlp`] node (the ReLU in cuBLASLt's epilogues), its other linear
+/// layers [`fused::linear`]'s nodes, and each residual add with its
+/// LayerNorm (and the bias of the layer before) one [`fused::post_norm`]
+/// node, whose output stays the fp32 residual stream.
 pub struct EncoderLayer {
     in_proj: nn::Linear,
     out_proj: nn::Linear,
@@ -313,8 +335,7 @@ impl EncoderLayer {
     fn forward(&self, x: &Tensor, s: &Shape) -> Tensor {
         let y = s.qkv_attention(&self.in_proj, x, false);
         let x = self.norm1.post_forward(x, &s.project(&self.out_proj, &y), s.fused);
-        let h = s.dropout(s.linear(&self.lin1, &x).relu());
-        self.norm2.post_forward(&x, &s.project(&self.lin2, &h), s.fused)
+        self.norm2.post_forward(&x, &s.relu_mlp(&self.lin1, &self.lin2, &x), s.fused)
     }
 
     fn share(&self) -> EncoderLayer {
@@ -460,7 +481,8 @@ impl Model {
     /// [`fused::add_norm`]'s (or, post-norm, [`fused::post_norm`]'s) CUDA kernels.
     pub fn fused_layer_norm(&self) -> bool {
         let with_norms = match &self.net {
-            Net::Gpt { .. } | Net::Encoder { .. } => true,
+            Net::Gpt { .. } => true,
+            Net::Encoder { .. } => fused::post_norm_on(),
             Net::Vision(v) => v.is_transformer(),
             _ => false,
         };

@@ -217,7 +217,7 @@ impl Training {
             grad_stats,
             emulated_memory_limit: oom.limit.is_some(),
             recompute: w.recompute()? != Recompute::None,
-            family_checked: matches!(w.model.kind, ModelKind::Gpt | ModelKind::Mlp | ModelKind::Vision),
+            family_checked: matches!(w.model.kind, ModelKind::Gpt | ModelKind::Encoder | ModelKind::Mlp | ModelKind::Vision),
         };
         let why_not = eligibility.why_not();
         if let (true, Some(why)) = (graph_allowed, why_not) {
