@@ -1,6 +1,7 @@
 """What the PyTorch reference benches (pytorch_gpt.py, pytorch_t5.py,
-pytorch_resnet.py) share: warm-up, one traced step, the timed loop and
-their JSON output. `step(i)` trains step i and returns its loss."""
+pytorch_resnet.py, pytorch_vit.py, pytorch_encoder.py) share: warm-up, one
+traced step, the timed loop and their JSON output. `step(i)` trains step i
+and returns its loss."""
 import json
 import time
 
@@ -43,6 +44,24 @@ def timed(step, first, n):
         loss = step(i)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, loss
+
+
+def measure(step, a, dev):
+    """Warm-up then the timed steps of a bench's options `a` on `dev`:
+    (seconds, the last step's loss, peak memory). On CUDA through warm_up
+    and timed; on the CPU (a script's smoke test) plain wall time and no
+    memory figures."""
+    if dev == "cuda":
+        warm_up(step, a.warmup, a.trace)
+        dt, loss = timed(step, a.warmup, a.steps)
+        return dt, loss, memory()
+    for i in range(a.warmup):
+        step(i)
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(a.warmup, a.warmup + a.steps):
+        loss = step(i)
+    return time.perf_counter() - t0, loss, {}
 
 
 def memory():

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, run_args, timed, warm_up, write
+from benchlib import measure, run_args, write
 
 # layers, width, heads, feed-forward width
 PRESETS = {"claims5": (6, 512, 8, 2048), "tiny": (2, 64, 4, 256)}
@@ -78,18 +78,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    if dev == "cuda":
-        warm_up(step, a.warmup, a.trace)
-        dt, loss = timed(step, a.warmup, a.steps)
-        mem = memory()
-    else:
-        import time
-        for i in range(a.warmup):
-            step(i)
-        t0 = time.perf_counter()
-        for i in range(a.warmup, a.warmup + a.steps):
-            loss = step(i)
-        dt, mem = time.perf_counter() - t0, {}
+    dt, loss, mem = measure(step, a, dev)
     tps = a.steps * a.batch * a.seq_len / dt
     out = {
         "impl": "pytorch-compile" if a.compile else "pytorch-eager",

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, run_args, timed, warm_up, write
+from benchlib import measure, run_args, write
 
 # layers, width, heads, MLP width
 PRESETS = {"vit-b16": (12, 768, 12, 3072), "vit-tiny": (2, 64, 4, 256)}
@@ -112,18 +112,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    if dev == "cuda":
-        warm_up(step, a.warmup, a.trace)
-        dt, loss = timed(step, a.warmup, a.steps)
-        mem = memory()
-    else:
-        import time
-        for i in range(a.warmup):
-            step(i)
-        t0 = time.perf_counter()
-        for i in range(a.warmup, a.warmup + a.steps):
-            loss = step(i)
-        dt, mem = time.perf_counter() - t0, {}
+    dt, loss, mem = measure(step, a, dev)
     ips = a.steps * a.batch / dt
     out = {
         "impl": "pytorch-compile" if a.compile else "pytorch-eager",

@@ -1036,10 +1036,7 @@ mod tests {
         for buffers in [false, true] {
             let want = post_grads(false, buffers, Device::Cpu, Kind::Float, (6, 16));
             let got = post_grads(true, buffers, Device::Cpu, Kind::Float, (6, 16));
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                let err = (a - b).abs().max().double_value(&[]);
-                assert!(err < 1e-4, "buffers={buffers}, output/gradient {i}: max error {err}");
-            }
+            assert_close(&want, &got, max_error, 1e-4, &format!("buffers={buffers}"));
         }
     }
 
@@ -1050,10 +1047,7 @@ mod tests {
             for buffers in [false, true] {
                 let want = grads(plain, residual, bias, buffers, Device::Cpu, Kind::Float, (6, 16));
                 let got = grads(add_norm, residual, bias, buffers, Device::Cpu, Kind::Float, (6, 16));
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let err = (a - b).abs().max().double_value(&[]);
-                    assert!(err < 1e-4, "residual={residual} bias={bias} buffers={buffers}, gradient {i}: max error {err}");
-                }
+                assert_close(&want, &got, max_error, 1e-4, &format!("residual={residual} bias={bias} buffers={buffers}"));
             }
         }
     }
@@ -1093,10 +1087,22 @@ mod tests {
         for buffer in [false, true] {
             let want = gelu_grads(false, buffer, Device::Cpu, Kind::Float, (5, 24));
             let got = gelu_grads(true, buffer, Device::Cpu, Kind::Float, (5, 24));
-            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                let err = (a - b).abs().max().double_value(&[]);
-                assert!(err < 1e-4, "buffer={buffer}, output/gradient {i}: max error {err}");
-            }
+            assert_close(&want, &got, max_error, 1e-4, &format!("buffer={buffer}"));
+        }
+    }
+
+    /// The largest absolute difference between `a` and `b`.
+    fn max_error(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// Asserts each of `got` within `tol` of the same place in `want` by
+    /// `error` ([`max_error`] or [`relative`]); `case` names the case.
+    fn assert_close(want: &[Tensor], got: &[Tensor], error: fn(&Tensor, &Tensor) -> f64, tol: f64, case: &str) {
+        assert_eq!(want.len(), got.len(), "{case}: {} outputs and gradients against {}", got.len(), want.len());
+        for (i, (a, b)) in want.iter().zip(got).enumerate() {
+            let e = error(a, b);
+            assert!(e < tol, "{case}, output/gradient {i}: error {e} (tolerance {tol})");
         }
     }
 
@@ -1327,10 +1333,7 @@ mod tests {
             for buffers in [false, true] {
                 let want = mlp_grads(None, act, buffers, Device::Cpu, (9, 16, 64));
                 let got = mlp_grads(Some(Engine::Reference), act, buffers, Device::Cpu, (9, 16, 64));
-                for (k, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 2e-2, "{act:?} buffers={buffers}, output/gradient {k}: relative error {rel}");
-                }
+                assert_close(&want, &got, relative, 2e-2, &format!("{act:?} buffers={buffers}"));
             }
         }
     }
@@ -1425,13 +1428,7 @@ mod tests {
                 for buffers in [false, true] {
                     let want = grads(plain, residual, bias, buffers, dev, Kind::BFloat16, shape);
                     let got = grads(add_norm, residual, bias, buffers, dev, Kind::BFloat16, shape);
-                    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                        let rel = relative(a, b);
-                        assert!(
-                            rel < 2e-2,
-                            "{shape:?} residual={residual} bias={bias} buffers={buffers}, gradient {i}: relative error {rel}"
-                        );
-                    }
+                    assert_close(&want, &got, relative, 2e-2, &format!("{shape:?} residual={residual} bias={bias} buffers={buffers}"));
                 }
             }
         }
@@ -1441,10 +1438,7 @@ mod tests {
             for buffers in [false, true] {
                 let want = post_grads(false, buffers, dev, Kind::BFloat16, shape);
                 let got = post_grads(true, buffers, dev, Kind::BFloat16, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 1e-2, "post-norm {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
-                }
+                assert_close(&want, &got, relative, 1e-2, &format!("post-norm {shape:?} buffers={buffers}"));
             }
         }
         for tied in [false, true] {
@@ -1480,13 +1474,7 @@ mod tests {
             for (bias, buffers) in [(true, false), (true, true), (false, false)] {
                 let want = linear_grads(None, bias, buffers, dev, x_kind, shape);
                 let got = linear_grads(Some(Engine::Cuda), bias, buffers, dev, x_kind, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(
-                        rel < 1e-2,
-                        "linear {shape:?} {x_kind:?} bias={bias} buffers={buffers}, output/gradient {i}: relative error {rel}"
-                    );
-                }
+                assert_close(&want, &got, relative, 1e-2, &format!("linear {shape:?} {x_kind:?} bias={bias} buffers={buffers}"));
             }
         }
         // The q, k, v node's packing kernel against the linear node and
@@ -1497,20 +1485,14 @@ mod tests {
             for buffers in [false, true] {
                 let want = qkv_grads(false, Engine::Cuda, buffers, dev, x_kind, shape);
                 let got = qkv_grads(true, Engine::Cuda, buffers, dev, x_kind, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 1e-5, "qkv {shape:?} {x_kind:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
-                }
+                assert_close(&want, &got, relative, 1e-5, &format!("qkv {shape:?} {x_kind:?} buffers={buffers}"));
             }
         }
         for shape in [(5, 24), (300, 3072), (64, 8192)] {
             for buffer in [false, true] {
                 let want = gelu_grads(false, buffer, dev, Kind::BFloat16, shape);
                 let got = gelu_grads(true, buffer, dev, Kind::BFloat16, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 2e-2, "GELU {shape:?} buffer={buffer}, output/gradient {i}: relative error {rel}");
-                }
+                assert_close(&want, &got, relative, 2e-2, &format!("GELU {shape:?} buffer={buffer}"));
             }
         }
         // cuBLASLt's epilogues against the reference (GPT-2 124M's and the
@@ -1526,10 +1508,7 @@ mod tests {
             for buffers in [false, true] {
                 let want = mlp_grads(Some(Engine::Reference), act, buffers, dev, shape);
                 let got = mlp_grads(Some(Engine::Cuda), act, buffers, dev, shape);
-                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                    let rel = relative(a, b);
-                    assert!(rel < 2e-2, "{act:?} MLP {shape:?} buffers={buffers}, output/gradient {i}: relative error {rel}");
-                }
+                assert_close(&want, &got, relative, 2e-2, &format!("{act:?} MLP {shape:?} buffers={buffers}"));
             }
         }
         // The epilogue's GELU is the tanh approximation (GPT-2's), not erf:

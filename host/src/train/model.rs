@@ -225,46 +225,34 @@ impl Shape {
         }
     }
 
-    /// `proj(gelu(fc(h)))` as a branch of the residual stream: with the
-    /// fused kernels, no dropout and cuBLASLt's GELU epilogues for these
-    /// sizes, one node ([`fused::mlp`]) with the second bias left to the
-    /// next [`fused::add_norm`]; else the two layers as [`Shape::linear_gelu`]
-    /// and [`Shape::project`] make them.
+    /// `proj(gelu(fc(h)))` as a branch of the residual stream: one node
+    /// where [`Shape::mlp_node`] makes one; else the two layers as
+    /// [`Shape::linear_gelu`] and [`Shape::project`] make them.
     fn mlp(&self, fc: &nn::Linear, proj: &nn::Linear, h: &Tensor) -> Branch {
-        let (f, c2) = (fc.ws.size()[0], proj.ws.size()[0]);
-        let n = h.numel() as i64 / self.d_model;
-        match &fc.bs {
-            Some(b)
-                if self.fused
-                    && (!self.train || self.dropout == 0.0)
-                    && fused::cuda_fits(self.d_model, h.device())
-                    && fused::mlp_cuda_fits(fused::Act::Gelu, h.device(), n, self.d_model, f, c2) =>
-            {
-                Branch { out: fused::mlp(h, &fc.ws, b, &proj.ws, fused::Act::Gelu), bias: proj.bs.as_ref().map(Tensor::shallow_clone) }
-            }
-            _ => self.project(proj, &self.linear_gelu(fc, h)),
-        }
+        self.mlp_node(fused::Act::Gelu, fc, proj, h).unwrap_or_else(|| self.project(proj, &self.linear_gelu(fc, h)))
     }
 
     /// `l2(dropout(relu(l1(h))))` as a branch of the residual stream (an
-    /// encoder layer's feed-forward block): with the fused kernels, no
-    /// dropout and cuBLASLt's ReLU epilogues for these sizes, one node
-    /// ([`fused::mlp`]) with the second bias left to the next
-    /// [`fused::post_norm`]; else the two layers and libtorch's ReLU.
+    /// encoder layer's feed-forward block): one node where
+    /// [`Shape::mlp_node`] makes one; else the two layers and libtorch's
+    /// ReLU.
     fn relu_mlp(&self, l1: &nn::Linear, l2: &nn::Linear, h: &Tensor) -> Branch {
+        self.mlp_node(fused::Act::Relu, l1, l2, h).unwrap_or_else(|| self.project(l2, &self.dropout(self.linear(l1, h).relu())))
+    }
+
+    /// `l2(act(l1(h)))` as one node ([`fused::mlp`]) with the second bias
+    /// left to the next [`fused::add_norm`] or [`fused::post_norm`]: with
+    /// the fused kernels, no dropout, a first bias and cuBLASLt's epilogues
+    /// for these sizes; else none.
+    fn mlp_node(&self, act: fused::Act, l1: &nn::Linear, l2: &nn::Linear, h: &Tensor) -> Option<Branch> {
         let (f, c2) = (l1.ws.size()[0], l2.ws.size()[0]);
         let n = h.numel() as i64 / self.d_model;
-        match &l1.bs {
-            Some(b)
-                if self.fused
-                    && (!self.train || self.dropout == 0.0)
-                    && fused::cuda_fits(self.d_model, h.device())
-                    && fused::mlp_cuda_fits(fused::Act::Relu, h.device(), n, self.d_model, f, c2) =>
-            {
-                Branch { out: fused::mlp(h, &l1.ws, b, &l2.ws, fused::Act::Relu), bias: l2.bs.as_ref().map(Tensor::shallow_clone) }
-            }
-            _ => self.project(l2, &self.dropout(self.linear(l1, h).relu())),
-        }
+        let b = l1.bs.as_ref()?;
+        let fits = self.fused
+            && (!self.train || self.dropout == 0.0)
+            && fused::cuda_fits(self.d_model, h.device())
+            && fused::mlp_cuda_fits(act, h.device(), n, self.d_model, f, c2);
+        fits.then(|| Branch { out: fused::mlp(h, &l1.ws, b, &l2.ws, act), bias: l2.bs.as_ref().map(Tensor::shallow_clone) })
     }
 
     /// `gelu(l(h))`: with the fused kernels, the bias and GELU in one kernel
