@@ -1517,20 +1517,7 @@ pub fn pack_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<(Tensor, P
 /// output's, in one pass at memory speed where libtorch's bf16 reduction
 /// over GPT-2 124M's attention projection took about twice the time.
 pub fn column_sums_bf16(x: &Tensor) -> anyhow::Result<Partials> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
-    let (n, c) = x.size2()?;
-    anyhow::ensure!(
-        c % 8 == 0 && x.kind() == Kind::BFloat16 && x.device().is_cuda() && x.is_contiguous(),
-        "column sums take contiguous bf16 CUDA rows of a multiple of 8"
-    );
-    let (grid, threads) = rows_of_8_shape(k, n, c, 8);
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
-    // SAFETY: the arguments follow col_sums_bf16's signature (device pointers
-    // to the checked rows and to partial sums of one row per block row of
-    // the grid, then N, C).
-    unsafe { launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])? };
-    Ok(Partials(part))
+    Ok(masked_column_sums(x, None)?.1)
 }
 
 /// ReLU's backward pass from its output `m` and the output's gradient `dy`
@@ -1538,28 +1525,42 @@ pub fn column_sums_bf16(x: &Tensor) -> anyhow::Result<Partials> {
 /// 0 (bf16), and the partial sums of `dx` over the rows (the gradient of the
 /// bias added before the ReLU), in one pass.
 pub fn relu_backward(dy: &Tensor, m: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
+    let (dx, part) = masked_column_sums(dy, Some(m))?;
+    Ok((dx.expect("a masked sum writes its rows"), part))
+}
+
+/// The partial sums over the rows of `x` (`col_sums_bf16`); with a ReLU's
+/// output `m`, of `x` zeroed where `m` is not positive, and those rows
+/// written out too (`relu_bwd`). Contiguous bf16 CUDA rows `[n, c]`,
+/// `c % 8 == 0`.
+fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<Tensor>, Partials)> {
     let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
-    let (n, c) = dy.size2()?;
-    for t in [dy, m] {
+    let (n, c) = x.size2()?;
+    for t in std::iter::once(x).chain(m) {
         anyhow::ensure!(
             c % 8 == 0 && t.size() == [n, c] && t.kind() == Kind::BFloat16 && t.device().is_cuda() && t.is_contiguous(),
-            "ReLU's backward takes contiguous bf16 CUDA rows [{n}, {c}] of a multiple of 8"
+            "column sums take contiguous bf16 CUDA rows [{n}, {c}] of a multiple of 8"
         );
     }
     let (grid, threads) = rows_of_8_shape(k, n, c, 8);
-    let dx = dy.empty_like();
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, dy.device()));
+    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
     let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
-    // SAFETY: the arguments follow relu_bwd's signature (device pointers to
-    // the checked rows, to dx of their shape and to partial sums of one row
-    // per block row of the grid, then N, C).
+    let dx = m.map(|_| x.empty_like());
+    // SAFETY: the arguments follow col_sums_bf16's signature, or with `m`
+    // relu_bwd's (device pointers to the checked rows, to dx of their shape
+    // and to partial sums of one row per block row of the grid, then N, C).
     unsafe {
-        launch2(
-            k.relu_bwd,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut dy.data_ptr(), &mut m.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
-        )?
+        match (m, &dx) {
+            (Some(m), Some(dx)) => launch2(
+                k.relu_bwd,
+                grid,
+                (threads, 1, 1),
+                &mut [&mut x.data_ptr(), &mut m.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
+            )?,
+            _ => {
+                launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])?
+            }
+        }
     };
     Ok((dx, Partials(part)))
 }
