@@ -1,33 +1,73 @@
 #!/usr/bin/env bash
 # Every check CI runs (`./x test`, which sources scripts/env.sh first so that
-# libtorch is installed and on the library path).
+# libtorch is installed and on the library path). Each step prints its time,
+# and a table of them ends the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+timings=()
+step_name=""
+step_start=$SECONDS
+step() {
+  [ -n "$step_name" ] && timings+=("$(printf '%6d s  %s' $((SECONDS - step_start)) "$step_name")")
+  step_name=$1
+  step_start=$SECONDS
+  [ -n "$step_name" ] && echo "== $step_name"
+  return 0
+}
+
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+step "format and report crates: the layers below libtorch and wasmtime, tested without them"
+# They must not depend on libtorch or wasmtime: the report and the verifier
+# build anywhere. Run without the libtorch environment to prove it.
+for c in harness-format harness-report; do
+  if cargo tree -p "$c" -e normal --prefix none | grep -Eq '^(tch|torch-sys|wasmtime|cudarc) '; then
+    echo "$c depends on libtorch, cudarc or wasmtime:" >&2
+    cargo tree -p "$c" -e normal -i tch -i wasmtime 2>/dev/null >&2 || true
+    exit 1
+  fi
+done
+env -u LIBTORCH_USE_PYTORCH -u LD_LIBRARY_PATH CI=${CI:-true} cargo test --release -p harness-format -p harness-report
+
+step "circles between modules"
+python3 scripts/module-cycles.py
+
 # The HTML report is checked in headless Chromium (Debian's package).
 if ! command -v chromium >/dev/null 2>&1; then
-  echo "== installing chromium for the HTML report test"
+  step "installing chromium for the HTML report test"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get install -y -q chromium >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }
 fi
-echo "== plugins and fixtures (wasm32-wasip2 components and native libraries)"
+
+step "plugins and fixtures (wasm32-wasip2 components and native libraries)"
 scripts/build-plugins.sh
-echo "== cargo fmt --check"
+
+step "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+
+step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
-echo "== cargo doc -p harness-sdk (the plugin SDK's docs, warnings denied)"
-RUSTDOCFLAGS="-D warnings" cargo doc -p harness-sdk --no-deps --quiet
-echo "== cargo test (release: the tests train real models)"
+
+step "cargo doc (every crate's docs, warnings denied)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
+step "cargo test (release: the tests train real models)"
 # Snapshot mismatches fail instead of writing .snap.new files.
-CI=${CI:-true} cargo test --workspace --release
-echo "== ./x install (a harness command that runs from any folder)"
+CI=${CI:-true} cargo test --workspace --release --exclude harness-format --exclude harness-report
+
+step "./x install (a harness command that runs from any folder)"
 repo=$PWD; tmp=$(mktemp -d)
 ./x install "$tmp/bin" --no-build >/dev/null
 cp suites/cpu.toml "$tmp/"
 (cd "$tmp" && env -u LD_LIBRARY_PATH "$tmp/bin/harness" validate cpu.toml)
 rm -rf "$tmp"; cd "$repo"
-echo "== bench scripts parse"
+
+step "bench scripts parse"
 python3 -m py_compile bench/*.py
 for f in bench/*.sh; do bash -n "$f"; done
+
+step ""
+echo "== time per step"
+printf '%s\n' "${timings[@]}"
 echo "all checks passed"

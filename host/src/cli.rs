@@ -512,14 +512,14 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
             let dir = crate::submission::submit(&result, &opts)?;
             println!("bundle: {}", dir.display());
-            let verdict = crate::submission::verify::verify(&dir);
+            let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect);
             print!("{}", crate::submission::verify::render(&dir, &verdict));
             Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
         }
         Command::Verify { bundles } => {
             let mut code = exit::OK;
             for b in &bundles {
-                let verdict = crate::submission::verify::verify(b);
+                let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect);
                 print!("{}", crate::submission::verify::render(b, &verdict));
                 if !verdict.verified() {
                     code = exit::NOT_VERIFIED;
@@ -660,7 +660,7 @@ fn load_results(paths: &[PathBuf]) -> anyhow::Result<Loaded> {
                 return Ok(());
             }
         };
-        let verdict = crate::submission::verify::verify(dir);
+        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect);
         let mut r = bundle.result.clone();
         if let Some(p) = r.submission.as_ref().and_then(|s| s.entered.first()) {
             let name = format!("{} {} ({})", p.name, p.version, &p.sha256[..12.min(p.sha256.len())]);

@@ -55,7 +55,7 @@ impl Console {
 
     /// The log file of the result file `out`.
     pub fn log_path(out: &Path) -> std::path::PathBuf {
-        out.with_extension("log")
+        crate::results::log_path(out)
     }
 
     fn log(&self, line: &str) {

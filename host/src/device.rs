@@ -88,34 +88,7 @@ pub fn gpu_count() -> usize {
     cudarc::driver::result::init().ok().and_then(|_| cudarc::driver::result::device::get_count().ok()).unwrap_or(0) as usize
 }
 
-/// One GPU as the driver describes it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct GpuInfo {
-    pub index: usize,
-    pub name: String,
-    pub memory_bytes: u64,
-    pub compute_capability: String,
-}
-
-/// The machine a result was measured on.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Fingerprint {
-    pub hostname: String,
-    pub os: String,
-    pub cpu: String,
-    pub cpu_cores: usize,
-    pub memory_bytes: u64,
-    pub gpus: Vec<GpuInfo>,
-    pub driver: Option<String>,
-    /// CUDA version libtorch was built with.
-    pub cuda: Option<String>,
-    /// CUDA version the driver supports.
-    pub cuda_driver_api: Option<String>,
-    pub libtorch: Option<String>,
-    pub nccl: Option<String>,
-    pub harness_version: String,
-    pub git_revision: String,
-}
+pub use harness_format::machine::{Fingerprint, GpuInfo};
 
 /// Reads the machine fingerprint (initialises CUDA if present).
 pub fn fingerprint() -> Fingerprint {

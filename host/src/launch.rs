@@ -177,7 +177,7 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
     if !(opts.resume && writes) {
         let mut r = RunResult::new(suite, machine);
         r.submission = opts.submission.clone().map(|mut s| {
-            s.unofficial = crate::suite::standard::unofficial_reasons(suite, &r.machine, &s);
+            s.unofficial = s.unofficial_reasons(suite, &r.machine);
             s
         });
         if writes {

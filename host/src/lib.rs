@@ -11,25 +11,21 @@
 //! [`oom`] (out-of-memory messages). [`torch_ext`] wraps the libtorch calls
 //! that `tch` lacks.
 
+pub use harness_format::{error, exit, fmt, results, suite};
+pub use harness_report::{self as report, submission};
+
 pub mod bench;
 pub mod blaslt;
 pub mod cli;
 pub mod comm;
 pub mod console;
 pub mod device;
-pub mod error;
-pub mod exit;
-pub mod fmt;
 pub mod kernels;
 pub mod launch;
 pub mod measure;
 pub mod plugin;
 pub mod ranks;
 pub mod rendezvous;
-pub mod report;
-pub mod results;
 pub mod strategy;
-pub mod submission;
-pub mod suite;
 pub mod torch_ext;
 pub mod train;

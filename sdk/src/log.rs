@@ -7,16 +7,7 @@ use crate::native::backend;
 #[cfg(target_arch = "wasm32")]
 use crate::wasm_backend as backend;
 
-/// Severity (WIT `log.level`; native ABI: 0, 1, 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Level {
-    /// Details for debugging.
-    Debug,
-    /// Normal messages.
-    Info,
-    /// Something looks wrong.
-    Warn,
-}
+pub use crate::types::Level;
 
 /// Writes one line at `level`.
 pub fn write(level: Level, message: &str) {

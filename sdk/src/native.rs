@@ -53,7 +53,7 @@ impl Drop for EnterHost {
 pub(crate) mod backend {
     use super::*;
     use crate::abi::{OpArgs, OpResult, STATUS_OK};
-    use crate::log::Level;
+    use crate::types::Level;
     use crate::{Device, Dtype};
 
     /// A tensor handle and the host table it belongs to (which lives in the

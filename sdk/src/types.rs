@@ -119,3 +119,14 @@ impl Decision {
         Decision { save: true, persist: false, delete: Vec::new() }
     }
 }
+
+/// Severity (WIT `log.level`; native ABI: 0, 1, 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Details for debugging.
+    Debug,
+    /// Normal messages.
+    Info,
+    /// Something looks wrong.
+    Warn,
+}

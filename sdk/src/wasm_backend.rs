@@ -4,7 +4,7 @@
 use std::mem::ManuallyDrop;
 
 use crate::__wasm::compressor::harness::strategy::{collective, log as wit_log, tensor as wit, types};
-use crate::log::Level;
+use crate::types::Level;
 use crate::{Device, Dtype};
 
 /// The generated resource handle; dropped only when the facade owns it.

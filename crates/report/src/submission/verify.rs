@@ -60,8 +60,13 @@ impl Verdict {
 
 const RESUBMIT: &str = "run `harness submit` again on the original result file";
 
-/// Checks the bundle in `dir`.
-pub fn verify(dir: &Path) -> Verdict {
+/// Reads a plugin artifact's manifest (name, version, kind): the caller
+/// decides how, since reading one means loading it. The report layer holds
+/// no plugin runtime.
+pub type Inspect<'a> = &'a dyn Fn(&Path) -> anyhow::Result<crate::plugin::Manifest>;
+
+/// Checks the bundle in `dir`; `inspect` reads the bundled artifacts' manifests.
+pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
     let mut v = Verdict::default();
     let manifest = match read_manifest(dir) {
         Ok(m) => m,
@@ -100,7 +105,7 @@ pub fn verify(dir: &Path) -> Verdict {
         );
     }
     let suite = check_suite(dir, &manifest, &result, &mut v);
-    check_plugins(dir, &manifest, &sub, &mut v);
+    check_plugins(dir, &manifest, &sub, inspect, &mut v);
     if let Some(suite) = &suite {
         check_plan(suite, &sub, &result, &mut v);
         check_steps(suite, &result, &mut v);
@@ -198,7 +203,7 @@ fn closest_released(name: &str, text: &str) -> Option<(&'static str, usize, Stri
 }
 
 /// Rule 4: the bundled artifacts are the ones that ran.
-fn check_plugins(dir: &Path, m: &Manifest, sub: &Submission, v: &mut Verdict) {
+fn check_plugins(dir: &Path, m: &Manifest, sub: &Submission, inspect: Inspect, v: &mut Verdict) {
     if sub.entered.is_empty() {
         v.add("plugin", "the run entered no plugin", "enter one with `harness run SUITE --plugin KIND=PATH`");
     }
@@ -235,7 +240,7 @@ fn check_plugins(dir: &Path, m: &Manifest, sub: &Submission, v: &mut Verdict) {
             );
             continue;
         }
-        match crate::plugin::inspect(&path) {
+        match inspect(&path) {
             Ok(info) if info.kind.name() != p.kind || info.name != p.name || info.version != p.version => v.add(
                 "plugin",
                 format!(
@@ -438,7 +443,7 @@ fn check_failures(dir: &Path, r: &RunResult, v: &mut Verdict) {
 fn check_official(suite: Option<&Suite>, sub: &Submission, r: &RunResult, v: &mut Verdict) {
     let Some(s) = suite else { return };
     let as_released = Submission { released_suite: true, ..sub.clone() };
-    for why in standard::unofficial_reasons(s, &r.machine, &as_released) {
+    for why in as_released.unofficial_reasons(s, &r.machine) {
         v.add(
             "official",
             format!("the run is unofficial: {why}"),

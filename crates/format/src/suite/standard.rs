@@ -23,18 +23,18 @@ pub struct Released {
 /// submissions still verify. A result is official only if its suite text
 /// is byte-identical to one of them.
 pub const RELEASED: &[Released] = &[
-    Released { file: "suites/cpu-standard.toml", text: include_str!("../../../suites/cpu-standard.toml") },
-    Released { file: "suites/a100.toml", text: include_str!("../../../suites/a100.toml") },
-    Released { file: "suites/h100.toml", text: include_str!("../../../suites/h100.toml") },
-    Released { file: "suites/h200.toml", text: include_str!("../../../suites/h200.toml") },
-    Released { file: "suites/standard/1.1/cpu-standard.toml", text: include_str!("../../../suites/standard/1.1/cpu-standard.toml") },
-    Released { file: "suites/standard/1.1/a100.toml", text: include_str!("../../../suites/standard/1.1/a100.toml") },
-    Released { file: "suites/standard/1.1/h100.toml", text: include_str!("../../../suites/standard/1.1/h100.toml") },
-    Released { file: "suites/standard/1.1/h200.toml", text: include_str!("../../../suites/standard/1.1/h200.toml") },
-    Released { file: "suites/standard/1.0/cpu-standard.toml", text: include_str!("../../../suites/standard/1.0/cpu-standard.toml") },
-    Released { file: "suites/standard/1.0/a100.toml", text: include_str!("../../../suites/standard/1.0/a100.toml") },
-    Released { file: "suites/standard/1.0/h100.toml", text: include_str!("../../../suites/standard/1.0/h100.toml") },
-    Released { file: "suites/standard/1.0/h200.toml", text: include_str!("../../../suites/standard/1.0/h200.toml") },
+    Released { file: "suites/cpu-standard.toml", text: include_str!("../../../../suites/cpu-standard.toml") },
+    Released { file: "suites/a100.toml", text: include_str!("../../../../suites/a100.toml") },
+    Released { file: "suites/h100.toml", text: include_str!("../../../../suites/h100.toml") },
+    Released { file: "suites/h200.toml", text: include_str!("../../../../suites/h200.toml") },
+    Released { file: "suites/standard/1.1/cpu-standard.toml", text: include_str!("../../../../suites/standard/1.1/cpu-standard.toml") },
+    Released { file: "suites/standard/1.1/a100.toml", text: include_str!("../../../../suites/standard/1.1/a100.toml") },
+    Released { file: "suites/standard/1.1/h100.toml", text: include_str!("../../../../suites/standard/1.1/h100.toml") },
+    Released { file: "suites/standard/1.1/h200.toml", text: include_str!("../../../../suites/standard/1.1/h200.toml") },
+    Released { file: "suites/standard/1.0/cpu-standard.toml", text: include_str!("../../../../suites/standard/1.0/cpu-standard.toml") },
+    Released { file: "suites/standard/1.0/a100.toml", text: include_str!("../../../../suites/standard/1.0/a100.toml") },
+    Released { file: "suites/standard/1.0/h100.toml", text: include_str!("../../../../suites/standard/1.0/h100.toml") },
+    Released { file: "suites/standard/1.0/h200.toml", text: include_str!("../../../../suites/standard/1.0/h200.toml") },
 ];
 
 /// The released standard suite whose text is exactly `text`.
@@ -154,37 +154,6 @@ impl Suite {
     }
 }
 
-/// Why a run of `suite` on `machine` is not official, one sentence each
-/// (docs/rules.md): a suite that is not byte-identical to a released one,
-/// other hardware, a GPU count outside the divisions, a native plugin.
-pub fn unofficial_reasons(suite: &Suite, machine: &crate::device::Fingerprint, s: &crate::results::Submission) -> Vec<String> {
-    let mut why = Vec::new();
-    if !s.released_suite {
-        why.push(format!("{} is not a released standard suite (edited, or from another harness version)", suite.path.display()));
-    }
-    match &suite.spec.suite.hardware {
-        None => why.push("the suite declares no hardware class".into()),
-        Some(h) => {
-            let gpu = machine.gpus.first().map(|g| g.name.clone());
-            match (h.gpu.is_empty(), gpu) {
-                (true, Some(g)) if suite.spec.suite.device != super::DeviceKind::Cpu => {
-                    why.push(format!("ran on {g}; the suite is for the CPU"))
-                }
-                (false, None) => why.push(format!("ran without a GPU; the suite is for {} ({})", h.gpu, h.class)),
-                (false, Some(g)) if !g.contains(&h.gpu) => why.push(format!("ran on {g}; the suite is for {} ({})", h.gpu, h.class)),
-                _ => {}
-            }
-            if !h.gpus.contains(&s.gpus) {
-                why.push(format!("ran on {} GPUs (ranks); the suite's divisions are {:?}", s.gpus, h.gpus));
-            }
-        }
-    }
-    for p in s.entered.iter().filter(|p| p.transport != "wasm") {
-        why.push(format!("the entered plugin {} is a native library (unsandboxed); submissions are WebAssembly components", p.name));
-    }
-    why
-}
-
 fn track_names(tracks: &[Track]) -> String {
     tracks.iter().map(|t| format!("`{}` ({})", t.name, t.kind)).collect::<Vec<_>>().join(", ")
 }
@@ -217,7 +186,7 @@ mod tests {
     /// suites/standard/hardware.toml. `HARNESS_BLESS=1` rewrites them.
     #[test]
     fn gpu_standard_suites_are_rendered_from_one_definition() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let template = std::fs::read_to_string(root.join("suites/standard/template.toml")).unwrap();
         let hardware: toml::Table = std::fs::read_to_string(root.join("suites/standard/hardware.toml")).unwrap().parse().unwrap();
         for (class, values) in &hardware {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::Fingerprint;
-use crate::measure::LatencySummary;
+use crate::histogram::LatencySummary;
+use crate::machine::Fingerprint;
 use crate::suite::{PlanEntry, Suite};
 
 /// Version of the result format.
@@ -72,6 +72,40 @@ pub struct Submission {
     pub entered: Vec<EnteredPlugin>,
     /// Why the run is unofficial, one sentence each; empty when official.
     pub unofficial: Vec<String>,
+}
+
+impl Submission {
+    /// Why this run of `suite` on `machine` is not official, one sentence each
+    /// (docs/rules.md): a suite that is not byte-identical to a released one,
+    /// other hardware, a GPU count outside the divisions, a native plugin.
+    pub fn unofficial_reasons(&self, suite: &Suite, machine: &Fingerprint) -> Vec<String> {
+        let s = self;
+        let mut why = Vec::new();
+        if !s.released_suite {
+            why.push(format!("{} is not a released standard suite (edited, or from another harness version)", suite.path.display()));
+        }
+        match &suite.spec.suite.hardware {
+            None => why.push("the suite declares no hardware class".into()),
+            Some(h) => {
+                let gpu = machine.gpus.first().map(|g| g.name.clone());
+                match (h.gpu.is_empty(), gpu) {
+                    (true, Some(g)) if suite.spec.suite.device != crate::suite::DeviceKind::Cpu => {
+                        why.push(format!("ran on {g}; the suite is for the CPU"))
+                    }
+                    (false, None) => why.push(format!("ran without a GPU; the suite is for {} ({})", h.gpu, h.class)),
+                    (false, Some(g)) if !g.contains(&h.gpu) => why.push(format!("ran on {g}; the suite is for {} ({})", h.gpu, h.class)),
+                    _ => {}
+                }
+                if !h.gpus.contains(&s.gpus) {
+                    why.push(format!("ran on {} GPUs (ranks); the suite's divisions are {:?}", s.gpus, h.gpus));
+                }
+            }
+        }
+        for p in s.entered.iter().filter(|p| p.transport != "wasm") {
+            why.push(format!("the entered plugin {} is a native library (unsandboxed); submissions are WebAssembly components", p.name));
+        }
+        why
+    }
 }
 
 /// One plugin entered into a standard suite.
@@ -441,9 +475,15 @@ pub fn default_path(dir: &Path, suite_name: &str) -> PathBuf {
     dir.join(format!("{suite_name}-{stamp}.json"))
 }
 
+/// The log file kept next to the result file `result`: the run's lines
+/// (`harness submit` bundles it).
+pub fn log_path(result: &Path) -> PathBuf {
+    result.with_extension("log")
+}
+
 /// Result files for tests of what reads them.
-#[cfg(test)]
-pub(crate) mod testing {
+#[cfg(any(test, feature = "testing"))]
+pub mod testing {
     use super::*;
 
     /// A suite `name` (with `[suite] version`, if given) of one workload
@@ -472,7 +512,7 @@ pub(crate) mod testing {
             git_revision: "r".into(),
         };
         let mut r = RunResult::new(&suite, machine);
-        let mut h = crate::measure::new_histogram();
+        let mut h = crate::histogram::new_histogram();
         h.record(12345).unwrap();
         r.entries.push(EntryResult {
             id: "w/baseline/r0".into(),
@@ -483,7 +523,7 @@ pub(crate) mod testing {
             status: EntryStatus::Ok,
             device: "cpu".into(),
             metrics: Some(Metrics { steps: 2, tokens_per_s, loss_curve: vec![(1, 0.1, 2.0)], ..Default::default() }),
-            histograms: [("step".to_owned(), crate::measure::encode(&h))].into(),
+            histograms: [("step".to_owned(), crate::histogram::encode(&h))].into(),
         });
         r
     }
@@ -506,7 +546,7 @@ mod tests {
         assert!(r.complete);
         let back = RunResult::read(&p).unwrap();
         assert_eq!(back, r);
-        let h = crate::measure::decode(&back.entries[0].histograms["step"]).unwrap();
+        let h = crate::histogram::decode(&back.entries[0].histograms["step"]).unwrap();
         assert_eq!(h.len(), 1);
     }
 

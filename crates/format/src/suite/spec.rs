@@ -672,7 +672,7 @@ pub struct Strategy {
     /// Emulated link between ranks: collectives are stretched to what a
     /// ring over it would take.
     #[serde(default)]
-    pub link: Option<crate::comm::Link>,
+    pub link: Option<crate::link::Link>,
     /// ZeRO stage with more than one rank: 0 (plain data parallelism), 1
     /// (optimizer state sharded) or 2 (optimizer state and reduced gradients
     /// sharded).

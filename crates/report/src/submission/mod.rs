@@ -112,7 +112,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
     if out.exists() {
         bail!("{} already exists\nhint: remove it, or choose another folder with --out", out.display());
     }
-    let log = opts.log.clone().unwrap_or_else(|| crate::console::Console::log_path(result));
+    let log = opts.log.clone().unwrap_or_else(|| crate::results::log_path(result));
     let log_text = match std::fs::read(&log) {
         Ok(t) => Some(t),
         Err(e) if opts.log.is_some() => bail!("cannot read the log {}: {e}", log.display()),

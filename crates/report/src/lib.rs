@@ -5,10 +5,20 @@
 //! Entries are grouped by (suite, workload, strategy, device); the repeats of
 //! a group are summarised with [`stats`] and every metric is compared with the
 //! group of the suite's baseline strategy on the same workload and device.
+//!
+//! [`submission`] makes and checks submission bundles (`harness submit`,
+//! `harness verify`); [`submissions`] ranks the verified ones.
+//!
+//! This crate stands on the file formats alone (`harness-format`): no
+//! libtorch, no plugin runtime. What needs one (reading a plugin artifact's
+//! manifest) is passed in by the caller.
 
 pub mod html;
 pub mod stats;
+pub mod submission;
 pub mod submissions;
+
+pub(crate) use harness_format::{fmt, histogram as measure, plugin, results, suite};
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,23 @@
+//! `harness-format`: what harness reads and writes, with no libtorch and no
+//! wasmtime underneath, so that the report, the verifier and any tool that
+//! reads results build and test anywhere.
+//!
+//! - [`suite`]: the suite format (serde types, validation with
+//!   `file:line:column`, the plan of entries and seeds, model presets, the
+//!   released standard suites and their tracks);
+//! - [`results`]: the result file (versioned, written atomically), with
+//!   [`histogram`] (HDR latency histograms and their encoding),
+//!   [`machine`] (the machine fingerprint), [`plugin`] (what a plugin is
+//!   and did) and [`link`] (the emulated network);
+//! - the leaves [`error`] (why an entry failed), [`exit`] (exit codes) and
+//!   [`fmt`] (short forms of numbers).
+
+pub mod error;
+pub mod exit;
+pub mod fmt;
+pub mod histogram;
+pub mod link;
+pub mod machine;
+pub mod plugin;
+pub mod results;
+pub mod suite;
