@@ -8,24 +8,25 @@
 //! Beside that line: [`ranks`] (rank environment, rank processes, rendezvous
 //! and NCCL set-up, watchdog), [`console`] (what a run shows on the terminal)
 //! and the leaves [`exit`] (exit codes), [`fmt`] (short forms of numbers) and
-//! [`oom`] (out-of-memory messages). [`torch_ext`] wraps the libtorch calls
-//! that `tch` lacks.
+//! [`oom`] (out-of-memory messages). Below them all, re-exported from the
+//! `harness-kernels` crate: [`torch_ext`] (the libtorch calls that `tch`
+//! lacks), [`blaslt`] (cuBLASLt matmuls and epilogues) and [`kernels`]
+//! (harness's own CUDA kernels).
 
 pub use harness_format::{error, exit, fmt, results, suite};
 pub use harness_report::{self as report, submission};
 
 pub mod bench;
-pub mod blaslt;
 pub mod cli;
 pub mod comm;
 pub mod console;
 pub mod device;
-pub mod kernels;
 pub mod launch;
 pub mod measure;
 pub mod plugin;
 pub mod ranks;
 pub mod rendezvous;
 pub mod strategy;
-pub mod torch_ext;
 pub mod train;
+
+pub use harness_kernels::{blaslt, kernels, torch_ext};
