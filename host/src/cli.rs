@@ -412,7 +412,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
         Command::Run(args) => run(args),
         Command::Plugin(PluginCommand::Inspect { path }) => {
             let m = crate::plugin::inspect(&path)?;
-            print!("{}", crate::plugin::scaffold::manifest_toml(&m));
+            print!("{}", crate::scaffold::manifest_toml(&m));
             Ok(exit::OK)
         }
         Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters, side_stream, untimed }) => {
@@ -467,7 +467,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Plugin(PluginCommand::New { kind, name, dir, sdk, lang }) => {
-            let made = crate::plugin::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
+            let made = crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
             println!("created {}", made.display());
             let build = match lang.as_str() {
                 "c" => "make",

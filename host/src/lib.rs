@@ -18,15 +18,14 @@ pub use harness_report::{self as report, submission};
 
 pub mod bench;
 pub mod cli;
-pub mod comm;
 pub mod console;
 pub mod device;
 pub mod launch;
-pub mod measure;
-pub mod plugin;
 pub mod ranks;
 pub mod rendezvous;
-pub mod strategy;
-pub mod train;
+pub mod scaffold;
 
 pub use harness_kernels::{blaslt, kernels, torch_ext};
+pub use harness_runtime::{comm, measure};
+pub use harness_sandbox::{plugin, strategy};
+pub use harness_train as train;

@@ -293,7 +293,7 @@ impl DeviceImages {
     pub fn next(&mut self, n: usize) -> Result<(tch::Tensor, tch::Tensor), crate::torch_ext::TorchError> {
         use tch::{Kind, Tensor};
         let start = self.next;
-        let draws: Vec<Draw> = (start..start + n as u64).map(|i| self.source.draw(&mut super::data::sample_rng(self.seed, i))).collect();
+        let draws: Vec<Draw> = (start..start + n as u64).map(|i| self.source.draw(&mut super::sample_rng(self.seed, i))).collect();
         self.next += n as u64;
         let dev = self.device;
         // One pinned, non-blocking upload of the draws (a pageable copy would
@@ -305,7 +305,7 @@ impl DeviceImages {
         v.extend(draws.iter().map(|d| d.dy as i64 - pad));
         v.extend(draws.iter().map(|d| d.dx as i64 - pad));
         v.extend(draws.iter().map(|d| d.flip as i64));
-        let all = super::data::upload(Tensor::from_slice(&v).view([5, n as i64]), dev);
+        let all = super::upload(Tensor::from_slice(&v).view([5, n as i64]), dev);
         let (classes, labels) = (all.get(0), all.get(1));
         let s = &self.source.spec;
         let (b, c, side, g) = (n as i64, s.channels as i64, s.size as i64, GRID as i64);
@@ -495,7 +495,7 @@ mod tests {
     }
 
     fn draws(src: &ImageSource, seed: u64, range: std::ops::Range<u64>) -> Vec<Draw> {
-        range.map(|i| src.draw(&mut crate::train::data::sample_rng(seed, i))).collect()
+        range.map(|i| src.draw(&mut crate::data::sample_rng(seed, i))).collect()
     }
 
     #[test]

@@ -5,18 +5,18 @@
 use anyhow::Result;
 use tch::{nn, Device, Kind, Tensor};
 
-use super::data::{self, Data};
-use super::dp::{self, DataParallel};
-use super::model::{self, Model, ModelConfig};
-use super::oom::OomGuard;
-use super::optim::{LossScaler, Optimizer};
-use super::record::Pending;
-use super::EntryContext;
+use super::{Evaluation, Training};
 use crate::comm::Collective;
+use crate::data::Data;
+use crate::dp::{self, DataParallel};
 use crate::kernels;
+use crate::models::{self as model, Model, ModelConfig};
+use crate::oom::OomGuard;
+use crate::optim::{LossScaler, Optimizer};
 use crate::strategy::Strategies;
 use crate::suite::{Kernels, ModelKind, Precision, Recompute};
 use crate::torch_ext::{self, AutocastDevice};
+use crate::EntryContext;
 
 /// Turns autocast off again when an entry ends, however it ends.
 pub struct AutocastGuard {
@@ -78,56 +78,6 @@ impl Drop for AutocastGuard {
             let _ = torch_ext::set_autocast(d, None);
         }
     }
-}
-
-/// Everything that trains in one entry on one rank.
-pub struct Training {
-    pub cfg: ModelConfig,
-    /// Owns the parameters (`params` are handles to its variables).
-    _vs: nn::VarStore,
-    pub model: Model,
-    /// Parameter names and tensors, sorted by name (the same on every rank).
-    pub names: Vec<String>,
-    pub params: Vec<Tensor>,
-    /// Variables that are state but not trained (batch norm's running
-    /// statistics), by name: out of the gradient buckets and the optimizer,
-    /// in each rank's checkpoint state.
-    pub buffers: Vec<(String, Tensor)>,
-    pub n_params: i64,
-    pub data: Data,
-    /// The fixed evaluation batches.
-    pub eval_set: Vec<data::Batch>,
-    /// Gradient buckets, optionally sharded (ZeRO); private so that only
-    /// [`Training::step`] drives its protocol.
-    pub(super) dp: DataParallel,
-    /// What the optimizer updates: the parameters, or this rank's shard.
-    pub(super) targets: Vec<Tensor>,
-    pub optimizer: Optimizer,
-    pub scaler: Option<LossScaler>,
-    pub strategies: Strategies,
-    pub device: Device,
-    pub rank: usize,
-    pub world: usize,
-    pub precision: Precision,
-    pub grad_clip: Option<f64>,
-    pub(super) autocast: AutocastGuard,
-    /// bf16 on CUDA: the loss and its gradient come from one fused kernel.
-    pub fused_ce: bool,
-    /// Whether the batch policy gets gradient statistics.
-    pub(super) grad_stats: bool,
-    /// Whether the built-in all-reduce overlaps the backward pass.
-    pub overlapped: bool,
-    pub(super) oom: OomGuard,
-    /// The largest gradient memory seen (ZeRO-2 releases buffers).
-    pub gradient_bytes: u64,
-    /// Gradient statistics for the batch policy, on their way to the host.
-    pub(super) stats_in_flight: Option<Pending>,
-    /// For the user, not failures (see `EntryOutput::warnings`).
-    pub warnings: Vec<String>,
-    /// The step as a CUDA graph, where the entry's step is captured.
-    pub(super) graph: super::graph::StepGraph,
-    /// Steps that ran as a replay of the captured graph.
-    pub graph_replays: u64,
 }
 
 impl Training {
@@ -310,14 +260,6 @@ impl Training {
         let accuracy = correct.map(|c| c.int64_value(&[]) as f64 / samples.max(1) as f64);
         Ok(Evaluation { loss, accuracy })
     }
-}
-
-/// What an evaluation measured.
-#[derive(Debug, Clone, Copy)]
-pub struct Evaluation {
-    pub loss: f64,
-    /// Top-1 accuracy, for classifiers.
-    pub accuracy: Option<f64>,
 }
 
 /// What [`init_model`] makes: the store, the model, the parameters' names

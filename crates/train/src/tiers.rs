@@ -256,7 +256,7 @@ impl Drop for Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::checkpoint;
+    use crate::checkpoint;
 
     fn shared(step: u64) -> Arc<Shared> {
         Arc::new(Shared(Snapshot {

@@ -7,61 +7,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use hdrhistogram::Histogram;
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
-use super::batch::Batch;
-use super::setup::{Evaluation, Training};
-use super::step::Trained;
-use super::{EntryContext, EntryOutput};
+use super::Trained;
+use super::{Evaluation, Pending, Training};
+use crate::batch::Batch;
 use crate::comm::{Collective, CommStats};
 use crate::measure::{self, LatencySummary, PhaseTimer};
 use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord, ResilienceRecord};
 use crate::strategy::StepTelemetry;
 use crate::suite::Recompute;
 use crate::torch_ext;
-
-/// A small device value (a step's loss, gradient statistics) on its way to
-/// the host. On CUDA it is copied into pinned memory behind an event, so
-/// reading it later waits for that copy only; `.item()` would wait for
-/// everything queued on the stream, the next step included, and leave the
-/// device idle while the host prepares another.
-pub struct Pending {
-    step: u64,
-    time_s: f64,
-    host: Tensor,
-    done: Option<measure::cuda::Event>,
-}
-
-impl Pending {
-    pub fn start(step: u64, time_s: f64, value: &Tensor) -> Result<Pending> {
-        if value.device().is_cuda() {
-            let host = value.to_device_(Device::Cpu, Kind::Float, true, false);
-            let done = measure::cuda::Event::new()?;
-            done.record()?;
-            Ok(Pending { step, time_s, host, done: Some(done) })
-        } else {
-            Ok(Pending { step, time_s, host: value.shallow_clone(), done: None })
-        }
-    }
-
-    fn wait(&self) -> Result<()> {
-        if let Some(e) = &self.done {
-            e.synchronize()?;
-        }
-        Ok(())
-    }
-
-    fn read(&self) -> Result<f64> {
-        self.wait()?;
-        Ok(self.host.double_value(&[]))
-    }
-
-    /// The first two elements.
-    pub fn read_pair(&self) -> Result<(f64, f64)> {
-        self.wait()?;
-        Ok((self.host.double_value(&[0]), self.host.double_value(&[1])))
-    }
-}
+use crate::{EntryContext, EntryOutput};
 
 /// The training loss became NaN or infinite.
 #[derive(Debug, thiserror::Error)]

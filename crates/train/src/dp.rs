@@ -767,7 +767,7 @@ mod tests {
         assert!(dense(&[2, 3, 4, 5], &[60, 1, 15, 3]) && dense(&[7, 1], &[1, 1]) && !dense(&[4, 4], &[8, 1]));
         let conv = || {
             let w = (Tensor::arange(2 * 3 * 2 * 2, tch::kind::FLOAT_CPU) * 0.1).sin().view([2, 3, 2, 2]);
-            crate::train::vision::channels_last(&w).set_requires_grad(true)
+            crate::models::vision::channels_last(&w).set_requires_grad(true)
         };
         let reference = conv();
         (&reference * &reference).sum(Kind::Float).backward();

@@ -19,7 +19,6 @@ pub mod exit_guard;
 pub mod log;
 pub mod native;
 pub mod ops;
-pub mod scaffold;
 mod strategies;
 pub mod wasm;
 
@@ -32,7 +31,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use harness_sdk::abi;
 use hdrhistogram::Histogram;
-use serde::{Deserialize, Serialize};
+
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 

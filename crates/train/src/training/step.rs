@@ -8,38 +8,16 @@
 use anyhow::{Context, Result};
 use tch::Tensor;
 
-use super::batch::Batch;
-use super::data;
-use super::dp;
-use super::model;
-use super::record::Pending;
-use super::setup::Training;
+use super::Pending;
+use super::{Stepped, Trained, Training};
+use crate::batch::Batch;
 use crate::comm::{any_rank, Collective};
+use crate::data;
+use crate::dp;
 use crate::kernels;
 use crate::measure::{Phase, PhaseTimer};
+use crate::models as model;
 use crate::torch_ext::{self, Lr};
-
-/// What a step did.
-pub enum Stepped {
-    /// It ran out of memory; nothing was updated and the step is to be
-    /// retried with a smaller batch. `emulated`: by `faults.oom_above_batch`.
-    OutOfMemory {
-        emulated: bool,
-    },
-    Trained(Trained),
-}
-
-/// A step that trained.
-pub struct Trained {
-    /// The step's loss, still on the device.
-    pub loss: Option<Tensor>,
-    pub tokens: u64,
-    pub samples: u64,
-    /// For a batch policy that wants them: (mean over ranks of the local
-    /// squared gradient norm, squared norm of the average), of the previous
-    /// step (read a step late, as the loss is).
-    pub grad_stats: Option<(f64, f64)>,
-}
 
 impl Training {
     /// Trains one step of `batch` at learning rate `lr`; `step` counts from 0.
@@ -105,7 +83,7 @@ impl Training {
         // (HARNESS_FUSED_CASTS=0 leaves each layer to cast its own, a
         // diagnostic).
         let casts = self.model.uses_fused_kernels() && !kernels::switched_off("HARNESS_FUSED_CASTS");
-        let _casts = if casts { Some(crate::train::fused::WeightCasts::new(&self.params)?) } else { None };
+        let _casts = if casts { Some(crate::models::fused::WeightCasts::new(&self.params)?) } else { None };
         for micro in 0..accum {
             timer.start(Phase::Data)?;
             let b = match fed {

@@ -15,7 +15,6 @@ use tch::{Device, Tensor};
 use super::batch::Batch;
 use super::checkpoint::{self, host_copy, Position, Snapshot, Store};
 use super::optim::{LossScaler, Optimizer};
-use super::setup::Training;
 use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
 use super::EntryContext;
 use crate::comm::{ranks_agree, Collective};
@@ -23,6 +22,7 @@ use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
 use crate::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry, Strategies};
 use crate::suite::FaultSpec;
 use crate::torch_ext;
+use crate::training::Training;
 
 /// Checkpoints and injected failures of one entry on one rank. A failure
 /// before the first checkpoint goes back to the start, kept in host memory.
@@ -109,7 +109,7 @@ impl Resilience {
         };
         if store.is_some() && t.device.is_cuda() {
             // Before the training clock starts, as the snapshot sets are.
-            crate::train::checkpoint::reserve_read_buffers();
+            crate::checkpoint::reserve_read_buffers();
         }
         let mut record = ResilienceRecord::default();
         let tiers = match (&store, strategy.checkpoint_async) {

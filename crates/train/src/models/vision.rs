@@ -36,7 +36,7 @@ use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
 use super::fused;
-use super::model::{Branch, Norm};
+use super::layers::{Branch, Norm};
 use crate::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
 
 /// A `vision` network: a ResNet, or a Vision Transformer for the ViT presets.
@@ -163,7 +163,7 @@ impl Vit {
         let mut pending: Option<Branch> = None;
         for b in &self.blocks {
             let (x, h) = b.ln1.add_forward(&y, pending.as_ref(), self.fused);
-            let a = super::model::qkv_attention(&b.qkv, &h, self.fused, (n, t, self.heads), 0.0, false);
+            let a = super::layers::qkv_attention(&b.qkv, &h, self.fused, (n, t, self.heads), 0.0, false);
             let (x, h) = b.ln2.add_forward(&x, Some(&Branch::of(&b.proj, &a, self.fused, self.width)), self.fused);
             let m = self.linear(&b.fc1, &h).gelu("none");
             pending = Some(Branch::of(&b.fc2, &m, self.fused, self.width));

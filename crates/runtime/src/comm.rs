@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use serde::{Deserialize, Serialize};
+
 use tch::Tensor;
 
 use crate::measure;

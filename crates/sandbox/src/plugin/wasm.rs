@@ -30,7 +30,7 @@ pub struct TensorRes;
 mod bindings {
     pub mod compressor {
         wasmtime::component::bindgen!({
-            path: "../sdk/wit",
+            path: "../../sdk/wit",
             world: "compressor",
             imports: { default: trappable },
             with: { "harness:strategy/tensor.tensor": super::super::TensorRes },
@@ -39,7 +39,7 @@ mod bindings {
     }
     pub mod batch_policy {
         wasmtime::component::bindgen!({
-            path: "../sdk/wit",
+            path: "../../sdk/wit",
             world: "batch-policy",
             imports: { default: trappable },
             with: {
@@ -51,7 +51,7 @@ mod bindings {
     }
     pub mod checkpoint_policy {
         wasmtime::component::bindgen!({
-            path: "../sdk/wit",
+            path: "../../sdk/wit",
             world: "checkpoint-policy",
             imports: { default: trappable },
             with: {
@@ -63,7 +63,7 @@ mod bindings {
     }
     pub mod tiered_checkpoint_policy {
         wasmtime::component::bindgen!({
-            path: "../sdk/wit",
+            path: "../../sdk/wit",
             world: "tiered-checkpoint-policy",
             imports: { default: trappable },
             with: {

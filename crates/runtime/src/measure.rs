@@ -9,8 +9,6 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use hdrhistogram::serialization::{Deserializer, Serializer, V2Serializer};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 

@@ -29,11 +29,11 @@
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
-use super::batch::Batch;
-use super::data;
-use super::setup::Training;
-use super::step::{Stepped, Trained};
+use super::Training;
+use super::{Stepped, Trained};
+use crate::batch::Batch;
 use crate::comm::Collective;
+use crate::data;
 use crate::measure::{Phase, PhaseTimer};
 use crate::torch_ext::{CudaGraph, Lr};
 

@@ -9,7 +9,7 @@
 //!   then u16 tokens) or nanoGPT's headerless u16 files, memory-mapped.
 //! * Regression: Gaussian inputs, target `w . mean_t(x) * sqrt(T) + noise * e`;
 //!   the MSE floor is `noise^2`.
-//! * Images ([`super::images`]): class prototypes plus noise with label
+//! * Images ([`images`]): class prototypes plus noise with label
 //!   noise; the floor is the label noise's entropy. Augmented on the data
 //!   threads.
 //! * Pairs ([`Translation`]): source and target sequences of `seq_len`
@@ -24,9 +24,12 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 use tch::{Device, Kind, Tensor};
 
-use super::images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
+pub mod images;
+pub mod pairs;
+
 use crate::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
-pub use crate::train::pairs::Translation;
+use images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
+pub use pairs::Translation;
 
 /// Magic number of llm.c token files.
 pub const LLMC_MAGIC: i32 = 20240520;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::{Manifest, Transport};
+use crate::plugin::{Manifest, Transport};
 
 struct Template {
     cargo: &'static str,
@@ -16,19 +16,19 @@ struct Template {
 fn template(kind: &str) -> Result<Template> {
     Ok(match kind {
         "compressor" => Template {
-            cargo: include_str!("../../../sdk/templates/compressor/Cargo.toml.tmpl"),
-            lib: include_str!("../../../sdk/templates/compressor/src/lib.rs.tmpl"),
-            readme: include_str!("../../../sdk/templates/compressor/README.md.tmpl"),
+            cargo: include_str!("../../sdk/templates/compressor/Cargo.toml.tmpl"),
+            lib: include_str!("../../sdk/templates/compressor/src/lib.rs.tmpl"),
+            readme: include_str!("../../sdk/templates/compressor/README.md.tmpl"),
         },
         "batch-policy" => Template {
-            cargo: include_str!("../../../sdk/templates/batch-policy/Cargo.toml.tmpl"),
-            lib: include_str!("../../../sdk/templates/batch-policy/src/lib.rs.tmpl"),
-            readme: include_str!("../../../sdk/templates/batch-policy/README.md.tmpl"),
+            cargo: include_str!("../../sdk/templates/batch-policy/Cargo.toml.tmpl"),
+            lib: include_str!("../../sdk/templates/batch-policy/src/lib.rs.tmpl"),
+            readme: include_str!("../../sdk/templates/batch-policy/README.md.tmpl"),
         },
         "checkpoint-policy" => Template {
-            cargo: include_str!("../../../sdk/templates/checkpoint-policy/Cargo.toml.tmpl"),
-            lib: include_str!("../../../sdk/templates/checkpoint-policy/src/lib.rs.tmpl"),
-            readme: include_str!("../../../sdk/templates/checkpoint-policy/README.md.tmpl"),
+            cargo: include_str!("../../sdk/templates/checkpoint-policy/Cargo.toml.tmpl"),
+            lib: include_str!("../../sdk/templates/checkpoint-policy/src/lib.rs.tmpl"),
+            readme: include_str!("../../sdk/templates/checkpoint-policy/README.md.tmpl"),
         },
         other => bail!("unknown plugin kind `{other}` (compressor, batch-policy or checkpoint-policy)"),
     })
@@ -39,20 +39,20 @@ fn template(kind: &str) -> Result<Template> {
 /// the SDK and contract of the harness that made it, with no path into a
 /// harness checkout. (A test checks that every file of sdk/src is here.)
 const SDK_FILES: [(&str, &str); 14] = [
-    ("src/lib.rs", include_str!("../../../sdk/src/lib.rs")),
-    ("src/abi.rs", include_str!("../../../sdk/src/abi.rs")),
-    ("src/collective.rs", include_str!("../../../sdk/src/collective.rs")),
-    ("src/config.rs", include_str!("../../../sdk/src/config.rs")),
-    ("src/error.rs", include_str!("../../../sdk/src/error.rs")),
-    ("src/log.rs", include_str!("../../../sdk/src/log.rs")),
-    ("src/native.rs", include_str!("../../../sdk/src/native.rs")),
-    ("src/native_glue.rs", include_str!("../../../sdk/src/native_glue.rs")),
-    ("src/tensor.rs", include_str!("../../../sdk/src/tensor.rs")),
-    ("src/types.rs", include_str!("../../../sdk/src/types.rs")),
-    ("src/wasm.rs", include_str!("../../../sdk/src/wasm.rs")),
-    ("src/wasm_backend.rs", include_str!("../../../sdk/src/wasm_backend.rs")),
-    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
-    ("Cargo.toml", include_str!("../../../sdk/Cargo.toml")),
+    ("src/lib.rs", include_str!("../../sdk/src/lib.rs")),
+    ("src/abi.rs", include_str!("../../sdk/src/abi.rs")),
+    ("src/collective.rs", include_str!("../../sdk/src/collective.rs")),
+    ("src/config.rs", include_str!("../../sdk/src/config.rs")),
+    ("src/error.rs", include_str!("../../sdk/src/error.rs")),
+    ("src/log.rs", include_str!("../../sdk/src/log.rs")),
+    ("src/native.rs", include_str!("../../sdk/src/native.rs")),
+    ("src/native_glue.rs", include_str!("../../sdk/src/native_glue.rs")),
+    ("src/tensor.rs", include_str!("../../sdk/src/tensor.rs")),
+    ("src/types.rs", include_str!("../../sdk/src/types.rs")),
+    ("src/wasm.rs", include_str!("../../sdk/src/wasm.rs")),
+    ("src/wasm_backend.rs", include_str!("../../sdk/src/wasm_backend.rs")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    ("Cargo.toml", include_str!("../../sdk/Cargo.toml")),
 ];
 
 /// Writes the SDK crate into `dir`, its manifest made standalone (the
@@ -95,39 +95,39 @@ fn write_files<'a>(dir: &Path, files: impl IntoIterator<Item = (&'a str, String)
 /// The C template (compressors): the source, the SDK's header copied next
 /// to it (so the folder builds on its own, at this ABI version), a Makefile.
 const C_COMPRESSOR: [(&str, &str); 4] = [
-    ("plugin.c", include_str!("../../../sdk/templates/c-compressor/plugin.c.tmpl")),
-    ("harness_strategy.h", include_str!("../../../sdk/include/harness_strategy.h")),
-    ("Makefile", include_str!("../../../sdk/templates/c-compressor/Makefile.tmpl")),
-    ("README.md", include_str!("../../../sdk/templates/c-compressor/README.md.tmpl")),
+    ("plugin.c", include_str!("../../sdk/templates/c-compressor/plugin.c.tmpl")),
+    ("harness_strategy.h", include_str!("../../sdk/include/harness_strategy.h")),
+    ("Makefile", include_str!("../../sdk/templates/c-compressor/Makefile.tmpl")),
+    ("README.md", include_str!("../../sdk/templates/c-compressor/README.md.tmpl")),
 ];
 
 /// The C-to-WebAssembly template (compressors): the source, the contract's
 /// WIT package, and a build script that runs wit-bindgen's C generator, a
 /// clang for wasm32-wasi and wasm-tools.
 const C_WASM_COMPRESSOR: [(&str, &str); 4] = [
-    ("plugin.c", include_str!("../../../sdk/templates/c-wasm-compressor/plugin.c.tmpl")),
-    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
-    ("build.sh", include_str!("../../../sdk/templates/c-wasm-compressor/build.sh.tmpl")),
-    ("README.md", include_str!("../../../sdk/templates/c-wasm-compressor/README.md.tmpl")),
+    ("plugin.c", include_str!("../../sdk/templates/c-wasm-compressor/plugin.c.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    ("build.sh", include_str!("../../sdk/templates/c-wasm-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../sdk/templates/c-wasm-compressor/README.md.tmpl")),
 ];
 
 /// The Python template (compressors): the source, the contract's WIT
 /// package copied next to it, and a build script that runs componentize-py.
 const PY_COMPRESSOR: [(&str, &str); 4] = [
-    ("app.py", include_str!("../../../sdk/templates/py-compressor/app.py.tmpl")),
-    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
-    ("build.sh", include_str!("../../../sdk/templates/py-compressor/build.sh.tmpl")),
-    ("README.md", include_str!("../../../sdk/templates/py-compressor/README.md.tmpl")),
+    ("app.py", include_str!("../../sdk/templates/py-compressor/app.py.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    ("build.sh", include_str!("../../sdk/templates/py-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../sdk/templates/py-compressor/README.md.tmpl")),
 ];
 
 /// The JavaScript template (compressors): the source, the contract's WIT
 /// package, and a build script that runs componentize-js.
 const JS_COMPRESSOR: [(&str, &str); 5] = [
-    ("app.js", include_str!("../../../sdk/templates/js-compressor/app.js.tmpl")),
-    ("wit/strategy.wit", include_str!("../../../sdk/wit/strategy.wit")),
-    ("build.mjs", include_str!("../../../sdk/templates/js-compressor/build.mjs.tmpl")),
-    ("build.sh", include_str!("../../../sdk/templates/js-compressor/build.sh.tmpl")),
-    ("README.md", include_str!("../../../sdk/templates/js-compressor/README.md.tmpl")),
+    ("app.js", include_str!("../../sdk/templates/js-compressor/app.js.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    ("build.mjs", include_str!("../../sdk/templates/js-compressor/build.mjs.tmpl")),
+    ("build.sh", include_str!("../../sdk/templates/js-compressor/build.sh.tmpl")),
+    ("README.md", include_str!("../../sdk/templates/js-compressor/README.md.tmpl")),
 ];
 
 /// A small CPU suite that runs the generated plugin against the built-in

@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use tch::nn::{self, Init};
 use tch::{Device, Kind, Tensor};
 
-use crate::train::fused;
+use super::fused;
 
 /// How a layer runs its matmuls: through [`fused::linear`], with the fused
 /// kernels or without.

@@ -16,25 +16,24 @@
 //! so the host never waits on a step it has just launched; evaluation
 //! pauses the training clock.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod batch;
 pub mod checkpoint;
 pub mod data;
 pub mod dp;
-pub mod fused;
-pub mod graph;
-pub mod images;
-pub mod model;
+pub mod models;
 pub mod oom;
 pub mod optim;
-pub mod pairs;
-pub mod record;
 pub mod replicas;
 pub mod resilience;
-pub mod setup;
-pub mod step;
-pub mod t5;
 pub mod tiers;
-pub mod vision;
+pub mod training;
+
+pub(crate) use harness_format::{error, results, suite};
+pub(crate) use harness_kernels::{blaslt, kernels, torch_ext};
+pub(crate) use harness_runtime::{comm, device, measure};
+pub(crate) use harness_sandbox::{plugin, strategy};
 
 use std::collections::BTreeMap;
 
@@ -51,11 +50,10 @@ use crate::strategy::BatchDecision;
 use crate::suite::{PlanEntry, Workload};
 use batch::Batch;
 use optim::learning_rate;
-use record::{Meter, Outcome};
 use replicas::ReplicaCheck;
 use resilience::Resilience;
-use setup::Training;
-use step::Stepped;
+use training::record::{self, Meter, Outcome};
+use training::{Stepped, Training};
 
 /// What a running entry reports to the user, after each step.
 #[derive(Debug, Clone)]
