@@ -3,37 +3,21 @@
 //!
 //! The linker drops `libtorch_cuda.so` from the binary (`--as-needed`: no
 //! symbol of it is referenced), so [`init_cuda`] loads it at start-up
-//! with dlopen(RTLD_GLOBAL); without it libtorch sees no GPU and harness runs on CPU.
+//! with dlopen(RTLD_GLOBAL) (through harness-kernels'
+//! `torch_ext::cuda_available`); without it libtorch sees no GPU and harness
+//! runs on CPU.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 use tch::Device;
 
 use crate::suite::DeviceKind;
 
-/// Loads libtorch's CUDA library once; returns whether CUDA is usable.
+/// Loads libtorch's CUDA library once; returns whether CUDA is usable
+/// ([`crate::torch_ext::cuda_available`]).
 pub fn init_cuda() -> bool {
-    static CUDA: OnceLock<bool> = OnceLock::new();
-    *CUDA.get_or_init(|| {
-        // SAFETY: loading libtorch_cuda runs its static initialisers, which
-        // register the CUDA backend with the already-loaded libtorch_cpu of
-        // the same installation (found through LD_LIBRARY_PATH / rpath). The
-        // handle is leaked on purpose: the library must stay for the process.
-        let lib = unsafe { libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libc_flags()) };
-        match lib {
-            Ok(l) => {
-                std::mem::forget(l);
-                tch::Cuda::is_available()
-            }
-            Err(_) => false,
-        }
-    })
-}
-
-fn libc_flags() -> std::os::raw::c_int {
-    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL
+    crate::torch_ext::cuda_available()
 }
 
 /// Errors choosing a device.

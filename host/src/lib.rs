@@ -8,11 +8,12 @@
 //! Beside that line: [`ranks`] (rank environment, rank processes, rendezvous
 //! and NCCL set-up, watchdog), [`console`] (what a run shows on the terminal)
 //! and the leaves [`exit`] (exit codes), [`fmt`] (short forms of numbers) and
-//! [`oom`] (out-of-memory messages). [`torch_ext`] wraps the libtorch calls
-//! that `tch` lacks.
+//! [`oom`] (out-of-memory messages). Below them all, re-exported from the
+//! `harness-kernels` crate: [`torch_ext`] (the libtorch calls that `tch`
+//! lacks), [`blaslt`] (cuBLASLt matmuls and epilogues) and [`kernels`]
+//! (harness's own CUDA kernels).
 
 pub mod bench;
-pub mod blaslt;
 pub mod cli;
 pub mod comm;
 pub mod console;
@@ -20,7 +21,6 @@ pub mod device;
 pub mod error;
 pub mod exit;
 pub mod fmt;
-pub mod kernels;
 pub mod launch;
 pub mod measure;
 pub mod plugin;
@@ -31,5 +31,6 @@ pub mod results;
 pub mod strategy;
 pub mod submission;
 pub mod suite;
-pub mod torch_ext;
 pub mod train;
+
+pub use harness_kernels::{blaslt, kernels, torch_ext};

@@ -1970,7 +1970,7 @@ mod tests {
 
     /// Skips (with a message) where no GPU is usable.
     fn cuda() -> bool {
-        if crate::device::init_cuda() {
+        if crate::torch_ext::cuda_available() {
             true
         } else {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");

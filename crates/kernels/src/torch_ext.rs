@@ -326,6 +326,34 @@ pub fn fused_adamw(
     })
 }
 
+/// Loads libtorch's CUDA library once; returns whether CUDA is usable.
+///
+/// The linker drops `libtorch_cuda.so` from a binary that references no
+/// symbol of it (`--as-needed`), so it is loaded here with
+/// dlopen(RTLD_GLOBAL); without it libtorch sees no GPU.
+pub fn cuda_available() -> bool {
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CUDA.get_or_init(|| {
+        // SAFETY: loading libtorch_cuda runs its static initialisers, which
+        // register the CUDA backend with the already-loaded libtorch_cpu of
+        // the same installation (found through LD_LIBRARY_PATH / rpath). The
+        // handle is leaked on purpose: the library must stay for the process.
+        let lib = unsafe {
+            libloading::os::unix::Library::open(
+                Some("libtorch_cuda.so"),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+            )
+        };
+        match lib {
+            Ok(l) => {
+                std::mem::forget(l);
+                tch::Cuda::is_available()
+            }
+            Err(_) => false,
+        }
+    })
+}
+
 /// libtorch's current CUDA stream on the current device, as a driver stream
 /// handle (null: the legacy default stream, where harness runs; inside
 /// [`CudaGraph::capture`], the capture's stream, on the capturing thread and
@@ -610,11 +638,12 @@ pub fn rand_seeded(kind: RandKind, sizes: &[i64], seed: u64, device: tch::Device
 /// A block of a model whose activations [`recompute`] drops.
 type Block = Box<dyn Fn(&Tensor) -> Tensor + Send>;
 
-/// Tests that seed or draw from libtorch's global generators take turns.
-#[cfg(test)]
+/// Tests that seed or draw from libtorch's global generators take turns
+/// (this crate's, and with the `testing` feature those of the crates above).
+#[cfg(any(test, feature = "testing"))]
 pub static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 thread_local! {
     /// How often a block given to [`recompute`] ran on this thread (tests).
     pub static BLOCK_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -636,7 +665,7 @@ pub fn recompute(x: &Tensor, rng: bool, block: impl Fn(&Tensor) -> Tensor + Send
         // SAFETY: ctx is the Box<Block> leaked below, alive until drop_block;
         // input is a new at::Tensor handed over to us.
         let (block, input) = unsafe { (&*(ctx as *const Block), Tensor::from_ptr(input as *mut _)) };
-        #[cfg(test)]
+        #[cfg(any(test, feature = "testing"))]
         BLOCK_RUNS.with(|n| n.set(n.get() + 1));
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| block(&input))) {
             // SAFETY: out is valid for one write; the shim takes the tensor.
