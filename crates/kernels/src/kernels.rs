@@ -15,168 +15,18 @@
 //! gradient is then fed into autograd at the logits.
 //!
 //! The CUDA source is `cuda/` of this crate, one file per op or family of
-//! ops, compiled as one program (`SOURCE`).
+//! ops, compiled as one program (`launch.rs`, which also loads it and
+//! launches). Each function here checks its tensors, makes its outputs and
+//! launches its kernel with the kernel's parameters in order (`params!`).
 
-use std::ffi::{c_void, CString};
+mod launch;
+
+use std::ffi::c_void;
 use std::sync::OnceLock;
 
-use cudarc::driver::{result, sys};
 use tch::{Kind, Tensor};
 
-/// The program NVRTC compiles: the files of `cuda/`, one op or family of
-/// ops each, in this order and as they are, nothing between them (a file
-/// ends with an empty line where the next one's text was set apart when
-/// this was one string). A file may use what an earlier one defines:
-/// `common.cu`'s bf16 type and conversions, PDL_WAIT and block reductions;
-/// `cross_entropy.cu`'s `bf_lo` and `bf_hi`; `gelu.cu`'s `unpack_bf8`,
-/// `ld_bf8` and `st_bf8`.
-///
-/// NVRTC's PTX for this program varies from run to run of the same text
-/// (with address-space randomisation: a few of the LayerNorm backward
-/// kernels gain or lose a redundant shared-memory load); to compare two
-/// texts' PTX, run NVRTC under `setarch -R`.
-const SOURCE: &str = concat!(
-    include_str!("../cuda/common.cu"),
-    include_str!("../cuda/cross_entropy.cu"),
-    include_str!("../cuda/layer_norm.cu"),
-    include_str!("../cuda/gelu.cu"),
-    include_str!("../cuda/cast.cu"),
-    include_str!("../cuda/partials.cu"),
-    include_str!("../cuda/column_sums.cu"),
-    include_str!("../cuda/pack_qkv.cu"),
-    include_str!("../cuda/embedding.cu"),
-    include_str!("../cuda/multi_tensor.cu"),
-    include_str!("../cuda/clock.cu"),
-);
-
-struct Loaded {
-    _module: sys::CUmodule,
-    ce_bf16: sys::CUfunction,
-    /// The LayerNorm kernels by the kind of its output and of that
-    /// output's gradient ([`ln_index`]): bf16, then fp32 (`_f32`).
-    add_ln_fwd: [sys::CUfunction; 2],
-    add_ln_fwd_warp: [sys::CUfunction; 2],
-    add_ln_bwd: [sys::CUfunction; 2],
-    /// `add_ln_bwd_warp{NQ}` (and `add_ln_bwd_warp_f32_{NQ}`) for NQ =
-    /// 1..=8 (rows of 128 NQ channels), with the blocks of 128 threads each
-    /// SM holds at once.
-    add_ln_bwd_warp: [[(sys::CUfunction, u32); 8]; 2],
-    bias_gelu_fwd: sys::CUfunction,
-    bias_gelu_bwd: sys::CUfunction,
-    cast_bf16: sys::CUfunction,
-    add_partials: sys::CUfunction,
-    col_sums_bf16: sys::CUfunction,
-    relu_bwd: sys::CUfunction,
-    pack_qkv: sys::CUfunction,
-    embed_fwd: sys::CUfunction,
-    embed_bwd: sys::CUfunction,
-    adamw: sys::CUfunction,
-    adamw_steps: sys::CUfunction,
-    cast_list: sys::CUfunction,
-    /// Streaming multiprocessors of the device (grid sizes).
-    sms: u32,
-    /// The device's compute capability (major).
-    major: i32,
-    /// Dynamic shared memory a block of `ce_bf16` may take (bytes).
-    ce_smem: i32,
-    stamp: sys::CUfunction,
-    spin_until: sys::CUfunction,
-}
-
-// SAFETY: CUmodule and CUfunction are driver handles valid in every thread
-// that has the (primary) context current; they are only used for launches.
-unsafe impl Send for Loaded {}
-unsafe impl Sync for Loaded {}
-
-fn loaded() -> Result<&'static Loaded, String> {
-    static K: OnceLock<Result<Loaded, String>> = OnceLock::new();
-    K.get_or_init(|| {
-        let mut dev = 0;
-        // SAFETY: libtorch has initialised CUDA on this thread (a tensor is
-        // on the device before the first launch); this reads the device.
-        unsafe { sys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
-        let cap = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"));
-        let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let image = CString::new(compile(major, minor)?).map_err(|e| e.to_string())?;
-        // SAFETY: image is NUL-terminated PTX text; the module lives for the
-        // process (kept in the static).
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
-        let get = |name: &str| {
-            // SAFETY: module is loaded; the name is NUL-terminated.
-            unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
-        };
-        let sms = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let ce_bf16 = get("ce_bf16")?;
-        // The fused cross-entropy keeps a row of logits in shared memory:
-        // as much as a block may opt into (a row of 50,304 bf16 logits
-        // takes 98 KiB; Hopper allows 227 KiB).
-        let optin = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let static_smem = 32 * 4;
-        let ce_smem = optin - static_smem;
-        // SAFETY: ce_bf16 is a function of the loaded module.
-        unsafe {
-            result::function::set_function_attribute(
-                ce_bf16,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ce_smem,
-            )
-        }
-        .map_err(|e| format!("ce_bf16 shared memory: {e:?}"))?;
-        Ok(Loaded {
-            _module: module,
-            ce_bf16,
-            ce_smem,
-            add_ln_fwd: [get("add_ln_fwd")?, get("add_ln_fwd_f32")?],
-            add_ln_fwd_warp: [get("add_ln_fwd_warp")?, get("add_ln_fwd_warp_f32")?],
-            add_ln_bwd: [get("add_ln_bwd")?, get("add_ln_bwd_f32")?],
-            add_ln_bwd_warp: {
-                let mut fs = [[(std::ptr::null_mut(), 0); 8]; 2];
-                for (prefix, set) in ["add_ln_bwd_warp", "add_ln_bwd_warp_f32_"].iter().zip(fs.iter_mut()) {
-                    for (i, f) in set.iter_mut().enumerate() {
-                        let func = get(&format!("{prefix}{}", i + 1))?;
-                        let smem = ln_bwd_warp_smem(128 * (i as i64 + 1));
-                        // SAFETY: func is a function of the loaded module.
-                        let per_sm =
-                            unsafe { result::occupancy::max_active_block_per_multiprocessor(func, LN_BWD_THREADS as i32, smem as usize) }
-                                .map_err(|e| format!("{prefix} occupancy: {e:?}"))?;
-                        *f = (func, per_sm.max(1) as u32);
-                    }
-                }
-                fs
-            },
-            bias_gelu_fwd: get("bias_gelu_fwd")?,
-            bias_gelu_bwd: get("bias_gelu_bwd")?,
-            cast_bf16: get("cast_bf16")?,
-            add_partials: get("add_partials")?,
-            col_sums_bf16: get("col_sums_bf16")?,
-            relu_bwd: get("relu_bwd")?,
-            pack_qkv: get("pack_qkv")?,
-            embed_fwd: get("embed_fwd")?,
-            embed_bwd: get("embed_bwd")?,
-            adamw: get("adamw")?,
-            adamw_steps: get("adamw_steps")?,
-            cast_list: get("cast_list")?,
-            sms,
-            major,
-            stamp: get("stamp")?,
-            spin_until: get("spin_until")?,
-        })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
-}
-
-/// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
-fn compile(major: i32, minor: i32) -> Result<String, String> {
-    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-    let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}"), format!("-DCAST_CHUNK={CAST_CHUNK}")];
-    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
-    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
-        .map_err(|_| "libnvrtc could not be loaded".to_owned())?
-        .map_err(|e| format!("NVRTC: {e:?}"))?;
-    Ok(ptx.to_src())
-}
+use launch::{launch, loaded, params, require, Grid, Loaded};
 
 /// Why the fused kernels cannot be used, if they cannot.
 pub fn unavailable_reason() -> Option<String> {
@@ -186,6 +36,17 @@ pub fn unavailable_reason() -> Option<String> {
 /// Whether the fused kernels can be used (CUDA present and NVRTC works).
 pub fn available() -> bool {
     loaded().is_ok()
+}
+
+/// Whether the diagnostic switch `var` turns its part of the fused path
+/// off (`var=0`; anything else, or unset, leaves it on).
+pub fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "0")
+}
+
+/// Rows and channels as the kernels' `int` N and C.
+fn dims(n: i64, c: i64) -> anyhow::Result<(i32, i32)> {
+    Ok((i32::try_from(n)?, i32::try_from(c)?))
 }
 
 /// Fused cross-entropy of bf16 CUDA logits `[n, V]` against int64 targets
@@ -202,7 +63,7 @@ pub fn cross_entropy_bf16(
     scale: Option<&Tensor>,
     in_place: bool,
 ) -> anyhow::Result<(Tensor, Tensor)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, v) = logits.size2()?;
     anyhow::ensure!(logits.kind() == Kind::BFloat16 && logits.device().is_cuda(), "fused cross-entropy takes bf16 CUDA logits");
     let logits = logits.contiguous();
@@ -210,31 +71,15 @@ pub fn cross_entropy_bf16(
     anyhow::ensure!(target.size() == [n], "targets must be [{n}]");
     let grad = if in_place { logits.shallow_clone() } else { logits.empty_like() };
     let rows = Tensor::empty([n], (Kind::Float, logits.device()));
-    let scale_t = scale.map(|s| s.to_kind(Kind::Float).contiguous());
-    let mut p_logits = logits.data_ptr();
-    let mut p_target = target.data_ptr();
-    let mut p_grad = grad.data_ptr();
-    let mut p_rows = rows.data_ptr();
-    let mut v_i32 = i32::try_from(v)?;
-    let mut p_scale = scale_t.as_ref().map_or(std::ptr::null_mut(), |s| s.data_ptr());
+    let scale = scale.map(|s| s.to_kind(Kind::Float).contiguous());
     // The kernel writes (softmax - onehot) * factor: the gradient of the
     // rows' sum. The loss is their mean, so its gradient carries 1/n.
-    let mut factor = factor / n as f32;
+    let factor = factor / n as f32;
     // The row in shared memory where it fits (else read from memory again).
     let row_bytes = 2 * v;
-    let mut cached = i32::from(v % 8 == 0 && row_bytes <= k.ce_smem as i64);
-    let mut params: [*mut c_void; 8] = [
-        &mut p_logits as *mut _ as *mut c_void,
-        &mut p_target as *mut _ as *mut c_void,
-        &mut p_grad as *mut _ as *mut c_void,
-        &mut p_rows as *mut _ as *mut c_void,
-        &mut v_i32 as *mut _ as *mut c_void,
-        &mut p_scale as *mut _ as *mut c_void,
-        &mut factor as *mut _ as *mut c_void,
-        &mut cached as *mut _ as *mut c_void,
-    ];
-    let grid = u32::try_from(n)?;
-    let smem = if cached != 0 { row_bytes as u32 } else { 0 };
+    let cached = v % 8 == 0 && row_bytes <= k.ce_smem as i64;
+    let grid = Grid::line(u32::try_from(n)?, 512).smem(if cached { row_bytes as u32 } else { 0 });
+    let v32 = i32::try_from(v)?;
     // SAFETY: the parameters match ce_bf16's signature (four device
     // pointers to tensors of the checked shapes and kinds, an int, a device
     // pointer or null, a float, an int); the dynamic shared memory is within
@@ -243,45 +88,13 @@ pub fn cross_entropy_bf16(
     // returns and libtorch's caching allocator keeps their memory from reuse
     // until work queued after the launch on the same (libtorch's current)
     // stream has run. The launch goes to that same stream.
-    unsafe { result::launch_kernel(k.ce_bf16, (grid, 1, 1), (512, 1, 1), smem, stream()?, &mut params) }?;
+    unsafe { launch(k.ce_bf16, grid, params![&logits, &target, &grad, &rows, v32, scale.as_ref(), factor, i32::from(cached)]) }?;
     Ok((rows.mean(Kind::Float), grad))
-}
-
-/// The stream every launch goes to: libtorch's current one, the legacy
-/// default stream where harness runs, or a CUDA graph's capture stream
-/// while the training step is captured (on the capturing thread, and on
-/// the autograd thread running the captured backward pass).
-fn stream() -> anyhow::Result<sys::CUstream> {
-    Ok(crate::torch_ext::current_cuda_stream()? as sys::CUstream)
-}
-
-/// A device pointer argument: the tensor's data, or null for none.
-fn ptr(t: Option<&Tensor>) -> *mut c_void {
-    t.map_or(std::ptr::null_mut(), |t| t.data_ptr())
-}
-
-/// Launches `f` on libtorch's current stream with `args`, the kernel's
-/// parameters in order.
-///
-/// # Safety
-/// `args` must match the kernel's signature in number, order and types;
-/// every device pointer among them must stay valid until work queued after
-/// the launch on the same stream has run (libtorch's caching allocator keeps
-/// a freed tensor's memory from reuse by later work on that stream).
-unsafe fn launch(f: sys::CUfunction, grid: u32, block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
-    // SAFETY: per the function's contract.
-    unsafe { launch2(f, (grid, 1, 1), (block, 1, 1), args) }
 }
 
 /// Whether [`add_layer_norm`] takes rows of `c` channels.
 pub fn layer_norm_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
-}
-
-/// Whether the diagnostic switch `var` turns its part of the fused path
-/// off (`var=0`; anything else, or unset, leaves it on).
-pub fn switched_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "0")
 }
 
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
@@ -316,11 +129,12 @@ fn ln_index(kind: Kind) -> anyhow::Result<usize> {
     }
 }
 
-/// Threads per block for rows of `c` channels (four per thread), and blocks.
-fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
+/// A block per row for rows of `c` channels (four per thread), as many
+/// blocks as the SMs hold at once.
+fn ln_grid(k: &Loaded, n: i64, c: i64) -> Grid {
     let threads = quad_threads(c);
     let per_sm = (2048 / threads).clamp(1, 16);
-    (threads, (k.sms * per_sm).min(n.max(1) as u32))
+    Grid::line((k.sms * per_sm).min(n.max(1) as u32), threads)
 }
 
 /// The forward pass of a residual add and LayerNorm over the last dimension
@@ -339,7 +153,7 @@ pub fn add_layer_norm(
     eps: f32,
     y_kind: Kind,
 ) -> anyhow::Result<(Option<Tensor>, Tensor, Tensor, Tensor)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     anyhow::ensure!(
         layer_norm_fits(c) && x.kind() == Kind::Float && x.device().is_cuda() && x.is_contiguous(),
@@ -364,36 +178,18 @@ pub fn add_layer_norm(
     let rstd = mean.empty_like();
     // Rows of up to 1024 channels: a warp per row (HARNESS_LN_WARP=0 keeps
     // the block per row, a diagnostic).
-    let (f_ln, (threads, blocks)) = if c <= 1024 && ln_warp() {
-        (k.add_ln_fwd_warp[out], (256, (n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32))
+    let (kernel, grid) = if c <= 1024 && ln_warp() {
+        (k.add_ln_fwd_warp[out], Grid::line((n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32, 256))
     } else {
-        (k.add_ln_fwd[out], ln_shape(k, n, c))
+        (k.add_ln_fwd[out], ln_grid(k, n, c))
     };
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow add_ln_fwd's signature, which
     // add_ln_fwd_warp shares (device pointers to tensors of the checked
     // shapes, kinds and contiguity, or null for the absent residual, then
     // N, C, eps); every tensor outlives the call.
     unsafe {
-        launch(
-            f_ln,
-            blocks,
-            threads,
-            &mut [
-                &mut x.data_ptr(),
-                &mut ptr(f),
-                &mut ptr(fb),
-                &mut w.data_ptr(),
-                &mut b.data_ptr(),
-                &mut ptr(xo.as_ref()),
-                &mut y.data_ptr(),
-                &mut mean.data_ptr(),
-                &mut rstd.data_ptr(),
-                &mut { n32 },
-                &mut { c32 },
-                &mut { eps },
-            ],
-        )?;
+        launch(kernel, grid, params![x, f, fb, w, b, xo.as_ref(), &y, &mean, &rstd, n32, c32, eps])?;
     }
     Ok((xo, y, mean, rstd))
 }
@@ -414,7 +210,7 @@ pub fn add_layer_norm_backward(
     dres: Option<&Tensor>,
     want_df: bool,
 ) -> anyhow::Result<(Tensor, Option<Tensor>, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     let dy = if dy.kind() == Kind::Float { dy.contiguous() } else { dy.to_kind(Kind::BFloat16).contiguous() };
     let out = ln_index(dy.kind())?;
@@ -429,37 +225,21 @@ pub fn add_layer_norm_backward(
     // A warp per row for rows of 128, 256, .. 1024 channels (as many
     // blocks as the SMs hold at once), else a block per row.
     let warp = (c % 128 == 0 && c <= 1024 && ln_bwd_warp()).then(|| k.add_ln_bwd_warp[out][(c / 128 - 1) as usize]);
-    let (f, blocks, threads, smem) = match warp {
-        Some((f, per_sm)) => {
+    let (kernel, grid) = match warp {
+        Some((kernel, per_sm)) => {
             let blocks = (k.sms * per_sm).min((n.max(1) as u32).div_ceil(LN_BWD_THREADS / 32));
-            (f, blocks, LN_BWD_THREADS, ln_bwd_warp_smem(c))
+            (kernel, Grid::line(blocks, LN_BWD_THREADS).smem(ln_bwd_warp_smem(c)))
         }
-        None => {
-            let (threads, blocks) = ln_shape(k, n, c);
-            (k.add_ln_bwd[out], blocks, threads, 0)
-        }
+        None => (k.add_ln_bwd[out], ln_grid(k, n, c)),
     };
-    let part = Tensor::empty([blocks as i64, 3, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
-    let mut params: [&mut dyn std::any::Any; 11] = [
-        &mut dy.data_ptr(),
-        &mut x.data_ptr(),
-        &mut mean.data_ptr(),
-        &mut rstd.data_ptr(),
-        &mut w.data_ptr(),
-        &mut ptr(dres.as_ref()),
-        &mut dx.data_ptr(),
-        &mut ptr(df.as_ref()),
-        &mut part.data_ptr(),
-        &mut { n32 },
-        &mut { c32 },
-    ];
+    let part = Tensor::empty([grid.blocks.0 as i64, 3, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow add_ln_bwd's signature, which the warp
     // kernels share (device pointers to tensors of the checked shapes and
     // kinds, null for the absent dres and df, then N, C); the partial sums
     // have 3 rows per block; a warp kernel's shared memory holds a [3, C]
     // fp32 set per warp.
-    unsafe { launch_smem(f, (blocks, 1, 1), (threads, 1, 1), smem, &mut params)? };
+    unsafe { launch(kernel, grid, params![&dy, x, mean, rstd, w, dres.as_ref(), &dx, df.as_ref(), &part, n32, c32])? };
     Ok((dx, df, Partials(part)))
 }
 
@@ -468,92 +248,20 @@ pub fn gelu_fits(c: i64) -> bool {
     c % 8 == 0 && c >= 8
 }
 
-/// Grid for the bias + GELU kernels: 128 threads of 8 channels per block
-/// across, blocks striding over rows down.
-fn gelu_shape(k: &Loaded, n: i64, c: i64) -> ((u32, u32, u32), u32) {
-    rows_of_8_shape(k, n, c, 16)
-}
-
 /// Grid for kernels with 128 threads of 8 channels per block across and
-/// blocks striding over rows down: `per_sm` blocks per SM in all.
-fn rows_of_8_shape(k: &Loaded, n: i64, c: i64, per_sm: u32) -> ((u32, u32, u32), u32) {
+/// blocks striding over rows down: `per_sm` blocks per SM in all (16 for
+/// the bias + GELU kernels, 8 for the column sums).
+fn rows_of_8_grid(k: &Loaded, n: i64, c: i64, per_sm: u32) -> Grid {
     let threads = 128u32;
     let across = ((c / 8) as u32).div_ceil(threads);
     let down = ((k.sms * per_sm) / across).max(1).min(n.max(1) as u32);
-    ((down, across, 1), threads)
-}
-
-/// Launches a kernel on a grid and blocks of up to 3 dimensions (see
-/// [`launch`]).
-///
-/// # Safety
-/// As for [`launch`].
-unsafe fn launch2(
-    f: sys::CUfunction,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    args: &mut [&mut dyn std::any::Any],
-) -> anyhow::Result<()> {
-    // SAFETY: per the function's contract.
-    unsafe { launch_smem(f, grid, block, 0, args) }
-}
-
-/// [`launch2`] with `smem` bytes of dynamic shared memory per block.
-///
-/// # Safety
-/// As for [`launch`]; the kernel takes at most `smem` bytes of dynamic
-/// shared memory (within the device's default limit per block).
-unsafe fn launch_smem(
-    f: sys::CUfunction,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    smem: u32,
-    args: &mut [&mut dyn std::any::Any],
-) -> anyhow::Result<()> {
-    let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (&mut **a) as *mut dyn std::any::Any as *mut c_void).collect();
-    let stream = stream()?;
-    if !dependent_launches() {
-        // SAFETY: per the function's contract; each parameter points at a
-        // live local of the caller for the duration of the call.
-        unsafe { result::launch_kernel(f, grid, block, smem, stream, &mut params) }?;
-        return Ok(());
-    }
-    // SAFETY: zeroed launch attributes are plain data; the one used is set.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem,
-        hStream: stream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: as above; the kernel waits for the one before it (PDL_WAIT at
-    // its start, which every kernel launched here has); config and attr
-    // outlive the call.
-    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
-    Ok(())
-}
-
-/// Whether [`launch_smem`] lets a kernel launch before the one ahead of it
-/// on the stream has finished (programmatic dependent launch: the GPU sets
-/// it up meanwhile, and its PDL_WAIT holds it until that kernel's writes
-/// are visible): on sm_90 and later, unless `HARNESS_PDL=0` (a diagnostic).
-fn dependent_launches() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && !switched_off("HARNESS_PDL"))
+    Grid::new((down, across, 1), (threads, 1, 1))
 }
 
 /// `gelu(x + b)` (tanh approximation) of contiguous bf16 CUDA rows `x`
 /// `[n, c]` ([`gelu_fits`]) and an fp32 bias `[c]`, as bf16.
 pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     anyhow::ensure!(
         gelu_fits(c) && x.kind() == Kind::BFloat16 && x.device().is_cuda() && x.is_contiguous(),
@@ -561,18 +269,10 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
     );
     anyhow::ensure!(b.kind() == Kind::Float && b.size() == [c] && b.is_contiguous(), "the bias must be fp32 [{c}]");
     let y = x.empty_like();
-    let (grid, threads) = gelu_shape(k, n, c);
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow bias_gelu_fwd's signature (device
     // pointers to tensors of the checked shapes and kinds, then N, C).
-    unsafe {
-        launch2(
-            k.bias_gelu_fwd,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut x.data_ptr(), &mut b.data_ptr(), &mut y.data_ptr(), &mut { n32 }, &mut { c32 }],
-        )?
-    };
+    unsafe { launch(k.bias_gelu_fwd, rows_of_8_grid(k, n, c, 16), params![x, b, &y, n32, c32])? };
     Ok(y)
 }
 
@@ -580,26 +280,17 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
 /// returns dx (bf16; also the pre-bias input's gradient) and the partial
 /// sums of db (fp32 `[c]` once summed).
 pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     let dy = dy.to_kind(Kind::BFloat16).contiguous();
     anyhow::ensure!(dy.size() == [n, c] && gelu_fits(c) && x.is_contiguous(), "fused GELU backward: bad shapes");
     let dx = x.empty_like();
-    let (grid, threads) = gelu_shape(k, n, c);
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(k, n, c, 16);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow bias_gelu_bwd's signature; the partial
     // sums have one row per block row of the grid.
-    unsafe {
-        launch2(
-            k.bias_gelu_bwd,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut dy.data_ptr(), &mut x.data_ptr(), &mut b.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
-                c32
-            }],
-        )?
-    };
+    unsafe { launch(k.bias_gelu_bwd, grid, params![&dy, x, b, &dx, &part, n32, c32])? };
     Ok((dx, Partials(part)))
 }
 
@@ -608,7 +299,7 @@ pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result
 /// its rows (the `[3c]` bias gradient of the projection they came from),
 /// in one pass: a fused q, k, v projection's gradient.
 pub fn pack_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
-    let kl = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let kl = require("fused")?;
     let (n, c) = q.size2()?;
     for t in [q, k, v] {
         anyhow::ensure!(
@@ -622,22 +313,13 @@ pub fn pack_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<(Tensor, P
         );
     }
     let qkv = Tensor::empty([n, 3 * c], (Kind::BFloat16, q.device()));
-    let (grid, threads) = rows_of_8_shape(kl, n, 3 * c, 8);
-    let part = Tensor::empty([grid.0 as i64, 1, 3 * c], (Kind::Float, q.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(kl, n, 3 * c, 8);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, 3 * c], (Kind::Float, q.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow pack_qkv's signature (device pointers to
     // the checked parts, to qkv [n, 3c] and to partial sums of one row of
     // 3c per block row of the grid, then N, C).
-    unsafe {
-        launch2(
-            kl.pack_qkv,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut q.data_ptr(), &mut k.data_ptr(), &mut v.data_ptr(), &mut qkv.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
-                c32
-            }],
-        )?
-    };
+    unsafe { launch(kl.pack_qkv, grid, params![q, k, v, &qkv, &part, n32, c32])? };
     Ok((qkv, Partials(part)))
 }
 
@@ -663,7 +345,7 @@ pub fn relu_backward(dy: &Tensor, m: &Tensor) -> anyhow::Result<(Tensor, Partial
 /// written out too (`relu_bwd`). Contiguous bf16 CUDA rows `[n, c]`,
 /// `c % 8 == 0`.
 fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<Tensor>, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     for t in std::iter::once(x).chain(m) {
         anyhow::ensure!(
@@ -671,24 +353,17 @@ fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<
             "column sums take contiguous bf16 CUDA rows [{n}, {c}] of a multiple of 8"
         );
     }
-    let (grid, threads) = rows_of_8_shape(k, n, c, 8);
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(k, n, c, 8);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     let dx = m.map(|_| x.empty_like());
     // SAFETY: the arguments follow col_sums_bf16's signature, or with `m`
     // relu_bwd's (device pointers to the checked rows, to dx of their shape
     // and to partial sums of one row per block row of the grid, then N, C).
     unsafe {
         match (m, &dx) {
-            (Some(m), Some(dx)) => launch2(
-                k.relu_bwd,
-                grid,
-                (threads, 1, 1),
-                &mut [&mut x.data_ptr(), &mut m.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
-            )?,
-            _ => {
-                launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])?
-            }
+            (Some(m), Some(dx)) => launch(k.relu_bwd, grid, params![x, m, dx, &part, n32, c32])?,
+            _ => launch(k.col_sums_bf16, grid, params![x, &part, n32, c32])?,
         }
     };
     Ok((dx, Partials(part)))
@@ -710,7 +385,7 @@ fn quad_threads(c: i64) -> u32 {
 /// outside `[0, v)` stops the kernel (a device-side error, as libtorch's
 /// gather raises).
 pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (b, t) = idx.size2()?;
     let (v, c) = wte.size2()?;
     anyhow::ensure!(
@@ -728,26 +403,11 @@ pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor>
     anyhow::ensure!([wte, wpe].iter().all(|w| (w.data_ptr() as usize) % 16 == 0), "fused embedding: the tables must start 16-byte aligned");
     let x = Tensor::empty([b, t, c], (Kind::Float, idx.device()));
     let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    let grid = Grid::line(u32::try_from(t)?, quad_threads(c));
     // SAFETY: the arguments follow embed_fwd's signature (device pointers to
     // the checked tokens, tables and a fresh [b, t, c] output, then B, T, C,
     // V); every tensor outlives the call.
-    unsafe {
-        launch(
-            k.embed_fwd,
-            u32::try_from(t)?,
-            quad_threads(c),
-            &mut [
-                &mut idx.data_ptr(),
-                &mut wte.data_ptr(),
-                &mut wpe.data_ptr(),
-                &mut x.data_ptr(),
-                &mut { b32 },
-                &mut { t32 },
-                &mut { c32 },
-                &mut { v },
-            ],
-        )?
-    };
+    unsafe { launch(k.embed_fwd, grid, params![idx, wte, wpe, &x, b32, t32, c32, v])? };
     Ok(x)
 }
 
@@ -757,7 +417,7 @@ pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor>
 /// and writes (`assign`) or adds the sum over the batch into the first `t`
 /// rows of `gwpe` (fp32 `[>= t, c]`).
 pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, assign: bool) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (b, t) = idx.size2()?;
     let c = gwte.size2()?.1;
     let dx = dx.to_kind(Kind::Float).contiguous();
@@ -778,26 +438,11 @@ pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, a
         "fused embedding backward: gradients must be contiguous fp32 [v, {c}] and [>= {t}, {c}]"
     );
     let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    let grid = Grid::line(u32::try_from(t)?, quad_threads(c));
     // SAFETY: the arguments follow embed_bwd's signature (device pointers to
     // the checked tokens, dx and the two gradients, then B, T, C and the
     // flag); the tokens were checked in range by the forward pass's kernel.
-    unsafe {
-        launch(
-            k.embed_bwd,
-            u32::try_from(t)?,
-            quad_threads(c),
-            &mut [
-                &mut idx.data_ptr(),
-                &mut dx.data_ptr(),
-                &mut gwte.data_ptr(),
-                &mut gwpe.data_ptr(),
-                &mut { b32 },
-                &mut { t32 },
-                &mut { c32 },
-                &mut { i32::from(assign) },
-            ],
-        )?
-    };
+    unsafe { launch(k.embed_bwd, grid, params![idx, &dx, gwte, gwpe, b32, t32, c32, i32::from(assign)])? };
     Ok(())
 }
 
@@ -830,7 +475,7 @@ impl Partials {
 
     /// The sums added into `into` (`assign`: written there).
     fn reduce(&self, into: &[&Tensor], assign: bool) -> anyhow::Result<()> {
-        let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+        let k = require("fused")?;
         let (blocks, n, c) = self.0.size3()?;
         anyhow::ensure!(into.len() <= n as usize && (1..=3).contains(&into.len()), "{n} partial sums for {} gradients", into.len());
         for g in into {
@@ -841,23 +486,14 @@ impl Partials {
         }
         let (b32, k32, c32) = (i32::try_from(blocks)?, i32::try_from(n)?, i32::try_from(c)?);
         // One row of blocks per gradient (the first `into.len()` sums).
-        let grid = ((c32 as u32).div_ceil(32), into.len() as u32, 1);
-        let g = |i: usize| ptr(into.get(i).copied());
+        let grid = Grid::new(((c32 as u32).div_ceil(32), into.len() as u32, 1), (32, 32, 1));
+        let g = |i: usize| into.get(i).copied();
         // SAFETY: the arguments follow add_partials' signature: the partial
         // sums [blocks, k, c] (contiguous, fresh from empty()), the checked
         // fp32 [c] gradients (null beyond `into`, never read), then B, K, C
         // and the flag; all outlive the call, which goes to libtorch's
         // current stream, as the kernel that wrote the sums did.
-        unsafe {
-            launch2(
-                k.add_partials,
-                grid,
-                (32, 32, 1),
-                &mut [&mut self.0.data_ptr(), &mut g(0), &mut g(1), &mut g(2), &mut { b32 }, &mut { k32 }, &mut { c32 }, &mut {
-                    i32::from(assign)
-                }],
-            )?
-        };
+        unsafe { launch(k.add_partials, grid, params![&self.0, g(0), g(1), g(2), b32, k32, c32, i32::from(assign)])? };
         Ok(())
     }
 }
@@ -963,32 +599,16 @@ pub fn adamw(
             list.n[j] = ns[j];
         }
         if blocks > 0 {
+            let grid = Grid::line(u32::try_from(blocks)?, 512);
             // SAFETY: the arguments follow adamw's signature: the list (laid
             // out as AdamList, pointers to the checked fp32 CUDA tensors,
             // alive until the call returns and, through libtorch's caching
             // allocator, until the stream's later work), then a device
             // scalar or null, five doubles, two device scalars or null.
-            unsafe {
-                launch2(
-                    k.adamw,
-                    (u32::try_from(blocks)?, 1, 1),
-                    (512, 1, 1),
-                    &mut [
-                        &mut list,
-                        &mut ptr(lr_t),
-                        &mut { lr },
-                        &mut { beta1 },
-                        &mut { beta2 },
-                        &mut { weight_decay },
-                        &mut { eps },
-                        &mut ptr(grad_scale),
-                        &mut ptr(found_inf),
-                    ],
-                )?
-            };
+            unsafe { launch(k.adamw, grid, params![&mut list, lr_t, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf])? };
         }
         // SAFETY: as above; one thread per tensor of the list.
-        unsafe { launch2(k.adamw_steps, (1, 1, 1), (ADAM_MAX as u32, 1, 1), &mut [&mut list, &mut ptr(found_inf)])? };
+        unsafe { launch(k.adamw_steps, Grid::line(1, ADAM_MAX as u32), params![&mut list, found_inf])? };
     }
     Ok(true)
 }
@@ -1020,14 +640,14 @@ pub fn cast_bf16(w: &Tensor) -> anyhow::Result<Tensor> {
     // SAFETY: the arguments follow cast_bf16's signature: two device
     // pointers to n contiguous elements each (w fp32, 16-byte aligned, and a
     // fresh bf16 tensor from the allocator), then n; both outlive the call.
-    unsafe { launch(k.cast_bf16, vector_blocks(k, n), 256, &mut [&mut w.data_ptr(), &mut out.data_ptr(), &mut { n }])? };
+    unsafe { launch(k.cast_bf16, Grid::line(vector_blocks(k, n), 256), params![w, &out, n])? };
     Ok(out)
 }
 
 /// Elements per block of the list cast (its `CAST_CHUNK`, passed to NVRTC).
 const CAST_CHUNK: i64 = 16384;
 
-/// [`cast_list`]'s argument, laid out as the kernel's `CastList`.
+/// [`cast_bf16_list`]'s argument, laid out as the kernel's `CastList`.
 #[repr(C)]
 struct CastList {
     w: [*mut c_void; ADAM_MAX],
@@ -1060,11 +680,12 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
             list.n[j] = ns[j];
         }
         if blocks > 0 {
+            let grid = Grid::line(u32::try_from(blocks)?, 256);
             // SAFETY: the argument follows cast_list's signature (the list
             // laid out as CastList: 16-byte aligned contiguous fp32 CUDA
             // weights and fresh bf16 tensors of their sizes, alive until
             // the stream's later work through libtorch's caching allocator).
-            unsafe { launch2(k.cast_list, (u32::try_from(blocks)?, 1, 1), (256, 1, 1), &mut [&mut list])? };
+            unsafe { launch(k.cast_list, grid, params![&mut list])? };
         }
     }
     ws.iter().zip(outs).map(|(w, o)| o.map_or_else(|| cast_bf16(w), Ok)).collect()
@@ -1072,23 +693,18 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
 
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
 pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
-    let mut p = at.data_ptr();
-    let mut params: [*mut c_void; 1] = [&mut p as *mut _ as *mut c_void];
+    let k = require("device")?;
     // SAFETY: `at` is a live device tensor of at least 8 bytes; one thread
     // writes one u64; libtorch's current stream orders it.
-    unsafe { result::launch_kernel(k.stamp, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
+    unsafe { launch(k.stamp, Grid::line(1, 1), params![at]) }?;
     Ok(())
 }
 
 /// Holds the stream until `ns` nanoseconds after the clock stored in `at`.
 pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
-    let mut p = at.data_ptr();
-    let mut ns = ns;
-    let mut params: [*mut c_void; 2] = [&mut p as *mut _ as *mut c_void, &mut ns as *mut _ as *mut c_void];
+    let k = require("device")?;
     // SAFETY: as in `stamp`; the kernel only reads the stamp.
-    unsafe { result::launch_kernel(k.spin_until, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
+    unsafe { launch(k.spin_until, Grid::line(1, 1), params![at, ns]) }?;
     Ok(())
 }
 
@@ -1151,7 +767,7 @@ mod tests {
     #[test]
     fn kernel_source_compiles_for_hopper() {
         // NVRTC runs without a GPU; the CPU test environment has libnvrtc.
-        let ptx = compile(9, 0).unwrap();
+        let ptx = launch::compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [
