@@ -7,6 +7,7 @@
 //! activation in cuBLASLt's epilogues; [`kernels`] holds harness's own CUDA
 //! kernels (`cuda/`, compiled at run time with NVRTC) and their launches.
 //! The `harness` crate re-exports the three modules under the same names.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod blaslt;
 pub mod kernels;
