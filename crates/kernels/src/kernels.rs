@@ -13,1041 +13,20 @@
 //! of logits once (keeping it in shared memory) and writes the gradient once
 //! (about 3.3 GB), computing the loss and its gradient in the same pass; the
 //! gradient is then fed into autograd at the logits.
+//!
+//! The CUDA source is `cuda/` of this crate, one file per op or family of
+//! ops, compiled as one program (`launch.rs`, which also loads it and
+//! launches). Each function here checks its tensors, makes its outputs and
+//! launches its kernel with the kernel's parameters in order (`params!`).
 
-use std::ffi::{c_void, CString};
+mod launch;
+
+use std::ffi::c_void;
 use std::sync::OnceLock;
 
-use cudarc::driver::{result, sys};
 use tch::{Kind, Tensor};
 
-const SOURCE: &str = r#"
-typedef unsigned short bf16;
-// Every kernel that harness launches through `launch_smem` starts with
-// PDL_WAIT: on sm_90 and later it may be launched while the kernel before
-// it on the stream is still running (programmatic dependent launch), and
-// waits there until that kernel has finished and its writes are visible,
-// before it reads or writes anything.
-#if __CUDA_ARCH__ >= 900
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#else
-#define PDL_WAIT() do {} while (0)
-#endif
-#define NEG_INF __int_as_float(0xff800000)
-__device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ bf16 f2bf(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (bf16)(u >> 16);
-}
-// Block-wide max and sum (blockDim.x a multiple of 32): every thread gets
-// the result.
-__device__ __forceinline__ float block_max(float v, float* sh) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  float t = lane < nw ? sh[lane] : NEG_INF;
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-  return t;
-}
-__device__ __forceinline__ float block_sum(float v, float* sh) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  float t = lane < nw ? sh[lane] : 0.f;
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return t;
-}
-// Two floats as bf16 (round to nearest even), lo in the low half: one
-// instruction from sm_80 on.
-__device__ __forceinline__ unsigned int pack_bf2(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
-  unsigned int r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-#else
-  return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
-#endif
-}
-// Cross-entropy of bf16 logits [rows, V] (row-major), one block of 512
-// threads per row. Writes grad = (softmax(x) - onehot(t)) * k, k = factor *
-// (scale ? *scale : 1), and loss_rows[row] = logsumexp(x) - x[t]. Three
-// sweeps over the row: its max, the sum of exp(x - max), the gradient. With
-// `cached` (V % 8 == 0 and 2 V bytes of dynamic shared memory) the first
-// sweep copies the row into shared memory and the others read it there, so
-// the logits are read from memory once; two blocks fit an SM, one
-// streaming while the other reduces. grad may be the logits' own memory
-// (each element is read before the same thread writes its gradient, and
-// x[t] is read first).
-#define LOG2E 1.4426950408889634f
-__device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float max8(uint4 p) {
-  return fmaxf(fmaxf(fmaxf(bf_lo(p.x), bf_hi(p.x)), fmaxf(bf_lo(p.y), bf_hi(p.y))),
-               fmaxf(fmaxf(bf_lo(p.z), bf_hi(p.z)), fmaxf(bf_lo(p.w), bf_hi(p.w))));
-}
-// sum of 2^(x * log2(e) - ml), ml = m * log2(e): exp(x - m).
-__device__ __forceinline__ float sumexp8(uint4 p, float ml) {
-  const unsigned int w[4] = {p.x, p.y, p.z, p.w};
-  float s = 0.f;
-  #pragma unroll
-  for (int j = 0; j < 4; j++) s += exp2f(fmaf(bf_lo(w[j]), LOG2E, -ml)) + exp2f(fmaf(bf_hi(w[j]), LOG2E, -ml));
-  return s;
-}
-// The gradient of the 8 logits from column c (int: V < 2^31), t the target
-// column, ll = logsumexp * log2(e).
-__device__ __forceinline__ uint4 grad8(uint4 p, int c, int t, float ll, float k) {
-  const unsigned int w[4] = {p.x, p.y, p.z, p.w};
-  unsigned int o[4];
-  #pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const float lo = exp2f(fmaf(bf_lo(w[j]), LOG2E, -ll)) - (c + 2 * j == t ? 1.f : 0.f);
-    const float hi = exp2f(fmaf(bf_hi(w[j]), LOG2E, -ll)) - (c + 2 * j + 1 == t ? 1.f : 0.f);
-    o[j] = pack_bf2(lo * k, hi * k);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-extern "C" __global__ void __launch_bounds__(512, 2) ce_bf16(
-    const bf16* logits, const long long* __restrict__ target,
-    bf16* grad, float* __restrict__ loss_rows, int V,
-    const float* __restrict__ scale, float factor, int cached) {
-  extern __shared__ uint4 row_sm[];
-  __shared__ float sh[32];
-  const size_t row = blockIdx.x;
-  const bf16* x = logits + row * (size_t)V;
-  bf16* g = grad + row * (size_t)V;
-  const int t = (int)target[row];
-  // Read before any gradient is written: grad may be the logits' memory.
-  const float xt = threadIdx.x == 0 ? bf2f(x[t]) : 0.f;
-  const float k = factor * (scale ? scale[0] : 1.f);
-  const int nt = blockDim.x;
-  float m = NEG_INF, s = 0.f, lse;
-  if ((V % 8) == 0) {
-    const int nv = V / 8;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    uint4* gv = reinterpret_cast<uint4*>(g);
-    if (cached) {
-      for (int i = threadIdx.x; i < nv; i += nt) { const uint4 p = xv[i]; row_sm[i] = p; m = fmaxf(m, max8(p)); }
-    } else {
-      for (int i = threadIdx.x; i < nv; i += nt) m = fmaxf(m, max8(xv[i]));
-    }
-    m = block_max(m, sh);
-    const uint4* src = cached ? row_sm : xv;
-    for (int i = threadIdx.x; i < nv; i += nt) s += sumexp8(src[i], m * LOG2E);
-    lse = m + logf(block_sum(s, sh));
-    for (int i = threadIdx.x; i < nv; i += nt) gv[i] = grad8(src[i], 8 * i, t, lse * LOG2E, k);
-  } else {
-    for (int i = threadIdx.x; i < V; i += nt) m = fmaxf(m, bf2f(x[i]));
-    m = block_max(m, sh);
-    for (int i = threadIdx.x; i < V; i += nt) s += __expf(bf2f(x[i]) - m);
-    lse = m + logf(block_sum(s, sh));
-    for (int i = threadIdx.x; i < V; i += nt) g[i] = f2bf((__expf(bf2f(x[i]) - lse) - (i == t ? 1.f : 0.f)) * k);
-  }
-  if (threadIdx.x == 0) loss_rows[row] = lse - xt;
-}
-
-// Residual add + LayerNorm over rows of C channels (C % 4 == 0), thread t of
-// a block owning channels 4t..4t+3 (blockDim.x = C/4 rounded up to a warp),
-// blocks striding over rows. Statistics in fp32, two-pass variance.
-__device__ __forceinline__ void st_bf4(bf16* p, const float v[4]) {
-  uint2 u;
-  u.x = (unsigned int)f2bf(v[0]) | ((unsigned int)f2bf(v[1]) << 16);
-  u.y = (unsigned int)f2bf(v[2]) | ((unsigned int)f2bf(v[3]) << 16);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-// Four channels of the LayerNorm's output or of its gradient: bf16 where
-// a matmul takes it (pre-norm blocks), fp32 where it is the residual
-// stream (post-norm layers, the `_f32` kernels).
-template <typename Y> struct Quad;
-template <> struct Quad<bf16> { typedef uint2 T; };
-template <> struct Quad<float> { typedef float4 T; };
-template <typename Y> __device__ __forceinline__ typename Quad<Y>::T ld4(const Y* p) {
-  return *reinterpret_cast<const typename Quad<Y>::T*>(p);
-}
-__device__ __forceinline__ void unquad(uint2 u, float d[4]) { d[0] = bf_lo(u.x); d[1] = bf_hi(u.x); d[2] = bf_lo(u.y); d[3] = bf_hi(u.y); }
-__device__ __forceinline__ void unquad(float4 u, float d[4]) { d[0] = u.x; d[1] = u.y; d[2] = u.z; d[3] = u.w; }
-__device__ __forceinline__ void st4(bf16* p, const float v[4]) { st_bf4(p, v); }
-__device__ __forceinline__ void st4(float* p, const float v[4]) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
-// xo = x + f + fb (fp32; f bf16 and fb, the branch's bias, fp32 [C], both
-// optional; without f, xo is not written), y = LayerNorm(xo) * w + b as
-// Y (bf16, or fp32 in add_ln_fwd_f32), with each row's mean and 1/std kept.
-template <typename Y>
-__device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* __restrict__ f,
-    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
-    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
-  PDL_WAIT();
-  __shared__ float sh[32];
-  const int c = 4 * threadIdx.x;
-  const bool on = c < C;
-  float wv[4] = {0.f, 0.f, 0.f, 0.f}, bv[4] = {0.f, 0.f, 0.f, 0.f}, fbv[4] = {0.f, 0.f, 0.f, 0.f};
-  if (on) {
-    float4 a = *reinterpret_cast<const float4*>(w + c), d = *reinterpret_cast<const float4*>(b + c);
-    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; bv[0] = d.x; bv[1] = d.y; bv[2] = d.z; bv[3] = d.w;
-    if (fb) { float4 e = *reinterpret_cast<const float4*>(fb + c); fbv[0] = e.x; fbv[1] = e.y; fbv[2] = e.z; fbv[3] = e.w; }
-  }
-  const float inv_c = 1.f / (float)C;
-  // The next row's loads are issued before this row's reductions, so a
-  // block keeps memory busy while it synchronises.
-  float4 xa = make_float4(0.f, 0.f, 0.f, 0.f);
-  uint2 fa = make_uint2(0u, 0u);
-  int row = blockIdx.x;
-  if (on && row < N) {
-    xa = *reinterpret_cast<const float4*>(x + (size_t)row * C + c);
-    if (f) fa = *reinterpret_cast<const uint2*>(f + (size_t)row * C + c);
-  }
-  for (; row < N; row += gridDim.x) {
-    const size_t at = (size_t)row * C + c;
-    float v[4] = {xa.x, xa.y, xa.z, xa.w};
-    const uint2 fu = fa;
-    const int next = row + gridDim.x;
-    if (on && next < N) {
-      xa = *reinterpret_cast<const float4*>(x + (size_t)next * C + c);
-      if (f) fa = *reinterpret_cast<const uint2*>(f + (size_t)next * C + c);
-    }
-    if (on && f) {
-      const float g[4] = {bf_lo(fu.x), bf_hi(fu.x), bf_lo(fu.y), bf_hi(fu.y)};
-      #pragma unroll
-      for (int j = 0; j < 4; j++) v[j] += g[j] + fbv[j];
-      *reinterpret_cast<float4*>(xo + at) = make_float4(v[0], v[1], v[2], v[3]);
-    }
-    const float m = block_sum(v[0] + v[1] + v[2] + v[3], sh) * inv_c;
-    float sq = 0.f;
-    if (on) {
-      #pragma unroll
-      for (int j = 0; j < 4; j++) { float d = v[j] - m; sq += d * d; }
-    }
-    const float r = rsqrtf(block_sum(sq, sh) * inv_c + eps);
-    if (on) {
-      float o[4];
-      #pragma unroll
-      for (int j = 0; j < 4; j++) o[j] = (v[j] - m) * r * wv[j] + bv[j];
-      st4(y + at, o);
-    }
-    if (threadIdx.x == 0) { mean[row] = m; rstd[row] = r; }
-  }
-}
-#define LN_FWD_ARGS(Y) const float* __restrict__ x, const bf16* __restrict__ f, const float* __restrict__ fb, \
-    const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y, \
-    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps
-extern "C" __global__ void add_ln_fwd(LN_FWD_ARGS(bf16)) { ln_fwd<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
-extern "C" __global__ void add_ln_fwd_f32(LN_FWD_ARGS(float)) { ln_fwd<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
-// add_ln_fwd for rows of at most 1024 channels: one warp per row, lane l
-// owning the float4 chunks l, l + 32, ... (all of a row's loads issued
-// before its reductions, which are warp shuffles: no block-wide
-// synchronisation). Same arguments and results.
-template <typename Y>
-__device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const bf16* __restrict__ f,
-    const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
-    float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
-  PDL_WAIT();
-  const int lane = threadIdx.x % 32, nq = C / 4;
-  const int warps = blockDim.x / 32;
-  const float inv_c = 1.f / (float)C;
-  for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
-    const size_t base = (size_t)row * C;
-    float v[8][4];
-    #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int q = lane + 32 * j;
-      if (q < nq) {
-        const float4 a = *reinterpret_cast<const float4*>(x + base + 4 * q);
-        v[j][0] = a.x; v[j][1] = a.y; v[j][2] = a.z; v[j][3] = a.w;
-        if (f) {
-          const uint2 u = *reinterpret_cast<const uint2*>(f + base + 4 * q);
-          const float g[4] = {bf_lo(u.x), bf_hi(u.x), bf_lo(u.y), bf_hi(u.y)};
-          float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (fb) e = *reinterpret_cast<const float4*>(fb + 4 * q);
-          const float h[4] = {e.x, e.y, e.z, e.w};
-          #pragma unroll
-          for (int i = 0; i < 4; i++) v[j][i] += g[i] + h[i];
-        }
-      } else {
-        #pragma unroll
-        for (int i = 0; i < 4; i++) v[j][i] = 0.f;
-      }
-    }
-    float s = 0.f;
-    #pragma unroll
-    for (int j = 0; j < 8; j++) s += v[j][0] + v[j][1] + v[j][2] + v[j][3];
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    const float m = s * inv_c;
-    float sq = 0.f;
-    #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      if (lane + 32 * j < nq) {
-        #pragma unroll
-        for (int i = 0; i < 4; i++) { const float d = v[j][i] - m; sq += d * d; }
-      }
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    const float r = rsqrtf(sq * inv_c + eps);
-    #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int q = lane + 32 * j;
-      if (q < nq) {
-        if (f) *reinterpret_cast<float4*>(xo + base + 4 * q) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
-        const float4 wq = *reinterpret_cast<const float4*>(w + 4 * q), bq = *reinterpret_cast<const float4*>(b + 4 * q);
-        const float wv[4] = {wq.x, wq.y, wq.z, wq.w}, bv[4] = {bq.x, bq.y, bq.z, bq.w};
-        float o[4];
-        #pragma unroll
-        for (int i = 0; i < 4; i++) o[i] = (v[j][i] - m) * r * wv[i] + bv[i];
-        st4(y + base + 4 * q, o);
-      }
-    }
-    if (lane == 0) { mean[row] = m; rstd[row] = r; }
-  }
-}
-extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(LN_FWD_ARGS(bf16)) {
-  ln_fwd_warp<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
-}
-extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp_f32(LN_FWD_ARGS(float)) {
-  ln_fwd_warp<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
-}
-// The backward pass of add_ln_fwd: from dy (Y: bf16, or fp32 in the _f32
-// kernels) and the LayerNorm's input x, dx = dres + d(LayerNorm)/dx (fp32;
-// dres optional), df = bf16(dx) (optional), and per-block partial sums
-// ([gridDim.x, 3, C] in part) of dw = sum(dy * xhat), db = sum(dy) and, for
-// the branch's bias, sum(dx).
-template <typename Y>
-__device__ __forceinline__ void ln_bwd(const Y* __restrict__ dy, const float* __restrict__ x,
-    const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
-    const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
-    float* __restrict__ part, int N, int C) {
-  PDL_WAIT();
-  __shared__ float sh[32];
-  const int c = 4 * threadIdx.x;
-  const bool on = c < C;
-  float wv[4] = {0.f, 0.f, 0.f, 0.f}, dw[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
-  float dfb[4] = {0.f, 0.f, 0.f, 0.f};
-  if (on) {
-    float4 a = *reinterpret_cast<const float4*>(w + c);
-    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
-  }
-  const float inv_c = 1.f / (float)C;
-  // The next row's loads are issued before this row's reductions (as in
-  // add_ln_fwd).
-  typename Quad<Y>::T da{};
-  float4 xa = make_float4(0.f, 0.f, 0.f, 0.f), ra = make_float4(0.f, 0.f, 0.f, 0.f);
-  int row = blockIdx.x;
-  float ma = row < N ? mean[row] : 0.f, rsa = row < N ? rstd[row] : 0.f;
-  if (on && row < N) {
-    da = ld4(dy + (size_t)row * C + c);
-    xa = *reinterpret_cast<const float4*>(x + (size_t)row * C + c);
-    if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)row * C + c);
-  }
-  for (; row < N; row += gridDim.x) {
-    const size_t at = (size_t)row * C + c;
-    const float m = ma, r = rsa;
-    const typename Quad<Y>::T du = da;
-    const float4 xu = xa, ru = ra;
-    const int next = row + gridDim.x;
-    if (next < N) { ma = mean[next]; rsa = rstd[next]; }
-    if (on && next < N) {
-      da = ld4(dy + (size_t)next * C + c);
-      xa = *reinterpret_cast<const float4*>(x + (size_t)next * C + c);
-      if (dres) ra = *reinterpret_cast<const float4*>(dres + (size_t)next * C + c);
-    }
-    float g[4] = {0.f, 0.f, 0.f, 0.f}, xh[4] = {0.f, 0.f, 0.f, 0.f}, s1 = 0.f, s2 = 0.f;
-    if (on) {
-      float d[4];
-      unquad(du, d);
-      const float xv[4] = {xu.x, xu.y, xu.z, xu.w};
-      #pragma unroll
-      for (int j = 0; j < 4; j++) {
-        xh[j] = (xv[j] - m) * r;
-        g[j] = d[j] * wv[j];
-        s1 += g[j];
-        s2 += g[j] * xh[j];
-        dw[j] += d[j] * xh[j];
-        db[j] += d[j];
-      }
-    }
-    s1 = block_sum(s1, sh) * inv_c;
-    s2 = block_sum(s2, sh) * inv_c;
-    if (on) {
-      float o[4];
-      #pragma unroll
-      for (int j = 0; j < 4; j++) o[j] = r * (g[j] - s1 - xh[j] * s2);
-      if (dres) { o[0] += ru.x; o[1] += ru.y; o[2] += ru.z; o[3] += ru.w; }
-      *reinterpret_cast<float4*>(dx + at) = make_float4(o[0], o[1], o[2], o[3]);
-      if (df) st_bf4(df + at, o);
-      #pragma unroll
-      for (int j = 0; j < 4; j++) dfb[j] += o[j];
-    }
-  }
-  if (on) {
-    float* p = part + (size_t)blockIdx.x * 3 * C + c;
-    *reinterpret_cast<float4*>(p) = make_float4(dw[0], dw[1], dw[2], dw[3]);
-    *reinterpret_cast<float4*>(p + C) = make_float4(db[0], db[1], db[2], db[3]);
-    *reinterpret_cast<float4*>(p + 2 * C) = make_float4(dfb[0], dfb[1], dfb[2], dfb[3]);
-  }
-}
-#define LN_BWD_ARGS(Y) const Y* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean, \
-    const float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ dres, float* __restrict__ dx, \
-    bf16* __restrict__ df, float* __restrict__ part, int N, int C
-extern "C" __global__ void add_ln_bwd(LN_BWD_ARGS(bf16)) { ln_bwd<bf16>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
-extern "C" __global__ void add_ln_bwd_f32(LN_BWD_ARGS(float)) { ln_bwd<float>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
-
-// add_ln_bwd for rows of C = 128 * NQ channels: a warp per row, lane l
-// owning the float4 chunks l, l + 32, ... (all of a row's loads issued
-// before its two warp-shuffle reductions), the block's warps striding over
-// rows. Each warp adds its rows' dw, db and branch-bias terms into its own
-// [3, C] floats of (dynamic) shared memory, where each lane only touches
-// its own chunks; at the end the block sums its warps' sets in warp order
-// (deterministic) and writes one partial set per block. add_ln_bwd writes
-// one per row-sized block: 1,320 sets of [3, 768] for GPT-2 124M on an
-// H100, 12 MB written and read back per LayerNorm. (Sums kept in each
-// lane's registers, 72 at 768 channels, ran slower on an H100: 2.00 ms of
-// GPT-2 124M's step in 8-warp blocks, 1.80 in 4-warp ones, against 1.69
-// here.) Same arguments and results as add_ln_bwd.
-template <typename Y, int NQ>
-__device__ __forceinline__ void ln_bwd_warp(const Y* __restrict__ dy, const float* __restrict__ x,
-    const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
-    const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
-    float* __restrict__ part, int N, int C) {
-  PDL_WAIT();
-  extern __shared__ float block_sums[];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const float inv_c = 1.f / (float)C;
-  float* acc = block_sums + warp * 3 * C;
-  #pragma unroll
-  for (int j = 0; j < NQ; j++) {
-    const int c = 4 * (lane + 32 * j);
-    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-    *reinterpret_cast<float4*>(acc + c) = z;
-    *reinterpret_cast<float4*>(acc + C + c) = z;
-    *reinterpret_cast<float4*>(acc + 2 * C + c) = z;
-  }
-  for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
-    const size_t base = (size_t)row * C;
-    const float m = mean[row], r = rstd[row];
-    typename Quad<Y>::T du[NQ];
-    float4 xv[NQ], rv[NQ];
-    #pragma unroll
-    for (int j = 0; j < NQ; j++) {
-      const int c = 4 * (lane + 32 * j);
-      du[j] = ld4(dy + base + c);
-      xv[j] = *reinterpret_cast<const float4*>(x + base + c);
-      rv[j] = dres ? *reinterpret_cast<const float4*>(dres + base + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    float s1 = 0.f, s2 = 0.f;
-    #pragma unroll
-    for (int j = 0; j < NQ; j++) {
-      const int c = 4 * (lane + 32 * j);
-      const float4 wq = *reinterpret_cast<const float4*>(w + c);
-      float d[4];
-      unquad(du[j], d);
-      const float xa[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, wa[4] = {wq.x, wq.y, wq.z, wq.w};
-      float pw[4];
-      #pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const float xh = (xa[i] - m) * r, g = d[i] * wa[i];
-        s1 += g;
-        s2 += g * xh;
-        pw[i] = d[i] * xh;
-      }
-      float4* aw = reinterpret_cast<float4*>(acc + c);
-      float4* ab = reinterpret_cast<float4*>(acc + C + c);
-      const float4 v = *aw, u = *ab;
-      *aw = make_float4(v.x + pw[0], v.y + pw[1], v.z + pw[2], v.w + pw[3]);
-      *ab = make_float4(u.x + d[0], u.y + d[1], u.z + d[2], u.w + d[3]);
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
-    }
-    s1 *= inv_c;
-    s2 *= inv_c;
-    #pragma unroll
-    for (int j = 0; j < NQ; j++) {
-      const int c = 4 * (lane + 32 * j);
-      const float4 wq = *reinterpret_cast<const float4*>(w + c);
-      float d[4];
-      unquad(du[j], d);
-      const float xa[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, wa[4] = {wq.x, wq.y, wq.z, wq.w};
-      const float ra[4] = {rv[j].x, rv[j].y, rv[j].z, rv[j].w};
-      float o[4];
-      #pragma unroll
-      for (int i = 0; i < 4; i++) o[i] = r * (d[i] * wa[i] - s1 - (xa[i] - m) * r * s2) + ra[i];
-      float4* af = reinterpret_cast<float4*>(acc + 2 * C + c);
-      const float4 v = *af;
-      *af = make_float4(v.x + o[0], v.y + o[1], v.z + o[2], v.w + o[3]);
-      *reinterpret_cast<float4*>(dx + base + c) = make_float4(o[0], o[1], o[2], o[3]);
-      if (df) st_bf4(df + base + c, o);
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < 3 * C; i += blockDim.x) {
-    float t = block_sums[i];
-    for (int k = 1; k < warps; k++) t += block_sums[k * 3 * C + i];
-    part[(size_t)blockIdx.x * 3 * C + i] = t;
-  }
-}
-#define LN_BWD_WARP(NQ) \
-  extern "C" __global__ void add_ln_bwd_warp##NQ(LN_BWD_ARGS(bf16)) { \
-    ln_bwd_warp<bf16, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
-  } \
-  extern "C" __global__ void add_ln_bwd_warp_f32_##NQ(LN_BWD_ARGS(float)) { \
-    ln_bwd_warp<float, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
-  }
-LN_BWD_WARP(1)
-LN_BWD_WARP(2)
-LN_BWD_WARP(3)
-LN_BWD_WARP(4)
-LN_BWD_WARP(5)
-LN_BWD_WARP(6)
-LN_BWD_WARP(7)
-LN_BWD_WARP(8)
-
-// Bias + GELU (tanh approximation) over rows of C channels (C % 8 == 0):
-// thread (blockIdx.y * blockDim.x + threadIdx.x) owns channels 8i..8i+7,
-// blocks stride over rows in blockIdx.x.
-#define GELU_K0 0.7978845608028654f
-#define GELU_K1 0.044715f
-// The hardware tanh (sm_75 on; relative error about 2^-11, below bf16's
-// 2^-8): the accurate tanhf made these kernels compute-bound.
-__device__ __forceinline__ float tanh_fast(float x) {
-#if __CUDA_ARCH__ >= 750
-  float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
-#else
-  return tanhf(x);
-#endif
-}
-// 8 bf16 values (16 bytes) as floats.
-__device__ __forceinline__ void unpack_bf8(uint4 u, float v[8]) {
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-  #pragma unroll
-  for (int j = 0; j < 4; j++) { v[2 * j] = bf_lo(w[j]); v[2 * j + 1] = bf_hi(w[j]); }
-}
-__device__ __forceinline__ void ld_bf8(const bf16* p, float v[8]) { unpack_bf8(*reinterpret_cast<const uint4*>(p), v); }
-__device__ __forceinline__ void st_bf8(bf16* p, const float v[8]) {
-  unsigned int w[4];
-  #pragma unroll
-  for (int j = 0; j < 4; j++) w[j] = (unsigned int)f2bf(v[2 * j]) | ((unsigned int)f2bf(v[2 * j + 1]) << 16);
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-// y = gelu(x + b) (x, y bf16 [N, C]; b fp32 [C]).
-extern "C" __global__ void bias_gelu_fwd(const bf16* __restrict__ x, const float* __restrict__ b,
-    bf16* __restrict__ y, int N, int C) {
-  PDL_WAIT();
-  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
-  if (c >= C) return;
-  float bv[8];
-  #pragma unroll
-  for (int j = 0; j < 8; j++) bv[j] = b[c + j];
-  for (int row = blockIdx.x; row < N; row += gridDim.x) {
-    const size_t at = (size_t)row * C + c;
-    float v[8], o[8];
-    ld_bf8(x + at, v);
-    #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      float u = v[j] + bv[j];
-      o[j] = 0.5f * u * (1.f + tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u)));
-    }
-    st_bf8(y + at, o);
-  }
-}
-// o = d * gelu'(v + b) for 8 channels, added into acc.
-__device__ __forceinline__ void gelu_bwd8(const float v[8], const float d[8], const float b[8], float o[8], float acc[8]) {
-  #pragma unroll
-  for (int j = 0; j < 8; j++) {
-    const float u = v[j] + b[j];
-    const float t = tanh_fast(GELU_K0 * (u + GELU_K1 * u * u * u));
-    const float g = 0.5f * (1.f + t) + 0.5f * u * (1.f - t * t) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
-    o[j] = d[j] * g;
-    acc[j] += o[j];
-  }
-}
-// dx = dy * gelu'(x + b) (bf16), and per-block partial sums of dx over rows
-// (the bias's gradient) in part ([gridDim.x, C]).
-extern "C" __global__ void bias_gelu_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ x,
-    const float* __restrict__ b, bf16* __restrict__ dx, float* __restrict__ part, int N, int C) {
-  PDL_WAIT();
-  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
-  if (c >= C) return;
-  float bv[8], acc[8];
-  #pragma unroll
-  for (int j = 0; j < 8; j++) { bv[j] = b[c + j]; acc[j] = 0.f; }
-  // Two rows per iteration: twice the loads in flight.
-  for (int row = blockIdx.x; row < N; row += 2 * gridDim.x) {
-    const bool two = row + gridDim.x < N;
-    const size_t at = (size_t)row * C + c, at2 = (size_t)(row + gridDim.x) * C + c;
-    float v[8], d[8], v2[8], d2[8], o[8];
-    ld_bf8(x + at, v);
-    ld_bf8(dy + at, d);
-    if (two) { ld_bf8(x + at2, v2); ld_bf8(dy + at2, d2); }
-    gelu_bwd8(v, d, bv, o, acc);
-    st_bf8(dx + at, o);
-    if (two) {
-      gelu_bwd8(v2, d2, bv, o, acc);
-      st_bf8(dx + at2, o);
-    }
-  }
-  float* p = part + (size_t)blockIdx.x * C + c;
-  #pragma unroll
-  for (int j = 0; j < 8; j++) p[j] = acc[j];
-}
-
-// A weight's cast for a matmul and its gradient's accumulation (the fused
-// weight path): out = bf16(w) (round to nearest even, as libtorch's cast),
-// and g += float(d) (as libtorch's cast then add, in one pass). n elements,
-// 8 per thread and step (pointers 16-byte aligned), grid-stride.
-extern "C" __global__ void cast_bf16(const float* __restrict__ w, bf16* __restrict__ out, long long n) {
-  PDL_WAIT();
-  const long long n8 = n / 8, stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += stride) {
-    const float4 a = reinterpret_cast<const float4*>(w)[2 * i], b = reinterpret_cast<const float4*>(w)[2 * i + 1];
-    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    st_bf8(out + 8 * i, v);
-  }
-  for (long long i = 8 * n8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f2bf(w[i]);
-}
-
-// g_k[c] += sum over b of part[b, k, c] for part [B, K, C] (fp32, K <= 3),
-// or g_k[c] = that sum (assign != 0): the per-block partial sums of the
-// backward kernels above, reduced and added into the parameters' gradient
-// buffers (any alignment), or written as new gradients, in one launch.
-// Block (32, 32): 32 columns, 32 row strides; grid (C / 32, K). The order
-// of the additions is fixed: the same sums on every run.
-extern "C" __global__ void add_partials(const float* __restrict__ part, float* g0, float* g1, float* g2, int B, int K, int C, int assign) {
-  PDL_WAIT();
-  __shared__ float sh[32][33];
-  const int c = blockIdx.x * 32 + threadIdx.x, k = blockIdx.y;
-  float s = 0.f;
-  if (c < C) {
-    const float* p = part + (size_t)k * C + c;
-    #pragma unroll 4
-    for (int b = threadIdx.y; b < B; b += 32) s += p[(size_t)b * K * C];
-  }
-  sh[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    #pragma unroll
-    for (int j = 1; j < 32; j++) s += sh[j][threadIdx.x];
-    float* g = k == 0 ? g0 : (k == 1 ? g1 : g2);
-    g[c] = assign ? s : g[c] + s;
-  }
-}
-// Per-block partial sums over the rows of bf16 x [N, C] (C % 8 == 0) in
-// part [gridDim.x, C] (a bias's gradient, reduced by add_partials): thread
-// (blockIdx.y * blockDim.x + threadIdx.x) owns channels 8i..8i+7, blocks
-// stride over rows in blockIdx.x, four rows in flight per thread. With
-// RELU, x is the gradient of a ReLU's output m [N, C] (bf16): what is summed
-// (and written to dx) is x where m > 0 and 0 elsewhere, ReLU's backward.
-__device__ __forceinline__ void relu_mask(uint4 m, float v[8]) {
-  float mv[8];
-  unpack_bf8(m, mv);
-  #pragma unroll
-  for (int j = 0; j < 8; j++) v[j] = mv[j] > 0.f ? v[j] : 0.f;
-}
-template <bool RELU>
-__device__ __forceinline__ void col_sums(const bf16* __restrict__ x, const bf16* __restrict__ m, bf16* __restrict__ dx,
-    float* __restrict__ part, int N, int C) {
-  PDL_WAIT();
-  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
-  if (c >= C) return;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const int step = gridDim.x;
-  int row = blockIdx.x;
-  for (; row + 3 * step < N; row += 4 * step) {
-    uint4 u[4], um[4];
-    #pragma unroll
-    for (int r = 0; r < 4; r++) {
-      u[r] = *reinterpret_cast<const uint4*>(x + (size_t)(row + r * step) * C + c);
-      if (RELU) um[r] = *reinterpret_cast<const uint4*>(m + (size_t)(row + r * step) * C + c);
-    }
-    #pragma unroll
-    for (int r = 0; r < 4; r++) {
-      float v[8];
-      unpack_bf8(u[r], v);
-      if (RELU) {
-        relu_mask(um[r], v);
-        st_bf8(dx + (size_t)(row + r * step) * C + c, v);
-      }
-      #pragma unroll
-      for (int j = 0; j < 8; j++) acc[j] += v[j];
-    }
-  }
-  for (; row < N; row += step) {
-    float v[8];
-    ld_bf8(x + (size_t)row * C + c, v);
-    if (RELU) {
-      relu_mask(*reinterpret_cast<const uint4*>(m + (size_t)row * C + c), v);
-      st_bf8(dx + (size_t)row * C + c, v);
-    }
-    #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j] += v[j];
-  }
-  float* p = part + (size_t)blockIdx.x * C + c;
-  #pragma unroll
-  for (int j = 0; j < 8; j++) p[j] = acc[j];
-}
-extern "C" __global__ void col_sums_bf16(const bf16* __restrict__ x, float* __restrict__ part, int N, int C) {
-  col_sums<false>(x, nullptr, nullptr, part, N, C);
-}
-extern "C" __global__ void relu_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ m, bf16* __restrict__ dx,
-    float* __restrict__ part, int N, int C) {
-  col_sums<true>(dy, m, dx, part, N, C);
-}
-
-// The gradient of a fused q, k, v projection from its three parts: q, k
-// and v (bf16 rows [N, C] each, contiguous) side by side into qkv [N, 3C],
-// with per-block partial sums over the rows of qkv (the projection bias's
-// gradient) in part [gridDim.x, 3C] (reduced by add_partials). Thread
-// (blockIdx.y * blockDim.x + threadIdx.x) owns columns 8i..8i+7 of qkv
-// (C % 8 == 0), blocks stride over rows in blockIdx.x, four rows in flight
-// per thread. One pass over the parts, where a copy into qkv and a
-// column-sum pass over it read them twice.
-extern "C" __global__ void pack_qkv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-    bf16* __restrict__ qkv, float* __restrict__ part, int N, int C) {
-  PDL_WAIT();
-  const int c = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
-  if (c >= 3 * C) return;
-  const int which = c / C, cc = c - which * C;
-  const bf16* __restrict__ src = which == 0 ? q : (which == 1 ? k : v);
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const int step = gridDim.x;
-  int row = blockIdx.x;
-  for (; row + 3 * step < N; row += 4 * step) {
-    uint4 u[4];
-    #pragma unroll
-    for (int r = 0; r < 4; r++) u[r] = *reinterpret_cast<const uint4*>(src + (size_t)(row + r * step) * C + cc);
-    #pragma unroll
-    for (int r = 0; r < 4; r++) {
-      *reinterpret_cast<uint4*>(qkv + (size_t)(row + r * step) * 3 * C + c) = u[r];
-      float f[8];
-      unpack_bf8(u[r], f);
-      #pragma unroll
-      for (int j = 0; j < 8; j++) acc[j] += f[j];
-    }
-  }
-  for (; row < N; row += step) {
-    const uint4 u = *reinterpret_cast<const uint4*>(src + (size_t)row * C + cc);
-    *reinterpret_cast<uint4*>(qkv + (size_t)row * 3 * C + c) = u;
-    float f[8];
-    unpack_bf8(u, f);
-    #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j] += f[j];
-  }
-  float* p = part + (size_t)blockIdx.x * 3 * C + c;
-  #pragma unroll
-  for (int j = 0; j < 8; j++) p[j] = acc[j];
-}
-
-// Token and position embeddings of N = B * T tokens (row r = b * T + t):
-// x[r] = wte[idx[r]] + wpe[t] (fp32 rows of C, C % 4 == 0). One block of
-// at least C / 4 threads per position t, looping over the batch. A token
-// outside [0, V) stops the kernel (__trap), as libtorch's device-side
-// index check stops its gather.
-extern "C" __global__ void embed_fwd(const long long* __restrict__ idx, const float* __restrict__ wte,
-    const float* __restrict__ wpe, float* __restrict__ x, int B, int T, int C, long long V) {
-  PDL_WAIT();
-  const int t = blockIdx.x, c = 4 * threadIdx.x;
-  if (c >= C) return;
-  const float4 p = *reinterpret_cast<const float4*>(wpe + (size_t)t * C + c);
-  #pragma unroll 4
-  for (int b = 0; b < B; b++) {
-    const size_t r = (size_t)b * T + t;
-    const long long tok = idx[r];
-    if (tok < 0 || tok >= V) __trap();
-    const float4 a = *reinterpret_cast<const float4*>(wte + (size_t)tok * C + c);
-    *reinterpret_cast<float4*>(x + r * C + c) = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
-  }
-}
-// Four floats added into global memory without reading them back: one
-// vector reduction from sm_90 on.
-__device__ __forceinline__ void red_add4(float* p, float4 v) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-#else
-  atomicAdd(p, v.x); atomicAdd(p + 1, v.y); atomicAdd(p + 2, v.z); atomicAdd(p + 3, v.w);
-#endif
-}
-// The backward pass of embed_fwd from dx [N, C] (fp32): gwpe[t] = (assign)
-// or += the sum over b of dx[b * T + t], in b order; gwte[idx[r]] += dx[r]
-// by atomic adds, so the rows of a token that occurs more than once are
-// summed in an order that varies between runs (the last bits may differ).
-extern "C" __global__ void embed_bwd(const long long* __restrict__ idx, const float* __restrict__ dx,
-    float* gwte, float* gwpe, int B, int T, int C, int assign) {
-  PDL_WAIT();
-  const int t = blockIdx.x, c = 4 * threadIdx.x;
-  if (c >= C) return;
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-  #pragma unroll 4
-  for (int b = 0; b < B; b++) {
-    const size_t r = (size_t)b * T + t;
-    const float4 d = *reinterpret_cast<const float4*>(dx + r * C + c);
-    s.x += d.x; s.y += d.y; s.z += d.z; s.w += d.w;
-    red_add4(gwte + (size_t)idx[r] * C + c, d);
-  }
-  float4* o = reinterpret_cast<float4*>(gwpe + (size_t)t * C + c);
-  if (!assign) { const float4 g = *o; s.x += g.x; s.y += g.y; s.z += g.z; s.w += g.w; }
-  *o = s;
-}
-
-// AdamW over a list of fp32 tensors, the maths of libtorch's _fused_adamw_
-// (its fp64 and fp32 steps as written there), one block per chunk of
-// ADAM_CHUNK elements of a tensor: p, m and v are read and written, g only
-// read (libtorch also writes the gradient back when it is scaled).
-// `step` holds each tensor's steps so far (this update is step + 1;
-// adamw_steps counts it afterwards). An update with *found_inf == 1 is
-// skipped; the learning rate is *lr_t where given, else lr; gradients are
-// divided by *grad_scale where given.
-// ADAM_MAX and ADAM_CHUNK come from the Rust constants of the same names
-// (compile()'s -D options).
-struct AdamList {
-  float* p[ADAM_MAX];
-  float* g[ADAM_MAX];
-  float* m[ADAM_MAX];
-  float* v[ADAM_MAX];
-  float* step[ADAM_MAX];
-  long long n[ADAM_MAX];
-  int first_block[ADAM_MAX + 1];
-  int count;
-};
-struct AdamScalars {
-  double lr, beta1, beta2, wd, eps;
-  float bc1, bc2_sqrt;
-  const float* grad_scale;
-};
-__device__ __forceinline__ void adam_elem(float& param, float grad, float& exp_avg, float& exp_avg_sq, const AdamScalars& a) {
-  if (a.grad_scale) grad /= (double)*a.grad_scale;
-  if (a.wd != 0.0) param -= a.lr * a.wd * param;
-  exp_avg = a.beta1 * exp_avg + (1 - a.beta1) * grad;
-  exp_avg_sq = a.beta2 * exp_avg_sq + (1 - a.beta2) * grad * grad;
-  const float step_size = a.lr / a.bc1;
-  const float denom = (sqrtf(exp_avg_sq) / a.bc2_sqrt) + a.eps;
-  param -= step_size * exp_avg / denom;
-}
-extern "C" __global__ void __launch_bounds__(512) adamw(const AdamList L, const float* __restrict__ lr_t, double lr,
-    double beta1, double beta2, double wd, double eps, const float* __restrict__ grad_scale,
-    const float* __restrict__ found_inf) {
-  PDL_WAIT();
-  if (found_inf && *found_inf == 1.f) return;
-  int lo = 0, hi = L.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (L.first_block[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
-  }
-  const int t = lo;
-  const long long start = (long long)(blockIdx.x - L.first_block[t]) * ADAM_CHUNK;
-  const long long end = min(L.n[t], start + ADAM_CHUNK);
-  const float step = *L.step[t] + 1.f;
-  AdamScalars a;
-  a.lr = lr_t ? (double)*lr_t : lr;
-  a.beta1 = beta1; a.beta2 = beta2; a.wd = wd; a.eps = eps; a.grad_scale = grad_scale;
-  a.bc1 = (float)(1.0 - pow(beta1, (double)step));
-  a.bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
-  float* p = L.p[t]; const float* g = L.g[t]; float* m = L.m[t]; float* v = L.v[t];
-  long long i = start + threadIdx.x;
-  if ((((size_t)p | (size_t)g | (size_t)m | (size_t)v) & 15) == 0) {
-    // start is a multiple of 4: float4 steps up to the last whole one.
-    const long long end4 = start + ((end - start) & ~3ll);
-    for (long long j = start + 4ll * threadIdx.x; j < end4; j += 4ll * blockDim.x) {
-      float4 pv = *reinterpret_cast<float4*>(p + j), gv = *reinterpret_cast<const float4*>(g + j);
-      float4 mv = *reinterpret_cast<float4*>(m + j), vv = *reinterpret_cast<float4*>(v + j);
-      adam_elem(pv.x, gv.x, mv.x, vv.x, a); adam_elem(pv.y, gv.y, mv.y, vv.y, a);
-      adam_elem(pv.z, gv.z, mv.z, vv.z, a); adam_elem(pv.w, gv.w, mv.w, vv.w, a);
-      *reinterpret_cast<float4*>(p + j) = pv; *reinterpret_cast<float4*>(m + j) = mv; *reinterpret_cast<float4*>(v + j) = vv;
-    }
-    i = end4 + threadIdx.x;
-  }
-  for (; i < end; i += blockDim.x) {
-    float pv = p[i], mv = m[i], vv = v[i];
-    adam_elem(pv, g[i], mv, vv, a);
-    p[i] = pv; m[i] = mv; v[i] = vv;
-  }
-}
-// After adamw: each tensor's step count += 1 - *found_inf (as libtorch adds
-// one before the update and takes found_inf off after it).
-extern "C" __global__ void adamw_steps(const AdamList L, const float* __restrict__ found_inf) {
-  PDL_WAIT();
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < L.count) *L.step[t] += 1.f - (found_inf ? *found_inf : 0.f);
-}
-
-// Many weights' casts in one launch (the fused layers' weights at the start
-// of a step): out_i = bf16(w_i) as cast_bf16, one block of 256 threads per
-// chunk of CAST_CHUNK elements of a tensor (w_i and out_i 16-byte aligned).
-struct CastList {
-  const float* w[ADAM_MAX];
-  bf16* out[ADAM_MAX];
-  long long n[ADAM_MAX];
-  int first_block[ADAM_MAX + 1];
-  int count;
-};
-extern "C" __global__ void __launch_bounds__(256) cast_list(const CastList L) {
-  PDL_WAIT();
-  int lo = 0, hi = L.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (L.first_block[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
-  }
-  const float* w = L.w[lo];
-  bf16* out = L.out[lo];
-  const long long start = (long long)(blockIdx.x - L.first_block[lo]) * CAST_CHUNK;
-  const long long end = min(L.n[lo], start + CAST_CHUNK);
-  // Chunks start at multiples of 8: whole groups of 8, then a tail.
-  const long long end8 = start + (end - start) / 8 * 8;
-  for (long long i = start + 8 * threadIdx.x; i < end8; i += 8 * blockDim.x) {
-    const float4 a = *reinterpret_cast<const float4*>(w + i), b = *reinterpret_cast<const float4*>(w + i + 4);
-    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    st_bf8(out + i, v);
-  }
-  for (long long i = end8 + threadIdx.x; i < end; i += blockDim.x) out[i] = f2bf(w[i]);
-}
-
-// Link emulation on the device timeline: stamp() records the GPU clock before
-// a collective; spin_until() after it waits until `ns` have passed since that
-// stamp, so the collective appears to take at least what the modelled link
-// would need. One thread; nothing else runs on the stream meanwhile.
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
-}
-extern "C" __global__ void stamp(unsigned long long* at) { *at = now_ns(); }
-extern "C" __global__ void spin_until(const unsigned long long* at, unsigned long long ns) {
-  const unsigned long long end = *at + ns;
-  while (now_ns() < end) { __nanosleep(1000); }
-}
-"#;
-
-struct Loaded {
-    _module: sys::CUmodule,
-    ce_bf16: sys::CUfunction,
-    /// The LayerNorm kernels by the kind of its output and of that
-    /// output's gradient ([`ln_index`]): bf16, then fp32 (`_f32`).
-    add_ln_fwd: [sys::CUfunction; 2],
-    add_ln_fwd_warp: [sys::CUfunction; 2],
-    add_ln_bwd: [sys::CUfunction; 2],
-    /// `add_ln_bwd_warp{NQ}` (and `add_ln_bwd_warp_f32_{NQ}`) for NQ =
-    /// 1..=8 (rows of 128 NQ channels), with the blocks of 128 threads each
-    /// SM holds at once.
-    add_ln_bwd_warp: [[(sys::CUfunction, u32); 8]; 2],
-    bias_gelu_fwd: sys::CUfunction,
-    bias_gelu_bwd: sys::CUfunction,
-    cast_bf16: sys::CUfunction,
-    add_partials: sys::CUfunction,
-    col_sums_bf16: sys::CUfunction,
-    relu_bwd: sys::CUfunction,
-    pack_qkv: sys::CUfunction,
-    embed_fwd: sys::CUfunction,
-    embed_bwd: sys::CUfunction,
-    adamw: sys::CUfunction,
-    adamw_steps: sys::CUfunction,
-    cast_list: sys::CUfunction,
-    /// Streaming multiprocessors of the device (grid sizes).
-    sms: u32,
-    /// The device's compute capability (major).
-    major: i32,
-    /// Dynamic shared memory a block of `ce_bf16` may take (bytes).
-    ce_smem: i32,
-    stamp: sys::CUfunction,
-    spin_until: sys::CUfunction,
-}
-
-// SAFETY: CUmodule and CUfunction are driver handles valid in every thread
-// that has the (primary) context current; they are only used for launches.
-unsafe impl Send for Loaded {}
-unsafe impl Sync for Loaded {}
-
-fn loaded() -> Result<&'static Loaded, String> {
-    static K: OnceLock<Result<Loaded, String>> = OnceLock::new();
-    K.get_or_init(|| {
-        let mut dev = 0;
-        // SAFETY: libtorch has initialised CUDA on this thread (a tensor is
-        // on the device before the first launch); this reads the device.
-        unsafe { sys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
-        let cap = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"));
-        let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let image = CString::new(compile(major, minor)?).map_err(|e| e.to_string())?;
-        // SAFETY: image is NUL-terminated PTX text; the module lives for the
-        // process (kept in the static).
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
-        let get = |name: &str| {
-            // SAFETY: module is loaded; the name is NUL-terminated.
-            unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
-        };
-        let sms = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let ce_bf16 = get("ce_bf16")?;
-        // The fused cross-entropy keeps a row of logits in shared memory:
-        // as much as a block may opt into (a row of 50,304 bf16 logits
-        // takes 98 KiB; Hopper allows 227 KiB).
-        let optin = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let static_smem = 32 * 4;
-        let ce_smem = optin - static_smem;
-        // SAFETY: ce_bf16 is a function of the loaded module.
-        unsafe {
-            result::function::set_function_attribute(
-                ce_bf16,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ce_smem,
-            )
-        }
-        .map_err(|e| format!("ce_bf16 shared memory: {e:?}"))?;
-        Ok(Loaded {
-            _module: module,
-            ce_bf16,
-            ce_smem,
-            add_ln_fwd: [get("add_ln_fwd")?, get("add_ln_fwd_f32")?],
-            add_ln_fwd_warp: [get("add_ln_fwd_warp")?, get("add_ln_fwd_warp_f32")?],
-            add_ln_bwd: [get("add_ln_bwd")?, get("add_ln_bwd_f32")?],
-            add_ln_bwd_warp: {
-                let mut fs = [[(std::ptr::null_mut(), 0); 8]; 2];
-                for (prefix, set) in ["add_ln_bwd_warp", "add_ln_bwd_warp_f32_"].iter().zip(fs.iter_mut()) {
-                    for (i, f) in set.iter_mut().enumerate() {
-                        let func = get(&format!("{prefix}{}", i + 1))?;
-                        let smem = ln_bwd_warp_smem(128 * (i as i64 + 1));
-                        // SAFETY: func is a function of the loaded module.
-                        let per_sm =
-                            unsafe { result::occupancy::max_active_block_per_multiprocessor(func, LN_BWD_THREADS as i32, smem as usize) }
-                                .map_err(|e| format!("{prefix} occupancy: {e:?}"))?;
-                        *f = (func, per_sm.max(1) as u32);
-                    }
-                }
-                fs
-            },
-            bias_gelu_fwd: get("bias_gelu_fwd")?,
-            bias_gelu_bwd: get("bias_gelu_bwd")?,
-            cast_bf16: get("cast_bf16")?,
-            add_partials: get("add_partials")?,
-            col_sums_bf16: get("col_sums_bf16")?,
-            relu_bwd: get("relu_bwd")?,
-            pack_qkv: get("pack_qkv")?,
-            embed_fwd: get("embed_fwd")?,
-            embed_bwd: get("embed_bwd")?,
-            adamw: get("adamw")?,
-            adamw_steps: get("adamw_steps")?,
-            cast_list: get("cast_list")?,
-            sms,
-            major,
-            stamp: get("stamp")?,
-            spin_until: get("spin_until")?,
-        })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
-}
-
-/// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
-fn compile(major: i32, minor: i32) -> Result<String, String> {
-    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-    let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}"), format!("-DCAST_CHUNK={CAST_CHUNK}")];
-    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
-    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
-        .map_err(|_| "libnvrtc could not be loaded".to_owned())?
-        .map_err(|e| format!("NVRTC: {e:?}"))?;
-    Ok(ptx.to_src())
-}
+use launch::{launch, loaded, params, require, Grid, Loaded};
 
 /// Why the fused kernels cannot be used, if they cannot.
 pub fn unavailable_reason() -> Option<String> {
@@ -1057,6 +36,17 @@ pub fn unavailable_reason() -> Option<String> {
 /// Whether the fused kernels can be used (CUDA present and NVRTC works).
 pub fn available() -> bool {
     loaded().is_ok()
+}
+
+/// Whether the diagnostic switch `var` turns its part of the fused path
+/// off (`var=0`; anything else, or unset, leaves it on).
+pub fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "0")
+}
+
+/// Rows and channels as the kernels' `int` N and C.
+fn dims(n: i64, c: i64) -> anyhow::Result<(i32, i32)> {
+    Ok((i32::try_from(n)?, i32::try_from(c)?))
 }
 
 /// Fused cross-entropy of bf16 CUDA logits `[n, V]` against int64 targets
@@ -1073,7 +63,7 @@ pub fn cross_entropy_bf16(
     scale: Option<&Tensor>,
     in_place: bool,
 ) -> anyhow::Result<(Tensor, Tensor)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, v) = logits.size2()?;
     anyhow::ensure!(logits.kind() == Kind::BFloat16 && logits.device().is_cuda(), "fused cross-entropy takes bf16 CUDA logits");
     let logits = logits.contiguous();
@@ -1081,31 +71,15 @@ pub fn cross_entropy_bf16(
     anyhow::ensure!(target.size() == [n], "targets must be [{n}]");
     let grad = if in_place { logits.shallow_clone() } else { logits.empty_like() };
     let rows = Tensor::empty([n], (Kind::Float, logits.device()));
-    let scale_t = scale.map(|s| s.to_kind(Kind::Float).contiguous());
-    let mut p_logits = logits.data_ptr();
-    let mut p_target = target.data_ptr();
-    let mut p_grad = grad.data_ptr();
-    let mut p_rows = rows.data_ptr();
-    let mut v_i32 = i32::try_from(v)?;
-    let mut p_scale = scale_t.as_ref().map_or(std::ptr::null_mut(), |s| s.data_ptr());
+    let scale = scale.map(|s| s.to_kind(Kind::Float).contiguous());
     // The kernel writes (softmax - onehot) * factor: the gradient of the
     // rows' sum. The loss is their mean, so its gradient carries 1/n.
-    let mut factor = factor / n as f32;
+    let factor = factor / n as f32;
     // The row in shared memory where it fits (else read from memory again).
     let row_bytes = 2 * v;
-    let mut cached = i32::from(v % 8 == 0 && row_bytes <= k.ce_smem as i64);
-    let mut params: [*mut c_void; 8] = [
-        &mut p_logits as *mut _ as *mut c_void,
-        &mut p_target as *mut _ as *mut c_void,
-        &mut p_grad as *mut _ as *mut c_void,
-        &mut p_rows as *mut _ as *mut c_void,
-        &mut v_i32 as *mut _ as *mut c_void,
-        &mut p_scale as *mut _ as *mut c_void,
-        &mut factor as *mut _ as *mut c_void,
-        &mut cached as *mut _ as *mut c_void,
-    ];
-    let grid = u32::try_from(n)?;
-    let smem = if cached != 0 { row_bytes as u32 } else { 0 };
+    let cached = v % 8 == 0 && row_bytes <= k.ce_smem as i64;
+    let grid = Grid::line(u32::try_from(n)?, 512).smem(if cached { row_bytes as u32 } else { 0 });
+    let v32 = i32::try_from(v)?;
     // SAFETY: the parameters match ce_bf16's signature (four device
     // pointers to tensors of the checked shapes and kinds, an int, a device
     // pointer or null, a float, an int); the dynamic shared memory is within
@@ -1114,45 +88,13 @@ pub fn cross_entropy_bf16(
     // returns and libtorch's caching allocator keeps their memory from reuse
     // until work queued after the launch on the same (libtorch's current)
     // stream has run. The launch goes to that same stream.
-    unsafe { result::launch_kernel(k.ce_bf16, (grid, 1, 1), (512, 1, 1), smem, stream()?, &mut params) }?;
+    unsafe { launch(k.ce_bf16, grid, params![&logits, &target, &grad, &rows, v32, scale.as_ref(), factor, i32::from(cached)]) }?;
     Ok((rows.mean(Kind::Float), grad))
-}
-
-/// The stream every launch goes to: libtorch's current one, the legacy
-/// default stream where harness runs, or a CUDA graph's capture stream
-/// while the training step is captured (on the capturing thread, and on
-/// the autograd thread running the captured backward pass).
-fn stream() -> anyhow::Result<sys::CUstream> {
-    Ok(crate::torch_ext::current_cuda_stream()? as sys::CUstream)
-}
-
-/// A device pointer argument: the tensor's data, or null for none.
-fn ptr(t: Option<&Tensor>) -> *mut c_void {
-    t.map_or(std::ptr::null_mut(), |t| t.data_ptr())
-}
-
-/// Launches `f` on libtorch's current stream with `args`, the kernel's
-/// parameters in order.
-///
-/// # Safety
-/// `args` must match the kernel's signature in number, order and types;
-/// every device pointer among them must stay valid until work queued after
-/// the launch on the same stream has run (libtorch's caching allocator keeps
-/// a freed tensor's memory from reuse by later work on that stream).
-unsafe fn launch(f: sys::CUfunction, grid: u32, block: u32, args: &mut [&mut dyn std::any::Any]) -> anyhow::Result<()> {
-    // SAFETY: per the function's contract.
-    unsafe { launch2(f, (grid, 1, 1), (block, 1, 1), args) }
 }
 
 /// Whether [`add_layer_norm`] takes rows of `c` channels.
 pub fn layer_norm_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
-}
-
-/// Whether the diagnostic switch `var` turns its part of the fused path
-/// off (`var=0`; anything else, or unset, leaves it on).
-pub fn switched_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "0")
 }
 
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
@@ -1187,11 +129,12 @@ fn ln_index(kind: Kind) -> anyhow::Result<usize> {
     }
 }
 
-/// Threads per block for rows of `c` channels (four per thread), and blocks.
-fn ln_shape(k: &Loaded, n: i64, c: i64) -> (u32, u32) {
+/// A block per row for rows of `c` channels (four per thread), as many
+/// blocks as the SMs hold at once.
+fn ln_grid(k: &Loaded, n: i64, c: i64) -> Grid {
     let threads = quad_threads(c);
     let per_sm = (2048 / threads).clamp(1, 16);
-    (threads, (k.sms * per_sm).min(n.max(1) as u32))
+    Grid::line((k.sms * per_sm).min(n.max(1) as u32), threads)
 }
 
 /// The forward pass of a residual add and LayerNorm over the last dimension
@@ -1210,7 +153,7 @@ pub fn add_layer_norm(
     eps: f32,
     y_kind: Kind,
 ) -> anyhow::Result<(Option<Tensor>, Tensor, Tensor, Tensor)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     anyhow::ensure!(
         layer_norm_fits(c) && x.kind() == Kind::Float && x.device().is_cuda() && x.is_contiguous(),
@@ -1235,36 +178,18 @@ pub fn add_layer_norm(
     let rstd = mean.empty_like();
     // Rows of up to 1024 channels: a warp per row (HARNESS_LN_WARP=0 keeps
     // the block per row, a diagnostic).
-    let (f_ln, (threads, blocks)) = if c <= 1024 && ln_warp() {
-        (k.add_ln_fwd_warp[out], (256, (n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32))
+    let (kernel, grid) = if c <= 1024 && ln_warp() {
+        (k.add_ln_fwd_warp[out], Grid::line((n.max(1) as u64).div_ceil(8).min(u64::from(k.sms) * 8) as u32, 256))
     } else {
-        (k.add_ln_fwd[out], ln_shape(k, n, c))
+        (k.add_ln_fwd[out], ln_grid(k, n, c))
     };
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow add_ln_fwd's signature, which
     // add_ln_fwd_warp shares (device pointers to tensors of the checked
     // shapes, kinds and contiguity, or null for the absent residual, then
     // N, C, eps); every tensor outlives the call.
     unsafe {
-        launch(
-            f_ln,
-            blocks,
-            threads,
-            &mut [
-                &mut x.data_ptr(),
-                &mut ptr(f),
-                &mut ptr(fb),
-                &mut w.data_ptr(),
-                &mut b.data_ptr(),
-                &mut ptr(xo.as_ref()),
-                &mut y.data_ptr(),
-                &mut mean.data_ptr(),
-                &mut rstd.data_ptr(),
-                &mut { n32 },
-                &mut { c32 },
-                &mut { eps },
-            ],
-        )?;
+        launch(kernel, grid, params![x, f, fb, w, b, xo.as_ref(), &y, &mean, &rstd, n32, c32, eps])?;
     }
     Ok((xo, y, mean, rstd))
 }
@@ -1285,7 +210,7 @@ pub fn add_layer_norm_backward(
     dres: Option<&Tensor>,
     want_df: bool,
 ) -> anyhow::Result<(Tensor, Option<Tensor>, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     let dy = if dy.kind() == Kind::Float { dy.contiguous() } else { dy.to_kind(Kind::BFloat16).contiguous() };
     let out = ln_index(dy.kind())?;
@@ -1300,37 +225,21 @@ pub fn add_layer_norm_backward(
     // A warp per row for rows of 128, 256, .. 1024 channels (as many
     // blocks as the SMs hold at once), else a block per row.
     let warp = (c % 128 == 0 && c <= 1024 && ln_bwd_warp()).then(|| k.add_ln_bwd_warp[out][(c / 128 - 1) as usize]);
-    let (f, blocks, threads, smem) = match warp {
-        Some((f, per_sm)) => {
+    let (kernel, grid) = match warp {
+        Some((kernel, per_sm)) => {
             let blocks = (k.sms * per_sm).min((n.max(1) as u32).div_ceil(LN_BWD_THREADS / 32));
-            (f, blocks, LN_BWD_THREADS, ln_bwd_warp_smem(c))
+            (kernel, Grid::line(blocks, LN_BWD_THREADS).smem(ln_bwd_warp_smem(c)))
         }
-        None => {
-            let (threads, blocks) = ln_shape(k, n, c);
-            (k.add_ln_bwd[out], blocks, threads, 0)
-        }
+        None => (k.add_ln_bwd[out], ln_grid(k, n, c)),
     };
-    let part = Tensor::empty([blocks as i64, 3, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
-    let mut params: [&mut dyn std::any::Any; 11] = [
-        &mut dy.data_ptr(),
-        &mut x.data_ptr(),
-        &mut mean.data_ptr(),
-        &mut rstd.data_ptr(),
-        &mut w.data_ptr(),
-        &mut ptr(dres.as_ref()),
-        &mut dx.data_ptr(),
-        &mut ptr(df.as_ref()),
-        &mut part.data_ptr(),
-        &mut { n32 },
-        &mut { c32 },
-    ];
+    let part = Tensor::empty([grid.blocks.0 as i64, 3, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow add_ln_bwd's signature, which the warp
     // kernels share (device pointers to tensors of the checked shapes and
     // kinds, null for the absent dres and df, then N, C); the partial sums
     // have 3 rows per block; a warp kernel's shared memory holds a [3, C]
     // fp32 set per warp.
-    unsafe { launch_smem(f, (blocks, 1, 1), (threads, 1, 1), smem, &mut params)? };
+    unsafe { launch(kernel, grid, params![&dy, x, mean, rstd, w, dres.as_ref(), &dx, df.as_ref(), &part, n32, c32])? };
     Ok((dx, df, Partials(part)))
 }
 
@@ -1339,92 +248,20 @@ pub fn gelu_fits(c: i64) -> bool {
     c % 8 == 0 && c >= 8
 }
 
-/// Grid for the bias + GELU kernels: 128 threads of 8 channels per block
-/// across, blocks striding over rows down.
-fn gelu_shape(k: &Loaded, n: i64, c: i64) -> ((u32, u32, u32), u32) {
-    rows_of_8_shape(k, n, c, 16)
-}
-
 /// Grid for kernels with 128 threads of 8 channels per block across and
-/// blocks striding over rows down: `per_sm` blocks per SM in all.
-fn rows_of_8_shape(k: &Loaded, n: i64, c: i64, per_sm: u32) -> ((u32, u32, u32), u32) {
+/// blocks striding over rows down: `per_sm` blocks per SM in all (16 for
+/// the bias + GELU kernels, 8 for the column sums).
+fn rows_of_8_grid(k: &Loaded, n: i64, c: i64, per_sm: u32) -> Grid {
     let threads = 128u32;
     let across = ((c / 8) as u32).div_ceil(threads);
     let down = ((k.sms * per_sm) / across).max(1).min(n.max(1) as u32);
-    ((down, across, 1), threads)
-}
-
-/// Launches a kernel on a grid and blocks of up to 3 dimensions (see
-/// [`launch`]).
-///
-/// # Safety
-/// As for [`launch`].
-unsafe fn launch2(
-    f: sys::CUfunction,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    args: &mut [&mut dyn std::any::Any],
-) -> anyhow::Result<()> {
-    // SAFETY: per the function's contract.
-    unsafe { launch_smem(f, grid, block, 0, args) }
-}
-
-/// [`launch2`] with `smem` bytes of dynamic shared memory per block.
-///
-/// # Safety
-/// As for [`launch`]; the kernel takes at most `smem` bytes of dynamic
-/// shared memory (within the device's default limit per block).
-unsafe fn launch_smem(
-    f: sys::CUfunction,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    smem: u32,
-    args: &mut [&mut dyn std::any::Any],
-) -> anyhow::Result<()> {
-    let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (&mut **a) as *mut dyn std::any::Any as *mut c_void).collect();
-    let stream = stream()?;
-    if !dependent_launches() {
-        // SAFETY: per the function's contract; each parameter points at a
-        // live local of the caller for the duration of the call.
-        unsafe { result::launch_kernel(f, grid, block, smem, stream, &mut params) }?;
-        return Ok(());
-    }
-    // SAFETY: zeroed launch attributes are plain data; the one used is set.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem,
-        hStream: stream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: as above; the kernel waits for the one before it (PDL_WAIT at
-    // its start, which every kernel launched here has); config and attr
-    // outlive the call.
-    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
-    Ok(())
-}
-
-/// Whether [`launch_smem`] lets a kernel launch before the one ahead of it
-/// on the stream has finished (programmatic dependent launch: the GPU sets
-/// it up meanwhile, and its PDL_WAIT holds it until that kernel's writes
-/// are visible): on sm_90 and later, unless `HARNESS_PDL=0` (a diagnostic).
-fn dependent_launches() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && !switched_off("HARNESS_PDL"))
+    Grid::new((down, across, 1), (threads, 1, 1))
 }
 
 /// `gelu(x + b)` (tanh approximation) of contiguous bf16 CUDA rows `x`
 /// `[n, c]` ([`gelu_fits`]) and an fp32 bias `[c]`, as bf16.
 pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     anyhow::ensure!(
         gelu_fits(c) && x.kind() == Kind::BFloat16 && x.device().is_cuda() && x.is_contiguous(),
@@ -1432,18 +269,10 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
     );
     anyhow::ensure!(b.kind() == Kind::Float && b.size() == [c] && b.is_contiguous(), "the bias must be fp32 [{c}]");
     let y = x.empty_like();
-    let (grid, threads) = gelu_shape(k, n, c);
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow bias_gelu_fwd's signature (device
     // pointers to tensors of the checked shapes and kinds, then N, C).
-    unsafe {
-        launch2(
-            k.bias_gelu_fwd,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut x.data_ptr(), &mut b.data_ptr(), &mut y.data_ptr(), &mut { n32 }, &mut { c32 }],
-        )?
-    };
+    unsafe { launch(k.bias_gelu_fwd, rows_of_8_grid(k, n, c, 16), params![x, b, &y, n32, c32])? };
     Ok(y)
 }
 
@@ -1451,26 +280,17 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> anyhow::Result<Tensor> {
 /// returns dx (bf16; also the pre-bias input's gradient) and the partial
 /// sums of db (fp32 `[c]` once summed).
 pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     let dy = dy.to_kind(Kind::BFloat16).contiguous();
     anyhow::ensure!(dy.size() == [n, c] && gelu_fits(c) && x.is_contiguous(), "fused GELU backward: bad shapes");
     let dx = x.empty_like();
-    let (grid, threads) = gelu_shape(k, n, c);
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(k, n, c, 16);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow bias_gelu_bwd's signature; the partial
     // sums have one row per block row of the grid.
-    unsafe {
-        launch2(
-            k.bias_gelu_bwd,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut dy.data_ptr(), &mut x.data_ptr(), &mut b.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
-                c32
-            }],
-        )?
-    };
+    unsafe { launch(k.bias_gelu_bwd, grid, params![&dy, x, b, &dx, &part, n32, c32])? };
     Ok((dx, Partials(part)))
 }
 
@@ -1479,7 +299,7 @@ pub fn bias_gelu_backward(dy: &Tensor, x: &Tensor, b: &Tensor) -> anyhow::Result
 /// its rows (the `[3c]` bias gradient of the projection they came from),
 /// in one pass: a fused q, k, v projection's gradient.
 pub fn pack_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<(Tensor, Partials)> {
-    let kl = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let kl = require("fused")?;
     let (n, c) = q.size2()?;
     for t in [q, k, v] {
         anyhow::ensure!(
@@ -1493,22 +313,13 @@ pub fn pack_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> anyhow::Result<(Tensor, P
         );
     }
     let qkv = Tensor::empty([n, 3 * c], (Kind::BFloat16, q.device()));
-    let (grid, threads) = rows_of_8_shape(kl, n, 3 * c, 8);
-    let part = Tensor::empty([grid.0 as i64, 1, 3 * c], (Kind::Float, q.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(kl, n, 3 * c, 8);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, 3 * c], (Kind::Float, q.device()));
+    let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow pack_qkv's signature (device pointers to
     // the checked parts, to qkv [n, 3c] and to partial sums of one row of
     // 3c per block row of the grid, then N, C).
-    unsafe {
-        launch2(
-            kl.pack_qkv,
-            grid,
-            (threads, 1, 1),
-            &mut [&mut q.data_ptr(), &mut k.data_ptr(), &mut v.data_ptr(), &mut qkv.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut {
-                c32
-            }],
-        )?
-    };
+    unsafe { launch(kl.pack_qkv, grid, params![q, k, v, &qkv, &part, n32, c32])? };
     Ok((qkv, Partials(part)))
 }
 
@@ -1534,7 +345,7 @@ pub fn relu_backward(dy: &Tensor, m: &Tensor) -> anyhow::Result<(Tensor, Partial
 /// written out too (`relu_bwd`). Contiguous bf16 CUDA rows `[n, c]`,
 /// `c % 8 == 0`.
 fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<Tensor>, Partials)> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (n, c) = x.size2()?;
     for t in std::iter::once(x).chain(m) {
         anyhow::ensure!(
@@ -1542,24 +353,17 @@ fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<
             "column sums take contiguous bf16 CUDA rows [{n}, {c}] of a multiple of 8"
         );
     }
-    let (grid, threads) = rows_of_8_shape(k, n, c, 8);
-    let part = Tensor::empty([grid.0 as i64, 1, c], (Kind::Float, x.device()));
-    let (n32, c32) = (i32::try_from(n)?, i32::try_from(c)?);
+    let grid = rows_of_8_grid(k, n, c, 8);
+    let part = Tensor::empty([grid.blocks.0 as i64, 1, c], (Kind::Float, x.device()));
+    let (n32, c32) = dims(n, c)?;
     let dx = m.map(|_| x.empty_like());
     // SAFETY: the arguments follow col_sums_bf16's signature, or with `m`
     // relu_bwd's (device pointers to the checked rows, to dx of their shape
     // and to partial sums of one row per block row of the grid, then N, C).
     unsafe {
         match (m, &dx) {
-            (Some(m), Some(dx)) => launch2(
-                k.relu_bwd,
-                grid,
-                (threads, 1, 1),
-                &mut [&mut x.data_ptr(), &mut m.data_ptr(), &mut dx.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }],
-            )?,
-            _ => {
-                launch2(k.col_sums_bf16, grid, (threads, 1, 1), &mut [&mut x.data_ptr(), &mut part.data_ptr(), &mut { n32 }, &mut { c32 }])?
-            }
+            (Some(m), Some(dx)) => launch(k.relu_bwd, grid, params![x, m, dx, &part, n32, c32])?,
+            _ => launch(k.col_sums_bf16, grid, params![x, &part, n32, c32])?,
         }
     };
     Ok((dx, Partials(part)))
@@ -1581,7 +385,7 @@ fn quad_threads(c: i64) -> u32 {
 /// outside `[0, v)` stops the kernel (a device-side error, as libtorch's
 /// gather raises).
 pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (b, t) = idx.size2()?;
     let (v, c) = wte.size2()?;
     anyhow::ensure!(
@@ -1599,26 +403,11 @@ pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor>
     anyhow::ensure!([wte, wpe].iter().all(|w| (w.data_ptr() as usize) % 16 == 0), "fused embedding: the tables must start 16-byte aligned");
     let x = Tensor::empty([b, t, c], (Kind::Float, idx.device()));
     let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    let grid = Grid::line(u32::try_from(t)?, quad_threads(c));
     // SAFETY: the arguments follow embed_fwd's signature (device pointers to
     // the checked tokens, tables and a fresh [b, t, c] output, then B, T, C,
     // V); every tensor outlives the call.
-    unsafe {
-        launch(
-            k.embed_fwd,
-            u32::try_from(t)?,
-            quad_threads(c),
-            &mut [
-                &mut idx.data_ptr(),
-                &mut wte.data_ptr(),
-                &mut wpe.data_ptr(),
-                &mut x.data_ptr(),
-                &mut { b32 },
-                &mut { t32 },
-                &mut { c32 },
-                &mut { v },
-            ],
-        )?
-    };
+    unsafe { launch(k.embed_fwd, grid, params![idx, wte, wpe, &x, b32, t32, c32, v])? };
     Ok(x)
 }
 
@@ -1628,7 +417,7 @@ pub fn embed(idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> anyhow::Result<Tensor>
 /// and writes (`assign`) or adds the sum over the batch into the first `t`
 /// rows of `gwpe` (fp32 `[>= t, c]`).
 pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, assign: bool) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+    let k = require("fused")?;
     let (b, t) = idx.size2()?;
     let c = gwte.size2()?.1;
     let dx = dx.to_kind(Kind::Float).contiguous();
@@ -1649,26 +438,11 @@ pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, a
         "fused embedding backward: gradients must be contiguous fp32 [v, {c}] and [>= {t}, {c}]"
     );
     let (b32, t32, c32) = (i32::try_from(b)?, i32::try_from(t)?, i32::try_from(c)?);
+    let grid = Grid::line(u32::try_from(t)?, quad_threads(c));
     // SAFETY: the arguments follow embed_bwd's signature (device pointers to
     // the checked tokens, dx and the two gradients, then B, T, C and the
     // flag); the tokens were checked in range by the forward pass's kernel.
-    unsafe {
-        launch(
-            k.embed_bwd,
-            u32::try_from(t)?,
-            quad_threads(c),
-            &mut [
-                &mut idx.data_ptr(),
-                &mut dx.data_ptr(),
-                &mut gwte.data_ptr(),
-                &mut gwpe.data_ptr(),
-                &mut { b32 },
-                &mut { t32 },
-                &mut { c32 },
-                &mut { i32::from(assign) },
-            ],
-        )?
-    };
+    unsafe { launch(k.embed_bwd, grid, params![idx, &dx, gwte, gwpe, b32, t32, c32, i32::from(assign)])? };
     Ok(())
 }
 
@@ -1701,7 +475,7 @@ impl Partials {
 
     /// The sums added into `into` (`assign`: written there).
     fn reduce(&self, into: &[&Tensor], assign: bool) -> anyhow::Result<()> {
-        let k = loaded().map_err(|e| anyhow::anyhow!("fused kernels unavailable: {e}"))?;
+        let k = require("fused")?;
         let (blocks, n, c) = self.0.size3()?;
         anyhow::ensure!(into.len() <= n as usize && (1..=3).contains(&into.len()), "{n} partial sums for {} gradients", into.len());
         for g in into {
@@ -1712,23 +486,14 @@ impl Partials {
         }
         let (b32, k32, c32) = (i32::try_from(blocks)?, i32::try_from(n)?, i32::try_from(c)?);
         // One row of blocks per gradient (the first `into.len()` sums).
-        let grid = ((c32 as u32).div_ceil(32), into.len() as u32, 1);
-        let g = |i: usize| ptr(into.get(i).copied());
+        let grid = Grid::new(((c32 as u32).div_ceil(32), into.len() as u32, 1), (32, 32, 1));
+        let g = |i: usize| into.get(i).copied();
         // SAFETY: the arguments follow add_partials' signature: the partial
         // sums [blocks, k, c] (contiguous, fresh from empty()), the checked
         // fp32 [c] gradients (null beyond `into`, never read), then B, K, C
         // and the flag; all outlive the call, which goes to libtorch's
         // current stream, as the kernel that wrote the sums did.
-        unsafe {
-            launch2(
-                k.add_partials,
-                grid,
-                (32, 32, 1),
-                &mut [&mut self.0.data_ptr(), &mut g(0), &mut g(1), &mut g(2), &mut { b32 }, &mut { k32 }, &mut { c32 }, &mut {
-                    i32::from(assign)
-                }],
-            )?
-        };
+        unsafe { launch(k.add_partials, grid, params![&self.0, g(0), g(1), g(2), b32, k32, c32, i32::from(assign)])? };
         Ok(())
     }
 }
@@ -1834,32 +599,16 @@ pub fn adamw(
             list.n[j] = ns[j];
         }
         if blocks > 0 {
+            let grid = Grid::line(u32::try_from(blocks)?, 512);
             // SAFETY: the arguments follow adamw's signature: the list (laid
             // out as AdamList, pointers to the checked fp32 CUDA tensors,
             // alive until the call returns and, through libtorch's caching
             // allocator, until the stream's later work), then a device
             // scalar or null, five doubles, two device scalars or null.
-            unsafe {
-                launch2(
-                    k.adamw,
-                    (u32::try_from(blocks)?, 1, 1),
-                    (512, 1, 1),
-                    &mut [
-                        &mut list,
-                        &mut ptr(lr_t),
-                        &mut { lr },
-                        &mut { beta1 },
-                        &mut { beta2 },
-                        &mut { weight_decay },
-                        &mut { eps },
-                        &mut ptr(grad_scale),
-                        &mut ptr(found_inf),
-                    ],
-                )?
-            };
+            unsafe { launch(k.adamw, grid, params![&mut list, lr_t, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf])? };
         }
         // SAFETY: as above; one thread per tensor of the list.
-        unsafe { launch2(k.adamw_steps, (1, 1, 1), (ADAM_MAX as u32, 1, 1), &mut [&mut list, &mut ptr(found_inf)])? };
+        unsafe { launch(k.adamw_steps, Grid::line(1, ADAM_MAX as u32), params![&mut list, found_inf])? };
     }
     Ok(true)
 }
@@ -1891,14 +640,14 @@ pub fn cast_bf16(w: &Tensor) -> anyhow::Result<Tensor> {
     // SAFETY: the arguments follow cast_bf16's signature: two device
     // pointers to n contiguous elements each (w fp32, 16-byte aligned, and a
     // fresh bf16 tensor from the allocator), then n; both outlive the call.
-    unsafe { launch(k.cast_bf16, vector_blocks(k, n), 256, &mut [&mut w.data_ptr(), &mut out.data_ptr(), &mut { n }])? };
+    unsafe { launch(k.cast_bf16, Grid::line(vector_blocks(k, n), 256), params![w, &out, n])? };
     Ok(out)
 }
 
 /// Elements per block of the list cast (its `CAST_CHUNK`, passed to NVRTC).
 const CAST_CHUNK: i64 = 16384;
 
-/// [`cast_list`]'s argument, laid out as the kernel's `CastList`.
+/// [`cast_bf16_list`]'s argument, laid out as the kernel's `CastList`.
 #[repr(C)]
 struct CastList {
     w: [*mut c_void; ADAM_MAX],
@@ -1931,11 +680,12 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
             list.n[j] = ns[j];
         }
         if blocks > 0 {
+            let grid = Grid::line(u32::try_from(blocks)?, 256);
             // SAFETY: the argument follows cast_list's signature (the list
             // laid out as CastList: 16-byte aligned contiguous fp32 CUDA
             // weights and fresh bf16 tensors of their sizes, alive until
             // the stream's later work through libtorch's caching allocator).
-            unsafe { launch2(k.cast_list, (u32::try_from(blocks)?, 1, 1), (256, 1, 1), &mut [&mut list])? };
+            unsafe { launch(k.cast_list, grid, params![&mut list])? };
         }
     }
     ws.iter().zip(outs).map(|(w, o)| o.map_or_else(|| cast_bf16(w), Ok)).collect()
@@ -1943,23 +693,18 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
 
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
 pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
-    let mut p = at.data_ptr();
-    let mut params: [*mut c_void; 1] = [&mut p as *mut _ as *mut c_void];
+    let k = require("device")?;
     // SAFETY: `at` is a live device tensor of at least 8 bytes; one thread
     // writes one u64; libtorch's current stream orders it.
-    unsafe { result::launch_kernel(k.stamp, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
+    unsafe { launch(k.stamp, Grid::line(1, 1), params![at]) }?;
     Ok(())
 }
 
 /// Holds the stream until `ns` nanoseconds after the clock stored in `at`.
 pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
-    let k = loaded().map_err(|e| anyhow::anyhow!("device kernels unavailable: {e}"))?;
-    let mut p = at.data_ptr();
-    let mut ns = ns;
-    let mut params: [*mut c_void; 2] = [&mut p as *mut _ as *mut c_void, &mut ns as *mut _ as *mut c_void];
+    let k = require("device")?;
     // SAFETY: as in `stamp`; the kernel only reads the stamp.
-    unsafe { result::launch_kernel(k.spin_until, (1, 1, 1), (1, 1, 1), 0, stream()?, &mut params) }?;
+    unsafe { launch(k.spin_until, Grid::line(1, 1), params![at, ns]) }?;
     Ok(())
 }
 
@@ -2022,7 +767,7 @@ mod tests {
     #[test]
     fn kernel_source_compiles_for_hopper() {
         // NVRTC runs without a GPU; the CPU test environment has libnvrtc.
-        let ptx = compile(9, 0).unwrap();
+        let ptx = launch::compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [

@@ -494,6 +494,9 @@ pub struct Event(*mut c_void);
 // SAFETY: a CUDA event is not tied to the thread that recorded it; the
 // handle is only synchronised and freed, each through the runtime.
 unsafe impl Send for Event {}
+// SAFETY: the one use through a shared reference is `synchronize`
+// (c10::Event::synchronize, a const call into cudaEventSynchronize, which
+// the CUDA runtime allows from several threads at once).
 unsafe impl Sync for Event {}
 
 impl Event {
@@ -746,6 +749,8 @@ unsafe fn take(ptrs: *mut *mut c_void, n: c_int) -> Vec<Option<Tensor>> {
         .map(|i| {
             // SAFETY: per the function's contract.
             let p = unsafe { *ptrs.add(i) };
+            // SAFETY: a non-null p is a heap at::Tensor the caller owns
+            // (the function's contract), taken over here once.
             (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p as *mut _) })
         })
         .collect()
