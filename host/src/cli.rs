@@ -1,6 +1,7 @@
-//! The command line: [`Cli`] parses it, and [`main`] hands each
-//! subcommand's arguments to the function that runs it (`harness run`'s is
-//! `run`).
+//! The command line: [`Cli`] parses it, [`main`] hands each subcommand's
+//! arguments to the function that runs it (`harness run`'s is `run`), and
+//! [`Child`] writes the command lines of the `harness` processes that
+//! harness starts itself.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,9 @@ use crate::suite::{Suite, DEFAULT_SUITE};
 /// The exit codes, also under this path for the integration tests
 /// (`harness::cli::exit`).
 pub use crate::exit;
+
+/// `harness run`'s folder for result files.
+const DEFAULT_RESULTS_DIR: &str = "results";
 
 /// Benchmark harness for distributed-training strategies.
 #[derive(Debug, Parser)]
@@ -85,7 +89,7 @@ pub enum PluginCommand {
 }
 
 /// Arguments of `harness run`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct RunArgs {
     /// The suite to run.
     #[arg(default_value = DEFAULT_SUITE)]
@@ -98,7 +102,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub resume: bool,
     /// Folder for result files.
-    #[arg(long, default_value = "results")]
+    #[arg(long, default_value = DEFAULT_RESULTS_DIR)]
     pub results_dir: PathBuf,
     /// No progress bar or per-entry lines; the summary table is still printed.
     #[arg(short, long)]
@@ -187,7 +191,7 @@ pub struct EnvArgs {
 }
 
 /// Arguments of `harness bench allreduce`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct AllreduceArgs {
     /// A result file of a data-parallel run (its `bucket_bytes`).
     #[arg(long)]
@@ -535,26 +539,11 @@ fn out_path(args: &RunArgs, name: &str) -> anyhow::Result<PathBuf> {
 /// a rank with this run's arguments; rank 0 writes `out`. Prints the
 /// summary of the whole run once the ranks are done.
 fn run_ranks(args: &RunArgs, suite: &Suite, out: &Path, world: usize) -> anyhow::Result<i32> {
-    // The launcher adds --resume (after its first round, or from the start).
-    let mut child_args: Vec<OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.into()];
-    if args.quiet {
-        child_args.push("--quiet".into());
-    }
-    if args.trace {
-        child_args.push("--trace".into());
-    }
-    for (flag, value) in [("--plugin", &args.plugin), ("--track", &args.track)] {
-        if let Some(v) = value {
-            child_args.extend([flag.into(), v.into()]);
-        }
-    }
-    for kv in &args.plugin_config {
-        child_args.extend(["--plugin-config".into(), kv.into()]);
-    }
-    if let Some(n) = args.gpus {
-        child_args.extend(["--gpus".into(), n.to_string().into()]);
-    }
-    if let Some(code) = ranks::launch_local_ranks(world, &child_args, out, suite, args.resume)? {
+    // This run's options, into `out`; the launcher asks for --resume after
+    // its first round (or from the start).
+    let child = RunArgs { out: Some(out.to_owned()), resume: false, ..args.clone() };
+    let argv = |resume| Child::Run(RunArgs { resume, ..child.clone() }).argv();
+    if let Some(code) = ranks::launch_local_ranks(world, &argv, out, suite, args.resume)? {
         return Ok(code);
     }
     let result = results::RunResult::read(out)?;
@@ -671,24 +660,9 @@ fn compare(args: CompareArgs) -> anyhow::Result<i32> {
 /// code; as a rank, runs the benchmark, and rank 0 prints its figures.
 fn bench_allreduce(args: AllreduceArgs) -> anyhow::Result<i32> {
     let buckets = crate::bench::bucket_bytes(&args.bytes_from)?;
-    let AllreduceArgs { bytes_from, world, iters, side_stream, untimed } = args;
-    let mut argv: Vec<OsString> = vec![
-        "bench".into(),
-        "allreduce".into(),
-        "--bytes-from".into(),
-        bytes_from.into(),
-        "--world".into(),
-        world.to_string().into(),
-        "--iters".into(),
-        iters.to_string().into(),
-    ];
-    if side_stream {
-        argv.push("--side-stream".into());
-    }
-    if untimed {
-        argv.push("--untimed".into());
-    }
+    let argv = Child::BenchAllreduce(args.clone()).argv();
     let rank_env = RankEnv::from_env()?;
+    let AllreduceArgs { world, iters, side_stream, untimed, .. } = args;
     match crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &argv)? {
         Allreduce::Launched(code) => Ok(code),
         Allreduce::Ran(figures) => {
@@ -745,6 +719,74 @@ fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
         if evict_mb > 0 { format!(" Each metered call followed a write through {evict_mb} MiB (cold caches).") } else { String::new() }
     );
     Ok(exit::OK)
+}
+
+/// A `harness` process that harness starts itself, as the options it is
+/// started with: a rank of a multi-GPU `harness run`, or of `harness bench
+/// allreduce`. [`Child::argv`] is the one place their command lines are
+/// written; [`Cli`] parses them back to the same options.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Child {
+    /// A rank of `harness run` (started by [`ranks::launch_local_ranks`]).
+    Run(RunArgs),
+    /// A rank of `harness bench allreduce`.
+    BenchAllreduce(AllreduceArgs),
+}
+
+impl Child {
+    /// The arguments to start `harness` with (the program name not included).
+    /// Options at their defaults are left out.
+    pub fn argv(&self) -> Vec<OsString> {
+        match self {
+            Child::Run(a) => Argv::default()
+                .arg("run")
+                .arg(&a.suite)
+                .opt("--out", &a.out)
+                .flag("--quiet", a.quiet)
+                .flag("--trace", a.trace)
+                .opt("--plugin", &a.plugin)
+                .opt("--track", &a.track)
+                .opt("--plugin-config", &a.plugin_config)
+                .opt("--gpus", a.gpus.map(|n| n.to_string()))
+                .opt("--results-dir", Some(&a.results_dir).filter(|d| d.as_os_str() != DEFAULT_RESULTS_DIR))
+                .flag("--resume", a.resume),
+            Child::BenchAllreduce(a) => Argv::default()
+                .arg("bench")
+                .arg("allreduce")
+                .opt("--bytes-from", [&a.bytes_from])
+                .opt("--world", [a.world.to_string()])
+                .opt("--iters", [a.iters.to_string()])
+                .flag("--side-stream", a.side_stream)
+                .flag("--untimed", a.untimed),
+        }
+        .0
+    }
+}
+
+/// A command line being written ([`Child::argv`]).
+#[derive(Default)]
+struct Argv(Vec<OsString>);
+
+impl Argv {
+    /// A word of its own: a subcommand, a positional argument.
+    fn arg(mut self, a: impl Into<OsString>) -> Argv {
+        self.0.push(a.into());
+        self
+    }
+
+    /// `name` if `on`.
+    fn flag(self, name: &str, on: bool) -> Argv {
+        if on {
+            self.arg(name)
+        } else {
+            self
+        }
+    }
+
+    /// `name VALUE` for each of `values` (none, one, or a repeated option's).
+    fn opt<V: Into<OsString>>(self, name: &str, values: impl IntoIterator<Item = V>) -> Argv {
+        values.into_iter().fold(self, |argv, v| argv.arg(name).arg(v))
+    }
 }
 
 /// `path` as seen from the folder `base` (both made absolute first).
@@ -855,4 +897,77 @@ fn print_env(f: &device::Fingerprint) {
     );
     println!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default());
     println!("nccl      {}", na(&f.nccl));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `argv`, parsed as `harness`'s command line.
+    fn parse(argv: Vec<OsString>) -> Command {
+        let argv = std::iter::once(OsString::from("harness")).chain(argv);
+        Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{e}")).command
+    }
+
+    fn parse_run(words: &[&str]) -> RunArgs {
+        match parse(words.iter().map(OsString::from).collect()) {
+            Command::Run(a) => a,
+            c => panic!("{c:?}"),
+        }
+    }
+
+    fn parse_allreduce(words: &[&str]) -> AllreduceArgs {
+        match parse(words.iter().map(OsString::from).collect()) {
+            Command::Bench(BenchCommand::Allreduce(a)) => a,
+            c => panic!("{c:?}"),
+        }
+    }
+
+    #[test]
+    fn a_run_ranks_command_line_parses_back_to_its_options() {
+        let plain = parse_run(&["run"]);
+        let full = RunArgs {
+            suite: "suites/standard/v1.toml".into(),
+            out: Some("/tmp/r s/out.json".into()),
+            resume: true,
+            results_dir: "elsewhere".into(),
+            quiet: true,
+            plugin: Some("compressor=/p/topk.wasm".into()),
+            plugin_config: vec!["ratio=0.01".into(), "name=\"a b\"".into()],
+            track: Some("compression".into()),
+            gpus: Some(4),
+            trace: true,
+        };
+        let out_only = RunArgs { out: Some("r.json".into()), ..plain.clone() };
+        for args in [plain, full, out_only] {
+            let child = Child::Run(args.clone());
+            match parse(child.argv()) {
+                Command::Run(back) => assert_eq!(back, args),
+                c => panic!("{c:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_ranks_command_line_leaves_defaults_out() {
+        let args = parse_run(&["run", "s.toml", "--out", "r.json", "--gpus", "2"]);
+        let argv = Child::Run(RunArgs { resume: true, ..args }).argv();
+        assert_eq!(argv, ["run", "s.toml", "--out", "r.json", "--gpus", "2", "--resume"]);
+    }
+
+    #[test]
+    fn an_allreduce_ranks_command_line_parses_back_to_its_options() {
+        let plain = parse_allreduce(&["bench", "allreduce", "--bytes-from", "r.json"]);
+        let full = AllreduceArgs { bytes_from: "a b/r.json".into(), world: 8, iters: 3, side_stream: true, untimed: true };
+        assert_eq!(
+            Child::BenchAllreduce(plain.clone()).argv(),
+            ["bench", "allreduce", "--bytes-from", "r.json", "--world", "2", "--iters", "20"]
+        );
+        for args in [plain, full] {
+            match parse(Child::BenchAllreduce(args.clone()).argv()) {
+                Command::Bench(BenchCommand::Allreduce(back)) => assert_eq!(back, args),
+                c => panic!("{c:?}"),
+            }
+        }
+    }
 }

@@ -76,10 +76,11 @@ pub const ENTRIES_VAR: &str = "HARNESS_ENTRIES";
 /// (killed, or stopped by its watchdog), the entry it was in is recorded as
 /// failed (by rank 0, or here when rank 0 itself died) and the ranks are
 /// started anew for the entries left. Returns None when every entry has a
-/// record, or the exit code of a rank that could not run at all.
+/// record, or the exit code of a rank that could not run at all. `argv`
+/// gives the ranks' arguments, continuing `out` (`--resume`) or not.
 pub fn launch_local_ranks(
     world: usize,
-    args: &[OsString],
+    argv: &dyn Fn(bool) -> Vec<OsString>,
     out: &std::path::Path,
     suite: &Suite,
     resume: bool,
@@ -97,10 +98,7 @@ pub fn launch_local_ranks(
         let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
         let mut env: Vec<(String, String)> = env.into_iter().collect();
         env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
-        let mut args = args.to_vec();
-        if started {
-            args.push("--resume".into());
-        }
+        let args = argv(started);
         started = true;
         let statuses = spawn_ranks(world, &args, &env)?;
         let lost: Vec<String> = statuses.iter().enumerate().filter_map(|(r, s)| lost_rank(r, s)).collect();
