@@ -55,7 +55,7 @@ pub fn allreduce(
     let Some(env) = env else {
         let gpus = device::gpu_count();
         anyhow::ensure!(gpus >= world, "the all-reduce benchmark needs {world} GPUs, and this machine has {gpus} usable");
-        return ranks::launch_bench_ranks(world, args).map(Allreduce::Launched);
+        return crate::launch::launch_bench_ranks(world, args).map(Allreduce::Launched);
     };
     anyhow::ensure!(device::init_cuda(), "no usable CUDA device");
     device::make_current(env.local_rank)?;

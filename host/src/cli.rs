@@ -1,6 +1,10 @@
-//! The command line: `harness run`, `harness validate`, `harness env`.
+//! The command line: [`Cli`] parses it, [`main`] hands each subcommand's
+//! arguments to the function that runs it (`harness run`'s is `run`), and
+//! [`Child`] writes the command lines of the `harness` processes that
+//! harness starts itself.
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -17,6 +21,9 @@ use crate::suite::{Suite, DEFAULT_SUITE};
 /// (`harness::cli::exit`).
 pub use crate::exit;
 
+/// `harness run`'s folder for result files.
+const DEFAULT_RESULTS_DIR: &str = "results";
+
 /// Benchmark harness for distributed-training strategies.
 #[derive(Debug, Parser)]
 #[command(name = "harness", version, about, long_about = None)]
@@ -31,49 +38,18 @@ pub enum Command {
     /// Run a suite and write its results (default: suites/cpu.toml).
     Run(RunArgs),
     /// Check a suite file without running it.
-    Validate {
-        /// The suite to check.
-        suite: PathBuf,
-    },
+    Validate(ValidateArgs),
     /// Score result files: write LEADERBOARD.md and index.html.
-    Report {
-        /// Result files, or folders to search for them (*.json).
-        #[arg(required = true)]
-        results: Vec<PathBuf>,
-        /// Where to write LEADERBOARD.md and index.html.
-        #[arg(long, default_value = "results")]
-        out_dir: PathBuf,
-    },
+    Report(ReportArgs),
     /// Bundle a standard-suite result for submission: the result, the suite,
     /// the plugin artifact, the run's log and the machine fingerprint, with
     /// their sha256 (docs/submitting.md). The bundle is verified at once.
-    Submit {
-        /// The result file of `harness run SUITE --plugin KIND=PATH`.
-        result: PathBuf,
-        /// The bundle folder to create (default: <result stem>.bundle).
-        #[arg(short, long)]
-        out: Option<PathBuf>,
-        /// The run's log (default: <result stem>.log, written by harness run).
-        #[arg(long)]
-        log: Option<PathBuf>,
-        /// Bundle the plugin's sha256 and size only, not its artifact.
-        #[arg(long)]
-        no_artifacts: bool,
-    },
+    Submit(SubmitArgs),
     /// Check submission bundles against the rules (docs/rules.md): prints
     /// each violation with what to do; exits 1 if any bundle breaks a rule.
-    Verify {
-        /// Bundle folders written by `harness submit`.
-        #[arg(required = true)]
-        bundles: Vec<PathBuf>,
-    },
+    Verify(VerifyArgs),
     /// Compare two result files side by side, with ratios and significance.
-    Compare {
-        /// The reference (A).
-        a: PathBuf,
-        /// The candidate (B).
-        b: PathBuf,
-    },
+    Compare(CompareArgs),
     /// Benchmarks of harness's own building blocks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -81,11 +57,7 @@ pub enum Command {
     #[command(subcommand)]
     Plugin(PluginCommand),
     /// Show what harness sees: CPU, GPUs, driver, CUDA, libtorch, NCCL.
-    Env {
-        /// Print JSON (the fingerprint that result files carry).
-        #[arg(long)]
-        json: bool,
-    },
+    Env(EnvArgs),
 }
 
 /// `harness bench ...`.
@@ -94,43 +66,12 @@ pub enum BenchCommand {
     /// harness's NCCL all-reduce on a result's gradient buckets, back to
     /// back (one process per GPU), timed like bench/allreduce_busbw.py;
     /// prints JSON.
-    Allreduce {
-        /// A result file of a data-parallel run (its `bucket_bytes`).
-        #[arg(long)]
-        bytes_from: PathBuf,
-        /// Number of GPUs (one process each).
-        #[arg(long, default_value_t = 2)]
-        world: usize,
-        /// Timed rounds over all buckets.
-        #[arg(long, default_value_t = 20)]
-        iters: usize,
-        /// Issue on the NCCL side stream of overlapped training instead of
-        /// libtorch's legacy stream.
-        #[arg(long)]
-        side_stream: bool,
-        /// No events or accounting around each collective (what timing costs).
-        #[arg(long)]
-        untimed: bool,
-    },
+    Allreduce(AllreduceArgs),
     /// Writes a checkpoint to disk with the checkpoint writer and reads it
     /// back as a restore does (sizes and hashes checked), each way of
     /// reading in turn with the files dropped from the page cache first,
     /// and raw as `dd iflag=direct` reads; prints a table of speeds.
-    CheckpointRead {
-        /// A directory on the disk to measure (the checkpoint goes into a
-        /// new folder there and is removed afterwards).
-        #[arg(default_value = ".")]
-        dir: PathBuf,
-        /// Size of the checkpoint.
-        #[arg(long, default_value_t = 1.5)]
-        gb: f64,
-        /// Keep the checkpoint written (its path goes to stderr).
-        #[arg(long)]
-        keep: bool,
-        /// Rounds over all ways of reading.
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
-    },
+    CheckpointRead(CheckpointReadArgs),
 }
 
 /// `harness plugin ...`.
@@ -138,53 +79,17 @@ pub enum BenchCommand {
 pub enum PluginCommand {
     /// Create a plugin crate that builds to WASM and native, with a suite
     /// that runs it.
-    New {
-        /// compressor, batch-policy or checkpoint-policy.
-        #[arg(value_parser = ["compressor", "batch-policy", "checkpoint-policy"])]
-        kind: String,
-        /// The plugin's name (a folder of that name is created).
-        name: String,
-        /// Where to create the folder.
-        #[arg(long, default_value = ".")]
-        dir: PathBuf,
-        /// The harness-sdk crate to depend on (default: a copy of this
-        /// harness's own SDK, written into the plugin's folder).
-        #[arg(long)]
-        sdk: Option<PathBuf>,
-        /// The plugin's language: rust (a WASM component and a native
-        /// library from one crate), c (a native library; compressors),
-        /// c-wasm (C built into a WASM component with wit-bindgen, a clang
-        /// for wasm32-wasi and wasm-tools; compressors), python or js (a
-        /// WASM component built by componentize-py or componentize-js;
-        /// compressors).
-        #[arg(long, default_value = "rust", value_parser = ["rust", "c", "c-wasm", "python", "js"])]
-        lang: String,
-    },
+    New(PluginNewArgs),
     /// Load a plugin artifact and print its manifest as a `[[plugin]]` table
     /// to pin in a suite.
-    Inspect {
-        /// A `.wasm` component or a native library.
-        path: PathBuf,
-    },
+    Inspect(PluginInspectArgs),
     /// Measure the host -> plugin hook round trip of artifacts: the host's
     /// own per-call meter (p50/p90/p99/mean) and calls back to back.
-    Bench {
-        /// `.wasm` components or native libraries (any kind).
-        #[arg(required = true)]
-        paths: Vec<PathBuf>,
-        /// Timed calls per artifact.
-        #[arg(long, default_value_t = 200_000)]
-        calls: u64,
-        /// Cold calls, as in training: before each call, write through a
-        /// buffer of this many MiB (evicting the caches, as a training step
-        /// does between two hooks). 0: warm caches.
-        #[arg(long, default_value_t = 0)]
-        evict_mb: usize,
-    },
+    Bench(PluginBenchArgs),
 }
 
 /// Arguments of `harness run`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct RunArgs {
     /// The suite to run.
     #[arg(default_value = DEFAULT_SUITE)]
@@ -197,7 +102,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub resume: bool,
     /// Folder for result files.
-    #[arg(long, default_value = "results")]
+    #[arg(long, default_value = DEFAULT_RESULTS_DIR)]
     pub results_dir: PathBuf,
     /// No progress bar or per-entry lines; the summary table is still printed.
     #[arg(short, long)]
@@ -224,6 +129,152 @@ pub struct RunArgs {
     /// The profiler slows that step down: measure without it.
     #[arg(long)]
     pub trace: bool,
+}
+
+/// Arguments of `harness validate`.
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// The suite to check.
+    pub suite: PathBuf,
+}
+
+/// Arguments of `harness report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Result files, or folders to search for them (*.json).
+    #[arg(required = true)]
+    pub results: Vec<PathBuf>,
+    /// Where to write LEADERBOARD.md and index.html.
+    #[arg(long, default_value = "results")]
+    pub out_dir: PathBuf,
+}
+
+/// Arguments of `harness submit`.
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The result file of `harness run SUITE --plugin KIND=PATH`.
+    pub result: PathBuf,
+    /// The bundle folder to create (default: <result stem>.bundle).
+    #[arg(short, long)]
+    pub out: Option<PathBuf>,
+    /// The run's log (default: <result stem>.log, written by harness run).
+    #[arg(long)]
+    pub log: Option<PathBuf>,
+    /// Bundle the plugin's sha256 and size only, not its artifact.
+    #[arg(long)]
+    pub no_artifacts: bool,
+}
+
+/// Arguments of `harness verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// Bundle folders written by `harness submit`.
+    #[arg(required = true)]
+    pub bundles: Vec<PathBuf>,
+}
+
+/// Arguments of `harness compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// The reference (A).
+    pub a: PathBuf,
+    /// The candidate (B).
+    pub b: PathBuf,
+}
+
+/// Arguments of `harness env`.
+#[derive(Debug, Args)]
+pub struct EnvArgs {
+    /// Print JSON (the fingerprint that result files carry).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `harness bench allreduce`.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct AllreduceArgs {
+    /// A result file of a data-parallel run (its `bucket_bytes`).
+    #[arg(long)]
+    pub bytes_from: PathBuf,
+    /// Number of GPUs (one process each).
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// Timed rounds over all buckets.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Issue on the NCCL side stream of overlapped training instead of
+    /// libtorch's legacy stream.
+    #[arg(long)]
+    pub side_stream: bool,
+    /// No events or accounting around each collective (what timing costs).
+    #[arg(long)]
+    pub untimed: bool,
+}
+
+/// Arguments of `harness bench checkpoint-read`.
+#[derive(Debug, Args)]
+pub struct CheckpointReadArgs {
+    /// A directory on the disk to measure (the checkpoint goes into a
+    /// new folder there and is removed afterwards).
+    #[arg(default_value = ".")]
+    pub dir: PathBuf,
+    /// Size of the checkpoint.
+    #[arg(long, default_value_t = 1.5)]
+    pub gb: f64,
+    /// Keep the checkpoint written (its path goes to stderr).
+    #[arg(long)]
+    pub keep: bool,
+    /// Rounds over all ways of reading.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+}
+
+/// Arguments of `harness plugin new`.
+#[derive(Debug, Args)]
+pub struct PluginNewArgs {
+    /// compressor, batch-policy or checkpoint-policy.
+    #[arg(value_parser = ["compressor", "batch-policy", "checkpoint-policy"])]
+    pub kind: String,
+    /// The plugin's name (a folder of that name is created).
+    pub name: String,
+    /// Where to create the folder.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+    /// The harness-sdk crate to depend on (default: a copy of this
+    /// harness's own SDK, written into the plugin's folder).
+    #[arg(long)]
+    pub sdk: Option<PathBuf>,
+    /// The plugin's language: rust (a WASM component and a native
+    /// library from one crate), c (a native library; compressors),
+    /// c-wasm (C built into a WASM component with wit-bindgen, a clang
+    /// for wasm32-wasi and wasm-tools; compressors), python or js (a
+    /// WASM component built by componentize-py or componentize-js;
+    /// compressors).
+    #[arg(long, default_value = "rust", value_parser = ["rust", "c", "c-wasm", "python", "js"])]
+    pub lang: String,
+}
+
+/// Arguments of `harness plugin inspect`.
+#[derive(Debug, Args)]
+pub struct PluginInspectArgs {
+    /// A `.wasm` component or a native library.
+    pub path: PathBuf,
+}
+
+/// Arguments of `harness plugin bench`.
+#[derive(Debug, Args)]
+pub struct PluginBenchArgs {
+    /// `.wasm` components or native libraries (any kind).
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    /// Timed calls per artifact.
+    #[arg(long, default_value_t = 200_000)]
+    pub calls: u64,
+    /// Cold calls, as in training: before each call, write through a
+    /// buffer of this many MiB (evicting the caches, as a training step
+    /// does between two hooks). 0: warm caches.
+    #[arg(long, default_value_t = 0)]
+    pub evict_mb: usize,
 }
 
 /// `--plugin KIND=PATH` and `--plugin-config KEY=VALUE...` as an entry.
@@ -346,196 +397,96 @@ fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite:
 /// Runs the parsed command; returns the process exit code.
 pub fn main(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Validate { suite } => match Suite::load(&suite) {
-            Ok(s) => {
-                let dir = s.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-                let set = crate::plugin::PluginSet::new(&s.spec.plugins, dir);
-                let mut bad = 0;
-                for (spec, r) in s.spec.plugins.iter().zip(set.check_all()) {
-                    match r {
-                        Ok(m) => {
-                            let transport = match m.transport {
-                                crate::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
-                                crate::plugin::Transport::Native => "native, unsandboxed".to_owned(),
-                            };
-                            println!(
-                                "plugin `{}`: {} {} ({}, {transport}) from {}",
-                                spec.name,
-                                m.name,
-                                m.version,
-                                m.kind.name(),
-                                m.path.display()
-                            )
-                        }
-                        Err(e) => {
-                            bad += 1;
-                            eprintln!("error: {e}");
-                        }
-                    }
-                }
-                if bad > 0 {
-                    return Ok(exit::INVALID_SUITE);
-                }
-                // Each plugin configured as the suite configures it, so a
-                // misspelt key fails here and not when its entry runs.
-                for e in configure_all(&s, &set) {
-                    bad += 1;
-                    eprintln!("{e}");
-                }
-                if bad > 0 {
-                    return Ok(exit::INVALID_SUITE);
-                }
-                let plan = s.plan();
-                println!(
-                    "{}: ok ({} workloads, {} strategies, {} entries)",
-                    suite.display(),
-                    s.spec.workloads.len(),
-                    s.strategies().len(),
-                    plan.entries.len()
-                );
-                Ok(exit::OK)
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                Ok(exit::INVALID_SUITE)
-            }
-        },
-        Command::Env { json } => {
-            let f = device::fingerprint();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&f)?);
-            } else {
-                print_env(&f);
-            }
-            Ok(exit::OK)
-        }
         Command::Run(args) => run(args),
-        Command::Plugin(PluginCommand::Inspect { path }) => {
-            let m = crate::plugin::inspect(&path)?;
-            print!("{}", crate::scaffold::manifest_toml(&m));
-            Ok(exit::OK)
-        }
-        Command::Bench(BenchCommand::Allreduce { bytes_from, world, iters, side_stream, untimed }) => {
-            let buckets = crate::bench::bucket_bytes(&bytes_from)?;
-            let args: Vec<std::ffi::OsString> = vec![
-                "bench".into(),
-                "allreduce".into(),
-                "--bytes-from".into(),
-                bytes_from.into(),
-                "--world".into(),
-                world.to_string().into(),
-                "--iters".into(),
-                iters.to_string().into(),
-            ];
-            let mut args = args;
-            if side_stream {
-                args.push("--side-stream".into());
-            }
-            if untimed {
-                args.push("--untimed".into());
-            }
-            let rank_env = RankEnv::from_env()?;
-            match crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &args)? {
-                Allreduce::Launched(code) => Ok(code),
-                Allreduce::Ran(figures) => {
-                    if let Some(f) = figures {
-                        println!("{f}");
-                    }
-                    Ok(exit::OK)
-                }
-            }
-        }
-        Command::Bench(BenchCommand::CheckpointRead { dir, gb, keep, rounds }) => {
-            print!("{}", crate::bench::checkpoint_read(&dir, gb, rounds, keep)?);
-            Ok(exit::OK)
-        }
-        Command::Plugin(PluginCommand::Bench { paths, calls, evict_mb }) => {
-            let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
-            print!("{}", crate::plugin::bench::table(&rows));
-            let floor = crate::plugin::bench::clock_floor(calls);
-            println!(
-                "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
-                 back to back: the whole cost to the host per call, the meter included.{}",
-                floor.p50_ms * 1e6,
-                floor.p99_ms * 1e6,
-                if evict_mb > 0 {
-                    format!(" Each metered call followed a write through {evict_mb} MiB (cold caches).")
-                } else {
-                    String::new()
-                }
-            );
-            Ok(exit::OK)
-        }
-        Command::Plugin(PluginCommand::New { kind, name, dir, sdk, lang }) => {
-            let made = crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
-            println!("created {}", made.display());
-            let build = match lang.as_str() {
-                "c" => "make",
-                "c-wasm" | "python" | "js" => "./build.sh",
-                _ => "cargo build --release --target wasm32-wasip2",
-            };
-            println!("build:  cd {} && {build}", made.display());
-            println!("run:    harness run {}/suite.toml", made.display());
-            Ok(exit::OK)
-        }
-        Command::Report { results, out_dir } => {
-            let loaded = load_results(&results)?;
-            let boards = report::boards(&loaded.results);
-            let mut subs = report::submissions::boards(&loaded.bundles);
-            // Bundles are named relative to the leaderboard's folder, so
-            // its links work wherever the folder is served from.
-            for r in subs.iter_mut().flat_map(|b| b.rows.iter_mut()).filter(|r| !r.reference) {
-                r.bundle = relative_to(&out_dir, &r.bundle);
-            }
-            let mut md = report::leaderboard_markdown(&boards, &loaded.sources);
-            if !subs.is_empty() {
-                md.push('\n');
-                md.push_str(&report::submissions::markdown(&subs));
-            }
-            let html = report::html::page(&boards, &subs, &loaded.sources);
-            let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
-            results::write_atomic(&md_path, md.as_bytes())?;
-            results::write_atomic(&html_path, html.as_bytes())?;
-            println!(
-                "{} result files ({} bundles, {} verified), {} tables, {} submission tables -> {}, {}",
-                loaded.results.len(),
-                loaded.bundles.len(),
-                loaded.bundles.iter().filter(|b| b.verdict.verified()).count(),
-                boards.len(),
-                subs.len(),
-                md_path.display(),
-                html_path.display()
-            );
-            Ok(exit::OK)
-        }
-        Command::Submit { result, out, log, no_artifacts } => {
-            let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
-            let dir = crate::submission::submit(&result, &opts)?;
-            println!("bundle: {}", dir.display());
-            let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect);
-            print!("{}", crate::submission::verify::render(&dir, &verdict));
-            Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
-        }
-        Command::Verify { bundles } => {
-            let mut code = exit::OK;
-            for b in &bundles {
-                let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect);
-                print!("{}", crate::submission::verify::render(b, &verdict));
-                if !verdict.verified() {
-                    code = exit::NOT_VERIFIED;
-                }
-            }
-            Ok(code)
-        }
-        Command::Compare { a, b } => {
-            let ra = results::RunResult::read(&a)?;
-            let rb = results::RunResult::read(&b)?;
-            print!("{}", report::compare_table(&[ra], &[rb]));
-            Ok(exit::OK)
-        }
+        Command::Validate(args) => validate(args),
+        Command::Report(args) => report(args),
+        Command::Submit(args) => submit(args),
+        Command::Verify(args) => verify(args),
+        Command::Compare(args) => compare(args),
+        Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
+        Command::Bench(BenchCommand::CheckpointRead(args)) => bench_checkpoint_read(args),
+        Command::Plugin(PluginCommand::New(args)) => plugin_new(args),
+        Command::Plugin(PluginCommand::Inspect(args)) => plugin_inspect(args),
+        Command::Plugin(PluginCommand::Bench(args)) => plugin_bench(args),
+        Command::Env(args) => env(args),
     }
 }
 
+/// `harness validate`: loads the suite, loads each of its plugins and
+/// configures it as the suite does, and prints what it found; an invalid
+/// suite or plugin is [`exit::INVALID_SUITE`].
+fn validate(args: ValidateArgs) -> anyhow::Result<i32> {
+    let s = match Suite::load(&args.suite) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(exit::INVALID_SUITE);
+        }
+    };
+    let dir = s.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let set = crate::plugin::PluginSet::new(&s.spec.plugins, dir);
+    if check_plugins(&s, &set) > 0 {
+        return Ok(exit::INVALID_SUITE);
+    }
+    // Each plugin configured as the suite configures it, so a
+    // misspelt key fails here and not when its entry runs.
+    let errors = configure_all(&s, &set);
+    for e in &errors {
+        eprintln!("{e}");
+    }
+    if !errors.is_empty() {
+        return Ok(exit::INVALID_SUITE);
+    }
+    let plan = s.plan();
+    println!(
+        "{}: ok ({} workloads, {} strategies, {} entries)",
+        args.suite.display(),
+        s.spec.workloads.len(),
+        s.strategies().len(),
+        plan.entries.len()
+    );
+    Ok(exit::OK)
+}
+
+/// Loads every plugin of the suite: prints what each is, or (to stderr) why
+/// it cannot be loaded. Returns how many could not.
+fn check_plugins(s: &Suite, set: &crate::plugin::PluginSet) -> usize {
+    let mut bad = 0;
+    for (spec, r) in s.spec.plugins.iter().zip(set.check_all()) {
+        match r {
+            Ok(m) => {
+                let transport = match m.transport {
+                    crate::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
+                    crate::plugin::Transport::Native => "native, unsandboxed".to_owned(),
+                };
+                println!("plugin `{}`: {} {} ({}, {transport}) from {}", spec.name, m.name, m.version, m.kind.name(), m.path.display())
+            }
+            Err(e) => {
+                bad += 1;
+                eprintln!("error: {e}");
+            }
+        }
+    }
+    bad
+}
+
+/// `harness env`: the machine fingerprint, as a table or (`--json`) as
+/// result files carry it.
+fn env(args: EnvArgs) -> anyhow::Result<i32> {
+    let f = device::fingerprint();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&f)?);
+    } else {
+        print_env(&f);
+    }
+    Ok(exit::OK)
+}
+
+/// `harness run`: runs the suite (with `--plugin`, `--track` and `--gpus`
+/// applied to a standard suite) and writes its result file: in this
+/// process, or, for a multi-GPU suite not started as a rank, in one rank
+/// process per GPU ([`run_ranks`]). An invalid suite is
+/// [`exit::INVALID_SUITE`]; a finished run says whether an entry failed.
 fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut suite = match Suite::load(&args.suite) {
         Ok(s) => s,
@@ -544,17 +495,7 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Ok(exit::INVALID_SUITE);
         }
     };
-    let name = &suite.spec.suite.name;
-    let out = match (&args.out, args.resume) {
-        (Some(o), _) => o.clone(),
-        (None, true) => results::find_resumable(&args.results_dir, name).ok_or_else(|| {
-            anyhow::anyhow!(
-                "no incomplete result of suite `{name}` under {}\nhint: name the file with --out, or run without --resume",
-                args.results_dir.display()
-            )
-        })?,
-        (None, false) => results::default_path(&args.results_dir, name),
-    };
+    let out = out_path(&args, &suite.spec.suite.name)?;
     let rank_env = RankEnv::from_env()?;
     // Before any thread starts (entering a plugin compiles it on threads):
     // NCCL's debug output, to record the transports it chose.
@@ -572,43 +513,56 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     let world = suite.spec.suite.world_size as usize;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
-        // One process per GPU, each joining as a rank; rank 0 writes `out`.
-        // The launcher adds --resume (after its first round, or from the start).
-        let mut child_args: Vec<std::ffi::OsString> = vec!["run".into(), args.suite.clone().into(), "--out".into(), out.clone().into()];
-        if args.quiet {
-            child_args.push("--quiet".into());
-        }
-        if args.trace {
-            child_args.push("--trace".into());
-        }
-        for (flag, value) in [("--plugin", &args.plugin), ("--track", &args.track)] {
-            if let Some(v) = value {
-                child_args.extend([flag.into(), v.into()]);
-            }
-        }
-        for kv in &args.plugin_config {
-            child_args.extend(["--plugin-config".into(), kv.into()]);
-        }
-        if let Some(n) = args.gpus {
-            child_args.extend(["--gpus".into(), n.to_string().into()]);
-        }
-        if let Some(code) = ranks::launch_local_ranks(world, &child_args, &out, &suite, args.resume)? {
-            return Ok(code);
-        }
-        let result = results::RunResult::read(&out)?;
-        Console::new(args.quiet).summary(&result, &out);
-        let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
-        return Ok(exit::of_finished_run(failed));
+        return run_ranks(&args, &suite, &out, world);
     }
-    let mut console = Console::new(args.quiet || follower);
+    let opts = RunOptions { out, resume: args.resume, ranks: rank_env, submission, nccl_log, trace: args.trace };
+    run_here(&suite, &opts, args.quiet)
+}
+
+/// The result file `harness run` writes: `--out`; with `--resume` alone the
+/// newest incomplete result of the suite `name` under `--results-dir`;
+/// else a new file there.
+fn out_path(args: &RunArgs, name: &str) -> anyhow::Result<PathBuf> {
+    Ok(match (&args.out, args.resume) {
+        (Some(o), _) => o.clone(),
+        (None, true) => results::find_resumable(&args.results_dir, name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "no incomplete result of suite `{name}` under {}\nhint: name the file with --out, or run without --resume",
+                args.results_dir.display()
+            )
+        })?,
+        (None, false) => results::default_path(&args.results_dir, name),
+    })
+}
+
+/// `harness run` of a multi-GPU suite: one process per GPU, each joining as
+/// a rank with this run's arguments; rank 0 writes `out`. Prints the
+/// summary of the whole run once the ranks are done.
+fn run_ranks(args: &RunArgs, suite: &Suite, out: &Path, world: usize) -> anyhow::Result<i32> {
+    // This run's options, into `out`; the launcher asks for --resume after
+    // its first round (or from the start).
+    let child = RunArgs { out: Some(out.to_owned()), resume: false, ..args.clone() };
+    let argv = |resume| Child::Run(RunArgs { resume, ..child.clone() }).argv();
+    if let Some(code) = crate::launch::launch_local_ranks(world, &argv, out, suite, args.resume)? {
+        return Ok(code);
+    }
+    let result = results::RunResult::read(out)?;
+    Console::new(args.quiet).summary(&result, out);
+    Ok(finished_run(&result))
+}
+
+/// Runs the suite in this process, alone or as one rank of several (a
+/// rank other than 0 prints nothing and leaves the result file to rank 0).
+fn run_here(suite: &Suite, opts: &RunOptions, quiet: bool) -> anyhow::Result<i32> {
+    let follower = opts.ranks.as_ref().is_some_and(|e| e.rank != 0);
+    let mut console = Console::new(quiet || follower);
     if !follower {
-        console.log_to(&Console::log_path(&out));
+        console.log_to(&Console::log_path(&opts.out));
     }
-    let opts = RunOptions { out: out.clone(), resume: args.resume, ranks: rank_env, submission, nccl_log, trace: args.trace };
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
     crate::plugin::exit_guard::arm(true);
-    let result = launch::run_suite(&suite, &opts, &mut console);
+    let result = launch::run_suite(suite, opts, &mut console);
     crate::plugin::exit_guard::arm(false);
     let result = match result {
         Err(e) if e.is::<launch::RanksLost>() => {
@@ -622,10 +576,217 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     // Started by `harness run`'s launcher, which sums up the whole run.
     if std::env::var_os(ranks::ENTRIES_VAR).is_none() {
-        console.summary(&result, &out);
+        console.summary(&result, &opts.out);
     }
+    Ok(finished_run(&result))
+}
+
+/// The exit code of a run that finished: whether any entry failed.
+fn finished_run(result: &results::RunResult) -> i32 {
     let failed = result.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).count();
-    Ok(exit::of_finished_run(failed))
+    exit::of_finished_run(failed)
+}
+
+/// `harness report`: scores result files and submission bundles, and writes
+/// LEADERBOARD.md and index.html to `--out-dir`.
+fn report(args: ReportArgs) -> anyhow::Result<i32> {
+    let ReportArgs { results, out_dir } = args;
+    let loaded = load_results(&results)?;
+    let boards = report::boards(&loaded.results);
+    let mut subs = report::submissions::boards(&loaded.bundles);
+    // Bundles are named relative to the leaderboard's folder, so
+    // its links work wherever the folder is served from.
+    for r in subs.iter_mut().flat_map(|b| b.rows.iter_mut()).filter(|r| !r.reference) {
+        r.bundle = relative_to(&out_dir, &r.bundle);
+    }
+    let mut md = report::leaderboard_markdown(&boards, &loaded.sources);
+    if !subs.is_empty() {
+        md.push('\n');
+        md.push_str(&report::submissions::markdown(&subs));
+    }
+    let html = report::html::page(&boards, &subs, &loaded.sources);
+    let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
+    results::write_atomic(&md_path, md.as_bytes())?;
+    results::write_atomic(&html_path, html.as_bytes())?;
+    println!(
+        "{} result files ({} bundles, {} verified), {} tables, {} submission tables -> {}, {}",
+        loaded.results.len(),
+        loaded.bundles.len(),
+        loaded.bundles.iter().filter(|b| b.verdict.verified()).count(),
+        boards.len(),
+        subs.len(),
+        md_path.display(),
+        html_path.display()
+    );
+    Ok(exit::OK)
+}
+
+/// `harness submit`: bundles a standard-suite result and verifies the
+/// bundle at once; a bundle that breaks a rule is [`exit::NOT_VERIFIED`].
+fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
+    let SubmitArgs { result, out, log, no_artifacts } = args;
+    let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
+    let dir = crate::submission::submit(&result, &opts)?;
+    println!("bundle: {}", dir.display());
+    let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect);
+    print!("{}", crate::submission::verify::render(&dir, &verdict));
+    Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
+}
+
+/// `harness verify`: checks each bundle against the rules and prints its
+/// verdict; [`exit::NOT_VERIFIED`] if any breaks a rule.
+fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
+    let mut code = exit::OK;
+    for b in &args.bundles {
+        let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect);
+        print!("{}", crate::submission::verify::render(b, &verdict));
+        if !verdict.verified() {
+            code = exit::NOT_VERIFIED;
+        }
+    }
+    Ok(code)
+}
+
+/// `harness compare`: the two result files side by side.
+fn compare(args: CompareArgs) -> anyhow::Result<i32> {
+    let ra = results::RunResult::read(&args.a)?;
+    let rb = results::RunResult::read(&args.b)?;
+    print!("{}", report::compare_table(&[ra], &[rb]));
+    Ok(exit::OK)
+}
+
+/// `harness bench allreduce`: started by hand, starts one rank process per
+/// GPU with the same arguments and returns the first failing rank's exit
+/// code; as a rank, runs the benchmark, and rank 0 prints its figures.
+fn bench_allreduce(args: AllreduceArgs) -> anyhow::Result<i32> {
+    let buckets = crate::bench::bucket_bytes(&args.bytes_from)?;
+    let argv = Child::BenchAllreduce(args.clone()).argv();
+    let rank_env = RankEnv::from_env()?;
+    let AllreduceArgs { world, iters, side_stream, untimed, .. } = args;
+    match crate::bench::allreduce(rank_env.as_ref(), &buckets, world, iters, side_stream, untimed, &argv)? {
+        Allreduce::Launched(code) => Ok(code),
+        Allreduce::Ran(figures) => {
+            if let Some(f) = figures {
+                println!("{f}");
+            }
+            Ok(exit::OK)
+        }
+    }
+}
+
+/// `harness bench checkpoint-read`: prints the table of write and read speeds.
+fn bench_checkpoint_read(args: CheckpointReadArgs) -> anyhow::Result<i32> {
+    print!("{}", crate::bench::checkpoint_read(&args.dir, args.gb, args.rounds, args.keep)?);
+    Ok(exit::OK)
+}
+
+/// `harness plugin new`: creates the plugin's folder and prints how to
+/// build and run it.
+fn plugin_new(args: PluginNewArgs) -> anyhow::Result<i32> {
+    let PluginNewArgs { kind, name, dir, sdk, lang } = args;
+    let made = crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
+    println!("created {}", made.display());
+    let build = match lang.as_str() {
+        "c" => "make",
+        "c-wasm" | "python" | "js" => "./build.sh",
+        _ => "cargo build --release --target wasm32-wasip2",
+    };
+    println!("build:  cd {} && {build}", made.display());
+    println!("run:    harness run {}/suite.toml", made.display());
+    Ok(exit::OK)
+}
+
+/// `harness plugin inspect`: prints the artifact's manifest as a
+/// `[[plugin]]` table.
+fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
+    let m = crate::plugin::inspect(&args.path)?;
+    print!("{}", crate::scaffold::manifest_toml(&m));
+    Ok(exit::OK)
+}
+
+/// `harness plugin bench`: prints the table of hook round trips, and what
+/// the host's meter reads around nothing.
+fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
+    let PluginBenchArgs { paths, calls, evict_mb } = args;
+    let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
+    print!("{}", crate::plugin::bench::table(&rows));
+    let floor = crate::plugin::bench::clock_floor(calls);
+    println!(
+        "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
+         back to back: the whole cost to the host per call, the meter included.{}",
+        floor.p50_ms * 1e6,
+        floor.p99_ms * 1e6,
+        if evict_mb > 0 { format!(" Each metered call followed a write through {evict_mb} MiB (cold caches).") } else { String::new() }
+    );
+    Ok(exit::OK)
+}
+
+/// A `harness` process that harness starts itself, as the options it is
+/// started with: a rank of a multi-GPU `harness run`, or of `harness bench
+/// allreduce`. [`Child::argv`] is the one place their command lines are
+/// written; [`Cli`] parses them back to the same options.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Child {
+    /// A rank of `harness run` (started by [`crate::launch::launch_local_ranks`]).
+    Run(RunArgs),
+    /// A rank of `harness bench allreduce`.
+    BenchAllreduce(AllreduceArgs),
+}
+
+impl Child {
+    /// The arguments to start `harness` with (the program name not included).
+    /// Options at their defaults are left out.
+    pub fn argv(&self) -> Vec<OsString> {
+        match self {
+            Child::Run(a) => Argv::default()
+                .arg("run")
+                .arg(&a.suite)
+                .opt("--out", &a.out)
+                .flag("--quiet", a.quiet)
+                .flag("--trace", a.trace)
+                .opt("--plugin", &a.plugin)
+                .opt("--track", &a.track)
+                .opt("--plugin-config", &a.plugin_config)
+                .opt("--gpus", a.gpus.map(|n| n.to_string()))
+                .opt("--results-dir", Some(&a.results_dir).filter(|d| d.as_os_str() != DEFAULT_RESULTS_DIR))
+                .flag("--resume", a.resume),
+            Child::BenchAllreduce(a) => Argv::default()
+                .arg("bench")
+                .arg("allreduce")
+                .opt("--bytes-from", [&a.bytes_from])
+                .opt("--world", [a.world.to_string()])
+                .opt("--iters", [a.iters.to_string()])
+                .flag("--side-stream", a.side_stream)
+                .flag("--untimed", a.untimed),
+        }
+        .0
+    }
+}
+
+/// A command line being written ([`Child::argv`]).
+#[derive(Default)]
+struct Argv(Vec<OsString>);
+
+impl Argv {
+    /// A word of its own: a subcommand, a positional argument.
+    fn arg(mut self, a: impl Into<OsString>) -> Argv {
+        self.0.push(a.into());
+        self
+    }
+
+    /// `name` if `on`.
+    fn flag(self, name: &str, on: bool) -> Argv {
+        if on {
+            self.arg(name)
+        } else {
+            self
+        }
+    }
+
+    /// `name VALUE` for each of `values` (none, one, or a repeated option's).
+    fn opt<V: Into<OsString>>(self, name: &str, values: impl IntoIterator<Item = V>) -> Argv {
+        values.into_iter().fold(self, |argv, v| argv.arg(name).arg(v))
+    }
 }
 
 /// `path` as seen from the folder `base` (both made absolute first).
@@ -736,4 +897,77 @@ fn print_env(f: &device::Fingerprint) {
     );
     println!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default());
     println!("nccl      {}", na(&f.nccl));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `argv`, parsed as `harness`'s command line.
+    fn parse(argv: Vec<OsString>) -> Command {
+        let argv = std::iter::once(OsString::from("harness")).chain(argv);
+        Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{e}")).command
+    }
+
+    fn parse_run(words: &[&str]) -> RunArgs {
+        match parse(words.iter().map(OsString::from).collect()) {
+            Command::Run(a) => a,
+            c => panic!("{c:?}"),
+        }
+    }
+
+    fn parse_allreduce(words: &[&str]) -> AllreduceArgs {
+        match parse(words.iter().map(OsString::from).collect()) {
+            Command::Bench(BenchCommand::Allreduce(a)) => a,
+            c => panic!("{c:?}"),
+        }
+    }
+
+    #[test]
+    fn a_run_ranks_command_line_parses_back_to_its_options() {
+        let plain = parse_run(&["run"]);
+        let full = RunArgs {
+            suite: "suites/standard/v1.toml".into(),
+            out: Some("/tmp/r s/out.json".into()),
+            resume: true,
+            results_dir: "elsewhere".into(),
+            quiet: true,
+            plugin: Some("compressor=/p/topk.wasm".into()),
+            plugin_config: vec!["ratio=0.01".into(), "name=\"a b\"".into()],
+            track: Some("compression".into()),
+            gpus: Some(4),
+            trace: true,
+        };
+        let out_only = RunArgs { out: Some("r.json".into()), ..plain.clone() };
+        for args in [plain, full, out_only] {
+            let child = Child::Run(args.clone());
+            match parse(child.argv()) {
+                Command::Run(back) => assert_eq!(back, args),
+                c => panic!("{c:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_ranks_command_line_leaves_defaults_out() {
+        let args = parse_run(&["run", "s.toml", "--out", "r.json", "--gpus", "2"]);
+        let argv = Child::Run(RunArgs { resume: true, ..args }).argv();
+        assert_eq!(argv, ["run", "s.toml", "--out", "r.json", "--gpus", "2", "--resume"]);
+    }
+
+    #[test]
+    fn an_allreduce_ranks_command_line_parses_back_to_its_options() {
+        let plain = parse_allreduce(&["bench", "allreduce", "--bytes-from", "r.json"]);
+        let full = AllreduceArgs { bytes_from: "a b/r.json".into(), world: 8, iters: 3, side_stream: true, untimed: true };
+        assert_eq!(
+            Child::BenchAllreduce(plain.clone()).argv(),
+            ["bench", "allreduce", "--bytes-from", "r.json", "--world", "2", "--iters", "20"]
+        );
+        for args in [plain, full] {
+            match parse(Child::BenchAllreduce(args.clone()).argv()) {
+                Command::Bench(BenchCommand::Allreduce(back)) => assert_eq!(back, args),
+                c => panic!("{c:?}"),
+            }
+        }
+    }
 }

@@ -3,7 +3,6 @@
 //! rendezvous store and NCCL communicator they share, and the watchdog that
 //! ends a rank whose collectives hang.
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
 use crate::comm::Link;
 use crate::error::EntryError;
-use crate::suite::{PlanEntry, Suite};
+
 use crate::{device, exit, rendezvous};
 
 /// This process's place among ranks started by a launcher: torchrun's
@@ -67,115 +66,6 @@ impl RankEnv {
 /// The variable through which the launcher names the entries a rank
 /// process runs (their ids, comma-separated).
 pub const ENTRIES_VAR: &str = "HARNESS_ENTRIES";
-
-/// Starts one process per local GPU, each a rank of `world` with torchrun's
-/// variables, for the entries of the suite's plan that `out` lacks, and waits for
-/// them; rank 0 writes `out`. NCCL reads its settings once per process, so
-/// entries whose strategies set different NCCL settings run in separate
-/// rounds of processes, each started with its settings. When a rank is lost
-/// (killed, or stopped by its watchdog), the entry it was in is recorded as
-/// failed (by rank 0, or here when rank 0 itself died) and the ranks are
-/// started anew for the entries left. Returns None when every entry has a
-/// record, or the exit code of a rank that could not run at all.
-pub fn launch_local_ranks(
-    world: usize,
-    args: &[OsString],
-    out: &std::path::Path,
-    suite: &Suite,
-    resume: bool,
-) -> anyhow::Result<Option<i32>> {
-    let plan = suite.plan();
-    let gpus = device::gpu_count();
-    anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
-    let mut started = resume;
-    loop {
-        let done = done_ids(out)?;
-        let todo: Vec<&PlanEntry> = plan.entries.iter().filter(|e| !done.contains(&e.id)).collect();
-        let Some(first) = todo.first() else { return Ok(None) };
-        let env = first.strategy.nccl_env();
-        let group: Vec<&PlanEntry> = todo.iter().take_while(|e| e.strategy.nccl_env() == env).copied().collect();
-        let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
-        let mut env: Vec<(String, String)> = env.into_iter().collect();
-        env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
-        let mut args = args.to_vec();
-        if started {
-            args.push("--resume".into());
-        }
-        started = true;
-        let statuses = spawn_ranks(world, &args, &env)?;
-        let lost: Vec<String> = statuses.iter().enumerate().filter_map(|(r, s)| lost_rank(r, s)).collect();
-        if lost.is_empty() {
-            // 0, or 1 (some entry failed): the round finished its entries.
-            match statuses.iter().filter_map(|s| s.code()).find(|&c| c != exit::OK && c != exit::ENTRY_FAILED) {
-                Some(code) => return Ok(Some(code)),
-                // A round that recorded nothing would be started again for ever.
-                None if done_ids(out)?.len() == done.len() => return Ok(Some(exit::ERROR)),
-                None => continue,
-            }
-        }
-        let why = lost.join("; ");
-        match crate::launch::record_lost_entry(out, suite, &group, &done, &why)? {
-            Some(id) => eprintln!("harness: {why} during {id}; starting the ranks again for the entries left"),
-            None => return Ok(Some(exit::RANK_LOST)),
-        }
-    }
-}
-
-/// Starts `harness ARGS` once per rank of `world` on this machine, with
-/// torchrun's variables and `env`, and waits for all: their exit statuses,
-/// in rank order. Only rank 0 prints to stdout.
-fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> anyhow::Result<Vec<std::process::ExitStatus>> {
-    let exe = std::env::current_exe()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let mut children = Vec::new();
-    for r in 0..world {
-        let mut c = std::process::Command::new(&exe);
-        c.args(args)
-            .env("RANK", r.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .envs(env.iter().map(|(k, v)| (k, v)));
-        if r > 0 {
-            c.stdout(std::process::Stdio::null());
-        }
-        children.push(c.spawn()?);
-    }
-    children.into_iter().map(|mut c| Ok(c.wait()?)).collect()
-}
-
-/// Starts `harness ARGS` once per rank of `world` (a benchmark) and waits:
-/// the exit code of the first rank that failed, or 0.
-pub fn launch_bench_ranks(world: usize, args: &[OsString]) -> anyhow::Result<i32> {
-    let statuses = spawn_ranks(world, args, &[])?;
-    Ok(statuses.iter().find(|s| !s.success()).map_or(exit::OK, |s| s.code().unwrap_or(exit::ERROR)))
-}
-
-/// Why rank `r`'s process was lost, if it was: killed by a signal, or
-/// stopped by its watchdog.
-fn lost_rank(r: usize, s: &std::process::ExitStatus) -> Option<String> {
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = s.signal() {
-        let name = match sig {
-            libc::SIGKILL => " (SIGKILL)",
-            libc::SIGSEGV => " (SIGSEGV)",
-            libc::SIGABRT => " (SIGABRT)",
-            libc::SIGTERM => " (SIGTERM)",
-            _ => "",
-        };
-        return Some(format!("rank {r} was killed by signal {sig}{name}"));
-    }
-    (s.code() == Some(exit::RANK_LOST)).then(|| format!("rank {r} stopped (a rank was lost)"))
-}
-
-/// The ids of the entries `out` has a record of (none when it does not exist yet).
-fn done_ids(out: &std::path::Path) -> anyhow::Result<std::collections::BTreeSet<String>> {
-    if !out.exists() {
-        return Ok(Default::default());
-    }
-    Ok(crate::results::RunResult::read(out)?.done_ids())
-}
 
 /// Joins an NCCL communicator: rank 0 makes the unique id and publishes it
 /// under `key` in the store, the others read it.
