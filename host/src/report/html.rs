@@ -265,7 +265,7 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
             let _ = write!(out, "<th>{} <small>time vs baseline</small></th>", esc(w));
         }
         for w in &b.workloads {
-            let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second));
+            let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second.name()));
         }
         out.push_str("<th>profile</th><th>details</th><th>not ranked because</th></tr>");
         for r in &b.rows {
