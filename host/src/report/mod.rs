@@ -28,22 +28,11 @@ pub fn summary_table(r: &RunResult) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     let accuracy = r.entries.iter().any(|e| e.metrics.as_ref().is_some_and(|m| m.final_eval_accuracy.is_some()));
-    let mut header = vec![
-        "entry",
-        "status",
-        "tokens/s",
-        "step p50 ms",
-        "step p99 ms",
-        "MFU",
-        "peak mem",
-        "eval loss",
-        "floor",
-        "target",
-        "time to target",
-    ];
+    let mut header = vec!["entry", "status", "tokens/s", "step p50 ms", "step p99 ms", "MFU", "peak mem", "eval loss", "floor"];
     if accuracy {
-        header.splice(9..9, ["eval acc", "best acc"]);
+        header.extend(["eval acc", "best acc"]);
     }
+    header.extend(["target", "time to target"]);
     let columns = header.len();
     t.set_header(header);
     for e in &r.entries {
@@ -65,19 +54,19 @@ pub fn summary_table(r: &RunResult) -> String {
                     mem,
                     opt(m.final_eval_loss),
                     opt(m.loss_floor),
-                    match (m.target_loss, m.target_accuracy) {
-                        (None, Some(a)) => format!("acc {a:.4}"),
-                        (t, _) => opt(t),
-                    },
-                    match (has_target, m.time_to_target_s) {
-                        (false, _) => "-".into(),
-                        (true, Some(s)) => format!("{s:.1} s"),
-                        (true, None) => "missed".into(),
-                    },
                 ];
                 if accuracy {
-                    v.splice(9..9, [opt(m.final_eval_accuracy), opt(m.best_accuracy)]);
+                    v.extend([opt(m.final_eval_accuracy), opt(m.best_accuracy)]);
                 }
+                v.push(match (m.target_loss, m.target_accuracy) {
+                    (None, Some(a)) => format!("acc {a:.4}"),
+                    (t, _) => opt(t),
+                });
+                v.push(match (has_target, m.time_to_target_s) {
+                    (false, _) => "-".into(),
+                    (true, Some(s)) => format!("{s:.1} s"),
+                    (true, None) => "missed".into(),
+                });
                 v
             }
             None => {
