@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use super::submissions::{self, SubBoard};
-use super::{fmt_summary, Board, Row, METRICS};
+use super::{Board, Metric, Row};
 use crate::measure;
 
 /// Series colours (Tableau 10); tests look for the first ones on screen.
@@ -113,11 +113,13 @@ type Interval = Option<(f64, f64)>;
 
 /// Tokens/s per strategy: olympic mean bars with their 95% interval.
 fn throughput_bars(id: &str, rows: &[Row]) -> String {
-    let vals: Vec<Option<(f64, Interval)>> = rows.iter().map(|r| r.summaries[1].as_ref().map(|s| (s.olympic_mean, s.ci95))).collect();
+    let vals: Vec<Option<(f64, Interval)>> =
+        rows.iter().map(|r| r.summaries.get(&Metric::TokensPerS).map(|s| (s.olympic_mean, s.ci95))).collect();
     let top = vals.iter().flatten().map(|(m, ci)| ci.map_or(*m, |c| c.1.max(*m))).fold(0.0, f64::max) * 1.1;
     let f = Frame::new((0.0, rows.len().max(1) as f64), (0.0, top.max(1.0)));
-    let mut out = svg_open(id, &f, "Throughput (tokens/s, olympic mean and 95% interval)");
-    f.axes(&mut out, "strategy", "tokens/s", &|_| String::new());
+    let unit = Metric::TokensPerS.unit();
+    let mut out = svg_open(id, &f, &format!("Throughput ({unit}, olympic mean and 95% interval)"));
+    f.axes(&mut out, "strategy", unit, &|_| String::new());
     let slot = (f.px(1.0) - f.px(0.0)).max(1.0);
     for (i, v) in vals.iter().enumerate() {
         let Some((m, ci)) = v else { continue };
@@ -263,7 +265,7 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
             let _ = write!(out, "<th>{} <small>time vs baseline</small></th>", esc(w));
         }
         for w in &b.workloads {
-            let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second));
+            let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second.name()));
         }
         out.push_str("<th>profile</th><th>details</th><th>not ranked because</th></tr>");
         for r in &b.rows {
@@ -324,10 +326,10 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
         out.push_str("<table><tr><th>rank</th><th>strategy</th><th>target reached</th>");
         let accuracy = super::board_has_accuracy(b);
         if accuracy {
-            out.push_str("<th>eval accuracy</th>");
+            let _ = write!(out, "<th>{}</th>", esc(Metric::EvalAccuracy.name()));
         }
-        for (name, _) in METRICS {
-            let _ = write!(out, "<th>{}</th>", esc(name));
+        for m in Metric::SCORED {
+            let _ = write!(out, "<th>{}</th>", esc(m.name()));
         }
         out.push_str("<th>flags</th></tr>");
         for r in &b.rows {
@@ -340,10 +342,10 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() }
             );
             if accuracy {
-                let _ = write!(out, "<td>{}</td>", esc(&fmt_summary("eval accuracy", &r.accuracy)));
+                let _ = write!(out, "<td>{}</td>", esc(&Metric::EvalAccuracy.format_summary(r.summaries.get(&Metric::EvalAccuracy))));
             }
-            for (i, (name, _)) in METRICS.iter().enumerate() {
-                let _ = write!(out, "<td>{}</td>", esc(&fmt_summary(name, &r.summaries[i])));
+            for m in Metric::SCORED {
+                let _ = write!(out, "<td>{}</td>", esc(&m.format_summary(r.summaries.get(&m))));
             }
             let mut flags = r.flags.clone();
             flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));

@@ -14,6 +14,7 @@
 //! manifest) is passed in by the caller.
 
 pub mod html;
+pub mod metric;
 pub mod stats;
 pub mod submission;
 pub mod submissions;
@@ -26,6 +27,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
 use crate::fmt::human;
 use crate::results::{EntryStatus, Metrics, RunResult};
+pub use metric::{Better, Metric, PerMetric};
 use stats::{Summary, Verdict};
 
 /// A table of every entry: throughput, latency, MFU, memory, loss, target.
@@ -36,22 +38,11 @@ pub fn summary_table(r: &RunResult) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     let accuracy = r.entries.iter().any(|e| e.metrics.as_ref().is_some_and(|m| m.final_eval_accuracy.is_some()));
-    let mut header = vec![
-        "entry",
-        "status",
-        "tokens/s",
-        "step p50 ms",
-        "step p99 ms",
-        "MFU",
-        "peak mem",
-        "eval loss",
-        "floor",
-        "target",
-        "time to target",
-    ];
+    let mut header = vec!["entry", "status", "tokens/s", "step p50 ms", "step p99 ms", "MFU", "peak mem", "eval loss", "floor"];
     if accuracy {
-        header.splice(9..9, ["eval acc", "best acc"]);
+        header.extend(["eval acc", "best acc"]);
     }
+    header.extend(["target", "time to target"]);
     let columns = header.len();
     t.set_header(header);
     for e in &r.entries {
@@ -73,19 +64,19 @@ pub fn summary_table(r: &RunResult) -> String {
                     mem,
                     opt(m.final_eval_loss),
                     opt(m.loss_floor),
-                    match (m.target_loss, m.target_accuracy) {
-                        (None, Some(a)) => format!("acc {a:.4}"),
-                        (t, _) => opt(t),
-                    },
-                    match (has_target, m.time_to_target_s) {
-                        (false, _) => "-".into(),
-                        (true, Some(s)) => format!("{s:.1} s"),
-                        (true, None) => "missed".into(),
-                    },
                 ];
                 if accuracy {
-                    v.splice(9..9, [opt(m.final_eval_accuracy), opt(m.best_accuracy)]);
+                    v.extend([opt(m.final_eval_accuracy), opt(m.best_accuracy)]);
                 }
+                v.push(match (m.target_loss, m.target_accuracy) {
+                    (None, Some(a)) => format!("acc {a:.4}"),
+                    (t, _) => opt(t),
+                });
+                v.push(match (has_target, m.time_to_target_s) {
+                    (false, _) => "-".into(),
+                    (true, Some(s)) => format!("{s:.1} s"),
+                    (true, None) => "missed".into(),
+                });
                 v
             }
             None => {
@@ -210,7 +201,7 @@ pub fn board_nccl(b: &Board) -> Vec<(String, String)> {
 
 /// Whether a board's runs report classification accuracy.
 pub fn board_has_accuracy(b: &Board) -> bool {
-    b.rows.iter().any(|r| r.accuracy.is_some())
+    b.rows.iter().any(|r| r.summaries.contains_key(&Metric::EvalAccuracy))
 }
 
 fn opt(x: Option<f64>) -> String {
@@ -253,58 +244,18 @@ pub struct Group {
     pub failures: Vec<String>,
 }
 
-/// A metric's direction: which way is better.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Better {
-    Higher,
-    Lower,
-}
-
-/// The scored metrics, in the order of the leaderboard's columns.
-pub const METRICS: &[(&str, Better)] = &[
-    ("time to target s", Better::Lower),
-    ("tokens/s", Better::Higher),
-    ("step p50 ms", Better::Lower),
-    ("step p99 ms", Better::Lower),
-    ("step p99.9 ms", Better::Lower),
-    ("MFU", Better::Higher),
-    ("peak memory", Better::Lower),
-    ("bytes/step", Better::Lower),
-    ("goodput steps/s", Better::Higher),
-];
-
-/// Index of "goodput steps/s" in [`METRICS`].
-const GOODPUT: usize = 8;
-
-fn metric_value(m: &Metrics, name: &str) -> Option<f64> {
-    let step = m.step.as_ref();
-    match name {
-        "time to target s" => m.time_to_target_s,
-        "tokens/s" => Some(m.tokens_per_s),
-        "step p50 ms" => step.map(|s| s.p50_ms),
-        "step p99 ms" => step.map(|s| s.p99_ms),
-        "step p99.9 ms" => step.map(|s| s.p999_ms),
-        "MFU" => m.mfu,
-        "peak memory" => m.memory.peak_device_allocated_bytes.map(|b| b as f64).or(m.memory.peak_rss_bytes.map(|b| b as f64)),
-        "bytes/step" => (m.steps > 0).then(|| m.bytes_on_wire as f64 / m.steps as f64),
-        "goodput steps/s" => m.goodput_steps_per_s,
-        _ => None,
-    }
-}
-
 /// A group's scores and how they compare with the baseline.
 #[derive(Debug, Clone)]
 pub struct Row {
     pub group: Group,
-    /// Per metric (same order as [`METRICS`]).
-    pub summaries: Vec<Option<Summary>>,
-    pub verdicts: Vec<Option<(f64, Verdict)>>,
+    /// The metrics the repeats have, over the repeats.
+    pub summaries: PerMetric<Summary>,
+    /// Each metric against the baseline's: candidate / baseline and the
+    /// call; none for the baseline itself.
+    pub verdicts: PerMetric<(f64, Verdict)>,
     /// Repeats that reached the target, of those that ran.
     pub reached: (usize, usize),
     pub has_target: bool,
-    /// Classifiers: the final eval top-1 accuracy over repeats (a column
-    /// of the boards that have it; not a ranking metric).
-    pub accuracy: Option<Summary>,
     pub rank: Option<usize>,
     /// Engagement checks that failed.
     pub flags: Vec<String>,
@@ -381,15 +332,14 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
             if let Some(b) = base {
                 let base_sums = rows[b].summaries.clone();
                 let base_parts = rows[b].group.parts.clone();
-                let base_bytes = rows[b].summaries[7].as_ref().map(|s| s.olympic_mean);
+                let base_bytes = rows[b].summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
                 for (i, row) in rows.iter_mut().enumerate() {
                     row.verdicts = row
                         .summaries
                         .iter()
-                        .zip(&base_sums)
-                        .map(|(c, b)| match (c, b) {
-                            (Some(c), Some(b)) if i != base.unwrap_or(usize::MAX) && b.olympic_mean != 0.0 => {
-                                Some((c.olympic_mean / b.olympic_mean, stats::compare(c, b)))
+                        .filter_map(|(m, c)| match base_sums.get(m) {
+                            Some(b) if i != base.unwrap_or(usize::MAX) && b.olympic_mean != 0.0 => {
+                                Some((*m, (c.olympic_mean / b.olympic_mean, stats::compare(c, b))))
                             }
                             _ => None,
                         })
@@ -397,13 +347,14 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
                     // A group that missed the target in any repeat has no
                     // time-to-target score, so nothing to compare either.
                     if row.has_target && row.reached.0 < row.reached.1 {
-                        row.verdicts[0] = None;
+                        row.verdicts.remove(&Metric::TimeToTarget);
                     }
-                    row.flags = engagement(&row.group, &base_parts, row.summaries[7].as_ref().map(|s| s.olympic_mean), base_bytes);
+                    let bytes = row.summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
+                    row.flags = engagement(&row.group, &base_parts, bytes, base_bytes);
                 }
             } else {
                 for row in rows.iter_mut() {
-                    row.verdicts = vec![None; METRICS.len()];
+                    row.verdicts = PerMetric::new();
                     row.flags = engagement(&row.group, &Default::default(), None, None);
                 }
             }
@@ -415,17 +366,16 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
 }
 
 fn score(group: Group) -> Row {
-    let summaries = METRICS
-        .iter()
-        .map(|(name, _)| {
-            let xs: Vec<f64> = group.runs.iter().filter_map(|m| metric_value(m, name)).collect();
-            Summary::of(&xs)
+    let summaries = Metric::ALL
+        .into_iter()
+        .filter_map(|metric| {
+            let xs: Vec<f64> = group.runs.iter().filter_map(|m| metric.value(m)).collect();
+            Some((metric, Summary::of(&xs)?))
         })
         .collect();
     let has_target = group.runs.iter().any(|m| m.target_loss.is_some() || m.target_accuracy.is_some());
-    let accuracy = Summary::of(&group.runs.iter().filter_map(|m| m.final_eval_accuracy).collect::<Vec<_>>());
     let reached = (group.runs.iter().filter(|m| m.time_to_target_s.is_some()).count(), group.runs.len() + group.failures.len());
-    Row { group, summaries, verdicts: vec![None; METRICS.len()], reached, has_target, accuracy, rank: None, flags: Vec::new() }
+    Row { group, summaries, verdicts: PerMetric::new(), reached, has_target, rank: None, flags: Vec::new() }
 }
 
 /// Time to target first: only groups whose every repeat reached the target
@@ -435,18 +385,18 @@ fn score(group: Group) -> Row {
 /// tokens/s. Others are listed unranked.
 fn rank(rows: &mut [Row]) {
     let any_target = rows.iter().any(|r| r.has_target);
-    let by_goodput = !any_target && rows.iter().any(|r| r.summaries[GOODPUT].is_some());
+    let by_goodput = !any_target && rows.iter().any(|r| r.summaries.contains_key(&Metric::Goodput));
     let key = |r: &Row| -> Option<f64> {
         if any_target {
             if r.reached.0 == r.reached.1 && r.reached.1 > 0 {
-                r.summaries[0].as_ref().map(|s| s.olympic_mean)
+                r.summaries.get(&Metric::TimeToTarget).map(|s| s.olympic_mean)
             } else {
                 None
             }
         } else if by_goodput {
-            r.summaries[GOODPUT].as_ref().map(|s| -s.olympic_mean)
+            r.summaries.get(&Metric::Goodput).map(|s| -s.olympic_mean)
         } else {
-            r.summaries[1].as_ref().map(|s| -s.olympic_mean)
+            r.summaries.get(&Metric::TokensPerS).map(|s| -s.olympic_mean)
         }
     };
     rows.sort_by(|a, b| match (key(a), key(b)) {
@@ -512,43 +462,7 @@ fn engagement(g: &Group, base_parts: &(String, String, String), bytes: Option<f6
     flags
 }
 
-/// Formats a metric's summary for tables.
-pub fn fmt_summary(name: &str, s: &Option<Summary>) -> String {
-    let Some(s) = s else { return "-".into() };
-    let f = |x: f64| match name {
-        "tokens/s" => sig4(x),
-        "MFU" => format!("{:.1}%", 100.0 * x),
-        "peak memory" | "bytes/step" => bytes(x.max(0.0) as u64),
-        "time to target s" => format!("{x:.2}"),
-        _ => format!("{x:.3}"),
-    };
-    match s.ci95 {
-        Some((lo, hi)) if s.n >= 2 => format!("{} [{}, {}]", f(s.olympic_mean), f(lo), f(hi)),
-        _ => format!("{} (n=1)", f(s.olympic_mean)),
-    }
-}
-
-/// Four significant digits with a k / M / G suffix: 31_312.5 -> "31.31k".
-fn sig4(x: f64) -> String {
-    let (v, unit) = match x.abs() {
-        a if a >= 1e9 => (x / 1e9, "G"),
-        a if a >= 1e6 => (x / 1e6, "M"),
-        a if a >= 1e4 => (x / 1e3, "k"),
-        _ => (x, ""),
-    };
-    let decimals = if v.abs() >= 1000.0 {
-        0
-    } else if v.abs() >= 100.0 {
-        1
-    } else if v.abs() >= 10.0 {
-        2
-    } else {
-        3
-    };
-    format!("{v:.decimals$}{unit}")
-}
-
-fn fmt_verdict(v: &Option<(f64, Verdict)>) -> String {
+fn fmt_verdict(v: Option<&(f64, Verdict)>) -> String {
     match v {
         None => "-".into(),
         Some((r, v)) => format!(
@@ -591,9 +505,9 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
         let mut header = vec!["rank", "strategy", "target reached"];
         let accuracy = board_has_accuracy(b);
         if accuracy {
-            header.push("eval accuracy");
+            header.push(Metric::EvalAccuracy.name());
         }
-        header.extend(METRICS.iter().map(|m| m.0));
+        header.extend(Metric::SCORED.map(Metric::name));
         header.extend(["tokens/s vs baseline", "time to target vs baseline", "flags"]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
@@ -603,17 +517,17 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() },
             ];
             if accuracy {
-                cells.push(fmt_summary("eval accuracy", &r.accuracy));
+                cells.push(Metric::EvalAccuracy.format_summary(r.summaries.get(&Metric::EvalAccuracy)));
             }
-            for (i, (name, _)) in METRICS.iter().enumerate() {
-                cells.push(if i == 0 && r.has_target && r.reached.0 < r.reached.1 {
+            for m in Metric::SCORED {
+                cells.push(if m == Metric::TimeToTarget && r.has_target && r.reached.0 < r.reached.1 {
                     "no score (missed)".into()
                 } else {
-                    fmt_summary(name, &r.summaries[i])
+                    m.format_summary(r.summaries.get(&m))
                 });
             }
-            cells.push(fmt_verdict(&r.verdicts[1]));
-            cells.push(fmt_verdict(&r.verdicts[0]));
+            cells.push(fmt_verdict(r.verdicts.get(&Metric::TokensPerS)));
+            cells.push(fmt_verdict(r.verdicts.get(&Metric::TimeToTarget)));
             let mut flags = r.flags.clone();
             flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
             cells.push(if flags.is_empty() { "-".into() } else { flags.join("; ") });
@@ -653,17 +567,17 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             "B / A",
             "difference",
         ]);
-        // Classifiers also compare their final eval accuracy.
-        let rows = METRICS.iter().enumerate().map(|(i, (name, better))| (*name, better, &rx.summaries[i], &ry.summaries[i]));
-        let accuracy = ("eval accuracy", &Better::Higher, &rx.accuracy, &ry.accuracy);
-        for (name, better, sa, sb) in rows.chain(std::iter::once(accuracy)) {
+        // Every metric, the leaderboard's columns then (classifiers) the
+        // final eval accuracy.
+        for metric in Metric::ALL {
+            let (sa, sb) = (rx.summaries.get(&metric), ry.summaries.get(&metric));
             if sa.is_none() && sb.is_none() {
                 continue;
             }
             let (ratio, verdict) = match (sa, sb) {
                 (Some(p), Some(q)) if p.olympic_mean != 0.0 => {
                     let v = stats::compare(q, p);
-                    let word = match (v, better) {
+                    let word = match (v, metric.better()) {
                         (Verdict::Higher, Better::Higher) | (Verdict::Lower, Better::Lower) => "B better (significant)",
                         (Verdict::Higher, Better::Lower) | (Verdict::Lower, Better::Higher) => "B worse (significant)",
                         (Verdict::NotSignificant, _) => "not significant",
@@ -673,12 +587,8 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
                 }
                 _ => ("-".into(), "-".into()),
             };
-            let med = |s: &Option<Summary>| {
-                s.as_ref().map_or("-".into(), |s| {
-                    fmt_summary(name, &Some(Summary { n: 1, olympic_mean: s.median, median: s.median, ci95: None })).replace(" (n=1)", "")
-                })
-            };
-            t.add_row([name.to_string(), fmt_summary(name, sa), med(sa), fmt_summary(name, sb), med(sb), ratio, verdict]);
+            let med = |s: Option<&Summary>| s.map_or("-".into(), |s| metric.format(s.median));
+            t.add_row([metric.name().to_owned(), metric.format_summary(sa), med(sa), metric.format_summary(sb), med(sb), ratio, verdict]);
         }
         out.push_str(&format!("{} / {} on {} vs {}\n{t}\n\n", x.suite, x.workload, x.device, y.device));
     }
@@ -695,7 +605,6 @@ mod tests {
 
     #[test]
     fn without_a_target_checkpoint_policies_rank_by_goodput_not_tokens_per_second() {
-        assert_eq!(METRICS[GOODPUT].0, "goodput steps/s");
         let row = |name: &str, tokens_per_s: f64, goodput: Option<f64>| {
             let runs: Vec<Metrics> =
                 (0..3).map(|_| Metrics { tokens_per_s, goodput_steps_per_s: goodput, steps: 100, ..Default::default() }).collect();

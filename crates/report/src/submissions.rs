@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::stats::Summary;
-use crate::results::{EntryStatus, Metrics, RunResult};
+use super::Metric;
+use crate::results::{EntryStatus, RunResult};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
 use crate::suite::Suite;
@@ -37,7 +38,7 @@ pub struct SubBoard {
     pub workloads: Vec<String>,
     /// The metric shown next to time to target (not ranked on): goodput
     /// for checkpoint policies, throughput for the other kinds.
-    pub second: &'static str,
+    pub second: Metric,
     /// Ranked rows first (verified and official), then the others.
     pub rows: Vec<SubRow>,
 }
@@ -115,16 +116,15 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 track: track.clone(),
                 baseline: t.baseline.clone(),
                 workloads: t.workloads.clone(),
-                second: if t.kind == "checkpoint-policy" { "goodput steps/s" } else { "tokens/s" },
+                second: if t.kind == "checkpoint-policy" { Metric::Goodput } else { Metric::TokensPerS },
                 rows: Vec::new(),
             });
             let strategy = format!("submission-{track}");
             let (ratios, reached) = board.workloads.iter().map(|w| time_ratios(r, w, &strategy, &t.baseline)).unzip();
-            let second_metric = |m: &Metrics| if board.second == "tokens/s" { Some(m.tokens_per_s) } else { m.goodput_steps_per_s };
             let second = board
                 .workloads
                 .iter()
-                .map(|w| paired(r, w, &strategy, &t.baseline, second_metric).map(|(s, _)| s).unwrap_or(None))
+                .map(|w| paired(r, w, &strategy, &t.baseline, board.second).map(|(s, _)| s).unwrap_or(None))
                 .collect();
             board.rows.push(SubRow {
                 plugin: plugin.name.clone(),
@@ -154,20 +154,14 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
 /// two share the repeat's seed and ran side by side): their summary, and
 /// how many of the submission's repeats have the metric, of those that ran.
 /// None when the submission lacks it in a repeat.
-fn paired(
-    r: &RunResult,
-    workload: &str,
-    strategy: &str,
-    baseline: &str,
-    metric: impl Fn(&Metrics) -> Option<f64>,
-) -> Option<(Option<Summary>, (usize, usize))> {
+fn paired(r: &RunResult, workload: &str, strategy: &str, baseline: &str, metric: Metric) -> Option<(Option<Summary>, (usize, usize))> {
     let of = |st: &str| -> BTreeMap<u32, Option<f64>> {
         r.entries
             .iter()
             .filter(|e| e.workload == workload && e.strategy == st)
             .map(|e| {
                 let x = match (&e.status, &e.metrics) {
-                    (EntryStatus::Ok, Some(m)) => metric(m),
+                    (EntryStatus::Ok, Some(m)) => metric.value(m),
                     _ => None,
                 };
                 (e.repeat, x)
@@ -185,7 +179,7 @@ fn paired(
 
 /// Time to target over the baseline's, and the repeats that reached it.
 fn time_ratios(r: &RunResult, workload: &str, strategy: &str, baseline: &str) -> (Option<Summary>, (usize, usize)) {
-    paired(r, workload, strategy, baseline, |m| m.time_to_target_s).unwrap_or((None, (0, 0)))
+    paired(r, workload, strategy, baseline, Metric::TimeToTarget).unwrap_or((None, (0, 0)))
 }
 
 /// Performance profile and rank. On each workload, a submission's ratio is
@@ -254,7 +248,7 @@ pub fn markdown(boards: &[SubBoard]) -> String {
         out.push_str(&format!("\n### {}\n\nBaseline: `{}`.\n\n", title(b), b.baseline));
         let mut header = vec!["rank".to_owned(), "plugin".into(), "sha256".into()];
         header.extend(b.workloads.iter().map(|w| format!("{w} (time vs baseline)")));
-        header.extend(b.workloads.iter().map(|w| format!("{w} ({} vs baseline)", b.second)));
+        header.extend(b.workloads.iter().map(|w| format!("{w} ({} vs baseline)", b.second.name())));
         header.extend(["profile".into(), "bundle".into(), "not ranked because".into()]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
