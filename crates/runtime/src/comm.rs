@@ -1201,6 +1201,7 @@ pub mod nccl {
             if let (Some(side), true) = (self.side, self.side_busy) {
                 // SAFETY: `side` is our live stream; null is the legacy stream.
                 let done = Event::new().and_then(|e| unsafe { e.record_on(side) }.map(|_| e)).map_err(|e| self.fail("all_reduce", e))?;
+                // SAFETY: null is the legacy default stream, always valid; `done` is a live event.
                 unsafe { done.wait_on(std::ptr::null_mut()) }.map_err(|e| self.fail("all_reduce", e))?;
                 self.side_busy = false;
             }

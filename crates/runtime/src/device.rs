@@ -150,6 +150,7 @@ fn gpus() -> Vec<GpuInfo> {
             let dev = result::device::get(i).ok()?;
             // SAFETY: dev is a device handle returned by get() above.
             let memory_bytes = unsafe { result::device::total_mem(dev) }.ok()? as u64;
+            // SAFETY: as above, `dev` is a valid device handle; `a` is an attribute enum value.
             let attr = |a| unsafe { result::device::get_attribute(dev, a) }.ok();
             let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
             let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;

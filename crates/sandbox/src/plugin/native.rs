@@ -138,6 +138,7 @@ unsafe extern "C" fn host_drop(ctx: *mut c_void, t: u64) {
 unsafe extern "C" fn host_last_error(ctx: *mut c_void, len: *mut usize) -> *const u8 {
     // SAFETY: see host_op; len is a valid out pointer per the ABI.
     let c = unsafe { &*(ctx as *const Ctx) };
+    // SAFETY: `len` is a valid, writable out pointer per the ABI.
     unsafe { *len = c.last_error.len() };
     c.last_error.as_ptr()
 }
@@ -145,6 +146,7 @@ unsafe extern "C" fn host_last_error(ctx: *mut c_void, len: *mut usize) -> *cons
 unsafe extern "C" fn host_log(ctx: *mut c_void, level: u32, msg: *const u8, len: usize) {
     // SAFETY: see host_op; msg points to len bytes per the ABI.
     let c = unsafe { &*(ctx as *const Ctx) };
+    // SAFETY: a non-null `msg` points to `len` readable bytes per the ABI.
     let bytes = if msg.is_null() { &[][..] } else { unsafe { std::slice::from_raw_parts(msg, len) } };
     super::log_line(&c.host.log, &c.host.name, level, &String::from_utf8_lossy(bytes));
 }
@@ -289,6 +291,7 @@ impl Instance {
             // SAFETY: ctx is the Vec below; data points to len bytes.
             let v = unsafe { &mut *(ctx as *mut Vec<u8>) };
             if !data.is_null() {
+                // SAFETY: a non-null `data` points to `len` readable bytes per the ABI.
                 v.extend_from_slice(unsafe { std::slice::from_raw_parts(data, len) });
             }
         }
