@@ -9,7 +9,8 @@
 //! and NCCL set-up, watchdog), [`console`] (what a run shows on the terminal)
 //! and the leaves [`exit`] (exit codes), [`fmt`] (short forms of numbers) and
 //! [`oom`] (out-of-memory messages). [`torch_ext`] wraps the libtorch calls
-//! that `tch` lacks.
+//! that `tch` lacks. [`switches`] holds the `HARNESS_*` environment
+//! switches, parsed once.
 
 pub mod bench;
 pub mod blaslt;
@@ -31,5 +32,6 @@ pub mod results;
 pub mod strategy;
 pub mod submission;
 pub mod suite;
+pub mod switches;
 pub mod torch_ext;
 pub mod train;
