@@ -1149,16 +1149,9 @@ pub fn layer_norm_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
 }
 
-/// Whether the diagnostic switch `var` turns its part of the fused path
-/// off (`var=0`; anything else, or unset, leaves it on).
-pub fn switched_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "0")
-}
-
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
 fn ln_warp() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| !switched_off("HARNESS_LN_WARP"))
+    crate::switches::get().ln_warp
 }
 
 /// Threads per block of the warp-per-row LayerNorm backward.
@@ -1173,8 +1166,7 @@ fn ln_bwd_warp_smem(c: i64) -> u32 {
 /// Whether [`add_layer_norm_backward`] takes a warp per row of 128, 256,
 /// .. 1024 channels (`HARNESS_LN_BWD_WARP=0` keeps a block per row).
 fn ln_bwd_warp() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| !switched_off("HARNESS_LN_BWD_WARP"))
+    crate::switches::get().ln_bwd_warp
 }
 
 /// Which of the LayerNorm kernels serve an output (and gradient) of
@@ -1418,7 +1410,7 @@ unsafe fn launch_smem(
 /// are visible): on sm_90 and later, unless `HARNESS_PDL=0` (a diagnostic).
 fn dependent_launches() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && !switched_off("HARNESS_PDL"))
+    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && crate::switches::get().pdl)
 }
 
 /// `gelu(x + b)` (tanh approximation) of contiguous bf16 CUDA rows `x`
