@@ -52,6 +52,12 @@ pub struct RunResult {
     /// official. Absent otherwise, and in files written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submission: Option<Submission>,
+    /// The `HARNESS_*` switches that changed the measured work, where they
+    /// differ from their defaults (`crate::switches::Switches::recorded`):
+    /// variable to value, e.g. `HARNESS_FUSED_MLP` -> `0`. Absent for a
+    /// run with every switch at its default, and in older files.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub switches: BTreeMap<String, String>,
 }
 
 /// What a submission run entered, and under which rules it ran.
@@ -364,6 +370,7 @@ impl RunResult {
             started_at: t.clone(),
             updated_at: t,
             submission: None,
+            switches: BTreeMap::new(),
         }
     }
 
@@ -508,6 +515,27 @@ mod tests {
         assert_eq!(back, r);
         let h = crate::measure::decode(&back.entries[0].histograms["step"]).unwrap();
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn switches_are_written_only_when_set_and_older_files_read_without_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.json");
+        let mut r = sample();
+        r.write_atomic(&p).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(!text.contains("\"switches\""), "a default run's file has no `switches`");
+        // A file written before the field existed reads as a default run.
+        let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+        old.as_object_mut().unwrap().remove("switches");
+        std::fs::write(&p, old.to_string()).unwrap();
+        assert!(RunResult::read(&p).unwrap().switches.is_empty());
+
+        r.switches = [("HARNESS_FUSED_MLP".to_owned(), "0".to_owned()), ("HARNESS_OVERLAP".to_owned(), "0".to_owned())].into();
+        r.write_atomic(&p).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        assert_eq!(v["switches"], serde_json::json!({"HARNESS_FUSED_MLP": "0", "HARNESS_OVERLAP": "0"}));
+        assert_eq!(RunResult::read(&p).unwrap(), r);
     }
 
     #[test]
