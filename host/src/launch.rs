@@ -182,7 +182,7 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
         let mut r = RunResult::new(suite, machine);
         r.switches = switches;
         r.submission = opts.submission.clone().map(|mut s| {
-            s.unofficial = crate::suite::standard::unofficial_reasons(suite, &r.machine, &s);
+            s.unofficial = crate::suite::standard::unofficial_reasons(suite, &r.machine, &s, &r.switches);
             s
         });
         if writes {

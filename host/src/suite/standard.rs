@@ -156,8 +156,15 @@ impl Suite {
 
 /// Why a run of `suite` on `machine` is not official, one sentence each
 /// (docs/rules.md): a suite that is not byte-identical to a released one,
-/// other hardware, a GPU count outside the divisions, a native plugin.
-pub fn unofficial_reasons(suite: &Suite, machine: &crate::device::Fingerprint, s: &crate::results::Submission) -> Vec<String> {
+/// other hardware, a GPU count outside the divisions, a native plugin,
+/// `HARNESS_*` switches that changed the measured work (`switches`, as the
+/// result records them).
+pub fn unofficial_reasons(
+    suite: &Suite,
+    machine: &crate::device::Fingerprint,
+    s: &crate::results::Submission,
+    switches: &std::collections::BTreeMap<String, String>,
+) -> Vec<String> {
     let mut why = Vec::new();
     if !s.released_suite {
         why.push(format!("{} is not a released standard suite (edited, or from another harness version)", suite.path.display()));
@@ -181,6 +188,12 @@ pub fn unofficial_reasons(suite: &Suite, machine: &crate::device::Fingerprint, s
     }
     for p in s.entered.iter().filter(|p| p.transport != "wasm") {
         why.push(format!("the entered plugin {} is a native library (unsandboxed); submissions are WebAssembly components", p.name));
+    }
+    if !switches.is_empty() {
+        why.push(format!(
+            "it ran with switches that change the measured work ({}); official runs leave every HARNESS_* switch at its default",
+            crate::switches::line(switches)
+        ));
     }
     why
 }
@@ -259,5 +272,20 @@ mod tests {
         let mut s = Suite::parse(Path::new(r.file), r.text.to_owned()).unwrap();
         let err = s.select(Some("checkpointing"), Some(&e)).unwrap_err();
         assert!(err.contains("the plugin is a batch-policy"), "{err}");
+    }
+
+    #[test]
+    fn switches_that_changed_the_measured_work_make_a_run_unofficial() {
+        let r = &RELEASED[0];
+        let s = Suite::parse(Path::new(r.file), r.text.to_owned()).unwrap();
+        let machine = crate::results::testing::result("x", None, 1.0).machine;
+        let sub = crate::results::Submission { released_suite: true, gpus: 2, ..Default::default() };
+        assert_eq!(unofficial_reasons(&s, &machine, &sub, &Default::default()), Vec::<String>::new());
+        let switches = [("HARNESS_OVERLAP".to_owned(), "0".to_owned())].into();
+        let why = unofficial_reasons(&s, &machine, &sub, &switches);
+        assert_eq!(
+            why,
+            ["it ran with switches that change the measured work (HARNESS_OVERLAP=0); official runs leave every HARNESS_* switch at its default"]
+        );
     }
 }
