@@ -408,4 +408,26 @@ mod tests {
         assert_eq!(line(&BTreeMap::new()), "none");
         assert_eq!(parse(&[("HARNESS_CUDA_GRAPH", "0")]).unwrap().recorded().get("HARNESS_CUDA_GRAPH").map(String::as_str), Some("0"));
     }
+
+    #[test]
+    fn the_docs_table_lists_every_switch_with_its_default_and_class() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let docs = std::fs::read_to_string(root.join("docs/benchmarks.md")).unwrap();
+        let table: Vec<&str> = docs
+            .split("### Environment switches")
+            .nth(1)
+            .expect("docs/benchmarks.md has a section \"Environment switches\"")
+            .lines()
+            .filter(|l| l.starts_with("| `HARNESS_"))
+            .collect();
+        let settings = Switches::DEFAULT.settings();
+        assert_eq!(table.len(), settings.len(), "one row per switch:\n{}", table.join("\n"));
+        for s in settings {
+            let row = table.iter().find(|r| r.starts_with(&format!("| `{}` |", s.var))).unwrap_or_else(|| panic!("no row for {}", s.var));
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            assert_eq!(cells[2], format!("`{}`", s.default), "{}'s default", s.var);
+            let recorded = if s.class == Class::Recorded { "yes" } else { "no" };
+            assert_eq!(cells[4], recorded, "{}: recorded?", s.var);
+        }
+    }
 }
