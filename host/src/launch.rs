@@ -75,6 +75,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
         (Some(env), true) => Some(env.rendezvous(timeout)?),
         _ => None,
     };
+    if let Some(c) = &store {
+        agree_on_switches(c, rank)?;
+    }
     let plan = suite.plan();
     let todo = entries_to_run(&plan, &result, store.as_ref(), rank)?;
     // The GPU this rank trains on (None on the CPU).
@@ -176,10 +179,12 @@ fn prepare_device(meta: &SuiteMeta, ranks: Option<&RankEnv>) -> anyhow::Result<t
 /// rank that writes.
 fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console) -> anyhow::Result<RunResult> {
     let machine = device::fingerprint();
+    let switches = crate::switches::get().recorded();
     if !(opts.resume && writes) {
         let mut r = RunResult::new(suite, machine);
+        r.switches = switches;
         r.submission = opts.submission.clone().map(|mut s| {
-            s.unofficial = s.unofficial_reasons(suite, &r.machine);
+            s.unofficial = s.unofficial_reasons(suite, &r.machine, &r.switches);
             s
         });
         if writes {
@@ -197,6 +202,14 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
             short(&suite.sha256)
         );
     }
+    if r.switches != switches {
+        anyhow::bail!(
+            "{} was started with the switches {}, this process has {}; resume needs the same HARNESS_* switches\nhint: set them as they were, or run without --resume to start a new result file",
+            opts.out.display(),
+            crate::switches::line(&r.switches),
+            crate::switches::line(&switches)
+        );
+    }
     if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
         console.warning(&format!(
             "resuming on a different machine than {} was started on; its entries will carry mixed fingerprints",
@@ -204,6 +217,25 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
         ));
     }
     Ok(r)
+}
+
+/// Ranks run the same work: rank 0 publishes its recorded switches, and a
+/// rank whose own differ (another host's environment) stops, since rank 0
+/// records only its own.
+fn agree_on_switches(store: &rendezvous::Client, rank: usize) -> anyhow::Result<()> {
+    let ours = crate::switches::get().recorded();
+    if rank == 0 {
+        store.set("switches", &serde_json::to_vec(&ours)?)?;
+        return Ok(());
+    }
+    let theirs: std::collections::BTreeMap<String, String> = serde_json::from_slice(&store.get("switches")?)?;
+    anyhow::ensure!(
+        theirs == ours,
+        "rank {rank} runs with the switches {}, rank 0 with {}; every rank must run the same work\nhint: set the same HARNESS_* variables on every host",
+        crate::switches::line(&ours),
+        crate::switches::line(&theirs)
+    );
+    Ok(())
 }
 
 /// The planned entries that `result` lacks; with a store, rank 0's list,

@@ -11,9 +11,10 @@
 //! [`oom`] (out-of-memory messages). Below them all, re-exported from the
 //! `harness-kernels` crate: [`torch_ext`] (the libtorch calls that `tch`
 //! lacks), [`blaslt`] (cuBLASLt matmuls and epilogues) and [`kernels`]
-//! (harness's own CUDA kernels).
+//! (harness's own CUDA kernels). [`switches`] holds the `HARNESS_*`
+//! environment switches, parsed once.
 
-pub use harness_format::{error, exit, fmt, results, suite};
+pub use harness_format::{error, exit, fmt, results, suite, switches};
 pub use harness_report::{self as report, submission};
 
 pub mod bench;

@@ -8,6 +8,12 @@ fn main() {
     // thread starts; no handler code is involved.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = harness::cli::Cli::parse();
+    // The HARNESS_* switches, parsed once before any work: a malformed one
+    // is refused, not ignored.
+    if let Err(e) = harness::switches::init() {
+        eprintln!("error: {e}");
+        std::process::exit(harness::exit::INVALID_SWITCH);
+    }
     let code = match harness::cli::main(cli) {
         Ok(code) => code,
         Err(e) => {

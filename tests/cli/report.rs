@@ -126,6 +126,7 @@ fn fixture() -> RunResult {
         started_at: "2026-11-22T00:00:00Z".into(),
         updated_at: "2026-11-22T00:00:00Z".into(),
         submission: None,
+        switches: Default::default(),
     }
 }
 

@@ -140,6 +140,37 @@ fn cuda_suites_fail_clearly_without_a_gpu() {
 }
 
 #[test]
+fn switches_that_change_the_work_are_recorded_and_malformed_ones_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = write(dir.path(), "s.toml", &suite("sw", "", &tiny_gpt("w", 4, "")));
+    let run = |out: &str| {
+        let mut c = harness(dir.path());
+        c.args(["run", "-q"]).arg(&s).args(["--out", out]);
+        c
+    };
+    // A value the switch does not take: refused before anything runs.
+    let o = run("bad.json").env("HARNESS_OVERLAP", "maybe").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(harness::cli::exit::INVALID_SWITCH), "{err}");
+    assert!(err.contains("error: HARNESS_OVERLAP=\"maybe\" is not a value it takes: it takes 1 or 0"), "{err}");
+    assert!(!dir.path().join("bad.json").exists());
+    // A switch of the measured work off its default is recorded and shown;
+    // an operational one is not.
+    let o = run_ok(run("r.json").env("HARNESS_OVERLAP", "off").env("HARNESS_TRACE_STEPS", "2"));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("\nswitches: HARNESS_OVERLAP=0 (not the default work)\n"), "{table}");
+    assert_eq!(results(&dir.path().join("r.json"))["switches"], serde_json::json!({ "HARNESS_OVERLAP": "0" }));
+    // Resuming it without the switch would mix two kinds of work.
+    let o = run("r.json").arg("--resume").env_remove("HARNESS_OVERLAP").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(harness::cli::exit::ERROR), "{err}");
+    assert!(err.contains("was started with the switches HARNESS_OVERLAP=0, this process has none"), "{err}");
+    // A default run's file has no `switches`.
+    run_ok(run("d.json").env("HARNESS_OVERLAP", "1"));
+    assert!(results(&dir.path().join("d.json")).get("switches").is_none());
+}
+
+#[test]
 fn env_reports_the_libtorch_it_runs_on() {
     let o = run_ok(harness(&repo_root()).args(["env", "--json"]));
     let f: harness::device::Fingerprint = serde_json::from_slice(&o.stdout).unwrap();

@@ -9,6 +9,9 @@ pub const ENTRY_FAILED: i32 = 1;
 pub const NOT_VERIFIED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
+/// A `HARNESS_*` environment switch has a value it does not take
+/// (`switches`); nothing ran.
+pub const INVALID_SWITCH: i32 = 2;
 /// Harness itself could not run (I/O, device set-up, resume mismatch).
 /// Command-line usage errors exit with 2, from the argument parser.
 pub const ERROR: i32 = 3;

@@ -9,6 +9,8 @@
 //!   [`histogram`] (HDR latency histograms and their encoding),
 //!   [`machine`] (the machine fingerprint), [`plugin`] (what a plugin is
 //!   and did) and [`link`] (the emulated network);
+//! - [`switches`]: the `HARNESS_*` environment switches, typed and read
+//!   once (those that change the measured work are recorded in results);
 //! - the leaves [`error`] (why an entry failed), [`exit`] (exit codes) and
 //!   [`fmt`] (short forms of numbers).
 
@@ -21,3 +23,4 @@ pub mod machine;
 pub mod plugin;
 pub mod results;
 pub mod suite;
+pub mod switches;

@@ -52,6 +52,12 @@ pub struct RunResult {
     /// official. Absent otherwise, and in files written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submission: Option<Submission>,
+    /// The `HARNESS_*` switches that changed the measured work, where they
+    /// differ from their defaults (`crate::switches::Switches::recorded`):
+    /// variable to value, e.g. `HARNESS_FUSED_MLP` -> `0`. Absent for a
+    /// run with every switch at its default, and in older files.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub switches: BTreeMap<String, String>,
 }
 
 /// What a submission run entered, and under which rules it ran.
@@ -77,8 +83,10 @@ pub struct Submission {
 impl Submission {
     /// Why this run of `suite` on `machine` is not official, one sentence each
     /// (docs/rules.md): a suite that is not byte-identical to a released one,
-    /// other hardware, a GPU count outside the divisions, a native plugin.
-    pub fn unofficial_reasons(&self, suite: &Suite, machine: &Fingerprint) -> Vec<String> {
+    /// other hardware, a GPU count outside the divisions, a native plugin,
+    /// `HARNESS_*` switches that changed the measured work (`switches`, as
+    /// the result records them).
+    pub fn unofficial_reasons(&self, suite: &Suite, machine: &Fingerprint, switches: &BTreeMap<String, String>) -> Vec<String> {
         let s = self;
         let mut why = Vec::new();
         if !s.released_suite {
@@ -103,6 +111,12 @@ impl Submission {
         }
         for p in s.entered.iter().filter(|p| p.transport != "wasm") {
             why.push(format!("the entered plugin {} is a native library (unsandboxed); submissions are WebAssembly components", p.name));
+        }
+        if !switches.is_empty() {
+            why.push(format!(
+                "it ran with switches that change the measured work ({}); official runs leave every HARNESS_* switch at its default",
+                crate::switches::line(switches)
+            ));
         }
         why
     }
@@ -398,6 +412,7 @@ impl RunResult {
             started_at: t.clone(),
             updated_at: t,
             submission: None,
+            switches: BTreeMap::new(),
         }
     }
 
@@ -551,6 +566,27 @@ mod tests {
     }
 
     #[test]
+    fn switches_are_written_only_when_set_and_older_files_read_without_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.json");
+        let mut r = sample();
+        r.write_atomic(&p).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(!text.contains("\"switches\""), "a default run's file has no `switches`");
+        // A file written before the field existed reads as a default run.
+        let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+        old.as_object_mut().unwrap().remove("switches");
+        std::fs::write(&p, old.to_string()).unwrap();
+        assert!(RunResult::read(&p).unwrap().switches.is_empty());
+
+        r.switches = [("HARNESS_FUSED_MLP".to_owned(), "0".to_owned()), ("HARNESS_OVERLAP".to_owned(), "0".to_owned())].into();
+        r.write_atomic(&p).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        assert_eq!(v["switches"], serde_json::json!({"HARNESS_FUSED_MLP": "0", "HARNESS_OVERLAP": "0"}));
+        assert_eq!(RunResult::read(&p).unwrap(), r);
+    }
+
+    #[test]
     fn newer_formats_are_refused_with_a_hint() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("r.json");
@@ -569,6 +605,21 @@ mod tests {
         write_atomic(&p, b"two").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn switches_that_changed_the_measured_work_make_a_run_unofficial() {
+        let r = &crate::suite::standard::RELEASED[0];
+        let s = Suite::parse(Path::new(r.file), r.text.to_owned()).unwrap();
+        let machine = testing::result("x", None, 1.0).machine;
+        let sub = Submission { released_suite: true, gpus: 2, ..Default::default() };
+        assert_eq!(sub.unofficial_reasons(&s, &machine, &Default::default()), Vec::<String>::new());
+        let switches = [("HARNESS_OVERLAP".to_owned(), "0".to_owned())].into();
+        let why = sub.unofficial_reasons(&s, &machine, &switches);
+        assert_eq!(
+            why,
+            ["it ran with switches that change the measured work (HARNESS_OVERLAP=0); official runs leave every HARNESS_* switch at its default"]
+        );
     }
 }
 

@@ -22,7 +22,6 @@
 mod launch;
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 use tch::{Kind, Tensor};
 
@@ -36,12 +35,6 @@ pub fn unavailable_reason() -> Option<String> {
 /// Whether the fused kernels can be used (CUDA present and NVRTC works).
 pub fn available() -> bool {
     loaded().is_ok()
-}
-
-/// Whether the diagnostic switch `var` turns its part of the fused path
-/// off (`var=0`; anything else, or unset, leaves it on).
-pub fn switched_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "0")
 }
 
 /// Rows and channels as the kernels' `int` N and C.
@@ -99,8 +92,7 @@ pub fn layer_norm_fits(c: i64) -> bool {
 
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
 fn ln_warp() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| !switched_off("HARNESS_LN_WARP"))
+    harness_format::switches::get().ln_warp
 }
 
 /// Threads per block of the warp-per-row LayerNorm backward.
@@ -115,8 +107,7 @@ fn ln_bwd_warp_smem(c: i64) -> u32 {
 /// Whether [`add_layer_norm_backward`] takes a warp per row of 128, 256,
 /// .. 1024 channels (`HARNESS_LN_BWD_WARP=0` keeps a block per row).
 fn ln_bwd_warp() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| !switched_off("HARNESS_LN_BWD_WARP"))
+    harness_format::switches::get().ln_bwd_warp
 }
 
 /// Which of the LayerNorm kernels serve an output (and gradient) of

@@ -323,6 +323,9 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
             esc(&b.workload),
             esc(&b.device)
         );
+        if !b.switches.is_empty() {
+            let _ = write!(out, "<p class=\"flag\">switches: <code>{}</code> (not the default work)</p>", esc(&b.switches));
+        }
         out.push_str("<table><tr><th>rank</th><th>strategy</th><th>target reached</th>");
         let accuracy = super::board_has_accuracy(b);
         if accuracy {

@@ -19,7 +19,7 @@ pub mod stats;
 pub mod submission;
 pub mod submissions;
 
-pub(crate) use harness_format::{fmt, histogram as measure, plugin, results, suite};
+pub(crate) use harness_format::{fmt, histogram as measure, plugin, results, suite, switches};
 
 use std::collections::BTreeMap;
 
@@ -93,6 +93,9 @@ pub fn summary_table(r: &RunResult) -> String {
         }
     }
     let mut out = t.to_string();
+    if !r.switches.is_empty() {
+        out.push_str(&format!("\nswitches: {} (not the default work)", crate::switches::line(&r.switches)));
+    }
     for (strategy, line) in nccl_by_strategy(r.entries.iter().filter_map(|e| Some((e.strategy.as_str(), e.metrics.as_ref()?)))) {
         out.push_str(&format!("\n{strategy}: {line}"));
     }
@@ -234,6 +237,10 @@ pub struct Group {
     pub workload: String,
     pub strategy: String,
     pub device: String,
+    /// The run's recorded `HARNESS_*` switches as one line
+    /// (`crate::switches::line`), empty for a default run: runs with
+    /// different switches measured different work, never pooled.
+    pub switches: String,
     pub baseline: bool,
     /// (compressor, batch policy, checkpoint policy) names.
     pub parts: (String, String, String),
@@ -268,6 +275,8 @@ pub struct Board {
     pub version: Option<String>,
     pub workload: String,
     pub device: String,
+    /// The recorded switches of its runs ([`Group::switches`]).
+    pub switches: String,
     pub rows: Vec<Row>,
 }
 
@@ -281,21 +290,23 @@ pub fn suite_version(r: &RunResult) -> Option<String> {
 }
 
 /// Groups every entry of the result files: one group per suite, suite
-/// version, workload, strategy and device.
+/// version, workload, strategy, device and switches.
 pub fn groups(results: &[RunResult]) -> Vec<Group> {
-    type Key = (String, Option<String>, String, String, String);
+    type Key = (String, Option<String>, String, String, String, String);
     let mut map: BTreeMap<Key, Group> = BTreeMap::new();
     for r in results {
         let version = suite_version(r);
+        let switches = if r.switches.is_empty() { String::new() } else { crate::switches::line(&r.switches) };
         for e in &r.entries {
             let strategy = r.plan.iter().find(|p| p.id == e.id).map(|p| p.strategy.clone());
-            let key = (r.suite.name.clone(), version.clone(), e.workload.clone(), e.strategy.clone(), e.device.clone());
+            let key = (r.suite.name.clone(), version.clone(), e.workload.clone(), e.strategy.clone(), e.device.clone(), switches.clone());
             let g = map.entry(key).or_insert_with(|| Group {
                 suite: r.suite.name.clone(),
                 version: version.clone(),
                 workload: e.workload.clone(),
                 strategy: e.strategy.clone(),
                 device: e.device.clone(),
+                switches: switches.clone(),
                 baseline: strategy.as_ref().is_some_and(|s| s.baseline),
                 parts: strategy
                     .as_ref()
@@ -318,15 +329,16 @@ pub fn groups(results: &[RunResult]) -> Vec<Group> {
 }
 
 /// Scores, compares and ranks the groups; one board per suite, suite
-/// version, workload and device.
+/// version, workload, device and switches.
 pub fn boards(results: &[RunResult]) -> Vec<Board> {
-    let mut by_board: BTreeMap<(String, Option<String>, String, String), Vec<Group>> = BTreeMap::new();
+    type Key = (String, Option<String>, String, String, String);
+    let mut by_board: BTreeMap<Key, Vec<Group>> = BTreeMap::new();
     for g in groups(results) {
-        by_board.entry((g.suite.clone(), g.version.clone(), g.workload.clone(), g.device.clone())).or_default().push(g);
+        by_board.entry((g.suite.clone(), g.version.clone(), g.workload.clone(), g.device.clone(), g.switches.clone())).or_default().push(g);
     }
     by_board
         .into_iter()
-        .map(|((suite, version, workload, device), gs)| {
+        .map(|((suite, version, workload, device, switches), gs)| {
             let mut rows: Vec<Row> = gs.into_iter().map(score).collect();
             let base = rows.iter().position(|r| r.group.baseline);
             if let Some(b) = base {
@@ -360,7 +372,7 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
             }
             flag_mixed_graphs(&mut rows);
             rank(&mut rows);
-            Board { suite, version, workload, device, rows }
+            Board { suite, version, workload, device, switches, rows }
         })
         .collect()
 }
@@ -502,6 +514,9 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
             out.push_str(&format!("\n## {}\n", suite_heading(b)));
         }
         out.push_str(&format!("\n### `{}` on {}\n\n", b.workload, b.device));
+        if !b.switches.is_empty() {
+            out.push_str(&format!("switches: `{}` (not the default work; docs/benchmarks.md)\n\n", b.switches));
+        }
         let mut header = vec!["rank", "strategy", "target reached"];
         let accuracy = board_has_accuracy(b);
         if accuracy {
@@ -590,7 +605,12 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             let med = |s: Option<&Summary>| s.map_or("-".into(), |s| metric.format(s.median));
             t.add_row([metric.name().to_owned(), metric.format_summary(sa), med(sa), metric.format_summary(sb), med(sb), ratio, verdict]);
         }
-        out.push_str(&format!("{} / {} on {} vs {}\n{t}\n\n", x.suite, x.workload, x.device, y.device));
+        out.push_str(&format!("{} / {} on {} vs {}\n", x.suite, x.workload, x.device, y.device));
+        if !x.switches.is_empty() || !y.switches.is_empty() {
+            let say = |s: &String| if s.is_empty() { "none".to_owned() } else { s.clone() };
+            out.push_str(&format!("switches: A {}; B {}\n", say(&x.switches), say(&y.switches)));
+        }
+        out.push_str(&format!("{t}\n\n"));
     }
     if out.is_empty() {
         out.push_str("no workload appears in both A and B\n");
@@ -614,6 +634,7 @@ mod tests {
                 workload: "w".into(),
                 strategy: name.into(),
                 device: "cpu".into(),
+                switches: String::new(),
                 baseline: false,
                 parts: Default::default(),
                 runs,
@@ -641,6 +662,7 @@ mod tests {
                 workload: "w".into(),
                 strategy: name.into(),
                 device: "cuda".into(),
+                switches: String::new(),
                 baseline: false,
                 parts: Default::default(),
                 runs,
@@ -680,6 +702,27 @@ mod tests {
         let md = leaderboard_markdown(&boards, &[]);
         assert!(md.contains("## Suite `std` version 1.0\n") && md.contains("## Suite `std` version 1.1\n"), "{md}");
         assert!(md.contains("## Suite `own`\n"), "{md}");
+    }
+
+    #[test]
+    fn runs_with_switches_are_never_pooled_with_default_runs_and_say_so() {
+        use crate::results::testing::result;
+        let mut switched = result("s", None, 30.0);
+        switched.switches = [("HARNESS_FUSED_MLP".to_owned(), "0".to_owned())].into();
+        let results = [result("s", None, 10.0), switched.clone(), result("s", None, 20.0)];
+        let boards = boards(&results);
+        assert_eq!(boards.len(), 2);
+        let runs = |b: &Board| b.rows[0].group.runs.iter().map(|m| m.tokens_per_s).collect::<Vec<_>>();
+        assert_eq!((boards[0].switches.as_str(), runs(&boards[0])), ("", vec![10.0, 20.0]));
+        assert_eq!((boards[1].switches.as_str(), runs(&boards[1])), ("HARNESS_FUSED_MLP=0", vec![30.0]));
+        let md = leaderboard_markdown(&boards, &[]);
+        assert_eq!(md.matches("switches: `HARNESS_FUSED_MLP=0`").count(), 1, "{md}");
+        let html = html::page(&boards, &[], &[]);
+        assert_eq!(html.matches("switches: <code>HARNESS_FUSED_MLP=0</code>").count(), 1);
+        assert!(compare_table(&results[..1], &[switched.clone()]).contains("switches: A none; B HARNESS_FUSED_MLP=0\n"));
+        assert!(!compare_table(&results[..1], &results[2..]).contains("switches"));
+        assert!(summary_table(&switched).contains("\nswitches: HARNESS_FUSED_MLP=0 (not the default work)"));
+        assert!(!summary_table(&results[0]).contains("switches"));
     }
 
     #[test]

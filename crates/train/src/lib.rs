@@ -30,7 +30,7 @@ pub mod resilience;
 pub mod tiers;
 pub mod training;
 
-pub(crate) use harness_format::{error, results, suite};
+pub(crate) use harness_format::{error, results, suite, switches};
 pub(crate) use harness_kernels::{blaslt, kernels, torch_ext};
 pub(crate) use harness_runtime::{comm, device, measure};
 pub(crate) use harness_sandbox::{plugin, strategy};
@@ -266,7 +266,7 @@ struct StepTrace {
 impl StepTrace {
     fn new(ctx: &EntryContext<'_>, rank: usize) -> StepTrace {
         let last = ctx.workload.steps.map_or(u64::MAX, |s| s.saturating_sub(1));
-        let steps = std::env::var("HARNESS_TRACE_STEPS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+        let steps = crate::switches::get().trace_steps.max(1);
         StepTrace { file: ctx.trace.clone().filter(|_| rank == 0), step: ctx.warmup_steps.min(last), left: steps, on: false }
     }
 
@@ -363,8 +363,8 @@ fn target_loss(w: &Workload, floor: Option<f64>) -> Option<f64> {
 /// `HARNESS_REPLICA_CHECK_FORCE=1` the fingerprint is taken on one rank too,
 /// to measure its cost.
 fn replica_check() -> ReplicaCheck {
-    let every = std::env::var("HARNESS_REPLICA_CHECK_EVERY").ok().and_then(|v| v.parse().ok()).unwrap_or(replicas::DEFAULT_EVERY);
-    ReplicaCheck::new(every, std::env::var("HARNESS_REPLICA_CHECK_FORCE").is_ok_and(|v| v == "1"))
+    let s = crate::switches::get();
+    ReplicaCheck::new(s.replica_check_every, s.replica_check_force)
 }
 
 fn synchronize(device: Device) {

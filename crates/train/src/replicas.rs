@@ -18,7 +18,7 @@ use crate::comm::Collective;
 use crate::torch_ext;
 
 /// Steps between checks when the suite does not say.
-pub const DEFAULT_EVERY: u64 = 50;
+pub const DEFAULT_EVERY: u64 = crate::switches::Switches::DEFAULT.replica_check_every;
 
 /// Replicas that no longer agree.
 #[derive(Debug, thiserror::Error)]

@@ -199,7 +199,7 @@ mod tests {
             }
             assert!(!text.contains("{{"), "{class}: a placeholder is left: {text}");
             let file = root.join(format!("suites/{class}.toml"));
-            if std::env::var("HARNESS_BLESS").is_ok_and(|v| v == "1") {
+            if crate::switches::get().bless {
                 std::fs::write(&file, &text).unwrap();
             }
             assert_eq!(

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use cudarc::driver::{result, sys};
 use tch::Tensor;
 
-use super::{ln_bwd_warp_smem, switched_off, AdamList, CastList, ADAM_CHUNK, ADAM_MAX, CAST_CHUNK, LN_BWD_THREADS};
+use super::{ln_bwd_warp_smem, AdamList, CastList, ADAM_CHUNK, ADAM_MAX, CAST_CHUNK, LN_BWD_THREADS};
 
 /// The program NVRTC compiles: the files of `cuda/`, one op or family of
 /// ops each, in this order and as they are, nothing between them (a file
@@ -354,5 +354,5 @@ fn stream() -> anyhow::Result<sys::CUstream> {
 /// diagnostic).
 fn dependent_launches() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && !switched_off("HARNESS_PDL"))
+    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && harness_format::switches::get().pdl)
 }

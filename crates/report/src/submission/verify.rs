@@ -13,7 +13,8 @@
 //!    histogram agrees with its step counts;
 //! 7. every failure is reported: no entry failed, and the run's log reports
 //!    no failure the result lacks;
-//! 8. the run is official (hardware class, GPU count, sandboxed plugin).
+//! 8. the run is official (hardware class, GPU count, sandboxed plugin, no
+//!    switch that changed the measured work).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -443,11 +444,11 @@ fn check_failures(dir: &Path, r: &RunResult, v: &mut Verdict) {
 fn check_official(suite: Option<&Suite>, sub: &Submission, r: &RunResult, v: &mut Verdict) {
     let Some(s) = suite else { return };
     let as_released = Submission { released_suite: true, ..sub.clone() };
-    for why in as_released.unofficial_reasons(s, &r.machine) {
+    for why in as_released.unofficial_reasons(s, &r.machine, &r.switches) {
         v.add(
             "official",
             format!("the run is unofficial: {why}"),
-            "run on the suite's hardware class and one of its GPU counts, with a WebAssembly plugin",
+            "run on the suite's hardware class and one of its GPU counts, with a WebAssembly plugin and no HARNESS_* switch set",
         );
     }
 }

@@ -25,7 +25,7 @@ use wasmtime::Engine;
 
 /// Where the cache lives, or None when it is turned off.
 pub fn dir() -> Option<PathBuf> {
-    if std::env::var("HARNESS_COMPILE_CACHE").is_ok_and(|v| v == "0") {
+    if !crate::switches::get().compile_cache {
         return None;
     }
     let base = std::env::var_os("HARNESS_CACHE")
@@ -86,7 +86,7 @@ pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime:
 
 /// The cache's bound on compiled code, bytes.
 fn limit_bytes() -> u64 {
-    let mb = std::env::var("HARNESS_COMPILE_CACHE_MB").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(2048);
+    let mb = crate::switches::get().compile_cache_mb;
     mb << 20
 }
 

@@ -26,8 +26,7 @@ pub const EPS: f64 = 1e-5;
 /// CUDA too (a diagnostic: it tells a kernel's error from the fused layers'
 /// own maths, e.g. the bias added in fp32).
 fn reference_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("HARNESS_FUSED_REFERENCE").is_ok_and(|v| v == "1"))
+    crate::switches::get().fused_reference
 }
 
 /// Which code computes the fused layers' maths.
@@ -240,8 +239,7 @@ pub fn post_norm_cuda_fits(c: i64, device: tch::Device) -> bool {
 
 /// Whether `HARNESS_FUSED_POST_NORM=0` leaves post-norm layers to libtorch.
 pub fn post_norm_on() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_POST_NORM"))
+    crate::switches::get().fused_post_norm
 }
 
 /// `LayerNorm(x + f + fb)` over the last dimension in fp32: a post-norm
@@ -511,12 +509,7 @@ pub fn qkv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, shape: (i64, i64, i64)) -
 /// outputs on this device. `HARNESS_FUSED_QKV=0` keeps a linear layer and
 /// autograd's split (a diagnostic).
 pub fn qkv_cuda_fits(c: i64, device: tch::Device) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_QKV"))
-        && device.is_cuda()
-        && kernels::available()
-        && !reference_forced()
-        && c % 24 == 0
+    crate::switches::get().fused_qkv && device.is_cuda() && kernels::available() && !reference_forced() && c % 24 == 0
 }
 
 /// [`qkv`]'s autograd node on `engine`.
@@ -782,8 +775,7 @@ fn into_buffer(p: &Tensor, g: Tensor) -> anyhow::Result<Option<Tensor>> {
 /// and cuBLASLt has algorithms for its two epilogues. `HARNESS_FUSED_MLP=0`
 /// keeps the separate layers (a diagnostic).
 pub fn mlp_cuda_fits(act: Act, device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_MLP"))
+    crate::switches::get().fused_mlp
         && device.is_cuda()
         && kernels::available()
         && !reference_forced()
@@ -923,8 +915,7 @@ fn aligned(ts: &[&Tensor]) -> bool {
 /// device (else a caller keeps libtorch's embeddings).
 /// `HARNESS_FUSED_EMBED=0` keeps libtorch's (a diagnostic).
 pub fn embed_cuda_fits(c: i64, device: tch::Device) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| kernels::switched_off("HARNESS_FUSED_EMBED")) && device.is_cuda() && kernels::embed_fits(c)
+    crate::switches::get().fused_embed && device.is_cuda() && kernels::embed_fits(c)
 }
 
 /// `wte[idx] + wpe[..t]` for int64 tokens `idx` `[b, t]`: fp32 `[b, t, c]`

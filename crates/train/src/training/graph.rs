@@ -263,7 +263,7 @@ impl Training {
 /// allocator's figures at each such point.
 fn release_cache(device: tch::Device, when: &str) -> Result<()> {
     crate::torch_ext::cuda_empty_cache()?;
-    if std::env::var("HARNESS_GRAPH_DEBUG").is_ok_and(|v| v == "1") {
+    if crate::switches::get().graph_debug {
         let tch::Device::Cuda(dev) = device else { return Ok(()) };
         let m = crate::torch_ext::cuda_memory(dev)?;
         let gib = |b: i64| b as f64 / (1u64 << 30) as f64;

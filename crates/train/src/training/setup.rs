@@ -28,7 +28,7 @@ pub struct AutocastGuard {
 impl AutocastGuard {
     fn set(device: Device, precision: Precision) -> Result<AutocastGuard> {
         let ac = if device.is_cuda() { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
-        let pause_backward = std::env::var("HARNESS_AUTOCAST_BACKWARD").map_or(true, |v| v != "1");
+        let pause_backward = !crate::switches::get().autocast_backward;
         let kind = match precision {
             Precision::Fp32 => return Ok(AutocastGuard { device: None, pause_backward }),
             Precision::Bf16 => Kind::BFloat16,
@@ -127,11 +127,12 @@ impl Training {
             OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
         // The built-in all-reduce over NCCL overlaps with the backward pass
         // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
-        let overlap_allowed = std::env::var("HARNESS_OVERLAP").map_or(true, |v| v != "0") && !grad_stats && !oom.agree;
+        let switches = crate::switches::get();
+        let overlap_allowed = switches.overlap && !grad_stats && !oom.agree;
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // One rank with the plain average: autograd's own gradients
         // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
-        let local_allowed = std::env::var("HARNESS_LOCAL_GRADS").map_or(true, |v| v != "0");
+        let local_allowed = switches.local_grads;
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         // cuDNN's convolution algorithms: timed per input shape, or its
         // heuristics' choice (a process-wide libtorch setting, set for
@@ -145,20 +146,15 @@ impl Training {
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
         // The fused cross-entropy serves the token models (gpt, mlp).
-        let fused_ce =
-            fused && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision) && !crate::kernels::switched_off("HARNESS_FUSED_CE");
+        let fused_ce = fused && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision) && switches.fused_ce;
         model.use_fused_kernels(fused);
         // AdamW through harness's kernel with the fused kernels
         // (HARNESS_FUSED_ADAMW=0 keeps libtorch's, a diagnostic).
-        optimizer.use_own_kernel(fused && !crate::kernels::switched_off("HARNESS_FUSED_ADAMW"));
+        optimizer.use_own_kernel(fused && switches.fused_adamw);
         // The step as a CUDA graph where the workload asks for it
         // (`cuda_graph = true`); HARNESS_CUDA_GRAPH=1 or 0 overrides the
         // suite, to measure what graphs buy with the same suite.
-        let graph_allowed = match std::env::var("HARNESS_CUDA_GRAPH").as_deref() {
-            Ok("1") => true,
-            Ok("0") => false,
-            _ => w.cuda_graph,
-        };
+        let graph_allowed = switches.cuda_graph.unwrap_or(w.cuda_graph);
         let eligibility = super::graph::Eligibility {
             cuda: device.is_cuda(),
             world,

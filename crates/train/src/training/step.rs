@@ -82,7 +82,7 @@ impl Training {
         // The fused layers' weights cast to bf16 once for all the passes
         // (HARNESS_FUSED_CASTS=0 leaves each layer to cast its own, a
         // diagnostic).
-        let casts = self.model.uses_fused_kernels() && !kernels::switched_off("HARNESS_FUSED_CASTS");
+        let casts = self.model.uses_fused_kernels() && crate::switches::get().fused_casts;
         let _casts = if casts { Some(crate::models::fused::WeightCasts::new(&self.params)?) } else { None };
         for micro in 0..accum {
             timer.start(Phase::Data)?;
