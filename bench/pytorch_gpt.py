@@ -2,7 +2,7 @@
 """PyTorch reference for harness's `gpt` model: the same GPT-2 architecture,
 recipe and measurement, in eager PyTorch (or torch.compile with --compile).
 
-Architecture as host/src/train/model.rs: pre-LayerNorm blocks, learned
+Architecture as crates/train/src/models/mod.rs: pre-LayerNorm blocks, learned
 positions, GELU(tanh), causal scaled_dot_product_attention, tied embedding,
 biases, no dropout. Recipe as suites/gpu.toml: bf16 autocast, AdamW(fused)
 betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.

@@ -2,7 +2,7 @@
 """PyTorch reference for harness's `vision` ResNets: the same network,
 recipe and measurement, in eager PyTorch (or torch.compile with --compile).
 
-Architecture as host/src/train/vision.rs (torchvision's ResNet v1.5,
+Architecture as crates/train/src/models/vision.rs (torchvision's ResNet v1.5,
 written out here so the script needs nothing but torch): a 7x7 stride-2
 stem and a max-pool, bottleneck stages [3, 4, 6, 3] (ResNet-50) with the
 stride in the 3x3 convolution, batch norm after every convolution, global

@@ -3,7 +3,7 @@
 encoder-decoder, recipe and measurement, in eager PyTorch (or, with
 --compile, each layer compiled with torch.compile).
 
-Architecture as host/src/train/t5.rs: RMS-normalised pre-norm layers without
+Architecture as crates/train/src/models/t5.rs: RMS-normalised pre-norm layers without
 biases, ReLU feed-forward, unscaled attention logits with a learned bias per
 head and relative-position bucket (32 buckets, max distance 128; one table
 per stack), cross-attention, a shared embedding that is also the output

@@ -2,7 +2,7 @@
 """PyTorch reference for harness's `vision` ViT presets: the same network,
 recipe and measurement, in eager PyTorch (or torch.compile with --compile).
 
-Architecture as host/src/train/vision.rs (torchvision's vit_b_16, written
+Architecture as crates/train/src/models/vision.rs (torchvision's vit_b_16, written
 out here so the script needs nothing but torch): a strided convolution
 cuts the image into patches, a class token and learned positions are
 added, pre-LayerNorm encoder blocks (one fused q/k/v projection, non-causal

@@ -1,18 +1,24 @@
 //! `harness`: a benchmark harness that scores distributed-training strategies.
 //!
-//! The modules follow the data: [`cli`] -> [`suite`] (parse, validate,
-//! expand to a plan) -> [`launch`] (run entries, keep results) -> [`device`] /
-//! [`comm`] -> [`train`] (model, data, optimizer, step loop) with
-//! [`strategy`] (the decisions strategies make) -> [`measure`] (HDR
-//! histograms, timers) -> [`results`] (schema, atomic writes) -> [`report`].
-//! Beside that line: [`ranks`] (rank environment, rank processes, rendezvous
-//! and NCCL set-up, watchdog), [`console`] (what a run shows on the terminal)
-//! and the leaves [`exit`] (exit codes), [`fmt`] (short forms of numbers) and
-//! [`oom`] (out-of-memory messages). Below them all, re-exported from the
-//! `harness-kernels` crate: [`torch_ext`] (the libtorch calls that `tch`
-//! lacks), [`blaslt`] (cuBLASLt matmuls and epilogues) and [`kernels`]
-//! (harness's own CUDA kernels). [`switches`] holds the `HARNESS_*`
-//! environment switches, parsed once.
+//! This crate is the binary's: the command line ([`cli`], one function per
+//! subcommand), running a plan ([`launch`]: entries in order, rank
+//! processes, results after each), the rank environment and the watchdog
+//! ([`ranks`]), the TCP store ranks meet through ([`rendezvous`]), what a
+//! run shows on the terminal ([`console`]), the benchmarks ([`bench`]),
+//! `harness plugin new` ([`scaffold`]) and the machine fingerprint of this
+//! build ([`device`]). Everything else comes from the workspace's crates,
+//! re-exported here under the names the modules use, bottom to top:
+//!
+//! - `harness-format`: [`suite`], [`results`], [`switches`], [`error`],
+//!   [`exit`], [`fmt`] (no libtorch, no wasmtime);
+//! - `harness-report`: [`report`] and [`submission`] (on the formats alone);
+//! - `harness-kernels`: [`torch_ext`] (the libtorch calls `tch` lacks),
+//!   [`blaslt`] (cuBLASLt) and [`kernels`] (harness's CUDA kernels);
+//! - `harness-runtime`: [`device`]'s GPUs and driver, [`measure`] (timers,
+//!   histograms) and [`comm`] (collectives);
+//! - `harness-sandbox`: [`strategy`] (the strategy traits and baselines) and
+//!   [`plugin`] (WebAssembly components and native libraries behind them);
+//! - `harness-train`: [`train`], the training core.
 
 pub use harness_format::{error, exit, fmt, results, suite, switches};
 pub use harness_report::{self as report, submission};

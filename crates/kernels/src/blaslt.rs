@@ -1,6 +1,6 @@
 //! Matrix multiplies through cuBLASLt with the activation in their
 //! epilogues: the MLP of a GPT block or of an encoder layer (harness's
-//! `train::fused::mlp`) without a pass of its own for the bias and
+//! `train::models::fused::mlp`) without a pass of its own for the bias and
 //! the GELU or ReLU, forward or backward.
 //!
 //! Forward, `m = gelu(h w^T + b)` in one matmul whose epilogue adds the bias,

@@ -1,7 +1,7 @@
 //! Device kernels of harness's own, compiled at run time with NVRTC (the
 //! `libnvrtc` of the PyTorch installation) and launched on libtorch's stream.
 //!
-//! The kernels of `kernels = "fused"` (the layers in `train::fused` and the
+//! The kernels of `kernels = "fused"` (the layers in `train::models::fused` and the
 //! loss): residual add + LayerNorm and bias + GELU with their backward
 //! passes, the weights' cast to bf16, the AdamW update, a
 //! bias's gradient (column sums), the reduction of the backward kernels'

@@ -2,15 +2,21 @@
 //!
 //! [`run_entry`] is the order of a step and nothing else; each concern has
 //! its own part:
-//! - [`setup`]: what trains ([`setup::Training`]: model, parameters, data,
-//!   data parallel, optimizer, scaler, strategies, precision);
-//! - [`step`]: one step ([`setup::Training::step`]): data -> forward ->
-//!   backward (x grad_accum) -> communicate (the compressor) -> optimizer,
-//!   with the data-parallel protocol inside;
+//! - [`training`]: what trains ([`training::Training`]: model, parameters,
+//!   data, data parallel, optimizer, scaler, strategies, precision), set up
+//!   by [`training::setup`], stepped by [`training::step`] (data ->
+//!   forward -> backward (x grad_accum) -> communicate (the compressor) ->
+//!   optimizer, with the data-parallel protocol inside), replayed as a CUDA
+//!   graph by [`training::graph`] and measured by [`training::record`];
+//! - [`models`]: the model families (a module each, with the layers they
+//!   share and harness's fused layers) and [`data`]: their data, whose best
+//!   reachable loss is known;
+//! - [`dp`]: gradient buckets, ZeRO, and [`optim`]: AdamW, SGD, loss scaling;
 //! - [`oom`]: out-of-memory detection and the retry of a step;
 //! - [`batch`]: the batch in force, as the batch policy decides it;
 //! - [`resilience`]: checkpoints, injected failures and restores;
-//! - [`record`]: what is measured, and the entry's figures for results.
+//! - [`checkpoint`] and [`tiers`]: the checkpoint files and their tiers;
+//! - [`replicas`]: the data-parallel replicas compared.
 //!
 //! The loss of step k is read from the device after step k+1 is enqueued,
 //! so the host never waits on a step it has just launched; evaluation
