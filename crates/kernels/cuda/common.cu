@@ -1,5 +1,6 @@
+
 typedef unsigned short bf16;
-// Every kernel that harness loads as `waiting` (launch.rs) starts with
+// Every kernel that harness launches through `launch_smem` starts with
 // PDL_WAIT: on sm_90 and later it may be launched while the kernel before
 // it on the stream is still running (programmatic dependent launch), and
 // waits there until that kernel has finished and its writes are visible,

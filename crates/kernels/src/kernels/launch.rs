@@ -19,10 +19,14 @@ use super::{ln_bwd_warp_smem, AdamList, CastList, ADAM_CHUNK, ADAM_MAX, CAST_CHU
 /// `cross_entropy.cu`'s `bf_lo` and `bf_hi`; `gelu.cu`'s `unpack_bf8`,
 /// `ld_bf8` and `st_bf8`.
 ///
-/// NVRTC's PTX for this program varies from run to run of the same text
-/// (with address-space randomisation: a few of the LayerNorm backward
-/// kernels gain or lose a redundant shared-memory load); to compare two
-/// texts' PTX, run NVRTC under `setarch -R`.
+/// The text is byte for byte the one string this was in kernels.rs
+/// (common.cu's leading empty line included, and its comment on PDL_WAIT,
+/// which calls [`launch`] by its old name, `launch_smem`): NVRTC's PTX for
+/// it is not a function of the text alone. From run to run, and with any
+/// change of the text, a comment's too, a few of the LayerNorm backward
+/// kernels (`add_ln_bwd_warp*`) gain or lose a redundant shared-memory
+/// load, as the compiler's memory layout falls; so an edit here is a change
+/// of GPU code, whatever it touches.
 const SOURCE: &str = concat!(
     include_str!("../../cuda/common.cu"),
     include_str!("../../cuda/cross_entropy.cu"),
@@ -210,6 +214,7 @@ impl Grid {
         Grid::new((blocks, 1, 1), (threads, 1, 1))
     }
 
+    /// Blocks and threads per block in up to three dimensions.
     pub(super) fn new(blocks: (u32, u32, u32), threads: (u32, u32, u32)) -> Grid {
         Grid { blocks, threads, smem: 0 }
     }
@@ -221,8 +226,9 @@ impl Grid {
 }
 
 /// A kernel parameter as the launch passes it: a tensor as its data
-/// pointer (null for none), a number as the C type of its size, a list
-/// struct where the caller keeps it.
+/// pointer (null for none), a number as the C type of the same size and
+/// kind (`int`, `long long`, `unsigned long long`, `float`, `double`), a
+/// list struct where the caller keeps it.
 pub(super) enum Param<'a> {
     Ptr(*mut c_void),
     I32(i32),
@@ -355,4 +361,36 @@ fn stream() -> anyhow::Result<sys::CUstream> {
 fn dependent_launches() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && harness_format::switches::get().pdl)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_parameter_is_read_from_where_its_value_is_held() {
+        let t = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu));
+        let mut list = CastList {
+            w: [std::ptr::null_mut(); ADAM_MAX],
+            out: [std::ptr::null_mut(); ADAM_MAX],
+            n: [0; ADAM_MAX],
+            first_block: [0; ADAM_MAX + 1],
+            count: 3,
+        };
+        let list_at = &mut list as *mut CastList as *mut c_void;
+        let ps = params![&t, None::<&Tensor>, 7i32, -8i64, 9u64, 1.5f32, 2.25f64, &mut list];
+        let a: Vec<*mut c_void> = ps.iter_mut().map(Param::addr).collect();
+        assert_eq!(a[7], list_at, "a list is passed where the caller keeps it");
+        // SAFETY: each address points at a value of the type read (the
+        // parameters' own, alive in `ps`).
+        unsafe {
+            assert_eq!(*(a[0] as *const *mut c_void), t.data_ptr());
+            assert!((*(a[1] as *const *mut c_void)).is_null());
+            assert_eq!(*(a[2] as *const i32), 7);
+            assert_eq!(*(a[3] as *const i64), -8);
+            assert_eq!(*(a[4] as *const u64), 9);
+            assert_eq!(*(a[5] as *const f32), 1.5);
+            assert_eq!(*(a[6] as *const f64), 2.25);
+        }
+    }
 }
