@@ -50,7 +50,7 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo doc (every crate's docs, warnings denied)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --document-private-items --quiet
 
 step "cargo test (release: the tests train real models)"
 # Snapshot mismatches fail instead of writing .snap.new files.

@@ -2,6 +2,10 @@
 //! arguments to the function that runs it (`harness run`'s is `run`), and
 //! [`Child`] writes the command lines of the `harness` processes that
 //! harness starts itself.
+//!
+//! The doc comments of the argument structs are clap's help text, where
+//! `<suite>` and the like are plain placeholders, not HTML tags.
+#![allow(rustdoc::invalid_html_tags)]
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

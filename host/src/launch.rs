@@ -265,8 +265,8 @@ fn entries_to_run<'p>(
     Ok(plan.entries.iter().filter(|e| todo_ids.contains(&e.id)).collect())
 }
 
-/// The device as the results name it: "cpu", "cuda (<GPU>)", or
-/// "<world> x cuda (<GPU>)" for a multi-GPU run.
+/// The device as the results name it: `"cpu"`, `"cuda (<GPU>)"`, or
+/// `"<world> x cuda (<GPU>)"` for a multi-GPU run.
 fn device_name(device: tch::Device, gpu: Option<&GpuInfo>, dist: bool, world: usize) -> String {
     match device {
         tch::Device::Cpu => "cpu".to_owned(),

@@ -4,7 +4,7 @@
 //! subcommand), running a plan ([`launch`]: entries in order, rank
 //! processes, results after each), the rank environment and the watchdog
 //! ([`ranks`]), the TCP store ranks meet through ([`rendezvous`]), what a
-//! run shows on the terminal ([`console`]), the benchmarks ([`bench`]),
+//! run shows on the terminal ([`console`]), the benchmarks ([`mod@bench`]),
 //! `harness plugin new` ([`scaffold`]) and the machine fingerprint of this
 //! build ([`device`]). Everything else comes from the workspace's crates,
 //! re-exported here under the names the modules use, bottom to top:

@@ -106,7 +106,7 @@ pub fn nccl_join(
 /// recovered in place (ncclCommAbort left it with an illegal-address error
 /// on the H200s, and libtorch then aborted), which is also how PyTorch's
 /// NCCL watchdog ends. `harness run`'s launcher then starts the ranks anew
-/// for the entries left ([`launch_local_ranks`]).
+/// for the entries left ([`crate::launch::launch_local_ranks`]).
 pub struct Watchdog {
     state: Arc<WatchState>,
     thread: Option<JoinHandle<()>>,
@@ -279,7 +279,7 @@ fn lagging_ranks(store: &rendezvous::Client, beat_key: &dyn Fn(usize) -> String,
 }
 
 /// NCCL's debug output of this rank process, from which the transports NCCL
-/// chose are read (NCCL prints "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read"
+/// chose are read (NCCL prints `"Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read"`
 /// for every connection it makes).
 #[derive(Debug, Clone)]
 pub struct NcclLog {

@@ -180,7 +180,7 @@ pub struct EntryResult {
     pub device: String,
     pub metrics: Option<Metrics>,
     /// Serialized HDR histograms (V2, base64), nanoseconds: "step", one per
-    /// phase, and on CUDA "host.<phase>" for the host side of device phases.
+    /// phase, and on CUDA `"host.<phase>"` for the host side of device phases.
     pub histograms: BTreeMap<String, String>,
 }
 

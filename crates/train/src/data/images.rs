@@ -1,6 +1,6 @@
 //! Class-conditional images whose best reachable loss and accuracy are known,
 //! and the CPU input pipeline of image training (augmentation and
-//! normalisation, run on the data threads of [`super::data`]).
+//! normalisation, run on the data threads of [`super`]).
 //!
 //! Each of `K` classes has a seeded prototype: a `4 x 4` grid per channel of
 //! standard normal values, enlarged to the image by nearest-neighbour

@@ -10,7 +10,7 @@
 //! many backward (cast, two LayerNorm kernels, two adds); the fused form is
 //! one kernel each way, reading and writing each row once.
 //!
-//! The same maths in libtorch operations ([`Reference`]) runs on the CPU:
+//! The same maths in libtorch operations ([`Engine::Reference`]) runs on the CPU:
 //! the tests check the backward pass written out against autograd's there,
 //! and the CUDA kernels against it on a GPU.
 

@@ -67,7 +67,7 @@ impl GptBlock {
 }
 
 /// One `nn.TransformerEncoderLayer` (post-norm). With the fused kernels
-/// its attention is [`qkv_attention`]'s, its feed-forward block one
+/// its attention is [`layers::qkv_attention`]'s, its feed-forward block one
 /// [`fused::mlp`] node (the ReLU in cuBLASLt's epilogues), its other linear
 /// layers [`fused::linear`]'s nodes, and each residual add with its
 /// LayerNorm (and the bias of the layer before) one [`fused::post_norm`]
