@@ -490,6 +490,14 @@ fn fmt_verdict(v: Option<&(f64, Verdict)>) -> String {
 }
 
 /// "Suite `name`", with " version V" where the suite has one.
+/// A board's switches line as the Markdown shows it: result files come from
+/// strangers, so anything but the characters a recorded switch is written
+/// with (`HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0`) becomes `?`, and no
+/// backtick, pipe or line break can leave the code span.
+fn plain_switches(line: &str) -> String {
+    line.chars().map(|c| if c.is_ascii_alphanumeric() || "_=,. ".contains(c) { c } else { '?' }).collect()
+}
+
 pub fn suite_heading(b: &Board) -> String {
     match &b.version {
         Some(v) => format!("Suite `{}` version {v}", b.suite),
@@ -515,7 +523,7 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
         }
         out.push_str(&format!("\n### `{}` on {}\n\n", b.workload, b.device));
         if !b.switches.is_empty() {
-            out.push_str(&format!("switches: `{}` (not the default work; docs/benchmarks.md)\n\n", b.switches));
+            out.push_str(&format!("switches: `{}` (not the default work; docs/benchmarks.md)\n\n", plain_switches(&b.switches)));
         }
         let mut header = vec!["rank", "strategy", "target reached"];
         let accuracy = board_has_accuracy(b);
@@ -751,5 +759,11 @@ mod tests {
                 ("quiet".to_owned(), "NCCL (version unknown); transports unknown (NCCL_DEBUG=WARN)".to_owned()),
             ]
         );
+    }
+
+    #[test]
+    fn a_switches_line_cannot_leave_its_code_span() {
+        assert_eq!(plain_switches("HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0"), "HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0");
+        assert_eq!(plain_switches("X=`|\r\n| 1 | <script>"), "X=????? 1 ? ?script?");
     }
 }
