@@ -10,6 +10,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use crate::bench::Allreduce;
@@ -52,6 +53,14 @@ pub enum Command {
     /// Check submission bundles against the rules (docs/rules.md): prints
     /// each violation with what to do; exits 1 if any bundle breaks a rule.
     Verify(VerifyArgs),
+    /// Train submissions again from their bundles alone and compare the
+    /// reruns with the claims (docs/rules.md, "Reproduction"): writes a
+    /// record per bundle, signed with --key; exits 1 if any bundle does not
+    /// verify or does not reproduce.
+    Reproduce(ReproduceArgs),
+    /// Make an ed25519 key to sign reproduction records: the secret key in
+    /// FILE (readable by you only), the public key in FILE.pub.
+    Keygen(KeygenArgs),
     /// Compare two result files side by side, with ratios and significance.
     Compare(CompareArgs),
     /// Benchmarks of harness's own building blocks.
@@ -175,6 +184,45 @@ pub struct VerifyArgs {
     /// Bundle folders written by `harness submit`.
     #[arg(required = true)]
     pub bundles: Vec<PathBuf>,
+    /// A signed reproduction record of the bundle (`harness reproduce
+    /// --key`; its signature is RECORD.sig): checks it against the
+    /// operator's public key (--public-key).
+    #[arg(long, value_name = "RECORD", requires = "public_key")]
+    pub reproduction: Option<PathBuf>,
+    /// The operator's public key: the FILE.pub of `harness keygen`, or its
+    /// 64 hex digits.
+    #[arg(long, value_name = "KEY", requires = "reproduction")]
+    pub public_key: Option<String>,
+}
+
+/// Arguments of `harness reproduce`.
+#[derive(Debug, Args)]
+pub struct ReproduceArgs {
+    /// Bundle folders written by `harness submit`.
+    #[arg(required = true)]
+    pub bundles: Vec<PathBuf>,
+    /// Where the reruns (reruns/<inputs>/) and the records
+    /// (<bundle>-<hash>.reproduction.json) go.
+    #[arg(long, default_value = "reproductions")]
+    pub out: PathBuf,
+    /// The operator's secret key (`harness keygen FILE`): signs each record
+    /// (RECORD.sig).
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Train again even where a finished rerun of the same inputs is kept.
+    #[arg(long)]
+    pub fresh: bool,
+    /// No progress bar or per-entry lines while training.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+/// Arguments of `harness keygen`.
+#[derive(Debug, Args)]
+pub struct KeygenArgs {
+    /// The secret key's file (not overwritten); the public key goes to
+    /// FILE.pub.
+    pub file: PathBuf,
 }
 
 /// Arguments of `harness compare`.
@@ -406,6 +454,8 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
         Command::Report(args) => report(args),
         Command::Submit(args) => submit(args),
         Command::Verify(args) => verify(args),
+        Command::Reproduce(args) => reproduce(args),
+        Command::Keygen(args) => keygen(args),
         Command::Compare(args) => compare(args),
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
         Command::Bench(BenchCommand::CheckpointRead(args)) => bench_checkpoint_read(args),
@@ -648,7 +698,83 @@ fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
             code = exit::NOT_VERIFIED;
         }
     }
+    if let (Some(record), Some(key)) = (&args.reproduction, &args.public_key) {
+        let [bundle] = args.bundles.as_slice() else { anyhow::bail!("--reproduction checks the record of one bundle; name one") };
+        match crate::reproduce::public_key(key).and_then(|k| crate::reproduce::check_signed(bundle, record, &k)) {
+            Ok(r) => println!(
+                "{}: signed reproduction record: {} on {} ({}), {}",
+                record.display(),
+                if r.reproduced { "reproduced" } else { "NOT reproduced" },
+                r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str()),
+                r.machine.hostname,
+                r.reproduced_at
+            ),
+            Err(e) => {
+                println!("{}: the reproduction record does not check: {e:#}", record.display());
+                code = exit::NOT_VERIFIED;
+            }
+        }
+    }
     Ok(code)
+}
+
+/// `harness reproduce`: verifies each bundle, trains it again (or takes the
+/// kept rerun of the same inputs), compares and writes the record.
+fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
+    use crate::reproduce::{self as rp, Options};
+    let ReproduceArgs { bundles, out, key, fresh, quiet } = args;
+    if let Some(k) = &key {
+        // A key that cannot sign is found before anything trains.
+        let secret = std::fs::read_to_string(k).with_context(|| format!("cannot read the key {}", k.display()))?;
+        crate::report::reproduction::sign(b"", &secret).with_context(|| format!("{} is not a key `harness keygen` wrote", k.display()))?;
+    }
+    let opts = Options { out, key, fresh, quiet };
+    let mut code = exit::OK;
+    for dir in &bundles {
+        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect);
+        if !verdict.verified() {
+            print!("{}", crate::submission::verify::render(dir, &verdict));
+            println!("{}: not reproduced: the bundle does not verify", dir.display());
+            code = exit::NOT_REPRODUCED;
+            continue;
+        }
+        let bundle = crate::submission::Bundle::read(dir)?;
+        let rerun = rp::prepare(dir, &bundle, &opts)?;
+        if rerun.done {
+            println!(
+                "{}: a finished rerun of the same inputs is in {}; comparing with it (--fresh trains again)",
+                dir.display(),
+                rerun.dir.display()
+            );
+        } else {
+            println!("{}: training it again in {}", dir.display(), rerun.dir.display());
+            let exe = std::env::current_exe().context("cannot find the harness executable")?;
+            let status = std::process::Command::new(exe).args(Child::Run(rerun.args.clone()).argv()).status()?;
+            // Failed entries are compared (a claim of success they refute);
+            // anything else stopped the rerun.
+            if !matches!(status.code(), Some(exit::OK | exit::ENTRY_FAILED)) {
+                anyhow::bail!(
+                    "the rerun of {} stopped ({status})\nhint: run the same `harness reproduce` again to resume it",
+                    dir.display()
+                );
+            }
+        }
+        let (record, path) = rp::record(dir, &bundle, &rerun, &opts)?;
+        print!("{}", crate::report::reproduction::render(&record));
+        println!("record: {}{}", path.display(), if opts.key.is_some() { " (signed: .sig)" } else { "" });
+        if !record.reproduced {
+            code = exit::NOT_REPRODUCED;
+        }
+    }
+    Ok(code)
+}
+
+/// `harness keygen`: writes a new key pair and prints the public key.
+fn keygen(args: KeygenArgs) -> anyhow::Result<i32> {
+    let public = crate::reproduce::keygen(&args.file)?;
+    println!("secret key: {} (keep it private; it signs your reproduction records)", args.file.display());
+    println!("public key: {public} (also in {}.pub; publish it with the board)", args.file.display());
+    Ok(exit::OK)
 }
 
 /// `harness compare`: the two result files side by side.

@@ -8,6 +8,7 @@ mod errors;
 mod out_of_memory;
 mod plugins;
 mod report;
+mod reproduce;
 mod resume;
 mod run;
 mod sandbox;

@@ -11,11 +11,11 @@ use sha2::{Digest, Sha256};
 
 use crate::{artifact, harness, repo_root, run_ok};
 
-fn text(o: &Output) -> String {
+pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-fn copy_dir(from: &Path, to: &Path) {
+pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap().flatten() {
         let dst = to.join(e.file_name());
@@ -39,19 +39,35 @@ fn submit_edited(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Valu
     harness(dir).args(["submit", &format!("{name}.json")]).output().unwrap()
 }
 
+/// The one honest run of the CPU standard suite's compression track with
+/// the sign-vote plugin that the submission tests share (it trains for
+/// minutes): `r.json` and `r.log` in a folder of their own, copied into
+/// `dir`.
+pub fn honest_run(dir: &Path) {
+    static RUN: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let tmp = RUN.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        run_ok(
+            harness(tmp.path())
+                .arg("run")
+                .arg(repo_root().join("suites/cpu-standard.toml"))
+                .args(["--track", "compression", "--plugin"])
+                .arg(format!("compressor={}", artifact("sign-vote.wasm").display()))
+                .args(["--out", "r.json", "-q"]),
+        );
+        tmp
+    });
+    for f in ["r.json", "r.log"] {
+        std::fs::copy(tmp.path().join(f), dir.join(f)).unwrap();
+    }
+}
+
 #[test]
 fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bundles_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let plugin = artifact("sign-vote.wasm");
-    run_ok(
-        harness(dir)
-            .arg("run")
-            .arg(repo_root().join("suites/cpu-standard.toml"))
-            .args(["--track", "compression", "--plugin"])
-            .arg(format!("compressor={}", plugin.display()))
-            .args(["--out", "r.json", "-q"]),
-    );
+    honest_run(dir);
     assert!(dir.join("r.log").is_file(), "harness run writes its log next to the result");
 
     // submit: a bundle with the result, the suite, the artifact, the log

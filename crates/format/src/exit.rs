@@ -7,6 +7,9 @@ pub const ENTRY_FAILED: i32 = 1;
 /// `harness verify` / `harness submit`: a bundle breaks a rule of the
 /// standard suites (each violation is printed with what to do).
 pub const NOT_VERIFIED: i32 = 1;
+/// `harness reproduce`: a bundle does not verify, or its rerun differs from
+/// its claim beyond the tolerance (each difference is printed).
+pub const NOT_REPRODUCED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
 /// A `HARNESS_*` environment switch has a value it does not take

@@ -15,11 +15,12 @@
 
 pub mod html;
 pub mod metric;
+pub mod reproduction;
 pub mod stats;
 pub mod submission;
 pub mod submissions;
 
-pub(crate) use harness_format::{fmt, histogram as measure, plugin, results, suite, switches};
+pub(crate) use harness_format::{fmt, histogram as measure, machine, plugin, results, suite, switches};
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,584 @@
+//! Reproduction by the operator: `harness reproduce BUNDLE` trains a
+//! submission again from the bundle alone (the released suite, the bundled
+//! WebAssembly artifact, its configuration, the tracks and GPU count; the
+//! plan and seeds follow from them) and compares the rerun with what the
+//! bundle claims. Verify proves that a bundle is consistent; only this
+//! proves that its numbers were measured.
+//!
+//! This module holds what needs no training: the comparison ([`compare`]),
+//! the record written for each reproduction ([`Record`]) and its ed25519
+//! signature ([`sign`], [`check`]), so that a published board can be
+//! checked against the operator's public key. The rerun is the binary's.
+//!
+//! What is compared (docs/rules.md, "Reproduction"):
+//! - the quality trajectory of every entry: each evaluation's loss and
+//!   accuracy, the train-loss curve, and the evaluation at which the target
+//!   was reached: bit for bit on the CPU backend, within
+//!   [`Tolerance::trajectory_rel`] on GPUs;
+//! - the score: each workload's time to target over the track baseline's,
+//!   within a band of [`Tolerance::time_floor`] widened by the repeats'
+//!   spread; on GPU classes also the absolute time to target and throughput.
+
+use std::collections::BTreeMap;
+
+use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+use serde::{Deserialize, Serialize};
+
+use crate::machine::Fingerprint;
+use crate::metric::Metric;
+use crate::results::{EntryStatus, Metrics, RunResult};
+use crate::stats::median;
+use crate::suite::Suite;
+
+/// Version of the reproduction record.
+///
+/// Changelog:
+/// - 1: first version.
+pub const FORMAT: u32 = 1;
+
+/// How close a rerun must come to the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Tolerance {
+    /// Largest relative difference of an evaluation's loss or accuracy, or
+    /// of a train-loss point; 0 means bit for bit.
+    pub trajectory_rel: f64,
+    /// Evaluations by which the one that reaches the target may move.
+    pub target_evals: usize,
+    /// The narrowest band for a timing figure, relative; twice the repeats'
+    /// relative range widens it.
+    pub time_floor: f64,
+    /// Whether absolute times and throughput are compared. Not on the CPU
+    /// class, which any CPU belongs to: there only the score (a ratio to the
+    /// baseline measured side by side) is.
+    pub absolute_times: bool,
+}
+
+impl Tolerance {
+    /// The CPU backend is deterministic: the trajectory must be bit for
+    /// bit. Timing on shared CPUs is noisy, hence the wide floor.
+    pub const CPU: Tolerance = Tolerance { trajectory_rel: 0.0, target_evals: 0, time_floor: 0.25, absolute_times: false };
+    /// GPUs (bf16, atomics in cuBLAS and NCCL reductions): two honest runs
+    /// differ. The values are set from two honest runs of the same bundle on
+    /// one H100 host (docs/rules.md, "Reproduction").
+    pub const GPU: Tolerance = Tolerance { trajectory_rel: 0.05, target_evals: 1, time_floor: 0.05, absolute_times: true };
+
+    /// The tolerance of a hardware class (`[suite.hardware] class`).
+    pub fn for_class(class: Option<&str>) -> Tolerance {
+        match class {
+            None | Some("cpu") => Tolerance::CPU,
+            Some(_) => Tolerance::GPU,
+        }
+    }
+}
+
+/// A figure of the rerun that is not the claim's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Difference {
+    /// The entry (`workload/strategy/rN`) or group (`workload/strategy`).
+    pub at: String,
+    /// What was compared, e.g. "eval loss at step 60".
+    pub figure: String,
+    pub claimed: String,
+    pub reproduced: String,
+    /// What was allowed, e.g. "bit for bit" or "within ±25%".
+    pub allowed: String,
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {} is {} in the bundle, {} reproduced ({})", self.at, self.figure, self.claimed, self.reproduced, self.allowed)
+    }
+}
+
+/// One timing figure of a workload, claimed and reproduced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimingCheck {
+    /// `workload/strategy`, or `workload/strategy vs baseline` for a score.
+    pub at: String,
+    pub figure: String,
+    pub claimed: f64,
+    pub reproduced: f64,
+    /// The relative band allowed around the claim.
+    pub band: f64,
+    pub within: bool,
+}
+
+/// What the comparison found.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Entries whose trajectory was compared (and matched, unless listed in
+    /// `differences`).
+    pub entries_compared: usize,
+    /// Evaluations compared, over all entries.
+    pub evaluations_compared: usize,
+    /// The largest relative difference of an evaluation seen.
+    pub max_trajectory_rel: f64,
+    pub timing: Vec<TimingCheck>,
+    pub differences: Vec<Difference>,
+}
+
+impl Comparison {
+    pub fn reproduced(&self) -> bool {
+        self.differences.is_empty()
+    }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        (a - b).abs() / a.abs().max(b.abs()).max(f64::MIN_POSITIVE)
+    }
+}
+
+fn allowed_traj(tol: &Tolerance) -> String {
+    if tol.trajectory_rel == 0.0 {
+        "bit for bit on the CPU backend".into()
+    } else {
+        format!("within {:.1}%", 100.0 * tol.trajectory_rel)
+    }
+}
+
+/// Compares the bundle's result (`claimed`) with the rerun's
+/// (`reproduced`), both of the released suite `suite`.
+pub fn compare(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, tol: &Tolerance) -> Comparison {
+    let mut c = Comparison::default();
+    let by_id: BTreeMap<&str, _> = reproduced.entries.iter().map(|e| (e.id.as_str(), e)).collect();
+    for e in &claimed.entries {
+        let diff = |figure: &str, claimed: String, reproduced: String, allowed: String| Difference {
+            at: e.id.clone(),
+            figure: figure.into(),
+            claimed,
+            reproduced,
+            allowed,
+        };
+        let Some(r) = by_id.get(e.id.as_str()) else {
+            c.differences.push(diff("the entry", "present".into(), "not planned".into(), "the same plan".into()));
+            continue;
+        };
+        match ((&e.status, &e.metrics), (&r.status, &r.metrics)) {
+            ((EntryStatus::Ok, Some(a)), (EntryStatus::Ok, Some(b))) => {
+                c.entries_compared += 1;
+                compare_trajectory(&e.id, a, b, tol, &mut c);
+            }
+            ((EntryStatus::Ok, _), (EntryStatus::Failed { error, .. }, _)) => c.differences.push(diff(
+                "the entry",
+                "trained".into(),
+                format!("failed: {}", error.lines().next().unwrap_or("")),
+                "the same outcome".into(),
+            )),
+            _ => {}
+        }
+    }
+    compare_timing(claimed, reproduced, suite, tol, &mut c);
+    c
+}
+
+/// A curve of the result file: (step, training seconds, value).
+type Curve = [(u64, f64, f64)];
+
+/// Curves of one entry: evaluations, accuracy, train loss, the target.
+fn compare_trajectory(id: &str, a: &Metrics, b: &Metrics, tol: &Tolerance, c: &mut Comparison) {
+    let allowed = allowed_traj(tol);
+    let mut push = |figure: String, x: String, y: String| {
+        c.differences.push(Difference { at: id.into(), figure, claimed: x, reproduced: y, allowed: allowed.clone() })
+    };
+    // An entry stops at the evaluation that reaches its target; on GPUs that
+    // evaluation may move by `target_evals`, so only the common prefix of
+    // the curves is compared point by point.
+    let curves: [(&str, &Curve, &Curve); 3] = [
+        ("eval loss", &a.eval_curve, &b.eval_curve),
+        ("eval accuracy", &a.accuracy_curve, &b.accuracy_curve),
+        ("train loss", &a.loss_curve, &b.loss_curve),
+    ];
+    let mut first_bad: Option<(String, String, String)> = None;
+    let mut evals = 0;
+    for (name, x, y) in curves {
+        let moved = x.len().abs_diff(y.len());
+        if moved > tol.target_evals && name != "train loss" {
+            push(format!("the number of {name} points"), x.len().to_string(), y.len().to_string());
+        }
+        for (p, q) in x.iter().zip(y.iter()) {
+            if name != "train loss" {
+                evals += 1;
+            }
+            if p.0 != q.0 {
+                first_bad.get_or_insert((format!("the step of a {name} point"), p.0.to_string(), q.0.to_string()));
+                break;
+            }
+            let d = rel(p.2, q.2);
+            if name != "train loss" {
+                c.max_trajectory_rel = c.max_trajectory_rel.max(d);
+            }
+            let bad = if tol.trajectory_rel == 0.0 { p.2.to_bits() != q.2.to_bits() } else { d > tol.trajectory_rel || d.is_nan() };
+            if bad {
+                first_bad.get_or_insert((format!("{name} at step {}", p.0), format!("{:.6}", p.2), format!("{:.6}", q.2)));
+                break;
+            }
+        }
+    }
+    c.evaluations_compared += evals;
+    if let Some((figure, x, y)) = first_bad {
+        push(figure, x, y);
+    }
+    // The evaluation that reached the target.
+    let at_eval = |m: &Metrics| {
+        let curve = if m.target_accuracy.is_some() { &m.accuracy_curve } else { &m.eval_curve };
+        m.steps_to_target.and_then(|s| curve.iter().position(|p| p.0 == s))
+    };
+    let (ta, tb) = (at_eval(a), at_eval(b));
+    let target_ok = match (ta, tb) {
+        (Some(i), Some(j)) => i.abs_diff(j) <= tol.target_evals,
+        (None, None) => a.steps_to_target == b.steps_to_target,
+        _ => false,
+    };
+    if !target_ok {
+        let show = |m: &Metrics| m.steps_to_target.map_or("not reached".to_owned(), |s| format!("step {s}"));
+        push("the target".into(), show(a), show(b));
+    }
+}
+
+/// Repeats of one workload and strategy: (repeat, value).
+fn values(r: &RunResult, workload: &str, strategy: &str, metric: Metric) -> BTreeMap<u32, f64> {
+    r.entries
+        .iter()
+        .filter(|e| e.workload == workload && e.strategy == strategy)
+        .filter_map(|e| match (&e.status, &e.metrics) {
+            (EntryStatus::Ok, Some(m)) => metric.value(m).filter(|x| x.is_finite()).map(|x| (e.repeat, x)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// (max - min) / median of the values; 0 for fewer than two.
+fn spread(xs: &[f64]) -> f64 {
+    if xs.len() < 2 {
+        return 0.0;
+    }
+    let (lo, hi) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let m = median(xs);
+    if m > 0.0 {
+        (hi - lo) / m
+    } else {
+        0.0
+    }
+}
+
+/// The score of each submitted workload (time to target over the track
+/// baseline's, paired by repeat) and, on GPU classes, the absolute time to
+/// target and throughput of every strategy.
+fn compare_timing(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, tol: &Tolerance, c: &mut Comparison) {
+    let tracks = claimed.submission.as_ref().map(|s| s.tracks.clone()).unwrap_or_default();
+    let mut check = |at: String, figure: &str, x: &[f64], y: &[f64]| {
+        if x.is_empty() || y.is_empty() {
+            return;
+        }
+        let band = tol.time_floor.max(2.0 * spread(x).max(spread(y)));
+        let (mx, my) = (median(x), median(y));
+        let within = mx > 0.0 && (my / mx - 1.0).abs() <= band;
+        if !within {
+            c.differences.push(Difference {
+                at: at.clone(),
+                figure: figure.into(),
+                claimed: format!("{mx:.4} (median of {})", x.len()),
+                reproduced: format!("{my:.4} (median of {}; {:.2}x the claim)", y.len(), my / mx),
+                allowed: format!("within ±{:.0}%: the class's floor or twice the repeats' spread", 100.0 * band),
+            });
+        }
+        c.timing.push(TimingCheck { at, figure: figure.into(), claimed: mx, reproduced: my, band, within });
+    };
+    for track in &tracks {
+        let Some(t) = suite.spec.tracks.iter().find(|t| &t.name == track) else { continue };
+        let strategy = format!("submission-{track}");
+        for w in &t.workloads {
+            let ratios = |r: &RunResult| -> Vec<f64> {
+                let (s, b) = (values(r, w, &strategy, Metric::TimeToTarget), values(r, w, &t.baseline, Metric::TimeToTarget));
+                s.iter().filter_map(|(k, x)| Some(x / b.get(k)?)).collect()
+            };
+            check(format!("{w}/{strategy} vs {}", t.baseline), "time to target over the baseline's", &ratios(claimed), &ratios(reproduced));
+            if tol.absolute_times {
+                for st in [strategy.as_str(), t.baseline.as_str()] {
+                    for (metric, figure) in [(Metric::TimeToTarget, "time to target, s"), (Metric::TokensPerS, "throughput, tokens/s")] {
+                        let (x, y) = (values(claimed, w, st, metric), values(reproduced, w, st, metric));
+                        check(format!("{w}/{st}"), figure, &x.into_values().collect::<Vec<_>>(), &y.into_values().collect::<Vec<_>>());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The bundle a record is about.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BundleId {
+    /// The folder's name when reproduced (for people; not an identity).
+    pub folder: String,
+    /// sha256 of the bundle's MANIFEST.json, which holds every other file's.
+    pub manifest_sha256: String,
+    /// sha256 of its result.json.
+    pub result_sha256: String,
+    pub plugin_kind: String,
+    pub plugin_name: String,
+    pub plugin_version: String,
+    pub plugin_sha256: String,
+    /// The released suite file and its version.
+    pub suite: String,
+    pub suite_version: Option<String>,
+    pub tracks: Vec<String>,
+    pub gpus: u32,
+}
+
+/// What `harness reproduce` writes for each bundle (`<folder>.reproduction.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub format: u32,
+    pub bundle: BundleId,
+    /// The operator's machine, which ran the rerun.
+    pub machine: Fingerprint,
+    pub harness_version: String,
+    pub reproduced_at: String,
+    /// sha256 of the rerun's result file.
+    pub rerun_sha256: String,
+    pub tolerance: Tolerance,
+    pub comparison: Comparison,
+    /// No difference outside the tolerance.
+    pub reproduced: bool,
+}
+
+/// A detached signature of a record file (`<record>.sig`): ed25519 over the
+/// record file's exact bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SignatureFile {
+    pub algorithm: String,
+    /// The signer's public key, hex.
+    pub public_key: String,
+    /// The signature, hex.
+    pub signature: String,
+}
+
+/// A new signing key from the operating system's random source: (secret
+/// key, public key), hex.
+pub fn keygen() -> anyhow::Result<(String, String)> {
+    let mut seed = [0u8; 32];
+    getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("no random source: {e}"))?;
+    let key = SigningKey::from_bytes(&seed);
+    Ok((hex::encode(seed), hex::encode(key.verifying_key().to_bytes())))
+}
+
+fn key_bytes<const N: usize>(hex_text: &str, what: &str) -> anyhow::Result<[u8; N]> {
+    let bytes = hex::decode(hex_text.trim()).map_err(|e| anyhow::anyhow!("the {what} is not hex: {e}"))?;
+    bytes.try_into().map_err(|b: Vec<u8>| anyhow::anyhow!("the {what} has {} bytes, not {N}", b.len()))
+}
+
+/// Signs the record file's bytes with the secret key (hex, as [`keygen`]
+/// writes it).
+pub fn sign(record: &[u8], secret_hex: &str) -> anyhow::Result<SignatureFile> {
+    let key = SigningKey::from_bytes(&key_bytes::<32>(secret_hex, "secret key")?);
+    Ok(SignatureFile {
+        algorithm: "ed25519".into(),
+        public_key: hex::encode(key.verifying_key().to_bytes()),
+        signature: hex::encode(key.sign(record).to_bytes()),
+    })
+}
+
+/// Checks a record file against its signature and the operator's public
+/// key (hex), and that it is about the bundle whose MANIFEST.json is
+/// `manifest` (when given); returns the record.
+pub fn check(record: &[u8], sig: &SignatureFile, public_hex: &str, manifest: Option<&[u8]>) -> anyhow::Result<Record> {
+    anyhow::ensure!(sig.algorithm == "ed25519", "the signature's algorithm is `{}`, not ed25519", sig.algorithm);
+    let key = VerifyingKey::from_bytes(&key_bytes::<32>(public_hex, "public key")?)
+        .map_err(|e| anyhow::anyhow!("the public key is not valid: {e}"))?;
+    anyhow::ensure!(
+        sig.public_key.trim().eq_ignore_ascii_case(public_hex.trim()),
+        "the record was signed by the key {}, not by {}",
+        sig.public_key,
+        public_hex.trim()
+    );
+    let signature = Signature::from_bytes(&key_bytes::<64>(&sig.signature, "signature")?);
+    key.verify(record, &signature).map_err(|_| {
+        anyhow::anyhow!("the signature does not match the record: the record was changed after it was signed, or signed by another key")
+    })?;
+    let r: Record = serde_json::from_slice(record).map_err(|e| anyhow::anyhow!("the signed file is not a reproduction record: {e}"))?;
+    anyhow::ensure!(r.format <= FORMAT, "the record has format {}; this harness reads format {FORMAT} (upgrade harness)", r.format);
+    if let Some(m) = manifest {
+        let sha = crate::submission::sha256_hex(m);
+        anyhow::ensure!(
+            sha == r.bundle.manifest_sha256,
+            "the record is about the bundle whose MANIFEST.json has sha256 {}, this bundle's is {sha}",
+            r.bundle.manifest_sha256
+        );
+    }
+    Ok(r)
+}
+
+/// The lines `harness reproduce` prints for a record.
+pub fn render(r: &Record) -> String {
+    let c = &r.comparison;
+    let mut out = format!(
+        "{}: {} entries and {} evaluations compared ({}; largest difference {:.2e}), {} timing figures\n",
+        r.bundle.folder,
+        c.entries_compared,
+        c.evaluations_compared,
+        allowed_traj(&r.tolerance),
+        c.max_trajectory_rel,
+        c.timing.len()
+    );
+    for t in &c.timing {
+        out.push_str(&format!(
+            "  {} {}: claimed {:.4}, reproduced {:.4} ({:+.1}%, band ±{:.0}%){}\n",
+            t.at,
+            t.figure,
+            t.claimed,
+            t.reproduced,
+            100.0 * (t.reproduced / t.claimed - 1.0),
+            100.0 * t.band,
+            if t.within { "" } else { "  <- outside" }
+        ));
+    }
+    for d in &c.differences {
+        out.push_str(&format!("difference: {d}\n"));
+    }
+    out.push_str(&format!(
+        "{}: {}\n",
+        r.bundle.folder,
+        if r.reproduced { "reproduced".to_owned() } else { format!("NOT reproduced ({} differences)", c.differences.len()) }
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::results::testing;
+
+    fn with_curve(mut r: RunResult, curve: Vec<(u64, f64, f64)>) -> RunResult {
+        for e in &mut r.entries {
+            let m = e.metrics.as_mut().unwrap();
+            m.eval_curve = curve.clone();
+            m.steps_to_target = curve.last().map(|p| p.0);
+            m.time_to_target_s = curve.last().map(|p| p.1);
+        }
+        r
+    }
+
+    fn suite_of(r: &RunResult) -> Suite {
+        Suite::parse(std::path::Path::new("s.toml"), r.suite.text.clone()).unwrap()
+    }
+
+    #[test]
+    fn an_identical_rerun_reproduces_and_one_changed_bit_does_not_on_the_cpu() {
+        let r = with_curve(testing::result("s", None, 100.0), vec![(1, 0.5, 2.0), (2, 1.0, 1.5)]);
+        let s = suite_of(&r);
+        let c = compare(&r, &r.clone(), &s, &Tolerance::CPU);
+        assert!(c.reproduced(), "{:?}", c.differences);
+        assert_eq!((c.entries_compared, c.evaluations_compared), (1, 2));
+
+        let off = with_curve(r.clone(), vec![(1, 0.5, 2.0), (2, 1.0, f64::from_bits(1.5f64.to_bits() + 1))]);
+        let c = compare(&r, &off, &s, &Tolerance::CPU);
+        assert!(!c.reproduced());
+        let d = &c.differences[0];
+        assert_eq!((d.figure.as_str(), d.allowed.as_str()), ("eval loss at step 2", "bit for bit on the CPU backend"), "{d}");
+        // On a GPU class the same difference is within tolerance.
+        assert!(compare(&r, &off, &s, &Tolerance::GPU).reproduced());
+    }
+
+    #[test]
+    fn a_target_reached_elsewhere_and_a_failed_rerun_are_differences() {
+        let r = with_curve(testing::result("s", None, 100.0), vec![(1, 0.5, 2.0), (2, 1.0, 1.5)]);
+        let s = suite_of(&r);
+        let mut later = with_curve(r.clone(), vec![(1, 0.5, 2.0), (2, 1.0, 1.5), (3, 1.5, 1.4)]);
+        later.entries[0].metrics.as_mut().unwrap().steps_to_target = Some(3);
+        let c = compare(&r, &later, &s, &Tolerance::CPU);
+        assert!(
+            c.differences.iter().any(|d| d.figure == "the target" && d.claimed == "step 2" && d.reproduced == "step 3"),
+            "{:?}",
+            c.differences
+        );
+
+        let mut failed = r.clone();
+        failed.entries[0].status = EntryStatus::Failed { error: "out of memory".into(), kind: None };
+        let c = compare(&r, &failed, &s, &Tolerance::CPU);
+        assert_eq!(c.differences[0].reproduced, "failed: out of memory");
+    }
+
+    /// A real bundle's result: an H100 run of the compression track (two
+    /// GPUs, three repeats of GPT-2 124M and ResNet-50).
+    fn h100_bundle() -> (RunResult, Suite) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h100/submissions/1.2/compression-topk.bundle");
+        let r = RunResult::read(&dir.join("result.json")).unwrap();
+        let released = crate::suite::standard::released(&r.suite.text).expect("a released suite");
+        let s = Suite::parse(std::path::Path::new(released.file), released.text.to_owned()).unwrap();
+        (r, s)
+    }
+
+    #[test]
+    fn a_faster_claimed_score_is_refused_with_the_figure_and_noise_within_the_band_is_not() {
+        let (claimed, suite) = h100_bundle();
+        let c = compare(&claimed, &claimed.clone(), &suite, &Tolerance::GPU);
+        assert!(c.reproduced(), "{:?}", c.differences);
+        // A score per workload, and on a GPU class the absolute times and
+        // throughput of the submission and the baseline.
+        assert_eq!(c.timing.len(), 2 * (1 + 4));
+        // The claim: every submission time to target a tenth of what ran.
+        let mut forged = claimed.clone();
+        for e in forged.entries.iter_mut().filter(|e| e.strategy.starts_with("submission-")) {
+            let m = e.metrics.as_mut().unwrap();
+            m.time_to_target_s = m.time_to_target_s.map(|t| t * 0.1);
+        }
+        let c = compare(&forged, &claimed, &suite, &Tolerance::GPU);
+        let d = c.differences.iter().find(|d| d.figure == "time to target over the baseline's").expect("the score differs");
+        assert!(d.at.starts_with("gpt2-124m/submission-compression vs allreduce") && d.reproduced.contains("10.00x the claim"), "{d}");
+        // 3% slower everywhere: within the GPU floor of 5%.
+        let mut slower = claimed.clone();
+        for e in &mut slower.entries {
+            let m = e.metrics.as_mut().unwrap();
+            m.time_to_target_s = m.time_to_target_s.map(|t| t * 1.03);
+            m.tokens_per_s /= 1.03;
+        }
+        assert!(compare(&claimed, &slower, &suite, &Tolerance::GPU).reproduced());
+    }
+
+    #[test]
+    fn records_sign_and_check_and_an_edited_record_or_another_key_is_refused() {
+        let (secret, public) = keygen().unwrap();
+        let r = testing::result("s", None, 100.0);
+        let record = Record {
+            format: FORMAT,
+            bundle: BundleId {
+                folder: "b.bundle".into(),
+                manifest_sha256: crate::submission::sha256_hex(b"manifest"),
+                result_sha256: "r".into(),
+                plugin_kind: "compressor".into(),
+                plugin_name: "p".into(),
+                plugin_version: "1".into(),
+                plugin_sha256: "a".into(),
+                suite: "suites/cpu-standard.toml".into(),
+                suite_version: Some("1.2".into()),
+                tracks: vec!["compression".into()],
+                gpus: 2,
+            },
+            machine: r.machine.clone(),
+            harness_version: "0".into(),
+            reproduced_at: "now".into(),
+            rerun_sha256: "x".into(),
+            tolerance: Tolerance::CPU,
+            comparison: Comparison::default(),
+            reproduced: true,
+        };
+        let bytes = serde_json::to_vec_pretty(&record).unwrap();
+        let sig = sign(&bytes, &secret).unwrap();
+        assert_eq!(check(&bytes, &sig, &public, Some(b"manifest")).unwrap(), record);
+        let err = check(&bytes, &sig, &public, Some(b"other manifest")).unwrap_err().to_string();
+        assert!(err.contains("this bundle's is"), "{err}");
+        let edited = String::from_utf8(bytes.clone()).unwrap().replace("\"reproduced\": true", "\"reproduced\": false ");
+        let err = check(edited.as_bytes(), &sig, &public, None).unwrap_err().to_string();
+        assert!(err.contains("does not match the record"), "{err}");
+        let (_, other) = keygen().unwrap();
+        let err = check(&bytes, &sig, &other, None).unwrap_err().to_string();
+        assert!(err.contains("was signed by the key"), "{err}");
+        // A signature file that names the right key but was made by another.
+        let (secret2, _) = keygen().unwrap();
+        let forged = SignatureFile { public_key: public.clone(), ..sign(&bytes, &secret2).unwrap() };
+        assert!(check(&bytes, &forged, &public, None).is_err());
+    }
+}

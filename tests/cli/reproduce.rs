@@ -1,0 +1,103 @@
+//! Reproduction by the operator: `harness reproduce` trains an honest CPU
+//! submission again from its bundle alone and finds it bit for bit; a
+//! forged copy (one evaluation's loss edited, the hashes recomputed, so
+//! that it still verifies) is refused with the figure that differs; the
+//! signed record checks against the operator's public key, and an edited
+//! record does not.
+
+use sha2::{Digest, Sha256};
+
+use crate::submit::{copy_dir, honest_run, text};
+use crate::{harness, run_ok};
+
+/// Edits a bundle's result.json and writes the manifest's hashes and sizes
+/// anew, as a forger would.
+fn forge(bundle: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = bundle.join("result.json");
+    let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut r);
+    let bytes = serde_json::to_vec_pretty(&r).unwrap();
+    std::fs::write(&path, &bytes).unwrap();
+    let mpath = bundle.join("MANIFEST.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    for f in m["files"].as_array_mut().unwrap() {
+        if f["path"] == "result.json" {
+            f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
+            f["bytes"] = bytes.len().into();
+        }
+    }
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn an_honest_bundle_reproduces_bit_for_bit_and_a_forged_copy_is_refused_with_the_figure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    honest_run(dir);
+    run_ok(harness(dir).args(["submit", "r.json"]));
+    let out = run_ok(harness(dir).args(["keygen", "operator.key"]));
+    assert!(text(&out).contains("public key: "), "{}", text(&out));
+    let public = std::fs::read_to_string(dir.join("operator.key.pub")).unwrap();
+    assert_eq!(public.trim().len(), 64, "an ed25519 public key in hex");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(dir.join("operator.key")).unwrap().permissions().mode() & 0o777, 0o600);
+    }
+    let again = harness(dir).args(["keygen", "operator.key"]).output().unwrap();
+    assert_ne!(again.status.code(), Some(0), "a key is never overwritten");
+
+    // The honest bundle: trained again, every evaluation bit for bit.
+    let out = run_ok(harness(dir).args(["reproduce", "r.bundle", "--key", "operator.key", "--out", "repro", "-q"]));
+    let said = text(&out);
+    assert!(said.contains("r.bundle: reproduced"), "{said}");
+    assert!(said.contains("bit for bit on the CPU backend; largest difference 0.00e0"), "{said}");
+    let record_path = std::fs::read_dir(dir.join("repro"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().ends_with(".reproduction.json"))
+        .expect("a record");
+    let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    assert_eq!(record["reproduced"], true);
+    assert_eq!(record["bundle"]["plugin_name"], "sign-vote");
+    assert!(record["comparison"]["evaluations_compared"].as_u64().unwrap() >= 9, "{record}");
+    assert!(record["comparison"]["timing"].as_array().unwrap().iter().any(|t| t["figure"] == "time to target over the baseline's"));
+
+    // Anyone checks the signed record against the operator's public key.
+    let rec = record_path.to_str().unwrap();
+    let out = run_ok(harness(dir).args(["verify", "r.bundle", "--reproduction", rec, "--public-key", "operator.key.pub"]));
+    assert!(text(&out).contains("signed reproduction record: reproduced"), "{}", text(&out));
+    let edited = std::fs::read_to_string(&record_path).unwrap().replacen("\"reproduced\": true", "\"reproduced\": false", 1);
+    let forged_record = dir.join("edited.reproduction.json");
+    std::fs::write(&forged_record, edited).unwrap();
+    std::fs::copy(format!("{rec}.sig"), dir.join("edited.reproduction.json.sig")).unwrap();
+    let out = harness(dir)
+        .args(["verify", "r.bundle", "--reproduction", "edited.reproduction.json", "--public-key", "operator.key.pub"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("the signature does not match the record"), "{}", text(&out));
+
+    // A forged copy: the submission's first evaluation of its first repeat
+    // made better, the manifest's hashes recomputed. The same inputs, so
+    // the kept rerun is compared again rather than trained anew.
+    copy_dir(&dir.join("r.bundle"), &dir.join("better.bundle"));
+    let mut forged_loss = 0.0;
+    forge(&dir.join("better.bundle"), |r| {
+        let e = r["entries"].as_array_mut().unwrap().iter_mut().find(|e| e["id"] == "gpt-tiny/submission-compression/r0").unwrap();
+        let point = &mut e["metrics"]["eval_curve"][0];
+        forged_loss = point[2].as_f64().unwrap() - 0.01;
+        point[2] = forged_loss.into();
+    });
+    let out = harness(dir).args(["reproduce", "better.bundle", "--out", "repro", "-q"]).output().unwrap();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("comparing with it"), "the rerun of the same inputs is reused: {said}");
+    assert!(
+        said.contains("gpt-tiny/submission-compression/r0: eval loss at step")
+            && said.contains(&format!("is {forged_loss:.6} in the bundle"))
+            && said.contains("better.bundle: NOT reproduced"),
+        "{said}"
+    );
+}
