@@ -74,9 +74,11 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     let again = harness(dir).args(["submit", "r.json"]).output().unwrap();
     assert_eq!(again.status.code(), Some(3), "{}", text(&again));
 
-    // Rejected: the plugin artifact swapped for another.
+    // Rejected: the plugin artifact swapped for another, the manifest's
+    // hashes recomputed (as anyone can).
     copy_dir(&bundle, &dir.join("swapped.bundle"));
     std::fs::copy(artifact("topk.wasm"), dir.join("swapped.bundle").join(p["file"].as_str().unwrap())).unwrap();
+    rehash(&dir.join("swapped.bundle"));
     let out = harness(dir).args(["verify", "swapped.bundle"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("is not the artifact that ran"), "{}", text(&out));
@@ -158,6 +160,18 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(html.contains("<h2>Submissions</h2>") && html.contains("href=\"../r.bundle/result.json\""), "links to the bundle's result");
 }
 
+/// Makes the bundle's manifest list its files' sizes and hashes as they
+/// now are: what anyone who edits a bundle does.
+fn rehash(bundle: &Path) {
+    edit_json(&bundle.join("MANIFEST.json"), |m| {
+        for f in m["files"].as_array_mut().unwrap() {
+            let bytes = std::fs::read(bundle.join(f["path"].as_str().unwrap())).unwrap();
+            f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
+            f["bytes"] = bytes.len().into();
+        }
+    });
+}
+
 fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     edit(&mut v);
@@ -194,12 +208,8 @@ fn a_native_constructor_in_a_bundle_never_runs() {
     edit_json(&bundle.join("MANIFEST.json"), |m| {
         m["plugins"][0]["sha256"] = sha.clone().into();
         m["plugins"][0]["bytes"] = lib.len().into();
-        for f in m["files"].as_array_mut().unwrap() {
-            let bytes = std::fs::read(bundle.join(f["path"].as_str().unwrap())).unwrap();
-            f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
-            f["bytes"] = bytes.len().into();
-        }
     });
+    rehash(&bundle);
     let marker = dir.join("constructor-ran");
     let with_marker = |c: &mut std::process::Command| -> Output { c.env("HARNESS_FIXTURE_CONSTRUCTOR_MARKER", &marker).output().unwrap() };
 
