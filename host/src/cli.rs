@@ -682,7 +682,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
     let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
     let dir = crate::submission::submit(&result, &opts)?;
     println!("bundle: {}", dir.display());
-    let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect);
+    let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect_component);
     print!("{}", crate::submission::verify::render(&dir, &verdict));
     Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
 }
@@ -692,7 +692,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
 fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
     let mut code = exit::OK;
     for b in &args.bundles {
-        let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect);
+        let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect_component);
         print!("{}", crate::submission::verify::render(b, &verdict));
         if !verdict.verified() {
             code = exit::NOT_VERIFIED;
@@ -731,7 +731,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
     let opts = Options { out, key, fresh, quiet };
     let mut code = exit::OK;
     for dir in &bundles {
-        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect);
+        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
         if !verdict.verified() {
             print!("{}", crate::submission::verify::render(dir, &verdict));
             println!("{}: not reproduced: the bundle does not verify", dir.display());
@@ -951,7 +951,7 @@ fn load_results(paths: &[PathBuf]) -> anyhow::Result<Loaded> {
                 return Ok(());
             }
         };
-        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect);
+        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
         let mut r = bundle.result.clone();
         if let Some(p) = r.submission.as_ref().and_then(|s| s.entered.first()) {
             let name = format!("{} {} ({})", p.name, p.version, &p.sha256[..12.min(p.sha256.len())]);

@@ -90,9 +90,11 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     let again = harness(dir).args(["submit", "r.json"]).output().unwrap();
     assert_eq!(again.status.code(), Some(3), "{}", text(&again));
 
-    // Rejected: the plugin artifact swapped for another.
+    // Rejected: the plugin artifact swapped for another, the manifest's
+    // hashes recomputed (as anyone can).
     copy_dir(&bundle, &dir.join("swapped.bundle"));
     std::fs::copy(artifact("topk.wasm"), dir.join("swapped.bundle").join(p["file"].as_str().unwrap())).unwrap();
+    rehash(&dir.join("swapped.bundle"));
     let out = harness(dir).args(["verify", "swapped.bundle"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("is not the artifact that ran"), "{}", text(&out));
@@ -172,4 +174,76 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(subs.contains("baseline `allreduce` (reference)"));
     let html = std::fs::read_to_string(dir.join("board/index.html")).unwrap();
     assert!(html.contains("<h2>Submissions</h2>") && html.contains("href=\"../r.bundle/result.json\""), "links to the bundle's result");
+}
+
+/// Makes the bundle's manifest list its files' sizes and hashes as they
+/// now are: what anyone who edits a bundle does.
+fn rehash(bundle: &Path) {
+    edit_json(&bundle.join("MANIFEST.json"), |m| {
+        for f in m["files"].as_array_mut().unwrap() {
+            let bytes = std::fs::read(bundle.join(f["path"].as_str().unwrap())).unwrap();
+            f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
+            f["bytes"] = bytes.len().into();
+        }
+    });
+}
+
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+/// A bundle whose plugin is a native library under the component's name
+/// (tests/plugins/constructor: its constructor writes a marker file the
+/// moment anything loads it), the result and the manifest edited to its
+/// hash as a forger would. `harness verify` and `harness report` refuse it
+/// without loading it; the author's own `harness plugin inspect` of the
+/// library loads it as before, which shows that the fixture would have
+/// left its marker.
+#[test]
+fn a_native_constructor_in_a_bundle_never_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let real = repo_root().join("results/h100/submissions/1.2/compression-topk.bundle");
+    // The real bundle verifies: its component is inspected in the sandbox.
+    let out = run_ok(harness(dir).arg("verify").arg(&real));
+    assert!(text(&out).contains("compression-topk.bundle: verified"), "{}", text(&out));
+
+    let lib = std::fs::read(artifact("libconstructor.so")).unwrap();
+    let bundle = dir.join("native.bundle");
+    copy_dir(&real, &bundle);
+    let file = "plugins/topk-c4b8bc5d3ce2.wasm";
+    std::fs::write(bundle.join(file), &lib).unwrap();
+    let sha = hex::encode(Sha256::digest(&lib));
+    edit_json(&bundle.join("result.json"), |r| {
+        let p = &mut r["submission"]["entered"][0];
+        p["sha256"] = sha.clone().into();
+        p["bytes"] = lib.len().into();
+    });
+    edit_json(&bundle.join("MANIFEST.json"), |m| {
+        m["plugins"][0]["sha256"] = sha.clone().into();
+        m["plugins"][0]["bytes"] = lib.len().into();
+    });
+    rehash(&bundle);
+    let marker = dir.join("constructor-ran");
+    let with_marker = |c: &mut std::process::Command| -> Output { c.env("HARNESS_FIXTURE_CONSTRUCTOR_MARKER", &marker).output().unwrap() };
+
+    let out = with_marker(harness(dir).args(["verify", "native.bundle"]));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("{file} is an ELF file: a native library (it starts with 7f 45 4c 46"))
+            && text(&out).contains("so it was not loaded"),
+        "{}",
+        text(&out)
+    );
+    assert!(!marker.exists(), "harness verify ran the bundle's native constructor");
+    let out = with_marker(harness(dir).args(["report", "native.bundle", "--out-dir", "board"]));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!marker.exists(), "harness report ran the bundle's native constructor");
+
+    // Control: loading the library runs its constructor.
+    let out = with_marker(harness(dir).args(["plugin", "inspect"]).arg(artifact("libconstructor.so")));
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(marker.exists(), "the fixture's constructor did not run when the library was loaded, so the checks above prove nothing");
 }

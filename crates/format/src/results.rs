@@ -419,7 +419,14 @@ impl RunResult {
     /// Reads a result file, refusing formats newer than this build's.
     pub fn read(path: &Path) -> Result<RunResult, ResultsError> {
         let text = std::fs::read_to_string(path).map_err(|source| ResultsError::Read { path: path.into(), source })?;
-        let probe: serde_json::Value = serde_json::from_str(&text).map_err(|source| ResultsError::Parse { path: path.into(), source })?;
+        RunResult::parse(&text, path)
+    }
+
+    /// Parses a result file's text (read elsewhere, e.g. through a bounded
+    /// reader); `path` names it in errors. Refuses formats newer than this
+    /// build's.
+    pub fn parse(text: &str, path: &Path) -> Result<RunResult, ResultsError> {
+        let probe: serde_json::Value = serde_json::from_str(text).map_err(|source| ResultsError::Parse { path: path.into(), source })?;
         let found = probe.get("format_version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
         if found > FORMAT_VERSION {
             return Err(ResultsError::TooNew { path: path.into(), found });

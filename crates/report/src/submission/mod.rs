@@ -5,6 +5,7 @@
 //! against the rules (docs/rules.md). The bundle format is documented in
 //! docs/submitting.md.
 
+pub mod files;
 pub mod verify;
 
 use std::path::{Path, PathBuf};
@@ -210,12 +211,15 @@ pub fn is_bundle(dir: &Path) -> bool {
 }
 
 impl Bundle {
-    /// Reads a bundle's manifest and result (no checks: see [`verify`]).
+    /// Reads a bundle's manifest and result (no checks: see [`verify`]),
+    /// each a regular file of the bundle's folder read within its cap
+    /// ([`files`]).
     pub fn read(dir: &Path) -> Result<Bundle> {
         let m = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&m).with_context(|| format!("cannot read {}", m.display()))?;
-        let manifest: Manifest = serde_json::from_str(&text).with_context(|| format!("{} is not a bundle manifest", m.display()))?;
-        let result = RunResult::read(&dir.join(RESULT))?;
+        let text = files::read(dir, MANIFEST, files::MANIFEST_CAP).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
+        let manifest: Manifest = serde_json::from_slice(&text).with_context(|| format!("{} is not a bundle manifest", m.display()))?;
+        let raw = files::read(dir, RESULT, files::FILE_CAP).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
+        let result = RunResult::parse(&String::from_utf8_lossy(&raw), &dir.join(RESULT))?;
         Ok(Bundle { dir: dir.to_owned(), manifest, result })
     }
 }

@@ -1,36 +1,65 @@
 //! `harness verify BUNDLE`: checks a submission bundle the way a package
 //! checker does, and says for each rule it breaks what is wrong and what to
-//! do. The checks, in order (docs/rules.md, "Verification"):
+//! do. A bundle comes from someone else: verify trusts no figure or label
+//! it can work out itself, and runs nothing from it. The checks, in order
+//! (docs/rules.md, "Verification"):
 //!
-//! 1. every file the manifest lists is there, with its size and sha256;
-//! 2. the result file reads, and every planned entry has a result;
-//! 3. the suite is byte-identical to a standard suite this harness releases;
-//! 4. each entered plugin's artifact is the one that ran (its sha256), and
-//!    says it is the plugin the result names;
-//! 5. the plan is the one the released suite gives for this entry: repeats,
-//!    seeds, steps, warm-up and the baselines unmodified;
-//! 6. each entry ran the workload's steps and warm-up, and its step
-//!    histogram agrees with its step counts;
-//! 7. every failure is reported: no entry failed, and the run's log reports
-//!    no failure the result lacks;
-//! 8. the run is official (hardware class, GPU count, sandboxed plugin, no
-//!    switch that changed the measured work).
+//! 1. files: every file the manifest lists is inside the bundle's folder,
+//!    a regular file within the size caps ([`super::files`]), with its size
+//!    and sha256;
+//! 2. result: the result file reads, and every planned entry has a result;
+//! 3. suite: byte-identical to a standard suite this harness releases;
+//! 4. plugin: each entered plugin's artifact is the one that ran (its
+//!    sha256, and the plugin records of the entries that ran it), it is a
+//!    WebAssembly component by its bytes (anything else is never loaded),
+//!    and, inspected in the sandbox, it says it is the plugin the result
+//!    names;
+//! 5. labels: the suite version, hardware class, GPU count, tracks and
+//!    plugins that the result and the manifest state are the released
+//!    suite's and each other's ([`hardware`]);
+//! 6. hardware: the fingerprint has the class's GPUs, as many as the run
+//!    used, and every entry ran on them ([`hardware`]);
+//! 7. plan: the plan is the one the released suite gives for this entry:
+//!    repeats, seeds and the baselines unmodified;
+//! 8. steps and histograms: each entry ran the workload's steps and
+//!    warm-up, and its step histogram agrees with its step counts;
+//! 9. figures: every figure the tables and the leaderboard use is worked
+//!    out again from the raw records (histograms, curves, the suite's
+//!    batch, sequence length and targets, collective records) and compared
+//!    ([`figures`]);
+//! 10. log and failures: no entry failed, and the run's log agrees with the
+//!     result: a line per entry, in the order the plan runs them, with the
+//!     result's figures, and no failure the result lacks ([`log`]);
+//! 11. official: the run is official by the fingerprint, the GPU count,
+//!     the artifact's own bytes and the switches.
+//!
+//! What verify cannot prove is that the numbers were measured: a forger
+//! who makes every record agree with every other passes. Reproducing the
+//! run (`harness reproduce`) proves that.
+
+mod figures;
+mod hardware;
+mod log;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use serde::Serialize;
 
-use super::{sha256_hex, Manifest, BUNDLE_FORMAT, LOG, MANIFEST, RESULT, SUITE};
+use super::{files, sha256_hex, Manifest, BUNDLE_FORMAT, LOG, MACHINE, MANIFEST, RESULT, SUITE};
+use crate::plugin::{head_hex, ArtifactFormat};
 use crate::results::{EntryStatus, RunResult, Submission};
-use crate::suite::standard::{self, Entry};
+use crate::suite::standard::{self, Entry, Released};
 use crate::suite::Suite;
 
 /// One broken rule: what is wrong, and what to do about it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Violation {
     /// The rule (the check's short name: files, result, suite, plugin,
-    /// plan, steps, histograms, failures, official).
+    /// labels, hardware, plan, steps, histograms, figures, log, failures,
+    /// official).
     pub rule: &'static str,
     pub what: String,
     pub todo: String,
@@ -61,12 +90,21 @@ impl Verdict {
 
 const RESUBMIT: &str = "run `harness submit` again on the original result file";
 
-/// Reads a plugin artifact's manifest (name, version, kind): the caller
-/// decides how, since reading one means loading it. The report layer holds
-/// no plugin runtime.
-pub type Inspect<'a> = &'a dyn Fn(&Path) -> anyhow::Result<crate::plugin::Manifest>;
+/// Reads a plugin artifact's manifest (name, version, kind) from its
+/// bytes: the caller decides how, since reading one means running it. The
+/// report layer holds no plugin runtime. `verify` calls it only with the
+/// bytes of a WebAssembly component (by its first bytes) whose sha256 is
+/// the one the run loaded; `harness` passes `plugin::inspect_component`,
+/// which instantiates it in the wasm sandbox with its memory and time
+/// limits.
+pub type Inspect<'a> = &'a dyn Fn(&[u8]) -> anyhow::Result<crate::plugin::Manifest>;
 
-/// Checks the bundle in `dir`; `inspect` reads the bundled artifacts' manifests.
+/// The bundle's files as they were read (within the caps), by their path
+/// in the manifest.
+type Contents = BTreeMap<String, Vec<u8>>;
+
+/// Checks the bundle in `dir`; `inspect` reads the bundled components'
+/// manifests.
 pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
     let mut v = Verdict::default();
     let manifest = match read_manifest(dir) {
@@ -76,11 +114,15 @@ pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
             return v;
         }
     };
-    check_files(dir, &manifest, &mut v);
-    let result = match RunResult::read(&dir.join(RESULT)) {
-        Ok(r) => r,
-        Err(e) => {
+    let contents = check_files(dir, &manifest, &mut v);
+    let result = match contents.get(RESULT).map(|raw| RunResult::parse(&String::from_utf8_lossy(raw), &dir.join(RESULT))) {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => {
             v.add("result", format!("{RESULT} cannot be read as a result: {e}"), RESUBMIT);
+            return v;
+        }
+        None => {
+            v.add("result", format!("{RESULT} cannot be read (see the files rule)"), RESUBMIT);
             return v;
         }
     };
@@ -92,6 +134,84 @@ pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
         );
         return v;
     };
+    check_complete(&result, &mut v);
+    let suite = check_suite(&contents, &manifest, &result, &mut v);
+    let formats = check_plugins(&contents, &manifest, &sub, inspect, &mut v);
+    check_plugin_records(&sub, &formats, &result, &mut v);
+    if let Some((suite, released)) = &suite {
+        hardware::check_labels(suite, released, &manifest, &sub, &mut v);
+        hardware::check_hardware(suite, &sub, &result, contents.get(MACHINE).map(Vec::as_slice), &mut v);
+        check_plan(suite, &sub, &result, &mut v);
+        check_steps(suite, &result, &mut v);
+        figures::check(suite, &result, &mut v);
+    }
+    log::check(contents.get(LOG).map(Vec::as_slice), &result, &mut v);
+    check_failures(&result, &mut v);
+    check_official(suite.as_ref().map(|s| &s.0), &sub, &formats, &result, &mut v);
+    v
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest, String> {
+    let bytes =
+        files::read(dir, MANIFEST, files::MANIFEST_CAP).map_err(|e| format!("cannot read the manifest of {}: {e}", dir.display()))?;
+    let probe: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| format!("{MANIFEST} is not JSON: {e}"))?;
+    let found = probe.get("bundle_format").and_then(|f| f.as_u64()).unwrap_or(0);
+    if found > BUNDLE_FORMAT as u64 {
+        return Err(format!("the bundle has format {found}; this harness reads format {BUNDLE_FORMAT} (upgrade harness)"));
+    }
+    serde_json::from_value(probe).map_err(|e| format!("{MANIFEST} is not a bundle manifest: {e}"))
+}
+
+/// Rule 1: every listed file is inside the bundle, within the caps, whole
+/// and unchanged. Returns what was read, by path (files that could not be
+/// read are left out; their violations say why).
+fn check_files(dir: &Path, m: &Manifest, v: &mut Verdict) -> Contents {
+    let mut contents = Contents::new();
+    if m.files.len() > files::MAX_FILES {
+        v.add("files", format!("the manifest lists {} files; a bundle holds at most {}", m.files.len(), files::MAX_FILES), RESUBMIT);
+        return contents;
+    }
+    let mut budget = files::TOTAL_CAP;
+    for f in &m.files {
+        if contents.contains_key(&f.path) {
+            v.add("files", format!("the manifest lists {} twice", f.path), RESUBMIT);
+            continue;
+        }
+        let cap = files::FILE_CAP.min(budget);
+        if f.bytes > cap {
+            v.add(
+                "files",
+                format!("the manifest says {} has {} bytes; verify reads at most {cap} bytes of it (a bundle's files: {} bytes each, {} in all)", f.path, f.bytes, files::FILE_CAP, files::TOTAL_CAP),
+                RESUBMIT,
+            );
+            continue;
+        }
+        let bytes = match files::read(dir, &f.path, cap) {
+            Ok(b) => b,
+            Err(e) => {
+                v.add("files", e, RESUBMIT);
+                continue;
+            }
+        };
+        budget -= bytes.len() as u64;
+        if bytes.len() as u64 != f.bytes {
+            let truncated = if (bytes.len() as u64) < f.bytes { " (truncated?)" } else { "" };
+            v.add("files", format!("{} has {} bytes, the manifest says {}{truncated}", f.path, bytes.len(), f.bytes), RESUBMIT);
+        } else if sha256_hex(&bytes) != f.sha256 {
+            v.add("files", format!("{} was changed after it was bundled (its sha256 is not the manifest's)", f.path), RESUBMIT);
+        }
+        contents.insert(f.path.clone(), bytes);
+    }
+    for required in [RESULT, SUITE, MACHINE] {
+        if !m.files.iter().any(|f| f.path == required) {
+            v.add("files", format!("the manifest lists no {required}"), RESUBMIT);
+        }
+    }
+    contents
+}
+
+/// Rule 2: every planned entry has a result.
+fn check_complete(result: &RunResult, v: &mut Verdict) {
     let missing: Vec<&str> = result.plan.iter().filter(|p| !result.entries.iter().any(|e| e.id == p.id)).map(|p| p.id.as_str()).collect();
     if !missing.is_empty() || !result.complete {
         v.add(
@@ -105,65 +225,16 @@ pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
             "finish it with `harness run SUITE --plugin ... --out RESULT --resume`, then submit it again",
         );
     }
-    let suite = check_suite(dir, &manifest, &result, &mut v);
-    check_plugins(dir, &manifest, &sub, inspect, &mut v);
-    if let Some(suite) = &suite {
-        check_plan(suite, &sub, &result, &mut v);
-        check_steps(suite, &result, &mut v);
-    }
-    check_failures(dir, &result, &mut v);
-    check_official(suite.as_ref(), &sub, &result, &mut v);
-    v
-}
-
-fn read_manifest(dir: &Path) -> Result<Manifest, String> {
-    let path = dir.join(MANIFEST);
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let probe: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{MANIFEST} is not JSON: {e}"))?;
-    let found = probe.get("bundle_format").and_then(|f| f.as_u64()).unwrap_or(0);
-    if found > BUNDLE_FORMAT as u64 {
-        return Err(format!("the bundle has format {found}; this harness reads format {BUNDLE_FORMAT} (upgrade harness)"));
-    }
-    serde_json::from_value(probe).map_err(|e| format!("{MANIFEST} is not a bundle manifest: {e}"))
-}
-
-/// Rule 1: every listed file is there, whole and unchanged.
-fn check_files(dir: &Path, m: &Manifest, v: &mut Verdict) {
-    for f in &m.files {
-        match std::fs::read(dir.join(&f.path)) {
-            Err(e) => v.add("files", format!("{} is missing: {e}", f.path), RESUBMIT),
-            Ok(bytes) if bytes.len() as u64 != f.bytes => v.add(
-                "files",
-                format!(
-                    "{} has {} bytes, the manifest says {}{}",
-                    f.path,
-                    bytes.len(),
-                    f.bytes,
-                    if (bytes.len() as u64) < f.bytes { " (truncated?)" } else { "" }
-                ),
-                RESUBMIT,
-            ),
-            Ok(bytes) if sha256_hex(&bytes) != f.sha256 => {
-                v.add("files", format!("{} was changed after it was bundled (its sha256 is not the manifest's)", f.path), RESUBMIT)
-            }
-            Ok(_) => {}
-        }
-    }
-    for required in [RESULT, SUITE] {
-        if !m.files.iter().any(|f| f.path == required) {
-            v.add("files", format!("the manifest lists no {required}"), RESUBMIT);
-        }
-    }
 }
 
 /// Rule 3: the suite that ran is a released standard suite, unchanged.
-/// Returns it, parsed, when it is.
-fn check_suite(dir: &Path, m: &Manifest, r: &RunResult, v: &mut Verdict) -> Option<Suite> {
+/// Returns it, parsed, and the release it is, when it is.
+fn check_suite(contents: &Contents, m: &Manifest, r: &RunResult, v: &mut Verdict) -> Option<(Suite, &'static Released)> {
     let text = &r.suite.text;
     if sha256_hex(text.as_bytes()) != r.suite.sha256 {
         v.add("suite", "the result's suite text does not match its recorded sha256", RESUBMIT);
     }
-    if std::fs::read_to_string(dir.join(SUITE)).is_ok_and(|s| s != *text) {
+    if contents.get(SUITE).is_some_and(|s| s.as_slice() != text.as_bytes()) {
         v.add("suite", format!("{SUITE} is not the suite text recorded in {RESULT}"), RESUBMIT);
     }
     if m.suite.sha256 != r.suite.sha256 {
@@ -182,7 +253,7 @@ fn check_suite(dir: &Path, m: &Manifest, r: &RunResult, v: &mut Verdict) -> Opti
         return None;
     };
     match Suite::parse(Path::new(rel.file), rel.text.to_owned()) {
-        Ok(s) => Some(s),
+        Ok(s) => Some((s, rel)),
         Err(e) => {
             v.add("suite", format!("the released suite {} does not parse: {e}", rel.file), "report this as a harness bug");
             None
@@ -203,65 +274,174 @@ fn closest_released(name: &str, text: &str) -> Option<(&'static str, usize, Stri
         .map(|i| (r.file, i + 1, a.get(i).unwrap_or(&"").to_string(), b.get(i).unwrap_or(&"").to_string()))
 }
 
-/// Rule 4: the bundled artifacts are the ones that ran.
-fn check_plugins(dir: &Path, m: &Manifest, sub: &Submission, inspect: Inspect, v: &mut Verdict) {
+/// Rule 4: the bundled artifacts are the ones that ran, and components.
+/// Returns, per entered plugin, what its bundled artifact is by its bytes
+/// (None when there is no artifact whose sha256 is the one that ran).
+fn check_plugins(contents: &Contents, m: &Manifest, sub: &Submission, inspect: Inspect, v: &mut Verdict) -> Vec<Option<ArtifactFormat>> {
     if sub.entered.is_empty() {
         v.add("plugin", "the run entered no plugin", "enter one with `harness run SUITE --plugin KIND=PATH`");
     }
+    let mut formats = Vec::new();
     for p in &sub.entered {
-        let Some(mp) = m.plugins.iter().find(|mp| mp.kind == p.kind) else {
-            v.add("plugin", format!("the manifest does not list the entered {} `{}`", p.kind, p.name), RESUBMIT);
-            continue;
+        formats.push(check_artifact(contents, m, p, inspect, v));
+    }
+    formats
+}
+
+/// [`check_plugins`] for one entered plugin.
+fn check_artifact(
+    contents: &Contents,
+    m: &Manifest,
+    p: &crate::results::EnteredPlugin,
+    inspect: Inspect,
+    v: &mut Verdict,
+) -> Option<ArtifactFormat> {
+    let Some(mp) = m.plugins.iter().find(|mp| mp.kind == p.kind) else {
+        v.add("plugin", format!("the manifest does not list the entered {} `{}`", p.kind, p.name), RESUBMIT);
+        return None;
+    };
+    if mp.sha256 != p.sha256 || mp.bytes != p.bytes {
+        v.add(
+            "plugin",
+            format!(
+                "the manifest's {} `{}` (sha256 {}) is not the one that ran (sha256 {})",
+                p.kind,
+                mp.name,
+                short(&mp.sha256),
+                short(&p.sha256)
+            ),
+            RESUBMIT,
+        );
+    }
+    let Some(file) = &mp.file else {
+        v.add(
+            "plugin",
+            format!(
+                "the {} `{}` {} is bundled as its sha256 and size only (`--no-artifacts`): verify cannot check that it is the plugin the result names, nor that it is a WebAssembly component that ran sandboxed",
+                p.kind, p.name, p.version
+            ),
+            "submit without --no-artifacts: the artifact that ran goes into the bundle",
+        );
+        return None;
+    };
+    if !m.files.iter().any(|f| f.path == *file) {
+        v.add(
+            "plugin",
+            format!("the manifest names {file} as the {} `{}` but does not list it with its sha256 among its files", p.kind, p.name),
+            RESUBMIT,
+        );
+        return None;
+    }
+    let bytes = contents.get(file)?; // unreadable: reported by rule 1
+    let sha = sha256_hex(bytes);
+    if sha != p.sha256 {
+        v.add(
+            "plugin",
+            format!("{file} is not the artifact that ran: its sha256 is {}, the run loaded {}", short(&sha), short(&p.sha256)),
+            "bundle the artifact that ran: `harness submit` copies it from the path the run loaded",
+        );
+        return None;
+    }
+    let format = ArtifactFormat::of(bytes);
+    if format != ArtifactFormat::Component {
+        let label = if p.transport == "wasm" { ", whatever the result's transport label `wasm` says" } else { "" };
+        v.add(
+            "plugin",
+            format!(
+                "{file} is {} (it starts with {}), not a WebAssembly component{label}: verify loads nothing but components, and those only in the sandbox, so it was not loaded",
+                format.describe(),
+                head_hex(bytes, 8)
+            ),
+            "enter a WebAssembly component (built for wasm32-wasip2): submissions run sandboxed",
+        );
+        return Some(format);
+    }
+    match inspect(bytes) {
+        Ok(info) if info.kind.name() != p.kind || info.name != p.name || info.version != p.version => v.add(
+            "plugin",
+            format!(
+                "{file} says it is the {} `{}` {}, the result names the {} `{}` {}",
+                info.kind.name(),
+                info.name,
+                info.version,
+                p.kind,
+                p.name,
+                p.version
+            ),
+            RESUBMIT,
+        ),
+        Ok(_) => {}
+        Err(e) => v.add("plugin", format!("{file} does not load in the sandbox: {e:#}"), "bundle the artifact that ran"),
+    }
+    Some(format)
+}
+
+/// Rule 4, the entries' side: every entry of a submission strategy
+/// recorded running the entered plugin (its sha256, name and version),
+/// with the transport its bytes give. An entry from a run of another
+/// plugin, or a relabelled one, names another.
+fn check_plugin_records(sub: &Submission, formats: &[Option<ArtifactFormat>], r: &RunResult, v: &mut Verdict) {
+    for (p, format) in sub.entered.iter().zip(formats) {
+        let transport = match format {
+            Some(ArtifactFormat::Component) => Some(crate::plugin::Transport::Wasm),
+            Some(f) if f.is_native() => Some(crate::plugin::Transport::Native),
+            _ => None,
         };
-        if mp.sha256 != p.sha256 || mp.bytes != p.bytes {
+        if let Some(t) = transport.filter(|t| (*t == crate::plugin::Transport::Wasm) != (p.transport == "wasm")) {
             v.add(
-                "plugin",
-                format!(
-                    "the manifest's {} `{}` (sha256 {}) is not the one that ran (sha256 {})",
-                    p.kind,
-                    mp.name,
-                    short(&mp.sha256),
-                    short(&p.sha256)
-                ),
+                "labels",
+                format!("the result labels the entered plugin's transport `{}`; its bytes make it `{}`", p.transport, transport_name(t)),
                 RESUBMIT,
             );
         }
-        let Some(file) = &mp.file else {
-            v.notes.push(format!("the {} `{}` {} is bundled as its sha256 and size only", p.kind, p.name, p.version));
-            continue;
-        };
-        let path = dir.join(file);
-        let Ok(bytes) = std::fs::read(&path) else { continue }; // reported by rule 1
-        let sha = sha256_hex(&bytes);
-        if sha != p.sha256 {
+        let mut wrong = Vec::new();
+        for e in r.entries.iter().filter(|e| p.strategies.contains(&e.strategy)) {
+            let Some(m) = &e.metrics else { continue };
+            match m.plugins.iter().find(|rec| rec.manifest.kind.name() == p.kind) {
+                None => wrong.push(format!("{} recorded no {} plugin", e.id, p.kind)),
+                Some(rec) if rec.manifest.sha256 != p.sha256 || rec.manifest.name != p.name || rec.manifest.version != p.version => wrong
+                    .push(format!(
+                        "{} ran the {} `{}` {} (sha256 {})",
+                        e.id,
+                        p.kind,
+                        rec.manifest.name,
+                        rec.manifest.version,
+                        short(&rec.manifest.sha256)
+                    )),
+                Some(rec) if transport.is_some_and(|t| t != rec.manifest.transport) => wrong.push(format!(
+                    "{} records the plugin's transport as `{}`; its bytes make it `{}`",
+                    e.id,
+                    transport_name(rec.manifest.transport),
+                    transport.map_or("", transport_name)
+                )),
+                Some(_) => {}
+            }
+        }
+        if !wrong.is_empty() {
             v.add(
                 "plugin",
-                format!("{file} is not the artifact that ran: its sha256 is {}, the run loaded {}", short(&sha), short(&p.sha256)),
-                "bundle the artifact that ran: `harness submit` copies it from the path the run loaded",
-            );
-            continue;
-        }
-        match inspect(&path) {
-            Ok(info) if info.kind.name() != p.kind || info.name != p.name || info.version != p.version => v.add(
-                "plugin",
                 format!(
-                    "{file} says it is the {} `{}` {}, the result names the {} `{}` {}",
-                    info.kind.name(),
-                    info.name,
-                    info.version,
+                    "entries of the submission do not record running the entered {} `{}` {} (sha256 {}): {}",
                     p.kind,
                     p.name,
-                    p.version
+                    p.version,
+                    short(&p.sha256),
+                    list(&wrong)
                 ),
-                RESUBMIT,
-            ),
-            Ok(_) => {}
-            Err(e) => v.add("plugin", format!("{file} does not load: {e:#}"), "bundle the artifact that ran"),
+                "submit the result of the run as it was written: every entry of a submission runs the plugin that is bundled",
+            );
         }
     }
 }
 
-/// Rule 5: the plan is what the released suite gives for this entry.
+fn transport_name(t: crate::plugin::Transport) -> &'static str {
+    match t {
+        crate::plugin::Transport::Wasm => "wasm",
+        crate::plugin::Transport::Native => "native",
+    }
+}
+
+/// Rule 7: the plan is what the released suite gives for this entry.
 fn check_plan(released: &Suite, sub: &Submission, r: &RunResult, v: &mut Verdict) {
     let mut suite = released.clone();
     suite.spec.suite.world_size = sub.gpus;
@@ -337,7 +517,7 @@ fn check_plan(released: &Suite, sub: &Submission, r: &RunResult, v: &mut Verdict
     }
 }
 
-/// Rule 6: steps, warm-up and step histograms.
+/// Rule 8: steps, warm-up and step histograms.
 fn check_steps(suite: &Suite, r: &RunResult, v: &mut Verdict) {
     for e in &r.entries {
         let (EntryStatus::Ok, Some(m)) = (&e.status, &e.metrics) else { continue };
@@ -406,10 +586,8 @@ fn check_steps(suite: &Suite, r: &RunResult, v: &mut Verdict) {
     }
 }
 
-/// Rule 7: no entry failed, and the log reports no failure the result lacks.
-fn check_failures(dir: &Path, r: &RunResult, v: &mut Verdict) {
-    let failed: BTreeSet<&str> =
-        r.entries.iter().filter(|e| matches!(e.status, EntryStatus::Failed { .. })).map(|e| e.id.as_str()).collect();
+/// Rule 10, the result's side: no entry failed (the log's side is [`log`]).
+fn check_failures(r: &RunResult, v: &mut Verdict) {
     for e in &r.entries {
         if let EntryStatus::Failed { error, kind } = &e.status {
             v.add(
@@ -419,38 +597,56 @@ fn check_failures(dir: &Path, r: &RunResult, v: &mut Verdict) {
             );
         }
     }
-    match std::fs::read_to_string(dir.join(LOG)) {
-        Err(_) => v.add(
-            "failures",
-            format!("the bundle has no run log ({LOG})"),
-            "submit from where `harness run` wrote the result (its log is <result>.log next to it), or pass --log",
-        ),
-        Ok(log) => {
-            let in_log: BTreeSet<&str> = log.lines().filter_map(|l| l.trim_start().split_once(" FAILED: ").map(|(id, _)| id)).collect();
-            let unreported: Vec<&str> = in_log.difference(&failed).copied().collect();
-            if !unreported.is_empty() {
-                v.add(
-                    "failures",
-                    format!("the run's log reports failures the result does not: {}", list(&unreported)),
-                    "submit the result of the run as it was written; a failed entry may not be run again to replace it",
-                );
-            }
+}
+
+/// Rule 11: official hardware, GPU count and a sandboxed plugin, judged
+/// again from the result's own fingerprint and the artifact's own bytes
+/// (`formats`, from [`check_plugins`]), never from the result's labels (an
+/// edited suite is rule 3's).
+fn check_official(suite: Option<&Suite>, sub: &Submission, formats: &[Option<ArtifactFormat>], r: &RunResult, v: &mut Verdict) {
+    let Some(s) = suite else { return };
+    const TODO: &str = "run on the suite's hardware class and one of its GPU counts, with a WebAssembly plugin and no HARNESS_* switch set";
+    // The transports are judged below from the bytes: the labels are set
+    // so that they add no reason of their own.
+    let mut as_released = Submission { released_suite: true, ..sub.clone() };
+    for p in &mut as_released.entered {
+        p.transport = "wasm".into();
+    }
+    let reasons = as_released.unofficial_reasons(s, &r.machine, &r.switches);
+    for why in &reasons {
+        v.add("official", format!("the run is unofficial: {why}"), TODO);
+    }
+    let mut native = false;
+    for (p, f) in sub.entered.iter().zip(formats) {
+        if let Some(f) = f.filter(|f| f.is_native()) {
+            native = true;
+            v.add(
+                "official",
+                format!(
+                    "the run is unofficial: the entered plugin {} is {} by its bytes (unsandboxed); submissions are WebAssembly components",
+                    p.name,
+                    f.describe()
+                ),
+                TODO,
+            );
         }
+    }
+    if reasons.is_empty() && !native && !sub.unofficial.is_empty() {
+        v.add(
+            "official",
+            format!(
+                "the run recorded itself as unofficial ({}), and the result as bundled says otherwise: its fingerprint or labels were edited",
+                sub.unofficial.join("; ")
+            ),
+            "submit the result of the run as it was written",
+        );
     }
 }
 
-/// Rule 8: official hardware, GPU count and a sandboxed plugin, judged
-/// again from the result's own fingerprint (an edited suite is rule 3's).
-fn check_official(suite: Option<&Suite>, sub: &Submission, r: &RunResult, v: &mut Verdict) {
-    let Some(s) = suite else { return };
-    let as_released = Submission { released_suite: true, ..sub.clone() };
-    for why in as_released.unofficial_reasons(s, &r.machine, &r.switches) {
-        v.add(
-            "official",
-            format!("the run is unofficial: {why}"),
-            "run on the suite's hardware class and one of its GPU counts, with a WebAssembly plugin and no HARNESS_* switch set",
-        );
-    }
+/// Relative difference of two figures, for the comparisons that allow
+/// the rounding of a computation done twice (or of its JSON text).
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
 }
 
 fn short(sha: &str) -> &str {

@@ -99,8 +99,41 @@ fn open(path: &Path) -> Result<(Artifact, Manifest)> {
 }
 
 /// Loads `path` and returns its manifest (for `harness plugin inspect`).
+/// A native library is loaded (`dlopen`), which runs its constructors: for
+/// one's own artifacts only. A bundle someone else made is read with
+/// [`inspect_component`].
 pub fn inspect(path: &Path) -> Result<Manifest> {
     open(path).map(|(_, m)| m).with_context(|| format!("{} is not a usable plugin", path.display()))
+}
+
+/// Memory a component inspected by [`inspect_component`] may use.
+pub const INSPECT_MEMORY_BYTES: usize = 64 << 20;
+/// How long its `info` may run.
+pub const INSPECT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The manifest of the WebAssembly component `bytes`, for `harness verify`
+/// and `harness report` on bundles made elsewhere: nothing that is not a
+/// component by its first bytes is loaded (a native library would run its
+/// constructors the moment it were), and a component is compiled and
+/// instantiated in the wasm sandbox, under [`INSPECT_MEMORY_BYTES`] and
+/// [`INSPECT_DEADLINE`], where only `info` is called. The manifest's
+/// `path` is empty: the bytes are all there is.
+pub fn inspect_component(bytes: &[u8]) -> Result<Manifest> {
+    let format = harness_format::plugin::ArtifactFormat::of(bytes);
+    if format != harness_format::plugin::ArtifactFormat::Component {
+        bail!(
+            "it is {} (it starts with {}), not a WebAssembly component: only components are loaded here, and only in the sandbox",
+            format.describe(),
+            harness_format::plugin::head_hex(bytes, 8)
+        );
+    }
+    let a = wasm::load(bytes)?;
+    let (kind, abi_v) = (a.kind, a.contract.clone());
+    let artifact = Artifact::Wasm(a);
+    let mut probe = instantiate(&artifact, HostSide::new("inspect", Device::Cpu, 1 << 20), INSPECT_MEMORY_BYTES, INSPECT_DEADLINE)?;
+    let (name, version) = probe.info().context("calling `info`")?;
+    let sha256 = hex::encode(Sha256::digest(bytes));
+    Ok(Manifest { name, version, kind, transport: Transport::Wasm, abi: abi_v, sha256, path: PathBuf::new() })
 }
 
 fn instantiate(a: &Artifact, host: HostSide, memory_bytes: usize, deadline: Duration) -> Result<Inst> {
@@ -550,5 +583,22 @@ impl CheckpointPolicy for PluginCheckpoint {
 
     fn plugin_any(&mut self) -> Option<&mut dyn Any> {
         Some(&mut self.plugin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inspect_component_loads_nothing_but_components() {
+        // This test binary is a native executable, constructors and all.
+        let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        let e = format!("{:#}", inspect_component(&exe).unwrap_err());
+        assert!(e.contains("a native library") && e.contains("not a WebAssembly component"), "{e}");
+        let e = format!("{:#}", inspect_component(b"\0asm\x01\0\0\0").unwrap_err());
+        assert!(e.contains("a core WebAssembly module, not a component"), "{e}");
+        let e = format!("{:#}", inspect_component(b"<html>404</html>").unwrap_err());
+        assert!(e.contains("neither a WebAssembly component nor a known native library") && e.contains("3c 68 74 6d"), "{e}");
     }
 }
