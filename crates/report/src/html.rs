@@ -1,18 +1,16 @@
 //! The self-contained HTML report: tables and SVG plots drawn here, no
 //! external files or scripts beyond a few lines for legend highlighting.
+//! Every string from a result file goes through [`crate::escape::html`].
 
 use std::fmt::Write;
 
 use super::submissions::{self, SubBoard};
 use super::{Board, Metric, Row};
+use crate::escape::html as esc;
 use crate::measure;
 
 /// Series colours (Tableau 10); tests look for the first ones on screen.
 pub const PALETTE: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
 
 /// A plot area mapping data coordinates to SVG pixels.
 struct Frame {
@@ -350,9 +348,7 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
             for m in Metric::SCORED {
                 let _ = write!(out, "<td>{}</td>", esc(&m.format_summary(r.summaries.get(&m))));
             }
-            let mut flags = r.flags.clone();
-            flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
-            let _ = write!(out, "<td class=\"flag\">{}</td></tr>", esc(&flags.join("; ")));
+            let _ = write!(out, "<td class=\"flag\">{}</td></tr>", esc(&super::row_flags(r).join("; ")));
         }
         out.push_str("</table>");
         let nccl = super::board_nccl(b);
