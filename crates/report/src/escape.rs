@@ -4,7 +4,9 @@
 //! hashes, switches, NCCL lines, errors, `harness verify`'s reasons (which
 //! quote all of these) and the bundles' folder names. Such a string reaches
 //! the Markdown only through [`md`] or [`md_code`], the HTML page only
-//! through [`html`] (or [`Markup`], which picks one of them).
+//! through [`html`] (or [`Markup`], which picks one of them), and is never
+//! written into a link: the report's links are built from hex digits and
+//! its own names alone.
 
 /// Characters a reader does not see but that change how the text around
 /// them reads: control characters (C0, DEL, C1) and the Unicode

@@ -7,8 +7,10 @@
 //! group of the suite's baseline strategy on the same workload and device.
 //!
 //! [`submission`] makes and checks submission bundles (`harness submit`,
-//! `harness verify`); [`submissions`] ranks the verified ones. Every
-//! string read from a result file is written through [`escape`].
+//! `harness verify`); [`inputs`] reads what `harness report` is given
+//! (result files, and bundles: verified, one per content); [`submissions`]
+//! ranks the verified bundles; [`output`] writes the board. Every string
+//! read from a result file or bundle is written through [`escape`].
 //!
 //! This crate stands on the file formats alone (`harness-format`): no
 //! libtorch, no plugin runtime. What needs one (reading a plugin artifact's
@@ -16,7 +18,9 @@
 
 pub mod escape;
 pub mod html;
+pub mod inputs;
 pub mod metric;
+pub mod output;
 pub mod stats;
 pub mod submission;
 pub mod submissions;
@@ -727,7 +731,7 @@ mod tests {
         assert_eq!((boards[1].switches.as_str(), runs(&boards[1])), ("HARNESS_FUSED_MLP=0", vec![30.0]));
         let md = leaderboard_markdown(&boards, &[]);
         assert_eq!(md.matches("switches: `HARNESS_FUSED_MLP=0`").count(), 1, "{md}");
-        let html = html::page(&boards, &[], &[]);
+        let html = html::page(&boards, &[], &[], &[]);
         assert_eq!(html.matches("switches: <code>HARNESS_FUSED_MLP=0</code>").count(), 1);
         assert!(compare_table(&results[..1], &[switched.clone()]).contains("switches: A none; B HARNESS_FUSED_MLP=0\n"));
         assert!(!compare_table(&results[..1], &results[2..]).contains("switches"));
