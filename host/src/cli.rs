@@ -642,35 +642,26 @@ fn finished_run(result: &results::RunResult) -> i32 {
 }
 
 /// `harness report`: scores result files and submission bundles, and writes
-/// LEADERBOARD.md and index.html to `--out-dir`.
+/// LEADERBOARD.md, index.html and the bundles' copies to `--out-dir`
+/// (`report::inputs::load`, `report::output::write`).
 fn report(args: ReportArgs) -> anyhow::Result<i32> {
     let ReportArgs { results, out_dir } = args;
-    let loaded = load_results(&results)?;
-    let boards = report::boards(&loaded.results);
-    let mut subs = report::submissions::boards(&loaded.bundles);
-    // Bundles are named relative to the leaderboard's folder, so
-    // its links work wherever the folder is served from.
-    for r in subs.iter_mut().flat_map(|b| b.rows.iter_mut()).filter(|r| !r.reference) {
-        r.bundle = relative_to(&out_dir, &r.bundle);
+    let loaded = report::inputs::load(&results, &crate::plugin::inspect_component)?;
+    for n in &loaded.notes {
+        eprintln!("{n}");
     }
-    let mut md = report::leaderboard_markdown(&boards, &loaded.sources);
-    if !subs.is_empty() {
-        md.push('\n');
-        md.push_str(&report::submissions::markdown(&subs));
-    }
-    let html = report::html::page(&boards, &subs, &loaded.sources);
-    let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
-    results::write_atomic(&md_path, md.as_bytes())?;
-    results::write_atomic(&html_path, html.as_bytes())?;
+    let written = report::output::write(&out_dir, &loaded)?;
+    let verified = loaded.bundles.iter().filter(|b| b.verdict.verified()).count();
+    let copies = loaded.bundles.iter().filter(|b| b.same_as.is_some()).count();
     println!(
-        "{} result files ({} bundles, {} verified), {} tables, {} submission tables -> {}, {}",
+        "{} result files ({} bundles, {verified} verified{}), {} tables, {} submission tables -> {}, {}",
         loaded.results.len(),
         loaded.bundles.len(),
-        loaded.bundles.iter().filter(|b| b.verdict.verified()).count(),
-        boards.len(),
-        subs.len(),
-        md_path.display(),
-        html_path.display()
+        if copies == 0 { String::new() } else { format!(", {copies} of them copies of another") },
+        written.boards.len(),
+        written.submission_boards,
+        report::escape::terminal(&written.leaderboard.display().to_string()),
+        report::escape::terminal(&written.page.display().to_string())
     );
     Ok(exit::OK)
 }
@@ -917,95 +908,6 @@ impl Argv {
     fn opt<V: Into<OsString>>(self, name: &str, values: impl IntoIterator<Item = V>) -> Argv {
         values.into_iter().fold(self, |argv, v| argv.arg(name).arg(v))
     }
-}
-
-/// `path` as seen from the folder `base` (both made absolute first).
-fn relative_to(base: &std::path::Path, path: &std::path::Path) -> PathBuf {
-    let (Ok(base), Ok(path)) = (std::path::absolute(base), std::path::absolute(path)) else { return path.to_owned() };
-    let (b, p): (Vec<_>, Vec<_>) = (base.components().collect(), path.components().collect());
-    let common = b.iter().zip(&p).take_while(|(x, y)| x == y).count();
-    let mut out: PathBuf = std::iter::repeat_n(std::path::Component::ParentDir, b.len() - common).collect();
-    out.extend(&p[common..]);
-    out
-}
-
-/// What `harness report` read.
-struct Loaded {
-    results: Vec<results::RunResult>,
-    sources: Vec<String>,
-    bundles: Vec<report::submissions::Verified>,
-}
-
-/// Reads result files and submission bundles (verifying each); folders are
-/// searched (not recursively) for *.json and bundles, skipping JSON files
-/// that are not harness results (bench outputs). A bundle's result joins
-/// the per-workload tables with its submission strategies named after the
-/// plugin, so that two bundles' plugins are never pooled.
-fn load_results(paths: &[PathBuf]) -> anyhow::Result<Loaded> {
-    let mut l = Loaded { results: Vec::new(), sources: Vec::new(), bundles: Vec::new() };
-    let add_bundle = |dir: &std::path::Path, l: &mut Loaded| -> anyhow::Result<()> {
-        let bundle = match crate::submission::Bundle::read(dir) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("note: skipped the bundle {}, which cannot be read ({e:#}); `harness verify` says why", dir.display());
-                return Ok(());
-            }
-        };
-        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
-        let mut r = bundle.result.clone();
-        if let Some(p) = r.submission.as_ref().and_then(|s| s.entered.first()) {
-            let name = format!("{} {} ({})", p.name, p.version, &p.sha256[..12.min(p.sha256.len())]);
-            for e in &mut r.entries {
-                if e.strategy.starts_with("submission-") {
-                    e.strategy = format!("{name} [{}]", e.strategy);
-                }
-            }
-            for e in &mut r.plan {
-                if e.strategy.name.starts_with("submission-") {
-                    e.strategy.name = format!("{name} [{}]", e.strategy.name);
-                }
-            }
-        }
-        l.sources.push(dir.join(crate::submission::RESULT).display().to_string());
-        l.results.push(r);
-        l.bundles.push(report::submissions::Verified { bundle, verdict });
-        Ok(())
-    };
-    for p in paths {
-        if crate::submission::is_bundle(p) {
-            add_bundle(p, &mut l)?;
-        } else if p.is_dir() {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(p)?.flatten().map(|e| e.path()).collect();
-            files.sort();
-            for f in files {
-                if crate::submission::is_bundle(&f) {
-                    add_bundle(&f, &mut l)?;
-                    continue;
-                }
-                // A result that was bundled is read from its bundle.
-                if f.extension().is_none_or(|x| x != "json") || crate::submission::is_bundle(&crate::submission::default_bundle_path(&f)) {
-                    continue;
-                }
-                match results::RunResult::read(&f) {
-                    Ok(r) => {
-                        l.sources.push(f.display().to_string());
-                        l.results.push(r);
-                    }
-                    Err(results::ResultsError::Parse { .. }) => eprintln!("note: {} is not a harness result file; skipped", f.display()),
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        } else {
-            l.results.push(results::RunResult::read(p)?);
-            l.sources.push(p.display().to_string());
-        }
-    }
-    anyhow::ensure!(
-        !l.results.is_empty(),
-        "no result files or bundles found in {}",
-        paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-    );
-    Ok(l)
 }
 
 fn print_env(f: &device::Fingerprint) {

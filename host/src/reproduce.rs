@@ -76,7 +76,7 @@ pub fn prepare(dir: &Path, bundle: &Bundle, opts: &Options) -> Result<Rerun> {
     std::fs::create_dir_all(&rerun).with_context(|| format!("cannot create {}", rerun.display()))?;
     let suite_file = rerun.join(Path::new(released.file).file_name().unwrap_or("suite.toml".as_ref()));
     results::write_atomic(&suite_file, released.text.as_bytes())?;
-    let plugin = rerun.join(format!("{}.wasm", &entered.sha256[..16.min(entered.sha256.len())]));
+    let plugin = rerun.join(format!("{}.wasm", &sha256_hex(&artifact)[..16]));
     results::write_atomic(&plugin, &artifact)?;
     std::fs::write(rerun.join("inputs.json"), serde_json::to_string_pretty(&inputs)? + "\n")?;
     let result = rerun.join("result.json");

@@ -157,7 +157,8 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(text(&out).contains("run.log was changed after it was bundled"), "{}", text(&out));
 
     // report: the verified bundle is ranked on its track, the others are
-    // listed apart with their reasons; links point into the bundles.
+    // listed apart with their reasons and are in no table; links point
+    // into the board's own folder, at copies of the bundles' files.
     let out = run_ok(harness(dir).args(["report", ".", "--out-dir", "board"]));
     // The truncated bundle cannot be read, so it is skipped with a note.
     assert!(text(&out).contains("(6 bundles, 1 verified)"), "{}", text(&out));
@@ -166,14 +167,32 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     let subs = &md[md.find("## Submissions").expect("a submissions section")..];
     assert!(subs.contains("### standard-cpu 1.2 · cpu · 2 ranks · track `compression`"), "{subs}");
     let row = |bundle: &str| -> String {
-        subs.lines().find(|l| l.contains(&format!("`../{bundle}`"))).unwrap_or_else(|| panic!("no row for {bundle}:\n{subs}")).to_owned()
+        subs.lines().find(|l| l.contains(&format!("`./{bundle}`"))).unwrap_or_else(|| panic!("no row for {bundle}:\n{subs}")).to_owned()
     };
     assert!(row("r.bundle").starts_with("| 1 | sign-vote 0.3.1 |"), "{}", row("r.bundle"));
-    assert!(row("cut.bundle").starts_with("| - |") && row("cut.bundle").contains("ran 2 of the 3 repeats"));
+    assert!(row("r.bundle").contains("[result.json](bundles/"), "{}", row("r.bundle"));
+    let apart = &subs[subs.find("### Not ranked").expect("the bundles not ranked, listed apart")..];
+    for b in ["cut.bundle", "edited.bundle", "hidden.bundle", "relogged.bundle", "swapped.bundle"] {
+        assert!(row(b).starts_with(&format!("- `./{b}` (sign-vote 0.3.1): not verified: ")), "{}", row(b));
+        assert!(apart.contains(&row(b)), "{b} is listed apart, in no table");
+    }
+    assert!(row("cut.bundle").contains("ran 2 of the 3 repeats"));
     assert!(row("swapped.bundle").contains("is not the artifact that ran"));
     assert!(subs.contains("baseline `allreduce` (reference)"));
+    // The per-workload tables hold the verified bundle's 3 repeats of its
+    // plugin alone: the others' entries (the same plugin) are not pooled in.
+    let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ") && l.contains("sign-vote 0.3.1 (")).collect();
+    assert_eq!(rows.len(), 3, "one row per workload of the track:\n{md}");
+    assert!(rows.iter().all(|l| l.split(" | ").nth(2).is_some_and(|c| c.ends_with(" of 3"))), "{rows:#?}");
     let html = std::fs::read_to_string(dir.join("board/index.html")).unwrap();
-    assert!(html.contains("<h2>Submissions</h2>") && html.contains("href=\"../r.bundle/result.json\""), "links to the bundle's result");
+    assert!(html.contains("<h2>Submissions</h2>"));
+    let hrefs: Vec<&str> = html.split("href=\"").skip(1).map(|h| h.split('"').next().unwrap()).collect();
+    assert!(hrefs.iter().all(|h| h.starts_with("#board-") || h.starts_with("bundles/")), "links stay in the board: {hrefs:?}");
+    // The ranked row links to the board's copy of its bundle's result.
+    let tr = html.split("<tr>").find(|t| t.contains("<code>./r.bundle</code>")).expect("a row for r.bundle");
+    let href = tr.split("href=\"").nth(1).and_then(|h| h.split('"').next()).expect("a link in r.bundle's row");
+    assert!(href.starts_with("bundles/") && href.ends_with("/result.json"), "{href}");
+    assert_eq!(std::fs::read(dir.join("board").join(href)).unwrap(), std::fs::read(bundle.join("result.json")).unwrap());
 }
 
 /// Makes the bundle's manifest list its files' sizes and hashes as they

@@ -460,11 +460,21 @@ impl RunResult {
 }
 
 /// Atomic replace of `path` with `bytes` (see [`RunResult::write_atomic`]).
+/// The file gets the permissions `std::fs::write` would give it (0666 less
+/// the umask: 0644 with the usual 022), not the temporary file's 0600, so
+/// results and leaderboards can be read by others and served.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ResultsError> {
     let err = |source| ResultsError::Write { path: path.into(), source };
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(err)?;
-    let mut tmp = tempfile::Builder::new().prefix(".harness-").suffix(".tmp").tempfile_in(dir).map_err(err)?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".harness-").suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    let mut tmp = builder.tempfile_in(dir).map_err(err)?;
     tmp.write_all(bytes).map_err(err)?;
     tmp.as_file().sync_all().map_err(err)?;
     tmp.persist(path).map_err(|e| err(e.error))?;
@@ -612,6 +622,19 @@ mod tests {
         write_atomic(&p, b"two").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn atomic_writes_get_the_permissions_a_plain_write_gets_not_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (atomic, plain) = (dir.path().join("a.md"), dir.path().join("b.md"));
+        write_atomic(&atomic, b"x").unwrap();
+        std::fs::write(&plain, b"x").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        // 0666 less the umask (0644 with the usual 022), whatever it is here.
+        assert_eq!(mode(&atomic), mode(&plain));
     }
 
     #[test]

@@ -1,18 +1,18 @@
 //! The self-contained HTML report: tables and SVG plots drawn here, no
 //! external files or scripts beyond a few lines for legend highlighting.
+//! Every string from a result file or bundle goes through
+//! [`crate::escape::html`]; the only links are to the page's own tables
+//! and to the bundles' copies beside it ([`submissions::Files`]).
 
 use std::fmt::Write;
 
-use super::submissions::{self, SubBoard};
+use super::submissions::{self, SubBoard, Verified};
 use super::{Board, Metric, Row};
+use crate::escape::{html as esc, Markup};
 use crate::measure;
 
 /// Series colours (Tableau 10); tests look for the first ones on screen.
 pub const PALETTE: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
 
 /// A plot area mapping data coordinates to SVG pixels.
 struct Frame {
@@ -245,11 +245,12 @@ k.addEventListener('mouseenter',function(){sec.querySelectorAll('.plot [class^=s
 k.addEventListener('mouseleave',function(){sec.querySelectorAll('.dim').forEach(function(e){e.classList.remove('dim');});});});";
 
 /// One section per track of the submission boards: each row with its
-/// plugin's name, version and hash, its ratios, and links to its result
-/// file and to the per-workload tables of its run.
-fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
+/// plugin's name, version and hash, its ratios, and links to its copied
+/// files and to the per-workload tables of its run; then the bundles
+/// listed apart, with why.
+fn submissions(boards: &[Board], subs: &[SubBoard], bundles: &[Verified]) -> String {
     let mut out = String::new();
-    if subs.is_empty() {
+    if bundles.is_empty() {
         return out;
     }
     let _ = write!(out, "<h2>Submissions</h2><p>{}</p>", esc(submissions::EXPLAINED));
@@ -257,7 +258,7 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
         let _ = write!(
             out,
             "<section class=\"track\"><h3>{}</h3><p>Baseline: <code>{}</code></p>",
-            esc(&submissions::title(b)),
+            submissions::title(b, Markup::Html),
             esc(&b.baseline)
         );
         out.push_str("<table><tr><th>rank</th><th>plugin</th><th>sha256</th>");
@@ -267,17 +268,15 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
         for w in &b.workloads {
             let _ = write!(out, "<th>{} <small>{} vs baseline</small></th>", esc(w), esc(b.second.name()));
         }
-        out.push_str("<th>profile</th><th>details</th><th>not ranked because</th></tr>");
+        out.push_str("<th>profile</th><th>bundle</th><th>details</th></tr>");
         for r in &b.rows {
+            let plugin = r.plugin_cell(Markup::Html);
             let _ = write!(
                 out,
-                "<tr{}><td>{}</td><td>{} {}</td><td><code title=\"{}\">{}</code></td>",
-                if r.ranked() { "" } else { " class=\"unranked\"" },
+                "<tr><td>{}</td><td>{plugin}</td><td><code title=\"{}\">{}</code></td>",
                 r.rank.map_or("-".into(), |k| k.to_string()),
-                esc(&r.plugin),
-                esc(&r.version),
                 esc(&r.sha256),
-                esc(&r.sha256[..12.min(r.sha256.len())])
+                esc(submissions::short(&r.sha256))
             );
             for (s, n) in r.ratios.iter().zip(&r.reached) {
                 let _ = write!(out, "<td>{}</td>", esc(&submissions::ratio_cell(s, *n)));
@@ -285,28 +284,50 @@ fn submissions(boards: &[Board], subs: &[SubBoard]) -> String {
             for s in &r.second {
                 let _ = write!(out, "<td>{}</td>", esc(&submissions::ratio_cell(s, (0, 0))));
             }
-            let result = r.bundle.join(crate::submission::RESULT);
-            let mut links =
-                if r.reference { String::new() } else { format!("<a href=\"{}\">result</a>", esc(&result.display().to_string())) };
+            let (bundle, mut links) = if r.reference {
+                (String::new(), String::new())
+            } else {
+                (format!("<code>{}</code>", esc(&r.bundle.display().to_string())), r.files.html())
+            };
             for w in b.workloads.iter().filter(|_| !r.reference) {
                 if let Some(i) = boards.iter().position(|x| {
                     x.suite == b.suite
                         && x.version.as_deref().unwrap_or("-") == b.version
                         && &x.workload == w
-                        && x.rows.iter().any(|row| row.group.strategy.contains(&r.sha256[..12.min(r.sha256.len())]))
+                        && x.rows.iter().any(|row| row.group.strategy == r.strategy)
                 }) {
                     let _ = write!(links, " <a href=\"#board-{i}\">{}</a>", esc(w));
                 }
             }
-            let _ = write!(out, "<td>{:.2}</td><td>{links}</td><td class=\"flag\">{}</td></tr>", r.profile, esc(&r.why_not.join("; ")));
+            let _ = write!(out, "<td>{:.2}</td><td>{bundle}</td><td>{links}</td></tr>", r.profile);
         }
         out.push_str("</table></section>");
+    }
+    if subs.is_empty() {
+        out.push_str("<p>No bundle verified: none is ranked.</p>");
+    }
+    let apart: Vec<&Verified> = submissions::apart(bundles).collect();
+    if !apart.is_empty() {
+        out.push_str("<section class=\"apart\"><h3>Not ranked</h3><ul>");
+        for v in apart {
+            let plugin = submissions::plugin_of(v).map_or_else(|| "no plugin entered".to_owned(), |p| esc(&p));
+            let files = v.files.html();
+            let _ = write!(
+                out,
+                "<li class=\"unranked\"><code>{}</code> ({plugin}): <span class=\"flag\">{}</span>{}</li>",
+                esc(&v.bundle.dir.display().to_string()),
+                esc(&submissions::why_apart(v).join("; ")),
+                if files.is_empty() { String::new() } else { format!("; files: {files}") }
+            );
+        }
+        out.push_str("</ul></section>");
     }
     out
 }
 
-/// The whole page.
-pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
+/// The whole page: the submission boards of `subs` and the bundles listed
+/// apart (when bundles were given), then a section per board.
+pub fn page(boards: &[Board], subs: &[SubBoard], bundles: &[Verified], sources: &[String]) -> String {
     let mut out = String::new();
     let _ = write!(out, "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>harness leaderboard</title><style>{STYLE}</style></head><body>");
     out.push_str("<h1>harness leaderboard</h1><p>Generated by <code>harness report</code>; olympic means over repeats with bootstrap 95% intervals. Sources:</p><ul>");
@@ -314,7 +335,7 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
         let _ = write!(out, "<li><code>{}</code></li>", esc(s));
     }
     out.push_str("</ul>");
-    out.push_str(&submissions(boards, subs));
+    out.push_str(&submissions(boards, subs, bundles));
     for (bi, b) in boards.iter().enumerate() {
         let _ = write!(
             out,
@@ -350,9 +371,7 @@ pub fn page(boards: &[Board], subs: &[SubBoard], sources: &[String]) -> String {
             for m in Metric::SCORED {
                 let _ = write!(out, "<td>{}</td>", esc(&m.format_summary(r.summaries.get(&m))));
             }
-            let mut flags = r.flags.clone();
-            flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
-            let _ = write!(out, "<td class=\"flag\">{}</td></tr>", esc(&flags.join("; ")));
+            let _ = write!(out, "<td class=\"flag\">{}</td></tr>", esc(&super::row_flags(r).join("; ")));
         }
         out.push_str("</table>");
         let nccl = super::board_nccl(b);

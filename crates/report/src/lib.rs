@@ -7,14 +7,20 @@
 //! group of the suite's baseline strategy on the same workload and device.
 //!
 //! [`submission`] makes and checks submission bundles (`harness submit`,
-//! `harness verify`); [`submissions`] ranks the verified ones.
+//! `harness verify`); [`inputs`] reads what `harness report` is given
+//! (result files, and bundles: verified, one per content); [`submissions`]
+//! ranks the verified bundles; [`output`] writes the board. Every string
+//! read from a result file or bundle is written through [`escape`].
 //!
 //! This crate stands on the file formats alone (`harness-format`): no
 //! libtorch, no plugin runtime. What needs one (reading a plugin artifact's
 //! manifest) is passed in by the caller.
 
+pub mod escape;
 pub mod html;
+pub mod inputs;
 pub mod metric;
+pub mod output;
 pub mod reproduction;
 pub mod stats;
 pub mod submission;
@@ -26,6 +32,7 @@ use std::collections::BTreeMap;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
+use crate::escape::{md, md_code};
 use crate::fmt::human;
 use crate::results::{EntryStatus, Metrics, RunResult};
 pub use metric::{Better, Metric, PerMetric};
@@ -206,6 +213,14 @@ pub fn board_nccl(b: &Board) -> Vec<(String, String)> {
 /// Whether a board's runs report classification accuracy.
 pub fn board_has_accuracy(b: &Board) -> bool {
     b.rows.iter().any(|r| r.summaries.contains_key(&Metric::EvalAccuracy))
+}
+
+/// A row's flags and the errors of its failed repeats, as the tables show
+/// them (plain text: each output escapes it).
+pub fn row_flags(r: &Row) -> Vec<String> {
+    let mut flags = r.flags.clone();
+    flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
+    flags
 }
 
 fn opt(x: Option<f64>) -> String {
@@ -490,19 +505,12 @@ fn fmt_verdict(v: Option<&(f64, Verdict)>) -> String {
     }
 }
 
-/// "Suite `name`", with " version V" where the suite has one.
-/// A board's switches line as the Markdown shows it: result files come from
-/// strangers, so anything but the characters a recorded switch is written
-/// with (`HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0`) becomes `?`, and no
-/// backtick, pipe or line break can leave the code span.
-fn plain_switches(line: &str) -> String {
-    line.chars().map(|c| if c.is_ascii_alphanumeric() || "_=,. ".contains(c) { c } else { '?' }).collect()
-}
-
+/// "Suite `name`", with " version V" where the suite has one, as the
+/// Markdown heads a suite's tables.
 pub fn suite_heading(b: &Board) -> String {
     match &b.version {
-        Some(v) => format!("Suite `{}` version {v}", b.suite),
-        None => format!("Suite `{}`", b.suite),
+        Some(v) => format!("Suite {} version {}", md_code(&b.suite), md(v)),
+        None => format!("Suite {}", md_code(&b.suite)),
     }
 }
 
@@ -514,7 +522,7 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
     out.push_str("Values are olympic means over repeats with bootstrap 95% intervals; a difference from the baseline is called\n");
     out.push_str("(higher / lower) only when the two intervals do not overlap, otherwise it is n.s. (not significant).\n\n");
     for s in sources {
-        out.push_str(&format!("- `{s}`\n"));
+        out.push_str(&format!("- {}\n", md_code(s)));
     }
     let mut suite = None;
     for b in boards {
@@ -522,9 +530,9 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
             suite = Some((&b.suite, &b.version));
             out.push_str(&format!("\n## {}\n", suite_heading(b)));
         }
-        out.push_str(&format!("\n### `{}` on {}\n\n", b.workload, b.device));
+        out.push_str(&format!("\n### {} on {}\n\n", md_code(&b.workload), md(&b.device)));
         if !b.switches.is_empty() {
-            out.push_str(&format!("switches: `{}` (not the default work; docs/benchmarks.md)\n\n", plain_switches(&b.switches)));
+            out.push_str(&format!("switches: {} (not the default work; docs/benchmarks.md)\n\n", md_code(&b.switches)));
         }
         let mut header = vec!["rank", "strategy", "target reached"];
         let accuracy = board_has_accuracy(b);
@@ -537,7 +545,7 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
         for r in &b.rows {
             let mut cells = vec![
                 r.rank.map_or("-".into(), |k| k.to_string()),
-                format!("{}{}", r.group.strategy, if r.group.baseline { " (baseline)" } else { "" }),
+                format!("{}{}", md(&r.group.strategy), if r.group.baseline { " (baseline)" } else { "" }),
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() },
             ];
             if accuracy {
@@ -552,13 +560,11 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
             }
             cells.push(fmt_verdict(r.verdicts.get(&Metric::TokensPerS)));
             cells.push(fmt_verdict(r.verdicts.get(&Metric::TimeToTarget)));
-            let mut flags = r.flags.clone();
-            flags.extend(r.group.failures.iter().map(|e| format!("failed: {e}")));
-            cells.push(if flags.is_empty() { "-".into() } else { flags.join("; ") });
-            out.push_str(&format!("| {} |\n", cells.join(" | ").replace('\n', " ")));
+            cells.push(if r.flags.is_empty() && r.group.failures.is_empty() { "-".into() } else { md(&row_flags(r).join("; ")) });
+            out.push_str(&format!("| {} |\n", cells.join(" | ")));
         }
         for (strategy, line) in board_nccl(b) {
-            out.push_str(&format!("\n- `{strategy}`: {line}"));
+            out.push_str(&format!("\n- {}: {}", md_code(&strategy), md(&line)));
         }
         if !board_nccl(b).is_empty() {
             out.push('\n');
@@ -726,7 +732,7 @@ mod tests {
         assert_eq!((boards[1].switches.as_str(), runs(&boards[1])), ("HARNESS_FUSED_MLP=0", vec![30.0]));
         let md = leaderboard_markdown(&boards, &[]);
         assert_eq!(md.matches("switches: `HARNESS_FUSED_MLP=0`").count(), 1, "{md}");
-        let html = html::page(&boards, &[], &[]);
+        let html = html::page(&boards, &[], &[], &[]);
         assert_eq!(html.matches("switches: <code>HARNESS_FUSED_MLP=0</code>").count(), 1);
         assert!(compare_table(&results[..1], &[switched.clone()]).contains("switches: A none; B HARNESS_FUSED_MLP=0\n"));
         assert!(!compare_table(&results[..1], &results[2..]).contains("switches"));
@@ -764,7 +770,12 @@ mod tests {
 
     #[test]
     fn a_switches_line_cannot_leave_its_code_span() {
-        assert_eq!(plain_switches("HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0"), "HARNESS_FUSED_MLP=0, HARNESS_OVERLAP=0");
-        assert_eq!(plain_switches("X=`|\r\n| 1 | <script>"), "X=????? 1 ? ?script?");
+        use crate::results::testing::result;
+        let mut r = result("s", None, 10.0);
+        r.switches = [("X".to_owned(), "`|\r\n| 1 | <script>".to_owned())].into();
+        let md = leaderboard_markdown(&boards(&[r]), &[]);
+        let line = md.lines().find(|l| l.starts_with("switches: ")).expect("a switches line");
+        assert_eq!(line, "switches: <code>X=\\`\\|  \\| 1 \\| &lt;script&gt;</code> (not the default work; docs/benchmarks.md)");
+        assert!(!md.contains("<script>"), "{md}");
     }
 }

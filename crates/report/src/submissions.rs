@@ -2,15 +2,18 @@
 //! standard suite version, hardware class, GPU count and track, by their
 //! time to target relative to the track's baseline measured in the same
 //! run, with a performance profile across the track's workloads (as
-//! AlgoPerf scores submissions). Bundles that do not verify, or runs that
-//! are unofficial, are listed apart and never ranked.
+//! AlgoPerf scores submissions). Only bundles that verify (which makes
+//! them official too) are ranked, each content once; the others, and the
+//! copies of a ranked bundle under other folder names, are listed apart
+//! with the reason ([`apart`]) and never reach a table.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::stats::Summary;
 use super::Metric;
-use crate::results::{EntryStatus, RunResult};
+use crate::escape::{self, md, md_code, Markup};
+use crate::results::{EnteredPlugin, EntryStatus, RunResult};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
 use crate::suite::Suite;
@@ -19,10 +22,90 @@ use crate::suite::Suite;
 /// the best on a workload scores nothing there (AlgoPerf's τ_max).
 pub const TAU_MAX: f64 = 4.0;
 
-/// A bundle and what `harness verify` said of it.
+/// A bundle as `harness report` lists it ([`crate::inputs::load`]): what
+/// `harness verify` said of it, its content identity, and the files of it
+/// the board copies.
 pub struct Verified {
     pub bundle: Bundle,
     pub verdict: Verdict,
+    /// Its content identity ([`crate::inputs::content_id`], hex) when it
+    /// verifies; else, its manifest's word not being taken, the hash of
+    /// the files copied from it.
+    pub id: String,
+    /// The folder given earlier that holds the same content, when both
+    /// verify: this one is a copy, listed apart and never ranked.
+    pub same_as: Option<PathBuf>,
+    /// Where its copies go in the board's folder.
+    pub files: Files,
+    /// The bytes of the files copied ([`Files::copied`], in that order).
+    pub copies: Vec<Vec<u8>>,
+}
+
+impl Verified {
+    /// Whether it is ranked: it verifies and is not a copy of a bundle
+    /// given before it.
+    pub fn ranks(&self) -> bool {
+        self.verdict.verified() && self.same_as.is_none()
+    }
+}
+
+/// The folder the board keeps a bundle's files in, `bundles/<folder>/`
+/// beside LEADERBOARD.md and index.html: the links of the board go there,
+/// never to the bundle's own folder, whose name the submitter chose.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Files {
+    /// Hex digits only: the first 16 of the bundle's content identity
+    /// (all 64 where two different contents share the first 16).
+    pub folder: String,
+    /// The files copied there ([`crate::submission::RESULT`],
+    /// [`crate::submission::MANIFEST`]).
+    pub copied: Vec<&'static str>,
+    /// Files not copied, with why (too large, unreadable, changed since
+    /// `harness verify` read it).
+    pub not_copied: Vec<String>,
+}
+
+/// Where the board keeps the bundles' files, relative to its folder.
+pub const BUNDLES: &str = "bundles";
+
+impl Files {
+    /// The relative links to the copied files: (file name, href). The
+    /// href holds [`BUNDLES`], hex digits and the file's name only.
+    pub fn links(&self) -> Vec<(&'static str, String)> {
+        debug_assert!(self.folder.chars().all(|c| c.is_ascii_hexdigit()), "{}", self.folder);
+        if self.folder.is_empty() || !self.folder.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Vec::new();
+        }
+        self.copied.iter().map(|f| (*f, format!("{BUNDLES}/{}/{f}", self.folder))).collect()
+    }
+
+    /// The links as the Markdown writes them, or why there are none.
+    fn markdown(&self) -> String {
+        let mut parts: Vec<String> = self.links().into_iter().map(|(f, href)| format!("[{f}]({href})")).collect();
+        parts.extend(self.not_copied.iter().map(|w| md(w)));
+        parts.join(", ")
+    }
+
+    /// The links as the page writes them, or why there are none.
+    pub fn html(&self) -> String {
+        let mut parts: Vec<String> = self.links().into_iter().map(|(f, href)| format!("<a href=\"{href}\">{f}</a>")).collect();
+        parts.extend(self.not_copied.iter().map(|w| escape::html(w)));
+        parts.join(", ")
+    }
+}
+
+/// The name a bundle's submission strategy takes in the per-workload
+/// tables: the plugin's name, version and sha256 prefix, then the track's
+/// strategy (`topk 0.1.0 (c4b8bc5d3ce2) [submission-compression]`), so
+/// that two parties' plugins are never pooled.
+pub fn strategy_name(plugin: &EnteredPlugin, strategy: &str) -> String {
+    format!("{} {} ({}) [{strategy}]", plugin.name, plugin.version, short(&plugin.sha256))
+}
+
+/// The first 12 characters of a hash (whole characters, whatever the
+/// string holds).
+pub fn short(sha: &str) -> &str {
+    sha.char_indices().nth(12).map_or(sha, |(i, _)| &sha[..i])
 }
 
 /// One board: a track of one suite version on one hardware class and GPU
@@ -39,17 +122,24 @@ pub struct SubBoard {
     /// The metric shown next to time to target (not ranked on): goodput
     /// for checkpoint policies, throughput for the other kinds.
     pub second: Metric,
-    /// Ranked rows first (verified and official), then the others.
+    /// The ranked rows and the baseline's reference row, best first.
     pub rows: Vec<SubRow>,
 }
 
 /// One submission on one track.
 #[derive(Debug, Clone)]
 pub struct SubRow {
+    /// The plugin's name (the baseline's, for the reference row).
     pub plugin: String,
     pub version: String,
     pub sha256: String,
+    /// The bundle's folder as it was given (shown as text, never linked).
     pub bundle: PathBuf,
+    /// Its files in the board's folder (the links).
+    pub files: Files,
+    /// The name of its submission strategy on this track in the
+    /// per-workload tables ([`strategy_name`]).
+    pub strategy: String,
     /// Per workload: time to target / the baseline's, paired by repeat.
     pub ratios: Vec<Option<Summary>>,
     /// Per workload: repeats that reached the target, of those that ran.
@@ -60,8 +150,6 @@ pub struct SubRow {
     /// Area under the performance profile over [1, TAU_MAX], in [0, 1].
     pub profile: f64,
     pub rank: Option<usize>,
-    /// Why the row is not ranked (empty when verified and official).
-    pub why_not: Vec<String>,
     /// The track's baseline, ratio 1 by definition: listed for reference
     /// among the ranked rows, never ranked itself.
     pub reference: bool,
@@ -69,36 +157,42 @@ pub struct SubRow {
 
 impl SubRow {
     pub fn ranked(&self) -> bool {
-        self.why_not.is_empty() && !self.reference
-    }
-
-    /// A row of the ranked table (ranked, or the reference).
-    fn listed_with_ranked(&self) -> bool {
-        self.why_not.is_empty()
+        !self.reference
     }
 
     fn baseline(b: &SubBoard, runs: usize) -> SubRow {
         let one = Summary { n: runs, olympic_mean: 1.0, median: 1.0, ci95: None };
         SubRow {
-            plugin: format!("baseline `{}` (reference)", b.baseline),
+            plugin: b.baseline.clone(),
             version: String::new(),
             sha256: String::new(),
             bundle: PathBuf::new(),
+            files: Files::default(),
+            strategy: b.baseline.clone(),
             ratios: vec![Some(one); b.workloads.len()],
             reached: vec![(runs, runs); b.workloads.len()],
             second: vec![Some(Summary { n: runs, olympic_mean: 1.0, median: 1.0, ci95: None }); b.workloads.len()],
             profile: 0.0,
             rank: None,
-            why_not: Vec::new(),
             reference: true,
+        }
+    }
+
+    /// The plugin cell: name and version, or the reference's words.
+    pub fn plugin_cell(&self, m: Markup) -> String {
+        if self.reference {
+            format!("baseline {} (reference)", m.code(&self.plugin))
+        } else {
+            m.text(format!("{} {}", self.plugin, self.version).trim())
         }
     }
 }
 
-/// The boards of every bundle's tracks.
+/// The boards of the ranked bundles' tracks ([`Verified::ranks`]): a
+/// bundle that does not verify, or a copy of one given before, has no row.
 pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
     let mut by_key: BTreeMap<(String, String, String, u32, String), SubBoard> = BTreeMap::new();
-    for v in bundles {
+    for v in bundles.iter().filter(|v| v.ranks()) {
         let r = &v.bundle.result;
         let Some(sub) = &r.submission else { continue };
         let Ok(suite) = Suite::parse(Path::new(&r.suite.path), r.suite.text.clone()) else { continue };
@@ -131,12 +225,13 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 version: plugin.version.clone(),
                 sha256: plugin.sha256.clone(),
                 bundle: v.bundle.dir.clone(),
+                files: v.files.clone(),
+                strategy: strategy_name(plugin, &strategy),
                 ratios,
                 reached,
                 second,
                 profile: 0.0,
                 rank: None,
-                why_not: v.verdict.reasons(),
                 reference: false,
             });
         }
@@ -205,9 +300,7 @@ fn score(b: &mut SubBoard) {
         let xs: Vec<f64> = r.ratios.iter().map(|s| s.as_ref().map_or(f64::INFINITY, |s| s.olympic_mean)).collect();
         (xs.iter().map(|x| x.ln()).sum::<f64>() / xs.len().max(1) as f64).exp()
     };
-    b.rows.sort_by(|x, y| {
-        y.listed_with_ranked().cmp(&x.listed_with_ranked()).then(y.profile.total_cmp(&x.profile)).then(geo(x).total_cmp(&geo(y)))
-    });
+    b.rows.sort_by(|x, y| y.profile.total_cmp(&x.profile).then(geo(x).total_cmp(&geo(y))));
     for (k, r) in (1..).zip(b.rows.iter_mut().filter(|r| r.ranked())) {
         r.rank = Some(k);
     }
@@ -226,10 +319,18 @@ pub fn ratio_cell(s: &Option<Summary>, reached: (usize, usize)) -> String {
     }
 }
 
-/// The board's title.
-pub fn title(b: &SubBoard) -> String {
+/// The board's title, written for `m`.
+pub fn title(b: &SubBoard, m: Markup) -> String {
     let unit = if b.hardware == "cpu" { "rank" } else { "GPU" };
-    format!("{} {} · {} · {} {unit}{} · track `{}`", b.suite, b.version, b.hardware, b.gpus, if b.gpus == 1 { "" } else { "s" }, b.track)
+    format!(
+        "{} {} · {} · {} {unit}{} · track {}",
+        m.text(&b.suite),
+        m.text(&b.version),
+        m.text(&b.hardware),
+        b.gpus,
+        if b.gpus == 1 { "" } else { "s" },
+        m.code(&b.track)
+    )
 }
 
 pub const EXPLAINED: &str = "Per standard suite version, hardware class, GPU count and track. Each workload's cell is the \
@@ -237,34 +338,80 @@ submission's time to target divided by the track baseline's, measured in the sam
 and bootstrap 95% interval; below 1 is faster than the baseline), and next to it, not ranked on, the same ratio of goodput \
 (checkpointing tracks) or tokens/s (the others; above 1 is more). The profile score is the area under the performance \
 profile over τ in [1, 4] (AlgoPerf): 1.00 means the best ratio on every workload, 0 a missed target or 4× the best \
-everywhere. Only bundles that `harness verify` accepts are ranked; the others are listed apart with the reasons.";
+everywhere. Only bundles that `harness verify` accepts are ranked, each content once; the others, and copies of a ranked \
+bundle under other folder names, are listed apart with the reasons. Each bundle's result.json and MANIFEST.json are \
+copied into bundles/ beside this board, named by the bundle's content hash, and the links go there.";
 
-/// The Markdown section.
-pub fn markdown(boards: &[SubBoard]) -> String {
+/// The bundles listed apart, in the order given: those that do not verify
+/// and the copies of a ranked one.
+pub fn apart(bundles: &[Verified]) -> impl Iterator<Item = &Verified> {
+    bundles.iter().filter(|v| !v.ranks())
+}
+
+/// Why a bundle is listed apart, one sentence each (plain text: each
+/// output escapes it): "same content as FOLDER", or "not verified: " and
+/// `harness verify`'s reasons.
+pub fn why_apart(v: &Verified) -> Vec<String> {
+    match &v.same_as {
+        Some(first) => vec![format!("same content as {}, ranked as that one", first.display())],
+        None => v.verdict.reasons().into_iter().enumerate().map(|(i, r)| if i == 0 { format!("not verified: {r}") } else { r }).collect(),
+    }
+}
+
+/// The plugin a bundle's result names, as text: "name version", or none.
+pub fn plugin_of(v: &Verified) -> Option<String> {
+    let p = v.bundle.result.submission.as_ref()?.entered.first()?;
+    Some(format!("{} {}", p.name, p.version))
+}
+
+/// The Markdown section: a table per board, then the bundles listed
+/// apart.
+pub fn markdown(boards: &[SubBoard], bundles: &[Verified]) -> String {
+    let m = Markup::Markdown;
     let mut out = String::from("## Submissions\n\n");
     out.push_str(EXPLAINED);
     out.push('\n');
     for b in boards {
-        out.push_str(&format!("\n### {}\n\nBaseline: `{}`.\n\n", title(b), b.baseline));
+        out.push_str(&format!("\n### {}\n\nBaseline: {}.\n\n", title(b, m), md_code(&b.baseline)));
         let mut header = vec!["rank".to_owned(), "plugin".into(), "sha256".into()];
-        header.extend(b.workloads.iter().map(|w| format!("{w} (time vs baseline)")));
-        header.extend(b.workloads.iter().map(|w| format!("{w} ({} vs baseline)", b.second.name())));
-        header.extend(["profile".into(), "bundle".into(), "not ranked because".into()]);
+        header.extend(b.workloads.iter().map(|w| format!("{} (time vs baseline)", md(w))));
+        header.extend(b.workloads.iter().map(|w| format!("{} ({} vs baseline)", md(w), b.second.name())));
+        header.extend(["profile".into(), "bundle".into()]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
-            let sha = if r.reference { "-".into() } else { format!("`{}`", &r.sha256[..12.min(r.sha256.len())]) };
-            let mut cells =
-                vec![r.rank.map_or("-".into(), |k| k.to_string()), format!("{} {}", r.plugin, r.version).trim().to_owned(), sha];
+            let sha = if r.reference { "-".into() } else { md_code(short(&r.sha256)) };
+            let mut cells = vec![r.rank.map_or("-".into(), |k| k.to_string()), r.plugin_cell(m), sha];
             cells.extend(r.ratios.iter().zip(&r.reached).map(|(s, n)| ratio_cell(s, *n)));
             cells.extend(r.second.iter().map(|s| ratio_cell(s, (0, 0))));
             cells.push(format!("{:.2}", r.profile));
-            cells.push(if r.reference { "-".into() } else { format!("`{}`", r.bundle.display()) });
-            cells.push(if r.why_not.is_empty() { "-".into() } else { r.why_not.join("; ") });
-            out.push_str(&format!("| {} |\n", cells.join(" | ").replace('\n', " ")));
+            cells.push(if r.reference { "-".into() } else { bundle_cell(&r.bundle, &r.files) });
+            out.push_str(&format!("| {} |\n", cells.join(" | ")));
         }
     }
     if boards.is_empty() {
-        out.push_str("\nNo submission bundles were given.\n");
+        out.push_str(if bundles.is_empty() { "\nNo submission bundles were given.\n" } else { "\nNo bundle verified: none is ranked.\n" });
+    }
+    let apart: Vec<&Verified> = apart(bundles).collect();
+    if !apart.is_empty() {
+        out.push_str("\n### Not ranked\n\n");
+        for v in apart {
+            let plugin = plugin_of(v).map_or_else(|| "no plugin entered".to_owned(), |p| md(&p));
+            let why = why_apart(v).iter().map(|w| md(w)).collect::<Vec<_>>().join("; ");
+            let files = v.files.markdown();
+            let files = if files.is_empty() { String::new() } else { format!("; files: {files}") };
+            out.push_str(&format!("- {} ({plugin}): {why}{files}\n", md_code(&v.bundle.dir.display().to_string())));
+        }
     }
     out
+}
+
+/// A bundle's folder as it was given, as text, and the links to its
+/// copied files.
+fn bundle_cell(dir: &Path, files: &Files) -> String {
+    let links = files.markdown();
+    if links.is_empty() {
+        md_code(&dir.display().to_string())
+    } else {
+        format!("{} ({links})", md_code(&dir.display().to_string()))
+    }
 }

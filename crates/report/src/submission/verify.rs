@@ -649,8 +649,10 @@ fn close(a: f64, b: f64, rel: f64) -> bool {
     a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
 }
 
+/// The first 12 characters of a hash for messages (a hostile one may hold
+/// any characters: cut at a character boundary).
 fn short(sha: &str) -> &str {
-    &sha[..sha.len().min(12)]
+    sha.char_indices().nth(12).map_or(sha, |(i, _)| &sha[..i])
 }
 
 fn list<S: AsRef<str>>(xs: &[S]) -> String {

@@ -495,3 +495,12 @@ fn a_bundle_without_its_artifact_is_refused() {
 fn the_artifact_bundled_is_the_one_the_sha256_names() {
     assert_eq!(sha256_hex(&std::fs::read(repo().join(REAL).join(ARTIFACT)).unwrap()), TOPK_SHA);
 }
+
+/// A hash of other characters than hex (a manifest may hold anything) is
+/// cut for messages at a character boundary, never mid-character.
+#[test]
+fn hostile_hashes_are_cut_for_messages_without_a_panic() {
+    assert_eq!(super::short("aaaaaaaaaaaé"), "aaaaaaaaaaaé");
+    assert_eq!(super::short("aaaaaaaaaaaéé"), "aaaaaaaaaaaé");
+    assert_eq!(super::short("0123456789abcdef"), "0123456789ab");
+}

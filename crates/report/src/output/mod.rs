@@ -1,0 +1,65 @@
+//! What `harness report` writes into its folder: `LEADERBOARD.md`,
+//! `index.html`, and `bundles/<folder>/` with each listed bundle's
+//! `result.json` and `MANIFEST.json` ([`crate::submissions::Files`]), which
+//! the two link to. Nothing links anywhere else: not to the bundles' own
+//! folders, whose names their submitters chose.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+
+use crate::inputs::Loaded;
+use crate::results::write_atomic;
+use crate::submissions;
+use crate::{html, Board};
+
+/// What [`write()`] wrote.
+pub struct Written {
+    pub leaderboard: PathBuf,
+    pub page: PathBuf,
+    /// The per-workload tables.
+    pub boards: Vec<Board>,
+    /// The submission tables.
+    pub submission_boards: usize,
+}
+
+/// Scores what was loaded and writes the board into `out_dir` (created if
+/// needed): the bundles' copies first, then `LEADERBOARD.md` and
+/// `index.html`, each replaced atomically.
+pub fn write(out_dir: &Path, loaded: &Loaded) -> Result<Written> {
+    let boards = crate::boards(&loaded.results);
+    let subs = submissions::boards(&loaded.bundles);
+    copy_bundles(out_dir, loaded)?;
+    let mut md = crate::leaderboard_markdown(&boards, &loaded.sources);
+    if !loaded.bundles.is_empty() {
+        md.push('\n');
+        md.push_str(&submissions::markdown(&subs, &loaded.bundles));
+    }
+    let page = html::page(&boards, &subs, &loaded.bundles, &loaded.sources);
+    let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
+    write_atomic(&md_path, md.as_bytes())?;
+    write_atomic(&html_path, page.as_bytes())?;
+    Ok(Written { leaderboard: md_path, page: html_path, boards, submission_boards: subs.len() })
+}
+
+/// Writes each bundle's copied files into `bundles/<folder>/`; a folder
+/// shared by several bundles (copies of one content) is written once, by
+/// the first. Copies from an earlier report stay where they were and are
+/// replaced when written again.
+fn copy_bundles(out_dir: &Path, loaded: &Loaded) -> Result<()> {
+    let mut written = BTreeSet::new();
+    for v in &loaded.bundles {
+        let links = v.files.links();
+        if links.is_empty() || !written.insert(v.files.folder.clone()) {
+            continue;
+        }
+        for ((_, href), bytes) in links.iter().zip(&v.copies) {
+            write_atomic(&out_dir.join(href), bytes)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
