@@ -740,7 +740,19 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         } else {
             println!("{}: training it again in {}", dir.display(), rerun.dir.display());
             let exe = std::env::current_exe().context("cannot find the harness executable")?;
-            let status = std::process::Command::new(exe).args(Child::Run(rerun.args.clone()).argv()).status()?;
+            let args = RunArgs {
+                suite: rerun.suite.clone(),
+                out: Some(rerun.result.clone()),
+                resume: rerun.resume,
+                results_dir: rerun.dir.clone(),
+                quiet: opts.quiet,
+                plugin: Some(rerun.plugin.clone()),
+                plugin_config: rerun.plugin_config.clone(),
+                track: rerun.track.clone(),
+                gpus: Some(rerun.gpus),
+                trace: false,
+            };
+            let status = std::process::Command::new(exe).args(Child::Run(args).argv()).status()?;
             // Failed entries are compared (a claim of success they refute);
             // anything else stopped the rerun.
             if !matches!(status.code(), Some(exit::OK | exit::ENTRY_FAILED)) {

@@ -33,11 +33,21 @@ pub struct Options {
     pub quiet: bool,
 }
 
-/// A bundle's rerun: the arguments of `harness run` and where it writes.
+/// A bundle's rerun: what `harness run` is given, and where it writes.
 pub struct Rerun {
     pub dir: PathBuf,
     pub result: PathBuf,
-    pub args: crate::cli::RunArgs,
+    /// The suite file (harness's copy of the released suite).
+    pub suite: PathBuf,
+    /// Continue a rerun that was cut short.
+    pub resume: bool,
+    /// `--plugin KIND=PATH`.
+    pub plugin: String,
+    /// `--plugin-config KEY=VALUE`, each.
+    pub plugin_config: Vec<String>,
+    /// `--track`, when the bundle ran one track.
+    pub track: Option<String>,
+    pub gpus: u32,
     /// A finished rerun of these inputs is already there.
     pub done: bool,
 }
@@ -91,22 +101,20 @@ pub fn prepare(dir: &Path, bundle: &Bundle, opts: &Options) -> Result<Rerun> {
         .config
         .parse::<toml::Table>()
         .with_context(|| format!("the entered plugin's configuration is not TOML: {}", entered.config))?;
-    let args = crate::cli::RunArgs {
+    Ok(Rerun {
         suite: suite_file,
-        out: Some(result.clone()),
         resume: !opts.fresh && existing.is_some(),
-        results_dir: rerun.clone(),
-        quiet: opts.quiet,
-        plugin: Some(format!("{}={}", entered.kind, plugin.display())),
+        plugin: format!("{}={}", entered.kind, plugin.display()),
         plugin_config: config.iter().map(|(k, v)| format!("{k}={v}")).collect(),
         track: match sub.tracks.as_slice() {
             [one] => Some(one.clone()),
             _ => None,
         },
-        gpus: Some(sub.gpus),
-        trace: false,
-    };
-    Ok(Rerun { dir: rerun, result, args, done })
+        gpus: sub.gpus,
+        dir: rerun,
+        result,
+        done,
+    })
 }
 
 /// Compares a bundle with its finished rerun and writes the record (and its
