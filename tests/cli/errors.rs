@@ -120,3 +120,71 @@ fn every_suite_in_the_repository_validates() {
         assert!(out.status.success(), "{}: {}", s.display(), String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// `harness ARGS` in `dir`, killed if it has not ended within 30 s (a
+/// hang is the failure); its exit code and stderr.
+fn within_30_s(dir: &std::path::Path, args: &[&str]) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut child = harness(dir).args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(30) {
+            child.kill().unwrap();
+            panic!("harness {args:?} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code(), err)
+}
+
+#[test]
+fn hostile_suites_are_refused_with_exit_2_at_their_line_before_anything_runs() {
+    // Issue 38: each of these aborted, panicked (exit 4), hung or wrote
+    // outside --results-dir.
+    let dir = tempfile::tempdir().unwrap();
+    let inside = dir.path().join("inside");
+    std::fs::create_dir(&inside).unwrap();
+    let fifo = dir.path().join("plugin.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let plugin = |path: &str| format!("{GOOD}\n[[plugin]]\nname = \"p\"\npath = \"{path}\"\n");
+    for (text, says) in [
+        (GOOD.replace("name = \"s\"", "name = \"../escape\""), "suite.toml:2:8: the suite name `../escape` is not a plain name"),
+        (
+            GOOD.replace("name = \"s\"", "name = \"s\"\nrepeats = 4000000000"),
+            "suite.toml:3:11: `repeats` = 4000000000 is above its bound of 1000",
+        ),
+        (GOOD.replace("batch = 8", "batch = 4294967295"), "`batch` = 4294967295 is above its bound of 65536"),
+        (GOOD.replace("seq_len = 32", "seq_len = 2000000000"), "`seq_len` = 2000000000 is above its bound of 65536"),
+        (GOOD.replace("device = \"cpu\"", "device = \"cpu\"\nworld_size = 20000"), "`world_size` = 20000 is above the bound of 256 ranks"),
+        (
+            GOOD.replace("device = \"cpu\"", "device = \"cpu\"\ncollective_timeout_s = 1e300"),
+            "`collective_timeout_s` = 1e300 is above its bound",
+        ),
+        (plugin("/dev/zero"), "suite.toml:20:8: plugin `p`: /dev/zero is a character device, not a regular file"),
+        (plugin("plugin.fifo"), "is a FIFO (named pipe), not a regular file"),
+    ] {
+        write(dir.path(), "suite.toml", &text);
+        for cmd in ["validate", "run"] {
+            let args =
+                if cmd == "run" { vec!["run", "suite.toml", "--results-dir", "inside/results"] } else { vec!["validate", "suite.toml"] };
+            let (code, err) = within_30_s(dir.path(), &args);
+            assert_eq!(code, Some(harness::cli::exit::INVALID_SUITE), "{cmd} {says}: {err}");
+            assert!(err.contains(says) && err.contains("hint:"), "{cmd}: expected {says:?} in:\n{err}");
+        }
+    }
+    // Nothing was written, inside --results-dir or beside it.
+    assert!(!inside.join("results").exists());
+    let mut left: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["inside", "plugin.fifo", "suite.toml"]);
+    // Entering /dev/zero as a plugin is refused at once too.
+    let (code, err) = within_30_s(&repo_root(), &["plugin", "inspect", "/dev/zero"]);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("/dev/zero is a character device, not a regular file"), "{err}");
+}

@@ -11,11 +11,13 @@
 //!   and did) and [`link`] (the emulated network);
 //! - [`switches`]: the `HARNESS_*` environment switches, typed and read
 //!   once (those that change the measured work are recorded in results);
-//! - the leaves [`error`] (why an entry failed), [`exit`] (exit codes) and
-//!   [`fmt`] (short forms of numbers).
+//! - the leaves [`error`] (why an entry failed), [`exit`] (exit codes),
+//!   [`files`] (reading files that untrusted input names: regular files
+//!   only, up to a cap) and [`fmt`] (short forms of numbers).
 
 pub mod error;
 pub mod exit;
+pub mod files;
 pub mod fmt;
 pub mod histogram;
 pub mod link;

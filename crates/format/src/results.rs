@@ -499,12 +499,17 @@ pub fn find_resumable(dir: &Path, suite_name: &str) -> Option<PathBuf> {
     best.map(|b| b.1)
 }
 
-/// The default path of a new result file.
+/// The default path of a new result file, in `dir`. Validation refuses a
+/// suite name that is not a plain name; one that reaches here unchecked
+/// still cannot leave `dir`: every character but ASCII letters, digits,
+/// `-`, `_` and `.` becomes `_` (the name is followed by the time stamp, so
+/// the file name is never `.` or `..`).
 pub fn default_path(dir: &Path, suite_name: &str) -> PathBuf {
     let stamp = time::OffsetDateTime::now_utc()
         .format(time::macros::format_description!("[year][month][day]T[hour][minute][second]Z"))
         .unwrap_or_default();
-    dir.join(format!("{suite_name}-{stamp}.json"))
+    let name: String = suite_name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    dir.join(format!("{name}-{stamp}.json"))
 }
 
 /// The log file kept next to the result file `result`: the run's lines
@@ -612,6 +617,17 @@ mod tests {
         std::fs::write(&p, v.to_string()).unwrap();
         let e = RunResult::read(&p).unwrap_err().to_string();
         assert!(e.contains("upgrade harness"), "{e}");
+    }
+
+    #[test]
+    fn result_files_stay_in_the_results_folder_whatever_the_suite_name() {
+        let dir = Path::new("results");
+        for name in ["cpu", "../../etc/x", "/tmp/x", "a/../../b", ".."] {
+            let p = default_path(dir, name);
+            assert_eq!(p.parent(), Some(dir), "{name}: {}", p.display());
+            assert!(p.components().all(|c| matches!(c, std::path::Component::Normal(_))), "{name}: {}", p.display());
+            assert_eq!(log_path(&p).parent(), Some(dir));
+        }
     }
 
     #[test]

@@ -11,10 +11,13 @@
 //!   the [`PRESETS`] (configuration only; the training core builds it).
 //! * `validate`: [`Suite`], loading, parsing and the checks, with their
 //!   messages and hints.
+//! * `limits`: the bounds of every numeric key and of names, with the
+//!   lower-bound estimates of memory that validation compares with them.
 //! * `plan`: the expansion into [`Plan`] entries and their seeds.
 //! * `standard`: the released standard suites, their tracks, and entering a
 //!   plugin into them.
 
+pub mod limits;
 mod model;
 mod plan;
 mod spec;

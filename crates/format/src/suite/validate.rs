@@ -7,8 +7,11 @@ use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+mod limits;
+
 use sha2::{Digest, Sha256};
 
+use super::limits::MAX_NAME_LEN;
 use super::model::ModelConfig;
 use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
@@ -158,15 +161,21 @@ impl Suite {
 
     /// Reads and checks a suite file.
     pub fn load(path: &Path) -> Result<Suite, SuiteErrors> {
-        let source = std::fs::read_to_string(path).map_err(|e| {
+        let unreadable = |message: String| {
             SuiteErrors(vec![SuiteError {
                 path: path.to_path_buf(),
                 source_text: String::new(),
                 span: None,
-                message: format!("cannot read the suite: {e}"),
+                message,
                 hint: Some("give the path of a suite file, e.g. suites/cpu.toml".into()),
             }])
+        };
+        // Bounded: `harness validate /dev/zero` must not fill the memory.
+        let bytes = crate::files::read_capped(path, crate::files::SUITE_MAX_BYTES).map_err(|e| match e {
+            crate::files::FileError::Io { error, .. } => unreadable(format!("cannot read the suite: {error}")),
+            e => unreadable(format!("cannot read the suite: {e}")),
         })?;
+        let source = String::from_utf8(bytes).map_err(|e| unreadable(format!("cannot read the suite: it is not UTF-8 ({e})")))?;
         Suite::parse(path, source)
     }
 
@@ -204,7 +213,8 @@ impl Suite {
         };
         let s = &self.spec;
         c.meta(&s.suite);
-        let names = c.workloads(&s.workloads);
+        c.plan_bounds(s);
+        let names = c.workloads(&s.workloads, &s.suite);
         c.plugins(&s.plugins);
         c.strategies(s, &names);
         c.tracks(s, &names);
@@ -243,10 +253,11 @@ impl Checker<'_> {
         if meta.threads == Some(0) {
             self.err(&[Key("suite"), Key("threads")], "`threads` must be at least 1", Some("leave it out to use every core".into()));
         }
+        self.meta_bounds(meta);
     }
 
     /// Every `[[workload]]`; returns their names (strategies refer to them).
-    fn workloads<'s>(&mut self, workloads: &'s [Workload]) -> BTreeSet<&'s str> {
+    fn workloads<'s>(&mut self, workloads: &'s [Workload], meta: &SuiteMeta) -> BTreeSet<&'s str> {
         if workloads.is_empty() {
             self.err(&[], "the suite has no [[workload]]", Some("add at least one [[workload]] table".into()));
         }
@@ -257,21 +268,18 @@ impl Checker<'_> {
                 self.err(&at("name"), format!("workload name `{}` is used twice", w.name), Some("give each workload its own name".into()));
             }
             if !valid_name(&w.name) {
-                self.err(
-                    &at("name"),
-                    format!("workload name `{}` is not a plain name", w.name),
-                    Some("use letters, digits, '-', '_' and '.'".into()),
-                );
+                self.err(&at("name"), format!("workload name `{}` is not a plain name", w.name), Some(NAME_HINT.into()));
             }
-            self.workload(i, w);
+            self.workload(i, w, meta);
         }
         names
     }
 
     /// The `i`-th workload, after its name: sizes and length of the run, the
     /// optimizer, the schedule, clipping, faults, targets, then the model
-    /// and the data, and last the precision.
-    fn workload(&mut self, i: usize, w: &Workload) {
+    /// and the data, the precision, and last the bounds of every key and the
+    /// estimates of memory (`limits`).
+    fn workload(&mut self, i: usize, w: &Workload, meta: &SuiteMeta) {
         let at = |k: &'static str| [Key("workload"), Index(i), Key(k)];
         self.run_size(i, w);
         self.optimizer(i, &w.optimizer);
@@ -296,6 +304,7 @@ impl Checker<'_> {
                 Some("use `precision = \"bf16\"` with SGD".into()),
             );
         }
+        self.workload_bounds(i, w, meta);
     }
 
     /// Batch, sequence, accumulation, how long to train, eval batches.
@@ -680,11 +689,7 @@ impl Checker<'_> {
                 self.err(&at("name"), format!("plugin name `{}` is used twice", p.name), None);
             }
             if !valid_name(&p.name) {
-                self.err(
-                    &at("name"),
-                    format!("plugin name `{}` is not a plain name", p.name),
-                    Some("use letters, digits, '-', '_' and '.'".into()),
-                );
+                self.err(&at("name"), format!("plugin name `{}` is not a plain name", p.name), Some(NAME_HINT.into()));
             }
             if COMPRESSORS.contains(&p.name.as_str())
                 || BATCH_POLICIES.contains(&p.name.as_str())
@@ -722,6 +727,7 @@ impl Checker<'_> {
             if p.path.as_os_str().is_empty() {
                 self.err(&at("path"), "`path` must name the plugin's artifact", None);
             }
+            self.plugin_bounds(i, p);
         }
     }
 
@@ -736,11 +742,7 @@ impl Checker<'_> {
                 self.err(&at("name"), format!("strategy name `{}` is used twice", st.name), None);
             }
             if !valid_name(&st.name) {
-                self.err(
-                    &at("name"),
-                    format!("strategy name `{}` is not a plain name", st.name),
-                    Some("use letters, digits, '-', '_' and '.'".into()),
-                );
+                self.err(&at("name"), format!("strategy name `{}` is not a plain name", st.name), Some(NAME_HINT.into()));
             }
             baselines += st.baseline as u32;
             self.strategy(i, st, s, names);
@@ -764,8 +766,9 @@ impl Checker<'_> {
         for (i, t) in s.tracks.iter().enumerate() {
             let at = |k: &'static str| [Key("track"), Index(i), Key(k)];
             if !tnames.insert(t.name.as_str()) || !valid_name(&t.name) {
-                self.err(&at("name"), format!("track name `{}` is used twice or is not a plain name", t.name), None);
+                self.err(&at("name"), format!("track name `{}` is used twice or is not a plain name", t.name), Some(NAME_HINT.into()));
             }
+            self.track_bounds(i, t);
             if !TRACK_KINDS.contains(&t.kind.as_str()) {
                 self.err(&at("kind"), format!("unknown track kind `{}`", t.kind), Some(format!("one of: {}", TRACK_KINDS.join(", "))));
             }
@@ -814,6 +817,7 @@ impl Checker<'_> {
                     Some("e.g. link = { gbps = 10, latency_us = 5 }".into()),
                 );
             }
+            self.link_bounds(i, l);
             // A standard suite's multi-GPU tracks run only with --gpus >= 2.
             let in_multi_gpu_track = s.tracks.iter().any(|t| t.min_gpus >= 2 && (t.baseline == st.name || t.strategies.contains(&st.name)));
             if meta.world_size < 2 && !in_multi_gpu_track {
@@ -916,9 +920,15 @@ impl Checker<'_> {
     }
 }
 
+/// A plain name: names become parts of paths (the suite's result file,
+/// entry ids in checkpoint and trace folders), so only ASCII letters,
+/// digits, `-`, `_` and `.`, and at most [`MAX_NAME_LEN`] of them.
 fn valid_name(s: &str) -> bool {
-    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    !s.is_empty() && s.len() <= MAX_NAME_LEN && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
+
+/// The hint of a name that is not plain.
+const NAME_HINT: &str = "use letters, digits, '-', '_' and '.', at most 100 characters";
 
 fn parse_hint(message: &str) -> Option<String> {
     if message.contains("unknown field") {

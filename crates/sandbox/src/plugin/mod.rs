@@ -74,13 +74,19 @@ pub struct PluginSet {
 
 /// sha256 of a file, hex.
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_artifact(path)?;
     Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+/// A plugin artifact's bytes: a regular file (a FIFO or a device is refused
+/// without being opened) of at most [`harness_format::files::PLUGIN_MAX_BYTES`].
+fn read_artifact(path: &Path) -> Result<Vec<u8>> {
+    Ok(harness_format::files::read_regular(path, harness_format::files::PLUGIN_MAX_BYTES)?)
 }
 
 /// Loads an artifact by extension and asks it who it is.
 fn open(path: &Path) -> Result<(Artifact, Manifest)> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_artifact(path)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
     let is_wasm = path.extension().is_some_and(|e| e == "wasm");
     let (artifact, kind, transport, abi_v) = if is_wasm {
