@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::report::reproduction::{self, BundleId, Record, Tolerance};
 use crate::results::{self, RunResult};
-use crate::submission::{self, sha256_hex, Bundle, MANIFEST, RESULT};
+use crate::submission::{self, files, sha256_hex, Bundle, MANIFEST, RESULT};
 use crate::suite::standard;
 
 /// Options of `harness reproduce`.
@@ -69,7 +69,8 @@ pub fn prepare(dir: &Path, bundle: &Bundle, opts: &Options) -> Result<Rerun> {
             dir.display()
         )
     };
-    let artifact = std::fs::read(dir.join(&file)).with_context(|| format!("cannot read {}", dir.join(&file).display()))?;
+    // Read confined to the bundle and capped, as verify reads it.
+    let artifact = files::read(dir, &file, files::FILE_CAP).map_err(|e| anyhow::anyhow!("cannot read {file} of {}: {e}", dir.display()))?;
     anyhow::ensure!(sha256_hex(&artifact) == entered.sha256, "{file} is not the artifact that ran (verify the bundle first)");
     // The rerun's identity: what it trains, nothing the submitter labels.
     let inputs = serde_json::json!({
@@ -142,14 +143,14 @@ pub fn record(dir: &Path, bundle: &Bundle, rerun: &Rerun, opts: &Options) -> Res
             allowed: "reproduce on the suite's hardware class".into(),
         });
     }
-    let read = |f: &str| std::fs::read(dir.join(f)).with_context(|| format!("cannot read {}", dir.join(f).display()));
+    let read = |f: &str, cap| files::read(dir, f, cap).map_err(|e| anyhow::anyhow!("cannot read {f} of {}: {e}", dir.display()));
     let folder = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string());
     let record = Record {
         format: reproduction::FORMAT,
         bundle: BundleId {
             folder: folder.clone(),
-            manifest_sha256: sha256_hex(&read(MANIFEST)?),
-            result_sha256: sha256_hex(&read(RESULT)?),
+            manifest_sha256: sha256_hex(&read(MANIFEST, files::MANIFEST_CAP)?),
+            result_sha256: sha256_hex(&read(RESULT, files::FILE_CAP)?),
             plugin_kind: entered.kind.clone(),
             plugin_name: entered.name.clone(),
             plugin_version: entered.version.clone(),
