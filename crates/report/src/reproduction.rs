@@ -42,6 +42,11 @@ pub struct Tolerance {
     /// Largest relative difference of an evaluation's loss or accuracy, or
     /// of a train-loss point; 0 means bit for bit.
     pub trajectory_rel: f64,
+    /// Largest median, over an entry's evaluations (and over its train-loss
+    /// points), of their relative differences: honest runs differ by much
+    /// less than their largest difference at most points, so an edit of
+    /// the whole curve shows here first.
+    pub trajectory_median_rel: f64,
     /// Evaluations by which the one that reaches the target may move.
     pub target_evals: usize,
     /// The narrowest band for a timing figure, relative; twice the repeats'
@@ -56,15 +61,19 @@ pub struct Tolerance {
 impl Tolerance {
     /// The CPU backend is deterministic: the trajectory must be bit for
     /// bit. Timing on shared CPUs is noisy, hence the wide floor.
-    pub const CPU: Tolerance = Tolerance { trajectory_rel: 0.0, target_evals: 0, time_floor: 0.25, absolute_times: false };
+    pub const CPU: Tolerance =
+        Tolerance { trajectory_rel: 0.0, trajectory_median_rel: 0.0, target_evals: 0, time_floor: 0.25, absolute_times: false };
     /// GPUs (bf16, atomics in cuBLAS and NCCL reductions): two honest runs
-    /// differ. Measured with bench/reproduce_gpu.sh on a 2 x H100 host, one
-    /// build, the compression track run three times: evaluations differed by
-    /// at most 3.1% (GPT-2 124M; ResNet-50 bit for bit), the evaluation
-    /// that reached the target moved by one in 1 of 12 entries, and medians
-    /// of time to target by up to 17% where the repeats' spread allowed 76%
-    /// (docs/rules.md, "Reproduction").
-    pub const GPU: Tolerance = Tolerance { trajectory_rel: 0.05, target_evals: 1, time_floor: 0.05, absolute_times: true };
+    /// differ. Measured with bench/reproduce_gpu.sh (one build, the
+    /// compression track run three times on a 2 x H100 and on a 2 x H200
+    /// host, compared pairwise): an evaluation differed by at most 8.6% and a
+    /// train-loss point by 9.1% (GPT-2 124M in a loss spike; ResNet-50 bit
+    /// for bit), the median of an entry's differences by at most 0.74%, the
+    /// evaluation that reached the target moved by one in 6 of 72 entry
+    /// pairs. The bounds are about three times those (docs/rules.md,
+    /// "Reproduction").
+    pub const GPU: Tolerance =
+        Tolerance { trajectory_rel: 0.25, trajectory_median_rel: 0.02, target_evals: 1, time_floor: 0.05, absolute_times: true };
 
     /// The tolerance of a hardware class (`[suite.hardware] class`).
     pub fn for_class(class: Option<&str>) -> Tolerance {
@@ -139,7 +148,7 @@ fn allowed_traj(tol: &Tolerance) -> String {
     if tol.trajectory_rel == 0.0 {
         "bit for bit on the CPU backend".into()
     } else {
-        format!("within {:.1}%", 100.0 * tol.trajectory_rel)
+        format!("each point within {:.0}%, an entry's median within {:.0}%", 100.0 * tol.trajectory_rel, 100.0 * tol.trajectory_median_rel)
     }
 }
 
@@ -210,7 +219,12 @@ fn compare_trajectory(id: &str, a: &Metrics, b: &Metrics, tol: &Tolerance, c: &m
     ];
     let mut first_bad: Option<(String, String, String)> = None;
     let mut evals = 0;
+    let mut medians: Vec<(&str, f64)> = Vec::new();
     for (name, x, y) in curves {
+        let diffs: Vec<f64> = x.iter().zip(y.iter()).filter(|(p, q)| p.0 == q.0).map(|(p, q)| rel(p.2, q.2)).collect();
+        if !diffs.is_empty() {
+            medians.push((name, median(&diffs)));
+        }
         let moved = x.len().abs_diff(y.len());
         if moved > tol.target_evals && name != "train loss" {
             push(format!("the number of {name} points"), x.len().to_string(), y.len().to_string());
@@ -252,6 +266,17 @@ fn compare_trajectory(id: &str, a: &Metrics, b: &Metrics, tol: &Tolerance, c: &m
     if !target_ok {
         let show = |m: &Metrics| m.steps_to_target.map_or("not reached".to_owned(), |s| format!("step {s}"));
         push("the target".into(), show(a), show(b));
+    }
+    if tol.trajectory_median_rel > 0.0 {
+        for (name, m) in medians.into_iter().filter(|(_, m)| *m > tol.trajectory_median_rel || m.is_nan()) {
+            c.differences.push(Difference {
+                at: id.into(),
+                figure: format!("the median relative difference of its {name} points"),
+                claimed: "0".into(),
+                reproduced: format!("{:.2}%", 100.0 * m),
+                allowed: format!("at most {:.1}%", 100.0 * tol.trajectory_median_rel),
+            });
+        }
     }
 }
 
@@ -500,8 +525,16 @@ mod tests {
         assert!(!c.reproduced());
         let d = &c.differences[0];
         assert_eq!((d.figure.as_str(), d.allowed.as_str()), ("eval loss at step 2", "bit for bit on the CPU backend"), "{d}");
-        // On a GPU class the same difference is within tolerance.
+        // On a GPU class the same difference is within tolerance; a whole
+        // curve 3% lower is not, though each point is within 25%.
         assert!(compare(&r, &off, &s, &Tolerance::GPU).reproduced());
+        let lower = with_curve(r.clone(), vec![(1, 0.5, 2.0 * 0.97), (2, 1.0, 1.5 * 0.97)]);
+        let c = compare(&r, &lower, &s, &Tolerance::GPU);
+        assert!(
+            c.differences.iter().any(|d| d.figure == "the median relative difference of its eval loss points" && d.reproduced == "3.00%"),
+            "{:?}",
+            c.differences
+        );
     }
 
     #[test]
