@@ -34,7 +34,12 @@ fn every_bundle_in_the_repository_verifies() {
     let (mut n, mut failed) = (0, String::new());
     for class in ["h100", "h200"] {
         for version in
-            std::fs::read_dir(repo().join("results").join(class).join("submissions")).unwrap().flatten().filter(|d| d.path().is_dir())
+            // A folder per suite version (the board's `bundles/` beside them
+            // holds its copies of results and manifests, not bundles).
+            std::fs::read_dir(repo().join("results").join(class).join("submissions"))
+                .unwrap()
+                .flatten()
+                .filter(|d| d.path().is_dir() && d.file_name().to_string_lossy().chars().all(|c| c.is_ascii_digit() || c == '.'))
         {
             for b in std::fs::read_dir(version.path()).unwrap().flatten().filter(|b| super::super::is_bundle(&b.path())) {
                 let r = RunResult::read(&b.path().join(RESULT)).unwrap();
