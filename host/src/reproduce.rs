@@ -1,6 +1,6 @@
 //! `harness reproduce BUNDLE...`: the operator trains each submission again
 //! from its bundle alone and compares the rerun with the claim
-//! ([`report::reproduction`]), writing a record per bundle, signed when
+//! ([`crate::report::reproduction`]), writing a record per bundle, signed when
 //! given the operator's key.
 //!
 //! The rerun is `harness run` in a child process, of the harness's own copy
