@@ -25,6 +25,8 @@ pub mod reproduction;
 pub mod stats;
 pub mod submission;
 pub mod submissions;
+#[cfg(test)]
+mod test_support;
 
 pub(crate) use harness_format::{fmt, histogram as measure, machine, plugin, results, suite, switches};
 

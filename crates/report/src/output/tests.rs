@@ -13,24 +13,13 @@ use crate::inputs::{self, load};
 use crate::plugin::{Kind, Manifest as PluginManifest, Transport};
 use crate::results::{EntryStatus, NcclRecord};
 use crate::submission::{sha256_hex, MANIFEST, RESULT};
+use crate::test_support::copy_dir;
 
 /// Forges a rank-1 row, runs a script, links out, and reorders what follows.
 const FORGE: &str = "x\r\n| 1 | forged | 9.99 |\n<script>alert(1)</script>`](javascript:alert(2))\u{202e}|";
 
 fn real_bundle() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h100/submissions/1.2/compression-topk.bundle")
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let dst = to.join(e.file_name());
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), dst).unwrap();
-        }
-    }
 }
 
 /// Says each artifact is the plugin that the result of one of `bundles`
