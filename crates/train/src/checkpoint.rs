@@ -23,6 +23,8 @@
 //! file's size and hash. Temporary directories left by a crash are removed
 //! when the store is opened.
 
+pub mod confined;
+
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
