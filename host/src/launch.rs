@@ -388,6 +388,7 @@ impl Run<'_> {
         EntryContext {
             workload: w,
             entry,
+            suite_sha256: &self.suite.sha256,
             suite_dir: &self.suite_dir,
             device: self.device,
             warmup_steps: meta.warmup_steps,

@@ -1,9 +1,11 @@
 //! A run killed half-way keeps every finished entry, and `--resume` finishes
 //! it without redoing them.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use harness::results::RunResult;
+use harness::train::checkpoint;
 
 use crate::*;
 
@@ -73,4 +75,99 @@ fn an_existing_result_is_never_overwritten() {
     assert_eq!(out.status.code(), Some(harness::cli::exit::ERROR));
     assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
     assert_eq!(std::fs::read(dir.path().join("r.json")).unwrap(), before);
+}
+
+/// `--resume` reads the checkpoint folder as a hostile one: the newest
+/// checkpoint renamed to a later step, a FIFO in place of its model file,
+/// its folder a symbolic link to one outside, or its manifest edited, each
+/// fails the entry at once, recorded with a message naming the checkpoint
+/// folder and the field, and the run goes on with the next entry.
+#[test]
+fn a_hostile_checkpoint_fails_its_entry_by_name_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let strategy = "\n[[strategy]]\nname = \"every1\"\ncheckpoint = \"every-n\"\ncheckpoint_config = { every = 1, keep = 3 }\n";
+    let w = tiny_gpt("a", 100_000, "") + &tiny_gpt("b", 5, "") + &plugin_table("every-n", "every-n.wasm") + strategy;
+    let s = write(dir.path(), "s.toml", &suite("hostile", "", &w));
+    type Sabotage = fn(&Path, &Path) -> PathBuf;
+    let cases: [(&str, Sabotage, &str, &str); 4] = [
+        (
+            "renamed",
+            |newest, _| {
+                let renamed = newest.with_file_name("step-99999999");
+                std::fs::rename(newest, &renamed).unwrap();
+                renamed
+            },
+            "position.step",
+            "but the folder is named for step 99999999",
+        ),
+        (
+            "fifo",
+            |newest, _| {
+                std::fs::remove_file(newest.join("model.safetensors")).unwrap();
+                assert!(std::process::Command::new("mkfifo").arg(newest.join("model.safetensors")).status().unwrap().success());
+                newest.to_path_buf()
+            },
+            "model.safetensors",
+            "is a FIFO, not a regular file",
+        ),
+        (
+            "symlinked",
+            |newest, outside| {
+                let away = outside.join("elsewhere");
+                std::fs::rename(newest, &away).unwrap();
+                std::os::unix::fs::symlink(&away, newest).unwrap();
+                newest.to_path_buf()
+            },
+            "the folder",
+            "is a symbolic link, not a directory",
+        ),
+        (
+            "edited",
+            |newest, _| {
+                let m = newest.join("checkpoint.json");
+                let text = std::fs::read_to_string(&m).unwrap();
+                assert!(text.contains("\"micro_batch\": 8,"), "{text}");
+                std::fs::write(&m, text.replace("\"micro_batch\": 8,", "\"micro_batch\": 4000000000,")).unwrap();
+                newest.to_path_buf()
+            },
+            "sha256",
+            "changed after it was written",
+        ),
+    ];
+    for (case, sabotage, field, why) in cases {
+        let out = dir.path().join(format!("{case}.json"));
+        let root = out.with_extension("checkpoints").join("a_every1_r0");
+        let mut child = harness(dir.path()).args(["run", "-q"]).arg(&s).arg("--out").arg(&out).spawn().unwrap();
+        let t0 = Instant::now();
+        while checkpoint::list(&root).last().is_none_or(|c| c.0 < 3) {
+            assert!(t0.elapsed() < Duration::from_secs(120), "{case}: no checkpoint appeared in {}", root.display());
+            assert!(child.try_wait().unwrap().is_none(), "{case}: harness finished before it could be killed");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let newest = checkpoint::list(&root).last().unwrap().1.clone();
+        let refused = sabotage(&newest, dir.path());
+
+        let mut child = harness(dir.path()).args(["run", "-q", "--resume"]).arg(&s).arg("--out").arg(&out).spawn().unwrap();
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if t0.elapsed() > Duration::from_secs(120) {
+                child.kill().unwrap();
+                panic!("{case}: the resumed run hung");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(harness::cli::exit::ENTRY_FAILED), "{case}");
+        let r = results(&out);
+        assert_eq!(r["complete"], true, "{case}");
+        let a = entry(&r, "a/every1/r0");
+        assert_eq!(a["status"], "failed", "{case}: {a}");
+        let e = a["error"].as_str().unwrap();
+        assert!(e.contains(&format!("checkpoint {} refused: `{field}`", refused.display())) && e.contains(why), "{case}: {e}");
+        assert_eq!(entry(&r, "b/every1/r0")["status"], "ok", "{case}: the run did not go on");
+    }
 }

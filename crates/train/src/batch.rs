@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 
-use super::checkpoint::Position;
+use super::checkpoint::{Position, MAX_LR_SCALE};
 use crate::results::OomRecord;
 use crate::strategy::{BatchDecision, BatchPolicy, StepTelemetry};
 
@@ -28,6 +28,7 @@ impl Batch {
     /// The policy's first batch, given the workload's.
     pub fn initial(policy: &mut dyn BatchPolicy, configured: BatchDecision, memory_total_bytes: u64, world: usize) -> Result<Batch> {
         let first = policy.initial(configured)?;
+        check_lr_scale(first.lr_scale)?;
         Ok(Batch {
             micro_batch: first.micro_batch,
             accum_steps: first.accum_steps,
@@ -74,6 +75,7 @@ impl Batch {
         let t =
             StepTelemetry { step, micro_batch: failed, accum_steps: self.accum_steps, out_of_memory: true, ..self.last_telemetry.clone() };
         let next = policy.next(&t)?;
+        check_lr_scale(next.lr_scale)?;
         let retry = if next.micro_batch < failed { next.micro_batch } else { (failed / 2).max(1) };
         self.oom_ceiling = Some(self.oom_ceiling.map_or(failed, |c| c.min(failed)));
         self.oom_fallback = retry;
@@ -86,6 +88,7 @@ impl Batch {
     /// (whose `step` is the number of steps done).
     pub fn after_step(&mut self, policy: &mut dyn BatchPolicy, telemetry: &StepTelemetry) -> Result<()> {
         let mut next = policy.next(telemetry)?;
+        check_lr_scale(next.lr_scale)?;
         self.last_telemetry = telemetry.clone();
         // A size that ran out of memory is not tried again: the policy's
         // request falls back to the size that was retried then.
@@ -103,5 +106,32 @@ impl Batch {
             self.accum_steps
         );
         Ok(())
+    }
+}
+
+/// Refuses an `lr_scale` that is not finite, positive and at most
+/// [`MAX_LR_SCALE`] (the largest ratio of two batches the host accepts; a
+/// checkpoint holding more is refused too).
+fn check_lr_scale(lr_scale: f64) -> Result<()> {
+    anyhow::ensure!(
+        lr_scale.is_finite() && lr_scale > 0.0 && lr_scale <= MAX_LR_SCALE,
+        "the batch policy returned lr_scale {lr_scale}; it must be finite, positive and at most {MAX_LR_SCALE}"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_lr_scale_that_is_not_finite_positive_and_within_the_bound_is_refused() {
+        for ok in [1.0, 1e-300, 0.5, MAX_LR_SCALE] {
+            check_lr_scale(ok).unwrap();
+        }
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e30, MAX_LR_SCALE * (1.0 + f64::EPSILON)] {
+            let e = check_lr_scale(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("lr_scale {bad}; it must be finite, positive and at most 4294967296")), "{e}");
+        }
     }
 }

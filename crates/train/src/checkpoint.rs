@@ -7,21 +7,45 @@
 //!
 //! ```text
 //! step-00000040/
-//!   checkpoint.json          manifest: format, step, world size, data position,
-//!                            batch, and the model file's size and sha256
+//!   checkpoint.json          manifest: format, the run it belongs to, step,
+//!                            data position, batch, every file's size and
+//!                            sha256, and its own sha256 over all of that
 //!   model.safetensors[.zst]  parameters (rank 0 writes them; ranks hold equal copies)
 //!   rank-0.safetensors[.zst] that rank's optimizer and scaler state, RNG state
 //!                            and plugin states (`plugin/<slot>`, bytes)
-//!   rank-0.json              that file's size and sha256
+//!   rank-0.json              that file's size and sha256 (gathered into the manifest)
 //!   ...
 //! ```
 //!
 //! A write goes to `.step-00000040.tmp/`: every rank writes its files and
 //! fsyncs them, the ranks meet, rank 0 writes the manifest, fsyncs it and the
 //! directory, renames the directory to its final name and fsyncs the parent.
-//! Only a directory with the final name counts, and reading one checks every
-//! file's size and hash. Temporary directories left by a crash are removed
-//! when the store is opened.
+//! Only a directory with the final name counts. Temporary directories left
+//! by a crash are removed when the store is opened.
+//!
+//! Reading treats the folder as hostile ([`accept`], [`confined`]): the
+//! checkpoint must be a real directory of regular files (no symbolic link
+//! anywhere below the entry's checkpoint directory, which itself and its
+//! parent must be real directories; FIFOs and devices are refused from their
+//! metadata, unopened), its manifest must be intact (its sha256), of this
+//! run and entry ([`RunIdentity`]), name exactly the files this store
+//! writes, and hold a position within what the run could have produced
+//! ([`Bounds`]); every file's size is checked against what the run's
+//! tensors occupy ([`Layout`]) before it is read, and its header against
+//! their names, dtypes and shapes before any tensor is allocated; reads
+//! never exceed those sizes. A refusal ([`Refused`]) names the folder and
+//! the field.
+
+mod accept;
+pub mod confined;
+
+pub(crate) use accept::refused;
+use accept::FileLayout;
+pub use accept::{
+    Accept, Bounds, Layout, LrScale, Refused, RunIdentity, TensorSpec, MAX_COUNT, MAX_LR_SCALE, PLUGIN_STATE_BASE,
+    PLUGIN_STATE_PER_PARAMETER,
+};
+use confined::Dir;
 
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
@@ -39,11 +63,13 @@ use tch::{Device, Kind, Tensor};
 #[error("the checkpoint write was cancelled")]
 pub struct Cancelled;
 
-/// Version of the on-disk layout.
-pub const FORMAT: u32 = 1;
+/// Version of the on-disk layout (2: the manifest names the run it belongs
+/// to, holds every rank's file record and its own sha256).
+pub const FORMAT: u32 = 2;
 
 /// Where a checkpoint puts the training loop.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Position {
     /// Optimizer steps completed.
     pub step: u64,
@@ -52,7 +78,24 @@ pub struct Position {
     /// The batch the next step runs with.
     pub micro_batch: u32,
     pub accum_steps: u32,
+    /// Written as the shortest decimal text that reads back to the same
+    /// bits (a JSON number need not).
+    #[serde(with = "exact_f64")]
     pub lr_scale: f64,
+}
+
+/// An `f64` as text that parses back to the same value, bit for bit.
+mod exact_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&v.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(|_| serde::de::Error::custom(format!("`{text}` is not a number")))
+    }
 }
 
 /// One rank's part of a checkpoint, in host memory.
@@ -105,7 +148,8 @@ impl Snapshot {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct FileRecord {
     file: String,
     bytes: u64,
@@ -118,14 +162,38 @@ struct FileRecord {
     chunk_bytes: Option<u64>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Manifest {
     format: u32,
-    world_size: u32,
+    /// The run and entry that wrote it.
+    run: RunIdentity,
     compressed: bool,
     position: Position,
     model: FileRecord,
+    /// Each rank's file, in rank order.
+    ranks: Vec<FileRecord>,
+    /// The sha256 of everything above ([`Manifest::digest`]).
+    sha256: String,
 }
+
+impl Manifest {
+    /// The sha256 of the manifest's fields but its own hash, in their
+    /// canonical form (compact JSON, fields in declaration order).
+    fn digest(&self) -> String {
+        let mut m = self.clone();
+        m.sha256.clear();
+        let mut h = Sha256::new();
+        h.update(b"harness checkpoint manifest\n");
+        h.update(serde_json::to_vec(&m).expect("a manifest serialises"));
+        hex::encode(h.finalize())
+    }
+}
+
+/// The most bytes a manifest may hold.
+const MANIFEST_CAP: u64 = 4 << 20;
+/// The most bytes a file record (`model.json`, `rank-N.json`) may hold.
+const RECORD_CAP: u64 = 64 << 10;
 
 /// An entry's checkpoint directory, seen from one rank.
 pub struct Store {
@@ -133,6 +201,11 @@ pub struct Store {
     rank: usize,
     world: usize,
     compress: bool,
+    /// The run written into manifests, and required of those read.
+    run: RunIdentity,
+    /// What reads accept besides the run (none: benchmarks and tests,
+    /// whose reads into snapshot buffers accept those buffers' tensors).
+    accept: Option<Accept>,
     /// How reads go to the disk ([`ReadMode::RESTORE`] unless a benchmark
     /// compares others).
     pub read_mode: ReadMode,
@@ -143,27 +216,74 @@ fn dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
+/// Refuses `path` if it is a symbolic link (to a directory or anything
+/// else); fine if it does not exist.
+fn not_a_link(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => bail!("{} is a symbolic link; a checkpoint directory must be a real one", path.display()),
+        _ => Ok(()),
+    }
+}
+
 impl Store {
     /// Opens (and on rank 0 creates) `root`, removing what crashed writes
     /// left behind, and with `fresh` every checkpoint there too (a new run
-    /// of the entry, not a resumed one).
+    /// of the entry, not a resumed one). Neither `root` nor its parent may
+    /// be a symbolic link. The store belongs to no run in particular until
+    /// [`Store::for_run`].
     pub fn open(root: &Path, rank: usize, world: usize, compress: bool, fresh: bool) -> Result<Store> {
+        not_a_link(root)?;
+        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            not_a_link(parent)?;
+        }
         if rank == 0 {
             fs::create_dir_all(root).with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
             for e in fs::read_dir(root)?.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 let torn = name.starts_with('.') && (name.ends_with(".tmp") || name.ends_with(".deleting"));
                 if torn || (fresh && name.starts_with("step-")) {
-                    fs::remove_dir_all(e.path()).with_context(|| format!("removing the torn checkpoint {}", e.path().display()))?;
+                    // Never through a symbolic link.
+                    let gone = match e.file_type() {
+                        Ok(t) if t.is_dir() => fs::remove_dir_all(e.path()),
+                        _ => fs::remove_file(e.path()),
+                    };
+                    gone.with_context(|| format!("removing the torn checkpoint {}", e.path().display()))?;
                 }
             }
         }
-        Ok(Store { root: root.to_path_buf(), rank, world, compress, read_mode: ReadMode::RESTORE })
+        Ok(Store {
+            root: root.to_path_buf(),
+            rank,
+            world,
+            compress,
+            run: RunIdentity::anonymous(world),
+            accept: None,
+            read_mode: ReadMode::RESTORE,
+        })
+    }
+
+    /// This store as the run `run`'s: its manifests name it, and reads
+    /// refuse what `accept` does not.
+    pub fn for_run(mut self, run: RunIdentity, accept: Accept) -> Result<Store> {
+        anyhow::ensure!(run.world_size as usize == self.world, "a run of {} ranks for a store of {}", run.world_size, self.world);
+        self.run = run;
+        self.accept = Some(accept);
+        Ok(self)
     }
 
     /// The directory of the checkpoint of `step`.
     pub fn dir(&self, step: u64) -> PathBuf {
         self.root.join(dir_name(step))
+    }
+
+    /// The steps of the checkpoints in the directory (final names only),
+    /// oldest first; the directory must be a real one.
+    pub fn list(&self) -> Result<Vec<u64>> {
+        not_a_link(&self.root)?;
+        if let Some(parent) = self.root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            not_a_link(parent)?;
+        }
+        Ok(list(&self.root).into_iter().map(|c| c.0).collect())
     }
 
     /// Removes the temporary files of an uncommitted write of `step` (one
@@ -198,6 +318,16 @@ impl Store {
     /// [`Store::write_part`], given up with [`Cancelled`] as soon as
     /// `cancel` is set (checked every 16 MiB written).
     pub fn write_part_unless(&self, snap: &Snapshot, cancel: &AtomicBool) -> Result<u64> {
+        if let Some(a) = &self.accept {
+            // What a resume would refuse is not written.
+            if let Some((slot, b)) = snap.plugins.iter().find(|(_, b)| b.len() as u64 > a.layout.plugin_state_cap) {
+                bail!(
+                    "the {slot} plugin's state is {} bytes, more than the {} a checkpoint may hold for it",
+                    b.len(),
+                    a.layout.plugin_state_cap
+                );
+            }
+        }
         let tmp = self.tmp(snap.position.step);
         fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let mut state: Vec<(String, Tensor)> = snap.state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
@@ -216,15 +346,19 @@ impl Store {
     }
 
     /// Rank 0, once every rank's [`Store::write_part`] succeeded: writes the
-    /// manifest and moves the checkpoint to its final name, durably.
+    /// manifest (every rank's file record gathered into it, and its hash)
+    /// and moves the checkpoint to its final name, durably.
     pub fn commit(&self, position: Position) -> Result<PathBuf> {
         let tmp = self.tmp(position.step);
-        let model: FileRecord = serde_json::from_slice(&fs::read(tmp.join("model.json"))?)?;
-        let m = Manifest { format: FORMAT, world_size: self.world as u32, compressed: self.compress, position, model };
+        let model: FileRecord = read_record(&tmp.join("model.json"))?;
+        let ranks = (0..self.world).map(|r| read_record(&tmp.join(format!("rank-{r}.json")))).collect::<Result<Vec<FileRecord>>>()?;
+        let mut m =
+            Manifest { format: FORMAT, run: self.run.clone(), compressed: self.compress, position, model, ranks, sha256: String::new() };
+        m.sha256 = m.digest();
         write_synced(&tmp.join("checkpoint.json"), &serde_json::to_vec_pretty(&m)?)?;
         sync_dir(&tmp)?;
         let dir = self.dir(position.step);
-        if dir.exists() {
+        if fs::symlink_metadata(&dir).is_ok() {
             // The same step saved again (after a restore): the new one wins.
             self.delete(position.step)?;
         }
@@ -240,7 +374,12 @@ impl Store {
         let away = self.root.join(format!(".{}.deleting", dir_name(step)));
         fs::rename(&dir, &away).with_context(|| format!("deleting the checkpoint {}", dir.display()))?;
         sync_dir(&self.root)?;
-        fs::remove_dir_all(&away).with_context(|| format!("deleting {}", away.display()))
+        // Never through a symbolic link.
+        match fs::symlink_metadata(&away) {
+            Ok(m) if m.is_dir() => fs::remove_dir_all(&away),
+            _ => fs::remove_file(&away),
+        }
+        .with_context(|| format!("deleting {}", away.display()))
     }
 
     /// Reads this rank's part of the checkpoint of `step`, checking every
@@ -255,28 +394,80 @@ impl Store {
     /// in between: each file is read once while its pieces are hashed
     /// ([`read_file_into`]). The snapshot returned shares those buffers
     /// (and holds the few tensors they lack, such as the random generators'
-    /// states). Compressed checkpoints and files written before pieces were
-    /// hashed are read as [`Store::read`] does.
+    /// states). Compressed checkpoints are read as [`Store::read`] does.
     pub fn read_into(&self, step: u64, buffers: &mut Snapshot) -> Result<Snapshot> {
         self.read_with(step, Some(buffers))
     }
 
-    fn read_with(&self, step: u64, buffers: Option<&Snapshot>) -> Result<Snapshot> {
+    /// The checkpoint folder of `step`, opened confined (see the module's
+    /// documentation).
+    fn folder(&self, step: u64) -> Result<Dir> {
         let dir = self.dir(step);
-        let m = read_manifest(&dir)?;
-        if m.world_size as usize != self.world {
-            bail!("{} was written by {} ranks; this run has {}", dir.display(), m.world_size, self.world);
-        }
-        let rec: FileRecord = read_json(&dir.join(format!("rank-{}.json", self.rank)))?;
-        let buffers = buffers.filter(|_| !m.compressed && m.model.chunk_bytes.is_some() && rec.chunk_bytes.is_some());
-        let read = |file: &FileRecord, into: fn(&Snapshot) -> &[(String, Tensor)]| match buffers {
-            Some(b) => read_file_into(&dir, file, into(b), self.read_mode),
-            None => read_tensors(&dir, file, m.compressed, self.read_mode),
+        let open = || -> Result<Dir> {
+            not_a_link(&self.root)?;
+            if let Some(parent) = self.root.parent().filter(|p| !p.as_os_str().is_empty()) {
+                not_a_link(parent)?;
+            }
+            Dir::open(&self.root)?.dir(&dir_name(step))
         };
-        let model = read(&m.model, |b| &b.model)?;
+        open().map_err(|e| refused(&dir, "the folder", format!("cannot be read as a checkpoint: {e:#}")))
+    }
+
+    /// Refuses the manifest `m` of the checkpoint of `step` in `dir` unless
+    /// it is this run's, written as this store writes, and (with
+    /// [`Store::for_run`]) within the run's bounds and layout.
+    fn check(&self, m: &Manifest, step: u64, dir: &Path, layout: &Layout) -> Result<()> {
+        self.run.check(dir, &m.run)?;
+        if m.compressed != self.compress {
+            return Err(refused(
+                dir,
+                "compressed",
+                format!("is {}, but this run writes with checkpoint_compress = {}", m.compressed, self.compress),
+            ));
+        }
+        if m.ranks.len() != self.world {
+            return Err(refused(dir, "ranks", format!("holds {} file records; the run has {} ranks", m.ranks.len(), self.world)));
+        }
+        match &self.accept {
+            Some(a) => a.bounds.check(dir, step, &m.position)?,
+            None if m.position.step != step => {
+                return Err(refused(dir, "position.step", format!("is {}, but the folder is named for step {step}", m.position.step)));
+            }
+            None => {}
+        }
+        let (c, ext) = (m.compressed, self.ext());
+        check_record(dir, "model", &m.model, &format!("model{ext}"), c, Some(layout.model()))?;
+        for (r, rec) in m.ranks.iter().enumerate() {
+            let ours = (r == self.rank).then(|| layout.state());
+            check_record(dir, &format!("ranks[{r}]"), rec, &format!("rank-{r}{ext}"), c, ours)?;
+        }
+        Ok(())
+    }
+
+    fn read_with(&self, step: u64, buffers: Option<&Snapshot>) -> Result<Snapshot> {
+        let folder = self.folder(step)?;
+        let dir = folder.path().to_path_buf();
+        let m = read_manifest(&folder)?;
+        let owned;
+        let layout = match (&self.accept, buffers) {
+            (Some(a), _) => &a.layout,
+            (None, Some(b)) => {
+                owned = Layout::of(b);
+                &owned
+            }
+            (None, None) => bail!("a checkpoint is read only against the tensors the run expects (Store::for_run)"),
+        };
+        self.check(&m, step, &dir, layout)?;
+        let rec = &m.ranks[self.rank];
+        let buffers = buffers.filter(|_| !m.compressed);
+        let read = |file: &FileRecord, part: FileLayout<'_>, into: fn(&Snapshot) -> &[(String, Tensor)]| match buffers {
+            Some(b) => read_file_into(&folder, file, part, into(b), self.read_mode),
+            None => read_tensors(&folder, file, part, m.compressed, self.read_mode),
+        };
+        let model = read(&m.model, layout.model(), |b| &b.model)?;
         let mut state = Vec::new();
         let mut plugins = Vec::new();
-        for (name, t) in read(&rec, |b| &b.state)? {
+        for (name, t) in read(rec, layout.state(), |b| &b.state)? {
             match name.strip_prefix("plugin/") {
                 Some(slot) => plugins.push((slot.to_owned(), Vec::<u8>::try_from(&t).context("a plugin state")?)),
                 None => state.push((name, t)),
@@ -286,14 +477,53 @@ impl Store {
     }
 }
 
+/// Refuses the file record `rec` (field `field` of the manifest of `dir`)
+/// unless it names `file`, is hashed as this store hashes, and, with this
+/// rank's `layout` of the file, declares no more bytes than its tensors
+/// occupy (exactly as many, for the model's uncompressed file).
+fn check_record(dir: &Path, field: &str, rec: &FileRecord, file: &str, compressed: bool, layout: Option<FileLayout<'_>>) -> Result<()> {
+    if rec.file != file {
+        return Err(refused(dir, format!("{field}.file"), format!("is `{}`, not `{file}`", rec.file.escape_debug())));
+    }
+    let chunk = (!compressed).then_some(HASH_CHUNK as u64);
+    if rec.chunk_bytes != chunk {
+        return Err(refused(
+            dir,
+            format!("{field}.chunk_bytes"),
+            format!("is {:?}; this store hashes in pieces of {chunk:?}", rec.chunk_bytes),
+        ));
+    }
+    if rec.sha256.len() != 64 || !rec.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(refused(dir, format!("{field}.sha256"), "is not a sha256 (64 lowercase hexadecimal digits)"));
+    }
+    let Some(layout) = layout else { return Ok(()) };
+    match layout.exact().filter(|_| !compressed) {
+        Some(n) if rec.bytes != n => Err(refused(
+            dir,
+            format!("{field}.bytes"),
+            format!("is {}, but this run's tensors make a file of exactly {n} bytes", rec.bytes),
+        )),
+        _ if rec.bytes > layout.max_file(compressed) => Err(refused(
+            dir,
+            format!("{field}.bytes"),
+            format!("is {}, more than the {} bytes this run's tensors can occupy", rec.bytes, layout.max_file(compressed)),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Checks a checkpoint directory completely (every rank's files, sizes and
-/// hashes) and returns where it puts training.
+/// hashes, against its manifest, whose own hash must hold) and returns
+/// where it puts training.
 pub fn verify(dir: &Path) -> Result<Position> {
-    let m = read_manifest(dir)?;
-    check_file(dir, &m.model)?;
-    for r in 0..m.world_size {
-        let rec: FileRecord = read_json(&dir.join(format!("rank-{r}.json")))?;
-        check_file(dir, &rec)?;
+    let folder = Dir::open(dir)?;
+    let m = read_manifest(&folder)?;
+    let ext = if m.compressed { ".safetensors.zst" } else { ".safetensors" };
+    check_record(dir, "model", &m.model, &format!("model{ext}"), m.compressed, None)?;
+    check_file(&folder, &m.model)?;
+    for (r, rec) in m.ranks.iter().enumerate() {
+        check_record(dir, &format!("ranks[{r}]"), rec, &format!("rank-{r}{ext}"), m.compressed, None)?;
+        check_file(&folder, rec)?;
     }
     Ok(m.position)
 }
@@ -351,7 +581,8 @@ pub fn evict_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoints under `root` (final names only), oldest first.
+/// The checkpoints under `root` (final names only: `step-` and the step in
+/// at least eight digits, as written), oldest first.
 pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
     let mut v: Vec<(u64, PathBuf)> = fs::read_dir(root)
         .into_iter()
@@ -360,33 +591,55 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let step = name.strip_prefix("step-")?.parse().ok()?;
-            Some((step, e.path()))
+            (dir_name(step) == name).then(|| (step, e.path()))
         })
         .collect();
     v.sort();
     v
 }
 
-fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
-    let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+/// A file record this rank or another wrote into a temporary directory.
+fn read_record(path: &Path) -> Result<FileRecord> {
+    let mut bytes = Vec::new();
+    File::open(path).and_then(|f| f.take(RECORD_CAP + 1).read_to_end(&mut bytes)).with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(bytes.len() as u64 <= RECORD_CAP, "{} holds more than {RECORD_CAP} bytes", path.display());
     serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
 }
 
-fn read_manifest(dir: &Path) -> Result<Manifest> {
-    let m: Manifest = read_json(&dir.join("checkpoint.json"))?;
-    if m.format != FORMAT {
-        bail!("{} has checkpoint format {}; this harness reads format {FORMAT}", dir.display(), m.format);
+/// The manifest of the checkpoint in `folder`, read within its cap and
+/// refused unless it is of this format, parses whole (no field unknown or
+/// missing) and its sha256 holds.
+fn read_manifest(folder: &Dir) -> Result<Manifest> {
+    let dir = folder.path();
+    let bytes =
+        folder.read("checkpoint.json", MANIFEST_CAP).map_err(|e| refused(dir, "checkpoint.json", format!("cannot be read: {e:#}")))?;
+    #[derive(Deserialize)]
+    struct Format {
+        format: u32,
+    }
+    let f: Format = serde_json::from_slice(&bytes).map_err(|e| refused(dir, "format", format!("cannot be read: {e}")))?;
+    if f.format != FORMAT {
+        return Err(refused(dir, "format", format!("is {}; this harness reads format {FORMAT}", f.format)));
+    }
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| refused(dir, "checkpoint.json", format!("does not parse: {e}")))?;
+    let digest = m.digest();
+    if m.sha256 != digest {
+        let why =
+            format!("is {}, but the manifest's fields hash to {digest}: it was changed after it was written", m.sha256.escape_debug());
+        return Err(refused(dir, "sha256", why));
     }
     Ok(m)
 }
 
-fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+/// The length and sha256 of the file `f`, read to its end (at most `max`
+/// bytes).
+fn sha256_file(f: &File, path: &Path, max: u64) -> Result<(u64, String)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
+    let mut f = f.take(max.saturating_add(1));
     loop {
-        let k = f.read(&mut buf)?;
+        let k = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
         if k == 0 {
             break;
         }
@@ -396,12 +649,13 @@ fn sha256_file(path: &Path) -> Result<(u64, String)> {
     Ok((n, hex::encode(h.finalize())))
 }
 
-fn check_file(dir: &Path, rec: &FileRecord) -> Result<()> {
-    let path = dir.join(&rec.file);
+/// Checks `rec`'s file in `folder`: its size and hash.
+fn check_file(folder: &Dir, rec: &FileRecord) -> Result<()> {
     if rec.chunk_bytes.is_some() {
-        return read_verified(dir, rec, ReadMode::RESTORE).map(drop);
+        return read_verified(folder, rec, ReadMode::RESTORE).map(drop);
     }
-    let (bytes, sha) = sha256_file(&path)?;
+    let (f, path, _) = open_record(folder, rec)?;
+    let (bytes, sha) = sha256_file(&f, &path, rec.bytes)?;
     damaged(&path, rec, bytes, &sha)
 }
 
@@ -601,20 +855,31 @@ fn host_bytes(t: &Tensor) -> &[u8] {
     unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, n) }
 }
 
-/// The safetensors layout of `tensors`: the 8-byte header length, the JSON
-/// header (padded to 8 bytes), then each tensor's bytes in order.
-fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+/// The JSON header of a safetensors file holding `entries` (name, dtype,
+/// shape, data offsets), padded to 8 bytes.
+fn header_json(entries: &[(String, &str, Vec<i64>, [u64; 2])]) -> Vec<u8> {
     let mut header = serde_json::Map::new();
-    let mut at = 0usize;
-    for (name, t) in tensors {
-        let n = t.numel() * t.kind().elt_size_in_bytes();
-        header.insert(name.clone(), serde_json::json!({ "dtype": dtype_name(t.kind())?, "shape": t.size(), "data_offsets": [at, at + n] }));
-        at += n;
+    for (name, dtype, shape, at) in entries {
+        header.insert(name.clone(), serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": at }));
     }
-    let mut json = serde_json::to_vec(&header)?;
+    let mut json = serde_json::to_vec(&header).expect("a header serialises");
     while json.len() % 8 != 0 {
         json.push(b' ');
     }
+    json
+}
+
+/// The safetensors layout of `tensors`: the 8-byte header length, the JSON
+/// header (padded to 8 bytes), then each tensor's bytes in order.
+fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut entries = Vec::new();
+    let mut at = 0u64;
+    for (name, t) in tensors {
+        let n = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        entries.push((name.clone(), dtype_name(t.kind())?, t.size(), [at, at + n]));
+        at += n;
+    }
+    let json = header_json(&entries);
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&json);
     Ok(out)
@@ -671,11 +936,12 @@ fn write_tensors(dir: &Path, name: &str, tensors: &[(String, Tensor)], compress:
     Ok(FileRecord { file: name.to_owned(), bytes, sha256, chunk_bytes })
 }
 
-/// Opens `rec`'s file; fails if its size is not the size written.
-fn open_record(dir: &Path, rec: &FileRecord) -> Result<(File, PathBuf, u64)> {
-    let path = dir.join(&rec.file);
-    let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let len = f.metadata()?.len();
+/// Opens `rec`'s file in `folder` (a regular file of at most the size its
+/// record declares, see [`Dir::file`]); fails if its size is not the size
+/// written.
+fn open_record(folder: &Dir, rec: &FileRecord) -> Result<(File, PathBuf, u64)> {
+    let path = folder.path().join(&rec.file);
+    let (f, len) = folder.file(&rec.file, rec.bytes).map_err(|e| refused(folder.path(), &rec.file, format!("cannot be read: {e:#}")))?;
     if len != rec.bytes {
         bail!("{} is damaged: {len} bytes, written as {}", path.display(), rec.bytes);
     }
@@ -684,11 +950,11 @@ fn open_record(dir: &Path, rec: &FileRecord) -> Result<(File, PathBuf, u64)> {
 
 /// Reads `rec`'s file whole (through [`read_pieces`] when it was hashed in
 /// pieces), and fails if size or hash differ from what was written.
-fn read_verified(dir: &Path, rec: &FileRecord, mode: ReadMode) -> Result<Vec<u8>> {
-    let (mut f, path, len) = open_record(dir, rec)?;
+fn read_verified(folder: &Dir, rec: &FileRecord, mode: ReadMode) -> Result<Vec<u8>> {
+    let (mut f, path, len) = open_record(folder, rec)?;
     let mut buf = vec![0u8; len as usize];
     let sha = match rec.chunk_bytes {
-        Some(chunk) => read_pieces(&path, &f, vec![(&mut buf[..], false)], chunk as usize, mode)
+        Some(chunk) => read_pieces(&|| folder.reopen_direct(&rec.file, &f), &f, vec![(&mut buf[..], false)], chunk as usize, mode)
             .with_context(|| format!("reading {}", path.display()))?,
         None => {
             f.read_exact(&mut buf).with_context(|| format!("reading {}", path.display()))?;
@@ -790,13 +1056,19 @@ pub fn reserve_read_buffers() {
 /// pieces, one large read each (as `dd` does), into buffers of their own;
 /// [`HASH_THREADS`] threads hash each piece and copy it where it belongs,
 /// so the disk never waits for hashing or copying.
-fn read_pieces(path: &Path, f: &File, segments: Vec<(&mut [u8], bool)>, chunk: usize, mode: ReadMode) -> Result<String> {
+fn read_pieces(
+    reopen_direct: &dyn Fn() -> Option<File>,
+    f: &File,
+    segments: Vec<(&mut [u8], bool)>,
+    chunk: usize,
+    mode: ReadMode,
+) -> Result<String> {
     use std::os::unix::fs::FileExt;
     use std::sync::{mpsc, Mutex};
     anyhow::ensure!(chunk > 0, "a checkpoint file record with chunk_bytes = 0");
     let len = f.metadata()?.len() as usize;
     // Direct reads need aligned offsets: pieces of whole pages.
-    let direct = if mode.direct && chunk % DIRECT_ALIGN == 0 { open_direct(path) } else { None };
+    let direct = if mode.direct && chunk % DIRECT_ALIGN == 0 { reopen_direct() } else { None };
     if direct.is_none() {
         will_need(f);
     }
@@ -953,11 +1225,19 @@ unsafe fn host_bytes_mut(t: &Tensor) -> &mut [u8] {
 
 /// Reads the uncompressed, piece-hashed file of `rec` into the tensors of
 /// `into` that match its tensors by name, shape and kind (new host tensors
-/// for the others), through [`read_pieces`]; fails if size or hash differ
-/// from what was written. Returns the tensors in file order.
-fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)], mode: ReadMode) -> Result<Vec<(String, Tensor)>> {
+/// for the others), through [`read_pieces`]; its header is refused unless
+/// it lists exactly `layout`'s tensors (before any is allocated), and the
+/// read fails if size or hash differ from what was written. Returns the
+/// tensors in file order.
+fn read_file_into(
+    folder: &Dir,
+    rec: &FileRecord,
+    layout: FileLayout<'_>,
+    into: &[(String, Tensor)],
+    mode: ReadMode,
+) -> Result<Vec<(String, Tensor)>> {
     let chunk = rec.chunk_bytes.context("a file record without pieces")? as usize;
-    let (mut f, path, len) = open_record(dir, rec)?;
+    let (mut f, path, len) = open_record(folder, rec)?;
     let damaged_header = || anyhow::anyhow!("{} is damaged: its header does not parse (sha256 not checked)", path.display());
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).with_context(|| format!("reading {}", path.display()))?;
@@ -971,13 +1251,15 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)], mode:
     let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> = meta.tensors().into_iter().collect();
     // By start, an empty tensor before a full one at the same offset.
     infos.sort_by_key(|(_, i)| i.data_offsets);
+    let listed = infos.iter().map(|(name, info)| Ok((name.clone(), kind_of(info.dtype)?, dims(&info.shape)))).collect::<Result<Vec<_>>>();
+    layout.check(folder.path(), &rec.file, &listed.map_err(|e| refused(folder.path(), &rec.file, format!("{e:#}")))?)?;
     // The data must tile the rest of the file exactly.
     let mut end = 0;
     let mut out = Vec::with_capacity(infos.len());
     for (name, info) in &infos {
         let (a, b) = info.data_offsets;
         let kind = kind_of(info.dtype)?;
-        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        let shape = dims(&info.shape);
         let want = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
         if a != end || b < a || b - a != want {
             return Err(damaged_header());
@@ -1001,9 +1283,16 @@ fn read_file_into(dir: &Path, rec: &FileRecord, into: &[(String, Tensor)], mode:
         // to the caller's free snapshot set, which nothing else uses.
         segments.push((unsafe { host_bytes_mut(t) }, false));
     }
-    let sha = read_pieces(&path, &f, segments, chunk, mode).with_context(|| format!("reading {}", path.display()))?;
+    let sha = read_pieces(&|| folder.reopen_direct(&rec.file, &f), &f, segments, chunk, mode)
+        .with_context(|| format!("reading {}", path.display()))?;
     damaged(&path, rec, len, &sha)?;
     Ok(out)
+}
+
+/// A safetensors shape as libtorch's (a dimension beyond `i64` becomes -1,
+/// which no layout has).
+fn dims(shape: &[usize]) -> Vec<i64> {
+    shape.iter().map(|&d| i64::try_from(d).unwrap_or(-1)).collect()
 }
 
 /// Advises the kernel that all of `f` will be read soon: it starts reading
@@ -1016,17 +1305,31 @@ fn will_need(f: &File) {
     }
 }
 
-/// Reads the tensors of `rec`'s file, verified against its size and hash.
-fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool, mode: ReadMode) -> Result<Vec<(String, Tensor)>> {
-    let path = dir.join(&rec.file);
-    let mut bytes = read_verified(dir, rec, mode)?;
+/// Reads the tensors of `rec`'s file, verified against its size and hash;
+/// a compressed file is decompressed to at most the size `layout`'s
+/// tensors occupy, and its header is refused unless it lists exactly
+/// `layout`'s tensors.
+fn read_tensors(folder: &Dir, rec: &FileRecord, layout: FileLayout<'_>, compressed: bool, mode: ReadMode) -> Result<Vec<(String, Tensor)>> {
+    let path = folder.path().join(&rec.file);
+    let mut bytes = read_verified(folder, rec, mode)?;
     if compressed {
-        bytes = zstd::decode_all(bytes.as_slice()).with_context(|| format!("decompressing {}", path.display()))?;
+        let max = layout.max_uncompressed();
+        let mut out = Vec::new();
+        zstd::stream::read::Decoder::new(bytes.as_slice())
+            .and_then(|d| d.take(max.saturating_add(1)).read_to_end(&mut out))
+            .with_context(|| format!("decompressing {}", path.display()))?;
+        if out.len() as u64 > max {
+            let why = format!("decompresses to more than the {max} bytes this run's tensors can occupy");
+            return Err(refused(folder.path(), &rec.file, why));
+        }
+        bytes = out;
     }
     let st = safetensors::SafeTensors::deserialize(&bytes).with_context(|| format!("parsing {}", path.display()))?;
+    let listed = st.tensors().into_iter().map(|(name, v)| Ok((name, kind_of(v.dtype())?, dims(v.shape())))).collect::<Result<Vec<_>>>();
+    layout.check(folder.path(), &rec.file, &listed.map_err(|e| refused(folder.path(), &rec.file, format!("{e:#}")))?)?;
     let mut named: Vec<(usize, String, Tensor)> = Vec::new();
     for (name, view) in st.tensors() {
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let shape = dims(view.shape());
         let kind = kind_of(view.dtype())?;
         let at = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
         named.push((at, name, Tensor::f_from_data_size(view.data(), &shape, kind)?));
@@ -1039,6 +1342,7 @@ fn read_tensors(dir: &Path, rec: &FileRecord, compressed: bool, mode: ReadMode) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn snap(step: u64, v: f32) -> Snapshot {
         Snapshot {
@@ -1050,11 +1354,34 @@ mod tests {
         }
     }
 
+    /// The run the stores of these tests belong to, as entry `entry`.
+    fn run(entry: &str) -> RunIdentity {
+        RunIdentity {
+            suite_sha256: "ab".repeat(32),
+            entry: entry.into(),
+            seed: 7,
+            world_size: 1,
+            steps: Some(300),
+            plugins: [("compressor".to_owned(), "cd".repeat(32))].into(),
+        }
+    }
+
+    /// What the stores of these tests accept: [`snap`]'s tensors, the
+    /// fixed batch 4 x 1 and 300 steps.
+    fn accept() -> Accept {
+        Accept { layout: Layout::of(&snap(0, 0.0)), bounds: Bounds::fixed(4, 1, Some(300)) }
+    }
+
+    /// A store of entry `w/a/r0` in `root`.
+    fn store(root: &Path, compress: bool) -> Store {
+        Store::open(root, 0, 1, compress, false).unwrap().for_run(run("w/a/r0"), accept()).unwrap()
+    }
+
     #[test]
     fn a_checkpoint_reads_back_what_was_written_and_damage_is_found() {
         for compress in [false, true] {
             let d = tempfile::tempdir().unwrap();
-            let s = Store::open(d.path(), 0, 1, compress, true).unwrap();
+            let s = store(d.path(), compress);
             s.write_part(&snap(10, 1.5)).unwrap();
             let dir = s.commit(snap(10, 1.5).position).unwrap();
             assert_eq!(verify(&dir).unwrap().step, 10);
@@ -1080,7 +1407,7 @@ mod tests {
     #[test]
     fn reads_into_snapshot_buffers_land_in_their_memory_and_find_damage() {
         let d = tempfile::tempdir().unwrap();
-        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
+        let s = store(d.path(), false);
         s.write_part(&snap(10, 1.5)).unwrap();
         let dir = s.commit(snap(10, 1.5).position).unwrap();
         let mut buffers = snap(0, 0.0);
@@ -1097,12 +1424,13 @@ mod tests {
 
         // Pieces of 7 bytes: they straddle the length prefix, the header
         // and the tensors; the digest is the same tree as written.
-        let rec: FileRecord = read_json(&dir.join("rank-0.json")).unwrap();
+        let rec = read_record(&dir.join("rank-0.json")).unwrap();
         let bytes = fs::read(dir.join(&rec.file)).unwrap();
         let digests: Vec<[u8; 32]> = bytes.chunks(7).map(|c| Sha256::digest(c).into()).collect();
         let small = FileRecord { sha256: tree_digest(&digests), chunk_bytes: Some(7), ..rec.clone() };
         let into = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32]))];
-        let got = read_file_into(&dir, &small, &into, ReadMode::RESTORE).unwrap();
+        let (folder, layout) = (Dir::open(&dir).unwrap(), accept().layout);
+        let got = read_file_into(&folder, &small, layout.state(), &into, ReadMode::RESTORE).unwrap();
         assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["optimizer/exp_avg.0", "plugin/compressor", "plugin/batch"]);
         assert_eq!(Vec::<f32>::try_from(&into[0].1).unwrap(), vec![3.0]);
 
@@ -1119,7 +1447,7 @@ mod tests {
         // A shape that does not match gets a tensor of its own.
         fs::write(&f, &bytes).unwrap();
         let odd = vec![("optimizer/exp_avg.0".to_owned(), Tensor::from_slice(&[0.0f32, 0.0]))];
-        let got = read_file_into(&dir, &rec, &odd, ReadMode::RESTORE).unwrap();
+        let got = read_file_into(&folder, &rec, layout.state(), &odd, ReadMode::RESTORE).unwrap();
         assert_ne!(got[0].1.data_ptr(), odd[0].1.data_ptr());
         assert_eq!(Vec::<f32>::try_from(&got[0].1).unwrap(), vec![3.0]);
     }
@@ -1127,16 +1455,19 @@ mod tests {
     #[test]
     fn every_read_mode_reads_the_same_bytes_and_finds_damage() {
         let d = tempfile::tempdir().unwrap();
-        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
         let big: Vec<f32> = (0..100_003).map(|i| i as f32 * 0.5).collect();
         let mut written = snap(10, 1.5);
         written.state[0].1 = Tensor::from_slice(&big);
+        let layout = Layout::of(&written);
+        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
+        let s = s.for_run(run("w/a/r0"), Accept { layout: layout.clone(), bounds: Bounds::fixed(4, 1, None) }).unwrap();
         s.write_part(&written).unwrap();
         let dir = s.commit(written.position).unwrap();
         // Pieces of two pages (direct reads apply) over a 400 KB file: many
         // pieces in flight, the last one short.
-        let rec: FileRecord = read_json(&dir.join("rank-0.json")).unwrap();
+        let rec = read_record(&dir.join("rank-0.json")).unwrap();
         let bytes = fs::read(dir.join(&rec.file)).unwrap();
+        let folder = Dir::open(&dir).unwrap();
         let chunk = 2 * DIRECT_ALIGN;
         let digests: Vec<[u8; 32]> = bytes.chunks(chunk).map(|c| Sha256::digest(c).into()).collect();
         let small = FileRecord { sha256: tree_digest(&digests), chunk_bytes: Some(chunk as u64), ..rec.clone() };
@@ -1145,13 +1476,13 @@ mod tests {
             for readers in [1, 3, 8] {
                 let mode = ReadMode { direct, readers };
                 let into = vec![("optimizer/exp_avg.0".to_owned(), Tensor::zeros([100_003], (Kind::Float, Device::Cpu)))];
-                read_file_into(&dir, &small, &into, mode).unwrap();
+                read_file_into(&folder, &small, layout.state(), &into, mode).unwrap();
                 assert_eq!(Vec::<f32>::try_from(&into[0].1).unwrap(), big, "{mode:?}");
                 // A flipped byte in a middle piece is found.
                 let mut b = bytes.clone();
                 b[bytes.len() / 2] ^= 1;
                 fs::write(&f, b).unwrap();
-                let e = format!("{:#}", read_file_into(&dir, &small, &into, mode).unwrap_err());
+                let e = format!("{:#}", read_file_into(&folder, &small, layout.state(), &into, mode).unwrap_err());
                 assert!(e.contains("is damaged"), "{mode:?}: {e}");
                 fs::write(&f, &bytes).unwrap();
             }
@@ -1161,7 +1492,7 @@ mod tests {
     #[test]
     fn torn_writes_are_not_checkpoints_and_are_cleaned_up() {
         let d = tempfile::tempdir().unwrap();
-        let s = Store::open(d.path(), 0, 1, false, true).unwrap();
+        let s = store(d.path(), false);
         s.write_part(&snap(5, 1.0)).unwrap(); // no commit: a crash here
         assert!(list(d.path()).is_empty());
         s.write_part(&snap(6, 1.0)).unwrap();
@@ -1170,5 +1501,360 @@ mod tests {
         assert!(list(d.path()).is_empty());
         Store::open(d.path(), 0, 1, false, false).unwrap();
         assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0, "the torn write was left behind");
+    }
+
+    /// The refusal `r` ends in, checked to name the checkpoint folder `dir`
+    /// and the field `field` in its message.
+    fn refusal<T>(r: Result<T>, dir: &Path, field: &str) -> String {
+        let Err(e) = r else { panic!("the checkpoint in {} was accepted; `{field}` should be refused", dir.display()) };
+        let message = format!("{e:#}");
+        let refused = e.chain().find_map(|c| c.downcast_ref::<Refused>()).unwrap_or_else(|| panic!("not a refusal: {message}"));
+        assert_eq!(refused.field, field, "{message}");
+        assert_eq!(refused.dir, dir, "{message}");
+        assert!(message.contains(&dir.display().to_string()) && message.contains(&format!("`{field}`")), "{message}");
+        message
+    }
+
+    /// A store of entry `w/a/r0` in a new folder, with the checkpoint of
+    /// step 40 written; the folder and the checkpoint's directory.
+    fn written(compress: bool) -> (tempfile::TempDir, Store, PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let s = store(&d.path().join("w_a_r0"), compress);
+        s.write_part(&snap(40, 1.5)).unwrap();
+        let dir = s.commit(snap(40, 1.5).position).unwrap();
+        (d, s, dir)
+    }
+
+    /// Edits the manifest in `dir` as someone who knows the format would:
+    /// its sha256 recomputed.
+    fn forge(dir: &Path, edit: impl FnOnce(&mut Manifest)) {
+        let path = dir.join("checkpoint.json");
+        let mut m: Manifest = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        edit(&mut m);
+        m.sha256 = m.digest();
+        fs::write(path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_honest_checkpoint_restores_bit_for_bit_and_lr_scale_keeps_its_bits() {
+        let d = tempfile::tempdir().unwrap();
+        let bounds = Bounds::plugin("ramp", 65536, Some(300));
+        let s = Store::open(d.path(), 0, 1, false, false).unwrap();
+        let s = s.for_run(run("w/a/r0"), Accept { layout: accept().layout, bounds }).unwrap();
+        let mut w = snap(40, 1.5);
+        // A value that a JSON number need not read back to bit for bit.
+        w.position.lr_scale = 0.1f64.sqrt() * 3.000000000000001;
+        s.write_part(&w).unwrap();
+        s.commit(w.position).unwrap();
+        let back = s.read(40).unwrap();
+        assert_eq!(back.position.lr_scale.to_bits(), w.position.lr_scale.to_bits());
+        assert_eq!(back.position, w.position);
+        assert!(back.model[0].1.equal(&w.model[0].1) && back.state[0].1.equal(&w.state[0].1));
+    }
+
+    #[test]
+    fn a_symlinked_step_folder_file_or_checkpoint_directory_is_refused() {
+        let (_a, s, dir) = written(false);
+        // Another run's checkpoint, outside the folder, of the very same
+        // entry: linked in as a newer step.
+        let (_b, _, theirs) = written(false);
+        let linked = s.dir(41);
+        std::os::unix::fs::symlink(&theirs, &linked).unwrap();
+        assert_eq!(s.list().unwrap(), [40, 41]);
+        let e = refusal(s.read(41), &linked, "the folder");
+        assert!(e.contains("is a symbolic link, not a directory"), "{e}");
+        // A file of the checkpoint linked to the same bytes elsewhere.
+        let model = dir.join("model.safetensors");
+        fs::remove_file(&model).unwrap();
+        std::os::unix::fs::symlink(theirs.join("model.safetensors"), &model).unwrap();
+        let e = refusal(s.read(40), &dir, "model.safetensors");
+        assert!(e.contains("is a symbolic link, not a regular file"), "{e}");
+        // The entry's checkpoint directory itself, or its parent, a link.
+        let root = dir.parent().unwrap();
+        let link = root.with_file_name("linked");
+        std::os::unix::fs::symlink(root, &link).unwrap();
+        let e = format!("{:#}", Store::open(&link, 0, 1, false, false).err().unwrap());
+        assert!(e.contains("is a symbolic link"), "{e}");
+        let e = format!("{:#}", Store::open(&link.join("x"), 0, 1, false, false).err().unwrap());
+        assert!(e.contains("is a symbolic link"), "{e}");
+    }
+
+    #[test]
+    fn a_manifest_naming_a_file_outside_its_folder_is_refused() {
+        let (_d, s, dir) = written(false);
+        // Without its hash recomputed, any edit is refused by the hash.
+        let path = dir.join("checkpoint.json");
+        let text = fs::read_to_string(&path).unwrap();
+        fs::write(&path, text.replace("\"model.safetensors\"", "\"../step-00000041/model.safetensors\"")).unwrap();
+        refusal(s.read(40), &dir, "sha256");
+        fs::write(&path, &text).unwrap();
+        for outside in ["../step-00000041/model.safetensors", "/etc/passwd", "..", "sub/model.safetensors"] {
+            forge(&dir, |m| m.model.file = outside.into());
+            let e = refusal(s.read(40), &dir, "model.file");
+            assert!(e.contains("not `model.safetensors`"), "{e}");
+            refusal(verify(&dir), &dir, "model.file");
+            fs::write(&path, &text).unwrap();
+            forge(&dir, |m| m.ranks[0].file = outside.into());
+            refusal(s.read(40), &dir, "ranks[0].file");
+            fs::write(&path, &text).unwrap();
+        }
+        s.read(40).unwrap();
+    }
+
+    #[test]
+    fn a_renamed_step_folder_and_a_step_beyond_the_plan_are_refused() {
+        let (_d, s, dir) = written(false);
+        let renamed = s.dir(99_999_999);
+        fs::rename(&dir, &renamed).unwrap();
+        assert_eq!(s.list().unwrap(), [99_999_999]);
+        let e = refusal(s.read(99_999_999), &renamed, "position.step");
+        assert!(e.contains("is 40, but the folder is named for step 99999999"), "{e}");
+        // The manifest changed to agree: beyond the run's 300 steps.
+        forge(&renamed, |m| {
+            m.position.step = 99_999_999;
+            m.position.data_position = 99_999_999 * 4;
+        });
+        let e = refusal(s.read(99_999_999), &renamed, "position.step");
+        assert!(e.contains("beyond the 300 steps the run plans"), "{e}");
+        // Names that are not the canonical form are no checkpoints.
+        fs::rename(&renamed, s.root.join("step-40")).unwrap();
+        assert!(s.list().unwrap().is_empty());
+    }
+
+    #[test]
+    fn every_field_of_the_position_is_bounded_and_covered_by_the_hash() {
+        let (_d, s, dir) = written(false);
+        let path = dir.join("checkpoint.json");
+        let honest = fs::read(&path).unwrap();
+        // Not covered by the hash: refused as an edit.
+        let text = String::from_utf8(honest.clone()).unwrap();
+        fs::write(&path, text.replace("\"micro_batch\": 4", "\"micro_batch\": 4000000000")).unwrap();
+        let e = refusal(s.read(40), &dir, "sha256");
+        assert!(e.contains("changed after it was written"), "{e}");
+        // Covered by a recomputed hash: refused by its bound.
+        type Edit = fn(&mut Position);
+        let cases: [(&str, Edit, &str); 9] = [
+            ("position.micro_batch", |p| p.micro_batch = 4_000_000_000, "is 4000000000, outside 1..=4"),
+            ("position.micro_batch", |p| p.micro_batch = 0, "outside 1..=4"),
+            ("position.accum_steps", |p| p.accum_steps = 2, "is 2, outside 1..=1"),
+            ("position.lr_scale", |p| p.lr_scale = 1e30, "is 1000000000000000000000000000000, not 1"),
+            ("position.lr_scale", |p| p.lr_scale = f64::NAN, "is NaN, not 1"),
+            ("position.data_position", |p| p.data_position = u64::MAX, "outside 40..=176"),
+            ("position.data_position", |p| p.data_position = 39, "outside 40..=176"),
+            ("position.step", |p| p.step = 0, "is 0, but the folder is named for step 40"),
+            ("position.step", |p| p.step = 41, "is 41, but the folder is named for step 40"),
+        ];
+        for (field, edit, why) in cases {
+            forge(&dir, |m| edit(&mut m.position));
+            let e = refusal(s.read(40), &dir, field);
+            assert!(e.contains(why), "{e}");
+            fs::write(&path, &honest).unwrap();
+        }
+        // A batch-policy plugin: what the host accepts from one.
+        let p = Store::open(s.root.as_path(), 0, 1, false, false).unwrap();
+        let p = p.for_run(run("w/a/r0"), Accept { layout: accept().layout, bounds: Bounds::plugin("ramp", 65536, Some(300)) }).unwrap();
+        forge(&dir, |m| m.position.lr_scale = 2.5);
+        assert_eq!(p.read(40).unwrap().position.lr_scale, 2.5);
+        let cases: [(&str, Edit, &str); 5] = [
+            ("position.lr_scale", |p| p.lr_scale = 1e30, "it must be finite, positive and at most 4294967296"),
+            ("position.lr_scale", |p| p.lr_scale = -1.0, "it must be finite, positive"),
+            ("position.lr_scale", |p| p.lr_scale = f64::INFINITY, "it must be finite, positive"),
+            ("position.micro_batch", |p| p.micro_batch = 4_000_000_000, "outside 1..=65536"),
+            ("position.accum_steps", |p| p.accum_steps = 65537, "outside 1..=65536"),
+        ];
+        for (field, edit, why) in cases {
+            fs::write(&path, &honest).unwrap();
+            forge(&dir, |m| edit(&mut m.position));
+            let e = refusal(p.read(40), &dir, field);
+            assert!(e.contains(why), "{e}");
+        }
+        // lr_scale as a JSON number (not the exact text) does not parse.
+        fs::write(&path, &honest).unwrap();
+        let text = String::from_utf8(honest.clone()).unwrap();
+        fs::write(&path, text.replace("\"lr_scale\": \"1\"", "\"lr_scale\": 1e30")).unwrap();
+        refusal(s.read(40), &dir, "checkpoint.json");
+        // An unknown field is refused, not ignored (it would be outside the hash).
+        fs::write(&path, text.replacen("\"format\": 2,", "\"format\": 2, \"extra\": 1,", 1)).unwrap();
+        let e = refusal(s.read(40), &dir, "checkpoint.json");
+        assert!(e.contains("unknown field `extra`"), "{e}");
+        fs::write(&path, text.replacen("\"format\": 2", "\"format\": 1", 1)).unwrap();
+        let e = refusal(s.read(40), &dir, "format");
+        assert!(e.contains("is 1; this harness reads format 2"), "{e}");
+    }
+
+    #[test]
+    fn a_sparse_8_gib_file_is_refused_before_it_is_read() {
+        let t0 = std::time::Instant::now();
+        let (_d, s, dir) = written(false);
+        // In place of the model file, the manifest untouched.
+        let model = dir.join("model.safetensors");
+        let honest = fs::read(&model).unwrap();
+        File::create(&model).unwrap().set_len(8 << 30).unwrap();
+        let e = refusal(s.read(40), &dir, "model.safetensors");
+        assert!(e.contains("is 8589934592 bytes, more than the"), "{e}");
+        refusal(s.read_into(40, &mut snap(0, 0.0)), &dir, "model.safetensors");
+        // Declared in the manifest as well.
+        forge(&dir, |m| m.model.bytes = 8 << 30);
+        let e = refusal(s.read(40), &dir, "model.bytes");
+        assert!(e.contains(&format!("is 8589934592, but this run's tensors make a file of exactly {} bytes", honest.len())), "{e}");
+        // A rank file, compressed or not: within what its tensors occupy.
+        for compress in [false, true] {
+            let (_d, s, dir) = written(compress);
+            let rank = dir.join(format!("rank-0{}", s.ext()));
+            File::create(&rank).unwrap().set_len(8 << 30).unwrap();
+            refusal(s.read(40), &dir, &format!("rank-0{}", s.ext()));
+            forge(&dir, |m| m.ranks[0].bytes = 8 << 30);
+            let e = refusal(s.read(40), &dir, "ranks[0].bytes");
+            assert!(e.contains("is 8589934592, more than the"), "{e}");
+        }
+        assert!(t0.elapsed().as_secs() < 20, "the sparse files were read: {:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn a_fifo_in_place_of_a_file_is_refused_at_once() {
+        let (_d, s, dir) = written(false);
+        let s = Arc::new(s);
+        for file in ["model.safetensors", "checkpoint.json"] {
+            let path = dir.join(file);
+            let keep = dir.join("kept");
+            fs::rename(&path, &keep).unwrap();
+            assert!(std::process::Command::new("mkfifo").arg(&path).status().unwrap().success());
+            let (tx, rx) = std::sync::mpsc::channel();
+            let s2 = s.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(s2.read(40).map(drop));
+            });
+            let got = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("reading the checkpoint blocked on a FIFO");
+            let e = refusal(got, &dir, file);
+            assert!(e.contains("is a FIFO, not a regular file"), "{e}");
+            fs::remove_file(&path).unwrap();
+            fs::rename(&keep, &path).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_run_or_entry_is_refused() {
+        let (d, _, dir) = written(false);
+        let ours = d.path().join("w_b_r0");
+        fs::create_dir_all(&ours).unwrap();
+        let copy = ours.join("step-00000040");
+        fs::create_dir(&copy).unwrap();
+        for e in fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            fs::copy(e.path(), copy.join(e.file_name())).unwrap();
+        }
+        let other = |edit: fn(&mut RunIdentity)| {
+            let mut r = run("w/a/r0");
+            edit(&mut r);
+            Store::open(&ours, 0, 1, false, false).unwrap().for_run(r, accept()).unwrap()
+        };
+        type Edit = fn(&mut RunIdentity);
+        let cases: [(&str, Edit, &str); 5] = [
+            (
+                "run.entry",
+                |r| r.entry = "w/b/r0".into(),
+                "is `w/a/r0`, this run's is `w/b/r0`: the checkpoint belongs to another run or entry",
+            ),
+            ("run.suite_sha256", |r| r.suite_sha256 = "ef".repeat(32), "belongs to another run or entry"),
+            ("run.seed", |r| r.seed = 8, "is 7, this run's is 8"),
+            ("run.steps", |r| r.steps = Some(200), "is Some(300), this run's is Some(200)"),
+            ("run.plugins", |r| r.plugins.clear(), "belongs to another run or entry"),
+        ];
+        for (field, edit, why) in cases {
+            let e = refusal(other(edit).read(40), &copy, field);
+            assert!(e.contains(why), "{e}");
+        }
+        // The same run reads its own copy.
+        other(|_| {}).read(40).unwrap();
+        // A world of another size.
+        let two = Store::open(&ours, 0, 2, false, false).unwrap();
+        let two = two.for_run(RunIdentity { world_size: 2, ..run("w/a/r0") }, accept()).unwrap();
+        refusal(two.read(40), &copy, "run.world_size");
+        // Compressed by a run that does not compress.
+        let zst = Store::open(&ours, 0, 1, true, false).unwrap().for_run(run("w/a/r0"), accept()).unwrap();
+        refusal(zst.read(40), &copy, "compressed");
+    }
+
+    #[test]
+    fn a_file_listing_other_tensors_is_refused_before_they_are_allocated() {
+        let (_d, s, dir) = written(false);
+        let honest = fs::read(dir.join("checkpoint.json")).unwrap();
+        let rewrite = |state: Vec<(String, Tensor)>| {
+            let rec = write_tensors(&dir, "rank-0.safetensors", &state, false, &AtomicBool::new(false)).unwrap();
+            forge(&dir, |m| m.ranks[0] = rec);
+        };
+        let bytes = |n: usize| Tensor::from_slice(&vec![0u8; n]);
+        type Named = Vec<(String, Tensor)>;
+        let cases: [(Named, &str, &str); 5] = [
+            (
+                vec![
+                    ("optimizer/exp_avg.0".into(), Tensor::from_slice(&[1.0f32, 2.0])),
+                    ("plugin/compressor".into(), bytes(1)),
+                    ("plugin/batch".into(), bytes(0)),
+                ],
+                "rank-0.safetensors: tensor optimizer/exp_avg.0",
+                "is Float of shape [2]; this run's is Float of shape [1]",
+            ),
+            (
+                vec![
+                    ("optimizer/exp_avg.0".into(), Tensor::from_slice(&[1.0f64])),
+                    ("plugin/compressor".into(), bytes(1)),
+                    ("plugin/batch".into(), bytes(0)),
+                ],
+                "rank-0.safetensors: tensor optimizer/exp_avg.0",
+                "is Double of shape [1]",
+            ),
+            (
+                vec![
+                    ("optimizer/exp_avg.0".into(), Tensor::from_slice(&[1.0f32])),
+                    ("evil".into(), bytes(1)),
+                    ("plugin/compressor".into(), bytes(1)),
+                    ("plugin/batch".into(), bytes(0)),
+                ],
+                "rank-0.safetensors: tensor evil",
+                "is not a tensor this run has",
+            ),
+            (
+                vec![("plugin/compressor".into(), bytes(1)), ("plugin/batch".into(), bytes(0))],
+                "rank-0.safetensors: tensor optimizer/exp_avg.0",
+                "is missing",
+            ),
+            (
+                vec![
+                    ("optimizer/exp_avg.0".into(), Tensor::from_slice(&[1.0f32])),
+                    ("plugin/compressor".into(), bytes((1 << 20) + 1)),
+                    ("plugin/batch".into(), bytes(0)),
+                ],
+                "rank-0.safetensors: tensor plugin/compressor",
+                "the state of the `compressor` plugin is bytes, at most 1048576",
+            ),
+        ];
+        for (state, field, why) in cases {
+            rewrite(state);
+            let e = refusal(s.read(40), &dir, field);
+            assert!(e.contains(why), "{e}");
+            let e = refusal(s.read_into(40, &mut snap(0, 0.0)), &dir, field);
+            assert!(e.contains(why), "{e}");
+        }
+        fs::write(dir.join("checkpoint.json"), honest).unwrap();
+        // A plugin state beyond the cap is not written in the first place.
+        let mut big = snap(41, 1.0);
+        big.plugins[0].1 = vec![0; (1 << 20) + 1];
+        let e = format!("{:#}", s.write_part(&big).unwrap_err());
+        assert!(e.contains("the compressor plugin's state is 1048577 bytes, more than the 1048576"), "{e}");
+    }
+
+    /// What remains possible, as docs/checkpoint-policies.md says: whoever
+    /// edits their own checkpoint consistently (the files, their hashes and
+    /// the manifest's, within the layout and bounds) feeds the run what they
+    /// like. The result records that the entry resumed.
+    #[test]
+    fn a_consistent_edit_of_ones_own_checkpoint_is_accepted_as_documented() {
+        let (_d, s, dir) = written(false);
+        let weights = vec![("w".to_owned(), Tensor::from_slice(&[153.0f32, -7.0]))];
+        let rec = write_tensors(&dir, "model.safetensors", &weights, false, &AtomicBool::new(false)).unwrap();
+        forge(&dir, |m| m.model = rec);
+        let back = s.read(40).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&back.model[0].1).unwrap(), [153.0, -7.0]);
     }
 }

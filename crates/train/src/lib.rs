@@ -76,6 +76,9 @@ pub struct Progress {
 pub struct EntryContext<'a> {
     pub workload: &'a Workload,
     pub entry: &'a PlanEntry,
+    /// The sha256 of the suite file: the entry's checkpoints name it, and
+    /// `--resume` refuses those of another suite.
+    pub suite_sha256: &'a str,
     pub suite_dir: &'a Path,
     pub device: Device,
     pub warmup_steps: u64,

@@ -25,6 +25,9 @@ pub enum Optimizer {
     },
     Sgd {
         bufs: Vec<Option<Tensor>>,
+        /// The shape and dtype of each parameter, hence of its momentum
+        /// buffer (made at the first step).
+        shapes: Vec<(Vec<i64>, Kind)>,
         momentum: f64,
         nesterov: bool,
         weight_decay: f64,
@@ -63,6 +66,7 @@ impl Optimizer {
             }
             OptimizerSpec::Sgd { momentum, nesterov, weight_decay, .. } => Optimizer::Sgd {
                 bufs: params.iter().map(|_| None).collect(),
+                shapes: params.iter().map(|p| (p.size(), p.kind())).collect(),
                 momentum: *momentum,
                 nesterov: *nesterov,
                 weight_decay: *weight_decay,
@@ -94,6 +98,19 @@ impl Optimizer {
         }
     }
 
+    /// What [`Optimizer::state_tensors`] may hold, by name, kind and shape,
+    /// as (name, kind, shape, optional): AdamW's state always; SGD's
+    /// momentum buffers (with momentum) once its first step made them.
+    pub fn state_specs(&self) -> Vec<(String, Kind, Vec<i64>, bool)> {
+        match self {
+            Optimizer::AdamW { .. } => self.state_tensors().into_iter().map(|(n, t)| (n, t.kind(), t.size(), false)).collect(),
+            Optimizer::Sgd { shapes, momentum, .. } if *momentum > 0.0 => {
+                shapes.iter().enumerate().map(|(i, (shape, kind))| (format!("momentum.{i}"), *kind, shape.clone(), true)).collect()
+            }
+            Optimizer::Sgd { .. } => Vec::new(),
+        }
+    }
+
     /// Restores [`Optimizer::state_tensors`], copying into the state's own
     /// tensors (so their device and dtype stay).
     pub fn load_state(&mut self, get: &mut dyn FnMut(&str) -> Option<Tensor>) -> anyhow::Result<()> {
@@ -114,12 +131,21 @@ impl Optimizer {
                 }
                 Ok(())
             }
-            Optimizer::Sgd { bufs, .. } => {
-                for (i, b) in bufs.iter_mut().enumerate() {
+            Optimizer::Sgd { bufs, shapes, .. } => {
+                for (i, (b, (shape, kind))) in bufs.iter_mut().zip(shapes.iter()).enumerate() {
                     // A copy: on the CPU the checkpoint's tensor is the
                     // snapshot's own buffer, which training must not write
                     // into (a later restore reads it).
-                    *b = get(&format!("momentum.{i}")).map(|t| t.copy());
+                    let v = get(&format!("momentum.{i}"));
+                    if let Some(v) = &v {
+                        anyhow::ensure!(
+                            &v.size() == shape && v.kind() == *kind,
+                            "optimizer state `momentum.{i}`: {:?} of shape {:?} in the checkpoint, {kind:?} of shape {shape:?} here",
+                            v.kind(),
+                            v.size()
+                        );
+                    }
+                    *b = v.map(|t| t.copy());
                 }
                 Ok(())
             }
@@ -175,7 +201,7 @@ impl Optimizer {
                     torch_ext::fused_adamw(&p, &gr, &m, &v, &s, h, found_inf, grad_scale)?;
                 }
             }
-            Optimizer::Sgd { bufs, momentum, nesterov, weight_decay } => {
+            Optimizer::Sgd { bufs, momentum, nesterov, weight_decay, .. } => {
                 anyhow::ensure!(found_inf.is_none(), "SGD does not support fp16 loss scaling");
                 anyhow::ensure!(grad_scale.is_none(), "SGD takes no gradient scale");
                 tch::no_grad(|| {

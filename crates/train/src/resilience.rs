@@ -3,7 +3,7 @@
 //! rank's training state, and what checkpoints and failures cost
 //! ([`Resilience`]).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,9 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
 use super::batch::Batch;
-use super::checkpoint::{self, host_copy, Position, Snapshot, Store};
+use super::checkpoint::{
+    host_copy, Accept, Bounds, Layout, Position, RunIdentity, Snapshot, Store, TensorSpec, PLUGIN_STATE_BASE, PLUGIN_STATE_PER_PARAMETER,
+};
 use super::optim::{LossScaler, Optimizer};
 use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
 use super::EntryContext;
@@ -105,7 +107,9 @@ impl Resilience {
         let store = if t.strategies.checkpoint.never_saves() {
             None
         } else {
-            Some(Arc::new(Store::open(&ctx.checkpoint_dir, t.rank, t.world, strategy.checkpoint_compress, !ctx.resume)?))
+            let (run, accept) = run_and_accept(ctx, t)?;
+            let store = Store::open(&ctx.checkpoint_dir, t.rank, t.world, strategy.checkpoint_compress, !ctx.resume)?;
+            Some(Arc::new(store.for_run(run, accept)?))
         };
         if store.is_some() && t.device.is_cuda() {
             // Before the training clock starts, as the snapshot sets are.
@@ -158,14 +162,20 @@ impl Resilience {
     }
 
     /// `harness run --resume`: an interrupted run of this entry goes on from
-    /// its newest checkpoint. Returns the step it goes on from.
+    /// its newest checkpoint, which must be this run's and entry's, within
+    /// what the run could have produced, and hold finite values (see
+    /// [`checkpoint`](super::checkpoint)); else the entry fails, naming the
+    /// checkpoint and what is wrong with it. Returns the step it goes on
+    /// from.
     pub fn resume(&mut self, ctx: &EntryContext<'_>, t: &mut Training, batch: &mut Batch) -> Result<Option<u64>> {
-        let (true, Some(_)) = (ctx.resume, &self.store) else { return Ok(None) };
-        let on_disk: Vec<u64> = checkpoint::list(&ctx.checkpoint_dir).into_iter().map(|c| c.0).collect();
+        let (true, Some(store)) = (ctx.resume, self.store.clone()) else { return Ok(None) };
+        let on_disk = store.list().with_context(|| format!("resuming from the checkpoints in {}", ctx.checkpoint_dir.display()))?;
         let Some(&c) = on_disk.last() else { return Ok(None) };
-        let snap =
-            self.read_disk(c).with_context(|| format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display()))?;
-        restore(t, batch, &snap).with_context(|| format!("resuming from the checkpoint of step {c}"))?;
+        let dir = store.dir(c);
+        let resuming = || format!("resuming from the checkpoint of step {c} in {}", ctx.checkpoint_dir.display());
+        let snap = self.read_disk(c).with_context(resuming)?;
+        finite(&snap, &dir).with_context(resuming)?;
+        restore(t, batch, &snap).with_context(resuming)?;
         batch.rewind(c, true);
         self.history.saved = on_disk;
         self.record.resumed_from = Some(c);
@@ -617,6 +627,70 @@ fn median(xs: &VecDeque<f64>) -> Option<f64> {
     Some(v[v.len() / 2])
 }
 
+/// Who this entry's checkpoints belong to (its suite, entry, seed, ranks,
+/// planned steps and plugin builds), and what its restores accept: the
+/// tensors its training state has, known before anything is restored, and
+/// the range of the batch its batch policy can produce.
+fn run_and_accept(ctx: &EntryContext<'_>, t: &mut Training) -> Result<(RunIdentity, Accept)> {
+    let w = ctx.workload;
+    let plugins: BTreeMap<String, String> =
+        state(t).plugins().into_iter().map(|(slot, p)| (slot.to_owned(), p.manifest.sha256.clone())).collect();
+    let run = RunIdentity {
+        suite_sha256: ctx.suite_sha256.to_owned(),
+        entry: ctx.entry.id.clone(),
+        seed: ctx.entry.seed,
+        world_size: t.world as u32,
+        steps: w.steps,
+        plugins,
+    };
+    let bounds = match t.strategies.batch.plugin_mut() {
+        None => Bounds::fixed(w.batch, w.grad_accum, w.steps),
+        Some(_) => Bounds::plugin(&ctx.entry.strategy.batch_policy, crate::plugin::MAX_BATCH, w.steps),
+    };
+    Ok((run, Accept { layout: layout(t)?, bounds }))
+}
+
+/// The tensors of this rank's checkpoint files, from the training state:
+/// the parameters; the buffers, the optimizer's state (SGD's momentum
+/// buffers optional: its first step makes them), the loss scaler's and the
+/// random generators'; and the plugins' states, each within
+/// [`PLUGIN_STATE_BASE`] plus [`PLUGIN_STATE_PER_PARAMETER`] bytes per
+/// parameter.
+fn layout(t: &mut Training) -> Result<Layout> {
+    let n_params: u64 = t.params.iter().map(|p| p.numel() as u64).sum();
+    let model = t.names.iter().zip(&t.params).map(|(n, p)| TensorSpec::of(n.clone(), p)).collect();
+    let mut specs: Vec<TensorSpec> = t.buffers.iter().map(|(n, b)| TensorSpec::of(format!("buffer/{n}"), b)).collect();
+    specs.extend(t.optimizer.state_specs().into_iter().map(|(n, kind, shape, optional)| TensorSpec {
+        name: format!("optimizer/{n}"),
+        kind,
+        shape,
+        optional,
+    }));
+    if let Some(s) = &t.scaler {
+        specs.extend(s.state_tensors().into_iter().map(|(n, x)| TensorSpec::of(format!("scaler/{n}"), &x)));
+    }
+    specs.push(TensorSpec::of("rng/cpu", &torch_ext::rng_state(Device::Cpu)?));
+    if t.device.is_cuda() {
+        specs.push(TensorSpec::of("rng/device", &torch_ext::rng_state(t.device)?));
+    }
+    let plugins = state(t).plugins().into_iter().map(|(slot, _)| slot.to_owned()).collect();
+    let cap = PLUGIN_STATE_BASE.saturating_add(PLUGIN_STATE_PER_PARAMETER.saturating_mul(n_params));
+    Ok(Layout { model, state: specs, plugins, plugin_state_cap: cap })
+}
+
+/// Refuses a snapshot read from the checkpoint in `dir` whose parameters or
+/// floating-point state hold a NaN or an infinity.
+fn finite(snap: &Snapshot, dir: &std::path::Path) -> Result<()> {
+    for (file, tensors) in [("model", &snap.model), ("state", &snap.state)] {
+        for (name, t) in tensors.iter().filter(|(_, t)| t.is_floating_point()) {
+            if t.f_isfinite()?.f_all()?.int64_value(&[]) == 0 {
+                return Err(super::checkpoint::refused(dir, format!("{file}: tensor {name}"), "holds NaN or infinite values"));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The training state a snapshot is taken of and restored into.
 fn state(t: &mut Training) -> TrainState<'_> {
     TrainState {
@@ -848,5 +922,26 @@ mod tests {
         assert!((t / n as f64 - 5.0).abs() < 0.15, "mean time between failures {}", t / n as f64);
         // Other ranks follow rank 0 through a collective.
         assert!(FaultClock::new(&spec, 1, 1).random.is_none());
+    }
+
+    #[test]
+    fn a_checkpoint_holding_nan_or_infinity_is_refused_naming_the_tensor() {
+        let snap = |v: f32| Snapshot {
+            position: Position { step: 40, data_position: 160, micro_batch: 4, accum_steps: 1, lr_scale: 1.0 },
+            model: vec![("w".into(), Tensor::from_slice(&[1.0f32, v]))],
+            state: vec![("rng/cpu".into(), Tensor::from_slice(&[255u8])), ("optimizer/exp_avg.0".into(), Tensor::from_slice(&[v as f64]))],
+            plugins: Vec::new(),
+            ready: None,
+        };
+        let dir = std::path::Path::new("/results/run.checkpoints/w_a_r0/step-00000040");
+        finite(&snap(2.0), dir).unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = format!("{:#}", finite(&snap(bad), dir).unwrap_err());
+            assert_eq!(e, format!("checkpoint {} refused: `model: tensor w` holds NaN or infinite values", dir.display()));
+        }
+        let mut s = snap(2.0);
+        s.state[1].1 = Tensor::from_slice(&[f64::NAN]);
+        let e = format!("{:#}", finite(&s, dir).unwrap_err());
+        assert!(e.contains("`state: tensor optimizer/exp_avg.0` holds NaN"), "{e}");
     }
 }
