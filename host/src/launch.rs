@@ -68,13 +68,15 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
     let device = prepare_device(meta, opts.ranks.as_ref())?;
     let dist = device.is_cuda() && world > 1;
     let writes = rank == 0;
-    let mut result = open_result(suite, opts, writes, console)?;
     let timeout = Duration::from_secs_f64(meta.collective_timeout_s);
-    // Ranks of a multi-GPU run agree on the entries through rank 0's store.
+    // Ranks of a multi-GPU run agree on the entries through rank 0's store;
+    // set up before the result file, so that a rank without the run's
+    // secret stops before rank 0 writes anything.
     let store = match (&opts.ranks, dist) {
         (Some(env), true) => Some(env.rendezvous(timeout)?),
         _ => None,
     };
+    let mut result = open_result(suite, opts, writes, console)?;
     if let Some(c) = &store {
         agree_on_switches(c, rank)?;
     }
@@ -751,10 +753,13 @@ pub fn launch_local_ranks(
 
 /// Starts `harness ARGS` once per rank of `world` on this machine, with
 /// torchrun's variables and `env`, and waits for all: their exit statuses,
-/// in rank order. Only rank 0 prints to stdout.
+/// in rank order. Only rank 0 prints to stdout. The ranks meet on
+/// 127.0.0.1 with a secret made for this round of processes, which they
+/// get in their environment (never on a command line).
 fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> anyhow::Result<Vec<std::process::ExitStatus>> {
     let exe = std::env::current_exe()?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let secret = rendezvous::Secret::generate();
     let mut children = Vec::new();
     for r in 0..world {
         let mut c = std::process::Command::new(&exe);
@@ -762,8 +767,10 @@ fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> any
             .env("RANK", r.to_string())
             .env("LOCAL_RANK", r.to_string())
             .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env(rendezvous::SECRET_VAR, secret.expose())
             .envs(env.iter().map(|(k, v)| (k, v)));
         if r > 0 {
             c.stdout(std::process::Stdio::null());

@@ -18,7 +18,8 @@ use crate::{device, exit, rendezvous};
 /// This process's place among ranks started by a launcher: torchrun's
 /// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
 /// Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR and
-/// MASTER_PORT set by the job script).
+/// MASTER_PORT set by the job script), and the run's rendezvous secret
+/// ([`rendezvous::SECRET_VAR`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankEnv {
     pub rank: usize,
@@ -26,6 +27,12 @@ pub struct RankEnv {
     pub local_rank: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// The run's secret and namespace; None when the secret is not set
+    /// (a run that needs the rendezvous then refuses to start).
+    pub auth: Option<rendezvous::Auth>,
+    /// Whether the ranks run on more than one host (torchrun's
+    /// LOCAL_WORLD_SIZE below WORLD_SIZE, or a Slurm step on several nodes).
+    pub spans_hosts: bool,
 }
 
 impl RankEnv {
@@ -33,33 +40,64 @@ impl RankEnv {
     /// as one rank of several.
     pub fn from_env() -> anyhow::Result<Option<RankEnv>> {
         let var = |k: &str| std::env::var(k).ok();
-        let (rank, world, local) = match (var("RANK"), var("WORLD_SIZE")) {
-            (Some(r), Some(w)) => (r, w, var("LOCAL_RANK").unwrap_or_else(|| "0".into())),
+        let (rank, world, local, slurm) = match (var("RANK"), var("WORLD_SIZE")) {
+            (Some(r), Some(w)) => (r, w, var("LOCAL_RANK").unwrap_or_else(|| "0".into()), false),
             _ => match (var("SLURM_PROCID"), var("SLURM_NTASKS")) {
-                (Some(r), Some(w)) => (r, w, var("SLURM_LOCALID").unwrap_or_else(|| "0".into())),
+                (Some(r), Some(w)) => (r, w, var("SLURM_LOCALID").unwrap_or_else(|| "0".into()), true),
                 _ => return Ok(None),
             },
         };
         let num = |name: &str, v: &str| v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"));
         let master_addr = var("MASTER_ADDR").ok_or_else(|| anyhow::anyhow!("launched as rank {rank} but MASTER_ADDR is not set\nhint: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every rank"))?;
         let port = var("MASTER_PORT").unwrap_or_else(|| "29500".into());
+        let world = num("WORLD_SIZE", &world)?;
+        // What the launcher calls this job, the same on every rank: two jobs
+        // that reuse one secret still get two namespaces.
+        let job = var("TORCHELASTIC_RUN_ID")
+            .or_else(|| var("SLURM_JOB_ID").map(|j| format!("{j}.{}", var("SLURM_STEP_ID").unwrap_or_default())))
+            .unwrap_or_default();
+        let count = |k: &str| var(k).and_then(|v| v.trim().parse::<usize>().ok());
+        let spans_hosts = if slurm {
+            count("SLURM_STEP_NUM_NODES").or_else(|| count("SLURM_NNODES")).is_some_and(|n| n > 1)
+        } else {
+            count("LOCAL_WORLD_SIZE").is_some_and(|local| local < world)
+        };
         Ok(Some(RankEnv {
             rank: num("RANK", &rank)?,
-            world: num("WORLD_SIZE", &world)?,
+            world,
             local_rank: num("LOCAL_RANK", &local)?,
             master_addr,
             master_port: port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port"))?,
+            auth: rendezvous::Secret::from_env()?.map(|s| rendezvous::Auth::new(s, &job)),
+            spans_hosts,
         }))
     }
 
-    /// The rendezvous store the ranks share: rank 0 serves it on
-    /// MASTER_PORT, every rank (rank 0 included) is a client of
-    /// MASTER_ADDR:MASTER_PORT.
+    /// The rendezvous store the ranks share: rank 0 serves it on the
+    /// addresses of MASTER_ADDR at MASTER_PORT (never every interface),
+    /// every rank (rank 0 included) is a client of MASTER_ADDR:MASTER_PORT,
+    /// with the run's secret. Without the secret, the run does not start.
     pub fn rendezvous(&self, timeout: Duration) -> anyhow::Result<rendezvous::Client> {
+        let auth = self.auth.clone().ok_or_else(|| {
+            anyhow::anyhow!(
+                "rank {} of {} has no rendezvous secret: {} is not set, and rank 0's store serves only the ranks that hold the run's secret\nhint: `harness run` sets one for the ranks it starts; under torchrun or srun export the same secret on every host before the launch, e.g. `export {}=$(openssl rand -hex 32)` in the job script (docs/cluster.md)",
+                self.rank,
+                self.world,
+                rendezvous::SECRET_VAR,
+                rendezvous::SECRET_VAR
+            )
+        })?;
         if self.rank == 0 {
-            rendezvous::serve(&format!("0.0.0.0:{}", self.master_port))?;
+            let addrs = rendezvous::bind_addrs(&self.master_addr, self.master_port, self.spans_hosts)?;
+            rendezvous::serve(&addrs, &auth, rendezvous::Limits::for_world(self.world))?;
         }
-        Ok(rendezvous::Client { addr: format!("{}:{}", self.master_addr, self.master_port), rank: self.rank, timeout })
+        // An IPv6 address is written in brackets before its port.
+        let host = if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]", self.master_addr)
+        } else {
+            self.master_addr.clone()
+        };
+        Ok(rendezvous::Client { addr: format!("{host}:{}", self.master_port), rank: self.rank, timeout, auth })
     }
 }
 
@@ -196,7 +234,7 @@ impl Watchdog {
                     if let Some((call, since)) = crate::plugin::exit_guard::call_in_progress().filter(|(_, d)| d.as_secs() >= 1) {
                         beat.push_str(&format!("\tin {call} for {:.0} s", since.as_secs_f64()));
                     }
-                    let _ = store.set(&beat_key(rank), beat.as_bytes());
+                    let _ = store.put(&beat_key(rank), beat.as_bytes());
                 }
                 let mut fired = None;
                 if now >= polled + 1000 {
@@ -427,9 +465,52 @@ mod tests {
     /// Rank 0's client of a store served on a free local port, with a
     /// collective timeout of `timeout`.
     fn local_store(timeout: Duration) -> rendezvous::Client {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        rendezvous::serve(&addr).unwrap();
-        rendezvous::Client { addr, rank: 0, timeout }
+        let auth = rendezvous::Auth::new(rendezvous::Secret::generate(), "");
+        let server = rendezvous::serve(&["127.0.0.1:0".parse().unwrap()], &auth, rendezvous::Limits::for_world(2)).unwrap();
+        rendezvous::Client { addr: server.addrs()[0].to_string(), rank: 0, timeout, auth }
+    }
+
+    #[test]
+    fn a_failure_forged_without_the_secret_is_not_a_peers() {
+        use std::io::{Read, Write};
+        let store = local_store(Duration::from_secs(60));
+        let forged = serde_json::to_vec(&EntryError::OutOfMemory { message: "forged".into() }).unwrap();
+        // The tester's rogue client: `fail/<entry>/0` in the run's namespace
+        // (its id is in the greeting), without the secret.
+        let mut rogue = std::net::TcpStream::connect(&store.addr).unwrap();
+        let mut req = format!("SET {}/fail/w/s/r0/0 {}\n", store.auth.run(), forged.len()).into_bytes();
+        req.extend(&forged);
+        rogue.write_all(&req).unwrap();
+        let mut answer = String::new();
+        let _ = rogue.read_to_string(&mut answer);
+        assert!(answer.contains("DENIED authenticate first"), "{answer}");
+        assert_eq!(peer_failure(&rendezvous::Client { rank: 1, ..store.clone() }, "w/s/r0", 1, 2), None);
+        // Another run's rank, with its own secret, fares no better.
+        let stranger = rendezvous::Client { auth: rendezvous::Auth::new(rendezvous::Secret::generate(), ""), ..store.clone() };
+        assert!(stranger.set("fail/w/s/r0/0", &forged).is_err());
+        assert_eq!(peer_failure(&rendezvous::Client { rank: 1, ..store.clone() }, "w/s/r0", 1, 2), None);
+        // The real rank 0's failure is seen.
+        publish_failure(&store, "w/s/r0", 0, &EntryError::OutOfMemory { message: "real".into() });
+        let seen = peer_failure(&rendezvous::Client { rank: 1, ..store }, "w/s/r0", 1, 2);
+        assert_eq!(seen, Some((0, EntryError::OutOfMemory { message: "real".into() })));
+    }
+
+    #[test]
+    fn a_run_that_needs_the_store_refuses_to_start_without_the_secret() {
+        let env = RankEnv {
+            rank: 1,
+            world: 2,
+            local_rank: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            auth: None,
+            spans_hosts: false,
+        };
+        let e = env.rendezvous(Duration::from_secs(1)).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1 of 2 has no rendezvous secret: HARNESS_RDZV_SECRET is not set") && e.contains("openssl rand -hex 32"),
+            "{e}"
+        );
     }
 
     #[test]
