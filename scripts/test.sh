@@ -46,15 +46,22 @@ scripts/build-plugins.sh
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+# clippy and doc check in the release profile, as the tests build: the build
+# scripts (libtorch's C++ glue, cranelift's generated code) and the proc
+# macros they share with the test build are then built once, not once per
+# profile.
 step "cargo clippy"
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --release --workspace --all-targets -- -D warnings
 
 step "cargo doc (every crate's docs, warnings denied)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --document-private-items --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --release --workspace --no-deps --document-private-items --quiet
 
 step "cargo test (release: the tests train real models)"
-# Snapshot mismatches fail instead of writing .snap.new files.
-CI=${CI:-true} cargo test --workspace --release --exclude harness-format --exclude harness-report
+# Snapshot mismatches fail instead of writing .snap.new files. One libtorch
+# CPU thread per test process (unless the caller sets OMP_NUM_THREADS): the
+# tests run one per core, and an OpenMP pool spanning every core in each of
+# them oversubscribes the cores and spins at every barrier.
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CI=${CI:-true} cargo test --workspace --release --exclude harness-format --exclude harness-report
 
 step "./x install (a harness command that runs from any folder)"
 repo=$PWD; tmp=$(mktemp -d)

@@ -42,10 +42,21 @@ pub fn artifact(name: &str) -> PathBuf {
     p
 }
 
+/// libtorch's CPU threads per `harness` process: one, unless the caller's
+/// `OMP_NUM_THREADS` says otherwise. The tests run side by side (one per
+/// core), and a process whose OpenMP pool spans every core oversubscribes
+/// them: its threads spin at each barrier while the other test holds the
+/// core. On 2 cores with a build beside it, the default suite took 307 s of
+/// CPU with two threads against 46 s with one.
+fn cpu_threads(c: &mut Command) -> &mut Command {
+    c.env("OMP_NUM_THREADS", std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "1".into()))
+}
+
 /// A `harness` command run from `dir`.
 pub fn harness(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_harness"));
     c.current_dir(dir);
+    cpu_threads(&mut c);
     c
 }
 
@@ -64,6 +75,7 @@ pub fn installed_harness(dir: &Path) -> Command {
     });
     let mut c = Command::new(bin);
     c.current_dir(dir).env_remove("LD_LIBRARY_PATH");
+    cpu_threads(&mut c);
     c
 }
 
