@@ -193,7 +193,7 @@ figure{display:inline-block;vertical-align:top;margin:0 1.5em 1em 0}figcaption{f
 .dim{opacity:.15}.flag{color:#b00}.unranked{color:#777}.howto,.explain{font-size:14px;max-width:1100px;color:#333}\
 .howto{background:#f6f8fa;border-left:4px solid #1f77b4;padding:.5em .8em}tr.reference td{color:#555;background:#fafafa}\
 tr.tied td:first-child{font-weight:600}td.faster{background:#e8f5e9}td.slower{background:#fdecea}td.missed{color:#b00}\
-table.facts th{width:11em}nav ul{columns:2;font-size:14px}";
+table.facts th{width:11em}table.facts code{white-space:pre-wrap}nav ul{columns:2;font-size:14px}";
 
 /// Hovering a legend key dims the other strategies' series.
 const SCRIPT: &str = "document.querySelectorAll('.key').forEach(function(k){var s=k.dataset.series;var sec=k.closest('section');\

@@ -15,11 +15,9 @@ use crate::submissions::{self, SubBoard, Verified};
 use crate::Board;
 
 /// How to read a track's board, one paragraph.
-pub const HOW_TO_READ: &str = "How to read this: each dot is a submission's time to target divided by the baseline's in the \
-same run, paired by repeat (olympic mean; the bar is the 95% interval), on a log scale: left of the dashed line at 1 is \
-faster than the baseline. n.s. marks an interval that holds 1. The profile plot shows, for each submission, the share of \
-the track's workloads on which it is within a factor τ of the best ratio on the board; the profile score is the area under \
-it (1.00: the best on every workload). Submissions that no workload's intervals separate share a rank (=1).";
+pub const HOW_TO_READ: &str = "How to read this: a dot is a submission's time to target ÷ the baseline's in the same run \
+(olympic mean over paired repeats; bar: 95% interval; log scale); left of the dashed 1 is faster. n.s.: the interval holds 1. \
+=1: ranks no interval separates. Profiles: the share of workloads within τ of the best ratio; the score is the area under it.";
 
 /// The id of a track's section, for the page's contents.
 pub(super) fn anchor(i: usize) -> String {
