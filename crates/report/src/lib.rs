@@ -513,7 +513,7 @@ fn score(group: Group) -> Row {
 /// tokens/s. Others are listed unranked. A row's rank is 1 + the rows
 /// better than it beyond doubt (95% intervals apart; a metric of one
 /// repeat is its own interval): rows nothing separates share a rank.
-fn rank(rows: &mut Vec<Row>) {
+fn rank(rows: &mut [Row]) {
     let any_target = rows.iter().any(|r| r.has_target);
     let by_goodput = !any_target && rows.iter().any(|r| r.summaries.contains_key(&Metric::Goodput));
     // The metric, lower is better: (mean, interval).

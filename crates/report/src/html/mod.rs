@@ -6,7 +6,7 @@
 //! ([`submission_page`]). Every string from a result file or bundle goes
 //! through [`crate::escape::html`]; the only links are to the page's own
 //! sections, to the bundles' copies and pages beside it
-//! ([`submissions::Files`]), and back to the board.
+//! ([`crate::submissions::Files`]), and back to the board.
 
 mod plots;
 pub mod submission_page;

@@ -301,7 +301,7 @@ pub(super) fn profiles(id: &str, b: &SubBoard) -> String {
             out,
             r##"<path d="{d}" fill="none" stroke="{}" stroke-width="2.5"{dash} stroke-opacity="0.9"><title>{}: profile score {:.2}</title></path>"##,
             row_colour(b, i),
-            esc(&format!("{} {}", r.plugin, r.version).trim().to_owned()),
+            esc(format!("{} {}", r.plugin, r.version).trim()),
             r.profile
         );
     }

@@ -109,7 +109,7 @@ fn rows_on_boards(v: &Verified, subs: &[SubBoard]) -> String {
 /// call times, with the load and compile time of the artifact. Empty when
 /// the result records none.
 fn call_cost(r: &RunResult, plugin: &str) -> String {
-    let mut by: std::collections::BTreeMap<(String, String), Vec<(u64, f64, f64, f64)>> = Default::default();
+    let mut by: std::collections::BTreeMap<(String, String), Vec<Call>> = Default::default();
     for e in r.entries.iter().filter(|e| e.strategy.starts_with("submission-") && matches!(e.status, EntryStatus::Ok)) {
         for p in e.metrics.iter().flat_map(|m| m.plugins.iter()).filter(|p| p.manifest.name == plugin) {
             let Some(c) = &p.call else { continue };
@@ -144,6 +144,9 @@ fn call_cost(r: &RunResult, plugin: &str) -> String {
     out.push_str("</table>");
     out
 }
+
+/// One entry's calls into the plugin: (calls, p50 ms, p99 ms, load s).
+type Call = (u64, f64, f64, f64);
 
 /// Milliseconds as "12.3 µs", "4.56 ms" or "1.23 s".
 fn micros(ms: f64) -> String {
