@@ -260,6 +260,15 @@ pub struct Group {
     /// different switches measured different work, never pooled.
     pub switches: String,
     pub baseline: bool,
+    /// The standard suite's track the strategy ran in on this workload
+    /// (a strategy in two tracks has a group in each); None for suites
+    /// without tracks.
+    pub track: Option<String>,
+    /// The run it came from, for the runs of submissions ([`run_label`]):
+    /// a submission is compared with its own run's baseline, so the
+    /// groups of different runs are never pooled. None for other result
+    /// files, whose repeats pool across files.
+    pub run: Option<String>,
     /// (compressor, batch policy, checkpoint policy) names.
     pub parts: (String, String, String),
     pub runs: Vec<Metrics>,
@@ -281,9 +290,43 @@ pub struct Row {
     /// Repeats that reached the target, of those that ran.
     pub reached: (usize, usize),
     pub has_target: bool,
+    /// 1 + the rows ahead of it that are better beyond doubt (their 95%
+    /// intervals do not overlap): rows that nothing separates share one.
     pub rank: Option<usize>,
+    /// Whether another row shares its rank.
+    pub tied: bool,
     /// Engagement checks that failed.
     pub flags: Vec<String>,
+}
+
+impl Row {
+    /// Its rank as the tables show it: "1", "=1" when tied, "-".
+    pub fn rank_cell(&self) -> String {
+        match self.rank {
+            None => "-".into(),
+            Some(k) if self.tied => format!("={k}"),
+            Some(k) => k.to_string(),
+        }
+    }
+
+    /// Its strategy as the tables name it: "(baseline)" after the
+    /// baseline, and the run after any strategy of a submission's run but
+    /// the submission itself (whose name says whose it is).
+    pub fn label(&self) -> String {
+        let g = &self.group;
+        let mut notes = Vec::new();
+        if g.baseline {
+            notes.push("baseline".to_owned());
+        }
+        if let Some(run) = g.run.as_ref().filter(|_| !g.strategy.contains("[submission-")) {
+            notes.push(run.clone());
+        }
+        if notes.is_empty() {
+            g.strategy.clone()
+        } else {
+            format!("{} ({})", g.strategy, notes.join("; "))
+        }
+    }
 }
 
 /// One leaderboard table: a workload of a suite on one device.
@@ -295,7 +338,34 @@ pub struct Board {
     pub device: String,
     /// The recorded switches of its runs ([`Group::switches`]).
     pub switches: String,
+    /// The standard suite's track ([`Group::track`]).
+    pub track: Option<String>,
     pub rows: Vec<Row>,
+}
+
+/// What names a submission's run in the per-workload tables: "run of
+/// PLUGIN VERSION (SHA256 PREFIX), STARTED".
+pub fn run_label(r: &RunResult) -> Option<String> {
+    let p = r.submission.as_ref()?.entered.first()?;
+    Some(format!("run of {} {} ({}), {}", p.name, p.version, submissions::short(&p.sha256), r.started_at))
+}
+
+/// The tracks of `tracks` that `strategy` runs in on `workload`: as the
+/// baseline, a reference strategy, or the submission (`submission-TRACK`,
+/// or, renamed after its plugin, ending in `[submission-TRACK]`).
+fn tracks_of(tracks: &[suite::Track], workload: &str, strategy: &str) -> Vec<String> {
+    tracks
+        .iter()
+        .filter(|t| t.workloads.iter().any(|w| w == workload))
+        .filter(|t| {
+            let sub = format!("submission-{}", t.name);
+            t.baseline == strategy
+                || t.strategies.iter().any(|s| s == strategy)
+                || strategy == sub
+                || strategy.ends_with(&format!("[{sub}]"))
+        })
+        .map(|t| t.name.clone())
+        .collect()
 }
 
 /// A result's suite version: the submission's record of it, else
@@ -310,36 +380,55 @@ pub fn suite_version(r: &RunResult) -> Option<String> {
 /// Groups every entry of the result files: one group per suite, suite
 /// version, workload, strategy, device and switches.
 pub fn groups(results: &[RunResult]) -> Vec<Group> {
-    type Key = (String, Option<String>, String, String, String, String);
+    type Key = (String, Option<String>, String, String, String, String, Option<String>, Option<String>);
     let mut map: BTreeMap<Key, Group> = BTreeMap::new();
     for r in results {
         let version = suite_version(r);
         let switches = if r.switches.is_empty() { String::new() } else { crate::switches::line(&r.switches) };
+        let tracks = suite::Suite::parse(std::path::Path::new(&r.suite.path), r.suite.text.clone()).map_or(Vec::new(), |s| s.spec.tracks);
+        let run = run_label(r);
         for e in &r.entries {
             let strategy = r.plan.iter().find(|p| p.id == e.id).map(|p| p.strategy.clone());
-            let key = (r.suite.name.clone(), version.clone(), e.workload.clone(), e.strategy.clone(), e.device.clone(), switches.clone());
-            let g = map.entry(key).or_insert_with(|| Group {
-                suite: r.suite.name.clone(),
-                version: version.clone(),
-                workload: e.workload.clone(),
-                strategy: e.strategy.clone(),
-                device: e.device.clone(),
-                switches: switches.clone(),
-                baseline: strategy.as_ref().is_some_and(|s| s.baseline),
-                parts: strategy
-                    .as_ref()
-                    .map_or_else(Default::default, |s| (s.compressor.clone(), s.batch_policy.clone(), s.checkpoint.clone())),
-                runs: Vec::new(),
-                step_histograms: Vec::new(),
-                failures: Vec::new(),
-            });
-            match (&e.status, &e.metrics) {
-                (EntryStatus::Ok, Some(m)) => {
-                    g.runs.push(m.clone());
-                    g.step_histograms.push(e.histograms.get("step").cloned().unwrap_or_default());
+            let mut in_tracks: Vec<Option<String>> = tracks_of(&tracks, &e.workload, &e.strategy).into_iter().map(Some).collect();
+            if in_tracks.is_empty() {
+                in_tracks.push(None);
+            }
+            for track in in_tracks {
+                let key = (
+                    r.suite.name.clone(),
+                    version.clone(),
+                    e.workload.clone(),
+                    e.strategy.clone(),
+                    e.device.clone(),
+                    switches.clone(),
+                    track.clone(),
+                    run.clone(),
+                );
+                let g = map.entry(key).or_insert_with(|| Group {
+                    suite: r.suite.name.clone(),
+                    version: version.clone(),
+                    workload: e.workload.clone(),
+                    strategy: e.strategy.clone(),
+                    device: e.device.clone(),
+                    switches: switches.clone(),
+                    baseline: strategy.as_ref().is_some_and(|s| s.baseline),
+                    track,
+                    run: run.clone(),
+                    parts: strategy
+                        .as_ref()
+                        .map_or_else(Default::default, |s| (s.compressor.clone(), s.batch_policy.clone(), s.checkpoint.clone())),
+                    runs: Vec::new(),
+                    step_histograms: Vec::new(),
+                    failures: Vec::new(),
+                });
+                match (&e.status, &e.metrics) {
+                    (EntryStatus::Ok, Some(m)) => {
+                        g.runs.push(m.clone());
+                        g.step_histograms.push(e.histograms.get("step").cloned().unwrap_or_default());
+                    }
+                    (EntryStatus::Failed { error, .. }, _) => g.failures.push(error.clone()),
+                    _ => {}
                 }
-                (EntryStatus::Failed { error, .. }, _) => g.failures.push(error.clone()),
-                _ => {}
             }
         }
     }
@@ -347,52 +436,61 @@ pub fn groups(results: &[RunResult]) -> Vec<Group> {
 }
 
 /// Scores, compares and ranks the groups; one board per suite, suite
-/// version, workload, device and switches.
+/// version, workload, device, switches and track.
 pub fn boards(results: &[RunResult]) -> Vec<Board> {
-    type Key = (String, Option<String>, String, String, String);
+    type Key = (String, Option<String>, String, String, String, Option<String>);
     let mut by_board: BTreeMap<Key, Vec<Group>> = BTreeMap::new();
     for g in groups(results) {
-        by_board.entry((g.suite.clone(), g.version.clone(), g.workload.clone(), g.device.clone(), g.switches.clone())).or_default().push(g);
+        let key = (g.suite.clone(), g.version.clone(), g.workload.clone(), g.device.clone(), g.switches.clone(), g.track.clone());
+        by_board.entry(key).or_default().push(g);
     }
     by_board
         .into_iter()
-        .map(|((suite, version, workload, device, switches), gs)| {
+        .map(|((suite, version, workload, device, switches, track), gs)| {
             let mut rows: Vec<Row> = gs.into_iter().map(score).collect();
-            let base = rows.iter().position(|r| r.group.baseline);
-            if let Some(b) = base {
-                let base_sums = rows[b].summaries.clone();
-                let base_parts = rows[b].group.parts.clone();
-                let base_bytes = rows[b].summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
-                for (i, row) in rows.iter_mut().enumerate() {
-                    row.verdicts = row
-                        .summaries
-                        .iter()
-                        .filter_map(|(m, c)| match base_sums.get(m) {
-                            Some(b) if i != base.unwrap_or(usize::MAX) && b.olympic_mean != 0.0 => {
-                                Some((*m, (c.olympic_mean / b.olympic_mean, stats::compare(c, b))))
-                            }
-                            _ => None,
-                        })
-                        .collect();
-                    // A group that missed the target in any repeat has no
-                    // time-to-target score, so nothing to compare either.
-                    if row.has_target && row.reached.0 < row.reached.1 {
-                        row.verdicts.remove(&Metric::TimeToTarget);
-                    }
-                    let bytes = row.summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
-                    row.flags = engagement(&row.group, &base_parts, bytes, base_bytes);
-                }
-            } else {
-                for row in rows.iter_mut() {
-                    row.verdicts = PerMetric::new();
-                    row.flags = engagement(&row.group, &Default::default(), None, None);
-                }
-            }
+            compare_with_baselines(&mut rows);
             flag_mixed_graphs(&mut rows);
             rank(&mut rows);
-            Board { suite, version, workload, device, switches, rows }
+            Board { suite, version, workload, device, switches, track, rows }
         })
         .collect()
+}
+
+/// Each row against its baseline: the board's baseline row of the same
+/// run (a submission's own run; for other result files, the pooled
+/// baseline), else the board's first baseline. Sets the verdicts and the
+/// engagement flags.
+fn compare_with_baselines(rows: &mut [Row]) {
+    let baselines: Vec<(usize, Option<String>)> =
+        rows.iter().enumerate().filter(|(_, r)| r.group.baseline).map(|(i, r)| (i, r.group.run.clone())).collect();
+    let base_of = |run: &Option<String>| baselines.iter().find(|(_, r)| r == run).or(baselines.first()).map(|(i, _)| *i);
+    let picks: Vec<Option<usize>> = rows.iter().map(|r| base_of(&r.group.run)).collect();
+    let snapshot: Vec<(PerMetric<Summary>, (String, String, String))> =
+        rows.iter().map(|r| (r.summaries.clone(), r.group.parts.clone())).collect();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let Some(b) = picks[i] else {
+            row.verdicts = PerMetric::new();
+            row.flags = engagement(&row.group, &Default::default(), None, None);
+            continue;
+        };
+        let (base_sums, base_parts) = &snapshot[b];
+        row.verdicts = row
+            .summaries
+            .iter()
+            .filter_map(|(m, c)| match base_sums.get(m) {
+                Some(bs) if i != b && bs.olympic_mean != 0.0 => Some((*m, (c.olympic_mean / bs.olympic_mean, stats::compare(c, bs)))),
+                _ => None,
+            })
+            .collect();
+        // A group that missed the target in any repeat has no
+        // time-to-target score, so nothing to compare either.
+        if row.has_target && row.reached.0 < row.reached.1 {
+            row.verdicts.remove(&Metric::TimeToTarget);
+        }
+        let bytes = row.summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
+        let base_bytes = base_sums.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
+        row.flags = engagement(&row.group, base_parts, bytes, base_bytes);
+    }
 }
 
 fn score(group: Group) -> Row {
@@ -405,42 +503,51 @@ fn score(group: Group) -> Row {
         .collect();
     let has_target = group.runs.iter().any(|m| m.target_loss.is_some() || m.target_accuracy.is_some());
     let reached = (group.runs.iter().filter(|m| m.time_to_target_s.is_some()).count(), group.runs.len() + group.failures.len());
-    Row { group, summaries, verdicts: PerMetric::new(), reached, has_target, rank: None, flags: Vec::new() }
+    Row { group, summaries, verdicts: PerMetric::new(), reached, has_target, rank: None, tied: false, flags: Vec::new() }
 }
 
 /// Time to target first: only groups whose every repeat reached the target
 /// get a rank, ordered by their olympic-mean time. When the workload sets no
 /// target, groups are ranked by goodput if failures were injected or
 /// checkpoints written (what checkpoint policies exist for), else by
-/// tokens/s. Others are listed unranked.
+/// tokens/s. Others are listed unranked. A row's rank is 1 + the rows
+/// better than it beyond doubt (95% intervals apart; a metric of one
+/// repeat is its own interval): rows nothing separates share a rank.
 fn rank(rows: &mut [Row]) {
     let any_target = rows.iter().any(|r| r.has_target);
     let by_goodput = !any_target && rows.iter().any(|r| r.summaries.contains_key(&Metric::Goodput));
-    let key = |r: &Row| -> Option<f64> {
-        if any_target {
-            if r.reached.0 == r.reached.1 && r.reached.1 > 0 {
-                r.summaries.get(&Metric::TimeToTarget).map(|s| s.olympic_mean)
-            } else {
-                None
+    // The metric, lower is better: (mean, interval).
+    let key = |r: &Row| -> Option<(f64, (f64, f64))> {
+        let (metric, sign) = if any_target {
+            if !(r.reached.0 == r.reached.1 && r.reached.1 > 0) {
+                return None;
             }
+            (Metric::TimeToTarget, 1.0)
         } else if by_goodput {
-            r.summaries.get(&Metric::Goodput).map(|s| -s.olympic_mean)
+            (Metric::Goodput, -1.0)
         } else {
-            r.summaries.get(&Metric::TokensPerS).map(|s| -s.olympic_mean)
-        }
+            (Metric::TokensPerS, -1.0)
+        };
+        let s = r.summaries.get(&metric)?;
+        let (lo, hi) = s.ci95.unwrap_or((s.olympic_mean, s.olympic_mean));
+        let (lo, hi) = if sign < 0.0 { (-hi, -lo) } else { (lo, hi) };
+        Some((sign * s.olympic_mean, (lo, hi)))
     };
     rows.sort_by(|a, b| match (key(a), key(b)) {
-        (Some(x), Some(y)) => x.total_cmp(&y),
+        (Some(x), Some(y)) => x.0.total_cmp(&y.0),
         (Some(_), None) => std::cmp::Ordering::Less,
         (None, Some(_)) => std::cmp::Ordering::Greater,
         (None, None) => a.group.strategy.cmp(&b.group.strategy),
     });
-    let mut next = 1;
+    let keys: Vec<_> = rows.iter().map(key).collect();
+    for (i, r) in rows.iter_mut().enumerate() {
+        r.rank = keys[i].map(|(_, (lo, _))| 1 + keys[..i].iter().flatten().filter(|(_, (_, hi))| *hi < lo).count());
+    }
+    // Stable: a row is never listed below one it ranks above.
+    rows.sort_by_key(|r| r.rank.unwrap_or(usize::MAX));
+    let ranks: Vec<Option<usize>> = rows.iter().map(|r| r.rank).collect();
     for r in rows.iter_mut() {
-        if key(r).is_some() {
-            r.rank = Some(next);
-            next += 1;
-        }
+        r.tied = r.rank.is_some() && ranks.iter().filter(|k| **k == r.rank).count() > 1;
     }
 }
 
@@ -492,7 +599,8 @@ fn engagement(g: &Group, base_parts: &(String, String, String), bytes: Option<f6
     flags
 }
 
-fn fmt_verdict(v: Option<&(f64, Verdict)>) -> String {
+/// A verdict cell: "1.234x higher", "n.s.", or "-".
+pub fn fmt_verdict(v: Option<&(f64, Verdict)>) -> String {
     match v {
         None => "-".into(),
         Some((r, v)) => format!(
@@ -522,7 +630,8 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
     let mut out = String::from("# Leaderboard\n\n");
     out.push_str("Generated by `harness report` from the result files below; do not edit by hand.\n");
     out.push_str("Values are olympic means over repeats with bootstrap 95% intervals; a difference from the baseline is called\n");
-    out.push_str("(higher / lower) only when the two intervals do not overlap, otherwise it is n.s. (not significant).\n\n");
+    out.push_str("(higher / lower) only when the two intervals do not overlap, otherwise it is n.s. (not significant). Each row is\n");
+    out.push_str("compared with its track's baseline of the same run; rows whose intervals overlap share a rank (=1).\n\n");
     for s in sources {
         out.push_str(&format!("- {}\n", md_code(s)));
     }
@@ -532,7 +641,8 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
             suite = Some((&b.suite, &b.version));
             out.push_str(&format!("\n## {}\n", suite_heading(b)));
         }
-        out.push_str(&format!("\n### {} on {}\n\n", md_code(&b.workload), md(&b.device)));
+        let track = b.track.as_ref().map_or(String::new(), |t| format!(", track {}", md_code(t)));
+        out.push_str(&format!("\n### {} on {}{track}\n\n", md_code(&b.workload), md(&b.device)));
         if !b.switches.is_empty() {
             out.push_str(&format!("switches: {} (not the default work; docs/benchmarks.md)\n\n", md_code(&b.switches)));
         }
@@ -546,8 +656,8 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
             let mut cells = vec![
-                r.rank.map_or("-".into(), |k| k.to_string()),
-                format!("{}{}", md(&r.group.strategy), if r.group.baseline { " (baseline)" } else { "" }),
+                r.rank_cell(),
+                md(&r.label()),
                 if r.has_target { format!("{} of {}", r.reached.0, r.reached.1) } else { "no target".into() },
             ];
             if accuracy {
@@ -581,7 +691,9 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
     let ga = groups(a);
     let gb = groups(b);
     let mut out = String::new();
-    for x in &ga {
+    // A strategy in two tracks has a group in each: compared once.
+    let mut seen = std::collections::BTreeSet::new();
+    for x in ga.iter().filter(|x| seen.insert((x.workload.clone(), x.strategy.clone(), x.device.clone(), x.run.clone()))) {
         let y = gb.iter().find(|y| y.workload == x.workload && y.strategy == x.strategy).or_else(|| {
             let same_workload: Vec<_> = gb.iter().filter(|y| y.workload == x.workload).collect();
             (same_workload.len() == 1).then(|| same_workload[0])
@@ -653,6 +765,8 @@ mod tests {
                 device: "cpu".into(),
                 switches: String::new(),
                 baseline: false,
+                track: None,
+                run: None,
                 parts: Default::default(),
                 runs,
                 step_histograms: vec![],
@@ -681,6 +795,8 @@ mod tests {
                 device: "cuda".into(),
                 switches: String::new(),
                 baseline: false,
+                track: None,
+                run: None,
                 parts: Default::default(),
                 runs,
                 step_histograms: vec![],

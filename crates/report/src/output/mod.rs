@@ -1,7 +1,7 @@
 //! What `harness report` writes into its folder: `LEADERBOARD.md`,
 //! `index.html`, and `bundles/<folder>/` with each listed bundle's
 //! `result.json` and `MANIFEST.json` ([`crate::submissions::Files`]), which
-//! the two link to. Nothing links anywhere else: not to the bundles' own
+//! the two link to, and each ranked bundle's own page (`index.html`). Nothing links anywhere else: not to the bundles' own
 //! folders, whose names their submitters chose.
 
 use std::collections::BTreeSet;
@@ -31,6 +31,10 @@ pub fn write(out_dir: &Path, loaded: &Loaded) -> Result<Written> {
     let boards = crate::boards(&loaded.results);
     let subs = submissions::boards(&loaded.bundles);
     copy_bundles(out_dir, loaded)?;
+    for v in loaded.bundles.iter().filter(|v| v.ranks() && !v.files.links().is_empty()) {
+        let page = html::submission_page::page(v, &subs);
+        write_atomic(&out_dir.join(submissions::BUNDLES).join(&v.files.folder).join("index.html"), page.as_bytes())?;
+    }
     let mut md = crate::leaderboard_markdown(&boards, &loaded.sources);
     if !loaded.bundles.is_empty() {
         md.push('\n');

@@ -142,16 +142,29 @@ fn assert_links_stay_inside(out: &Path, md: &str, html: &str) {
                 && parts[0] == "bundles"
                 && parts[1].len() >= 16
                 && parts[1].chars().all(|c| c.is_ascii_hexdigit())
-                && [RESULT, MANIFEST].contains(&parts[2]),
+                && [RESULT, MANIFEST, "index.html"].contains(&parts[2]),
             "a link out of the board's folder: {href}"
         );
         assert!(out.join(href).is_file(), "{href} links to nothing");
     };
     for h in hrefs(html) {
-        match h.strip_prefix("#board-") {
-            Some(n) => assert!(n.parse::<usize>().is_ok() && html.contains(&format!("id=\"board-{n}\"")), "{h}"),
+        match h.strip_prefix("#board-").or_else(|| h.strip_prefix("#track-")) {
+            Some(n) => assert!(n.parse::<usize>().is_ok() && html.contains(&format!("id=\"{}\"", &h[1..])), "{h}"),
             None => copy(&h),
         }
+    }
+    // Each submission's page links only beside itself and back to the board.
+    for page in std::fs::read_dir(out.join("bundles")).into_iter().flatten().flatten().map(|d| d.path().join("index.html")) {
+        let Ok(text) = std::fs::read_to_string(&page) else { continue };
+        for h in hrefs(&text) {
+            let back = h.strip_prefix("../../").unwrap_or_else(|| panic!("{}: a link out of the board: {h}", page.display()));
+            match back.split_once('#') {
+                Some(("index.html", anchor)) => assert!(html.contains(&format!("id=\"{anchor}\"")), "{h}"),
+                _ if back == "index.html" => {}
+                _ => copy(back),
+            }
+        }
+        assert!(!text.contains("<script") && !text.contains("src="), "{}", page.display());
     }
     for l in md_links(md) {
         copy(&l);
@@ -250,7 +263,7 @@ fn a_plugin_name_cannot_forge_a_row_or_carry_a_script() {
 
     // The page: one script, its own; rows as many as in the Markdown.
     assert_eq!(html.matches("<script").count(), 1);
-    assert_eq!(html.matches("<tr>").count(), 3 + 3 + 3, "a header and two rows per table");
+    assert_eq!(html.matches("<tr").count(), 3 + 3 + 3, "a header and two rows per table");
     assert!(html.contains("x\r\n| 1 | forged | 9.99 |\n&lt;script&gt;alert(1)&lt;/script&gt;`](javascript:alert(2))\u{fffd}| 0.1.0"));
     assert_only_text(&html, "javascript:");
     assert_links_stay_inside(&out, &md, &html);

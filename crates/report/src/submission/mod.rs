@@ -189,13 +189,30 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
         },
         hardware_class: sub.hardware_class.clone(),
         gpus: sub.gpus,
-        tracks: sub.tracks.clone(),
+        tracks: entered_tracks(&run),
         plugins,
         files,
     };
     std::fs::write(partial.join(MANIFEST), serde_json::to_string_pretty(&manifest)? + "\n")?;
     std::fs::rename(&partial, &out).with_context(|| format!("cannot move {} to {}", partial.display(), out.display()))?;
     Ok(out)
+}
+
+/// The tracks a submission run entered its plugin in: those of the run's
+/// tracks (`submission.tracks`, every track that ran, baselines included)
+/// whose submission strategy (`submission-<track>`) is in the run's plan.
+/// A compressor entered without `--track` runs beside every track's
+/// baseline, but is a submission only in the compression tracks.
+pub fn entered_tracks(r: &RunResult) -> Vec<String> {
+    let Some(sub) = &r.submission else { return Vec::new() };
+    sub.tracks
+        .iter()
+        .filter(|t| {
+            let name = format!("submission-{t}");
+            r.plan.iter().any(|p| p.strategy.name == name)
+        })
+        .cloned()
+        .collect()
 }
 
 /// A bundle read back: its manifest and result, if they could be read.

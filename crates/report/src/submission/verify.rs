@@ -139,7 +139,7 @@ pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
     let formats = check_plugins(&contents, &manifest, &sub, inspect, &mut v);
     check_plugin_records(&sub, &formats, &result, &mut v);
     if let Some((suite, released)) = &suite {
-        hardware::check_labels(suite, released, &manifest, &sub, &mut v);
+        hardware::check_labels(suite, released, &manifest, &sub, &result, &mut v);
         hardware::check_hardware(suite, &sub, &result, contents.get(MACHINE).map(Vec::as_slice), &mut v);
         check_plan(suite, &sub, &result, &mut v);
         check_steps(suite, &result, &mut v);

@@ -149,7 +149,13 @@ pub struct SubRow {
     pub second: Vec<Option<Summary>>,
     /// Area under the performance profile over [1, TAU_MAX], in [0, 1].
     pub profile: f64,
+    /// Its rank: 1 + the ranked rows ahead of it that are faster on some
+    /// workload beyond doubt (their 95% intervals do not overlap, or it
+    /// missed a target they reached). Rows no interval separates share a
+    /// rank.
     pub rank: Option<usize>,
+    /// Whether another ranked row shares its rank.
+    pub tied: bool,
     /// The track's baseline, ratio 1 by definition: listed for reference
     /// among the ranked rows, never ranked itself.
     pub reference: bool,
@@ -174,6 +180,7 @@ impl SubRow {
             second: vec![Some(Summary { n: runs, olympic_mean: 1.0, median: 1.0, ci95: None }); b.workloads.len()],
             profile: 0.0,
             rank: None,
+            tied: false,
             reference: true,
         }
     }
@@ -197,7 +204,10 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
         let Some(sub) = &r.submission else { continue };
         let Ok(suite) = Suite::parse(Path::new(&r.suite.path), r.suite.text.clone()) else { continue };
         let Some(plugin) = sub.entered.first() else { continue };
-        for track in &sub.tracks {
+        // Only the tracks it was entered in: a compressor run without
+        // `--track` ran beside the other kinds' baselines, not in their
+        // tracks.
+        for track in &crate::submission::entered_tracks(r) {
             let Some(t) = suite.spec.tracks.iter().find(|t| &t.name == track) else { continue };
             let version = sub.suite_version.clone().unwrap_or_else(|| "-".into());
             let hardware = sub.hardware_class.clone().unwrap_or_else(|| "-".into());
@@ -232,6 +242,7 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 second,
                 profile: 0.0,
                 rank: None,
+                tied: false,
                 reference: false,
             });
         }
@@ -301,21 +312,93 @@ fn score(b: &mut SubBoard) {
         (xs.iter().map(|x| x.ln()).sum::<f64>() / xs.len().max(1) as f64).exp()
     };
     b.rows.sort_by(|x, y| y.profile.total_cmp(&x.profile).then(geo(x).total_cmp(&geo(y))));
-    for (k, r) in (1..).zip(b.rows.iter_mut().filter(|r| r.ranked())) {
-        r.rank = Some(k);
+    share_ranks(&mut b.rows);
+}
+
+/// Ranks the rows, in the order of their score: a row's rank is 1 plus
+/// the number of ranked rows ahead of it that are faster beyond doubt on
+/// some workload ([`faster_beyond_doubt`]); rows that nothing separates
+/// share a rank and are marked tied. The order is then by rank (a row is
+/// never listed below one it ranks above), the score's order within a rank.
+fn share_ranks(rows: &mut Vec<SubRow>) {
+    let ranks: Vec<Option<usize>> = (0..rows.len())
+        .map(|i| rows[i].ranked().then(|| 1 + rows[..i].iter().filter(|a| a.ranked() && faster_beyond_doubt(a, &rows[i])).count()))
+        .collect();
+    for (r, k) in rows.iter_mut().zip(ranks) {
+        r.rank = k;
+    }
+    // A stable sort: the reference row keeps its place among its neighbours.
+    let mut keyed: Vec<(usize, SubRow)> = Vec::with_capacity(rows.len());
+    let mut last = 0;
+    for r in rows.drain(..) {
+        last = r.rank.unwrap_or(last);
+        keyed.push((last, r));
+    }
+    keyed.sort_by_key(|(k, _)| *k);
+    rows.extend(keyed.into_iter().map(|(_, r)| r));
+    let counts = rows.iter().filter_map(|r| r.rank).fold(BTreeMap::new(), |mut m, k| {
+        *m.entry(k).or_insert(0) += 1;
+        m
+    });
+    for r in rows.iter_mut() {
+        r.tied = r.rank.is_some_and(|k| counts[&k] > 1);
     }
 }
 
-/// A ratio cell: "0.62 [0.60, 0.65]", "missed 1 of 3", or "-".
-pub fn ratio_cell(s: &Option<Summary>, reached: (usize, usize)) -> String {
+/// Whether `a` is faster than `b` beyond doubt on some workload of the
+/// track: its ratio's 95% interval lies wholly below `b`'s (a ratio of
+/// one repeat is its own interval), or `a` reached a target `b` missed.
+pub fn faster_beyond_doubt(a: &SubRow, b: &SubRow) -> bool {
+    a.ratios.iter().zip(&b.ratios).any(|(x, y)| match (x, y) {
+        (Some(x), Some(y)) => interval(x).1 < interval(y).0,
+        (Some(_), None) => true,
+        _ => false,
+    })
+}
+
+/// A summary's 95% interval, or its mean where it has none.
+pub fn interval(s: &Summary) -> (f64, f64) {
+    s.ci95.unwrap_or((s.olympic_mean, s.olympic_mean))
+}
+
+/// How a ratio compares with the baseline's 1: "faster" or "slower" when
+/// its 95% interval excludes 1, "n.s." when it holds 1, none without an
+/// interval (fewer than 2 repeats).
+pub fn against_baseline(s: &Summary) -> Option<&'static str> {
+    let (lo, hi) = s.ci95.filter(|_| s.n >= 2)?;
+    Some(if hi < 1.0 {
+        "faster"
+    } else if lo > 1.0 {
+        "slower"
+    } else {
+        "n.s."
+    })
+}
+
+/// A row's rank as the tables show it: "1", "=1" when tied, "-" unranked.
+pub fn rank_cell(r: &SubRow) -> String {
+    match r.rank {
+        None => "-".into(),
+        Some(k) if r.tied => format!("={k}"),
+        Some(k) => k.to_string(),
+    }
+}
+
+/// A ratio cell: "0.62 [0.60, 0.65]", "missed 1 of 3", or "-"; with
+/// `mark`, " n.s." after an interval that holds 1 (no different from the
+/// baseline).
+pub fn ratio_cell(s: &Option<Summary>, reached: (usize, usize), mark: bool) -> String {
     match s {
         _ if reached.0 < reached.1 => format!("missed the target in {} of {}", reached.1 - reached.0, reached.1),
         None => "-".into(),
-        Some(s) => match s.ci95 {
-            Some((lo, hi)) if s.n >= 2 => format!("{:.3} [{lo:.3}, {hi:.3}]", s.olympic_mean),
-            _ if s.n == 0 => format!("{:.3}", s.olympic_mean),
-            _ => format!("{:.3} (n={})", s.olympic_mean, s.n),
-        },
+        Some(s) => {
+            let ns = if mark && against_baseline(s) == Some("n.s.") { " n.s." } else { "" };
+            match s.ci95 {
+                Some((lo, hi)) if s.n >= 2 => format!("{:.3} [{lo:.3}, {hi:.3}]{ns}", s.olympic_mean),
+                _ if s.n == 0 => format!("{:.3}", s.olympic_mean),
+                _ => format!("{:.3} (n={})", s.olympic_mean, s.n),
+            }
+        }
     }
 }
 
@@ -380,9 +463,9 @@ pub fn markdown(boards: &[SubBoard], bundles: &[Verified]) -> String {
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
             let sha = if r.reference { "-".into() } else { md_code(short(&r.sha256)) };
-            let mut cells = vec![r.rank.map_or("-".into(), |k| k.to_string()), r.plugin_cell(m), sha];
-            cells.extend(r.ratios.iter().zip(&r.reached).map(|(s, n)| ratio_cell(s, *n)));
-            cells.extend(r.second.iter().map(|s| ratio_cell(s, (0, 0))));
+            let mut cells = vec![rank_cell(r), r.plugin_cell(m), sha];
+            cells.extend(r.ratios.iter().zip(&r.reached).map(|(s, n)| ratio_cell(s, *n, !r.reference)));
+            cells.extend(r.second.iter().map(|s| ratio_cell(s, (0, 0), false)));
             cells.push(format!("{:.2}", r.profile));
             cells.push(if r.reference { "-".into() } else { bundle_cell(&r.bundle, &r.files) });
             out.push_str(&format!("| {} |\n", cells.join(" | ")));
@@ -415,3 +498,6 @@ fn bundle_cell(dir: &Path, files: &Files) -> String {
         format!("{} ({links})", md_code(&dir.display().to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests;
