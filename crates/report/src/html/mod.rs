@@ -10,6 +10,7 @@
 
 mod plots;
 pub mod submission_page;
+mod ticks;
 mod tracks;
 
 use std::fmt::Write;
@@ -18,7 +19,7 @@ use super::submissions::{SubBoard, Verified};
 use super::{Board, Metric, Row};
 use crate::escape::html as esc;
 use crate::measure;
-use plots::{svg_open, tick, Frame};
+use plots::{svg_open, Frame};
 
 /// Series colours (Tableau 10); tests look for the first ones on screen.
 pub const PALETTE: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
@@ -42,30 +43,31 @@ type Interval = Option<(f64, f64)>;
 fn throughput_bars(id: &str, rows: &[Row]) -> String {
     let vals: Vec<Option<(f64, Interval)>> =
         rows.iter().map(|r| r.summaries.get(&Metric::TokensPerS).map(|s| (s.olympic_mean, s.ci95))).collect();
-    let top = vals.iter().flatten().map(|(m, ci)| ci.map_or(*m, |c| c.1.max(*m))).fold(0.0, f64::max) * 1.1;
+    let top = vals.iter().flatten().map(|(m, ci)| ci.map_or(*m, |c| c.1.max(*m))).fold(0.0, f64::max);
     let slot = 34.0;
     let mut f = Frame::new((0.0, top.max(1.0)), (0.0, 1.0));
+    f.x = ticks::linear(0.0, top.max(1.0), 5);
     f.h = 50.0 + slot * rows.len().max(1) as f64;
     f.left = 16.0;
     let unit = Metric::TokensPerS.unit();
     let mut out = svg_open(id, &f, &format!("Throughput ({unit}, olympic mean and 95% interval)"));
     let y_axis = f.h - f.bottom;
-    let _ = write!(out, r##"<path d="M{} 10 V{y_axis} H{}" stroke="#333" fill="none"/>"##, f.left, f.w - f.right);
-    for i in 0..=4 {
-        let v = top.max(1.0) * i as f64 / 4.0;
+    for &v in &f.x.ticks {
         let x = f.px(v);
         let _ = write!(
             out,
-            r##"<line x1="{x:.1}" x2="{x:.1}" y1="10" y2="{y_axis}" stroke="#eee"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
+            r##"<line x1="{x:.1}" x2="{x:.1}" y1="10" y2="{y_axis}" stroke="#eee"/><line x1="{x:.1}" x2="{x:.1}" y1="{y_axis}" y2="{:.1}" stroke="#333"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
+            y_axis + 4.0,
             y_axis + 16.0,
-            tick(v)
+            esc(&f.x.label(v))
         );
     }
+    let _ = write!(out, r##"<path d="M{} 10 V{y_axis} H{}" stroke="#333" fill="none"/>"##, f.left, f.w - f.right);
     let _ = write!(
         out,
         r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="12">{}</text>"##,
         (f.left + f.w - f.right) / 2.0,
-        f.h - 4.0,
+        f.h - 6.0,
         esc(unit)
     );
     for (i, v) in vals.iter().enumerate() {
@@ -126,10 +128,10 @@ fn latency_curves(id: &str, rows: &[Row]) -> String {
             qs.iter().map(|&q| (nines(q), merged.value_at_quantile(q) as f64 / 1e6)).collect()
         })
         .collect();
-    let ymax = series.iter().flatten().map(|p| p.1).fold(0.0, f64::max) * 1.1;
+    let ymax = series.iter().flatten().map(|p| p.1).fold(0.0, f64::max);
     let f = Frame::new((0.0, 4.0), (0.0, ymax.max(1e-3)));
     let mut out = svg_open(id, &f, "Step latency by percentile (ms)");
-    f.axes(&mut out, "percentile", "ms", &|x| format!("{}%", 100.0 * (1.0 - 10f64.powf(-x))).replace(".0%", "%"));
+    f.axes(&mut out, "percentile", "ms", Some(&|x| format!("{}%", ticks::tidy(100.0 * (1.0 - 10f64.powf(-x))))));
     for (i, s) in series.iter().enumerate() {
         if s.is_empty() {
             continue;
@@ -152,11 +154,11 @@ fn loss_curves(id: &str, rows: &[Row]) -> String {
     let curves: Vec<&[(u64, f64, f64)]> = rows.iter().map(|r| r.group.runs.first().map_or(&[][..], |m| &m.loss_curve[..])).collect();
     let floor = rows.iter().find_map(|r| r.group.runs.first().and_then(|m| m.loss_floor));
     let xmax = curves.iter().flat_map(|c| c.iter()).map(|p| p.1).fold(0.0, f64::max);
-    let ymax = curves.iter().flat_map(|c| c.iter()).map(|p| p.2).filter(|v| v.is_finite()).fold(0.0, f64::max) * 1.05;
-    let ymin = floor.unwrap_or(0.0).min(curves.iter().flat_map(|c| c.iter()).map(|p| p.2).fold(f64::INFINITY, f64::min)) * 0.95;
+    let ymax = curves.iter().flat_map(|c| c.iter()).map(|p| p.2).filter(|v| v.is_finite()).fold(0.0, f64::max);
+    let ymin = floor.unwrap_or(0.0).min(curves.iter().flat_map(|c| c.iter()).map(|p| p.2).fold(f64::INFINITY, f64::min));
     let f = Frame::new((0.0, xmax.max(1e-3)), (ymin.min(ymax), ymax));
     let mut out = svg_open(id, &f, "Training loss against training time");
-    f.axes(&mut out, "training time (s)", "loss", &|x| tick(x));
+    f.axes(&mut out, "training time (s)", "loss", None);
     if let Some(fl) = floor {
         let y = f.py(fl);
         let _ = write!(
@@ -190,6 +192,7 @@ figure{display:inline-block;vertical-align:top;margin:0 1.5em 1em 0}figcaption{f
 .figs{display:flex;flex-wrap:wrap;align-items:flex-start}.legend{margin:.5em 0;max-width:420px}\
 .key{display:inline-block;margin-right:1.2em;cursor:default;font-size:13px}\
 .key i,i.sw{display:inline-block;width:12px;height:12px;margin-right:5px;vertical-align:middle;border-radius:2px}\
+.key svg.line{vertical-align:middle;margin-right:5px}.legend .note{font-size:12px;color:#555;margin:.3em 0}figure.forest{display:block}\
 .dim{opacity:.15}.flag{color:#b00}.unranked{color:#777}.howto,.explain{font-size:14px;max-width:1100px;color:#333}\
 .howto{background:#f6f8fa;border-left:4px solid #1f77b4;padding:.5em .8em}tr.reference td{color:#555;background:#fafafa}\
 tr.tied td:first-child{font-weight:600}td.faster{background:#e8f5e9}td.slower{background:#fdecea}td.missed{color:#b00}\

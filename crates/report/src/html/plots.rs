@@ -6,11 +6,12 @@
 
 use std::fmt::Write;
 
+use super::ticks::{self, Axis};
 use super::PALETTE;
 use crate::escape::html as esc;
 use crate::submissions::{self, SubBoard};
 
-/// A plot area mapping data coordinates to SVG pixels.
+/// A plot area mapping data coordinates to SVG pixels, with its axes.
 pub(super) struct Frame {
     pub w: f64,
     pub h: f64,
@@ -18,48 +19,60 @@ pub(super) struct Frame {
     /// Room for the last x tick label.
     pub right: f64,
     pub bottom: f64,
-    pub x: (f64, f64),
-    pub y: (f64, f64),
+    pub x: Axis,
+    pub y: Axis,
 }
 
+/// The top margin of a frame's plot area.
+const TOP: f64 = 10.0;
+
 impl Frame {
+    /// A 560 × 300 frame whose axes hold `x` and `y` ([`ticks::linear`]).
     pub fn new(x: (f64, f64), y: (f64, f64)) -> Frame {
-        let widen = |(a, b): (f64, f64)| if (b - a).abs() < 1e-12 { (a - 1.0, b + 1.0) } else { (a, b) };
-        Frame { w: 560.0, h: 300.0, left: 70.0, right: 28.0, bottom: 40.0, x: widen(x), y: widen(y) }
+        Frame { w: 560.0, h: 300.0, left: 70.0, right: 28.0, bottom: 40.0, x: ticks::linear(x.0, x.1, 6), y: ticks::linear(y.0, y.1, 5) }
     }
     pub fn px(&self, x: f64) -> f64 {
-        self.left + (x - self.x.0) / (self.x.1 - self.x.0) * (self.w - self.left - self.right)
+        self.left + (x - self.x.lo) / (self.x.hi - self.x.lo) * (self.w - self.left - self.right)
     }
     pub fn py(&self, y: f64) -> f64 {
-        (self.h - self.bottom) - (y - self.y.0) / (self.y.1 - self.y.0) * (self.h - self.bottom - 10.0)
+        (self.h - self.bottom) - (y - self.y.lo) / (self.y.hi - self.y.lo) * (self.h - self.bottom - TOP)
     }
-    /// Axes, ticks and labels; `fx` formats x tick values.
-    pub fn axes(&self, out: &mut String, xlabel: &str, ylabel: &str, fx: &dyn Fn(f64) -> String) {
-        let (x0, y0, x1, y1) = (self.left, self.h - self.bottom, self.w - self.right, 10.0);
-        let _ = write!(out, r##"<path d="M{x0} {y1} V{y0} H{x1}" stroke="#333" fill="none"/>"##);
-        for i in 0..=4 {
-            let fy = self.y.0 + (self.y.1 - self.y.0) * i as f64 / 4.0;
-            let fxv = self.x.0 + (self.x.1 - self.x.0) * i as f64 / 4.0;
-            let (py, px) = (self.py(fy), self.px(fxv));
+    /// Axes, grid, ticks and labels; `fx` formats x ticks (else the x
+    /// axis's own labels).
+    pub fn axes(&self, out: &mut String, xlabel: &str, ylabel: &str, fx: Option<&dyn Fn(f64) -> String>) {
+        let (x0, y0, x1, y1) = (self.left, self.h - self.bottom, self.w - self.right, TOP);
+        for &t in &self.y.ticks {
+            let py = self.py(t);
             let _ = write!(
                 out,
-                r##"<line x1="{x0}" x2="{x1}" y1="{py:.1}" y2="{py:.1}" stroke="#eee"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">{}</text>"##,
-                x0 - 4.0,
+                r##"<line x1="{x0}" x2="{x1}" y1="{py:.1}" y2="{py:.1}" stroke="#ececec"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">{}</text>"##,
+                x0 - 5.0,
                 py + 4.0,
-                tick(fy)
+                esc(&self.y.label(t))
             );
-            let _ = write!(out, r##"<text x="{px:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##, y0 + 16.0, esc(&fx(fxv)));
         }
+        for &t in &self.x.ticks {
+            let px = self.px(t);
+            let label = fx.map_or_else(|| self.x.label(t), |f| f(t));
+            let _ = write!(
+                out,
+                r##"<line x1="{px:.1}" x2="{px:.1}" y1="{y1}" y2="{y0}" stroke="#f3f3f3"/><line x1="{px:.1}" x2="{px:.1}" y1="{y0}" y2="{:.1}" stroke="#333"/><text x="{px:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
+                y0 + 4.0,
+                y0 + 16.0,
+                esc(&label)
+            );
+        }
+        let _ = write!(out, r##"<path d="M{x0} {y1} V{y0} H{x1}" stroke="#333" fill="none"/>"##);
         let _ = write!(
             out,
             r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="12">{}</text>"##,
             (x0 + x1) / 2.0,
-            self.h - 4.0,
+            self.h - 6.0,
             esc(xlabel)
         );
         let _ = write!(
             out,
-            r##"<text x="12" y="{:.1}" font-size="12" transform="rotate(-90 12 {:.1})" text-anchor="middle">{}</text>"##,
+            r##"<text x="14" y="{:.1}" font-size="12" transform="rotate(-90 14 {:.1})" text-anchor="middle">{}</text>"##,
             (y0 + y1) / 2.0,
             (y0 + y1) / 2.0,
             esc(ylabel)
@@ -67,24 +80,10 @@ impl Frame {
     }
 }
 
-pub(super) fn tick(v: f64) -> String {
-    let a = v.abs();
-    if a >= 1e9 {
-        format!("{:.1}G", v / 1e9)
-    } else if a >= 1e6 {
-        format!("{:.1}M", v / 1e6)
-    } else if a >= 1e3 {
-        format!("{:.1}k", v / 1e3)
-    } else if a >= 10.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
 pub(super) fn svg_open(id: &str, f: &Frame, title: &str) -> String {
     format!(
-        r##"<figure><figcaption>{}</figcaption><svg id="{}" class="plot" width="{}" height="{}" viewBox="0 0 {} {}" xmlns="http://www.w3.org/2000/svg"><rect width="100%" height="100%" fill="#fff"/>"##,
+        r##"<figure><figcaption style="max-width:{}px">{}</figcaption><svg id="{}" class="plot" width="{}" height="{}" viewBox="0 0 {} {}" xmlns="http://www.w3.org/2000/svg"><rect width="100%" height="100%" fill="#fff"/>"##,
+        f.w,
         esc(title),
         esc(id),
         f.w,
@@ -116,155 +115,206 @@ pub(super) fn clip(s: &str, n: usize) -> String {
     }
 }
 
-/// Ticks for a log axis over `(lo, hi)`: 1, 2 and 5 times powers of ten
-/// (fewer when they would crowd).
-fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
-    let mut out = Vec::new();
-    for mult in [&[1.0, 2.0, 5.0][..], &[1.0][..]] {
-        out.clear();
-        let mut e = lo.log10().floor() as i32 - 1;
-        while 10f64.powi(e) <= hi * 10.0 {
-            for m in mult {
-                let v = m * 10f64.powi(e);
-                if v >= lo && v <= hi {
-                    out.push(v);
-                }
-            }
-            e += 1;
-        }
-        if out.len() <= 5 {
-            break;
-        }
-    }
-    out
-}
-
-/// A ratio as an axis label: "0.5", "1", "2", "10".
-fn ratio_tick(v: f64) -> String {
-    let s = format!("{v:.2}");
-    s.trim_end_matches('0').trim_end_matches('.').to_owned()
-}
+/// The forest plot's geometry: the label column, each workload's panel,
+/// each row's height, and the margins above and below the rows.
+const FOREST: (f64, f64, f64, f64) = (240.0, 28.0, 40.0, 48.0);
 
 /// The forest plot of a submission board: one panel per workload, one line
 /// per row (the submissions in rank order, the baseline's reference line
 /// at 1 dashed), each submission's time to target over its own run's
-/// baseline as a dot with its 95% interval, on a log scale. A missed
-/// target is written, not drawn.
+/// baseline as a dot with its 95% interval, on a log scale whose range
+/// holds every dot, every interval and 1. A missed target is written, not
+/// drawn. The plot is as tall as its rows and as wide as its labels and
+/// workloads.
 pub(super) fn forest(id: &str, b: &SubBoard) -> String {
     let rows: Vec<usize> = (0..b.rows.len()).filter(|&i| !b.rows[i].reference).collect();
-    let (label_w, panel_w, row_h, top, bottom) = (200.0, 230.0, 28.0, 34.0, 42.0);
+    let (panel_w, row_h, top, bottom) = FOREST;
+    let labels: Vec<String> = rows
+        .iter()
+        .map(|&i| clip(&format!("{} {} {}", submissions::rank_cell(&b.rows[i]), b.rows[i].plugin, b.rows[i].version), 30))
+        .collect();
+    // About 7 pixels a character at 12px.
+    let label_w = (labels.iter().map(|l| l.chars().count()).max().unwrap_or(0) as f64 * 7.0 + 24.0).clamp(100.0, 240.0);
     let n = b.workloads.len().max(1) as f64;
-    let (w, h) = (label_w + n * panel_w + 10.0, top + rows.len().max(1) as f64 * row_h + bottom);
+    let (w, h) = (label_w + n * panel_w, top + rows.len().max(1) as f64 * row_h + bottom);
     let mut out = format!(
         r##"<svg id="{}" class="plot forest" width="{w}" height="{h}" viewBox="0 0 {w} {h}" xmlns="http://www.w3.org/2000/svg" role="img"><title>time to target over the baseline's, per workload</title><rect width="100%" height="100%" fill="#fff"/>"##,
         esc(id)
     );
-    for (k, &i) in rows.iter().enumerate() {
+    for (k, (&i, label)) in rows.iter().zip(&labels).enumerate() {
         let r = &b.rows[i];
         let y = top + (k as f64 + 0.5) * row_h;
+        if k % 2 == 1 {
+            let _ =
+                write!(out, r##"<rect x="0" y="{:.1}" width="{w}" height="{row_h}" fill="#000" fill-opacity="0.035"/>"##, y - row_h / 2.0);
+        }
         let name = format!("{} {} {} ({})", submissions::rank_cell(r), r.plugin, r.version, submissions::short(&r.sha256));
         let _ = write!(
             out,
             r##"<text x="{:.1}" y="{:.1}" text-anchor="end" font-size="12" fill="{}">{}<title>{}</title></text>"##,
-            label_w - 8.0,
+            label_w - 10.0,
             y + 4.0,
             row_colour(b, i),
-            esc(&clip(&format!("{} {} {}", submissions::rank_cell(r), r.plugin, r.version), 30)),
+            esc(label),
             esc(&name)
         );
-        if k % 2 == 1 {
-            let _ =
-                write!(out, r##"<rect x="0" y="{:.1}" width="{w}" height="{row_h}" fill="#000" fill-opacity="0.03"/>"##, y - row_h / 2.0);
-        }
     }
-    for (wi, workload) in b.workloads.iter().enumerate() {
-        let x0 = label_w + wi as f64 * panel_w + 12.0;
-        let x1 = x0 + panel_w - 24.0;
-        let (mut lo, mut hi) = (1.0f64, 1.0f64);
-        for &i in &rows {
-            if let Some(s) = &b.rows[i].ratios[wi] {
-                let (a, c) = submissions::interval(s);
-                lo = lo.min(a.min(s.olympic_mean));
-                hi = hi.max(c.max(s.olympic_mean));
-            }
-        }
-        let (lo, hi) = (lo / 1.25, hi * 1.25);
-        let px = |v: f64| x0 + (v.ln() - lo.ln()) / (hi.ln() - lo.ln()) * (x1 - x0);
-        let y_end = top + rows.len().max(1) as f64 * row_h;
-        let _ = write!(
-            out,
-            r##"<text x="{:.1}" y="16" text-anchor="middle" font-size="13" font-weight="600">{}</text>"##,
-            (x0 + x1) / 2.0,
-            esc(&clip(workload, 30))
-        );
-        let _ = write!(out, r##"<path d="M{x0:.1} {y_end:.1} H{x1:.1}" stroke="#333"/>"##);
-        for t in log_ticks(lo, hi) {
-            let x = px(t);
-            let _ = write!(
-                out,
-                r##"<line x1="{x:.1}" x2="{x:.1}" y1="{top}" y2="{y_end:.1}" stroke="#e4e4e4"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
-                y_end + 14.0,
-                ratio_tick(t)
-            );
-        }
-        let one = px(1.0);
-        let _ = write!(
-            out,
-            r##"<line x1="{one:.1}" x2="{one:.1}" y1="{:.1}" y2="{y_end:.1}" stroke="{BASELINE}" stroke-dasharray="5 3" stroke-width="1.5"><title>the baseline: 1</title></line>"##,
-            top - 6.0
-        );
-        let _ = write!(
-            out,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="#555">← faster · slower →</text>"##,
-            (x0 + x1) / 2.0,
-            y_end + 30.0
-        );
-        for (k, &i) in rows.iter().enumerate() {
-            let r = &b.rows[i];
-            let y = top + (k as f64 + 0.5) * row_h;
-            let c = row_colour(b, i);
-            match &r.ratios[wi] {
-                Some(s) if r.reached[wi].0 == r.reached[wi].1 => {
-                    let (a, z) = submissions::interval(s);
-                    let tip = format!("{}: {}", workload, submissions::ratio_cell(&r.ratios[wi], r.reached[wi], true));
-                    let _ = write!(
-                        out,
-                        r##"<g><title>{}</title><path d="M{:.1} {y:.1} H{:.1} M{:.1} {:.1} V{:.1} M{:.1} {:.1} V{:.1}" stroke="{c}" stroke-width="2"/><circle cx="{:.1}" cy="{y:.1}" r="5" fill="{c}"/></g>"##,
-                        esc(&tip),
-                        px(a),
-                        px(z),
-                        px(a),
-                        y - 5.0,
-                        y + 5.0,
-                        px(z),
-                        y - 5.0,
-                        y + 5.0,
-                        px(s.olympic_mean)
-                    );
-                }
-                _ => {
-                    let what = submissions::ratio_cell(&r.ratios[wi], r.reached[wi], false);
-                    let _ = write!(
-                        out,
-                        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="#b00">{}</text>"##,
-                        (x0 + x1) / 2.0,
-                        y + 4.0,
-                        esc(&clip(&what, 34))
-                    );
-                }
-            }
-        }
+    for wi in 0..b.workloads.len() {
+        forest_panel(&mut out, b, &rows, wi, label_w + wi as f64 * panel_w);
     }
     out.push_str("</svg>");
     out
 }
 
+/// The log axis of a forest panel: it holds 1 and each row's ratio and
+/// interval on the workload, with a little room on both sides.
+fn forest_axis(b: &SubBoard, rows: &[usize], wi: usize) -> Axis {
+    let (mut lo, mut hi) = (1.0f64, 1.0f64);
+    for &i in rows {
+        if let Some(s) = b.rows[i].ratios[wi].as_ref().filter(|_| b.rows[i].reached[wi].0 == b.rows[i].reached[wi].1) {
+            let (a, c) = submissions::interval(s);
+            for v in [a, c, s.olympic_mean].into_iter().filter(|v| v.is_finite() && *v > 0.0) {
+                lo = lo.min(v);
+                hi = hi.max(v);
+            }
+        }
+    }
+    ticks::log(lo / 1.06, hi * 1.06, 5)
+}
+
+/// One workload's panel of the forest plot, its left edge at `left`.
+fn forest_panel(out: &mut String, b: &SubBoard, rows: &[usize], wi: usize, left: f64) {
+    let (panel_w, row_h, top, _) = FOREST;
+    let workload = &b.workloads[wi];
+    let (x0, x1) = (left + 16.0, left + panel_w - 16.0);
+    let axis = forest_axis(b, rows, wi);
+    let px = |v: f64| x0 + (v.ln() - axis.lo.ln()) / (axis.hi.ln() - axis.lo.ln()) * (x1 - x0);
+    let y_end = top + rows.len().max(1) as f64 * row_h;
+    let _ = write!(
+        out,
+        r##"<text x="{:.1}" y="18" text-anchor="middle" font-size="13" font-weight="600">{}<title>{}</title></text>"##,
+        (x0 + x1) / 2.0,
+        esc(&clip(workload, 28)),
+        esc(workload)
+    );
+    for &t in &axis.ticks {
+        let x = px(t);
+        let _ = write!(
+            out,
+            r##"<line x1="{x:.1}" x2="{x:.1}" y1="{top}" y2="{y_end:.1}" stroke="#e4e4e4"/><line x1="{x:.1}" x2="{x:.1}" y1="{y_end:.1}" y2="{:.1}" stroke="#333"/><text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="11">{}</text>"##,
+            y_end + 4.0,
+            y_end + 16.0,
+            esc(&axis.label(t))
+        );
+    }
+    let _ = write!(out, r##"<path d="M{x0:.1} {y_end:.1} H{x1:.1}" stroke="#333"/>"##);
+    let one = px(1.0);
+    let _ = write!(
+        out,
+        r##"<line x1="{one:.1}" x2="{one:.1}" y1="{:.1}" y2="{y_end:.1}" stroke="{BASELINE}" stroke-dasharray="5 3" stroke-width="1.5"><title>the baseline: 1</title></line><text x="{one:.1}" y="{:.1}" text-anchor="middle" font-size="10" fill="{BASELINE}">baseline</text>"##,
+        top - 12.0,
+        top - 14.0
+    );
+    let _ = write!(
+        out,
+        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="#555">← faster · slower →</text>"##,
+        (x0 + x1) / 2.0,
+        y_end + 34.0
+    );
+    for (k, &i) in rows.iter().enumerate() {
+        let r = &b.rows[i];
+        let y = top + (k as f64 + 0.5) * row_h;
+        let c = row_colour(b, i);
+        match &r.ratios[wi] {
+            Some(s) if r.reached[wi].0 == r.reached[wi].1 => {
+                let (a, z) = submissions::interval(s);
+                let tip = format!("{}: {}", workload, submissions::ratio_cell(&r.ratios[wi], r.reached[wi], true));
+                let (a, z, m) = (px(a), px(z), px(s.olympic_mean));
+                let _ = write!(
+                    out,
+                    r##"<g><title>{}</title><path d="M{a:.1} {y:.1} H{z:.1} M{a:.1} {:.1} V{:.1} M{z:.1} {:.1} V{:.1}" stroke="{c}" stroke-width="2"/><circle cx="{m:.1}" cy="{y:.1}" r="5" fill="{c}" stroke="#fff"/></g>"##,
+                    esc(&tip),
+                    y - 5.0,
+                    y + 5.0,
+                    y - 5.0,
+                    y + 5.0,
+                );
+            }
+            _ => {
+                let what = submissions::ratio_cell(&r.ratios[wi], r.reached[wi], false);
+                let _ = write!(
+                    out,
+                    r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="#b00">{}<title>{}</title></text>"##,
+                    (x0 + x1) / 2.0,
+                    y + 4.0,
+                    esc(&clip(&what, 32)),
+                    esc(&what)
+                );
+            }
+        }
+    }
+}
+
+/// Each row's performance profile as the τ at which each of its
+/// workloads enters the share (its ratio over the best, those within
+/// [`submissions::TAU_MAX`]), ascending.
+fn profile_steps(b: &SubBoard) -> Vec<Vec<f64>> {
+    let best = best_ratios(b);
+    b.rows
+        .iter()
+        .map(|r| {
+            let mut at: Vec<f64> = r
+                .ratios
+                .iter()
+                .zip(&r.reached)
+                .zip(&best)
+                .filter_map(|((s, n), best)| s.as_ref().filter(|_| n.0 == n.1).map(|s| (s.olympic_mean / best).max(1.0)))
+                .filter(|t| *t <= submissions::TAU_MAX)
+                .collect();
+            at.sort_by(f64::total_cmp);
+            at
+        })
+        .collect()
+}
+
+/// The rows whose performance profiles coincide (within a thousandth of
+/// τ), each set of two or more in row order.
+pub(super) fn coinciding(b: &SubBoard) -> Vec<Vec<usize>> {
+    let steps = profile_steps(b);
+    let same = |x: &[f64], y: &[f64]| x.len() == y.len() && x.iter().zip(y).all(|(a, b)| (a - b).abs() < 1e-3);
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for i in 0..steps.len() {
+        match groups.iter_mut().find(|g| same(&steps[g[0]], &steps[i])) {
+            Some(g) => g.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    groups.retain(|g| g.len() > 1);
+    groups
+}
+
+/// Pixels between two coinciding profiles.
+const APART: f64 = 3.5;
+
 /// The performance profiles of a submission board (AlgoPerf): for each
 /// row, the share of the track's workloads on which its ratio is within a
 /// factor τ of the best on the board, for τ from 1 to
-/// [`submissions::TAU_MAX`]; the profile score is the area under it.
+/// [`submissions::TAU_MAX`]; the profile score is the area under it. The
+/// axes leave room around 0 and 1 and left of τ = 1, so that no curve runs
+/// along the frame, and curves that coincide ([`coinciding`]) are drawn
+/// [`APART`] pixels apart, diagonally.
 pub(super) fn profiles(id: &str, b: &SubBoard) -> String {
-    let f = Frame { w: 420.0, h: 280.0, left: 50.0, right: 16.0, bottom: 44.0, x: (1.0, submissions::TAU_MAX), y: (0.0, 1.0) };
+    let mut f = Frame {
+        w: 420.0,
+        h: 280.0,
+        left: 50.0,
+        right: 18.0,
+        bottom: 44.0,
+        x: ticks::linear(1.0, submissions::TAU_MAX, 6),
+        y: ticks::linear(0.0, 1.0, 4),
+    };
+    f.x.lo = 1.0 - 0.03 * (submissions::TAU_MAX - 1.0);
+    (f.y.lo, f.y.hi) = (-0.05, 1.07);
     let mut out = format!(
         r##"<svg id="{}" class="plot profile" width="{}" height="{}" viewBox="0 0 {} {}" xmlns="http://www.w3.org/2000/svg" role="img"><title>performance profiles</title><rect width="100%" height="100%" fill="#fff"/>"##,
         esc(id),
@@ -273,33 +323,25 @@ pub(super) fn profiles(id: &str, b: &SubBoard) -> String {
         f.w,
         f.h
     );
-    f.axes(&mut out, "τ: within this factor of the best ratio", "share of workloads", &|x| {
-        format!("{x:.2}").trim_end_matches('0').trim_end_matches('.').to_owned()
-    });
-    let best = best_ratios(b);
+    f.axes(&mut out, "τ: within this factor of the best ratio", "share of workloads", None);
+    let steps = profile_steps(b);
+    let groups = coinciding(b);
     let nw = b.workloads.len().max(1) as f64;
     for (i, r) in b.rows.iter().enumerate().rev() {
-        // τ at which each workload enters the share: ratio / best.
-        let mut at: Vec<f64> = r
-            .ratios
-            .iter()
-            .zip(&r.reached)
-            .zip(&best)
-            .filter_map(|((s, n), best)| s.as_ref().filter(|_| n.0 == n.1).map(|s| (s.olympic_mean / best).max(1.0)))
-            .filter(|t| *t <= submissions::TAU_MAX)
-            .collect();
-        at.sort_by(f64::total_cmp);
-        let mut d = format!("M{:.1} {:.1}", f.px(1.0), f.py(0.0));
+        let o = groups.iter().find_map(|g| g.iter().position(|&j| j == i).map(|k| (k as f64 - (g.len() - 1) as f64 / 2.0) * APART));
+        let o = o.unwrap_or(0.0);
+        let (x, y) = (|v: f64| f.px(v) + o, |v: f64| f.py(v) - o);
+        let mut d = format!("M{:.1} {:.1}", x(1.0), y(0.0));
         let mut share = 0.0;
-        for t in &at {
+        for t in &steps[i] {
             share += 1.0 / nw;
-            let _ = write!(d, " H{:.1} V{:.1}", f.px(*t), f.py(share));
+            let _ = write!(d, " H{:.1} V{:.1}", x(*t), y(share));
         }
-        let _ = write!(d, " H{:.1}", f.px(submissions::TAU_MAX));
-        let dash = if r.reference { r#" stroke-dasharray="5 3""# } else { "" };
+        let _ = write!(d, " H{:.1}", x(submissions::TAU_MAX));
+        let dash = if r.reference { r#" stroke-dasharray="6 3""# } else { "" };
         let _ = write!(
             out,
-            r##"<path d="{d}" fill="none" stroke="{}" stroke-width="2.5"{dash} stroke-opacity="0.9"><title>{}: profile score {:.2}</title></path>"##,
+            r##"<path d="{d}" fill="none" stroke="{}" stroke-width="2.2"{dash} stroke-linejoin="round"><title>{}: profile score {:.2}</title></path>"##,
             row_colour(b, i),
             esc(format!("{} {}", r.plugin, r.version).trim()),
             r.profile
@@ -333,20 +375,20 @@ pub(super) struct Curve {
 }
 
 /// Curves against training time, with the target dashed across: the
-/// evaluations of each row's first repeat on one workload.
+/// evaluations of each row's first repeat on one workload. The axes hold
+/// every point and the target.
 pub(super) fn curves(id: &str, title: &str, ylabel: &str, curves: &[Curve], target: Option<f64>) -> String {
     let all = || curves.iter().flat_map(|c| c.points.iter()).filter(|p| p.0.is_finite() && p.1.is_finite());
     let xmax = all().map(|p| p.0).fold(0.0, f64::max);
     let ymin = all().map(|p| p.1).chain(target).fold(f64::INFINITY, f64::min);
     let ymax = all().map(|p| p.1).chain(target).fold(f64::NEG_INFINITY, f64::max);
     let (ymin, ymax) = if ymin.is_finite() { (ymin, ymax) } else { (0.0, 1.0) };
-    let pad = 0.05 * (ymax - ymin).max(1e-6);
-    let mut f = Frame::new((0.0, xmax.max(1e-3)), (ymin - pad, ymax + pad));
+    let mut f = Frame::new((0.0, xmax.max(1e-3)), (ymin, ymax));
     f.w = 420.0;
     f.h = 260.0;
     f.left = 56.0;
     let mut out = svg_open(id, &f, title);
-    f.axes(&mut out, "training time (s)", ylabel, &|x| tick(x));
+    f.axes(&mut out, "training time (s)", ylabel, None);
     if let Some(t) = target {
         let y = f.py(t);
         let _ = write!(
@@ -359,7 +401,8 @@ pub(super) fn curves(id: &str, title: &str, ylabel: &str, curves: &[Curve], targ
         );
     }
     for c in curves.iter().filter(|c| !c.points.is_empty()) {
-        let d: Vec<String> = c.points.iter().filter(|p| p.1.is_finite()).map(|p| format!("{:.1},{:.1}", f.px(p.0), f.py(p.1))).collect();
+        let d: Vec<String> =
+            c.points.iter().filter(|p| p.0.is_finite() && p.1.is_finite()).map(|p| format!("{:.1},{:.1}", f.px(p.0), f.py(p.1))).collect();
         let dash = if c.dashed { r#" stroke-dasharray="5 3""# } else { "" };
         let _ = write!(
             out,
@@ -376,14 +419,110 @@ pub(super) fn curves(id: &str, title: &str, ylabel: &str, curves: &[Curve], targ
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stats::Summary;
+    use crate::submissions::{Files, SubRow};
+    use crate::Metric;
+
+    fn ratio(m: f64, ci: (f64, f64)) -> Option<Summary> {
+        Some(Summary { n: 3, olympic_mean: m, median: m, ci95: Some(ci) })
+    }
+
+    fn row(plugin: &str, ratios: Vec<Option<Summary>>, reference: bool) -> SubRow {
+        let n = ratios.len();
+        SubRow {
+            plugin: plugin.into(),
+            version: "0.1.0".into(),
+            sha256: "ab".repeat(32),
+            bundle: Default::default(),
+            files: Files::default(),
+            strategy: format!("submission-{plugin}"),
+            ratios,
+            reached: vec![(3, 3); n],
+            second: vec![None; n],
+            profile: 0.5,
+            rank: Some(1),
+            tied: false,
+            reference,
+        }
+    }
+
+    fn board(rows: Vec<SubRow>) -> SubBoard {
+        let n = rows[0].ratios.len();
+        SubBoard {
+            suite: "s".into(),
+            version: "1.0".into(),
+            hardware: "h200".into(),
+            gpus: 1,
+            track: "compression".into(),
+            baseline: "allreduce".into(),
+            workloads: (0..n).map(|w| format!("w{w}")).collect(),
+            second: Metric::TokensPerS,
+            rows,
+        }
+    }
+
+    /// The numbers of `attr="..."` in `svg`, in order.
+    fn attr(svg: &str, attr: &str) -> Vec<f64> {
+        svg.split(&format!(" {attr}=\"")).skip(1).filter_map(|s| s.split('"').next()?.parse().ok()).collect()
+    }
 
     #[test]
-    fn log_ticks_fall_inside_the_axis_and_do_not_crowd() {
-        assert_eq!(log_ticks(0.4, 3.0), [0.5, 1.0, 2.0]);
-        let wide = log_ticks(0.01, 50.0);
-        assert!(wide.len() <= 5 && wide.contains(&1.0), "{wide:?}");
-        assert_eq!(ratio_tick(0.5), "0.5");
-        assert_eq!(ratio_tick(2.0), "2");
+    fn the_forest_axis_holds_every_dot_interval_and_one() {
+        let b = board(vec![
+            row("far", vec![ratio(3.8, (3.7, 5.9)), ratio(0.95, (0.9, 1.002))], false),
+            row("near", vec![ratio(0.31, (0.2, 0.45)), ratio(0.97, (0.94, 0.99))], false),
+            row("allreduce", vec![ratio(1.0, (1.0, 1.0)); 2], true),
+        ]);
+        let rows = [0, 1];
+        let a = forest_axis(&b, &rows, 0);
+        assert!(a.lo <= 0.2 && a.hi >= 5.9 && a.ticks.contains(&1.0), "{a:?}");
+        let a = forest_axis(&b, &rows, 1);
+        assert!(a.lo <= 0.9 && a.lo > 0.5 && a.hi >= 1.002 && a.hi < 2.0, "narrow ratios get a narrow axis: {a:?}");
+        // Every dot and whisker lands inside its panel.
+        let svg = forest("f", &b);
+        let (panel_w, ..) = FOREST;
+        let w = attr(&svg, "width")[0];
+        assert!(w >= 100.0 + 2.0 * panel_w && w <= 240.0 + 2.0 * panel_w, "{w}");
+        for x in attr(&svg, "cx") {
+            assert!(x > w - 2.0 * panel_w && x < w, "{x}");
+        }
+    }
+
+    #[test]
+    fn a_forest_is_as_tall_as_its_rows() {
+        let one = forest("f", &board(vec![row("a", vec![ratio(0.5, (0.4, 0.6))], false)]));
+        let three = forest("f", &board((0..3).map(|i| row(&format!("p{i}"), vec![ratio(0.5, (0.4, 0.6))], false)).collect()));
+        let (_, row_h, top, bottom) = FOREST;
+        assert_eq!(attr(&one, "height")[0], top + row_h + bottom);
+        assert_eq!(attr(&three, "height")[0], top + 3.0 * row_h + bottom);
+    }
+
+    #[test]
+    fn coinciding_profiles_are_named_and_drawn_apart() {
+        // Two builds with one ratio, and the baseline, best on the other workload.
+        let b = board(vec![
+            row("rust", vec![ratio(0.5, (0.45, 0.55)), ratio(1.2, (1.1, 1.3))], false),
+            row("python", vec![ratio(0.5, (0.45, 0.55)), ratio(1.2, (1.1, 1.3))], false),
+            row("slow", vec![ratio(0.9, (0.8, 1.0)), ratio(1.5, (1.4, 1.6))], false),
+            row("allreduce", vec![ratio(1.0, (1.0, 1.0)); 2], true),
+        ]);
+        assert_eq!(coinciding(&b), [vec![0, 1]]);
+        let svg = profiles("p", &b);
+        let starts: Vec<&str> = svg.split("<path d=\"M").skip(2).map(|s| s.split(' ').next().unwrap()).collect();
+        assert_eq!(starts.len(), 4, "{svg}");
+        // Drawn last row first: python and rust start APART pixels apart.
+        let (py, rs): (f64, f64) = (starts[2].parse().unwrap(), starts[3].parse().unwrap());
+        assert!(((py - rs) - APART).abs() < 0.11, "{starts:?}");
         assert_eq!(clip("abcdef", 4), "abc…");
+    }
+
+    #[test]
+    fn profiles_leave_room_above_one_and_below_zero() {
+        let b = board(vec![row("a", vec![ratio(2.0, (1.9, 2.1))], false), row("allreduce", vec![ratio(1.0, (1.0, 1.0))], true)]);
+        let svg = profiles("p", &b);
+        let f_top = TOP;
+        // The baseline's curve at share 1 runs below the frame's top.
+        let ys: Vec<f64> = svg.split(" V").skip(1).filter_map(|s| s.split([' ', '"']).next()?.parse().ok()).collect();
+        assert!(ys.iter().all(|y| *y > f_top + 5.0), "{ys:?}");
     }
 }

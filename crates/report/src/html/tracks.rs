@@ -83,16 +83,15 @@ fn track(i: usize, b: &SubBoard, boards: &[Board], bundles: &[Verified]) -> Stri
     out.push_str(&table(b, boards));
     let _ = write!(
         out,
-        "<div class=\"figs\"><figure><figcaption>Time to target ÷ the baseline's, per workload (95% interval)</figcaption>{}</figure>",
+        "<figure class=\"forest\"><figcaption>Time to target ÷ the baseline's, per workload (95% interval)</figcaption>{}</figure>",
         plots::forest(&format!("forest-{i}"), b)
     );
     let _ = write!(
         out,
-        "<figure><figcaption>Performance profiles (score = area under the curve)</figcaption>{}{}</figure></div>",
+        "<div class=\"figs\"><figure><figcaption>Performance profiles (score = area under the curve)</figcaption>{}{}</figure>",
         plots::profiles(&format!("profile-{i}"), b),
         legend(b)
     );
-    out.push_str("<div class=\"figs\">");
     for (wi, w) in b.workloads.iter().enumerate() {
         out.push_str(&workload_curves(&format!("curves-{i}-{wi}"), b, w, bundles));
     }
@@ -100,7 +99,8 @@ fn track(i: usize, b: &SubBoard, boards: &[Board], bundles: &[Verified]) -> Stri
     out
 }
 
-/// The rows' colours and names, as the plots draw them.
+/// The rows' colours and names, as the plots draw them (the baseline's
+/// dashed), and which profiles coincide.
 fn legend(b: &SubBoard) -> String {
     let mut out = String::from("<div class=\"legend\">");
     for (i, r) in b.rows.iter().enumerate() {
@@ -109,7 +109,20 @@ fn legend(b: &SubBoard) -> String {
         } else {
             format!("{} {} {}", submissions::rank_cell(r), r.plugin, r.version)
         };
-        let _ = write!(out, "<span class=\"key\"><i style=\"background:{}\"></i>{}</span>", plots::row_colour(b, i), esc(&name));
+        let dash = if r.reference { " stroke-dasharray=\"6 3\"" } else { "" };
+        let _ = write!(
+            out,
+            "<span class=\"key\"><svg class=\"line\" width=\"24\" height=\"10\"><line x1=\"1\" y1=\"5\" x2=\"23\" y2=\"5\" stroke=\"{}\" stroke-width=\"2.5\"{dash}/></svg>{}</span>",
+            plots::row_colour(b, i),
+            esc(&name)
+        );
+    }
+    for g in plots::coinciding(b) {
+        let names: Vec<String> = g
+            .iter()
+            .map(|&i| if b.rows[i].reference { "the baseline".to_owned() } else { format!("{} {}", b.rows[i].plugin, b.rows[i].version) })
+            .collect();
+        let _ = write!(out, "<p class=\"note\">Same profile, drawn side by side: {}.</p>", esc(&names.join(", ")));
     }
     out.push_str("</div>");
     out
