@@ -52,6 +52,8 @@ fn throughput_bars(id: &str, rows: &[Row]) -> String {
     let unit = Metric::TokensPerS.unit();
     let mut out = svg_open(id, &f, &format!("Throughput ({unit}, olympic mean and 95% interval)"));
     let y_axis = f.h - f.bottom;
+    // About 6.2 pixels a character at 11px.
+    let label_chars = ((f.w - f.left - f.right) / 6.2) as usize;
     for &v in &f.x.ticks {
         let x = f.px(v);
         let _ = write!(
@@ -75,10 +77,11 @@ fn throughput_bars(id: &str, rows: &[Row]) -> String {
         let y = 14.0 + slot * i as f64;
         let _ = write!(
             out,
-            r#"<text x="{:.1}" y="{:.1}" font-size="11">{}</text>"#,
+            r#"<text x="{:.1}" y="{:.1}" font-size="11">{}<title>{}</title></text>"#,
             f.left + 4.0,
             y + 9.0,
-            esc(&plots::clip(&rows[i].label(), 90))
+            esc(&plots::clip(&rows[i].label(), label_chars)),
+            esc(&rows[i].label())
         );
         let Some((m, ci)) = v else { continue };
         let _ = write!(
@@ -187,7 +190,7 @@ fn loss_curves(id: &str, rows: &[Row]) -> String {
 const STYLE: &str = "body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:2em auto;max-width:1500px;padding:0 1.5em;color:#222;line-height:1.4}\
 h1{margin-bottom:.2em}h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:2em}h3{margin-top:1.6em}\
 table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #d4d4d4;padding:4px 8px;text-align:right}\
-td:nth-child(2),th{text-align:left}th{background:#f4f4f4}small{color:#666;font-weight:normal}\
+td:nth-child(2),th{text-align:left}table.board td{white-space:nowrap}table.board td:nth-child(2){white-space:normal}th{background:#f4f4f4}small{color:#666;font-weight:normal}\
 figure{display:inline-block;vertical-align:top;margin:0 1.5em 1em 0}figcaption{font-size:13px;font-weight:600;margin-bottom:4px}\
 .figs{display:flex;flex-wrap:wrap;align-items:flex-start}.legend{margin:.5em 0;max-width:420px}\
 .key{display:inline-block;margin-right:1.2em;cursor:default;font-size:13px}\

@@ -27,9 +27,10 @@ pub(super) struct Frame {
 const TOP: f64 = 10.0;
 
 impl Frame {
-    /// A 560 × 300 frame whose axes hold `x` and `y` ([`ticks::linear`]).
+    /// A 420 × 270 frame (three side by side on a laptop's screen) whose
+    /// axes hold `x` and `y` ([`ticks::linear`]).
     pub fn new(x: (f64, f64), y: (f64, f64)) -> Frame {
-        Frame { w: 560.0, h: 300.0, left: 70.0, right: 28.0, bottom: 40.0, x: ticks::linear(x.0, x.1, 6), y: ticks::linear(y.0, y.1, 5) }
+        Frame { w: 420.0, h: 270.0, left: 60.0, right: 28.0, bottom: 40.0, x: ticks::linear(x.0, x.1, 6), y: ticks::linear(y.0, y.1, 5) }
     }
     pub fn px(&self, x: f64) -> f64 {
         self.left + (x - self.x.lo) / (self.x.hi - self.x.lo) * (self.w - self.left - self.right)
@@ -117,12 +118,13 @@ pub(super) fn clip(s: &str, n: usize) -> String {
 
 /// The forest plot's geometry: the label column, each workload's panel,
 /// each row's height, and the margins above and below the rows.
-const FOREST: (f64, f64, f64, f64) = (240.0, 28.0, 40.0, 48.0);
+const FOREST: (f64, f64, f64, f64) = (240.0, 28.0, 50.0, 48.0);
 
 /// The forest plot of a submission board: one panel per workload, one line
 /// per row (the submissions in rank order, the baseline's reference line
 /// at 1 dashed), each submission's time to target over its own run's
-/// baseline as a dot with its 95% interval, on a log scale whose range
+/// baseline as a dot (hollow when n.s.) with its 95% interval, on a log
+/// scale whose range
 /// holds every dot, every interval and 1. A missed target is written, not
 /// drawn. The plot is as tall as its rows and as wide as its labels and
 /// workloads.
@@ -212,8 +214,8 @@ fn forest_panel(out: &mut String, b: &SubBoard, rows: &[usize], wi: usize, left:
     let _ = write!(
         out,
         r##"<line x1="{one:.1}" x2="{one:.1}" y1="{:.1}" y2="{y_end:.1}" stroke="{BASELINE}" stroke-dasharray="5 3" stroke-width="1.5"><title>the baseline: 1</title></line><text x="{one:.1}" y="{:.1}" text-anchor="middle" font-size="10" fill="{BASELINE}">baseline</text>"##,
-        top - 12.0,
-        top - 14.0
+        top - 6.0,
+        top - 9.0
     );
     let _ = write!(
         out,
@@ -230,9 +232,11 @@ fn forest_panel(out: &mut String, b: &SubBoard, rows: &[usize], wi: usize, left:
                 let (a, z) = submissions::interval(s);
                 let tip = format!("{}: {}", workload, submissions::ratio_cell(&r.ratios[wi], r.reached[wi], true));
                 let (a, z, m) = (px(a), px(z), px(s.olympic_mean));
+                // Hollow where the interval holds the baseline's 1.
+                let fill = if submissions::against_baseline(s) == Some("n.s.") { "#fff" } else { c };
                 let _ = write!(
                     out,
-                    r##"<g><title>{}</title><path d="M{a:.1} {y:.1} H{z:.1} M{a:.1} {:.1} V{:.1} M{z:.1} {:.1} V{:.1}" stroke="{c}" stroke-width="2"/><circle cx="{m:.1}" cy="{y:.1}" r="5" fill="{c}" stroke="#fff"/></g>"##,
+                    r##"<g><title>{}</title><path d="M{a:.1} {y:.1} H{z:.1} M{a:.1} {:.1} V{:.1} M{z:.1} {:.1} V{:.1}" stroke="{c}" stroke-width="2"/><circle cx="{m:.1}" cy="{y:.1}" r="5" fill="{fill}" stroke="{c}" stroke-width="2"/></g>"##,
                     esc(&tip),
                     y - 5.0,
                     y + 5.0,
@@ -277,11 +281,12 @@ fn profile_steps(b: &SubBoard) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// The rows whose performance profiles coincide (within a thousandth of
-/// τ), each set of two or more in row order.
+/// The rows whose performance profiles coincide on the plot (each step
+/// within [`SAME_TAU`] of the other's), each set of two or more in row
+/// order.
 pub(super) fn coinciding(b: &SubBoard) -> Vec<Vec<usize>> {
     let steps = profile_steps(b);
-    let same = |x: &[f64], y: &[f64]| x.len() == y.len() && x.iter().zip(y).all(|(a, b)| (a - b).abs() < 1e-3);
+    let same = |x: &[f64], y: &[f64]| x.len() == y.len() && x.iter().zip(y).all(|(a, b)| (a - b).abs() < SAME_TAU);
     let mut groups: Vec<Vec<usize>> = Vec::new();
     for i in 0..steps.len() {
         match groups.iter_mut().find(|g| same(&steps[g[0]], &steps[i])) {
@@ -292,6 +297,10 @@ pub(super) fn coinciding(b: &SubBoard) -> Vec<Vec<usize>> {
     groups.retain(|g| g.len() > 1);
     groups
 }
+
+/// How close in τ two steps of profiles are to be drawn as one: about two
+/// pixels of the profile plot.
+const SAME_TAU: f64 = 0.02;
 
 /// Pixels between two coinciding profiles.
 const APART: f64 = 3.5;
@@ -513,6 +522,12 @@ mod tests {
         // Drawn last row first: python and rust start APART pixels apart.
         let (py, rs): (f64, f64) = (starts[2].parse().unwrap(), starts[3].parse().unwrap());
         assert!(((py - rs) - APART).abs() < 0.11, "{starts:?}");
+        // A submission as fast as the baseline, give or take a pixel: their curves coincide too.
+        let b =
+            board(vec![row("every-n", vec![ratio(0.993, (0.585, 1.017))], false), row("allreduce", vec![ratio(1.0, (1.0, 1.0))], true)]);
+        assert_eq!(coinciding(&b), [vec![0, 1]]);
+        let b = board(vec![row("every-n", vec![ratio(0.9, (0.85, 0.95))], false), row("allreduce", vec![ratio(1.0, (1.0, 1.0))], true)]);
+        assert!(coinciding(&b).is_empty());
         assert_eq!(clip("abcdef", 4), "abc…");
     }
 

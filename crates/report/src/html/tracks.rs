@@ -16,7 +16,7 @@ use crate::Board;
 
 /// How to read a track's board, one paragraph.
 pub const HOW_TO_READ: &str = "How to read this: a dot is a submission's time to target ÷ the baseline's in the same run \
-(olympic mean over paired repeats; bar: 95% interval; log scale); left of the dashed 1 is faster. n.s.: the interval holds 1. \
+(olympic mean over paired repeats; bar: 95% interval; log scale); left of the dashed 1 is faster. n.s. (a hollow dot): the interval holds 1. \
 =1: ranks no interval separates. Profiles: the share of workloads within τ of the best ratio; the score is the area under it.";
 
 /// The id of a track's section, for the page's contents.
@@ -122,8 +122,9 @@ fn legend(b: &SubBoard) -> String {
             .iter()
             .map(|&i| if b.rows[i].reference { "the baseline".to_owned() } else { format!("{} {}", b.rows[i].plugin, b.rows[i].version) })
             .collect();
-        let _ = write!(out, "<p class=\"note\">Same profile, drawn side by side: {}.</p>", esc(&names.join(", ")));
+        let _ = write!(out, "<p class=\"note\">Profiles that coincide, drawn side by side: {}.</p>", esc(&names.join(", ")));
     }
+    out.push_str("<p class=\"note\">Curves against time: the first repeat of each run, the submission solid and its run's baseline dashed, in the submission's colour.</p>");
     out.push_str("</div>");
     out
 }
@@ -212,7 +213,7 @@ fn workload_curves(id: &str, b: &SubBoard, workload: &str, bundles: &[Verified])
         }
     }
     let (what, unit) = if accuracy { ("eval accuracy", "top-1 accuracy") } else { ("eval loss", "loss") };
-    let title = format!("{workload}: {what} against training time (repeat 0; dashed: each run's baseline)");
+    let title = format!("{workload}: {what} against training time");
     plots::curves(id, &title, unit, &curves, target)
 }
 
