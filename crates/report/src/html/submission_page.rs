@@ -2,7 +2,7 @@
 //! the copies of its result and manifest: the plugin (name, version, kind,
 //! sha256, configuration), the run (suite, hardware class, GPUs, tracks,
 //! machine), the cost of a call into the plugin where the result records
-//! it, and its rows on the boards. Its links are the two copies beside it
+//! it, and its rows on the boards with their forest plots. Its links are the two copies beside it
 //! and the board two folders up; every string from the bundle is escaped.
 
 use std::fmt::Write;
@@ -80,7 +80,8 @@ pub fn page(v: &Verified, subs: &[SubBoard]) -> String {
     out
 }
 
-/// Its rows on the submission boards: rank, ratios, profile.
+/// Its rows on the submission boards: rank, ratios, profile, and its line
+/// of each board's forest plot.
 fn rows_on_boards(v: &Verified, subs: &[SubBoard]) -> String {
     let mut out = String::from("<h2>On the leaderboard</h2>");
     for (i, b) in subs.iter().enumerate() {
@@ -100,6 +101,14 @@ fn rows_on_boards(v: &Verified, subs: &[SubBoard]) -> String {
             let _ = write!(out, "<td>{}</td>", esc(&submissions::ratio_cell(s, *n, true)));
         }
         let _ = write!(out, "<td>{:.2}</td></tr></table>", r.profile);
+        // Its own line of the board's forest plot.
+        let mut own = b.clone();
+        own.rows.retain(|x| x.reference || x.files.folder == v.files.folder);
+        let _ = write!(
+            out,
+            "<figure class=\"forest\"><figcaption>Time to target ÷ the baseline's, per workload (95% interval; hollow: n.s.)</figcaption>{}</figure>",
+            super::plots::forest(&format!("forest-{i}"), &own)
+        );
     }
     out
 }
