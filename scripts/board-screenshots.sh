@@ -6,7 +6,12 @@
 #   scripts/board-screenshots.sh BOARD_DIR [OUT_DIR] [WIDTH] [HEIGHT]
 #
 # writes OUT_DIR/board.png and OUT_DIR/submission.png (OUT_DIR defaults to
-# BOARD_DIR).
+# BOARD_DIR). Boards of the committed bundles, without building harness:
+#
+#   BOARD_OUT=/tmp/boards cargo test --release -p harness-report committed_bundles
+#
+# writes /tmp/boards/h100, /tmp/boards/h200 and /tmp/boards/h100-1.2 (the
+# compression tracks of docs/leaderboard.png, taken at 1400 x 1700).
 set -euo pipefail
 board=${1:?usage: scripts/board-screenshots.sh BOARD_DIR [OUT_DIR] [WIDTH] [HEIGHT]}
 out=${2:-$board}

@@ -390,14 +390,16 @@ fn every_string_of_a_result_file_is_escaped_in_both_outputs() {
     assert!(hrefs(&html).is_empty(), "no bundles, no links");
 }
 
-/// The committed bundles of one GPU class, as `harness report` is given them.
-fn committed_bundles(class: &str) -> Vec<PathBuf> {
+/// The committed bundles of one GPU class (of one suite version, when
+/// given), as `harness report` is given them.
+fn committed_bundles(class: &str, version: Option<&str>) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results").join(class).join("submissions");
     let mut out: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .flatten()
         // Suite versions' folders ("1.2"), not the board's copies in bundles/.
         .filter(|d| d.file_name().to_string_lossy().starts_with(|c: char| c.is_ascii_digit()))
+        .filter(|d| version.is_none_or(|v| d.file_name() == v))
         .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten().map(|e| e.path()))
         .filter(|p| crate::submission::is_bundle(p))
         .collect();
@@ -405,18 +407,19 @@ fn committed_bundles(class: &str) -> Vec<PathBuf> {
     out
 }
 
-/// The boards of the committed H100 and H200 bundles: every bundle ranks,
-/// and every page is written. With `BOARD_OUT` set, the boards are written
-/// into `$BOARD_OUT/h100` and `$BOARD_OUT/h200` to be looked at
-/// (scripts/board-screenshots.sh).
+/// The boards of the committed H100 and H200 bundles, and of the H100's
+/// suite version 1.2 alone (its compression tracks, docs/leaderboard.png):
+/// every bundle ranks, and every page is written. With `BOARD_OUT` set,
+/// the boards are written into `$BOARD_OUT/h100`, `h200` and
+/// `h100-1.2` to be looked at (scripts/board-screenshots.sh).
 #[test]
 fn the_committed_bundles_make_boards_where_every_bundle_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let root = std::env::var_os("BOARD_OUT").map_or_else(|| tmp.path().to_owned(), PathBuf::from);
-    for class in ["h100", "h200"] {
-        let bundles = committed_bundles(class);
-        assert!(bundles.len() >= 5, "{class}: {bundles:?}");
-        let out = root.join(class);
+    for (class, version, name) in [("h100", None, "h100"), ("h200", None, "h200"), ("h100", Some("1.2"), "h100-1.2")] {
+        let bundles = committed_bundles(class, version);
+        assert!(bundles.len() >= 3, "{name}: {bundles:?}");
+        let out = root.join(name);
         let (loaded, md, html) = report(&bundles, &out);
         for v in &loaded.bundles {
             assert!(v.ranks(), "{}: {:?}", v.bundle.dir.display(), v.verdict.violations);
