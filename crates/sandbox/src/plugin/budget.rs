@@ -392,8 +392,10 @@ mod tests {
         let tall = h.insert(Tensor::randn([1 << 15, 16], (Kind::Float, CPU))).unwrap();
         let data = vec![0.5f32; N as usize];
         use Op::*;
+        /// An op with its tensors, floats, integers and data.
+        type Call<'a> = (Op, Vec<u32>, Vec<f64>, Vec<i64>, &'a [f32]);
         #[rustfmt::skip]
-        let calls: Vec<(Op, Vec<u32>, Vec<f64>, Vec<i64>, &[f32])> = vec![
+        let calls: Vec<Call> = vec![
             (Shape, vec![a], vec![], vec![], &[]), (Numel, vec![a], vec![], vec![], &[]),
             (Dtype, vec![a], vec![], vec![], &[]), (Op::Device, vec![a], vec![], vec![], &[]),
             (Assign, vec![a, b], vec![], vec![], &[]), (Duplicate, vec![a], vec![], vec![], &[]),
