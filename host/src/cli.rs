@@ -569,6 +569,9 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
         return run_ranks(&args, &suite, &out, world);
     }
+    if rank_env.is_none() && crate::supervise::wanted(&suite) {
+        return crate::supervise::run_child();
+    }
     let opts = RunOptions { out, resume: args.resume, ranks: rank_env, submission, nccl_log, trace: args.trace };
     run_here(&suite, &opts, args.quiet)
 }

@@ -5,7 +5,8 @@
 //! processes, results after each), the rank environment and the watchdog
 //! ([`ranks`]), the TCP store ranks meet through ([`rendezvous`]), what a
 //! run shows on the terminal ([`console`]), the benchmarks ([`mod@bench`]),
-//! `harness plugin new` ([`scaffold`]), `harness reproduce` ([`reproduce`]) and the machine fingerprint of this
+//! `harness plugin new` ([`scaffold`]), `harness reproduce` ([`reproduce`]), the parent that supervises a run
+//! loading a native plugin ([`supervise`]) and the machine fingerprint of this
 //! build ([`device`]). Everything else comes from the workspace's crates,
 //! re-exported here under the names the modules use, bottom to top:
 //!
@@ -32,6 +33,7 @@ pub mod ranks;
 pub mod rendezvous;
 pub mod reproduce;
 pub mod scaffold;
+pub mod supervise;
 
 pub use harness_kernels::{blaslt, kernels, torch_ext};
 pub use harness_runtime::{comm, measure};

@@ -21,5 +21,8 @@ fn main() {
             harness::exit::ERROR
         }
     };
+    // A supervising parent (`harness run` of a suite with a native plugin)
+    // learns that the process ended here, not in a plugin.
+    harness::plugin::exit_guard::finished(code);
     std::process::exit(code);
 }

@@ -157,29 +157,35 @@ fn a_checkpoint_policy_that_deletes_twice_is_refused() {
     assert_eq!(entry(&r, "mlp/last/r0")["status"], "ok");
 }
 
-/// A native plugin that calls `exit(0)` ends the process, but not with
-/// status 0: the run says which plugin ended it, and the result file keeps
-/// the entries before it and stays incomplete.
+/// A native plugin that ends the process, by any route (`exit(0)`,
+/// `_exit(0)`, the `exit_group(0)` system call, a thread of its own calling
+/// `exit(0)` while harness trains on), does not end the run successfully:
+/// the supervising `harness run` says which plugin ended it and exits with
+/// 4, and the result file keeps the entries before it and stays incomplete.
 #[test]
 fn a_native_plugin_that_exits_cannot_end_the_run_successfully() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = format!(
-        "[suite]\nname = \"exit\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\n{WORKLOAD}\n\
-         [[plugin]]\nname = \"quitter\"\npath = \"{}\"\n\
-         [[strategy]]\nname = \"first\"\n[[strategy]]\nname = \"exit\"\ncompressor = \"quitter\"\ncompressor_config = {{ mode = \"exit\" }}\n\
-         [[strategy]]\nname = \"last\"\n",
-        artifact("libhostile.so").display()
-    );
-    let suite = write(dir.path(), "suite.toml", &s);
-    let out_path = dir.path().join("r.json");
-    let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(4), "stderr:\n{stderr}");
-    assert_contains(
-        &stderr,
-        &["compressor plugin `quitter` (native", "ended the process (exit) during `compress`", "the run is incomplete"],
-    );
-    let r = results(&out_path);
-    assert_eq!(r["complete"], false);
-    assert_eq!(entry(&r, "mlp/first/r0")["status"], "ok");
+    for (mode, said) in [
+        ("exit", "ended the process (exit) during `compress`"),
+        ("_exit", "ended the process (_exit or exit_group, status 0) during `compress`"),
+        ("exit_group", "ended the process (_exit or exit_group, status 0) during `compress`"),
+        ("thread-exit", "outside its calls, after compressor plugin `quitter` (native"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = format!(
+            "[suite]\nname = \"exit\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\n{WORKLOAD}\n\
+             [[plugin]]\nname = \"quitter\"\npath = \"{}\"\n\
+             [[strategy]]\nname = \"first\"\n[[strategy]]\nname = \"exit\"\ncompressor = \"quitter\"\ncompressor_config = {{ mode = \"{mode}\" }}\n\
+             [[strategy]]\nname = \"last\"\n",
+            artifact("libhostile.so").display()
+        );
+        let suite = write(dir.path(), "suite.toml", &s);
+        let out_path = dir.path().join("r.json");
+        let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(4), "{mode}: stderr:\n{stderr}");
+        assert_contains(&stderr, &["compressor plugin `quitter` (native", said, "the run is incomplete"]);
+        let r = results(&out_path);
+        assert_eq!(r["complete"], false, "{mode}");
+        assert_eq!(entry(&r, "mlp/first/r0")["status"], "ok", "{mode}");
+    }
 }

@@ -22,8 +22,9 @@ pub const ERROR: i32 = 3;
 /// died, hung or failed inside a collective): its NCCL communicator cannot
 /// be used again, so the launcher starts the ranks anew for the entries left.
 pub const RANK_LOST: i32 = 5;
-/// A native plugin ended the process (`exit`) during a run; the result file
-/// is incomplete (`plugin::exit_guard`).
+/// A native plugin ended the process (`exit`, `_exit`, `exit_group`, a
+/// thread of its own) during a run; the result file is incomplete
+/// (`plugin::exit_guard`, and `harness run`'s supervising parent).
 pub const PLUGIN_ENDED_PROCESS: i32 = 4;
 
 /// The exit code of a run that finished with `failed_entries` failed

@@ -176,16 +176,79 @@ char *hx_fused_adamw(tensor *params, tensor *grads, tensor *exp_avg, tensor *exp
 // makes libtorch print a warning on every call.
 char *hx_pin_memory(tensor t, tensor *out) { HX_TRY(*out = new at::Tensor(t->pin_memory())) }
 
-// Per-parameter L2 norms (f32, one multi-tensor kernel), stacked: a
-// fingerprint of a replica's parameters that replicas compare bit for bit.
-char *hx_param_norms(tensor *params, int n, tensor *out) {
-  HX_TRY({
-    auto ps = hx_list(params, n);
-    auto norms = at::_foreach_norm(ps, 2);
-    for (auto &t : norms) t = t.to(at::kFloat).reshape({1});
-    *out = new at::Tensor(at::cat(norms, 0));
-  })
+// A hash of each tensor's bytes (int64, stacked): a fingerprint of a
+// replica's parameters that replicas compare. The bytes are read as words
+// of the element's width (int32 for f32, int16 for f16 and bf16), sign
+// extended to int64, and summed, wrapping, with a weight for each position:
+// the word at row r, column c of rows of HASH_ROW words weighs
+// row[r] * col[c], odd numbers from a fixed splitmix64 sequence (the same
+// on every rank). Any change of a word changes the hash unless the
+// weighted differences cancel modulo 2^64 (about one chance in 2^32 for a
+// sign flipped in a slice, whatever its signs); norms, in contrast, do not
+// see a sign. Each tensor costs a few kernels over its words, in chunks of
+// HASH_CHUNK_ROWS rows (int64 intermediates of 32 MiB at most).
+static const int64_t HASH_ROW = 1024;
+static const int64_t HASH_CHUNK_ROWS = 4096;
+
+static uint64_t hx_splitmix(uint64_t &state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
+
+// n odd weights from the splitmix64 sequence seeded with `seed`, on `device`.
+static at::Tensor hx_hash_weights(int64_t n, uint64_t seed, const at::Device &device) {
+  auto w = at::empty({n}, at::kLong);
+  auto *p = w.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++) p[i] = static_cast<int64_t>(hx_splitmix(seed) | 1);
+  return w.to(device);
+}
+
+static at::ScalarType hx_word_type(int64_t width) {
+  switch (width) {
+    case 8: return at::kLong;
+    case 4: return at::kInt;
+    case 2: return at::kShort;
+    default: return at::kChar;
+  }
+}
+
+static at::Tensor hx_hashes(const std::vector<at::Tensor> &ps) {
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> hashes;
+    int64_t max_rows = 1;
+    for (auto &p : ps) max_rows = std::max(max_rows, p.numel() / HASH_ROW + 1);
+    at::Tensor col, row;
+    for (auto &p : ps) {
+      if (!col.defined() || col.device() != p.device()) {
+        col = hx_hash_weights(HASH_ROW, 1, p.device());
+        row = hx_hash_weights(max_rows, 2, p.device());
+      }
+      auto words = p.detach().reshape({-1}).view(hx_word_type(p.element_size()));
+      const int64_t len = words.numel(), rows = len / HASH_ROW, tail = len % HASH_ROW;
+      auto sums = at::empty({rows + (tail > 0 ? 1 : 0)}, words.options().dtype(at::kLong));
+      for (int64_t r0 = 0; r0 < rows; r0 += HASH_CHUNK_ROWS) {
+        const int64_t r = std::min(HASH_CHUNK_ROWS, rows - r0);
+        auto x = words.narrow(0, r0 * HASH_ROW, r * HASH_ROW).view({r, HASH_ROW}).to(at::kLong);
+        x.mul_(col);
+        auto part = sums.narrow(0, r0, r);
+        at::sum_out(part, x, {1});
+      }
+      if (tail > 0) {
+        auto x = words.narrow(0, rows * HASH_ROW, tail).to(at::kLong);
+        x.mul_(col.narrow(0, 0, tail));
+        auto part = sums.narrow(0, rows, 1);
+        at::sum_out(part, x, {0}, true);
+      }
+      hashes.push_back(sums.mul_(row.narrow(0, 0, sums.numel())).sum().reshape({1}));
+    }
+    return hashes.empty() ? at::empty({0}, at::kLong) : at::cat(hashes, 0);
+  }
+}
+
+char *hx_param_hashes(tensor *params, int n, tensor *out) { HX_TRY(*out = new at::Tensor(hx_hashes(hx_list(params, n)))) }
 
 // The storage a tensor keeps alive: its size in bytes and an identity (the
 // storage's address) to count storages shared by views once.

@@ -77,7 +77,7 @@ mod ffi {
         pub fn hx_event_record(device: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_event_synchronize(ev: *mut c_void) -> *mut c_char;
         pub fn hx_event_free(ev: *mut c_void);
-        pub fn hx_param_norms(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
+        pub fn hx_param_hashes(params: *const *mut c_void, n: c_int, out: *mut *mut c_void) -> *mut c_char;
         pub fn hx_storage_info(t: *mut c_void, nbytes: *mut u64, key: *mut u64) -> *mut c_char;
         pub fn hx_cuda_memory(device: c_int, out: *mut i64) -> *mut c_char;
         pub fn hx_cuda_reset_peak(device: c_int) -> *mut c_char;
@@ -553,12 +553,16 @@ pub fn cuda_reset_peak(device: usize) -> Result<(), TorchError> {
     check(unsafe { ffi::hx_cuda_reset_peak(device as c_int) })
 }
 
-/// Each tensor's L2 norm, in f32, as one 1-D tensor on their device.
-pub fn param_norms(params: &[Tensor]) -> Result<Tensor, TorchError> {
+/// A hash of each tensor's bytes (position-weighted sums of its words,
+/// wrapping; see `hx_param_hashes` in the shim), in i64, as one 1-D tensor
+/// on their device: equal bytes give equal hashes, and a change of any
+/// word (a sign flipped in a slice included) changes the hash but for a
+/// chance of about 2^-32.
+pub fn param_hashes(params: &[Tensor]) -> Result<Tensor, TorchError> {
     let p = ptrs(params);
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: p points at live tensors; out receives a new at::Tensor.
-    check(unsafe { ffi::hx_param_norms(p.as_ptr(), len(params), &mut out) })?;
+    check(unsafe { ffi::hx_param_hashes(p.as_ptr(), len(params), &mut out) })?;
     // SAFETY: out is a heap at::Tensor from the shim.
     Ok(unsafe { Tensor::from_ptr(out as *mut _) })
 }

@@ -4,12 +4,15 @@
 //! each would train its own model and the entry would still look fine.
 //!
 //! Every `every` steps and after the last one, each rank takes a fingerprint
-//! of its parameters (each parameter's L2 norm, one multi-tensor kernel),
-//! rank 0's fingerprint is broadcast (a setup-sized collective, not counted
-//! as the strategy's bytes), and every rank compares its own with it bit for
-//! bit: replicas of a correct data-parallel run are bit-identical. A rank
-//! whose fingerprint differs fails the entry, naming the first parameter
-//! that differs.
+//! of its parameters (a 64-bit hash of each parameter's bytes, computed on
+//! its device: `torch_ext::param_hashes`), rank 0's fingerprint is broadcast
+//! (a setup-sized collective, not counted as the strategy's bytes), and
+//! every rank compares its own with it: replicas of a correct data-parallel
+//! run are bit-identical, so their hashes are equal, and a replica that
+//! differs in any bit (a sign flipped in one slice of a bucket, which
+//! leaves every norm unchanged) has another hash but for a chance of about
+//! 2^-32. A rank whose fingerprint differs fails the entry, naming itself
+//! and the first parameter that differs.
 
 use anyhow::Result;
 use tch::{Device, Kind, Tensor};
@@ -23,15 +26,18 @@ pub const DEFAULT_EVERY: u64 = crate::switches::Switches::DEFAULT.replica_check_
 /// Replicas that no longer agree.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "the replicas diverged: after step {step}, rank {rank}'s parameter `{param}` differs from rank 0's ({theirs} against {ours}); \
-     data-parallel replicas must stay identical (the compressor `{strategy}` returned different results on different ranks?)"
+    "the replicas diverged: after step {step}, rank {rank}'s parameter `{param}` differs from rank 0's (the hash of its bytes is \
+     {theirs:016x}, rank 0's {ours:016x}); data-parallel replicas must stay identical (the compressor `{strategy}` returned \
+     different results on different ranks?)"
 )]
 pub struct Diverged {
     pub step: u64,
     pub rank: usize,
     pub param: String,
-    pub ours: f32,
-    pub theirs: f32,
+    /// Rank 0's hash of the parameter's bytes.
+    pub ours: u64,
+    /// This rank's.
+    pub theirs: u64,
     pub strategy: String,
 }
 
@@ -59,11 +65,11 @@ impl ReplicaCheck {
         if comm.world_size() == 1 && !self.forced {
             return Ok(());
         }
-        let ours = tch::no_grad(|| torch_ext::param_norms(params))?;
+        let ours = torch_ext::param_hashes(params)?;
         if comm.world_size() == 1 {
             // Nothing to compare with: the fingerprint is taken (and read)
             // so that its cost shows.
-            let _ = ours.f_sum(Kind::Float)?.f_double_value(&[])?;
+            let _ = ours.f_sum(Kind::Int64)?.f_int64_value(&[])?;
             return Ok(());
         }
         let mut reference = ours.copy();
@@ -72,16 +78,96 @@ impl ReplicaCheck {
         if !differ {
             return Ok(());
         }
-        let (a, b) = (Vec::<f32>::try_from(&ours.to_device(Device::Cpu))?, Vec::<f32>::try_from(&reference.to_device(Device::Cpu))?);
-        let i = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits()).unwrap_or(0);
-        Err(Diverged {
-            step: done,
-            rank: comm.rank(),
-            param: names.get(i).cloned().unwrap_or_default(),
-            ours: b[i],
-            theirs: a[i],
-            strategy: strategy.to_owned(),
+        Err(diverged(&ours, &reference, names, done, comm.rank(), strategy)?.into())
+    }
+}
+
+/// What differs between this rank's hashes `mine` and rank 0's `reference`.
+fn diverged(mine: &Tensor, reference: &Tensor, names: &[String], step: u64, rank: usize, strategy: &str) -> Result<Diverged> {
+    let (a, b) = (Vec::<i64>::try_from(&mine.to_device(Device::Cpu))?, Vec::<i64>::try_from(&reference.to_device(Device::Cpu))?);
+    let i = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+    Ok(Diverged {
+        step,
+        rank,
+        param: names.get(i).cloned().unwrap_or_default(),
+        ours: b.get(i).copied().unwrap_or(0) as u64,
+        theirs: a.get(i).copied().unwrap_or(0) as u64,
+        strategy: strategy.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::InProcessGroup;
+    use std::time::Duration;
+
+    /// A replica's parameters: a weight and a bias of mixed signs.
+    fn params() -> Vec<Tensor> {
+        let w = Tensor::linspace(-1.0, 1.0, 4096, (Kind::Float, Device::Cpu)).reshape([64, 64]);
+        let b = Tensor::from_slice(&[0.5f32, -0.25, 0.75, -1.5, 2.0, -0.125]);
+        vec![w, b]
+    }
+
+    /// Rank 1 negates a slice of the bias that holds as many positive as
+    /// negative values: every norm stays bit-identical (what the check
+    /// compared before), the hashes of the bytes do not, and the check
+    /// names rank 1 and the bias.
+    #[test]
+    fn a_sign_flipped_slice_is_caught_and_named() {
+        let names = vec!["w".to_owned(), "b".to_owned()];
+        let (mine, flipped) = (params(), params());
+        let _ = flipped[1].narrow(0, 1, 4).f_neg_().unwrap();
+        for (a, b) in mine.iter().zip(&flipped) {
+            assert_eq!(a.norm().double_value(&[]).to_bits(), b.norm().double_value(&[]).to_bits());
         }
-        .into())
+        let (h0, h1) = (torch_ext::param_hashes(&mine).unwrap(), torch_ext::param_hashes(&flipped).unwrap());
+        let (h0, h1) = (Vec::<i64>::try_from(&h0).unwrap(), Vec::<i64>::try_from(&h1).unwrap());
+        assert_eq!(h0[0], h1[0]);
+        assert_ne!(h0[1], h1[1]);
+        // Equal bytes, equal hashes; a permutation of the words is seen too.
+        assert_eq!(h0, Vec::<i64>::try_from(&torch_ext::param_hashes(&params()).unwrap()).unwrap());
+        let swapped = params();
+        swapped[0].narrow(0, 0, 2).copy_(&params()[0].narrow(0, 0, 2).flip([0]));
+        assert_ne!(Vec::<i64>::try_from(&torch_ext::param_hashes(&swapped).unwrap()).unwrap()[0], h0[0]);
+
+        // Two thread ranks, rank 1 with the flipped slice.
+        let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                let (g, names) = (g.clone(), names.clone());
+                std::thread::spawn(move || {
+                    let mut c = g.rank(r, None);
+                    let p = params();
+                    if r == 1 {
+                        let _ = p[1].narrow(0, 1, 4).f_neg_().unwrap();
+                    }
+                    ReplicaCheck::new(1, false).check(&p, &names, &mut c, 7, "flipper").map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(results[0].is_ok(), "{:?}", results[0]);
+        let e = results[1].as_ref().unwrap_err();
+        assert!(e.contains("after step 7, rank 1's parameter `b` differs from rank 0's") && e.contains("`flipper`"), "{e}");
+    }
+
+    /// Tensors of more than one chunk of rows, with a tail, and of every
+    /// element width: one flipped bit anywhere changes the hash.
+    #[test]
+    fn one_bit_anywhere_changes_the_hash() {
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Double, Kind::Uint8] {
+            let n = 4096 * 1024 + 1024 + 7;
+            let t = Tensor::arange(n, (Kind::Int64, Device::Cpu)).remainder(251).to_kind(kind);
+            let h = |t: &Tensor| Vec::<i64>::try_from(&torch_ext::param_hashes(&[t.shallow_clone()]).unwrap()).unwrap()[0];
+            let base = h(&t);
+            for at in [0, 4096 * 1024 - 1, 4096 * 1024 + 3, n - 1] {
+                let u = t.copy();
+                let bytes = u.view_dtype(Kind::Uint8);
+                let i = at * kind.elt_size_in_bytes() as i64;
+                let _ = bytes.narrow(0, i, 1).f_bitwise_xor_(1).unwrap();
+                assert_ne!(h(&u), base, "{kind:?}, element {at}");
+            }
+        }
     }
 }

@@ -16,17 +16,65 @@ use tch::{Device, Kind, Tensor};
 /// An op's cost before it runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Cost {
-    /// Bytes of the tensors it creates (an upper bound).
+    /// Bytes of the tensors it creates and hands back (an upper bound).
     pub bytes: u64,
-    /// Floating-point operations, or element reads and writes for
-    /// memory-bound ops (an estimate).
+    /// Bytes of its intermediates at their peak, besides those tensors:
+    /// freed when it returns, but held while it runs (an upper bound).
+    pub temp: u64,
+    /// Floating-point operations of its arithmetic-bound part (matrix
+    /// products, factorisations), against the device's matmul rate.
     pub flops: f64,
+    /// Bytes it reads and writes, intermediates included, each weighted by
+    /// how much slower than a streaming pass its access is (random
+    /// indices, sorting, random numbers), against the device's memory rate.
+    pub traffic: f64,
 }
 
-/// Element-wise ops touch memory more than they compute: each element costs
-/// this many "flops" against the matmul rate (a deliberate overestimate of
-/// their speed, so that the estimate errs towards letting ops run).
-const ELEMENT_FLOPS: f64 = 4.0;
+impl Cost {
+    fn add(self, o: Cost) -> Cost {
+        Cost {
+            bytes: self.bytes.saturating_add(o.bytes),
+            temp: self.temp.saturating_add(o.temp),
+            flops: self.flops + o.flops,
+            traffic: self.traffic + o.traffic,
+        }
+    }
+
+    /// Memory the op holds at its peak: its new tensors and intermediates.
+    pub fn peak(&self) -> u64 {
+        self.bytes.saturating_add(self.temp)
+    }
+}
+
+/// How much slower than a streaming pass over memory each kind of access
+/// is, per byte (measured on CPUs, where they are slowest relative to a
+/// pass; `tests::estimates_bound_the_measured_time_of_every_op` checks
+/// them): the estimate must not fall below the time, or an op could run
+/// for many times the deadline it was admitted under.
+mod weight {
+    /// Element-wise maths beyond a copy (division, comparisons).
+    pub const MATH: f64 = 2.0;
+    /// Transcendental element-wise maths (sqrt).
+    pub const HEAVY: f64 = 8.0;
+    /// Maths that makes integers floating (u8 plus a float: a slow path).
+    pub const INT_TO_FLOAT: f64 = 40.0;
+    /// Copies through strides (a transpose made contiguous).
+    pub const STRIDED: f64 = 4.0;
+    /// Reads and writes at indices (index_select, scatter_add).
+    pub const INDEXED: f64 = 6.0;
+    /// Generating random numbers, per byte of output.
+    pub const RANDOM: f64 = 12.0;
+    /// A random permutation, per byte of it.
+    pub const PERMUTATION: f64 = 24.0;
+    /// Selecting the k largest: per byte of input and per doubling of k.
+    pub const SELECT: f64 = 1.0;
+    /// A QR factorisation, per flop (LAPACK's on tall, thin matrices is
+    /// far from the matmul rate).
+    pub const QR: f64 = 8.0;
+    /// Matrix products of kinds without fast kernels on the device (any
+    /// but f32 and f64 on a CPU), per flop.
+    pub const SLOW_MATMUL: f64 = 8.0;
+}
 
 fn numel(shape: &[i64]) -> u64 {
     shape.iter().map(|&d| d.max(0) as u64).fold(1u64, |a, d| a.saturating_mul(d))
@@ -51,89 +99,236 @@ fn dtype_bytes(i: i64) -> u64 {
     [4, 2, 2, 8, 8, 4, 1, 1].get(i as usize).copied().unwrap_or(8)
 }
 
+fn elt(t: &Tensor) -> u64 {
+    t.kind().elt_size_in_bytes() as u64
+}
+
+fn bytes_of(t: &Tensor) -> u64 {
+    (t.numel() as u64).saturating_mul(elt(t))
+}
+
+/// Bytes per element of the result of element-wise maths on kinds `a` and
+/// `b`: the larger, and at least 4 when they differ or are integers that
+/// the maths makes floating (type promotion: f16 with bf16 gives f32, u8
+/// with a float scalar gives f32).
+fn promoted(a: Kind, b: Kind) -> u64 {
+    let (x, y) = (a.elt_size_in_bytes() as u64, b.elt_size_in_bytes() as u64);
+    if a == b && matches!(a, Kind::Float | Kind::Half | Kind::BFloat16 | Kind::Double) {
+        x
+    } else {
+        x.max(y).max(4)
+    }
+}
+
+/// A pass that reads `read` bytes and writes `write` new ones, weighted.
+fn pass(read: u64, write: u64, weight: f64) -> Cost {
+    Cost { bytes: write, temp: 0, flops: 0.0, traffic: (read + write) as f64 * weight }
+}
+
+/// An intermediate of `b` bytes, written once and read once.
+fn temp(b: u64) -> Cost {
+    Cost { bytes: 0, temp: b, flops: 0.0, traffic: 2.0 * b as f64 }
+}
+
+/// The copy `reshape(-1)` or `contiguous()` makes of a tensor that is not
+/// contiguous (a view from `narrow` or a lent bucket's view); nothing for a
+/// contiguous one.
+fn flat(t: &Tensor) -> Cost {
+    if t.is_contiguous() {
+        Cost::default()
+    } else {
+        temp(bytes_of(t))
+    }
+}
+
 /// The cost of `op` on `inputs` (the tensors its ids name) with integer
-/// arguments `ints`, `data` floats and `world` ranks. Ops that only read
-/// metadata or make views cost nothing.
+/// arguments `ints`, `data` floats and `world` ranks: its new tensors, its
+/// intermediates (each as [`super::ops`] computes the op) and its work.
+/// Ops that only read metadata or make views cost nothing.
 pub fn cost(op: Op, inputs: &[&Tensor], ints: &[i64], data: usize, world: usize) -> Result<Cost> {
     use Op::*;
-    let elt = |t: &Tensor| t.kind().elt_size_in_bytes() as u64;
     let n = |i: usize| inputs.get(i).map_or(0, |t| t.numel() as u64);
-    let linear = |elements: u64, bytes_per: u64| Cost { bytes: elements.saturating_mul(bytes_per), flops: elements as f64 * ELEMENT_FLOPS };
-    Ok(match op {
-        Add | Sub | Mul | Div | LessThan if inputs.len() == 2 => {
-            let out = numel(&broadcast(&inputs[0].size(), &inputs[1].size())?);
-            linear(out, elt(inputs[0]).max(elt(inputs[1])))
+    let b = |i: usize| inputs.get(i).map_or(0, |t| bytes_of(t));
+    let cuda = inputs.first().is_some_and(|t| t.device().is_cuda());
+    Ok(match (op, inputs) {
+        (Add | Sub | Mul | Div | LessThan, [x, y]) => {
+            let out = numel(&broadcast(&x.size(), &y.size())?);
+            if op == LessThan {
+                // A bool result, then cast to the first input's kind.
+                pass(b(0) + b(1), out, weight::MATH).add(temp(out)).add(pass(out, out.saturating_mul(elt(x)), 1.0))
+            } else {
+                pass(b(0) + b(1), out.saturating_mul(promoted(x.kind(), y.kind())), weight::MATH)
+            }
         }
-        Matmul if inputs.len() == 2 && inputs[0].dim() == 2 && inputs[1].dim() == 2 => {
-            let (a, b) = (inputs[0].size(), inputs[1].size());
-            let (rows, inner, cols) = (a[0].max(0) as f64, a[1].max(0) as f64, b[1].max(0) as f64);
-            Cost { bytes: numel(&[a[0], b[1]]).saturating_mul(elt(inputs[0]).max(elt(inputs[1]))), flops: 2.0 * rows * inner * cols }
+        (Matmul, [x, y]) if x.dim() == 2 && y.dim() == 2 => {
+            let (a, c) = (x.size(), y.size());
+            let (rows, inner, cols) = (a[0].max(0) as f64, a[1].max(0) as f64, c[1].max(0) as f64);
+            let fast = matches!(x.kind(), Kind::Float | Kind::Double) || cuda;
+            let out = pass(b(0) + b(1), numel(&[a[0], c[1]]).saturating_mul(promoted(x.kind(), y.kind())), 1.0);
+            let flops = 2.0 * rows * inner * cols * if fast { 1.0 } else { weight::SLOW_MATMUL };
+            out.add(flat(x)).add(flat(y)).add(Cost { flops, ..Cost::default() })
         }
-        Orthonormalize if inputs.len() == 1 && inputs[0].dim() == 2 => {
-            let s = inputs[0].size();
+        (Orthonormalize, [x]) if x.dim() == 2 => {
+            let s = x.size();
             let (r, c) = (s[0].max(0) as f64, s[1].max(0) as f64);
-            // Householder QR: about 2 r c^2 flops; Q has the input's shape.
-            Cost { bytes: numel(&s).saturating_mul(elt(inputs[0])), flops: 2.0 * r * c * c.min(r) }
+            // An f32 copy, Householder QR (about 2 r c^2 flops, its
+            // reflectors and R besides Q), Q cast back to the input's kind.
+            let f32s = numel(&s).saturating_mul(4);
+            let flops = 2.0 * r * c * c.min(r) * weight::QR;
+            temp(f32s).add(temp(f32s)).add(pass(f32s, b(0), 1.0)).add(Cost {
+                flops,
+                traffic: (f32s as f64) * c.min(r).log2().max(1.0),
+                ..Cost::default()
+            })
         }
-        Duplicate | Abs | Sign | Floor | Sqrt | AddScalar | MulScalar | Transpose if !inputs.is_empty() => linear(n(0), elt(inputs[0])),
-        Cast if !inputs.is_empty() && ints.len() == 1 => linear(n(0), dtype_bytes(ints[0])),
-        Topk if !inputs.is_empty() && ints.len() == 1 => {
+        // Zeros of its shape, then the copy.
+        (Duplicate, [_]) => pass(b(0), b(0), 1.0).add(Cost { traffic: b(0) as f64, ..Cost::default() }),
+        (Abs | Sign | Floor, [_]) => pass(b(0), b(0), weight::MATH),
+        (Sqrt | AddScalar | MulScalar, [x]) => {
+            let float = matches!(x.kind(), Kind::Float | Kind::Half | Kind::BFloat16 | Kind::Double);
+            let w = if !float {
+                weight::INT_TO_FLOAT
+            } else if op == Sqrt {
+                weight::HEAVY
+            } else {
+                weight::MATH
+            };
+            pass(b(0), n(0).saturating_mul(elt(x).max(4)), w)
+        }
+        (Transpose, [_]) => pass(b(0), b(0), weight::STRIDED),
+        (Reshape, [x]) if !x.is_contiguous() => pass(b(0), b(0), weight::STRIDED),
+        (Cast, [_]) if ints.len() == 1 => pass(b(0), n(0).saturating_mul(dtype_bytes(ints[0])), weight::MATH),
+        (Topk, [x]) if ints.len() == 1 => {
             let k = ints[0].max(0) as u64;
-            Cost { bytes: k.saturating_mul(16), flops: n(0) as f64 * ELEMENT_FLOPS * (k.max(2) as f64).log2() }
+            // The CPU kernel queues (value, index) pairs of the whole input.
+            let select = Cost { traffic: (n(0) as f64) * 16.0 * weight::SELECT * (k.max(2) as f64).log2(), ..Cost::default() };
+            flat(x).add(temp(n(0).saturating_mul(16))).add(pass(0, k.saturating_mul(elt(x) + 8), 1.0)).add(select)
         }
-        Gather if inputs.len() == 2 => linear(n(1), elt(inputs[0])),
-        ScatterAdd if inputs.len() == 3 => linear(n(0) + n(1), elt(inputs[0])),
-        // No tensor comes out (their temporaries are at most a few times
-        // the input, which is itself capped or lent).
-        Sum | Norm | MeanAbs | ReadF32 if !inputs.is_empty() => Cost { bytes: 0, flops: n(0) as f64 * ELEMENT_FLOPS },
-        PackSigns if !inputs.is_empty() => linear(n(0), 2),
-        UnpackSigns if ints.len() == 1 => linear(ints[0].max(0) as u64, 5),
-        Zeros if !ints.is_empty() => linear(numel(&ints[1..]), dtype_bytes(ints[0])),
-        RandUniform | RandNormal if !ints.is_empty() => linear(numel(&ints[1..]), 4),
-        // A permutation of n (a temporary, but as large as n says), then
-        // the first k, copied.
-        RandIndices if ints.len() == 3 => linear(ints[0].max(0) as u64 + ints[1].max(0) as u64, 8),
-        FromF32 => linear(data as u64, 4),
-        AllGather if !inputs.is_empty() => linear(n(0).saturating_mul(world as u64), elt(inputs[0])),
-        ReduceScatterSum if !inputs.is_empty() => linear(n(0), elt(inputs[0])),
-        // Metadata, views, collectives in place, pointers: nothing new (a
-        // wrong argument count is reported by the op itself).
+        (Gather, [x, _]) => flat(x).add(pass(b(1), n(1).saturating_mul(elt(x)), weight::INDEXED)),
+        (ScatterAdd, [x, _, src]) => {
+            // A copy of self, src cast to its kind, the indexed adds.
+            let cast = if src.kind() == x.kind() { Cost::default() } else { temp(n(2).saturating_mul(elt(x))) };
+            pass(b(0), b(0), 1.0).add(cast).add(Cost { traffic: (b(1) + 2 * n(1) * elt(x)) as f64 * weight::INDEXED, ..Cost::default() })
+        }
+        // A scalar out: the input as f64 (a copy unless it is f64), and for
+        // mean-abs its absolute values in place.
+        (Sum | Norm | MeanAbs, [x]) => {
+            let double = if x.kind() == Kind::Double { Cost::default() } else { temp(n(0).saturating_mul(8)) };
+            let abs = if op == MeanAbs {
+                pass(n(0) * 8, 0, weight::MATH).add(temp(if x.kind() == Kind::Double { n(0) * 8 } else { 0 }))
+            } else {
+                Cost::default()
+            };
+            pass(b(0), 0, weight::MATH).add(double).add(abs)
+        }
+        (PackSigns, [x]) => {
+            // Signs as bool, as u8, padded to whole bytes, weighted, summed.
+            let m = n(0) + 8;
+            flat(x).add(pass(b(0), 0, weight::MATH)).add(temp(m)).add(temp(m)).add(temp(m)).add(pass(m, m / 8, weight::MATH))
+        }
+        (UnpackSigns, [_]) if ints.len() == 1 => {
+            // The bytes that hold n signs, each and-ed with 8 masks (u8),
+            // compared with 0 (bool), as f32 scaled in place.
+            let signs = ints[0].max(0) as u64;
+            let bits = signs.div_ceil(8).saturating_mul(8);
+            temp(bits)
+                .add(temp(bits))
+                .add(pass(bits, signs.saturating_mul(4), weight::MATH))
+                .add(Cost { traffic: signs as f64 * 16.0, ..Cost::default() })
+        }
+        // Whole data out to the host: as f32, on the CPU, then copied out.
+        (ReadF32, [x]) => {
+            let f32s = n(0).saturating_mul(4);
+            let cast = if x.kind() == Kind::Float { Cost::default() } else { temp(f32s) };
+            let host = if cuda { temp(f32s) } else { Cost::default() };
+            flat(x).add(cast).add(host).add(temp(f32s))
+        }
+        (Zeros, [_]) if !ints.is_empty() => pass(0, numel(&ints[1..]).saturating_mul(dtype_bytes(ints[0])), 1.0),
+        (RandUniform | RandNormal, [_]) if !ints.is_empty() => pass(0, numel(&ints[1..]).saturating_mul(4), weight::RANDOM),
+        // A permutation of n (an intermediate, but as large as n says),
+        // then the first k, copied.
+        (RandIndices, [_]) if ints.len() == 3 => {
+            let (all, k) = (ints[0].max(0) as u64, ints[1].max(0) as u64);
+            temp(all.saturating_mul(8)).add(Cost { traffic: all as f64 * 8.0 * weight::PERMUTATION, ..Cost::default() }).add(pass(
+                k * 8,
+                k * 8,
+                1.0,
+            ))
+        }
+        // The data as a CPU tensor, then moved to the device.
+        (FromF32, [_]) => {
+            let f32s = (data as u64).saturating_mul(4);
+            pass(f32s, f32s, 1.0).add(if cuda { temp(f32s) } else { Cost::default() })
+        }
+        (AllGather, [x]) => flat(x).add(pass(b(0), b(0).saturating_mul(world as u64), 1.0)),
+        (ReduceScatterSum, [x]) => flat(x).add(pass(b(0), b(0), 1.0)),
+        (Assign, [x, y]) => pass(b(1), 0, weight::MATH)
+            .add(Cost { traffic: b(0) as f64 * weight::MATH, ..Cost::default() })
+            .add(if x.device() == y.device() { Cost::default() } else { temp(b(1)) }),
+        (AllReduceSum | Broadcast, [_]) => pass(b(0), 0, 1.0).add(Cost { traffic: b(0) as f64, ..Cost::default() }),
+        // Metadata, views, pointers: nothing new (a wrong argument count is
+        // reported by the op itself).
         _ => Cost::default(),
     })
 }
 
-/// How fast `device` multiplies f32 matrices, in flops per second, measured
-/// once per process and device kind (a few milliseconds). The estimate of
-/// an op's time is its flops over this rate.
-pub fn rate(device: Device) -> f64 {
-    static CPU: OnceLock<f64> = OnceLock::new();
-    static CUDA: OnceLock<f64> = OnceLock::new();
-    let (cell, n) = if device.is_cuda() { (&CUDA, 2048i64) } else { (&CPU, 256i64) };
-    *cell.get_or_init(|| measure_rate(device, n))
+/// How fast a device works: its f32 matmul rate (flops per second) and the
+/// rate of a streaming element-wise op into new memory (bytes read and
+/// written per second, the allocation of the output included).
+#[derive(Debug, Clone, Copy)]
+pub struct Rate {
+    pub flops: f64,
+    pub bytes: f64,
 }
 
-fn measure_rate(device: Device, n: i64) -> f64 {
-    let run = || -> Option<f64> {
-        let _guard = tch::no_grad_guard();
-        let a = Tensor::f_ones([n, n], (Kind::Float, device)).ok()?;
-        let _ = a.f_matmul(&a).ok()?; // warm-up (kernels, threads)
-        let mut best = Duration::MAX;
-        for _ in 0..3 {
-            let t0 = Instant::now();
-            let c = a.f_matmul(&a).ok()?;
-            let _ = c.f_sum(Kind::Float).ok()?.f_double_value(&[]).ok()?; // waits for the device
-            best = best.min(t0.elapsed());
-        }
-        Some(2.0 * (n * n * n) as f64 / best.as_secs_f64().max(1e-9))
-    };
+/// How fast `device` works, measured once per process and device kind (a
+/// few tens of milliseconds on a CPU). An op's estimated time is its flops
+/// over the matmul rate plus its traffic over the memory rate.
+pub fn rate(device: Device) -> Rate {
+    static CPU: OnceLock<Rate> = OnceLock::new();
+    static CUDA: OnceLock<Rate> = OnceLock::new();
+    let cell = if device.is_cuda() { &CUDA } else { &CPU };
+    *cell.get_or_init(|| measure_rate(device))
+}
+
+/// The best of three timings of `f` after a warm-up, waiting for the device.
+fn best_of_three(f: &dyn Fn() -> Option<Tensor>) -> Option<Duration> {
+    let _ = f()?.f_sum(Kind::Float).ok()?.f_double_value(&[]).ok()?;
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let c = f()?;
+        let _ = c.f_narrow(0, 0, 1).ok()?.f_sum(Kind::Float).ok()?.f_double_value(&[]).ok()?; // waits for the device
+        best = best.min(t0.elapsed());
+    }
+    Some(best)
+}
+
+fn measure_rate(device: Device) -> Rate {
+    let _guard = tch::no_grad_guard();
+    let n: i64 = if device.is_cuda() { 2048 } else { 256 };
+    let flops = Tensor::f_ones([n, n], (Kind::Float, device))
+        .ok()
+        .and_then(|a| best_of_three(&|| a.f_matmul(&a).ok()))
+        .map(|t| 2.0 * (n * n * n) as f64 / t.as_secs_f64().max(1e-9));
+    // 32 MiB in, 32 MiB out: large enough that the CPU's allocator maps
+    // fresh pages for the output, as it does for a large op's.
+    let len: i64 = if device.is_cuda() { 1 << 26 } else { 1 << 23 };
+    let bytes = Tensor::f_ones([len], (Kind::Float, device))
+        .ok()
+        .and_then(|a| best_of_three(&|| a.f_add_scalar(1.0).ok()))
+        .map(|t| 8.0 * len as f64 / t.as_secs_f64().max(1e-9));
     // Without a measurement, assume a fast device: estimates then err
     // towards letting ops run.
-    run().unwrap_or(if device.is_cuda() { 1e14 } else { 1e11 })
+    Rate {
+        flops: flops.unwrap_or(if device.is_cuda() { 1e14 } else { 1e11 }),
+        bytes: bytes.unwrap_or(if device.is_cuda() { 2e12 } else { 2e10 }),
+    }
 }
 
-/// The estimated time of `c` on a device of `rate` flops per second.
-pub fn time(c: &Cost, rate: f64) -> Duration {
-    Duration::from_secs_f64((c.flops / rate.max(1.0)).min(1e9))
+/// The estimated time of `c` on a device of `rate`.
+pub fn time(c: &Cost, rate: Rate) -> Duration {
+    Duration::from_secs_f64((c.flops / rate.flops.max(1.0) + c.traffic / rate.bytes.max(1.0)).min(1e9))
 }
 
 #[cfg(test)]
@@ -158,6 +353,118 @@ mod tests {
         let c = cost(Op::Matmul, &[&a, &b], &[], 0, 1).unwrap();
         assert_eq!(c.bytes, 300 * 100 * 4);
         assert_eq!(c.flops, 2.0 * 300.0 * 200.0 * 100.0);
-        assert!(rate(Device::Cpu) > 1e8, "a CPU multiplies at more than 0.1 GFLOP/s");
+        assert!(rate(Device::Cpu).flops > 1e8, "a CPU multiplies at more than 0.1 GFLOP/s");
+    }
+
+    /// Every op of the table, sized to take milliseconds to tens of
+    /// milliseconds on a CPU, timed (the best of three) against its
+    /// estimate: no op may take many times the time it is priced at, or a
+    /// plugin could run for that many times its deadline. Tensors of 8 MiB
+    /// at most, a few at a time.
+    #[test]
+    fn estimates_bound_the_measured_time_of_every_op() {
+        use super::super::ops::HostSide;
+        use crate::comm::SingleRank;
+        /// How much longer than its estimate an op may take (machines under
+        /// load included); and what any op may take besides (fixed costs).
+        const FACTOR: f64 = 8.0;
+        const SLACK: Duration = Duration::from_millis(3);
+        const CPU: tch::Device = tch::Device::Cpu;
+        let _guard = tch::no_grad_guard();
+        let mut h = HostSide::new("timed", CPU, 2 << 30);
+        let mut comm = SingleRank::default();
+        // SAFETY: cleared at the end of the test while `comm` is borrowed.
+        h.set_comm(Some(unsafe { crate::comm::CommPtr::new(&mut comm) }));
+        let r = rate(CPU);
+        const N: i64 = 1 << 21;
+        let f32s = |h: &mut HostSide, n: i64| h.insert(Tensor::randn([n], (Kind::Float, CPU))).unwrap();
+        let a = f32s(&mut h, N);
+        let b = f32s(&mut h, N);
+        let m = h.insert(Tensor::randn([1024, 2048], (Kind::Float, CPU))).unwrap();
+        let view = h.exec(Op::Narrow, &[m], &[], &[1, 0, 1024], &[]).unwrap().ids[0];
+        let idx = h.insert(Tensor::randint(N, [1 << 19], (Kind::Int64, CPU))).unwrap();
+        let src = f32s(&mut h, 1 << 19);
+        let small = f32s(&mut h, 1 << 18);
+        let packed = h.insert(Tensor::randint(256, [N / 8], (Kind::Uint8, CPU))).unwrap();
+        let bytes = h.insert(Tensor::randint(256, [N / 2], (Kind::Uint8, CPU))).unwrap();
+        let sq = |h: &mut HostSide, n: i64, k: Kind| h.insert(Tensor::ones([n, n], (k, CPU))).unwrap();
+        let (mf, mh, ml) = (sq(&mut h, 384, Kind::Float), sq(&mut h, 256, Kind::Half), sq(&mut h, 256, Kind::Int64));
+        let tall = h.insert(Tensor::randn([1 << 15, 16], (Kind::Float, CPU))).unwrap();
+        let data = vec![0.5f32; N as usize];
+        use Op::*;
+        /// An op with its tensors, floats, integers and data.
+        type Call<'a> = (Op, Vec<u32>, Vec<f64>, Vec<i64>, &'a [f32]);
+        #[rustfmt::skip]
+        let calls: Vec<Call> = vec![
+            (Shape, vec![a], vec![], vec![], &[]), (Numel, vec![a], vec![], vec![], &[]),
+            (Dtype, vec![a], vec![], vec![], &[]), (Op::Device, vec![a], vec![], vec![], &[]),
+            (Assign, vec![a, b], vec![], vec![], &[]), (Duplicate, vec![a], vec![], vec![], &[]),
+            (Add, vec![a, b], vec![], vec![], &[]), (Sub, vec![a, b], vec![], vec![], &[]),
+            (Mul, vec![a, b], vec![], vec![], &[]), (Div, vec![a, b], vec![], vec![], &[]),
+            (AddScalar, vec![a], vec![2.0], vec![], &[]), (MulScalar, vec![a], vec![2.0], vec![], &[]),
+            (AddScalar, vec![packed], vec![2.0], vec![], &[]),
+            (Abs, vec![a], vec![], vec![], &[]), (Sign, vec![a], vec![], vec![], &[]),
+            (Floor, vec![a], vec![], vec![], &[]), (Sqrt, vec![a], vec![], vec![], &[]),
+            (LessThan, vec![a, b], vec![], vec![], &[]), (Cast, vec![a], vec![], vec![1], &[]),
+            (Cast, vec![a], vec![], vec![4], &[]), (Reshape, vec![view], vec![], vec![-1], &[]),
+            (Transpose, vec![m], vec![], vec![0, 1], &[]), (Narrow, vec![a], vec![], vec![0, 0, 5], &[]),
+            (Topk, vec![small], vec![], vec![10], &[]), (Topk, vec![small], vec![], vec![1 << 17], &[]),
+            (Gather, vec![a, idx], vec![], vec![], &[]), (ScatterAdd, vec![a, idx, src], vec![], vec![], &[]),
+            (Sum, vec![a], vec![], vec![], &[]), (Norm, vec![a], vec![], vec![], &[]),
+            (MeanAbs, vec![a], vec![], vec![], &[]), (Matmul, vec![mf, mf], vec![], vec![], &[]),
+            (Matmul, vec![mh, mh], vec![], vec![], &[]), (Matmul, vec![ml, ml], vec![], vec![], &[]),
+            (Orthonormalize, vec![tall], vec![], vec![], &[]), (PackSigns, vec![a], vec![], vec![], &[]),
+            (UnpackSigns, vec![packed], vec![], vec![N], &[]), (UnpackSigns, vec![packed], vec![], vec![0], &[]),
+            (ReadF32, vec![a], vec![], vec![], &[]), (ReadF32, vec![bytes], vec![], vec![], &[]),
+            (ReadF32, vec![view], vec![], vec![], &[]),
+            (Zeros, vec![a], vec![], vec![0, N], &[]), (RandUniform, vec![a], vec![], vec![1, N], &[]),
+            (RandNormal, vec![a], vec![], vec![1, N], &[]), (RandIndices, vec![a], vec![], vec![N / 2, 10, 1], &[]),
+            (FromF32, vec![a], vec![], vec![N], &data), (Rank, vec![], vec![], vec![], &[]),
+            (WorldSize, vec![], vec![], vec![], &[]), (AllReduceSum, vec![a], vec![], vec![], &[]),
+            (Broadcast, vec![a], vec![], vec![0], &[]), (AllGather, vec![a], vec![], vec![], &[]),
+            (ReduceScatterSum, vec![a], vec![], vec![], &[]), (DataPtr, vec![a], vec![], vec![], &[]),
+            (CudaStream, vec![], vec![], vec![], &[]),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        let mut worst = (0.0f64, String::new());
+        for (op, ids, floats, ints, data) in &calls {
+            seen.insert(*op as u32);
+            let inputs: Vec<Tensor> = ids.iter().map(|&i| h.get(i).unwrap().shallow_clone()).collect();
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let estimate = time(&cost(*op, &refs, ints, data.len(), 1).unwrap(), r);
+            // The best of three runs; again, twice at most, when that is
+            // over the bound (tests running beside this one on a loaded
+            // machine can stall a run many times over; an op priced too
+            // low is over it every time).
+            let mut best = Duration::MAX;
+            for attempt in 0..3 {
+                for _ in 0..3 {
+                    let t0 = Instant::now();
+                    let out = h.exec(*op, ids, floats, ints, data).unwrap_or_else(|e| panic!("{op:?}: {e:#}"));
+                    best = best.min(t0.elapsed());
+                    out.ids.iter().for_each(|&i| h.remove(i));
+                }
+                if best.as_secs_f64() <= FACTOR * estimate.as_secs_f64() + SLACK.as_secs_f64() || attempt == 2 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let what =
+                format!("{op:?} on {:?} {ints:?}: measured {best:?}, estimated {estimate:?}", refs.first().map(|t| (t.kind(), t.size())));
+            eprintln!("{what}");
+            let ratio = best.as_secs_f64() / estimate.as_secs_f64().max(1e-9);
+            if best > SLACK && ratio > worst.0 {
+                worst = (ratio, what.clone());
+            }
+            assert!(
+                best.as_secs_f64() <= FACTOR * estimate.as_secs_f64() + SLACK.as_secs_f64(),
+                "{what}: more than {FACTOR} times its estimate"
+            );
+        }
+        h.set_comm(None);
+        eprintln!("the worst ratio of measured to estimated time: {:.2} ({})", worst.0, worst.1);
+        // The whole table was timed.
+        let missing: Vec<Op> = Op::ALL.iter().copied().filter(|op| !seen.contains(&(*op as u32))).collect();
+        assert!(missing.is_empty(), "ops not timed: {missing:?}");
     }
 }

@@ -5,11 +5,19 @@
 //! takes about 15 s to compile) then loads in milliseconds at every
 //! `validate`, `inspect` and run.
 //!
-//! Each entry is `<key>.cwasm` with `<key>.sha256`, the hash of the
-//! `.cwasm` bytes, written when it was stored. An entry whose bytes do not
-//! match (truncated, corrupt) or that wasmtime refuses (another version or
-//! settings under the same key) is compiled again and replaced. Set
-//! `HARNESS_COMPILE_CACHE=0` to compile every time.
+//! Each entry is `<key>.cwasm` with `<key>.sha256`, a seal written when it
+//! was stored: the artifact's sha256, the `.cwasm`'s sha256 and an
+//! HMAC-SHA256 of both and the key under the cache's own secret
+//! (`secret`, 32 random bytes made once, readable by its owner only).
+//! Before compiled code is used, the seal is checked against the artifact
+//! being loaded and the `.cwasm` bytes read: an entry whose bytes do not
+//! match (truncated, corrupt), whose seal names another artifact (an entry
+//! of another module copied or renamed over this one), whose seal was not
+//! made with this cache's secret (forged, or copied from another cache),
+//! or that wasmtime refuses (another version or settings under the same
+//! key) is compiled again from the artifact and replaced: foreign code is
+//! never run under an artifact's sha256. Set `HARNESS_COMPILE_CACHE=0` to
+//! compile every time.
 //!
 //! The cache is bounded: after an entry is stored, the least recently
 //! used entries (a load marks an entry used) are removed until the
@@ -44,29 +52,77 @@ pub enum Source {
     Recompiled,
 }
 
-/// The cache key of `bytes` under `engine`: the artifact's sha256, the
-/// wasmtime version and the engine's compatibility hash (its settings and
-/// the host's CPU features).
-fn key(engine: &Engine, bytes: &[u8]) -> String {
+/// The cache key of an artifact whose sha256 is `artifact` under `engine`:
+/// that hash, the wasmtime version and the engine's compatibility hash (its
+/// settings and the host's CPU features).
+fn key(engine: &Engine, artifact: &str) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     engine.precompile_compatibility_hash().hash(&mut h);
     env!("CARGO_PKG_VERSION").hash(&mut h);
-    format!("{}-{:016x}", hex::encode(Sha256::digest(bytes)), h.finish())
+    format!("{artifact}-{:016x}", h.finish())
+}
+
+/// HMAC-SHA256 (RFC 2104) of `msg` under `secret` (at most 64 bytes).
+fn hmac(secret: &[u8], msg: &[u8]) -> [u8; 32] {
+    let mut k = [0u8; 64];
+    k[..secret.len().min(64)].copy_from_slice(&secret[..secret.len().min(64)]);
+    let pad = |b: u8| k.iter().map(|x| x ^ b).collect::<Vec<u8>>();
+    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(msg).finalize();
+    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
+}
+
+/// The cache's secret: `dir/secret`, made (32 bytes from the system's
+/// random source, mode 0600) when missing. None when it cannot be read or
+/// made, or has another length: then nothing is read from the cache.
+fn secret(dir: &Path) -> Option<Vec<u8>> {
+    let path = dir.join("secret");
+    if let Ok(s) = crate::files::read_regular(&path, 64) {
+        return (s.len() == 32).then_some(s);
+    }
+    std::fs::create_dir_all(dir).ok()?;
+    let mut s = vec![0u8; 32];
+    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom").ok()?, &mut s).ok()?;
+    let tmp = dir.join(format!("secret.tmp{}", std::process::id()));
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    std::io::Write::write_all(&mut opts.open(&tmp).ok()?, &s).ok()?;
+    // Another process may have made one meanwhile: the first one stays.
+    if std::fs::hard_link(&tmp, &path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        let s = crate::files::read_regular(&path, 64).ok()?;
+        return (s.len() == 32).then_some(s);
+    }
+    let _ = std::fs::remove_file(&tmp);
+    Some(s)
+}
+
+/// The seal of an entry: what `<key>.sha256` holds.
+fn seal(secret: &[u8], key: &str, artifact: &str, code: &[u8]) -> String {
+    let code = hex::encode(Sha256::digest(code));
+    let mac = hex::encode(hmac(secret, format!("{key}\n{artifact}\n{code}").as_bytes()));
+    format!("artifact {artifact}\ncode {code}\nmac {mac}\n")
 }
 
 /// The component of `bytes`, from the cache in `dir` when it holds a sound
 /// entry, else compiled (and stored, best effort: a cache that cannot be
 /// written only costs the next compile).
 pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime::Result<(Component, Source)> {
-    let Some(dir) = dir else { return Ok((Component::new(engine, bytes)?, Source::Compiled)) };
-    let key = key(engine, bytes);
+    let Some((dir, secret)) = dir.and_then(|d| Some((d, secret(d)?))) else {
+        return Ok((Component::new(engine, bytes)?, Source::Compiled));
+    };
+    let artifact = hex::encode(Sha256::digest(bytes));
+    let key = key(engine, &artifact);
     let (code, sum) = (dir.join(format!("{key}.cwasm")), dir.join(format!("{key}.sha256")));
     let mut source = Source::Compiled;
-    if let (Ok(c), Ok(s)) = (std::fs::read(&code), std::fs::read_to_string(&sum)) {
-        if hex::encode(Sha256::digest(&c)) == s.trim() {
+    if let (Ok(c), Ok(s)) = (crate::files::read_regular(&code, MAX_ENTRY_BYTES), crate::files::read_regular(&sum, 4096)) {
+        if seal(&secret, &key, &artifact, &c).as_bytes() == s.as_slice() {
             // SAFETY: the bytes are what `Component::serialize` wrote for
-            // this engine's settings (the key), unchanged since (their
-            // sha256); wasmtime checks the version and settings again.
+            // this artifact (its sha256 is in the seal) and this engine's
+            // settings (the key), unchanged since (their sha256), and the
+            // seal was made by this cache (its HMAC under the cache's
+            // secret); wasmtime checks the version and settings again.
             if let Ok(comp) = unsafe { Component::deserialize(engine, &c) } {
                 // Used now: the last to go when the cache is pruned.
                 let _ = std::fs::File::options().write(true).open(&code).and_then(|f| f.set_modified(std::time::SystemTime::now()));
@@ -77,7 +133,7 @@ pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime:
     }
     let comp = Component::new(engine, bytes)?;
     if let Ok(c) = comp.serialize() {
-        if store(dir, &code, &sum, &c).is_ok() {
+        if store(&code, &sum, &c, &seal(&secret, &key, &artifact, &c)).is_ok() {
             prune(dir, limit_bytes(), &code);
         }
     }
@@ -117,10 +173,9 @@ fn prune(dir: &Path, limit: u64, keep: &Path) {
     }
 }
 
-/// Writes an entry: the code, then its hash, each to a temporary file
+/// Writes an entry: the code, then its seal, each to a temporary file
 /// renamed into place (a reader sees a whole file or none).
-fn store(dir: &Path, code: &Path, sum: &Path, c: &[u8]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
+fn store(code: &Path, sum: &Path, c: &[u8], seal: &str) -> std::io::Result<()> {
     let put = |path: &Path, bytes: &[u8]| -> std::io::Result<()> {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -129,8 +184,12 @@ fn store(dir: &Path, code: &Path, sum: &Path, c: &[u8]) -> std::io::Result<()> {
         std::fs::rename(&tmp, path)
     };
     put(code, c)?;
-    put(sum, hex::encode(Sha256::digest(c)).as_bytes())
+    put(sum, seal.as_bytes())
 }
+
+/// The largest compiled component read from the cache (a Python one is
+/// tens of MiB); a larger entry is compiled again.
+const MAX_ENTRY_BYTES: u64 = 1 << 30;
 
 #[cfg(test)]
 mod tests {
@@ -168,6 +227,60 @@ mod tests {
         assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
         // Without a cache folder nothing is stored.
         assert_eq!(component(engine, EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
+    }
+
+    /// The cache's entry files (code, seal), of the one entry whose key
+    /// starts with `artifact`'s sha256.
+    fn entry(dir: &Path, artifact: &[u8]) -> (PathBuf, PathBuf) {
+        let sha = hex::encode(Sha256::digest(artifact));
+        let code = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "cwasm") && p.file_name().unwrap().to_string_lossy().starts_with(&sha))
+            .unwrap();
+        (code.clone(), code.with_extension("sha256"))
+    }
+
+    #[test]
+    fn an_entry_of_another_artifact_or_a_forged_seal_is_never_used() {
+        let engine = super::super::wasm::engine();
+        let dir = tempfile::tempdir().unwrap();
+        // Another module: the same preamble and a custom section.
+        let other: &[u8] = b"\0asm\x0d\0\x01\0\x00\x06\x05other";
+        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Compiled);
+        assert_eq!(component(engine, other, Some(dir.path())).unwrap().1, Source::Compiled);
+        let (code, sum) = entry(dir.path(), EMPTY_COMPONENT);
+        let (other_code, other_sum) = entry(dir.path(), other);
+        // The other module's entry, code and seal, copied over this one's:
+        // its seal names the other artifact, so it is compiled again.
+        std::fs::copy(&other_code, &code).unwrap();
+        std::fs::copy(&other_sum, &sum).unwrap();
+        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
+        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Cached);
+        // Foreign code with a seal made the way an attacker can (the right
+        // artifact and code hashes, but not the cache's secret): refused.
+        let foreign = std::fs::read(&other_code).unwrap();
+        let forged =
+            seal(&[7u8; 32], &code.file_stem().unwrap().to_string_lossy(), &hex::encode(Sha256::digest(EMPTY_COMPONENT)), &foreign);
+        std::fs::write(&code, &foreign).unwrap();
+        std::fs::write(&sum, forged).unwrap();
+        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
+        // The seal of the old format (the code's sha256 alone) too.
+        std::fs::write(&code, &foreign).unwrap();
+        std::fs::write(&sum, hex::encode(Sha256::digest(&foreign))).unwrap();
+        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
+        // What is stored again is this artifact's own code, sealed (the
+        // two modules compile to the same bytes here: the seals differ).
+        let s = std::fs::read_to_string(&sum).unwrap();
+        assert!(s.starts_with(&format!("artifact {}\n", hex::encode(Sha256::digest(EMPTY_COMPONENT)))), "{s}");
+        // The secret is the owner's alone.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir.path().join("secret")).unwrap().permissions().mode();
+            assert_eq!(mode & 0o077, 0, "mode {mode:o}");
+        }
     }
 
     #[test]

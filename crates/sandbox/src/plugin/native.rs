@@ -29,9 +29,14 @@ pub struct Artifact {
 /// Opens `path` and checks `harness_abi_version` before touching any other
 /// symbol.
 pub fn load(path: &Path) -> Result<Artifact> {
+    let loading = super::exit_guard::CallScope::loading(path);
     // SAFETY: loading runs the library's initialisers: native plugins are
     // trusted code by definition (docs/plugin-sdk.md), and labelled unsandboxed.
     let lib = unsafe { Library::new(path) }.with_context(|| format!("cannot load the library {}", path.display()))?;
+    drop(loading);
+    // The library's exit handlers run before those registered earlier: the
+    // guard's goes after them, to run first.
+    super::exit_guard::register_again();
     // SAFETY: the symbol's type is the ABI's; it takes nothing.
     let version = unsafe {
         let f = lib

@@ -212,7 +212,7 @@ impl HostSide {
         Ok(unsafe { p.get() })
     }
 
-    fn get(&self, id: u32) -> Result<&Tensor> {
+    pub(super) fn get(&self, id: u32) -> Result<&Tensor> {
         self.tensors.get(&id).map(|t| &t.0).ok_or_else(|| anyhow!("tensor handle {id} is not live"))
     }
 
@@ -228,8 +228,8 @@ impl HostSide {
     }
 
     /// Refuses an op before it runs when the call is past its deadline,
-    /// when its new tensors would not fit the cap, or when its estimated
-    /// time would not fit the time left.
+    /// when its new tensors and intermediates would not fit the cap, or
+    /// when its estimated time would not fit the time left.
     fn admit(&self, op: Op, ids: &[u32], ints: &[i64], data: usize) -> Result<()> {
         let left = match self.deadline {
             Some((end, length)) => {
@@ -245,16 +245,26 @@ impl HostSide {
             unsafe { c.get().world_size() }
         });
         let cost = budget::cost(op, &inputs, ints, data, world)?;
-        if self.live_bytes + cost.bytes > self.max_bytes {
-            return Err(self.over_cap(cost.bytes));
+        if self.live_bytes.saturating_add(cost.peak()) > self.max_bytes {
+            bail!(
+                "it needs {} MiB ({} MiB of new tensors, {} MiB of intermediates) while the plugin holds {} MiB: more than its cap of {} MiB (tensor_mb); \
+                 work on smaller tensors (narrow them) or raise the plugin's tensor_mb",
+                cost.peak().div_ceil(1 << 20),
+                cost.bytes.div_ceil(1 << 20),
+                cost.temp.div_ceil(1 << 20),
+                self.live_bytes >> 20,
+                self.max_bytes >> 20
+            );
         }
-        if let (Some((left, length)), Some(t)) = (left, inputs.first()) {
-            let need = budget::time(&cost, budget::rate(t.device()));
+        let device = inputs.first().map_or(self.device, |t| t.device());
+        if let Some((left, length)) = left {
+            let need = budget::time(&cost, budget::rate(device));
             ensure!(
                 need <= left,
-                "it would take about {} ms ({:.2e} flops), more than the {} ms left of the call's deadline of {} ms (deadline_ms)",
+                "it would take about {} ms ({:.2e} flops, {:.2e} bytes moved), more than the {} ms left of the call's deadline of {} ms (deadline_ms)",
                 need.as_millis(),
                 cost.flops,
+                cost.traffic,
                 left.as_millis(),
                 length.as_millis()
             );
@@ -394,11 +404,13 @@ impl HostSide {
             }
             Sum | Norm | MeanAbs => {
                 need(1, 0, Some(0))?;
-                let a = t(0)?.f_to_kind(Kind::Double)?;
+                let a = t(0)?;
+                // A copy unless already f64: its absolute values in place.
+                let mut a = if a.kind() == Kind::Double && op == MeanAbs { a.copy() } else { a.f_to_kind(Kind::Double)? };
                 out.scalar = match op {
                     Sum => a.f_sum(Kind::Double)?,
                     Norm => a.f_norm()?,
-                    _ => a.f_abs()?.f_mean(Kind::Double)?,
+                    _ => a.f_abs_()?.f_mean(Kind::Double)?,
                 }
                 .f_double_value(&[])?;
             }
@@ -431,8 +443,15 @@ impl HostSide {
                 ensure!(p.kind() == Kind::Uint8 && p.dim() == 1, "packed signs must be 1-D u8, got {:?} {:?}", p.kind(), p.size());
                 ensure!(n >= 0 && (n + 7) / 8 <= p.numel() as i64, "{n} signs do not fit in {} bytes", p.numel());
                 let weights = Tensor::f_from_slice(&[1u8, 2, 4, 8, 16, 32, 64, 128])?.f_to_device(p.device())?;
-                let bits = p.f_reshape([-1, 1])?.f_bitwise_and_tensor(&weights)?.f_ne(0)?.f_reshape([-1])?.f_narrow(0, 0, n)?;
-                new.push(bits.f_to_kind(Kind::Float)?.f_mul_scalar(2.0)?.f_add_scalar(-1.0)?);
+                // Only the bytes that hold the n signs, one intermediate
+                // at a time (what budget::cost prices).
+                let bits = p.f_narrow(0, 0, (n + 7) / 8)?.f_reshape([-1, 1])?.f_bitwise_and_tensor(&weights)?;
+                let set = bits.f_ne(0)?;
+                drop(bits);
+                let mut signs = set.f_reshape([-1])?.f_narrow(0, 0, n)?.f_to_kind(Kind::Float)?;
+                drop(set);
+                let _ = signs.f_mul_scalar_(2.0)?.f_add_scalar_(-1.0)?;
+                new.push(signs);
             }
             ReadF32 => {
                 need(1, 0, Some(0))?;
@@ -621,6 +640,28 @@ mod tests {
         assert!(format!("{e:#}").contains("cap"), "{e:#}");
         h.remove(a);
         assert_eq!(h.live(), (0, 0));
+    }
+
+    /// An op's intermediates count against the cap with its outputs, before
+    /// it runs: unpacking no signs from a large buffer reads none of it,
+    /// and unpacking or reading all of it is refused by its price alone.
+    #[test]
+    fn intermediates_count_against_the_cap_before_the_op_runs() {
+        let mut h = HostSide::new("t", Device::Cpu, 40 << 20);
+        let p = h.insert(Tensor::zeros([8 << 20], (Kind::Uint8, Device::Cpu))).unwrap();
+        let u = h.exec(Op::UnpackSigns, &[p], &[], &[0], &[]).unwrap().ids[0];
+        assert_eq!(h.get(u).unwrap().numel(), 0);
+        // 64 Mi signs: 256 MiB of f32 and 128 MiB of intermediates.
+        let e = format!("{:#}", h.exec(Op::UnpackSigns, &[p], &[], &[64 << 20], &[]).unwrap_err());
+        assert!(
+            e.contains("unpack-signs") && e.contains("256 MiB of new tensors, 128 MiB of intermediates") && e.contains("tensor_mb"),
+            "{e}"
+        );
+        // Reading 8 MiB of u8: 32 MiB as f32, 32 MiB copied out.
+        let e = format!("{:#}", h.exec(Op::ReadF32, &[p], &[], &[], &[]).unwrap_err());
+        assert!(e.contains("read-f32") && e.contains("64 MiB of intermediates"), "{e}");
+        let small = h.exec(Op::Narrow, &[p], &[], &[0, 0, 1 << 20], &[]).unwrap().ids[0];
+        assert_eq!(h.exec(Op::ReadF32, &[small], &[], &[], &[]).unwrap().data.len(), 1 << 20);
     }
 
     #[test]

@@ -18,13 +18,17 @@
 //!   escapes and newlines that imitate harness's own output;
 //! - `stderr-then-panic`: writes 1 MiB to stderr, then panics;
 //! - `exit`: calls `exit(0)` (meant for the native build: the host
-//!   process ends).
+//!   process ends);
+//! - `_exit`: calls `_exit(0)` (no exit handlers run);
+//! - `exit_group`: ends the process with the `exit_group(0)` system call;
+//! - `thread-exit`: starts a thread that calls `exit(0)` a moment later,
+//!   while the host trains on (the native build; elsewhere like `exit`).
 //!
 //! `at = "configure"` moves `sleep` into `configure`.
 
 use harness_sdk::{log, tensor, BucketInfo, Collective, Compressor, Config, Dtype, Error, Plugin, Tensor};
 
-const MODES: [&str; 13] = [
+const MODES: [&str; 16] = [
     "ok",
     "sleep",
     "huge-zeros",
@@ -37,8 +41,39 @@ const MODES: [&str; 13] = [
     "log-flood",
     "stderr-then-panic",
     "exit",
+    "_exit",
+    "exit_group",
+    "thread-exit",
     "none",
 ];
+
+/// Ends the process at once: `_exit(0)`, or the `exit_group(0)` system call
+/// (on Linux; elsewhere `exit(0)`).
+fn end_now(group: bool) -> ! {
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn _exit(code: i32) -> !;
+            fn syscall(n: i64, ...) -> i64;
+        }
+        #[cfg(target_arch = "x86_64")]
+        const EXIT_GROUP: i64 = 231;
+        #[cfg(target_arch = "aarch64")]
+        const EXIT_GROUP: i64 = 94;
+        // SAFETY: both end the process; nothing after them runs.
+        unsafe {
+            if group {
+                syscall(EXIT_GROUP, 0i64);
+            }
+            _exit(0)
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = group;
+        std::process::exit(0)
+    }
+}
 
 /// See the crate docs.
 pub struct Hostile {
@@ -104,6 +139,13 @@ impl Compressor for Hostile {
                 panic!("the panic message after 1 MiB of stderr");
             }
             "exit" => std::process::exit(0),
+            "_exit" => end_now(false),
+            "exit_group" => end_now(true),
+            "thread-exit" if cfg!(target_os = "wasi") => std::process::exit(0),
+            "thread-exit" => drop(std::thread::spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                std::process::exit(0)
+            })),
             _ => {}
         }
         if self.mode != "none" && !(self.mode.starts_with("mismatch") && rank == 1) {

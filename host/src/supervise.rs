@@ -1,0 +1,108 @@
+//! `harness run`'s supervising parent: a run whose suite loads a native
+//! plugin runs in a child process, and this process only waits for it. A
+//! native plugin is code in the child's process; it can end it by any
+//! route (`exit`, `_exit`, the `exit_group` system call, a thread of its
+//! own calling `exit`), with any status, 0 included. The child records in a
+//! shared page ([`crate::plugin::exit_guard::Mark`]) the native plugin
+//! call in progress and whether it returned its exit code itself; a child
+//! that ended otherwise was ended by the plugin (or crashed), and the
+//! parent says which plugin and exits with
+//! [`crate::exit::PLUGIN_ENDED_PROCESS`]. The result file, rewritten by the
+//! child after every finished entry, keeps the entries finished before and
+//! stays `complete: false`.
+
+use std::path::Path;
+use std::process::ExitStatus;
+
+use anyhow::Context;
+
+use crate::exit;
+use crate::plugin::exit_guard::{self, Mark, Verdict, MARK_VAR};
+
+/// Whether `harness run` of this suite needs a supervising parent: it loads
+/// a native library, and this process is not already supervised (the
+/// child) or a rank (whose launcher, torchrun or srun watch it).
+pub fn wanted(suite: &crate::suite::Suite) -> bool {
+    // The child (even one whose mark could not be mapped: it must never
+    // start a child of its own).
+    if std::env::var_os(MARK_VAR).is_some() {
+        return false;
+    }
+    let dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    suite.spec.plugins.iter().any(|p| {
+        let path = dir.join(&p.path);
+        let mut head = [0u8; 4];
+        std::fs::File::open(&path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head)).is_ok()
+            && harness_format::plugin::ArtifactFormat::of(&head).is_native()
+    })
+}
+
+/// Runs this same command line in a child process, supervised, and returns
+/// the exit code the run ends with.
+pub fn run_child() -> anyhow::Result<i32> {
+    let dir = tempfile::tempdir().context("cannot make a folder for the supervised run's mark")?;
+    let path = dir.path().join("exit-mark");
+    std::fs::File::create(&path)?.set_len(exit_guard::MARK_BYTES)?;
+    let mark = Mark::map(&path).context("cannot map the supervised run's mark")?;
+    let exe = std::env::current_exe().context("cannot find the harness executable")?;
+    let mut child = std::process::Command::new(exe);
+    child.args(std::env::args_os().skip(1)).env(MARK_VAR, &path);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the forked child before exec and only
+        // calls prctl, which is async-signal-safe.
+        unsafe {
+            child.pre_exec(|| {
+                // The run ends with its parent (killed by a timeout, say).
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+    }
+    let status = child.status().context("cannot start the supervised run")?;
+    let (code, message) = judge(&mark.verdict(), status);
+    if let Some(m) = message {
+        eprintln!("harness: {m}");
+    }
+    Ok(code)
+}
+
+/// How the child ended (`status`, status 128 + the signal for a signal).
+fn how(v: &Verdict, status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.signal(), v.by_exit) {
+        (Some(sig), _) => format!("signal {sig}"),
+        (None, true) => "exit".to_owned(),
+        (None, false) => format!("_exit or exit_group, status {}", status.code().unwrap_or(-1)),
+    }
+}
+
+/// The exit code of a supervised run that ended with `status`, and what to
+/// say about it.
+fn judge(v: &Verdict, status: ExitStatus) -> (i32, Option<String>) {
+    use std::os::unix::process::ExitStatusExt;
+    const INCOMPLETE: &str = "the run is incomplete (the result file keeps the entries finished before)";
+    if let Some(code) = v.finished {
+        // It finished its work; a crash while it tore down is only reported.
+        let note = (status.code() != Some(code))
+            .then(|| format!("the run finished (exit code {code}), then its process ended by {}", how(v, status)));
+        return (code, note);
+    }
+    let how = how(v, status);
+    match &v.last_call {
+        Some((who, call, true)) => (exit::PLUGIN_ENDED_PROCESS, Some(format!("{who} ended the process ({how}) during `{call}`; {INCOMPLETE}"))),
+        Some((who, call, false)) => (
+            exit::PLUGIN_ENDED_PROCESS,
+            Some(format!("a native plugin ended the process ({how}) outside its calls, after {who}'s `{call}` had returned (a thread it started?); {INCOMPLETE}")),
+        ),
+        None => {
+            let code = match (status.signal(), status.code()) {
+                (Some(sig), _) => 128 + sig,
+                (None, Some(exit::OK) | None) => exit::ERROR,
+                (None, Some(c)) => c,
+            };
+            (code, Some(format!("the run's process ended ({how}) before it finished; {INCOMPLETE}")))
+        }
+    }
+}
