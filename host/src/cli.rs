@@ -415,13 +415,31 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     }))
 }
 
-/// Configures every plugin of every strategy with the strategy's config (an
-/// instance on the CPU, as a rank would make it); the errors, each at the
-/// strategy's config key in the suite file.
-fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite::SuiteError> {
+/// Which strategies [`configure_all`] configures.
+enum Configure<'a> {
+    /// Every strategy of the suite (`harness validate`).
+    All,
+    /// The strategies of a plugin entered with `--plugin` (`harness run`;
+    /// their names).
+    Entered(&'a [String]),
+}
+
+/// Configures every plugin of the strategies `which` names with the
+/// strategy's config (an instance on the CPU, as a rank would make it); the
+/// errors, each at the strategy's config key in the suite file, or, for a
+/// plugin entered with `--plugin`, at its `--plugin-config` keys, once
+/// however many tracks it runs in.
+fn configure_all(s: &Suite, set: &crate::plugin::PluginSet, which: Configure<'_>) -> Vec<String> {
     use crate::plugin::Kind;
-    let mut errors = Vec::new();
+    let entered: &[String] = match which {
+        Configure::All => &[],
+        Configure::Entered(names) => names,
+    };
+    let mut errors: Vec<String> = Vec::new();
     for (i, st) in s.spec.strategies.iter().enumerate() {
+        if matches!(which, Configure::Entered(_)) && !entered.contains(&st.name) {
+            continue;
+        }
         let slots = [
             (&st.compressor, "compressor", "compressor_config", Kind::Compressor, st.compressor_config.as_ref()),
             (&st.batch_policy, "batch_policy", "batch_policy_config", Kind::BatchPolicy, st.batch_policy_config.as_ref()),
@@ -432,14 +450,17 @@ fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite:
                 continue;
             }
             if let Err(e) = set.instance(name, key, kind, config, tch::Device::Cpu) {
-                let at = if config.is_some() { config_key } else { key };
-                let msg = format!("strategy `{}`: {}", st.name, crate::error::without_backtrace(&format!("{e:#}")));
-                errors.push(s.strategy_error(
-                    i,
-                    at,
-                    msg,
-                    Some(format!("fix `{at}` of strategy `{}`; the plugin says what it accepts", st.name)),
-                ));
+                let why = crate::error::without_backtrace(&format!("{e:#}"));
+                let error = if entered.contains(&st.name) {
+                    format!("error: --plugin-config: {why}\nhint: fix the --plugin-config keys; the plugin says what it accepts")
+                } else {
+                    let at = if config.is_some() { config_key } else { key };
+                    let hint = format!("fix `{at}` of strategy `{}`; the plugin says what it accepts", st.name);
+                    s.strategy_error(i, at, format!("strategy `{}`: {why}", st.name), Some(hint)).to_string()
+                };
+                if !errors.contains(&error) {
+                    errors.push(error);
+                }
             }
         }
     }
@@ -484,7 +505,7 @@ fn validate(args: ValidateArgs) -> anyhow::Result<i32> {
     }
     // Each plugin configured as the suite configures it, so a
     // misspelt key fails here and not when its entry runs.
-    let errors = configure_all(&s, &set);
+    let errors = configure_all(&s, &set, Configure::All);
     for e in &errors {
         eprintln!("{e}");
     }
@@ -564,6 +585,22 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
     if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
+    }
+    // The entered plugin configured as its entries will configure it,
+    // before anything trains: a misspelt `--plugin-config` key is found
+    // now, not after the baseline's entries (the rank processes of a
+    // multi-GPU run leave this to the run that started them).
+    let entered = submission.as_ref().and_then(|s| s.entered.first()).map(|p| p.strategies.clone()).unwrap_or_default();
+    if rank_env.is_none() && !entered.is_empty() {
+        let dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let set = crate::plugin::PluginSet::new(&suite.spec.plugins, dir);
+        let errors = configure_all(&suite, &set, Configure::Entered(&entered));
+        if !errors.is_empty() {
+            for e in &errors {
+                eprintln!("{e}");
+            }
+            return Ok(exit::INVALID_SUITE);
+        }
     }
     let world = suite.spec.suite.world_size as usize;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
