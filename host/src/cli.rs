@@ -649,6 +649,7 @@ fn run_here(suite: &Suite, opts: &RunOptions, quiet: bool) -> anyhow::Result<i32
     let mut console = Console::new(quiet || follower);
     if !follower {
         console.log_to(&Console::log_path(&opts.out));
+        crate::interrupt::watch(&opts.out, launch::checkpoint_dir);
     }
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.

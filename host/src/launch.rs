@@ -438,10 +438,14 @@ impl Run<'_> {
 
     /// Adds an entry's record to the result, in plan order whatever order
     /// resume ran things in, and rewrites the result file (rank 0).
+    /// The folder of the entries' checkpoints goes once it is empty: a
+    /// finished entry removes its own.
     fn keep(&self, result: &mut RunResult, record: EntryResult) -> anyhow::Result<()> {
         result.add_entry(record);
         if self.writes {
             result.write_atomic(&self.opts.out)?;
+            // Fails, as it should, while an entry's checkpoints are in it.
+            let _ = std::fs::remove_dir(self.opts.out.with_extension("checkpoints"));
         }
         Ok(())
     }
