@@ -319,9 +319,10 @@ pub struct PluginBenchArgs {
     /// `.wasm` components or native libraries (any kind).
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
-    /// Timed calls per artifact.
-    #[arg(long, default_value_t = 200_000)]
-    pub calls: u64,
+    /// Timed calls per artifact (default: as many as take about half a
+    /// second each way, measured on the warm-up calls: 100 to 200000).
+    #[arg(long)]
+    pub calls: Option<u64>,
     /// Cold calls, as in training: before each call, write through a
     /// buffer of this many MiB (evicting the caches, as a training step
     /// does between two hooks). 0: warm caches.
@@ -878,10 +879,24 @@ fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
 /// `harness plugin bench`: prints the table of hook round trips, and what
 /// the host's meter reads around nothing.
 fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
+    use crate::plugin::bench::{self, Calls, Stage};
     let PluginBenchArgs { paths, calls, evict_mb } = args;
-    let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
-    print!("{}", crate::plugin::bench::table(&rows));
-    let floor = crate::plugin::bench::clock_floor(calls);
+    let bar = indicatif::ProgressBar::new(paths.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{pos}/{len}] [{bar:20}] {msg} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(250));
+    let rows = bench::run(&paths, calls.map_or(Calls::Auto, Calls::Exactly), evict_mb, &mut |stage| match stage {
+        Stage::Loading(p) => bar.set_message(format!("{}: loading", p.display())),
+        Stage::Timing(p, n) => bar.set_message(format!("{}: timing {n} calls", p.display())),
+        Stage::Done(_) => bar.inc(1),
+    });
+    bar.finish_and_clear();
+    let rows = rows?;
+    print!("{}", bench::table(&rows));
+    let floor = bench::clock_floor(rows.iter().map(|r| r.calls).max().unwrap_or(bench::AUTO_MIN_CALLS));
     println!(
         "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
          back to back: the whole cost to the host per call, the meter included.{}",

@@ -301,6 +301,19 @@ fn plugin_bench_times_a_hook_of_every_kind() {
     }
 }
 
+/// Without `--calls`, each artifact is timed on as many calls as take
+/// about half a second at the pace of its warm-up: a hook made slow (a
+/// 64 MiB write before each call) gets a few hundred, not 200000.
+#[test]
+fn plugin_bench_by_default_fits_the_calls_to_the_hook() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(harness(dir.path()).args(["plugin", "bench", "--evict-mb", "64"]).arg(artifact("fixed.wasm")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.contains("batch-sizing.next")).unwrap_or_else(|| panic!("no row in\n{text}"));
+    let calls: u64 = row.split(['│', '┆']).nth(4).and_then(|c| c.trim().parse().ok()).unwrap_or_else(|| panic!("{row}"));
+    assert!((100..200_000).contains(&calls), "{calls} calls: {row}");
+}
+
 /// `harness validate` configures every plugin as the suite does, so a
 /// misspelt key is reported at its line, not when the entry runs.
 #[test]
