@@ -856,7 +856,13 @@ fn bench_checkpoint_read(args: CheckpointReadArgs) -> anyhow::Result<i32> {
 /// build and run it.
 fn plugin_new(args: PluginNewArgs) -> anyhow::Result<i32> {
     let PluginNewArgs { kind, name, dir, sdk, lang } = args;
-    let made = crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
+    let made = match crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang) {
+        Err(e) if e.is::<crate::scaffold::Usage>() => {
+            eprintln!("error: {e}");
+            return Ok(exit::USAGE);
+        }
+        made => made?,
+    };
     println!("created {}", made.display());
     let build = match lang.as_str() {
         "c" => "make",
