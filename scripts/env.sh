@@ -27,5 +27,9 @@ fi
 export PATH="$VENV/bin:$PATH"
 export LIBTORCH_USE_PYTORCH=1
 export LIBTORCH_BYPASS_VERSION_CHECK=${LIBTORCH_BYPASS_VERSION_CHECK:-0}
-NV_LIBS=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' : || true)
-export LD_LIBRARY_PATH="$SP/torch/lib:${NV_LIBS}${LD_LIBRARY_PATH:-}"
+# libtorch's folders, joined by `:` with no empty entry (an empty entry
+# would make the current folder a library search path); `./x install`
+# writes them into its wrapper.
+NV_LIBS=$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | paste -sd: - || true)
+TORCH_LIBS="$SP/torch/lib${NV_LIBS:+:$NV_LIBS}"
+export LD_LIBRARY_PATH="$TORCH_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -319,9 +319,10 @@ pub struct PluginBenchArgs {
     /// `.wasm` components or native libraries (any kind).
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
-    /// Timed calls per artifact.
-    #[arg(long, default_value_t = 200_000)]
-    pub calls: u64,
+    /// Timed calls per artifact (default: as many as take about half a
+    /// second each way, measured on the warm-up calls: 100 to 200000).
+    #[arg(long)]
+    pub calls: Option<u64>,
     /// Cold calls, as in training: before each call, write through a
     /// buffer of this many MiB (evicting the caches, as a training step
     /// does between two hooks). 0: warm caches.
@@ -415,13 +416,31 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     }))
 }
 
-/// Configures every plugin of every strategy with the strategy's config (an
-/// instance on the CPU, as a rank would make it); the errors, each at the
-/// strategy's config key in the suite file.
-fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite::SuiteError> {
+/// Which strategies [`configure_all`] configures.
+enum Configure<'a> {
+    /// Every strategy of the suite (`harness validate`).
+    All,
+    /// The strategies of a plugin entered with `--plugin` (`harness run`;
+    /// their names).
+    Entered(&'a [String]),
+}
+
+/// Configures every plugin of the strategies `which` names with the
+/// strategy's config (an instance on the CPU, as a rank would make it); the
+/// errors, each at the strategy's config key in the suite file, or, for a
+/// plugin entered with `--plugin`, at its `--plugin-config` keys, once
+/// however many tracks it runs in.
+fn configure_all(s: &Suite, set: &crate::plugin::PluginSet, which: Configure<'_>) -> Vec<String> {
     use crate::plugin::Kind;
-    let mut errors = Vec::new();
+    let entered: &[String] = match which {
+        Configure::All => &[],
+        Configure::Entered(names) => names,
+    };
+    let mut errors: Vec<String> = Vec::new();
     for (i, st) in s.spec.strategies.iter().enumerate() {
+        if matches!(which, Configure::Entered(_)) && !entered.contains(&st.name) {
+            continue;
+        }
         let slots = [
             (&st.compressor, "compressor", "compressor_config", Kind::Compressor, st.compressor_config.as_ref()),
             (&st.batch_policy, "batch_policy", "batch_policy_config", Kind::BatchPolicy, st.batch_policy_config.as_ref()),
@@ -432,14 +451,17 @@ fn configure_all(s: &Suite, set: &crate::plugin::PluginSet) -> Vec<crate::suite:
                 continue;
             }
             if let Err(e) = set.instance(name, key, kind, config, tch::Device::Cpu) {
-                let at = if config.is_some() { config_key } else { key };
-                let msg = format!("strategy `{}`: {}", st.name, crate::error::without_backtrace(&format!("{e:#}")));
-                errors.push(s.strategy_error(
-                    i,
-                    at,
-                    msg,
-                    Some(format!("fix `{at}` of strategy `{}`; the plugin says what it accepts", st.name)),
-                ));
+                let why = crate::error::without_backtrace(&format!("{e:#}"));
+                let error = if entered.contains(&st.name) {
+                    format!("error: --plugin-config: {why}\nhint: fix the --plugin-config keys; the plugin says what it accepts")
+                } else {
+                    let at = if config.is_some() { config_key } else { key };
+                    let hint = format!("fix `{at}` of strategy `{}`; the plugin says what it accepts", st.name);
+                    s.strategy_error(i, at, format!("strategy `{}`: {why}", st.name), Some(hint)).to_string()
+                };
+                if !errors.contains(&error) {
+                    errors.push(error);
+                }
             }
         }
     }
@@ -484,7 +506,7 @@ fn validate(args: ValidateArgs) -> anyhow::Result<i32> {
     }
     // Each plugin configured as the suite configures it, so a
     // misspelt key fails here and not when its entry runs.
-    let errors = configure_all(&s, &set);
+    let errors = configure_all(&s, &set, Configure::All);
     for e in &errors {
         eprintln!("{e}");
     }
@@ -565,6 +587,22 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
     }
+    // The entered plugin configured as its entries will configure it,
+    // before anything trains: a misspelt `--plugin-config` key is found
+    // now, not after the baseline's entries (the rank processes of a
+    // multi-GPU run leave this to the run that started them).
+    let entered = submission.as_ref().and_then(|s| s.entered.first()).map(|p| p.strategies.clone()).unwrap_or_default();
+    if rank_env.is_none() && !entered.is_empty() {
+        let dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let set = crate::plugin::PluginSet::new(&suite.spec.plugins, dir);
+        let errors = configure_all(&suite, &set, Configure::Entered(&entered));
+        if !errors.is_empty() {
+            for e in &errors {
+                eprintln!("{e}");
+            }
+            return Ok(exit::INVALID_SUITE);
+        }
+    }
     let world = suite.spec.suite.world_size as usize;
     if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
         return run_ranks(&args, &suite, &out, world);
@@ -615,6 +653,7 @@ fn run_here(suite: &Suite, opts: &RunOptions, quiet: bool) -> anyhow::Result<i32
     let mut console = Console::new(quiet || follower);
     if !follower {
         console.log_to(&Console::log_path(&opts.out));
+        crate::interrupt::watch(&opts.out, launch::checkpoint_dir);
     }
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
@@ -820,7 +859,13 @@ fn bench_checkpoint_read(args: CheckpointReadArgs) -> anyhow::Result<i32> {
 /// build and run it.
 fn plugin_new(args: PluginNewArgs) -> anyhow::Result<i32> {
     let PluginNewArgs { kind, name, dir, sdk, lang } = args;
-    let made = crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang)?;
+    let made = match crate::scaffold::create(&kind, &name, &dir, sdk.as_deref(), &lang) {
+        Err(e) if e.is::<crate::scaffold::Usage>() => {
+            eprintln!("error: {e}");
+            return Ok(exit::USAGE);
+        }
+        made => made?,
+    };
     println!("created {}", made.display());
     let build = match lang.as_str() {
         "c" => "make",
@@ -843,10 +888,24 @@ fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
 /// `harness plugin bench`: prints the table of hook round trips, and what
 /// the host's meter reads around nothing.
 fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
+    use crate::plugin::bench::{self, Calls, Stage};
     let PluginBenchArgs { paths, calls, evict_mb } = args;
-    let rows = crate::plugin::bench::run(&paths, calls, evict_mb)?;
-    print!("{}", crate::plugin::bench::table(&rows));
-    let floor = crate::plugin::bench::clock_floor(calls);
+    let bar = indicatif::ProgressBar::new(paths.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{pos}/{len}] [{bar:20}] {msg} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(250));
+    let rows = bench::run(&paths, calls.map_or(Calls::Auto, Calls::Exactly), evict_mb, &mut |stage| match stage {
+        Stage::Loading(p) => bar.set_message(format!("{}: loading", p.display())),
+        Stage::Timing(p, n) => bar.set_message(format!("{}: timing {n} calls", p.display())),
+        Stage::Done(_) => bar.inc(1),
+    });
+    bar.finish_and_clear();
+    let rows = rows?;
+    print!("{}", bench::table(&rows));
+    let floor = bench::clock_floor(rows.iter().map(|r| r.calls).max().unwrap_or(bench::AUTO_MIN_CALLS));
     println!(
         "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
          back to back: the whole cost to the host per call, the meter included.{}",

@@ -112,12 +112,26 @@ impl Console {
     pub fn entry_started(&mut self, position: usize, count: usize, id: &str, steps: Option<u64>, budget_s: Option<f64>) {
         let bar = progress_bar(self.quiet, &format!("[{position}/{count}] {id}"), steps, budget_s);
         self.entry = Some(EntryBar { id: id.to_owned(), bar, last_print: Instant::now() });
+        crate::interrupt::at(id, 0, steps);
     }
 
     /// Moves the entry's bar. Without a terminal (CI logs, pipes) the bar is
     /// hidden: a line every 10 seconds instead shows that a long run is alive.
     pub fn progress(&mut self, p: &Progress) {
         let Some(EntryBar { id, bar, last_print }) = &mut self.entry else { return };
+        crate::interrupt::at(id, p.step, p.total_steps);
+        if let Some(from) = p.resumed_from {
+            // The bar goes on from the checkpoint, and its rate and ETA
+            // count only the steps this process runs.
+            bar.set_position(from);
+            bar.reset_eta();
+            let line = format!("  resumed entry {id} from step {from} (its newest checkpoint)");
+            if !self.quiet {
+                bar.suspend(|| eprintln!("{line}"));
+            }
+            self.log(&line);
+            return;
+        }
         let msg = format!(
             "loss {} | {}",
             p.loss.map_or("-".into(), |l| format!("{l:.4}")),

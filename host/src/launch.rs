@@ -86,6 +86,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
     let gpu = if device.is_cuda() { result.machine.gpus.get(local_rank).cloned() } else { None };
     let device_name = device_name(device, gpu.as_ref(), dist, world);
     console.run_started(&meta.name, todo.len(), plan.entries.len(), &device_name, &opts.out);
+    if !device.is_cuda() {
+        warn_of_emulated_bf16(suite, &todo, console);
+    }
 
     let suite_dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let memory_total_bytes = match device {
@@ -140,6 +143,29 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, console: &mut Console) -> any
         }
     }
     Ok(result)
+}
+
+/// Says, once per workload, that bf16 entries about to run on a CPU that
+/// lacks bf16 arithmetic ([`device::cpu_has_bf16`]) will be slow: libtorch
+/// emulates it.
+fn warn_of_emulated_bf16(suite: &Suite, todo: &[&PlanEntry], console: &Console) {
+    let mut bf16: Vec<&str> = Vec::new();
+    for e in todo {
+        let w = &suite.spec.workloads[e.workload];
+        if w.precision == Precision::Bf16 && !bf16.contains(&w.name.as_str()) {
+            bf16.push(&w.name);
+        }
+    }
+    if bf16.is_empty() || device::cpu_has_bf16() {
+        return;
+    }
+    console.warning(&format!(
+        "{} train(s) in bf16, and this CPU has no bf16 arithmetic (no avx512_bf16 or amx_bf16 flag, or ATEN_CPU_CAPABILITY / \
+         ONEDNN_MAX_CPU_ISA hold libtorch below it): libtorch emulates bf16, many times slower than fp32\n\
+         hint: run bf16 workloads on a CPU with bf16 (Intel Sapphire Rapids or newer, AMD Zen 4 or newer) or a GPU, or set \
+         `precision = \"fp32\"`",
+        bf16.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+    ));
 }
 
 /// Steps of the untimed warm-up on each workload before a GPU process's
@@ -438,10 +464,14 @@ impl Run<'_> {
 
     /// Adds an entry's record to the result, in plan order whatever order
     /// resume ran things in, and rewrites the result file (rank 0).
+    /// The folder of the entries' checkpoints goes once it is empty: a
+    /// finished entry removes its own.
     fn keep(&self, result: &mut RunResult, record: EntryResult) -> anyhow::Result<()> {
         result.add_entry(record);
         if self.writes {
             result.write_atomic(&self.opts.out)?;
+            // Fails, as it should, while an entry's checkpoints are in it.
+            let _ = std::fs::remove_dir(self.opts.out.with_extension("checkpoints"));
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 //! subcommand), running a plan ([`launch`]: entries in order, rank
 //! processes, results after each), the rank environment and the watchdog
 //! ([`ranks`]), the TCP store ranks meet through ([`rendezvous`]), what a
-//! run shows on the terminal ([`console`]), the benchmarks ([`mod@bench`]),
+//! run shows on the terminal ([`console`]), what Ctrl-C says and leaves
+//! ([`interrupt`]), the benchmarks ([`mod@bench`]),
 //! `harness plugin new` ([`scaffold`]), `harness reproduce` ([`reproduce`]), the parent that supervises a run
 //! loading a native plugin ([`supervise`]) and the machine fingerprint of this
 //! build ([`device`]). Everything else comes from the workspace's crates,
@@ -28,6 +29,7 @@ pub mod bench;
 pub mod cli;
 pub mod console;
 pub mod device;
+pub mod interrupt;
 pub mod launch;
 pub mod ranks;
 pub mod rendezvous;

@@ -188,6 +188,13 @@ fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
+/// A plugin that `harness plugin new` cannot make as asked (a kind the
+/// language's template does not make): a usage error, exit code
+/// [`crate::exit::USAGE`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
 /// Writes a new plugin `dir/name` in `lang` ("rust": a crate that builds
 /// to a component and a native library, against the SDK vendored into its
 /// folder or the one at `sdk`; "c": a native library, compressors
@@ -224,11 +231,14 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
             }
             return Ok(root);
         }
-        "c" | "c-wasm" | "python" | "js" => bail!(
-            "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
-            if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
-        ),
-        other => bail!("no template in `{other}` (rust, c, c-wasm, python, js)"),
+        "c" | "c-wasm" | "python" | "js" => {
+            return Err(Usage(format!(
+                "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
+                if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
+            ))
+            .into())
+        }
+        other => return Err(Usage(format!("no template in `{other}` (rust, c, c-wasm, python, js)")).into()),
     }
     let t = template(kind)?;
     // The SDK: vendored into the folder, or the crate at `--sdk PATH`.

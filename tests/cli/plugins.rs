@@ -301,6 +301,19 @@ fn plugin_bench_times_a_hook_of_every_kind() {
     }
 }
 
+/// Without `--calls`, each artifact is timed on as many calls as take
+/// about half a second at the pace of its warm-up: a hook made slow (a
+/// 64 MiB write before each call) gets a few hundred, not 200000.
+#[test]
+fn plugin_bench_by_default_fits_the_calls_to_the_hook() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(harness(dir.path()).args(["plugin", "bench", "--evict-mb", "64"]).arg(artifact("fixed.wasm")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.contains("batch-sizing.next")).unwrap_or_else(|| panic!("no row in\n{text}"));
+    let calls: u64 = row.split(['│', '┆']).nth(4).and_then(|c| c.trim().parse().ok()).unwrap_or_else(|| panic!("{row}"));
+    assert!((100..200_000).contains(&calls), "{calls} calls: {row}");
+}
+
 /// `harness validate` configures every plugin as the suite does, so a
 /// misspelt key is reported at its line, not when the entry runs.
 #[test]
@@ -328,4 +341,50 @@ fn validate_configures_each_plugin_and_points_at_a_bad_config() {
     assert!(err.contains(&format!("bad.toml:{line}:")), "the error points at the config's line {line}: {err}");
     assert!(err.contains("strategy `typo`") && err.contains("ratoi"), "{err}");
     assert!(!err.contains("strategy `ok`"), "{err}");
+}
+
+/// A template of another language than Rust makes compressors only: asking
+/// it for another kind is a usage error (exit code 2), which writes
+/// nothing.
+#[test]
+fn plugin_new_of_a_kind_the_language_does_not_make_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for lang in ["c", "c-wasm", "python", "js"] {
+        let out = harness(dir.path()).args(["plugin", "new", "batch-policy", "b", "--lang", lang]).output().unwrap();
+        assert_eq!(out.status.code(), Some(harness::cli::exit::USAGE), "{lang}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("the {lang} template is a compressor")), "{lang}: {err}");
+        assert!(!dir.path().join("b").exists(), "{lang}: wrote the folder");
+    }
+}
+
+/// `./x install`'s wrapper puts libtorch's folders first, then the
+/// caller's library path if it has one: never an empty entry, which would
+/// make the current folder a library search path.
+#[test]
+fn the_installed_wrapper_adds_no_empty_library_path_entry() {
+    let home = tempfile::tempdir().unwrap();
+    let bin = home.path().join("bin");
+    let out = std::process::Command::new(repo_root().join("x"))
+        .arg("install")
+        .arg(&bin)
+        .arg("--no-build")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let wrapper = std::fs::read_to_string(bin.join("harness")).unwrap();
+    let export = wrapper.lines().find(|l| l.starts_with("export LD_LIBRARY_PATH=")).expect("the wrapper sets the library path");
+    for caller in [None, Some(""), Some("/opt/lib")] {
+        let mut sh = std::process::Command::new("bash");
+        sh.args(["-c", &format!("{export}; printf %s \"$LD_LIBRARY_PATH\"")]);
+        match caller {
+            None => sh.env_remove("LD_LIBRARY_PATH"),
+            Some(v) => sh.env("LD_LIBRARY_PATH", v),
+        };
+        let path = String::from_utf8(sh.output().unwrap().stdout).unwrap();
+        assert!(path.split(':').all(|e| !e.is_empty()), "caller {caller:?}: an empty entry in {path:?}");
+        assert!(path.contains("torch/lib"), "{path}");
+        assert_eq!(path.ends_with(":/opt/lib"), caller == Some("/opt/lib"), "{path}");
+    }
 }

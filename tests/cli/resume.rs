@@ -171,3 +171,46 @@ fn a_hostile_checkpoint_fails_its_entry_by_name_and_the_run_goes_on() {
         assert_eq!(entry(&r, "b/every1/r0")["status"], "ok", "{case}: the run did not go on");
     }
 }
+
+/// Ctrl-C (SIGINT) says where the run stopped and what `--resume` does,
+/// and ends it as SIGINT does (130 in a shell); the resumed run says which
+/// entry goes on from which step; the finished run leaves no checkpoint
+/// folder, and its files have the permissions a plain write gives.
+#[test]
+fn ctrl_c_and_resume_say_what_happened_and_leave_nothing_empty() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let strategy = "\n[[strategy]]\nname = \"every5\"\ncheckpoint = \"every-n\"\ncheckpoint_config = { every = 5, keep = 1 }\n";
+    let w = tiny_gpt("a", 300, "") + &tiny_gpt("b", 3, "") + &plugin_table("every-n", "every-n.wasm") + strategy;
+    let s = write(dir.path(), "s.toml", &suite("int", "", &w));
+    let out = dir.path().join("r.json");
+    let root = out.with_extension("checkpoints").join("a_every5_r0");
+    let run = || harness(dir.path()).args(["run"]).arg(&s).arg("--out").arg(&out).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut child = run();
+    let t0 = Instant::now();
+    while checkpoint::list(&root).last().is_none_or(|c| c.0 < 10) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint appeared in {}", root.display());
+        assert!(child.try_wait().unwrap().is_none(), "harness finished before it could be interrupted");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let pid = child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.signal(), Some(2), "ended by SIGINT (2), as without a handler: {:?}", o.status);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("harness: interrupted at step ") && err.contains(" of 300 of entry a/every5/r0"), "{err}");
+    assert!(err.contains("`--resume` continues: this entry from its newest checkpoint"), "{err}");
+
+    let o = run_ok(harness(dir.path()).args(["run", "--resume"]).arg(&s).arg("--out").arg(&out));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let r = results(&out);
+    let from = entry(&r, "a/every5/r0")["metrics"]["resilience"]["resumed_from"].as_u64().expect("resumed from a checkpoint");
+    assert!(err.contains(&format!("resumed entry a/every5/r0 from step {from} (its newest checkpoint)")), "{err}");
+    assert!(!out.with_extension("checkpoints").exists(), "an empty checkpoint folder was left behind");
+    let plain = dir.path().join("plain");
+    std::fs::write(&plain, b"x").unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&out), mode(&plain), "the result file");
+    assert_eq!(mode(&out.with_extension("log")), mode(&plain), "the run's log");
+}

@@ -445,3 +445,25 @@ fn trace_records_one_step_with_its_operators_phases_and_plugin_calls() {
     let r = results(&dir.path().join("r.json"));
     assert_eq!(r["entries"][0]["metrics"]["steps"], 5);
 }
+
+/// A bf16 workload on a CPU without bf16 arithmetic (emulated here by
+/// holding libtorch below AVX-512, as on an AVX2 machine) is run with a
+/// warning naming it and why it is slow.
+#[test]
+fn bf16_on_a_cpu_without_bf16_arithmetic_is_said_to_be_emulated() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("half", 4, "precision = \"bf16\"") + &tiny_gpt("full", 4, "");
+    let s = write(dir.path(), "s.toml", &suite("bf16", "", &w));
+    let o = run_ok(
+        harness(dir.path())
+            .args(["run", "-q"])
+            .arg(&s)
+            .args(["--out", "r.json"])
+            .env("ATEN_CPU_CAPABILITY", "avx2")
+            .env("ONEDNN_MAX_CPU_ISA", "AVX2"),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    let warning = err.lines().find(|l| l.starts_with("warning: ")).unwrap_or_else(|| panic!("no warning in\n{err}"));
+    assert!(warning.contains("`half` train(s) in bf16, and this CPU has no bf16 arithmetic"), "{warning}");
+    assert!(!warning.contains("`full`"), "{warning}");
+}

@@ -101,3 +101,27 @@ fn a_plugin_of_the_wrong_kind_or_an_edited_suite_is_caught_before_training() {
     let why = r["submission"]["unofficial"].as_array().unwrap();
     assert!(why.iter().any(|w| w.as_str().unwrap().contains("is not a released standard suite")), "{why:?}");
 }
+
+#[test]
+fn a_misspelt_plugin_config_key_is_refused_before_anything_trains_naming_the_plugin() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.json");
+    // Entered without --track: it would run in both compression tracks,
+    // after their baselines; the key is checked once, before any of them.
+    let run = harness(dir.path())
+        .arg("run")
+        .arg(repo_root().join("suites/cpu-standard.toml"))
+        .arg("--plugin")
+        .arg(format!("compressor={}", artifact("topk.wasm").display()))
+        .args(["--plugin-config", "ratoi=0.1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2), "the usage code");
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("--plugin-config") && err.contains("unknown config key `ratoi` (known: ratio)"), "{err}");
+    assert!(err.contains("plugin `topk "), "named by its own name: {err}");
+    assert!(!err.contains("`submission"), "not by the suite's name for it: {err}");
+    assert_eq!(err.matches("unknown config key").count(), 1, "once, however many tracks: {err}");
+    assert!(!out.exists(), "nothing ran, nothing was written");
+}

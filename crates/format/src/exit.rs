@@ -12,6 +12,10 @@ pub const NOT_VERIFIED: i32 = 1;
 pub const NOT_REPRODUCED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
+/// The command line asks for what harness does not do: clap's own usage
+/// errors, and combinations it cannot check (`harness plugin new` of a
+/// kind the language's template does not make).
+pub const USAGE: i32 = 2;
 /// A `HARNESS_*` environment switch has a value it does not take
 /// (`switches`); nothing ran.
 pub const INVALID_SWITCH: i32 = 2;

@@ -43,7 +43,8 @@ use stats::{Summary, Verdict};
 /// A table of every entry: throughput, latency, MFU, memory, loss, target.
 ///
 /// With classifiers among the entries, two more columns: the eval top-1
-/// accuracy and the data's best reachable accuracy.
+/// accuracy and the data's best reachable accuracy; with plugins, the mean
+/// time of a call into them ([`plugin_call_us`]).
 pub fn summary_table(r: &RunResult) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
@@ -53,6 +54,11 @@ pub fn summary_table(r: &RunResult) -> String {
         header.extend(["eval acc", "best acc"]);
     }
     header.extend(["target", "time to target"]);
+    // What a call into the entry's plugins cost, when any ran.
+    let plugins = r.entries.iter().any(|e| e.metrics.as_ref().is_some_and(|m| !m.plugins.is_empty()));
+    if plugins {
+        header.push("plugin µs/call");
+    }
     let columns = header.len();
     t.set_header(header);
     for e in &r.entries {
@@ -87,6 +93,9 @@ pub fn summary_table(r: &RunResult) -> String {
                     (true, Some(s)) => format!("{s:.1} s"),
                     (true, None) => "missed".into(),
                 });
+                if plugins {
+                    v.push(plugin_call_us(m).map_or("-".into(), |us| format!("{us:.2}")));
+                }
                 v
             }
             None => {
@@ -120,6 +129,18 @@ pub fn summary_table(r: &RunResult) -> String {
         }
     }
     out
+}
+
+/// The mean time of a call into the entry's plugins, in microseconds
+/// (every hook of every plugin it ran, as the host's meter timed them);
+/// None when it ran none or made no call.
+pub fn plugin_call_us(m: &crate::results::Metrics) -> Option<f64> {
+    let (calls, ms) = m
+        .plugins
+        .iter()
+        .filter_map(|p| Some((p.calls, p.call.as_ref()?.mean_ms * p.calls as f64)))
+        .fold((0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    (calls > 0).then(|| ms * 1e3 / calls as f64)
 }
 
 /// What checkpoints and failures cost an entry, one line; none when it
@@ -856,6 +877,29 @@ mod tests {
         assert!(!compare_table(&results[..1], &results[2..]).contains("switches"));
         assert!(summary_table(&switched).contains("\nswitches: HARNESS_FUSED_MLP=0 (not the default work)"));
         assert!(!summary_table(&results[0]).contains("switches"));
+    }
+
+    #[test]
+    fn the_summary_shows_what_a_plugin_call_cost_when_plugins_ran() {
+        use crate::results::testing::result;
+        let built_in = result("s", None, 10.0);
+        assert!(!summary_table(&built_in).contains("plugin µs/call"));
+        let record = |calls: u64, mean_ms: f64| -> crate::plugin::PluginRecord {
+            serde_json::from_value(serde_json::json!({
+                "slot": "compressor", "name": "topk", "version": "0.1.0", "kind": "compressor", "transport": "wasm",
+                "abi": "0.3.0", "sha256": "ab", "path": "topk.wasm", "calls": calls, "host_ops": 0, "read_bytes": 0,
+                "call": { "count": calls, "mean_ms": mean_ms, "p50_ms": mean_ms, "p90_ms": mean_ms, "p99_ms": mean_ms,
+                          "p999_ms": mean_ms, "max_ms": mean_ms },
+            }))
+            .unwrap()
+        };
+        let mut with = built_in.clone();
+        let m = with.entries[0].metrics.as_mut().unwrap();
+        // 300 calls of 2 us and 100 of 6 us: 3 us a call.
+        m.plugins = vec![record(300, 0.002), record(100, 0.006)];
+        assert!((plugin_call_us(m).unwrap() - 3.0).abs() < 1e-9);
+        let table = summary_table(&with);
+        assert!(table.contains("plugin µs/call") && table.contains(" 3.00 "), "{table}");
     }
 
     #[test]

@@ -110,6 +110,30 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.into())
 }
 
+/// Whether libtorch gets bf16 arithmetic from this CPU: x86 with
+/// AVX512-BF16 or AMX-BF16, or Arm with BF16 (the flags of
+/// /proc/cpuinfo), and not held below it by `ATEN_CPU_CAPABILITY` (other
+/// than `avx512`) or `ONEDNN_MAX_CPU_ISA` (an ISA without BF16 or AMX).
+/// Without it libtorch emulates bf16 in fp32 and bf16 runs many times
+/// slower than fp32.
+pub fn cpu_has_bf16() -> bool {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let env = |k: &str| std::env::var(k).ok();
+    bf16_from(&cpuinfo, env("ATEN_CPU_CAPABILITY").as_deref(), env("ONEDNN_MAX_CPU_ISA").as_deref())
+}
+
+/// [`cpu_has_bf16`] from the text of /proc/cpuinfo and the two variables.
+fn bf16_from(cpuinfo: &str, aten_capability: Option<&str>, onednn_max_isa: Option<&str>) -> bool {
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags") || l.starts_with("Features")).and_then(|l| l.split(':').nth(1));
+    let hardware = flags.is_some_and(|f| f.split_whitespace().any(|f| matches!(f, "avx512_bf16" | "amx_bf16" | "bf16")));
+    let aten = aten_capability.is_none_or(|v| v.trim().eq_ignore_ascii_case("avx512"));
+    let onednn = onednn_max_isa.is_none_or(|v| {
+        let v = v.trim().to_ascii_uppercase();
+        v == "ALL" || v.contains("BF16") || v.contains("AMX")
+    });
+    hardware && aten && onednn
+}
+
 fn meminfo_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
@@ -209,4 +233,25 @@ pub const PEAK_TFLOPS: &[(&str, f64, f64)] = &[
 /// The peak a GPU reaches at a precision, if it is in the table.
 pub fn peak_tflops(gpu_name: &str, low_precision: bool) -> Option<f64> {
     PEAK_TFLOPS.iter().find(|(n, _, _)| gpu_name.contains(n)).map(|(_, lp, fp32)| if low_precision { *lp } else { *fp32 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bf16_from;
+
+    #[test]
+    fn bf16_needs_the_flag_and_no_variable_holding_libtorch_below_it() {
+        let spr = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n";
+        let epyc = "processor\t: 0\nflags\t\t: fpu avx2 fma\n";
+        let arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16\n";
+        assert!(bf16_from(spr, None, None));
+        assert!(bf16_from(arm, None, None));
+        assert!(!bf16_from(epyc, None, None));
+        assert!(!bf16_from("", None, None));
+        // What emulates a CPU without it on one with it.
+        assert!(!bf16_from(spr, Some("avx2"), None));
+        assert!(!bf16_from(spr, None, Some("AVX2")));
+        assert!(bf16_from(spr, Some("avx512"), Some("AVX512_CORE_AMX")));
+        assert!(bf16_from(spr, None, Some("ALL")));
+    }
 }

@@ -70,6 +70,9 @@ pub struct Progress {
     pub time_budget: Option<Duration>,
     pub loss: Option<f64>,
     pub tokens_per_s: Option<f64>,
+    /// `--resume`: the step of the checkpoint the entry went on from, in
+    /// the report sent once before its first step.
+    pub resumed_from: Option<u64>,
 }
 
 /// Everything an entry needs besides its workload.
@@ -170,8 +173,13 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     let mut safe = Resilience::open(ctx, &mut t, &batch)?;
     let target = record::Target { loss: target_loss(w, t.data.loss_floor()), accuracy: w.target_accuracy };
     let mut meter = Meter::start(&t, target, ctx.memory_total_bytes)?;
-    let mut step = safe.resume(ctx, &mut t, &mut batch)?.unwrap_or(0);
+    let resumed_from = safe.resume(ctx, &mut t, &mut batch)?;
+    let mut step = resumed_from.unwrap_or(0);
     let budget = w.time_budget_s.map(Duration::from_secs_f64);
+    if resumed_from.is_some() {
+        let elapsed = meter.train_elapsed();
+        progress(&Progress { step, total_steps: w.steps, elapsed, time_budget: budget, loss: None, tokens_per_s: None, resumed_from });
+    }
     let replicas = replica_check();
     let compressor = &ctx.entry.strategy.compressor;
     let mut trace = StepTrace::new(ctx, t.rank);
@@ -237,6 +245,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             time_budget: budget,
             loss: meter.last_loss,
             tokens_per_s: meter.tokens_per_s(now),
+            resumed_from: None,
         });
         if eval_due(w, step, tokens_before, t.data.position(), t.world) && w.steps != Some(step) {
             meter.evaluate(&t, step)?;

@@ -67,19 +67,81 @@ impl Evict {
     }
 }
 
-/// Times `calls` calls of `hook` on `p` (after `calls / 10` warm-up calls):
-/// back to back as one block (unless evicting), then one by one through the
-/// plugin's own meter, each after `evict` when given.
+/// How many calls to time per artifact.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Calls {
+    /// Exactly this many (`--calls N`).
+    Exactly(u64),
+    /// As many as take about [`AUTO_SECONDS`] per way of timing, measured
+    /// on the warm-up calls, within [`AUTO_MIN_CALLS`]..=[`AUTO_MAX_CALLS`]:
+    /// a slow hook is timed on fewer calls, and the bench ends in seconds
+    /// whatever the plugins cost.
+    Auto,
+}
+
+/// [`Calls::Auto`]: seconds of calls per way of timing (back to back, then
+/// metered one by one).
+pub const AUTO_SECONDS: f64 = 0.5;
+/// [`Calls::Auto`]: the fewest calls timed, however slow the hook.
+pub const AUTO_MIN_CALLS: u64 = 100;
+/// [`Calls::Auto`]: the most calls timed, however fast the hook.
+pub const AUTO_MAX_CALLS: u64 = 200_000;
+
+/// What the bench is doing, for a progress display.
+#[derive(Debug, Clone, Copy)]
+pub enum Stage<'a> {
+    /// Loading (and, for a component, compiling) an artifact.
+    Loading(&'a Path),
+    /// Timing this many calls of the artifact's hook.
+    Timing(&'a Path, u64),
+    /// Done with the artifact.
+    Done(&'a Path),
+}
+
+/// Warms `hook` up and settles how many calls to time: `calls / 10`
+/// warm-up calls for [`Calls::Exactly`]; for [`Calls::Auto`], warm-up calls
+/// for a fifth of [`AUTO_SECONDS`] (each after `evict` when given, as the
+/// metered calls will be), and the count that fills [`AUTO_SECONDS`] at
+/// their pace.
+fn warm_up<P>(p: &mut P, calls: Calls, evict: &mut Option<Evict>, hook: &mut impl FnMut(&mut P, u64) -> Result<()>) -> Result<u64> {
+    let n = match calls {
+        Calls::Exactly(n) => {
+            for i in 0..n / 10 {
+                hook(p, i)?;
+            }
+            return Ok(n);
+        }
+        Calls::Auto => {
+            let t0 = std::time::Instant::now();
+            let mut n = 0u64;
+            while n < 10 || t0.elapsed().as_secs_f64() < AUTO_SECONDS / 5.0 {
+                if let Some(e) = evict {
+                    e.run(n);
+                }
+                hook(p, n)?;
+                n += 1;
+            }
+            let per_call = t0.elapsed().as_secs_f64() / n as f64;
+            (AUTO_SECONDS / per_call) as u64
+        }
+    };
+    Ok(n.clamp(AUTO_MIN_CALLS, AUTO_MAX_CALLS))
+}
+
+/// Times calls of `hook` on `p` (after warm-up calls, [`warm_up`]): back
+/// to back as one block (unless evicting), then one by one through the
+/// plugin's own meter, each after `evict` when given. Returns the figures
+/// and the number of calls each way.
 fn time_hook<P>(
     p: &mut P,
     plugin: fn(&mut P) -> &mut Plugin,
-    calls: u64,
+    calls: Calls,
     evict: &mut Option<Evict>,
     mut hook: impl FnMut(&mut P, u64) -> Result<()>,
-) -> Result<(LatencySummary, Option<f64>)> {
-    for i in 0..calls / 10 {
-        hook(p, i)?;
-    }
+    timing: &mut dyn FnMut(u64),
+) -> Result<(LatencySummary, Option<f64>, u64)> {
+    let calls = warm_up(p, calls, evict, &mut hook)?;
+    timing(calls);
     let loop_mean_ns = match evict {
         Some(_) => None,
         None => {
@@ -97,24 +159,27 @@ fn time_hook<P>(
         }
         hook(p, i)?;
     }
-    Ok((plugin(p).timing(), loop_mean_ns))
+    Ok((plugin(p).timing(), loop_mean_ns, calls))
 }
 
-/// Times `calls` hook calls into each artifact, each metered call after a
-/// write through `evict_mb` MiB when that is not 0.
-pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
+/// Times hook calls into each artifact, each metered call after a write
+/// through `evict_mb` MiB when that is not 0; `stage` hears what it is
+/// doing.
+pub fn run(paths: &[PathBuf], calls: Calls, evict_mb: usize, stage: &mut dyn FnMut(Stage<'_>)) -> Result<Vec<Row>> {
     let mut evict = (evict_mb > 0).then(|| Evict(vec![0u64; evict_mb << 17]));
     let mut rows = Vec::new();
     for path in paths {
+        stage(Stage::Loading(path));
+        let timing = &mut |n: u64| stage(Stage::Timing(path, n));
         let abs = std::fs::canonicalize(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let set = PluginSet::new(&[spec(&abs)], Path::new("/"));
         let m = set.check_all().remove(0).map_err(anyhow::Error::msg)?;
         let telemetry = |i: u64| StepTelemetry { step: i + 1, micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
-        let (hook, (latency, loop_mean_ns)) = match m.kind {
+        let (hook, (latency, loop_mean_ns, calls)) = match m.kind {
             Kind::BatchPolicy => {
                 let mut p = super::PluginBatch { plugin: set.instance("bench", "batch_policy", Kind::BatchPolicy, None, Device::Cpu)? };
                 p.initial(BatchDecision { micro_batch: 8, accum_steps: 1, lr_scale: 1.0 })?;
-                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.next(&telemetry(i)).map(drop))?;
+                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.next(&telemetry(i)).map(drop), timing)?;
                 ("batch-sizing.next", timed)
             }
             Kind::Compressor => {
@@ -128,6 +193,7 @@ pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
                     calls,
                     &mut evict,
                     |p, i| p.reduce(&mut bucket, &mut comm, &BucketCtx { step: i, index: 0, count: 1 }),
+                    timing,
                 )?;
                 ("gradient-compression.compress", timed)
             }
@@ -143,11 +209,12 @@ pub fn run(paths: &[PathBuf], calls: u64, evict_mb: usize) -> Result<Vec<Row>> {
                     since_last_s: 5.0,
                     ..Default::default()
                 };
-                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.decide(&telemetry(i), &h).map(drop))?;
+                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.decide(&telemetry(i), &h).map(drop), timing)?;
                 ("checkpointing.decide", timed)
             }
         };
         rows.push(Row { path: path.clone(), kind: m.kind, transport: m.transport, hook, calls, latency, loop_mean_ns });
+        stage(Stage::Done(path));
     }
     Ok(rows)
 }

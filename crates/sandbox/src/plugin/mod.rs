@@ -326,7 +326,19 @@ impl Plugin {
             Transport::Wasm => "wasm",
             Transport::Native => "native",
         };
-        format!("{} plugin `{}` ({transport}, {})", self.manifest.kind.name(), self.suite_name, self.manifest.path.display())
+        format!("{} plugin `{}` ({transport}, {})", self.manifest.kind.name(), self.name(), self.manifest.path.display())
+    }
+
+    /// The plugin's name in messages: the suite's name for it, or, for a
+    /// plugin entered with `--plugin` (which the suite knows only as
+    /// [`ENTERED_PLUGIN`](crate::suite::standard::ENTERED_PLUGIN)), its own
+    /// name and version from its manifest.
+    fn name(&self) -> String {
+        if self.suite_name == crate::suite::standard::ENTERED_PLUGIN {
+            format!("{} {}", self.manifest.name, self.manifest.version)
+        } else {
+            self.suite_name.clone()
+        }
     }
 
     /// The plugin's state (`state-save`), for a checkpoint.
