@@ -699,6 +699,34 @@ pub fn spin_until(at: &Tensor, ns: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The replica check's hash of each tensor's bytes (`torch_ext::param_hashes`'s
+/// number, bit for bit), one kernel per tensor: an int64 tensor of one hash
+/// per tensor, on their device (all on one CUDA device, contiguous or made
+/// so). Nothing is synchronised.
+pub fn word_hashes(tensors: &[Tensor]) -> anyhow::Result<Tensor> {
+    let k = require("device")?;
+    let device = tensors.first().map_or(tch::Device::Cpu, Tensor::device);
+    anyhow::ensure!(device.is_cuda() && tensors.iter().all(|t| t.device() == device), "word hashes take tensors of one CUDA device");
+    let out = Tensor::zeros([tensors.len() as i64], (Kind::Int64, device));
+    for (i, t) in tensors.iter().enumerate() {
+        let words = t.detach().contiguous();
+        let n = words.numel() as i64;
+        if n == 0 {
+            continue;
+        }
+        let width = i32::try_from(words.kind().elt_size_in_bytes())?;
+        let slot = out.narrow(0, i as i64, 1);
+        let blocks = u32::try_from(((n + 1023) / 1024).min(i64::from(k.sms) * 8))?;
+        // SAFETY: the parameters match word_hash's signature (a device
+        // pointer to `n` words of `width` bytes, the count, the width, a
+        // device pointer to one u64 that the blocks add to); the tensors stay
+        // alive until the launch is queued, and libtorch's stream orders the
+        // kernel after their producers and before any reader of `out`.
+        unsafe { launch(k.word_hash, Grid::line(blocks, 256), params![&words, n, width, &slot]) }?;
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -712,6 +740,32 @@ mod tests {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             false
         }
+    }
+
+    /// The replica check's kernel gives the shim's number bit for bit, for
+    /// every word width and for lengths around the rows of 1024 words, and a
+    /// sign flipped in one slice changes it.
+    #[test]
+    fn cuda_word_hashes_equal_the_shims_and_see_a_flipped_sign() {
+        if !cuda() {
+            return;
+        }
+        let dev = tch::Device::Cuda(0);
+        let mut ts = Vec::new();
+        for (i, n) in [1i64, 1023, 1024, 1025, 3 * 1024 + 7, 5_000_003].into_iter().enumerate() {
+            let x = Tensor::randn([n], (Kind::Float, dev)) * 3.0;
+            ts.push(x.to_kind([Kind::Float, Kind::BFloat16, Kind::Half, Kind::Float, Kind::BFloat16, Kind::Float][i]));
+        }
+        ts.push(Tensor::randint(1 << 40, [4099], (Kind::Int64, dev)) - (1i64 << 39));
+        ts.push(Tensor::randint(256, [2051], (Kind::Int64, dev)).to_kind(Kind::Int8));
+        let ours = Vec::<i64>::try_from(&word_hashes(&ts).unwrap()).unwrap();
+        let shim = Vec::<i64>::try_from(&crate::torch_ext::param_hashes(&ts).unwrap()).unwrap();
+        assert_eq!(ours, shim);
+        let flipped = ts[5].copy();
+        let _ = flipped.narrow(0, 1000, 4096).neg_();
+        let again = Vec::<i64>::try_from(&word_hashes(&[ts[5].shallow_clone(), flipped]).unwrap()).unwrap();
+        assert_eq!(again[0], ours[5]);
+        assert_ne!(again[1], ours[5], "a sign flipped in a slice left the hash unchanged");
     }
 
     /// A captured graph replays libtorch's operations and harness's own

@@ -39,6 +39,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/embedding.cu"),
     include_str!("../../cuda/multi_tensor.cu"),
     include_str!("../../cuda/clock.cu"),
+    include_str!("../../cuda/hash.cu"),
 );
 
 /// A kernel of the loaded module.
@@ -85,6 +86,7 @@ pub(super) struct Loaded {
     pub(super) ce_smem: i32,
     pub(super) stamp: Kernel,
     pub(super) spin_until: Kernel,
+    pub(super) word_hash: Kernel,
 }
 
 // SAFETY: CUmodule and CUfunction are driver handles valid in every thread
@@ -176,6 +178,7 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
             major,
             stamp: plain("stamp")?,
             spin_until: plain("spin_until")?,
+            word_hash: plain("word_hash")?,
         })
     })
     .as_ref()
