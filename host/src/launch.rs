@@ -14,12 +14,15 @@ use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
+
 use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::console::{last_panic, Console, QuietPanics};
 use crate::device::{self, GpuInfo};
 use crate::error::EntryError;
 use crate::exit;
 use crate::fmt::short;
+use crate::plugin::exit_guard::{self, Mark, Verdict};
 use crate::plugin::PluginSet;
 use crate::ranks::{nccl_join, NcclLog, RankEnv, Watchdog, ENTRIES_VAR};
 use crate::rendezvous;
@@ -762,7 +765,16 @@ pub fn launch_local_ranks(
         env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
         let args = argv(started);
         started = true;
-        let statuses = spawn_ranks(world, &args, &env)?;
+        let ends = spawn_ranks(world, &args, &env)?;
+        // A native plugin that ended a rank's process (any route, any status)
+        // ends the run, as it does a single process's under `supervise`.
+        if let Some(m) =
+            ends.iter().enumerate().find_map(|(r, e)| crate::supervise::ended_by_plugin(&e.1, e.0).map(|m| format!("rank {r}: {m}")))
+        {
+            eprintln!("harness: {m}; the run is incomplete (the result file keeps the entries finished before)");
+            return Ok(Some(exit::PLUGIN_ENDED_PROCESS));
+        }
+        let statuses: Vec<std::process::ExitStatus> = ends.into_iter().map(|e| e.0).collect();
         let lost: Vec<String> = statuses.iter().enumerate().filter_map(|(r, s)| lost_rank(r, s)).collect();
         if lost.is_empty() {
             // 0, or 1 (some entry failed): the round finished its entries.
@@ -782,16 +794,22 @@ pub fn launch_local_ranks(
 }
 
 /// Starts `harness ARGS` once per rank of `world` on this machine, with
-/// torchrun's variables and `env`, and waits for all: their exit statuses,
+/// torchrun's variables and `env`, and waits for all: their exit statuses
+/// and exit marks (the native plugin call each was in: see `supervise`),
 /// in rank order. Only rank 0 prints to stdout. The ranks meet on
 /// 127.0.0.1 with a secret made for this round of processes, which they
 /// get in their environment (never on a command line).
-fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> anyhow::Result<Vec<std::process::ExitStatus>> {
+fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> anyhow::Result<Vec<(std::process::ExitStatus, Verdict)>> {
     let exe = std::env::current_exe()?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let secret = rendezvous::Secret::generate();
+    let marks_dir = tempfile::tempdir().context("cannot make a folder for the ranks' exit marks")?;
     let mut children = Vec::new();
+    let mut marks = Vec::new();
     for r in 0..world {
+        let path = marks_dir.path().join(format!("rank-{r}"));
+        std::fs::File::create(&path)?.set_len(exit_guard::MARK_BYTES)?;
+        marks.push(Mark::map(&path).context("cannot map a rank's exit mark")?);
         let mut c = std::process::Command::new(&exe);
         c.args(args)
             .env("RANK", r.to_string())
@@ -801,20 +819,21 @@ fn spawn_ranks(world: usize, args: &[OsString], env: &[(String, String)]) -> any
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env(rendezvous::SECRET_VAR, secret.expose())
+            .env(exit_guard::MARK_VAR, &path)
             .envs(env.iter().map(|(k, v)| (k, v)));
         if r > 0 {
             c.stdout(std::process::Stdio::null());
         }
         children.push(c.spawn()?);
     }
-    children.into_iter().map(|mut c| Ok(c.wait()?)).collect()
+    children.into_iter().zip(marks).map(|(mut c, m)| Ok((c.wait()?, m.verdict()))).collect()
 }
 
 /// Starts `harness ARGS` once per rank of `world` (a benchmark) and waits:
 /// the exit code of the first rank that failed, or 0.
 pub fn launch_bench_ranks(world: usize, args: &[OsString]) -> anyhow::Result<i32> {
     let statuses = spawn_ranks(world, args, &[])?;
-    Ok(statuses.iter().find(|s| !s.success()).map_or(exit::OK, |s| s.code().unwrap_or(exit::ERROR)))
+    Ok(statuses.iter().map(|e| e.0).find(|s| !s.success()).map_or(exit::OK, |s| s.code().unwrap_or(exit::ERROR)))
 }
 
 /// Why rank `r`'s process was lost, if it was: killed by a signal, or

@@ -78,6 +78,24 @@ fn how(v: &Verdict, status: ExitStatus) -> String {
     }
 }
 
+/// What ended a process that did not finish (its mark `v`, its `status`)
+/// when a native plugin was loaded in it: the plugin, and the call it was
+/// in or had last returned from. None when it finished, or no native plugin
+/// was called. A rank's launcher asks this of each rank process too.
+pub fn ended_by_plugin(v: &Verdict, status: ExitStatus) -> Option<String> {
+    if v.finished.is_some() {
+        return None;
+    }
+    let how = how(v, status);
+    match &v.last_call {
+        Some((who, call, true)) => Some(format!("{who} ended the process ({how}) during `{call}`")),
+        Some((who, call, false)) => Some(format!(
+            "a native plugin ended the process ({how}) outside its calls, after {who}'s `{call}` had returned (a thread it started?)"
+        )),
+        None => None,
+    }
+}
+
 /// The exit code of a supervised run that ended with `status`, and what to
 /// say about it.
 fn judge(v: &Verdict, status: ExitStatus) -> (i32, Option<String>) {
@@ -89,13 +107,12 @@ fn judge(v: &Verdict, status: ExitStatus) -> (i32, Option<String>) {
             .then(|| format!("the run finished (exit code {code}), then its process ended by {}", how(v, status)));
         return (code, note);
     }
+    if let Some(m) = ended_by_plugin(v, status) {
+        return (exit::PLUGIN_ENDED_PROCESS, Some(format!("{m}; {INCOMPLETE}")));
+    }
     let how = how(v, status);
     match &v.last_call {
-        Some((who, call, true)) => (exit::PLUGIN_ENDED_PROCESS, Some(format!("{who} ended the process ({how}) during `{call}`; {INCOMPLETE}"))),
-        Some((who, call, false)) => (
-            exit::PLUGIN_ENDED_PROCESS,
-            Some(format!("a native plugin ended the process ({how}) outside its calls, after {who}'s `{call}` had returned (a thread it started?); {INCOMPLETE}")),
-        ),
+        Some(_) => unreachable!("a process with a plugin call in its mark that did not finish was ended by the plugin"),
         None => {
             let code = match (status.signal(), status.code()) {
                 (Some(sig), _) => 128 + sig,

@@ -523,6 +523,26 @@ pub fn log_path(result: &Path) -> PathBuf {
 pub mod testing {
     use super::*;
 
+    /// A 2-core CPU machine without GPUs, libtorch or a real build (host `h`,
+    /// harness `0` at revision `r`).
+    pub fn machine() -> Fingerprint {
+        Fingerprint {
+            hostname: "h".into(),
+            os: "Linux".into(),
+            cpu: "c".into(),
+            cpu_cores: 2,
+            memory_bytes: 1,
+            gpus: vec![],
+            driver: None,
+            cuda: None,
+            cuda_driver_api: None,
+            libtorch: None,
+            nccl: None,
+            harness_version: "0".into(),
+            git_revision: "r".into(),
+        }
+    }
+
     /// A suite `name` (with `[suite] version`, if given) of one workload
     /// `w`, and a result of it with one finished entry of strategy
     /// `baseline` on the CPU at `tokens_per_s`.
@@ -533,21 +553,7 @@ pub mod testing {
             format!("[suite]\nname='{name}'\n{version}[[workload]]\nname='w'\nmodel={{kind='mlp',preset='tiny'}}\ndata={{kind='synthetic',vocab=8}}\nbatch=2\nseq_len=4\nsteps=2\noptimizer={{kind='sgd',lr=0.1}}\n"),
         )
         .unwrap();
-        let machine = Fingerprint {
-            hostname: "h".into(),
-            os: "Linux".into(),
-            cpu: "c".into(),
-            cpu_cores: 2,
-            memory_bytes: 1,
-            gpus: vec![],
-            driver: None,
-            cuda: None,
-            cuda_driver_api: None,
-            libtorch: Some("2.11.0".into()),
-            nccl: None,
-            harness_version: "0".into(),
-            git_revision: "r".into(),
-        };
+        let machine = Fingerprint { libtorch: Some("2.11.0".into()), ..machine() };
         let mut r = RunResult::new(&suite, machine);
         let mut h = crate::histogram::new_histogram();
         h.record(12345).unwrap();

@@ -7,7 +7,6 @@
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::machine::Fingerprint;
 use crate::results::{EntryResult, EntryStatus, Metrics, RunResult, Submission};
 use crate::submission::verify::Verdict;
 use crate::submission::{Bundle, Manifest, SuiteRef};
@@ -28,21 +27,7 @@ fn bundle(plugin: &str, machine: f64, factor: &dyn Fn(&str) -> f64, noise: f64, 
     let entry = Entry { kind: "compressor".into(), path: PathBuf::from("p.wasm"), config: None };
     let (tracks, _) = suite.select(None, Some(&entry)).unwrap();
     assert_eq!(tracks.len(), 4, "without --track every track runs");
-    let fp = Fingerprint {
-        hostname: "h".into(),
-        os: "Linux".into(),
-        cpu: "c".into(),
-        cpu_cores: 2,
-        memory_bytes: 1,
-        gpus: vec![],
-        driver: None,
-        cuda: None,
-        cuda_driver_api: None,
-        libtorch: None,
-        nccl: None,
-        harness_version: "0".into(),
-        git_revision: "r".into(),
-    };
+    let fp = crate::results::testing::machine();
     let mut r = RunResult::new(&suite, fp);
     r.started_at = format!("2026-12-01T00:00:0{}Z", folder.len() % 10);
     let sha = format!("{folder:0<64}");
