@@ -181,16 +181,26 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(subs.contains("baseline `allreduce` (reference)"));
     // The per-workload tables hold the verified bundle's 3 repeats of its
     // plugin alone: the others' entries (the same plugin) are not pooled in.
-    let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ") && l.contains("sign-vote 0.3.1 (")).collect();
+    // (Its run's baseline rows name the run: "allreduce (baseline; run of
+    // sign-vote 0.3.1 (...), ...)".)
+    let rows: Vec<&str> =
+        md.lines().filter(|l| l.starts_with("| ") && l.contains("sign-vote 0.3.1 (") && !l.contains("(baseline; run of")).collect();
     assert_eq!(rows.len(), 3, "one row per workload of the track:\n{md}");
     assert!(rows.iter().all(|l| l.split(" | ").nth(2).is_some_and(|c| c.ends_with(" of 3"))), "{rows:#?}");
     let html = std::fs::read_to_string(dir.join("board/index.html")).unwrap();
-    assert!(html.contains("<h2>Submissions</h2>"));
+    assert!(html.contains(">Submissions</h2>"));
     let hrefs: Vec<&str> = html.split("href=\"").skip(1).map(|h| h.split('"').next().unwrap()).collect();
-    assert!(hrefs.iter().all(|h| h.starts_with("#board-") || h.starts_with("bundles/")), "links stay in the board: {hrefs:?}");
-    // The ranked row links to the board's copy of its bundle's result.
-    let tr = html.split("<tr>").find(|t| t.contains("<code>./r.bundle</code>")).expect("a row for r.bundle");
-    let href = tr.split("href=\"").nth(1).and_then(|h| h.split('"').next()).expect("a link in r.bundle's row");
+    assert!(hrefs.iter().all(|h| h.starts_with('#') || h.starts_with("bundles/")), "links stay in the board: {hrefs:?}");
+    // The ranked row links to the board's copy of its bundle's result (and
+    // to the submission's own page beside it).
+    // (The only bundle with a row of its own: the others are listed apart.)
+    let tr = html.split("<tr").find(|t| t.contains("sign-vote 0.3.1") && t.contains("/result.json\"")).expect("a row for r.bundle");
+    let href = tr
+        .split("href=\"")
+        .skip(1)
+        .filter_map(|h| h.split('"').next())
+        .find(|h| h.ends_with("/result.json"))
+        .expect("a link to the result in r.bundle's row");
     assert!(href.starts_with("bundles/") && href.ends_with("/result.json"), "{href}");
     assert_eq!(std::fs::read(dir.join("board").join(href)).unwrap(), std::fs::read(bundle.join("result.json")).unwrap());
 }
