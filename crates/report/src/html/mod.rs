@@ -136,16 +136,7 @@ fn latency_curves(id: &str, rows: &[Row]) -> String {
     let mut out = svg_open(id, &f, "Step latency by percentile (ms)");
     f.axes(&mut out, "percentile", "ms", Some(&|x| format!("{}%", ticks::tidy(100.0 * (1.0 - 10f64.powf(-x))))));
     for (i, s) in series.iter().enumerate() {
-        if s.is_empty() {
-            continue;
-        }
-        let d: Vec<String> = s.iter().map(|(x, y)| format!("{:.1},{:.1}", f.px(*x), f.py(*y))).collect();
-        let _ = write!(
-            out,
-            r#"<polyline class="s{i}" points="{}" fill="none" stroke="{}" stroke-width="2.5"/>"#,
-            d.join(" "),
-            PALETTE[i % PALETTE.len()]
-        );
+        polyline(&mut out, &f, i, s.iter().copied(), "2.5");
     }
     out.push_str("</svg></figure>");
     out
@@ -172,19 +163,25 @@ fn loss_curves(id: &str, rows: &[Row]) -> String {
         );
     }
     for (i, c) in curves.iter().enumerate() {
-        if c.is_empty() {
-            continue;
-        }
-        let d: Vec<String> = c.iter().filter(|p| p.2.is_finite()).map(|p| format!("{:.1},{:.1}", f.px(p.1), f.py(p.2))).collect();
-        let _ = write!(
-            out,
-            r#"<polyline class="s{i}" points="{}" fill="none" stroke="{}" stroke-width="2"/>"#,
-            d.join(" "),
-            PALETTE[i % PALETTE.len()]
-        );
+        polyline(&mut out, &f, i, c.iter().filter(|p| p.2.is_finite()).map(|p| (p.1, p.2)), "2");
     }
     out.push_str("</svg></figure>");
     out
+}
+
+/// Series `i`'s line through `points` (data coordinates) in `f`, in its
+/// palette colour; nothing for a series without points.
+fn polyline(out: &mut String, f: &Frame, i: usize, points: impl Iterator<Item = (f64, f64)>, width: &str) {
+    let d: Vec<String> = points.map(|(x, y)| format!("{:.1},{:.1}", f.px(x), f.py(y))).collect();
+    if d.is_empty() {
+        return;
+    }
+    let _ = write!(
+        out,
+        r#"<polyline class="s{i}" points="{}" fill="none" stroke="{}" stroke-width="{width}"/>"#,
+        d.join(" "),
+        PALETTE[i % PALETTE.len()]
+    );
 }
 
 const STYLE: &str = "body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:2em auto;max-width:1500px;padding:0 1.5em;color:#222;line-height:1.4}\
