@@ -248,19 +248,22 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             resumed_from: None,
         });
         if eval_due(w, step, tokens_before, t.data.position(), t.world) && w.steps != Some(step) {
-            meter.evaluate(&t, step)?;
             // Only an evaluation can reach the target, and rank 0's decides
             // (each rank evaluates its own held-out batches; rank 0's are
             // the ones results record). Every rank stops together: none may
             // wait in a collective for ranks that have stopped.
-            if w.stop_at_target && rank_zero_reached(meter.target_reached(), t.rank, comm, t.device)? {
+            let (rank, device) = (t.rank, t.device);
+            let decide = |reached| Ok(w.stop_at_target && rank_zero_reached(reached, rank, comm, device)?);
+            if meter.evaluate(&t, step, decide)? {
                 break;
             }
         }
     }
 
-    replicas.check(&t.params, &t.names, comm, step, compressor)?;
+    // The training clock stops before the last replica check: it checks
+    // the training, it is not part of it.
     let train_time = meter.close(&t, step)?;
+    replicas.check(&t.params, &t.names, comm, step, compressor)?;
     t.strategies.compressor.finish()?;
     let batch_changes = std::mem::take(&mut batch.changes);
     let resilience = safe.finish(ctx, t.rank);

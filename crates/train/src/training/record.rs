@@ -231,15 +231,25 @@ impl Meter {
         }
     }
 
-    /// Evaluates after `step` steps, with the training clock paused.
-    pub fn evaluate(&mut self, t: &Training, step: u64) -> Result<()> {
+    /// Evaluates after `step` steps, with the training clock paused, and
+    /// returns what `decide` makes of whether the target is reached (the
+    /// ranks' agreement to stop, which waits for every rank's evaluation
+    /// and so is evaluation time too). The device finishes the steps
+    /// queued before the clock pauses: their time is training time. The
+    /// next step's time leaves the evaluation out as well, so the recorded
+    /// steps tile the training time that throughput is measured over,
+    /// which `harness verify` checks.
+    pub fn evaluate(&mut self, t: &Training, step: u64, decide: impl FnOnce(bool) -> Result<bool>) -> Result<bool> {
+        self.synchronize();
         let t_eval = Instant::now();
         let t_train = self.train_elapsed().as_secs_f64();
         let ev = t.evaluate()?;
-        self.eval_time += t_eval.elapsed();
         self.eval_point(step, t_train, ev);
-        self.last_iter = Instant::now();
-        Ok(())
+        let stop = decide(self.reached.is_some());
+        let took = t_eval.elapsed();
+        self.eval_time += took;
+        self.last_iter += took;
+        stop
     }
 
     fn eval_point(&mut self, step: u64, t_train: f64, ev: Evaluation) {
@@ -250,11 +260,6 @@ impl Meter {
         if self.reached.is_none() && self.target.reached(&ev) {
             self.reached = Some((step, t_train));
         }
-    }
-
-    /// Whether an evaluation has reached the target.
-    pub fn target_reached(&self) -> bool {
-        self.reached.is_some()
     }
 
     /// After the last of `steps` steps: the last loss, the final eval
