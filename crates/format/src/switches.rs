@@ -204,8 +204,10 @@ switches! {
     /// `HARNESS_OVERLAP` (default 1): the built-in all-reduce over NCCL
     /// overlaps with the backward pass; 0 reduces after it.
     overlap: bool = true, "HARNESS_OVERLAP", Recorded;
-    /// `HARNESS_LOCAL_GRADS` (default 1): at one rank with the plain
-    /// average, autograd's own gradients; 0 keeps the gradient buckets.
+    /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
+    /// rank or at several with the overlap on, autograd's own gradients
+    /// (several ranks average each bucket's gradients in place as one NCCL
+    /// group); 0 keeps the flat gradient buffers.
     local_grads: bool = true, "HARNESS_LOCAL_GRADS", Recorded;
     /// `HARNESS_CUDA_GRAPH` (default unset): overrides the workloads'
     /// `cuda_graph`; 1 replays the step as a CUDA graph where it qualifies,

@@ -197,6 +197,15 @@ pub trait Collective {
         let _ = t;
         Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
     }
+    /// Starts averaging the tensors `ts` over ranks, each in place, as one
+    /// collective (NCCL: one group of all-reduces with NCCL's average),
+    /// with the same ordering as [`Collective::all_reduce_sum_async`]. The
+    /// tensors must be dense and laid out alike on every rank. Only where
+    /// `supports_async`.
+    fn all_reduce_avg_async(&mut self, ts: &[Tensor]) -> Result<(), CommError> {
+        let _ = ts;
+        Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
+    }
     /// Makes work queued from now on wait for every asynchronous collective.
     fn wait_async(&mut self) -> Result<(), CommError> {
         Ok(())
@@ -509,6 +518,25 @@ impl Collective for InProcessComm {
 
     fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
         self.all_reduce_sum(&mut t.shallow_clone())
+    }
+
+    /// One collective over the tensors laid end to end: the sum, then the
+    /// division by the number of ranks (the arithmetic of a flat bucket's
+    /// reduction, value for value).
+    fn all_reduce_avg_async(&mut self, ts: &[Tensor]) -> Result<(), CommError> {
+        let flat = Tensor::cat(&ts.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+        let mut sum = flat.shallow_clone();
+        self.all_reduce_sum(&mut sum)?;
+        let avg = sum / self.group.n as f64;
+        let mut at = 0;
+        tch::no_grad(|| {
+            for t in ts {
+                let n = t.numel() as i64;
+                t.shallow_clone().copy_(&avg.narrow(0, at, n).view_as(t));
+                at += n;
+            }
+        });
+        Ok(())
     }
 
     fn world_size(&self) -> usize {
@@ -941,6 +969,14 @@ pub mod nccl {
 
     type CommT = *mut c_void;
 
+    /// ncclRedOp_t: ncclSum, and ncclAvg (NCCL 2.10 and later), which
+    /// divides by the number of ranks inside the collective: no pass over
+    /// the buffers after it. With a power-of-two number of ranks the result
+    /// is the sum divided by it, bit for bit (scaling by a power of two is
+    /// exact); otherwise the two may differ in the last bit.
+    const RED_SUM: c_int = 0;
+    const RED_AVG: c_int = 4;
+
     struct Lib {
         _lib: libloading::Library,
         get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
@@ -949,6 +985,8 @@ pub mod nccl {
         all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, CommT, *mut c_void) -> c_int,
         reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
         broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommT, *mut c_void) -> c_int,
+        group_start: unsafe extern "C" fn() -> c_int,
+        group_end: unsafe extern "C" fn() -> c_int,
         destroy: unsafe extern "C" fn(CommT) -> c_int,
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     }
@@ -972,6 +1010,8 @@ pub mod nccl {
                     all_gather: sym!(b"ncclAllGather"),
                     reduce_scatter: sym!(b"ncclReduceScatter"),
                     broadcast: sym!(b"ncclBroadcast"),
+                    group_start: sym!(b"ncclGroupStart"),
+                    group_end: sym!(b"ncclGroupEnd"),
                     destroy: sym!(b"ncclCommDestroy"),
                     error_string: sym!(b"ncclGetErrorString"),
                     _lib: lib,
@@ -1071,7 +1111,7 @@ pub mod nccl {
             let l = lib().map_err(|e| self.fail("all_reduce", e))?;
             let (p, count) = (t.data_ptr(), t.numel());
             // SAFETY: in place on t's device memory, `count` elements; legacy stream.
-            check(unsafe { (l.all_reduce)(p, p, count, dt, 0, self.comm, std::ptr::null_mut()) }, "all_reduce")
+            check(unsafe { (l.all_reduce)(p, p, count, dt, RED_SUM, self.comm, std::ptr::null_mut()) }, "all_reduce")
                 .map_err(|e| self.fail("all_reduce", e))
         }
 
@@ -1125,6 +1165,54 @@ pub mod nccl {
             Ok(e)
         }
 
+        /// All-reduces `ts` in place with `red` as one NCCL group on the side
+        /// stream, once the legacy stream has produced them, between two
+        /// timing events.
+        fn side_all_reduce(&mut self, ts: &[Tensor], red: c_int) -> Result<(), CommError> {
+            let name = "all_reduce";
+            let types = ts.iter().map(|t| self.dtype_of(t, name)).collect::<Result<Vec<_>, _>>()?;
+            let side = match self.side {
+                Some(s) => s,
+                None => {
+                    let s = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
+                        .map_err(|e| self.fail(name, e))?;
+                    self.side = Some(s);
+                    s
+                }
+            };
+            let l = lib().map_err(|e| self.fail(name, e))?;
+            // The side stream waits for the gradients, queued on the legacy stream.
+            let ready = self.mark(std::ptr::null_mut(), name)?;
+            // SAFETY: `side` is our live stream.
+            unsafe { ready.wait_on(side) }.map_err(|e| self.fail(name, e))?;
+            // The wait took the event's state now: it can be recorded again.
+            self.spare.push(ready);
+            let start = self.mark(side, name)?;
+            // SAFETY: NCCL's group calls take no arguments; every call in
+            // between is queued and issued at ncclGroupEnd.
+            check(unsafe { (l.group_start)() }, name).map_err(|e| self.fail(name, e))?;
+            let mut issued = Ok(());
+            for (t, &dt) in ts.iter().zip(&types) {
+                let (p, count) = (t.data_ptr(), t.numel());
+                // SAFETY: in place on t's device memory, `count` elements of
+                // the given type, on our side stream; t outlives the
+                // collective (the caller keeps it until after `wait_async`).
+                issued = check(unsafe { (l.all_reduce)(p, p, count, dt, red, self.comm, side as *mut c_void) }, name);
+                if issued.is_err() {
+                    break;
+                }
+            }
+            // SAFETY: closes the group opened above, also after a failed call.
+            let ended = check(unsafe { (l.group_end)() }, name);
+            issued.and(ended).map_err(|e| self.fail(name, e))?;
+            let end = self.mark(side, name)?;
+            let bytes = ts.iter().map(nbytes).sum();
+            self.pending.push((Op::AllReduce, bytes, start, None, end));
+            self.stats.count(Op::AllReduce, bytes, self.n);
+            self.side_busy = true;
+            Ok(())
+        }
+
         /// Issues a training collective of `op` on a buffer of `bytes` (its
         /// nccl-tests size) between events, stretched to the link's time when
         /// a link is emulated, and counts it; the times are read back in `stats`.
@@ -1166,36 +1254,10 @@ pub mod nccl {
             self.link.is_none()
         }
         fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
-            let name = "all_reduce";
-            let dt = self.dtype_of(t, name)?;
-            let side = match self.side {
-                Some(s) => s,
-                None => {
-                    let s = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
-                        .map_err(|e| self.fail(name, e))?;
-                    self.side = Some(s);
-                    s
-                }
-            };
-            let l = lib().map_err(|e| self.fail(name, e))?;
-            // The side stream waits for the gradients, queued on the legacy stream.
-            let ready = self.mark(std::ptr::null_mut(), name)?;
-            // SAFETY: `side` is our live stream.
-            unsafe { ready.wait_on(side) }.map_err(|e| self.fail(name, e))?;
-            // The wait took the event's state now: it can be recorded again.
-            self.spare.push(ready);
-            let start = self.mark(side, name)?;
-            let (p, count) = (t.data_ptr(), t.numel());
-            // SAFETY: in place on t's device memory, `count` elements of the
-            // given type, on our side stream; t outlives the collective (the
-            // caller's bucket buffers live for the run).
-            check(unsafe { (l.all_reduce)(p, p, count, dt, 0, self.comm, side as *mut c_void) }, name).map_err(|e| self.fail(name, e))?;
-            let end = self.mark(side, name)?;
-            let bytes = nbytes(t);
-            self.pending.push((Op::AllReduce, bytes, start, None, end));
-            self.stats.count(Op::AllReduce, bytes, self.n);
-            self.side_busy = true;
-            Ok(())
+            self.side_all_reduce(std::slice::from_ref(t), RED_SUM)
+        }
+        fn all_reduce_avg_async(&mut self, ts: &[Tensor]) -> Result<(), CommError> {
+            self.side_all_reduce(ts, RED_AVG)
         }
         fn wait_async(&mut self) -> Result<(), CommError> {
             if let (Some(side), true) = (self.side, self.side_busy) {
@@ -1218,7 +1280,7 @@ pub mod nccl {
             let (p, count) = (t.data_ptr(), t.numel());
             // SAFETY: in place on t's device memory (send = receive buffer),
             // `count` elements of the given type; the legacy default stream.
-            self.timed(Op::AllReduce, nbytes(t), |l, comm| unsafe { (l.all_reduce)(p, p, count, dt, 0, comm, std::ptr::null_mut()) })
+            self.timed(Op::AllReduce, nbytes(t), |l, comm| unsafe { (l.all_reduce)(p, p, count, dt, RED_SUM, comm, std::ptr::null_mut()) })
         }
         fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
             let src = t.contiguous();

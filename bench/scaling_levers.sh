@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Where data parallelism loses its time, one lever at a time, in one call:
+# GPT PRESET bf16 on 1 GPU (autograd's own gradients, then the gradient
+# buckets with HARNESS_LOCAL_GRADS=0) and on N GPUs (DDP as shipped; with the
+# all-reduce after the backward pass, HARNESS_OVERLAP=0; with the flat
+# gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; with NCCL's protocol or
+# channel count set; with larger buckets), then one traced run whose step
+# bench/trace_summary.py breaks down. Prints a table last.
+# Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
+#   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
+#   VARIANTS (default all): any of one one-buckets ddp flat zero2 no-overlap
+#   simple ch8 ch32 bucket100 trace
+# Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh
+preset=${1:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
+n=${2:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
+variants=${3:-"one one-buckets ddp flat zero2 no-overlap simple ch8 ch32 bucket100 trace"}
+case "$preset" in
+  gpt2-124m) batch=16; steps=60; warm=10 ;;
+  1.3b) batch=8; steps=25; warm=5 ;;
+  *) echo "unknown preset $preset" >&2; exit 2 ;;
+esac
+dir="$OUT/levers-$preset"
+mkdir -p "$dir"
+
+# suite NAME WORLD BUCKET_MB [STRATEGY-TOML]
+suite() {
+  cat > "$dir/$1.toml" <<EOF
+[suite]
+name = "levers-$preset-$1"
+description = "GPT $preset bf16 on $2 GPU(s), lever $1 (bench/scaling_levers.sh)"
+device = "cuda"
+seed = 1
+warmup_steps = $warm
+world_size = $2
+bucket_mb = $3
+
+[[workload]]
+name = "gpt-$preset-bf16"
+model = { kind = "gpt", preset = "$preset" }
+data = { kind = "synthetic", vocab = 50304, branching = 4 }
+batch = $batch
+seq_len = 1024
+steps = $steps
+precision = "bf16"
+optimizer = { kind = "adamw", lr = 6e-4, betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.1 }
+grad_clip = 1.0
+eval_batches = 2
+
+[[strategy]]
+name = "${4:-ddp}"
+baseline = true
+${5:-}
+EOF
+  echo "$dir/$1.toml"
+}
+
+# run NAME [ENV...] -- ARGS: one harness run, its wall time recorded.
+run() {
+  local name=$1; shift
+  local t0; t0=$(date +%s)
+  env "$@" "$BIN" run "$dir/$name.toml" --out "$dir/$name.json" --quiet ${TRACE:+--trace} > "$dir/$name.txt" 2>&1 || tail -5 "$dir/$name.txt"
+  echo "$name: $(( $(date +%s) - t0 )) s" >&2
+}
+
+gpus=$(seq -s, 0 $((n - 1)))
+for v in $variants; do
+  case "$v" in
+    one) suite one 1 25 >/dev/null; run one CUDA_VISIBLE_DEVICES=0 ;;
+    one-buckets) suite one-buckets 1 25 >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
+    ddp) suite ddp "$n" 25 >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
+    flat) suite flat "$n" 25 >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    zero2) suite zero2 "$n" 25 zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    simple) suite simple "$n" 25 ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ch32) suite ch32 "$n" 25 ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    no-overlap) suite no-overlap "$n" 25 >/dev/null; run no-overlap CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
+    ch8) suite ch8 "$n" 25 ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run ch8 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bucket100) suite bucket100 "$n" 100 >/dev/null; run bucket100 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    trace) suite trace "$n" 25 >/dev/null; TRACE=1 run trace CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3
+      for f in "$dir"/trace.trace/*.json; do
+        [ -e "$f" ] || continue
+        python3 bench/trace_summary.py "$f" --top 25 > "${f%.json}.txt" 2>&1
+        gzip -f "$f"
+      done ;;
+    *) echo "unknown variant $v" >&2 ;;
+  esac
+done
+
+python3 - "$dir" "$n" $variants <<'PY'
+import json, os, sys
+d, n, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def entries(v):
+    try:
+        return json.load(open(os.path.join(d, v + ".json")))["entries"]
+    except Exception:
+        return []
+one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
+print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9}")
+for v in variants:
+    for e in entries(v):
+        m = e.get("metrics")
+        if not m:
+            print(f"{v:<12} failed: {str(e.get('error'))[:80]}")
+            continue
+        w = m.get("world_size", 1)
+        s = m.get("step") or {}
+        sc = f"{m['tokens_per_s'] / (w * one):.3f}" if one and w > 1 else ""
+        peak = (m.get("memory") or {}).get("peak_device_allocated_bytes", 0) / 2**30
+        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f}")
+PY
