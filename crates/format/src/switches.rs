@@ -201,8 +201,9 @@ switches! {
     /// `HARNESS_PDL` (default 1): programmatic dependent launches of
     /// harness's kernels on sm_90 and later; 0 keeps plain launches.
     pdl: bool = true, "HARNESS_PDL", Recorded;
-    /// `HARNESS_OVERLAP` (default 1): the built-in all-reduce over NCCL
-    /// overlaps with the backward pass; 0 reduces after it.
+    /// `HARNESS_OVERLAP` (default 1): the built-in reduction over NCCL (the
+    /// all-reduce, or ZeRO's reduce-scatter) overlaps with the backward
+    /// pass; 0 reduces after it.
     overlap: bool = true, "HARNESS_OVERLAP", Recorded;
     /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
     /// rank or at several with the overlap on, autograd's own gradients

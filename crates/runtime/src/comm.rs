@@ -206,6 +206,14 @@ pub trait Collective {
         let _ = ts;
         Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
     }
+    /// Starts averaging `t` (numel divisible by world_size) over ranks into
+    /// `out`, this rank's chunk (numel / world_size elements, rank order),
+    /// with the same ordering as [`Collective::all_reduce_sum_async`]. Only
+    /// where `supports_async`.
+    fn reduce_scatter_avg_async(&mut self, t: &Tensor, out: &Tensor) -> Result<(), CommError> {
+        let _ = (t, out);
+        Err(CommError::Aborted { op: "reduce_scatter", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
+    }
     /// Makes work queued from now on wait for every asynchronous collective.
     fn wait_async(&mut self) -> Result<(), CommError> {
         Ok(())
@@ -536,6 +544,14 @@ impl Collective for InProcessComm {
                 at += n;
             }
         });
+        Ok(())
+    }
+
+    /// The reduce-scatter, then the division by the number of ranks (what
+    /// the reduction after the backward pass computes, value for value).
+    fn reduce_scatter_avg_async(&mut self, t: &Tensor, out: &Tensor) -> Result<(), CommError> {
+        let chunk = self.reduce_scatter_sum(t)? / self.group.n as f64;
+        tch::no_grad(|| out.shallow_clone().copy_(&chunk.view_as(out)));
         Ok(())
     }
 
@@ -1166,11 +1182,49 @@ pub mod nccl {
         }
 
         /// All-reduces `ts` in place with `red` as one NCCL group on the side
-        /// stream, once the legacy stream has produced them, between two
-        /// timing events.
+        /// stream (see [`NcclComm::on_side`]).
         fn side_all_reduce(&mut self, ts: &[Tensor], red: c_int) -> Result<(), CommError> {
             let name = "all_reduce";
             let types = ts.iter().map(|t| self.dtype_of(t, name)).collect::<Result<Vec<_>, _>>()?;
+            let bytes = ts.iter().map(nbytes).sum();
+            self.on_side(Op::AllReduce, bytes, name, |l, comm, side| {
+                // SAFETY: NCCL's group calls take no arguments; every call in
+                // between is queued and issued at ncclGroupEnd.
+                let code = unsafe { (l.group_start)() };
+                if code != 0 {
+                    return code;
+                }
+                let mut issued = 0;
+                for (t, &dt) in ts.iter().zip(&types) {
+                    let (p, count) = (t.data_ptr(), t.numel());
+                    // SAFETY: in place on t's device memory, `count` elements
+                    // of the given type, on our side stream; t outlives the
+                    // collective (the caller keeps it until after `wait_async`).
+                    issued = unsafe { (l.all_reduce)(p, p, count, dt, red, comm, side) };
+                    if issued != 0 {
+                        break;
+                    }
+                }
+                // SAFETY: closes the group opened above, also after a failed call.
+                let ended = unsafe { (l.group_end)() };
+                if issued != 0 {
+                    issued
+                } else {
+                    ended
+                }
+            })
+        }
+
+        /// Issues a collective of `op` over `bytes` on the side stream, once
+        /// the legacy stream has produced its input, between two timing
+        /// events, and counts it.
+        fn on_side(
+            &mut self,
+            op: Op,
+            bytes: u64,
+            name: &'static str,
+            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> c_int,
+        ) -> Result<(), CommError> {
             let side = match self.side {
                 Some(s) => s,
                 None => {
@@ -1188,27 +1242,10 @@ pub mod nccl {
             // The wait took the event's state now: it can be recorded again.
             self.spare.push(ready);
             let start = self.mark(side, name)?;
-            // SAFETY: NCCL's group calls take no arguments; every call in
-            // between is queued and issued at ncclGroupEnd.
-            check(unsafe { (l.group_start)() }, name).map_err(|e| self.fail(name, e))?;
-            let mut issued = Ok(());
-            for (t, &dt) in ts.iter().zip(&types) {
-                let (p, count) = (t.data_ptr(), t.numel());
-                // SAFETY: in place on t's device memory, `count` elements of
-                // the given type, on our side stream; t outlives the
-                // collective (the caller keeps it until after `wait_async`).
-                issued = check(unsafe { (l.all_reduce)(p, p, count, dt, red, self.comm, side as *mut c_void) }, name);
-                if issued.is_err() {
-                    break;
-                }
-            }
-            // SAFETY: closes the group opened above, also after a failed call.
-            let ended = check(unsafe { (l.group_end)() }, name);
-            issued.and(ended).map_err(|e| self.fail(name, e))?;
+            check(issue(l, self.comm, side as *mut c_void), name).map_err(|e| self.fail(name, e))?;
             let end = self.mark(side, name)?;
-            let bytes = ts.iter().map(nbytes).sum();
-            self.pending.push((Op::AllReduce, bytes, start, None, end));
-            self.stats.count(Op::AllReduce, bytes, self.n);
+            self.pending.push((op, bytes, start, None, end));
+            self.stats.count(op, bytes, self.n);
             self.side_busy = true;
             Ok(())
         }
@@ -1258,6 +1295,22 @@ pub mod nccl {
         }
         fn all_reduce_avg_async(&mut self, ts: &[Tensor]) -> Result<(), CommError> {
             self.side_all_reduce(ts, RED_AVG)
+        }
+        fn reduce_scatter_avg_async(&mut self, t: &Tensor, out: &Tensor) -> Result<(), CommError> {
+            let name = "reduce_scatter";
+            let dt = self.dtype_of(t, name)?;
+            let (numel, count) = (t.numel(), out.numel());
+            if numel != count * self.n || out.kind() != t.kind() || !crate::torch_ext::is_dense(out) {
+                let reason = format!("{numel} elements do not split over {} ranks into {count} of {:?}", self.n, out.kind());
+                return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            let (sp, rp) = (t.data_ptr(), out.data_ptr());
+            // SAFETY: n x `count` elements read from t and `count` written to
+            // out, live device buffers of that type that the caller keeps
+            // until after `wait_async`, on our side stream.
+            self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| unsafe {
+                (l.reduce_scatter)(sp, rp, count, dt, RED_AVG, comm, side)
+            })
         }
         fn wait_async(&mut self) -> Result<(), CommError> {
             if let (Some(side), true) = (self.side, self.side_busy) {

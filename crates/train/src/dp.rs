@@ -46,13 +46,15 @@ pub enum ZeroStage {
     /// gradient buffers are released right after their reduce-scatter and
     /// allocated again before the next step's first backward pass.
     ///
-    /// Without gradient hooks during backward (which would reduce-scatter each
-    /// bucket as soon as its gradients are complete), the full local gradient
-    /// still exists from the first backward pass of a step until the
-    /// reduce-scatter, so the peak of the backward pass is the same as with
-    /// stage 1. What stage 2 saves over stage 1 is the full gradient buffers
-    /// during the optimizer step, the parameter all-gather, evaluation and the
-    /// next step's forward pass.
+    /// With the overlap on, each bucket is reduce-scattered from the
+    /// gradient hooks as soon as its gradients are complete, beside the rest
+    /// of the backward pass; the buffers are released after the pass, behind
+    /// the wait for those collectives. So the full local gradient still
+    /// exists from the first backward pass of a step to the end of the last,
+    /// and the peak of the backward pass is the same as with stage 1. What
+    /// stage 2 saves over stage 1 is the full gradient buffers during the
+    /// optimizer step, the parameter all-gather, evaluation and the next
+    /// step's forward pass.
     Two,
 }
 
@@ -120,8 +122,11 @@ struct Segment {
 /// to zero, accumulate into or divide, passes that cost 5% of a 1.3B step.
 /// With the flat buffers (`HARNESS_LOCAL_GRADS=0`) a bucket's buffer is
 /// summed, and divided by the world size after the backward pass, behind
-/// a wait for the side stream.
+/// a wait for the side stream. Under ZeRO a bucket's buffer is
+/// reduce-scattered (averaged) into this rank's chunk.
 struct Overlap {
+    /// ZeRO: reduce-scatters instead of all-reduces.
+    sharded: bool,
     bucket_of: Vec<usize>,
     sizes: Vec<usize>,
     /// Each bucket's parameters (their gradients are the group).
@@ -135,6 +140,8 @@ struct OverlapState {
     remaining: Vec<usize>,
     /// The flat buffers, or none with autograd's own gradients.
     flats: Vec<Tensor>,
+    /// ZeRO: each bucket's chunk of this rank, which its reduce-scatter fills.
+    chunks: Vec<Tensor>,
     launched: Vec<bool>,
     error: Option<String>,
 }
@@ -176,9 +183,10 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
         // The autograd thread uses it only while the owning thread is
         // blocked in `backward` and does not touch the collective.
         let comm = unsafe { comm.get() };
-        let started = match st.flats.get(b) {
-            Some(flat) => comm.all_reduce_sum_async(flat).map_err(anyhow::Error::from),
-            None => reducible_grads(&o.members[b]).and_then(|g| Ok(comm.all_reduce_avg_async(&g)?)),
+        let started = match (st.flats.get(b), st.chunks.get(b)) {
+            (Some(flat), Some(chunk)) => comm.reduce_scatter_avg_async(flat, chunk).map_err(anyhow::Error::from),
+            (Some(flat), None) => comm.all_reduce_sum_async(flat).map_err(anyhow::Error::from),
+            (None, _) => reducible_grads(&o.members[b]).and_then(|g| Ok(comm.all_reduce_avg_async(&g)?)),
         };
         if let Err(e) = started {
             st.error = Some(e.to_string());
@@ -340,10 +348,11 @@ impl DataParallel {
         Ok(order.into_iter().map(|i| if all[i].defined() { all[i].shallow_clone() } else { self.params[i].zeros_like() }).collect())
     }
 
-    /// Turns on the overlap of all-reduces with the backward pass; returns
-    /// whether it is on (plain DDP with a collective that supports it).
+    /// Turns on the overlap of the gradients' reduction (all-reduces, or
+    /// under ZeRO reduce-scatters) with the backward pass; returns whether
+    /// it is on (more than one rank, a collective that supports it).
     pub fn enable_overlap(&mut self, comm: &dyn Collective) -> anyhow::Result<bool> {
-        if self.stage.sharded() || self.world < 2 || !comm.supports_async() || self.overlap.is_some() {
+        if self.world < 2 || !comm.supports_async() || self.overlap.is_some() {
             return Ok(self.overlap.is_some());
         }
         let mut bucket_of = vec![usize::MAX; self.params.len()];
@@ -355,8 +364,16 @@ impl DataParallel {
         let sizes = self.buckets.iter().map(|b| b.params.len()).collect();
         let members = self.buckets.iter().map(|b| b.params.iter().map(|&i| self.params[i].shallow_clone()).collect()).collect();
         let n = self.buckets.len();
-        let state = OverlapState { comm: None, remaining: vec![0; n], flats: Vec::new(), launched: vec![false; n], error: None };
-        let o = Box::new(Overlap { bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
+        let state = OverlapState {
+            comm: None,
+            remaining: vec![0; n],
+            flats: Vec::new(),
+            chunks: Vec::new(),
+            launched: vec![false; n],
+            error: None,
+        };
+        let sharded = self.stage.sharded();
+        let o = Box::new(Overlap { sharded, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
             // SAFETY: ctx points into the box kept in self.overlap; the hooks
@@ -385,6 +402,12 @@ impl DataParallel {
             Vec::new()
         } else {
             self.buckets.iter().map(|b| b.grad.as_ref().map_or_else(Tensor::new, |g| g.0.shallow_clone())).collect()
+        };
+        let world = self.world as i64;
+        st.chunks = if o.sharded {
+            self.buckets.iter().map(|b| Tensor::empty([b.padded / world], (b.kind, self.device))).collect()
+        } else {
+            Vec::new()
         };
         st.error = None;
     }
@@ -531,6 +554,10 @@ impl DataParallel {
                 }
                 if self.local {
                     comm.all_reduce_avg_async(&reducible_grads(&o.members[bi])?)?;
+                } else if o.sharded {
+                    let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
+                    let st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+                    comm.reduce_scatter_avg_async(flat, &st.chunks[bi])?;
                 } else {
                     let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
                     comm.all_reduce_sum_async(flat)?;
@@ -538,7 +565,19 @@ impl DataParallel {
             }
             o.state.lock().unwrap_or_else(|e| e.into_inner()).launched = vec![false; count];
             comm.wait_async()?;
-            if !self.local {
+            if o.sharded {
+                let chunks = std::mem::take(&mut o.state.lock().unwrap_or_else(|e| e.into_inner()).chunks);
+                for (b, chunk) in self.buckets.iter_mut().zip(chunks) {
+                    b.reduced = Some(chunk);
+                    if self.stage == ZeroStage::Two {
+                        // Released behind the wait: the reduce-scatter has read it.
+                        for &i in &b.params {
+                            torch_ext::set_grad(&params[i], None)?;
+                        }
+                        b.grad = None;
+                    }
+                }
+            } else if !self.local {
                 for b in &self.buckets {
                     if let Some((flat, _)) = &b.grad {
                         let _ = flat.shallow_clone().divide_scalar_(n);
@@ -979,6 +1018,46 @@ mod tests {
                 assert!(g.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0)), "step {step}: {g:?} vs {w:?}");
             }
             assert!(got[3].iter().all(|&x| x == 0.0), "an unused parameter's average is zero");
+        }
+    }
+
+    #[test]
+    fn zero_reduce_scatters_from_the_hooks_as_after_the_pass() {
+        // ZeRO-1 and -2 on two ranks, two steps of two micro-batches, with
+        // the reduce-scatters started from the gradient hooks or after the
+        // pass: the same chunks bit for bit, and ZeRO-2 holds no full
+        // buffer afterwards either way.
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let run = move |overlap: bool| {
+                two_ranks(move |rank, comm| {
+                    let ps = params(6);
+                    let mut dp = DataParallel::new(&ps, 44, stage, rank, 2).unwrap();
+                    if overlap {
+                        assert!(dp.enable_overlap(comm).unwrap());
+                    }
+                    let mut out = Vec::new();
+                    for step in 0..2u64 {
+                        dp.begin_step().unwrap();
+                        for (micro, k) in [1.0, 2.0].into_iter().enumerate() {
+                            dp.before_backward(&ps).unwrap();
+                            dp.arm_overlap(comm, micro == 1);
+                            (loss(&ps[..3], k) * (rank as f64 + 1.0 + step as f64)).backward();
+                            dp.disarm_overlap();
+                        }
+                        dp.check_grads(&ps).unwrap();
+                        dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
+                        out.push((dp.grads().unwrap().iter().map(values).collect::<Vec<_>>(), dp.gradient_bytes()));
+                        dp.gather_params(comm).unwrap();
+                    }
+                    out
+                })
+            };
+            let (after, hooked) = (run(false), run(true));
+            assert_eq!(after, hooked, "{stage:?}");
+            if stage == ZeroStage::Two {
+                // Only the chunks: 4 bytes x (8 + 6 + 5) on each rank.
+                assert!(hooked.iter().flatten().all(|(_, bytes)| *bytes == 4 * (8 + 6 + 5)), "{hooked:?}");
+            }
         }
     }
 

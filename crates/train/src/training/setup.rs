@@ -125,8 +125,9 @@ impl Training {
         let grad_stats = strategies.batch.wants_gradient_stats()? && !dp.sharded();
         let oom =
             OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
-        // The built-in all-reduce over NCCL overlaps with the backward pass
-        // (HARNESS_OVERLAP=0 turns that off, to measure what it buys).
+        // The built-in reduction over NCCL (the all-reduce, or ZeRO's
+        // reduce-scatter) overlaps with the backward pass (HARNESS_OVERLAP=0
+        // turns that off, to measure what it buys).
         let switches = crate::switches::get();
         let overlap_allowed = switches.overlap && !grad_stats && !oom.agree;
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
