@@ -268,8 +268,9 @@ pub struct Metrics {
     pub collective_ops: BTreeMap<String, CollectiveOpRecord>,
     /// "built-in", "wasm", or "native (unsandboxed)" when any plugin is native.
     pub strategy_runtime: String,
-    /// The gradient all-reduces ran during the backward pass (NCCL side
-    /// stream, started as buckets filled).
+    /// The gradients' reduction (the all-reduces, or ZeRO's
+    /// reduce-scatters) ran during the backward pass (NCCL side stream,
+    /// started as buckets filled).
     #[serde(default)]
     pub overlapped_reduction: bool,
     /// The plugins the entry ran, with the time inside their calls.
