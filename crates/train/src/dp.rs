@@ -969,6 +969,28 @@ mod tests {
         }
     }
 
+    /// Two steps of two micro-batches on rank `rank`, its gradients
+    /// (r + 1 + step) x the loss's, parameter 3 getting none, the reduction
+    /// started from the hooks where the overlap is on: after each step, the
+    /// gradients the optimizer reads and the gradient bytes held.
+    fn two_steps(dp: &mut DataParallel, ps: &[Tensor], rank: usize, comm: &mut crate::comm::InProcessComm) -> Vec<(Vec<Vec<f32>>, u64)> {
+        let mut out = Vec::new();
+        for step in 0..2u64 {
+            dp.begin_step().unwrap();
+            for (micro, k) in [1.0, 2.0].into_iter().enumerate() {
+                dp.before_backward(ps).unwrap();
+                dp.arm_overlap(comm, micro == 1);
+                (loss(&ps[..3], k) * (rank as f64 + 1.0 + step as f64)).backward();
+                dp.disarm_overlap();
+            }
+            dp.check_grads(ps).unwrap();
+            dp.reduce(ps, &mut AllReduce, comm, step, false).unwrap();
+            out.push((dp.grads().unwrap().iter().map(values).collect(), dp.gradient_bytes()));
+            dp.gather_params(comm).unwrap();
+        }
+        out
+    }
+
     #[test]
     fn overlapped_ranks_with_autograds_gradients_average_as_the_flat_buckets_do() {
         // Two steps of two micro-batches on two ranks, the all-reduce started
@@ -983,19 +1005,7 @@ mod tests {
                 if local {
                     assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap());
                 }
-                let mut steps = Vec::new();
-                for step in 0..2u64 {
-                    dp.begin_step().unwrap();
-                    for (micro, k) in [1.0, 2.0].into_iter().enumerate() {
-                        dp.before_backward(&ps).unwrap();
-                        dp.arm_overlap(comm, micro == 1);
-                        (loss(&ps[..3], k) * (rank as f64 + 1.0 + step as f64)).backward();
-                        dp.disarm_overlap();
-                    }
-                    dp.check_grads(&ps).unwrap();
-                    dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
-                    steps.push(dp.grads().unwrap().iter().map(values).collect::<Vec<_>>());
-                }
+                let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
                 (steps, comm.stats().collectives)
             })
         };
@@ -1035,21 +1045,7 @@ mod tests {
                     if overlap {
                         assert!(dp.enable_overlap(comm).unwrap());
                     }
-                    let mut out = Vec::new();
-                    for step in 0..2u64 {
-                        dp.begin_step().unwrap();
-                        for (micro, k) in [1.0, 2.0].into_iter().enumerate() {
-                            dp.before_backward(&ps).unwrap();
-                            dp.arm_overlap(comm, micro == 1);
-                            (loss(&ps[..3], k) * (rank as f64 + 1.0 + step as f64)).backward();
-                            dp.disarm_overlap();
-                        }
-                        dp.check_grads(&ps).unwrap();
-                        dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
-                        out.push((dp.grads().unwrap().iter().map(values).collect::<Vec<_>>(), dp.gradient_bytes()));
-                        dp.gather_params(comm).unwrap();
-                    }
-                    out
+                    two_steps(&mut dp, &ps, rank, comm)
                 })
             };
             let (after, hooked) = (run(false), run(true));
