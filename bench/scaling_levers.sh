@@ -3,20 +3,23 @@
 # GPT PRESET bf16 on 1 GPU (autograd's own gradients, then the gradient
 # buckets with HARNESS_LOCAL_GRADS=0) and on N GPUs (DDP as shipped; with the
 # all-reduce after the backward pass, HARNESS_OVERLAP=0; with the flat
-# gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; with NCCL's protocol or
+# gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; averaging in bf16; the
+# collectives' stream at CUDA's greatest priority; with NCCL's protocol or
 # channel count set; with larger buckets), then one traced run whose step
 # bench/trace_summary.py breaks down. Prints a table last.
 # Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
 #   VARIANTS (default all): any of one one-buckets ddp flat zero2 no-overlap
-#   simple ch8 ch32 bucket100 trace
+#   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
+#   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
+#   bucket100 trace
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
 preset=${1:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
 n=${2:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
-variants=${3:-"one one-buckets ddp flat zero2 no-overlap simple ch8 ch32 bucket100 trace"}
+variants=${3:-"one one-buckets ddp flat zero2 no-overlap bf16 prio bf16-prio zero2-prio net net-bf16 simple ch8 ch32 bucket100 trace"}
 case "$preset" in
   gpt2-124m) batch=16; steps=60; warm=10 ;;
   1.3b) batch=8; steps=25; warm=5 ;;
@@ -75,6 +78,12 @@ for v in $variants; do
     zero2) suite zero2 "$n" 25 zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
     simple) suite simple "$n" 25 ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
     ch32) suite ch32 "$n" 25 ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16) suite bf16 "$n" 25 ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    prio) suite prio "$n" 25 >/dev/null; run prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    bf16-prio) suite bf16-prio "$n" 25 ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    zero2-prio) suite zero2-prio "$n" 25 zero2 'zero = 2' >/dev/null; run zero2-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    net) suite net "$n" 25 ddp-net 'nccl_transport = "network"' >/dev/null; run net CUDA_VISIBLE_DEVICES="$gpus" ;;
+    net-bf16) suite net-bf16 "$n" 25 ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run net-bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
     no-overlap) suite no-overlap "$n" 25 >/dev/null; run no-overlap CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
     ch8) suite ch8 "$n" 25 ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run ch8 CUDA_VISIBLE_DEVICES="$gpus" ;;
     bucket100) suite bucket100 "$n" 100 >/dev/null; run bucket100 CUDA_VISIBLE_DEVICES="$gpus" ;;
@@ -97,7 +106,7 @@ def entries(v):
     except Exception:
         return []
 one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
-print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9}")
+print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9}")
 for v in variants:
     for e in entries(v):
         m = e.get("metrics")
@@ -108,5 +117,6 @@ for v in variants:
         s = m.get("step") or {}
         sc = f"{m['tokens_per_s'] / (w * one):.3f}" if one and w > 1 else ""
         peak = (m.get("memory") or {}).get("peak_device_allocated_bytes", 0) / 2**30
-        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f}")
+        ev = m.get("final_eval_loss") or float("nan")
+        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f}")
 PY

@@ -44,6 +44,7 @@ fn strategy(name: &str, baseline: bool, compressor: &str) -> Strategy {
         checkpoint_async: true,
         nccl: Default::default(),
         nccl_transport: Default::default(),
+        reduce_dtype: Default::default(),
     }
 }
 

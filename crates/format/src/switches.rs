@@ -205,6 +205,11 @@ switches! {
     /// all-reduce, or ZeRO's reduce-scatter) overlaps with the backward
     /// pass; 0 reduces after it.
     overlap: bool = true, "HARNESS_OVERLAP", Recorded;
+    /// `HARNESS_COMM_PRIORITY` (default 0): 1 runs the collectives that
+    /// overlap the backward pass on a stream of CUDA's greatest priority,
+    /// so that their blocks go before the computation's; 0 gives it the
+    /// default priority, the computation's.
+    comm_priority: bool = false, "HARNESS_COMM_PRIORITY", Recorded;
     /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
     /// rank or at several with the overlap on, autograd's own gradients
     /// (several ranks average each bucket's gradients in place as one NCCL

@@ -1228,8 +1228,14 @@ pub mod nccl {
             let side = match self.side {
                 Some(s) => s,
                 None => {
-                    let s = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
-                        .map_err(|e| self.fail(name, e))?;
+                    use cudarc::driver::result::stream;
+                    let s = if harness_format::switches::get().comm_priority {
+                        stream::get_priority_range()
+                            .and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
+                    } else {
+                        stream::create(stream::StreamKind::NonBlocking)
+                    };
+                    let s = s.map_err(|e| self.fail(name, e))?;
                     self.side = Some(s);
                     s
                 }

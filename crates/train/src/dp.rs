@@ -142,8 +142,31 @@ struct OverlapState {
     flats: Vec<Tensor>,
     /// ZeRO: each bucket's chunk of this rank, which its reduce-scatter fills.
     chunks: Vec<Tensor>,
+    /// `reduce_dtype`: the type autograd's gradients are averaged in, when
+    /// not their own; and each gradient with its averaged copy in that
+    /// type, copied back after the wait.
+    reduce_kind: Option<Kind>,
+    casts: Vec<(Tensor, Tensor)>,
     launched: Vec<bool>,
     error: Option<String>,
+}
+
+/// Starts averaging `grads` in place as one collective, or with `kind`
+/// copies of them in that type, which `casts` keeps with their gradients
+/// to be copied back after the wait.
+fn start_average(
+    comm: &mut dyn Collective,
+    grads: Vec<Tensor>,
+    kind: Option<Kind>,
+    casts: &mut Vec<(Tensor, Tensor)>,
+) -> anyhow::Result<()> {
+    let Some(kind) = kind else {
+        return Ok(comm.all_reduce_avg_async(&grads)?);
+    };
+    let low: Vec<Tensor> = tch::no_grad(|| grads.iter().map(|g| g.to_kind(kind)).collect());
+    comm.all_reduce_avg_async(&low)?;
+    casts.extend(grads.into_iter().zip(low));
+    Ok(())
 }
 
 /// The gradients of `params` as one rank holds them after its backward
@@ -186,7 +209,10 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
         let started = match (st.flats.get(b), st.chunks.get(b)) {
             (Some(flat), Some(chunk)) => comm.reduce_scatter_avg_async(flat, chunk).map_err(anyhow::Error::from),
             (Some(flat), None) => comm.all_reduce_sum_async(flat).map_err(anyhow::Error::from),
-            (None, _) => reducible_grads(&o.members[b]).and_then(|g| Ok(comm.all_reduce_avg_async(&g)?)),
+            (None, _) => {
+                let kind = st.reduce_kind;
+                reducible_grads(&o.members[b]).and_then(|g| start_average(comm, g, kind, &mut st.casts))
+            }
         };
         if let Err(e) = started {
             st.error = Some(e.to_string());
@@ -335,6 +361,25 @@ impl DataParallel {
         Ok(true)
     }
 
+    /// Averages the gradients in `kind` (the strategy's `reduce_dtype`),
+    /// which only the overlapped average of autograd's own gradients does:
+    /// an error where it is off with more than one rank (one rank reduces
+    /// nothing).
+    pub fn reduce_in(&mut self, kind: Kind) -> anyhow::Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let Some(o) = self.overlap.as_ref().filter(|o| self.local && !o.sharded) else {
+            anyhow::bail!(
+                "`reduce_dtype = \"bf16\"` needs the all-reduce that overlaps the backward pass with autograd's own gradients, \
+                 which is off here (HARNESS_OVERLAP=0, HARNESS_LOCAL_GRADS=0, a batch policy that reads gradient statistics, or \
+                 an emulated out-of-memory limit)"
+            );
+        };
+        o.state.lock().unwrap_or_else(|e| e.into_inner()).reduce_kind = Some(kind);
+        Ok(())
+    }
+
     /// Whether the gradients are autograd's own ([`DataParallel::use_local_grads`]).
     pub fn local(&self) -> bool {
         self.local
@@ -369,6 +414,8 @@ impl DataParallel {
             remaining: vec![0; n],
             flats: Vec::new(),
             chunks: Vec::new(),
+            reduce_kind: None,
+            casts: Vec::new(),
             launched: vec![false; n],
             error: None,
         };
@@ -553,7 +600,9 @@ impl DataParallel {
                     continue;
                 }
                 if self.local {
-                    comm.all_reduce_avg_async(&reducible_grads(&o.members[bi])?)?;
+                    let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+                    let kind = st.reduce_kind;
+                    start_average(comm, reducible_grads(&o.members[bi])?, kind, &mut st.casts)?;
                 } else if o.sharded {
                     let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
                     let st = o.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -565,6 +614,12 @@ impl DataParallel {
             }
             o.state.lock().unwrap_or_else(|e| e.into_inner()).launched = vec![false; count];
             comm.wait_async()?;
+            let casts = std::mem::take(&mut o.state.lock().unwrap_or_else(|e| e.into_inner()).casts);
+            tch::no_grad(|| {
+                for (grad, average) in casts {
+                    grad.shallow_clone().copy_(&average);
+                }
+            });
             if o.sharded {
                 let chunks = std::mem::take(&mut o.state.lock().unwrap_or_else(|e| e.into_inner()).chunks);
                 for (b, chunk) in self.buckets.iter_mut().zip(chunks) {
@@ -1029,6 +1084,41 @@ mod tests {
             }
             assert!(got[3].iter().all(|&x| x == 0.0), "an unused parameter's average is zero");
         }
+    }
+
+    #[test]
+    fn a_bf16_reduction_averages_in_bf16_and_only_where_it_can() {
+        let out = two_ranks(|rank, comm| {
+            let ps = params(7);
+            let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, rank, 2).unwrap();
+            assert!(dp.enable_overlap(comm).unwrap());
+            assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap());
+            dp.reduce_in(Kind::BFloat16).unwrap();
+            two_steps(&mut dp, &ps, rank, comm)
+        });
+        assert_eq!(out[0], out[1], "both ranks hold the same average");
+        let reference = params(7);
+        for k in [1.0, 2.0] {
+            loss(&reference[..3], k).backward();
+        }
+        let want = torch_ext::grads(&reference[..3]).unwrap();
+        for (step, (got, _)) in out[0].iter().enumerate() {
+            for (g, w) in got.iter().zip(&want) {
+                let w = values(&(w * (1.5 + step as f64)));
+                // Rounded to bf16 (8 bits of mantissa), the fp32 gradients' average within it.
+                let bf16 = values(&Tensor::from_slice(g).to_kind(Kind::BFloat16).to_kind(Kind::Float));
+                assert_eq!(g, &bf16, "step {step}: the average is a bf16 value");
+                assert!(g.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 2e-2 * b.abs().max(0.1)), "step {step}: {g:?} vs {w:?}");
+            }
+        }
+        // Where the flat buffers or ZeRO reduce, it is refused by name.
+        let refused = two_ranks(|rank, comm| {
+            let ps = params(7);
+            let mut dp = DataParallel::new(&ps, 44, ZeroStage::One, rank, 2).unwrap();
+            assert!(dp.enable_overlap(comm).unwrap());
+            dp.reduce_in(Kind::BFloat16).unwrap_err().to_string()
+        });
+        assert!(refused[0].contains("`reduce_dtype = \"bf16\"` needs the all-reduce that overlaps"), "{}", refused[0]);
     }
 
     #[test]

@@ -697,6 +697,27 @@ pub struct Strategy {
     /// Which of NCCL's transports the ranks of one machine may use.
     #[serde(default, skip_serializing_if = "NcclTransport::is_auto")]
     pub nccl_transport: NcclTransport,
+    /// The type the built-in all-reduce averages the gradients in: `fp32`,
+    /// theirs, or `bf16`, half the bytes on the wire and the average
+    /// rounded to bf16 (FSDP's mixed-precision `reduce_dtype`). Changes the
+    /// numerics, hence a key of the strategy, recorded with it.
+    #[serde(default, skip_serializing_if = "ReduceDtype::is_fp32")]
+    pub reduce_dtype: ReduceDtype,
+}
+
+/// `reduce_dtype`: the gradients' own fp32, or bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    #[default]
+    Fp32,
+    Bf16,
+}
+
+impl ReduceDtype {
+    fn is_fp32(&self) -> bool {
+        *self == ReduceDtype::Fp32
+    }
 }
 
 /// `nccl_transport`: NCCL's own choice, or the network transport forced
@@ -775,6 +796,7 @@ impl Strategy {
             checkpoint_async: true,
             nccl: Default::default(),
             nccl_transport: NcclTransport::Auto,
+            reduce_dtype: ReduceDtype::Fp32,
         }
     }
 }

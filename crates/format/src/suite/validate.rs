@@ -871,6 +871,24 @@ impl Checker<'_> {
                 );
             }
         }
+        if st.reduce_dtype != crate::suite::ReduceDtype::Fp32 {
+            let why = if st.compressor != "allreduce" {
+                Some(format!("compressor `{}` reduces the gradients itself", st.compressor))
+            } else if st.zero > 0 {
+                Some("ZeRO reduce-scatters them in their own type".to_owned())
+            } else if st.link.is_some() {
+                Some("an emulated link reduces after the backward pass, which averages in the gradients' type".to_owned())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                self.err(
+                    &at("reduce_dtype"),
+                    format!("`reduce_dtype = \"bf16\"` is for the built-in all-reduce on its own: {why}"),
+                    Some("use it with `compressor = \"allreduce\"`, `zero = 0` and no `link`".into()),
+                );
+            }
+        }
         if let Some(ws) = &st.workloads {
             for w in ws {
                 if !names.contains(w.as_str()) {
@@ -1008,6 +1026,25 @@ name = "b"
             assert!(e.0[0].message.contains(says), "{bad}: {e}");
             assert_eq!(e.0[0].line_col().unwrap().0, 22, "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_bf16_reduction_is_for_the_built_in_all_reduce_alone() {
+        let two_ranks = OK.replace("repeats = 2", "repeats = 2\nworld_size = 2");
+        let s = parse(&two_ranks.replace("name = \"b\"", "name = \"b\"\nreduce_dtype = \"bf16\"")).unwrap();
+        assert_eq!(s.spec.strategies[1].reduce_dtype, crate::suite::ReduceDtype::Bf16);
+        assert_eq!(s.spec.strategies[0].reduce_dtype, crate::suite::ReduceDtype::Fp32);
+        for (bad, says) in [
+            ("zero = 1", "ZeRO reduce-scatters them in their own type"),
+            ("link = { gbps = 10 }", "an emulated link reduces after the backward pass"),
+            ("compressor = \"none\"", "compressor `none` reduces the gradients itself"),
+        ] {
+            let text = two_ranks.replace("name = \"b\"", &format!("name = \"b\"\nreduce_dtype = \"bf16\"\n{bad}"));
+            let e = parse(&text).unwrap_err();
+            assert!(e.0.iter().any(|e| e.message.contains(says)), "{bad}: {e}");
+        }
+        let e = parse(&two_ranks.replace("name = \"b\"", "name = \"b\"\nreduce_dtype = \"fp8\"")).unwrap_err();
+        assert!(e.0[0].message.contains("unknown variant `fp8`"), "{e}");
     }
 
     #[test]

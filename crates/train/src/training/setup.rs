@@ -135,6 +135,10 @@ impl Training {
         // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
         let local_allowed = switches.local_grads;
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
+        // The strategy's `reduce_dtype`: the average in bf16.
+        if ctx.entry.strategy.reduce_dtype == crate::suite::ReduceDtype::Bf16 {
+            dp.reduce_in(Kind::BFloat16)?;
+        }
         // cuDNN's convolution algorithms: timed per input shape, or its
         // heuristics' choice (a process-wide libtorch setting, set for
         // every entry).
