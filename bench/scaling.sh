@@ -10,6 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
+source bench/gpt_suite.sh
 preset=${1:?usage: bench/scaling.sh PRESET \"COUNTS\"}
 counts=${2:-"1 2 4"}
 case "$preset" in
@@ -23,33 +24,8 @@ for n in $counts; do
   gpus=$(seq -s, 0 $((n - 1)))
   zero=""
   if [ "$n" -gt 1 ]; then zero=$'[[strategy]]\nname = "zero2"\nzero = 2'; fi
-  cat > "$dir/suite-$n.toml" <<EOF
-[suite]
-name = "scaling-$preset-$n"
-description = "GPT $preset bf16 on $n GPU(s): DDP and ZeRO-2 (bench/scaling.sh)"
-device = "cuda"
-seed = 1
-warmup_steps = $warm
-world_size = $n
-
-[[workload]]
-name = "gpt-$preset-bf16"
-model = { kind = "gpt", preset = "$preset" }
-data = { kind = "synthetic", vocab = 50304, branching = 4 }
-batch = $batch
-seq_len = 1024
-steps = $steps
-precision = "bf16"
-optimizer = { kind = "adamw", lr = 6e-4, betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.1 }
-grad_clip = 1.0
-eval_batches = 2
-
-[[strategy]]
-name = "ddp"
-baseline = true
-
-$zero
-EOF
+  gpt_suite "scaling-$preset-$n" "GPT $preset bf16 on $n GPU(s): DDP and ZeRO-2 (bench/scaling.sh)" "$preset" "$n" "$batch" "$steps" "$warm" 25 \
+    $'[[strategy]]\nname = "ddp"\nbaseline = true\n\n'"$zero" > "$dir/suite-$n.toml"
   t0=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpus "$BIN" run "$dir/suite-$n.toml" --out "$dir/harness-$n.json" --quiet > "$dir/harness-$n.txt" 2>&1 || tail -5 "$dir/harness-$n.txt"
   t1=$(date +%s)

@@ -17,6 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
+source bench/gpt_suite.sh
 preset=${1:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
 n=${2:?usage: bench/scaling_levers.sh PRESET N [VARIANTS]}
 variants=${3:-"one one-buckets ddp flat zero2 no-overlap bf16 prio bf16-prio zero2-prio net net-bf16 simple ch8 ch32 bucket100 trace"}
@@ -28,35 +29,10 @@ esac
 dir="$OUT/levers-$preset"
 mkdir -p "$dir"
 
-# suite NAME WORLD BUCKET_MB [STRATEGY-TOML]
+# suite NAME WORLD BUCKET_MB [STRATEGY-NAME [STRATEGY-TOML]]
 suite() {
-  cat > "$dir/$1.toml" <<EOF
-[suite]
-name = "levers-$preset-$1"
-description = "GPT $preset bf16 on $2 GPU(s), lever $1 (bench/scaling_levers.sh)"
-device = "cuda"
-seed = 1
-warmup_steps = $warm
-world_size = $2
-bucket_mb = $3
-
-[[workload]]
-name = "gpt-$preset-bf16"
-model = { kind = "gpt", preset = "$preset" }
-data = { kind = "synthetic", vocab = 50304, branching = 4 }
-batch = $batch
-seq_len = 1024
-steps = $steps
-precision = "bf16"
-optimizer = { kind = "adamw", lr = 6e-4, betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.1 }
-grad_clip = 1.0
-eval_batches = 2
-
-[[strategy]]
-name = "${4:-ddp}"
-baseline = true
-${5:-}
-EOF
+  gpt_suite "levers-$preset-$1" "GPT $preset bf16 on $2 GPU(s), lever $1 (bench/scaling_levers.sh)" "$preset" "$2" "$batch" "$steps" "$warm" "$3" \
+    "$(printf '[[strategy]]\nname = "%s"\nbaseline = true\n%s' "${4:-ddp}" "${5:-}")" > "$dir/$1.toml"
   echo "$dir/$1.toml"
 }
 
