@@ -246,6 +246,29 @@ fn cpu_data_parallel_ranks_share_the_work_and_count_their_bytes() {
 }
 
 #[test]
+fn a_bf16_average_is_a_recorded_strategy_key_that_learns_as_fp32_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = tiny_gpt("dp", 40, "");
+    let strategies = "\n[[strategy]]\nname = \"fp32\"\nbaseline = true\n\n[[strategy]]\nname = \"bf16\"\nreduce_dtype = \"bf16\"\n";
+    let s = write(dir.path(), "s.toml", &(suite("bf16", "world_size = 2", &w) + strategies));
+    run_ok(harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "r.json"]));
+    let r = results(&dir.path().join("r.json"));
+    assert_eq!(r["plan"][1]["strategy"]["reduce_dtype"], "bf16", "recorded with the entry's strategy");
+    assert!(r["plan"][0]["strategy"].get("reduce_dtype").is_none(), "fp32 is the default, left out");
+    let loss = |i: usize| r["entries"][i]["metrics"]["final_eval_loss"].as_f64().unwrap();
+    let (fp32, bf16) = (loss(0), loss(1));
+    assert_ne!(fp32, bf16, "the bf16 average changes the numerics");
+    assert!((fp32 - bf16).abs() < 0.05 * fp32, "bf16 {bf16} vs fp32 {fp32}");
+    // Where the reduction does not overlap the backward pass, the entry
+    // fails by name and the run goes on.
+    let o = harness(dir.path()).args(["run", "-q"]).arg(&s).args(["--out", "off.json"]).env("HARNESS_OVERLAP", "0").output().unwrap();
+    let r = RunResult::read(&dir.path().join("off.json")).unwrap();
+    assert!(matches!(r.entries[0].status, EntryStatus::Ok), "{}", String::from_utf8_lossy(&o.stdout));
+    let EntryStatus::Failed { error, .. } = &r.entries[1].status else { panic!("the bf16 entry ran without the overlap") };
+    assert!(error.contains("`reduce_dtype = \"bf16\"` needs the all-reduce that overlaps the backward pass"), "{error}");
+}
+
+#[test]
 fn a_cluster_topology_stretches_only_the_traffic_between_nodes_and_learns_as_flat_ranks_do() {
     let dir = tempfile::tempdir().unwrap();
     let w = tiny_gpt("topo", 12, "");
