@@ -445,6 +445,8 @@ impl DataParallel {
         st.comm = Some(unsafe { CommPtr::new(comm) });
         st.remaining = o.sizes.clone();
         st.launched.iter_mut().for_each(|l| *l = false);
+        // Nothing of a dropped step (one that ran out of memory) carries over.
+        st.casts.clear();
         st.flats = if self.local {
             Vec::new()
         } else {
