@@ -181,6 +181,9 @@ switches! {
     /// `HARNESS_FUSED_POST_NORM` (default 1): the encoder's post-norm add and
     /// LayerNorm node; 0 keeps libtorch's.
     fused_post_norm: bool = true, "HARNESS_FUSED_POST_NORM", Recorded;
+    /// `HARNESS_FUSED_RMS_NORM` (default 1): t5's residual add and RMS
+    /// normalisation node on CUDA; 0 keeps libtorch's.
+    fused_rms_norm: bool = true, "HARNESS_FUSED_RMS_NORM", Recorded;
     /// `HARNESS_FUSED_CASTS` (default 1): the fused layers' weights cast to
     /// bf16 in one launch per step; 0 leaves each layer to cast its own.
     /// Read on every step.

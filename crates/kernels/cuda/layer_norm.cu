@@ -1,6 +1,9 @@
 // Residual add + LayerNorm over rows of C channels (C % 4 == 0), thread t of
 // a block owning channels 4t..4t+3 (blockDim.x = C/4 rounded up to a warp),
-// blocks striding over rows. Statistics in fp32, two-pass variance.
+// blocks striding over rows. Statistics in fp32, two-pass variance. With
+// RMS (the add_rms_* kernels), RMS normalisation instead (T5's layer norm):
+// no mean is subtracted (the kept mean is 0) and there is no bias (b is not
+// read), y = x / sqrt(mean(x^2) + eps) * w.
 __device__ __forceinline__ void st_bf4(bf16* p, const float v[4]) {
   uint2 u;
   u.x = (unsigned int)f2bf(v[0]) | ((unsigned int)f2bf(v[1]) << 16);
@@ -23,7 +26,7 @@ __device__ __forceinline__ void st4(float* p, const float v[4]) { *reinterpret_c
 // xo = x + f + fb (fp32; f bf16 and fb, the branch's bias, fp32 [C], both
 // optional; without f, xo is not written), y = LayerNorm(xo) * w + b as
 // Y (bf16, or fp32 in add_ln_fwd_f32), with each row's mean and 1/std kept.
-template <typename Y>
+template <typename Y, bool RMS>
 __device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* __restrict__ f,
     const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
@@ -33,8 +36,9 @@ __device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* 
   const bool on = c < C;
   float wv[4] = {0.f, 0.f, 0.f, 0.f}, bv[4] = {0.f, 0.f, 0.f, 0.f}, fbv[4] = {0.f, 0.f, 0.f, 0.f};
   if (on) {
-    float4 a = *reinterpret_cast<const float4*>(w + c), d = *reinterpret_cast<const float4*>(b + c);
-    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; bv[0] = d.x; bv[1] = d.y; bv[2] = d.z; bv[3] = d.w;
+    float4 a = *reinterpret_cast<const float4*>(w + c);
+    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+    if (!RMS) { float4 d = *reinterpret_cast<const float4*>(b + c); bv[0] = d.x; bv[1] = d.y; bv[2] = d.z; bv[3] = d.w; }
     if (fb) { float4 e = *reinterpret_cast<const float4*>(fb + c); fbv[0] = e.x; fbv[1] = e.y; fbv[2] = e.z; fbv[3] = e.w; }
   }
   const float inv_c = 1.f / (float)C;
@@ -62,7 +66,7 @@ __device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* 
       for (int j = 0; j < 4; j++) v[j] += g[j] + fbv[j];
       *reinterpret_cast<float4*>(xo + at) = make_float4(v[0], v[1], v[2], v[3]);
     }
-    const float m = block_sum(v[0] + v[1] + v[2] + v[3], sh) * inv_c;
+    const float m = RMS ? 0.f : block_sum(v[0] + v[1] + v[2] + v[3], sh) * inv_c;
     float sq = 0.f;
     if (on) {
       #pragma unroll
@@ -81,13 +85,14 @@ __device__ __forceinline__ void ln_fwd(const float* __restrict__ x, const bf16* 
 #define LN_FWD_ARGS(Y) const float* __restrict__ x, const bf16* __restrict__ f, const float* __restrict__ fb, \
     const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y, \
     float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps
-extern "C" __global__ void add_ln_fwd(LN_FWD_ARGS(bf16)) { ln_fwd<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
-extern "C" __global__ void add_ln_fwd_f32(LN_FWD_ARGS(float)) { ln_fwd<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
+extern "C" __global__ void add_ln_fwd(LN_FWD_ARGS(bf16)) { ln_fwd<bf16, false>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
+extern "C" __global__ void add_ln_fwd_f32(LN_FWD_ARGS(float)) { ln_fwd<float, false>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
+extern "C" __global__ void add_rms_fwd(LN_FWD_ARGS(bf16)) { ln_fwd<bf16, true>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps); }
 // add_ln_fwd for rows of at most 1024 channels: one warp per row, lane l
 // owning the float4 chunks l, l + 32, ... (all of a row's loads issued
 // before its reductions, which are warp shuffles: no block-wide
 // synchronisation). Same arguments and results.
-template <typename Y>
+template <typename Y, bool RMS>
 __device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const bf16* __restrict__ f,
     const float* __restrict__ fb, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ xo, Y* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int N, int C, float eps) {
@@ -123,7 +128,7 @@ __device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const b
     for (int j = 0; j < 8; j++) s += v[j][0] + v[j][1] + v[j][2] + v[j][3];
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    const float m = s * inv_c;
+    const float m = RMS ? 0.f : s * inv_c;
     float sq = 0.f;
     #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -140,7 +145,8 @@ __device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const b
       const int q = lane + 32 * j;
       if (q < nq) {
         if (f) *reinterpret_cast<float4*>(xo + base + 4 * q) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
-        const float4 wq = *reinterpret_cast<const float4*>(w + 4 * q), bq = *reinterpret_cast<const float4*>(b + 4 * q);
+        const float4 wq = *reinterpret_cast<const float4*>(w + 4 * q);
+        const float4 bq = RMS ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(b + 4 * q);
         const float wv[4] = {wq.x, wq.y, wq.z, wq.w}, bv[4] = {bq.x, bq.y, bq.z, bq.w};
         float o[4];
         #pragma unroll
@@ -152,17 +158,20 @@ __device__ __forceinline__ void ln_fwd_warp(const float* __restrict__ x, const b
   }
 }
 extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp(LN_FWD_ARGS(bf16)) {
-  ln_fwd_warp<bf16>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
+  ln_fwd_warp<bf16, false>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
 }
 extern "C" __global__ void __launch_bounds__(256) add_ln_fwd_warp_f32(LN_FWD_ARGS(float)) {
-  ln_fwd_warp<float>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
+  ln_fwd_warp<float, false>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
+}
+extern "C" __global__ void __launch_bounds__(256) add_rms_fwd_warp(LN_FWD_ARGS(bf16)) {
+  ln_fwd_warp<bf16, true>(x, f, fb, w, b, xo, y, mean, rstd, N, C, eps);
 }
 // The backward pass of add_ln_fwd: from dy (Y: bf16, or fp32 in the _f32
 // kernels) and the LayerNorm's input x, dx = dres + d(LayerNorm)/dx (fp32;
 // dres optional), df = bf16(dx) (optional), and per-block partial sums
 // ([gridDim.x, 3, C] in part) of dw = sum(dy * xhat), db = sum(dy) and, for
 // the branch's bias, sum(dx).
-template <typename Y>
+template <typename Y, bool RMS>
 __device__ __forceinline__ void ln_bwd(const Y* __restrict__ dy, const float* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
     const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
@@ -216,7 +225,7 @@ __device__ __forceinline__ void ln_bwd(const Y* __restrict__ dy, const float* __
         db[j] += d[j];
       }
     }
-    s1 = block_sum(s1, sh) * inv_c;
+    s1 = RMS ? 0.f : block_sum(s1, sh) * inv_c;
     s2 = block_sum(s2, sh) * inv_c;
     if (on) {
       float o[4];
@@ -239,8 +248,9 @@ __device__ __forceinline__ void ln_bwd(const Y* __restrict__ dy, const float* __
 #define LN_BWD_ARGS(Y) const Y* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean, \
     const float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ dres, float* __restrict__ dx, \
     bf16* __restrict__ df, float* __restrict__ part, int N, int C
-extern "C" __global__ void add_ln_bwd(LN_BWD_ARGS(bf16)) { ln_bwd<bf16>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
-extern "C" __global__ void add_ln_bwd_f32(LN_BWD_ARGS(float)) { ln_bwd<float>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
+extern "C" __global__ void add_ln_bwd(LN_BWD_ARGS(bf16)) { ln_bwd<bf16, false>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
+extern "C" __global__ void add_ln_bwd_f32(LN_BWD_ARGS(float)) { ln_bwd<float, false>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
+extern "C" __global__ void add_rms_bwd(LN_BWD_ARGS(bf16)) { ln_bwd<bf16, true>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); }
 
 // add_ln_bwd for rows of C = 128 * NQ channels: a warp per row, lane l
 // owning the float4 chunks l, l + 32, ... (all of a row's loads issued
@@ -254,7 +264,7 @@ extern "C" __global__ void add_ln_bwd_f32(LN_BWD_ARGS(float)) { ln_bwd<float>(dy
 // lane's registers, 72 at 768 channels, ran slower on an H100: 2.00 ms of
 // GPT-2 124M's step in 8-warp blocks, 1.80 in 4-warp ones, against 1.69
 // here.) Same arguments and results as add_ln_bwd.
-template <typename Y, int NQ>
+template <typename Y, int NQ, bool RMS>
 __device__ __forceinline__ void ln_bwd_warp(const Y* __restrict__ dy, const float* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w,
     const float* __restrict__ dres, float* __restrict__ dx, bf16* __restrict__ df,
@@ -311,7 +321,7 @@ __device__ __forceinline__ void ln_bwd_warp(const Y* __restrict__ dy, const floa
       s1 += __shfl_xor_sync(0xffffffffu, s1, o);
       s2 += __shfl_xor_sync(0xffffffffu, s2, o);
     }
-    s1 *= inv_c;
+    s1 = RMS ? 0.f : s1 * inv_c;
     s2 *= inv_c;
     #pragma unroll
     for (int j = 0; j < NQ; j++) {
@@ -340,10 +350,13 @@ __device__ __forceinline__ void ln_bwd_warp(const Y* __restrict__ dy, const floa
 }
 #define LN_BWD_WARP(NQ) \
   extern "C" __global__ void add_ln_bwd_warp##NQ(LN_BWD_ARGS(bf16)) { \
-    ln_bwd_warp<bf16, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
+    ln_bwd_warp<bf16, NQ, false>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
   } \
   extern "C" __global__ void add_ln_bwd_warp_f32_##NQ(LN_BWD_ARGS(float)) { \
-    ln_bwd_warp<float, NQ>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
+    ln_bwd_warp<float, NQ, false>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
+  } \
+  extern "C" __global__ void add_rms_bwd_warp##NQ(LN_BWD_ARGS(bf16)) { \
+    ln_bwd_warp<bf16, NQ, true>(dy, x, mean, rstd, w, dres, dx, df, part, N, C); \
   }
 LN_BWD_WARP(1)
 LN_BWD_WARP(2)

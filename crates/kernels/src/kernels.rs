@@ -110,13 +110,26 @@ fn ln_bwd_warp() -> bool {
     harness_format::switches::get().ln_bwd_warp
 }
 
-/// Which of the LayerNorm kernels serve an output (and gradient) of
-/// `kind`: bf16 (0) or fp32 (1).
-fn ln_index(kind: Kind) -> anyhow::Result<usize> {
-    match kind {
-        Kind::BFloat16 => Ok(0),
-        Kind::Float => Ok(1),
-        k => anyhow::bail!("fused LayerNorm writes bf16 or fp32 rows, not {k:?}"),
+/// The normalisation of [`add_layer_norm`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Norm {
+    /// LayerNorm: `(x - mean) / std * w + b`.
+    Layer,
+    /// RMS normalisation (T5's layer norm): `x / rms(x) * w`, no mean
+    /// subtracted and no bias.
+    Rms,
+}
+
+/// Which of the LayerNorm kernels serve `norm` with an output (and
+/// gradient) of `kind`: LayerNorm in bf16 (0) or fp32 (1), RMS
+/// normalisation in bf16 (2).
+fn ln_index(norm: Norm, kind: Kind) -> anyhow::Result<usize> {
+    match (norm, kind) {
+        (Norm::Layer, Kind::BFloat16) => Ok(0),
+        (Norm::Layer, Kind::Float) => Ok(1),
+        (Norm::Rms, Kind::BFloat16) => Ok(2),
+        (Norm::Layer, k) => anyhow::bail!("fused LayerNorm writes bf16 or fp32 rows, not {k:?}"),
+        (Norm::Rms, k) => anyhow::bail!("fused RMS normalisation writes bf16 rows, not {k:?}"),
     }
 }
 
@@ -134,13 +147,16 @@ fn ln_grid(k: &Loaded, n: i64, c: i64) -> Grid {
 /// given: returns `x + f + fb` (fp32; only with `f`), the normalised rows in
 /// `y_kind` (bf16 for a matmul, or fp32 for a post-norm residual stream),
 /// and each row's mean and 1/std (fp32 `[n]`) for
-/// [`add_layer_norm_backward`].
+/// [`add_layer_norm_backward`]. With [`Norm::Rms`], RMS normalisation
+/// (bf16 rows only; no bias `b`; the kept mean is 0).
+#[allow(clippy::too_many_arguments)]
 pub fn add_layer_norm(
+    norm: Norm,
     x: &Tensor,
     f: Option<&Tensor>,
     fb: Option<&Tensor>,
     w: &Tensor,
-    b: &Tensor,
+    b: Option<&Tensor>,
     eps: f32,
     y_kind: Kind,
 ) -> anyhow::Result<(Option<Tensor>, Tensor, Tensor, Tensor)> {
@@ -155,14 +171,15 @@ pub fn add_layer_norm(
         "the residual branch must be contiguous bf16 [{n}, {c}]"
     );
     anyhow::ensure!(
-        w.kind() == Kind::Float && b.kind() == Kind::Float && w.size() == [c] && b.size() == [c],
+        w.kind() == Kind::Float && w.size() == [c] && b.is_none_or(|b| b.kind() == Kind::Float && b.size() == [c]),
         "LayerNorm parameters must be fp32 [{c}]"
     );
+    anyhow::ensure!(b.is_some() == (norm == Norm::Layer), "LayerNorm takes a bias, RMS normalisation none");
     anyhow::ensure!(
         fb.is_none_or(|fb| f.is_some() && fb.kind() == Kind::Float && fb.size() == [c]),
         "the branch's bias must be fp32 [{c}], with a branch"
     );
-    let out = ln_index(y_kind)?;
+    let out = ln_index(norm, y_kind)?;
     let xo = f.map(|_| x.empty_like());
     let y = Tensor::empty([n, c], (y_kind, x.device()));
     let mean = Tensor::empty([n], (Kind::Float, x.device()));
@@ -176,9 +193,10 @@ pub fn add_layer_norm(
     };
     let (n32, c32) = dims(n, c)?;
     // SAFETY: the arguments follow add_ln_fwd's signature, which
-    // add_ln_fwd_warp shares (device pointers to tensors of the checked
-    // shapes, kinds and contiguity, or null for the absent residual, then
-    // N, C, eps); every tensor outlives the call.
+    // add_ln_fwd_warp and the add_rms_fwd kernels share (device pointers to
+    // tensors of the checked shapes, kinds and contiguity, or null for the
+    // absent residual, and for the bias, which the RMS kernels do not read,
+    // then N, C, eps); every tensor outlives the call.
     unsafe {
         launch(kernel, grid, params![x, f, fb, w, b, xo.as_ref(), &y, &mean, &rstd, n32, c32, eps])?;
     }
@@ -191,8 +209,11 @@ pub fn add_layer_norm(
 /// and `dres` (fp32, the gradient reaching `x + f` from elsewhere, if any),
 /// returns dx (fp32; also `f`'s gradient when cast to bf16), `f`'s gradient
 /// (bf16, with `want_df`), and the partial sums of dw, db and the branch
-/// bias's gradient (the sum of dx over rows), each fp32 `[c]` once summed.
+/// bias's gradient (the sum of dx over rows), each fp32 `[c]` once summed
+/// (with [`Norm::Rms`], db's sums are of no use).
+#[allow(clippy::too_many_arguments)]
 pub fn add_layer_norm_backward(
+    norm: Norm,
     dy: &Tensor,
     x: &Tensor,
     mean: &Tensor,
@@ -204,7 +225,7 @@ pub fn add_layer_norm_backward(
     let k = require("fused")?;
     let (n, c) = x.size2()?;
     let dy = if dy.kind() == Kind::Float { dy.contiguous() } else { dy.to_kind(Kind::BFloat16).contiguous() };
-    let out = ln_index(dy.kind())?;
+    let out = ln_index(norm, dy.kind())?;
     let dres = dres.map(|d| d.to_kind(Kind::Float).contiguous());
     anyhow::ensure!(dy.size() == [n, c] && dres.as_ref().is_none_or(|d| d.size() == [n, c]), "gradients must be [{n}, {c}]");
     anyhow::ensure!(
@@ -824,6 +845,10 @@ mod tests {
             "add_ln_bwd_f32",
             "add_ln_bwd_warp8",
             "add_ln_bwd_warp_f32_4",
+            "add_rms_fwd",
+            "add_rms_fwd_warp",
+            "add_rms_bwd",
+            "add_rms_bwd_warp8",
             "bias_gelu_fwd",
             "bias_gelu_bwd",
             "cast_bf16",

@@ -57,15 +57,17 @@ pub(super) struct Kernel {
 pub(super) struct Loaded {
     _module: sys::CUmodule,
     pub(super) ce_bf16: Kernel,
-    /// The LayerNorm kernels by the kind of its output and of that
-    /// output's gradient (`ln_index`): bf16, then fp32 (`_f32`).
-    pub(super) add_ln_fwd: [Kernel; 2],
-    pub(super) add_ln_fwd_warp: [Kernel; 2],
-    pub(super) add_ln_bwd: [Kernel; 2],
-    /// `add_ln_bwd_warp{NQ}` (and `add_ln_bwd_warp_f32_{NQ}`) for NQ =
-    /// 1..=8 (rows of 128 NQ channels), with the blocks of 128 threads each
-    /// SM holds at once.
-    pub(super) add_ln_bwd_warp: [[(Kernel, u32); 8]; 2],
+    /// The LayerNorm kernels by the normalisation and the kind of its
+    /// output and of that output's gradient (`ln_index`): LayerNorm in
+    /// bf16, LayerNorm in fp32 (`_f32`), RMS normalisation in bf16
+    /// (`add_rms_*`).
+    pub(super) add_ln_fwd: [Kernel; 3],
+    pub(super) add_ln_fwd_warp: [Kernel; 3],
+    pub(super) add_ln_bwd: [Kernel; 3],
+    /// `add_ln_bwd_warp{NQ}` (`add_ln_bwd_warp_f32_{NQ}`,
+    /// `add_rms_bwd_warp{NQ}`) for NQ = 1..=8 (rows of 128 NQ channels),
+    /// with the blocks of 128 threads each SM holds at once.
+    pub(super) add_ln_bwd_warp: [[(Kernel, u32); 8]; 3],
     pub(super) bias_gelu_fwd: Kernel,
     pub(super) bias_gelu_bwd: Kernel,
     pub(super) cast_bf16: Kernel,
@@ -142,13 +144,13 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
             _module: module,
             ce_bf16,
             ce_smem,
-            add_ln_fwd: [waiting("add_ln_fwd")?, waiting("add_ln_fwd_f32")?],
-            add_ln_fwd_warp: [waiting("add_ln_fwd_warp")?, waiting("add_ln_fwd_warp_f32")?],
-            add_ln_bwd: [waiting("add_ln_bwd")?, waiting("add_ln_bwd_f32")?],
+            add_ln_fwd: [waiting("add_ln_fwd")?, waiting("add_ln_fwd_f32")?, waiting("add_rms_fwd")?],
+            add_ln_fwd_warp: [waiting("add_ln_fwd_warp")?, waiting("add_ln_fwd_warp_f32")?, waiting("add_rms_fwd_warp")?],
+            add_ln_bwd: [waiting("add_ln_bwd")?, waiting("add_ln_bwd_f32")?, waiting("add_rms_bwd")?],
             add_ln_bwd_warp: {
                 let none = Kernel { f: std::ptr::null_mut(), waits: true };
-                let mut fs = [[(none, 0); 8]; 2];
-                for (prefix, set) in ["add_ln_bwd_warp", "add_ln_bwd_warp_f32_"].iter().zip(fs.iter_mut()) {
+                let mut fs = [[(none, 0); 8]; 3];
+                for (prefix, set) in ["add_ln_bwd_warp", "add_ln_bwd_warp_f32_", "add_rms_bwd_warp"].iter().zip(fs.iter_mut()) {
                     for (i, f) in set.iter_mut().enumerate() {
                         let kernel = waiting(&format!("{prefix}{}", i + 1))?;
                         let smem = ln_bwd_warp_smem(128 * (i as i64 + 1));

@@ -16,11 +16,14 @@
 
 use tch::{Kind, Tensor};
 
-use crate::kernels;
+use crate::kernels::{self, Norm};
 use crate::torch_ext::{self, CustomOp};
 
 /// LayerNorm's epsilon (as `nn.LayerNorm`).
 pub const EPS: f64 = 1e-5;
+
+/// RMS normalisation's epsilon (T5's layer norm).
+pub const RMS_EPS: f64 = 1e-6;
 
 /// Whether `HARNESS_FUSED_REFERENCE=1` asks for the libtorch reference on
 /// CUDA too (a diagnostic: it tells a kernel's error from the fused layers'
@@ -39,13 +42,15 @@ enum Engine {
 }
 
 /// `y = LayerNorm(x + f + fb)` with the sum kept: the autograd node behind
-/// [`add_norm`]. Inputs `[x, f?, fb?, w, b]` (`fb` only with `f`); outputs
+/// [`add_norm`] (and, with [`Norm::Rms`], [`add_rms_norm`]). Inputs `[x,
+/// f?, fb?, w, b?]` (`fb` only with `f`, `b` only for LayerNorm); outputs
 /// `[x + f + fb, y]` with `f`, `[x, y]` without (`x` passed through, so
 /// that the gradient reaching it from its other uses is added in the
 /// backward kernel, where autograd would sum the two in a pass of its own);
-/// kept `[the sum or x, mean, rstd, w]`.
+/// kept `[the sum or x, mean, rstd, w, b?, fb?]`.
 struct AddNorm {
     engine: Engine,
+    norm: Norm,
     residual: bool,
     bias: bool,
     /// `y`'s kind: bf16 before a matmul ([`add_norm`]), fp32 as a post-norm
@@ -55,13 +60,15 @@ struct AddNorm {
     f_kind: Kind,
 }
 
-/// The reference forward pass: `(x + f + fb, y, mean, rstd)`, y in `y_kind`.
+/// The reference forward pass: `(x + f + fb, y, mean, rstd)`, y in `y_kind`
+/// (RMS normalisation: no mean subtracted, kept as 0, and no bias).
 fn reference_forward(
+    norm: Norm,
     x: &Tensor,
     f: Option<&Tensor>,
     fb: Option<&Tensor>,
     w: &Tensor,
-    b: &Tensor,
+    b: Option<&Tensor>,
     y_kind: Kind,
 ) -> (Option<Tensor>, Tensor, Tensor, Tensor) {
     let xo = f.map(|f| match fb {
@@ -69,14 +76,21 @@ fn reference_forward(
         None => x + f,
     });
     let xin = xo.as_ref().unwrap_or(x);
-    let (mean, var) = (xin.mean_dim(-1, true, Kind::Float), xin.var_dim(-1, false, true));
-    let rstd = (var + EPS).rsqrt();
-    let y = ((xin - &mean) * &rstd * w + b).to_kind(y_kind);
-    (xo, y, mean.squeeze_dim(-1), rstd.squeeze_dim(-1))
+    let (mean, var, eps) = match norm {
+        Norm::Layer => (xin.mean_dim(-1, true, Kind::Float), xin.var_dim(-1, false, true), EPS),
+        Norm::Rms => (xin.zeros_like().narrow(-1, 0, 1), xin.square().mean_dim(-1, true, Kind::Float), RMS_EPS),
+    };
+    let rstd = (var + eps).rsqrt();
+    let mut y = (xin - &mean) * &rstd * w;
+    if let Some(b) = b {
+        y += b;
+    }
+    (xo, y.to_kind(y_kind), mean.squeeze_dim(-1), rstd.squeeze_dim(-1))
 }
 
 /// The reference backward pass, as the kernel computes it.
 fn reference_backward(
+    norm: Norm,
     dy: &Tensor,
     x: &Tensor,
     mean: &Tensor,
@@ -88,9 +102,11 @@ fn reference_backward(
     let (mean, rstd) = (mean.unsqueeze(-1), rstd.unsqueeze(-1));
     let xhat = (x - &mean) * &rstd;
     let g = &dy * w;
-    let s1 = g.mean_dim(-1, true, Kind::Float);
     let s2 = (&g * &xhat).mean_dim(-1, true, Kind::Float);
-    let mut dx = rstd * (g - s1 - &xhat * s2);
+    let mut dx = match norm {
+        Norm::Layer => &rstd * (&g - g.mean_dim(-1, true, Kind::Float) - &xhat * s2),
+        Norm::Rms => &rstd * (&g - &xhat * s2),
+    };
     if let Some(d) = dres {
         dx += d.to_kind(Kind::Float);
     }
@@ -136,29 +152,54 @@ impl Sums {
     }
 }
 
+impl AddNorm {
+    /// The inputs `[x, f?, fb?, w, b?]` by name.
+    fn split<'a>(&self, inputs: &'a [Tensor]) -> anyhow::Result<AddNormInputs<'a>> {
+        let layer = self.norm == Norm::Layer;
+        let want = 2 + usize::from(self.residual) + usize::from(self.bias) + usize::from(layer);
+        anyhow::ensure!(inputs.len() == want && (self.residual || !self.bias), "add_norm: {} inputs", inputs.len());
+        // The backward kernels' partial sums are dw, db, then the branch
+        // bias's: without a norm bias there is no row for it.
+        anyhow::ensure!(layer || !self.bias, "RMS normalisation takes no branch bias");
+        let mut it = inputs.iter();
+        let mut next = |on: bool| if on { it.next() } else { None };
+        let x = next(true).expect("counted");
+        let f = next(self.residual);
+        let fb = next(self.bias);
+        let w = next(true).expect("counted");
+        let b = next(layer);
+        Ok(AddNormInputs { x, f, fb, w, b })
+    }
+}
+
+/// [`AddNorm`]'s inputs.
+struct AddNormInputs<'a> {
+    x: &'a Tensor,
+    f: Option<&'a Tensor>,
+    fb: Option<&'a Tensor>,
+    w: &'a Tensor,
+    b: Option<&'a Tensor>,
+}
+
 impl CustomOp for AddNorm {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let (x, f, fb, w, b) = match (self.residual, self.bias, inputs) {
-            (true, true, [x, f, fb, w, b]) => (x, Some(f), Some(fb), w, b),
-            (true, false, [x, f, w, b]) => (x, Some(f), None, w, b),
-            (false, false, [x, w, b]) => (x, None, None, w, b),
-            _ => anyhow::bail!("add_norm: {} inputs", inputs.len()),
-        };
+        let AddNormInputs { x, f, fb, w, b } = self.split(inputs)?;
         let (xo, y, mean, rstd) = match self.engine {
-            Engine::Cuda => kernels::add_layer_norm(x, f, fb, w, b, EPS as f32, self.y_kind)?,
-            Engine::Reference => reference_forward(x, f, fb, w, b, self.y_kind),
+            Engine::Cuda => kernels::add_layer_norm(self.norm, x, f, fb, w, b, self.eps() as f32, self.y_kind)?,
+            Engine::Reference => reference_forward(self.norm, x, f, fb, w, b, self.y_kind),
         };
-        let mut kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone(), b.shallow_clone()];
+        let mut kept = vec![xo.as_ref().unwrap_or(x).shallow_clone(), mean, rstd, w.shallow_clone()];
+        kept.extend(b.map(Tensor::shallow_clone));
         kept.extend(fb.map(Tensor::shallow_clone));
         Ok((vec![xo.unwrap_or_else(|| x.shallow_clone()), y], kept))
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
-        let (x, mean, rstd, w, b, fb) = match saved {
-            [x, mean, rstd, w, b] => (x, mean, rstd, w, b, None),
-            [x, mean, rstd, w, b, fb] => (x, mean, rstd, w, b, Some(fb)),
-            _ => anyhow::bail!("add_norm: {} kept tensors", saved.len()),
-        };
+        let layer = self.norm == Norm::Layer;
+        anyhow::ensure!(saved.len() == 4 + usize::from(layer) + usize::from(self.bias), "add_norm: {} kept tensors", saved.len());
+        let (x, mean, rstd, w) = (&saved[0], &saved[1], &saved[2], &saved[3]);
+        let b = layer.then(|| &saved[4]);
+        let fb = self.bias.then(|| &saved[saved.len() - 1]);
         let [dres, dy] = grads else { anyhow::bail!("add_norm: {} gradients", grads.len()) };
         let (dres, dy) = (dres.as_ref(), dy.as_ref());
         let grads = |dx: Option<Tensor>, df: Option<Tensor>, dfb: Option<Tensor>, dw: Option<Tensor>, db: Option<Tensor>| {
@@ -169,7 +210,10 @@ impl CustomOp for AddNorm {
             if self.bias {
                 g.push(dfb);
             }
-            g.extend([dw, db]);
+            g.push(dw);
+            if layer {
+                g.push(db);
+            }
             g
         };
         let Some(dy) = dy else {
@@ -178,17 +222,21 @@ impl CustomOp for AddNorm {
             let dfb = dres.map(|d| d.sum_dim_intlist(0, false, Kind::Float));
             return Ok(grads(dres.map(Tensor::shallow_clone), df, dfb, None, None));
         };
-        let mut params = vec![w, b];
+        // The partial sums' rows are dw, db, the branch bias's: RMS
+        // normalisation (no b) takes no branch bias (`add_rms_norm`).
+        let mut params = vec![w];
+        params.extend(b);
         params.extend(fb);
         let (dx, df, sums) = match self.engine {
             Engine::Cuda => {
-                let (dx, df, part) = kernels::add_layer_norm_backward(dy, x, mean, rstd, w, dres, self.residual)?;
+                let (dx, df, part) = kernels::add_layer_norm_backward(self.norm, dy, x, mean, rstd, w, dres, self.residual)?;
                 (dx, df, Sums::Partials(part))
             }
             Engine::Reference => {
-                let (dx, dw, db) = reference_backward(dy, x, mean, rstd, w, dres);
+                let (dx, dw, db) = reference_backward(self.norm, dy, x, mean, rstd, w, dres);
                 let df = self.residual.then(|| dx.to_kind(self.f_kind));
-                let mut sums = vec![dw, db];
+                let mut sums = vec![dw];
+                sums.extend(layer.then_some(db));
                 if fb.is_some() {
                     sums.push(dx.sum_dim_intlist(0, false, Kind::Float));
                 }
@@ -196,8 +244,20 @@ impl CustomOp for AddNorm {
             }
         };
         let mut p = sums.deliver(&params)?.into_iter();
-        let (dw, db, dfb) = (p.next().flatten(), p.next().flatten(), p.next().flatten());
+        let dw = p.next().flatten();
+        let db = if layer { p.next().flatten() } else { None };
+        let dfb = p.next().flatten();
         Ok(grads(Some(dx), df, dfb, dw, db))
+    }
+}
+
+impl AddNorm {
+    /// The normalisation's epsilon.
+    fn eps(&self) -> f64 {
+        match self.norm {
+            Norm::Layer => EPS,
+            Norm::Rms => RMS_EPS,
+        }
     }
 }
 
@@ -227,7 +287,28 @@ pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor,
         Engine::Cuda => Kind::BFloat16,
         Engine::Reference => f.map_or(x.kind(), Tensor::kind),
     };
-    add_norm_with(engine, x, f, fb, w, b, y_kind)
+    add_norm_with(engine, Norm::Layer, x, f, fb, w, Some(b), y_kind)
+}
+
+/// Whether [`add_rms_norm`] runs the CUDA kernels on rows of `c` channels
+/// of this device (else a caller keeps libtorch's layers).
+/// `HARNESS_FUSED_RMS_NORM=0` keeps libtorch's (a diagnostic).
+pub fn rms_cuda_fits(c: i64, device: tch::Device) -> bool {
+    crate::switches::get().fused_rms_norm && cuda_fits(c, device)
+}
+
+/// `(x + f, rms_norm(x + f))` over the last dimension with weight `w`
+/// (fp32), or `(x, rms_norm(x))` without `f`, where `rms_norm(x) = x /
+/// sqrt(mean(x^2) + 1e-6) * w` (T5's layer norm): `x` is the fp32 residual
+/// stream `[.., c]`, `f` a bf16 branch output of its shape, and the
+/// normalised rows come back in bf16, for the next matmul. On CUDA
+/// ([`rms_cuda_fits`]) one kernel each way; elsewhere the same maths in
+/// libtorch operations (the rows in `f`'s kind, `x`'s without `f`).
+pub fn add_rms_norm(x: &Tensor, f: Option<&Tensor>, w: &Tensor) -> (Tensor, Tensor) {
+    let c = *x.size().last().expect("add_rms_norm takes rows");
+    let cuda = rms_cuda_fits(c, x.device()) && !reference_forced() && f.is_none_or(|f| f.kind() == Kind::BFloat16);
+    let (engine, y_kind) = if cuda { (Engine::Cuda, Kind::BFloat16) } else { (Engine::Reference, f.map_or(x.kind(), Tensor::kind)) };
+    add_norm_with(engine, Norm::Rms, x, f, None, w, None, y_kind)
 }
 
 /// Whether [`post_norm`] runs the CUDA kernels on rows of `c` channels of
@@ -253,17 +334,19 @@ pub fn post_norm(x: &Tensor, f: &Tensor, fb: Option<&Tensor>, w: &Tensor, b: &Te
     let c = *x.size().last().expect("post_norm takes rows");
     let cuda = cuda_fits(c, x.device()) && !reference_forced() && x.kind() == Kind::Float && f.kind() == Kind::BFloat16;
     let engine = if cuda { Engine::Cuda } else { Engine::Reference };
-    add_norm_with(engine, x, Some(f), fb, w, b, Kind::Float).1
+    add_norm_with(engine, Norm::Layer, x, Some(f), fb, w, Some(b), Kind::Float).1
 }
 
 /// [`add_norm`]'s node on `engine`, the normalised rows in `y_kind`.
+#[allow(clippy::too_many_arguments)]
 fn add_norm_with(
     engine: Engine,
+    norm: Norm,
     x: &Tensor,
     f: Option<&Tensor>,
     fb: Option<&Tensor>,
     w: &Tensor,
-    b: &Tensor,
+    b: Option<&Tensor>,
     y_kind: Kind,
 ) -> (Tensor, Tensor) {
     let c = *x.size().last().expect("add_norm takes rows");
@@ -275,8 +358,9 @@ fn add_norm_with(
     let mut inputs = vec![&x2];
     inputs.extend(f2.as_ref());
     inputs.extend(fb);
-    inputs.extend([w, b]);
-    let op = AddNorm { engine, residual: f.is_some(), bias: fb.is_some(), y_kind, f_kind: f.map_or(x.kind(), Tensor::kind) };
+    inputs.push(w);
+    inputs.extend(b);
+    let op = AddNorm { engine, norm, residual: f.is_some(), bias: fb.is_some(), y_kind, f_kind: f.map_or(x.kind(), Tensor::kind) };
     let out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
     let [xo, y] = &out[..] else { unreachable!("add_norm returns two outputs") };
     (xo.view(shape.as_slice()), y.view(shape.as_slice()))
@@ -1043,6 +1127,67 @@ mod tests {
         }
     }
 
+    /// The output, the sum and the gradients (x, w, then f where used) of a
+    /// loss over `(x + f, rms_norm(x + f) * w)` on `[n, c]` rows, `f` in
+    /// `kind`: through [`add_rms_norm_with`] on `engine`, or (None) T5's
+    /// plain composition in libtorch's operations under autograd. `buffer`:
+    /// w has a zeroed gradient buffer beforehand.
+    fn rms_grads(engine: Option<Engine>, residual: bool, buffer: bool, dev: Device, kind: Kind, (n, c): (i64, i64)) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(17);
+        let leaf = |t: Tensor| t.set_requires_grad(true);
+        let x = leaf(Tensor::randn([n, c], (Kind::Float, dev)) * 3.0 + 0.5);
+        let f = leaf(Tensor::randn([n, c], (Kind::Float, dev)).to_kind(kind));
+        let w = leaf(Tensor::randn([c], (Kind::Float, dev)) * 0.1 + 1.0);
+        let (py, pr) = (Tensor::randn([n, c], (Kind::Float, dev)), Tensor::randn([n, c], (Kind::Float, dev)));
+        let kept = buffer.then(|| w.zeros_like());
+        if let Some(g) = &kept {
+            torch_ext::set_grad(&w, Some(g)).unwrap();
+        }
+        let f_in = residual.then_some(&f);
+        let (xo, y) = match engine {
+            Some(engine) => {
+                let y_kind = if engine == Engine::Cuda { Kind::BFloat16 } else { f_in.map_or(Kind::Float, Tensor::kind) };
+                add_norm_with(engine, Norm::Rms, &x, f_in, None, &w, None, y_kind)
+            }
+            None => {
+                let xo = f_in.map_or_else(|| x.shallow_clone(), |f| &x + f);
+                let x32 = xo.to_kind(Kind::Float);
+                let y = &x32 * (x32.square().mean_dim(-1, true, Kind::Float) + RMS_EPS).rsqrt() * &w;
+                (xo, y)
+            }
+        };
+        let loss = (y.to_kind(Kind::Float) * &py).sum(Kind::Float) + (&xo * &pr).sum(Kind::Float);
+        loss.backward();
+        if let Some(g) = &kept {
+            assert_eq!(w.grad().data_ptr(), g.data_ptr(), "a gradient left its buffer");
+        }
+        let mut g = vec![y.detach().to_kind(Kind::Float), xo.detach(), x.grad(), w.grad()];
+        if residual {
+            g.push(f.grad().to_kind(Kind::Float));
+        }
+        g
+    }
+
+    #[test]
+    fn the_rms_node_matches_t5s_layer_norm_under_autograd() {
+        // fp32 on the CPU: the reference's written-out backward pass
+        // against autograd's.
+        for residual in [true, false] {
+            for buffer in [false, true] {
+                let want = rms_grads(None, residual, buffer, Device::Cpu, Kind::Float, (6, 16));
+                let got = rms_grads(Some(Engine::Reference), residual, buffer, Device::Cpu, Kind::Float, (6, 16));
+                assert_close(&want, &got, max_error, 1e-4, &format!("residual={residual} buffer={buffer}"));
+            }
+        }
+        // Without the fused kernels t5 keeps its own composition; with them
+        // on the CPU, the node's reference (rows in the branch's kind).
+        // (No random numbers outside GLOBAL_RNG's lock: other tests seed it.)
+        let (x, w) = (Tensor::arange(24, (Kind::Float, Device::Cpu)).view([3, 8]), Tensor::ones([8], (Kind::Float, Device::Cpu)));
+        let (xo, y) = add_rms_norm(&x, None, &w);
+        assert!(xo.equal(&x) && y.kind() == Kind::Float);
+    }
+
     #[test]
     fn without_grad_mode_only_the_forward_pass_runs() {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
@@ -1420,6 +1565,18 @@ mod tests {
                     let want = grads(plain, residual, bias, buffers, dev, Kind::BFloat16, shape);
                     let got = grads(add_norm, residual, bias, buffers, dev, Kind::BFloat16, shape);
                     assert_close(&want, &got, relative, 2e-2, &format!("{shape:?} residual={residual} bias={bias} buffers={buffers}"));
+                }
+            }
+        }
+        // RMS normalisation (t5): T5-large's and T5-small's widths (a warp
+        // per row), a block per row (2048) and a width of several rows per
+        // warp, against the plain composition in fp32.
+        for shape in [(300, 1024), (700, 512), (64, 2048), (5000, 256), (6, 16)] {
+            for residual in [true, false] {
+                for buffer in [false, true] {
+                    let want = rms_grads(None, residual, buffer, dev, Kind::BFloat16, shape);
+                    let got = rms_grads(Some(Engine::Cuda), residual, buffer, dev, Kind::BFloat16, shape);
+                    assert_close(&want, &got, relative, 1e-2, &format!("RMS {shape:?} residual={residual} buffer={buffer}"));
                 }
             }
         }

@@ -42,8 +42,6 @@ impl Weights {
 pub const BUCKETS: i64 = 32;
 /// Distances from which on every distance falls in the last bucket.
 pub const MAX_DISTANCE: i64 = 128;
-/// RMS normalisation's epsilon (T5's layer norm).
-const EPS: f64 = 1e-6;
 
 /// T5's bucket of the relative position `rel = key position - query
 /// position`. Bidirectional (encoder): half the buckets for keys before the
@@ -82,7 +80,7 @@ fn bucket_table(q: i64, k: i64, bidirectional: bool, device: Device) -> Tensor {
 fn rms_norm(x: &Tensor, w: &Tensor) -> Tensor {
     let x = x.to_kind(Kind::Float);
     let ms = x.square().mean_dim(-1, true, Kind::Float);
-    x * (ms + EPS).rsqrt() * w
+    x * (ms + fused::RMS_EPS).rsqrt() * w
 }
 
 fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
@@ -258,7 +256,10 @@ impl T5 {
 
     /// The additive attention bias `[1, h, q, k]` of a stack's
     /// self-attention: the position bias, and -inf above the diagonal for
-    /// the decoder.
+    /// the decoder. Contiguous: given a permuted view of the bucket
+    /// lookup, libtorch's attention leaves its fused kernels for the
+    /// composed one in fp32 (T5-large's encoder on an H100: 4.3 against
+    /// 1.7 ms a layer forward and backward, docs/benchmarks.md).
     fn position_bias(&self, table: &Tensor, q: i64, k: i64, causal: bool, device: Device) -> Tensor {
         let idx = self.table(q, k, !causal, device);
         let mut bias = Tensor::embedding(table, &idx, -1, false, false).permute([2, 0, 1]).unsqueeze(0);
@@ -266,7 +267,7 @@ impl T5 {
             let mask = Tensor::ones([q, k], (Kind::Bool, device)).triu(1);
             bias = bias.masked_fill(&mask, f64::NEG_INFINITY);
         }
-        bias
+        bias.contiguous()
     }
 
     /// Logits `[b * t, vocab]` of every target position (teacher forcing)
@@ -278,31 +279,66 @@ impl T5 {
         let p = self.dropout;
         let h = self.heads;
         let w = Weights { fused: self.fused };
+        let norm = Norms { fused: self.fused && fused::rms_cuda_fits(self.d_model, device) };
         // Attention-probability dropout in training only.
         let pa = if train { p } else { 0.0 };
-        // Encoder.
+        // Encoder. Each layer's branches are added to the fp32 stream `x`
+        // together with the next normalisation (`Norms::add`): `y` is the
+        // normalised stream the next branch reads.
         let enc_bias = self.position_bias(&self.enc_bias, s, s, false, device);
-        let mut x = dropout(Tensor::embedding(&self.shared, src, -1, false, false), p, train);
-        for l in &self.encoder {
-            let y = rms_norm(&x, &l.ln1);
-            x = &x + dropout(l.attn.forward(&y, &y, Some(&enc_bias), h, pa, w), p, train);
-            x = &x + dropout(l.ffn.forward(&rms_norm(&x, &l.ln2), p, train, w), p, train);
+        let x = dropout(Tensor::embedding(&self.shared, src, -1, false, false), p, train);
+        let enc_norms: Vec<&Tensor> = self.encoder.iter().flat_map(|l| [&l.ln1, &l.ln2]).chain([&self.enc_norm]).collect();
+        let (mut x, mut y) = norm.add(&x, None, enc_norms[0]);
+        for (i, l) in self.encoder.iter().enumerate() {
+            let a = dropout(l.attn.forward(&y, &y, Some(&enc_bias), h, pa, w), p, train);
+            (x, y) = norm.add(&x, Some(&a), enc_norms[2 * i + 1]);
+            let f = dropout(l.ffn.forward(&y, p, train, w), p, train);
+            (x, y) = norm.add(&x, Some(&f), enc_norms[2 * i + 2]);
         }
-        let memory = dropout(rms_norm(&x, &self.enc_norm), p, train);
+        let memory = dropout(y, p, train);
         // Decoder: the targets shifted right behind the start token (0).
         let start = Tensor::zeros([b, 1], (Kind::Int64, device));
         let dec_in = Tensor::cat(&[start, tgt.narrow(1, 0, t - 1)], 1);
         let dec_bias = self.position_bias(&self.dec_bias, t, t, true, device);
-        let mut x = dropout(Tensor::embedding(&self.shared, &dec_in, -1, false, false), p, train);
-        for l in &self.decoder {
-            let y = rms_norm(&x, &l.ln1);
-            x = &x + dropout(l.attn.forward(&y, &y, Some(&dec_bias), h, pa, w), p, train);
-            let y = rms_norm(&x, &l.ln2);
-            x = &x + dropout(l.cross.forward(&y, &memory, None, h, pa, w), p, train);
-            x = &x + dropout(l.ffn.forward(&rms_norm(&x, &l.ln3), p, train, w), p, train);
+        let x = dropout(Tensor::embedding(&self.shared, &dec_in, -1, false, false), p, train);
+        let dec_norms: Vec<&Tensor> = self.decoder.iter().flat_map(|l| [&l.ln1, &l.ln2, &l.ln3]).chain([&self.dec_norm]).collect();
+        let (mut x, mut y) = norm.add(&x, None, dec_norms[0]);
+        for (i, l) in self.decoder.iter().enumerate() {
+            let a = dropout(l.attn.forward(&y, &y, Some(&dec_bias), h, pa, w), p, train);
+            (x, y) = norm.add(&x, Some(&a), dec_norms[3 * i + 1]);
+            let c = dropout(l.cross.forward(&y, &memory, None, h, pa, w), p, train);
+            (x, y) = norm.add(&x, Some(&c), dec_norms[3 * i + 2]);
+            let f = dropout(l.ffn.forward(&y, p, train, w), p, train);
+            (x, y) = norm.add(&x, Some(&f), dec_norms[3 * i + 3]);
         }
-        let y = dropout(rms_norm(&x, &self.dec_norm), p, train) * (self.d_model as f64).powf(-0.5);
+        drop(x);
+        let y = dropout(y, p, train) * (self.d_model as f64).powf(-0.5);
         w.linear(&y, &self.shared).view([b * t, -1])
+    }
+}
+
+/// How the layers add a branch to the residual stream and normalise it.
+#[derive(Clone, Copy)]
+struct Norms {
+    /// Through [`fused::add_rms_norm`]'s node (`kernels = "fused"` on CUDA).
+    fused: bool,
+}
+
+impl Norms {
+    /// `(x + f, rms_norm(x + f) * w)`, or `(x, rms_norm(x) * w)` without
+    /// `f`: the residual stream (fp32) and its normalised rows (bf16 from
+    /// the fused node; fp32 from libtorch's operations, as T5 computes its
+    /// layer norm).
+    fn add(self, x: &Tensor, f: Option<&Tensor>, w: &Tensor) -> (Tensor, Tensor) {
+        if self.fused {
+            return fused::add_rms_norm(x, f, w);
+        }
+        let x = match f {
+            Some(f) => x + f,
+            None => x.shallow_clone(),
+        };
+        let y = rms_norm(&x, w);
+        (x, y)
     }
 }
 
