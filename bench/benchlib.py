@@ -13,9 +13,31 @@ def run_args(ap):
     torch.compile, where to write the JSON and a trace."""
     ap.add_argument("--steps", type=int, default=100, help="timed steps")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    ap.add_argument(
+        "--compile-mode", default="default",
+        choices=["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
+        help="torch.compile's mode (the benches compare against the fastest)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--trace", help="write a Chrome trace of one step (after warm-up, untimed) to this file")
+
+
+def compiled(model, a):
+    """`model` compiled whole with torch.compile in `a.compile_mode` if
+    `a.compile`, else `model`."""
+    if not a.compile:
+        return model
+    return torch.compile(model) if a.compile_mode == "default" else torch.compile(model, mode=a.compile_mode)
+
+
+def impl_name(a, suffix=""):
+    """The run's `impl` label: pytorch-eager, pytorch-compile, or
+    pytorch-compile-MODE for a mode other than the default."""
+    if not a.compile:
+        return "pytorch-eager" + suffix
+    mode = "" if a.compile_mode == "default" else "-" + a.compile_mode
+    return "pytorch-compile" + suffix + mode
 
 
 def warm_up(step, n, trace=None):

@@ -3,13 +3,17 @@
 # GPU: the build's CUDA unit tests (test binaries carried in .carry/tests,
 # if any), T5-large (suites/gpu-t5.toml, STEPS steps) with each fused part
 # of the family off and on, alternating (VARIANTS: NAME=ENV pairs, e.g.
-# "libtorch-norms=HARNESS_FUSED_RMS_NORM=0 fused=HARNESS_FUSED_RMS_NORM=1"),
+# "libtorch-norms=HARNESS_FUSED_RMS_NORM=0 fused=HARNESS_FUSED_RMS_NORM=1";
+# VARIANTS="" skips T5), the same for ResNet-50 (suites/gpu-vision.toml,
+# RN_VARIANTS, e.g. "libtorch-bn=HARNESS_FUSED_BN=0 fused-bn=HARNESS_FUSED_BN=1";
+# several settings of a variant joined by commas),
 # then one traced step of each model (suites/gpu-trace-families.toml) and
 # of the PyTorch references in eager mode (bench/pytorch_t5.py,
-# bench/pytorch_resnet.py), each summarised by bench/trace_summary.py.
-# PYCOMPILE=1 adds torch.compile runs of the whole models (T5-large's takes
-# minutes). Writes $OUT/families.tar.gz and prints the table last. Needs
-# .carry/harness (docs/benchmarks.md).
+# bench/pytorch_resnet.py; PYTRACE="t5 resnet" by default), each
+# summarised by bench/trace_summary.py. PYCOMPILE="resnet t5" adds
+# torch.compile runs of those models (T5-large's takes minutes). Writes
+# $OUT/families.tar.gz and prints the table last. Needs .carry/harness
+# (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
@@ -22,18 +26,26 @@ for t in .carry/tests/*; do
 done
 sed "s/^steps = 110/steps = ${STEPS:-50}/" suites/gpu-t5.toml > "$W/t5.toml"
 for r in 1 2; do
-  for v in ${VARIANTS:-default=HARNESS_FUSED_RMS_NORM=1}; do
+  for v in ${VARIANTS-default=HARNESS_FUSED_RMS_NORM=1}; do
     name=${v%%=*}; setting=${v#*=}
     env "$setting" "$BIN" run "$W/t5.toml" --out "$W/harness-t5-$name-$r.json" -q > "$W/harness-t5-$name-$r.txt" 2>&1 \
       || tail -5 "$W/harness-t5-$name-$r.txt"
   done
 done
+for r in 1 2; do
+  for v in ${RN_VARIANTS:-}; do
+    name=${v%%=*}; setting=${v#*=}
+    env ${setting//,/ } "$BIN" run suites/gpu-vision.toml --out "$W/harness-resnet-$name-$r.json" -q > "$W/harness-resnet-$name-$r.txt" 2>&1 \
+      || tail -5 "$W/harness-resnet-$name-$r.txt"
+  done
+done
 "$BIN" run suites/gpu-trace-families.toml --trace --out "$W/trace.json" > "$W/trace-run.txt" 2>&1 || tail -5 "$W/trace-run.txt"
-python3 bench/pytorch_t5.py --steps 10 --warmup 5 --json "$W/pytorch-eager-t5.json" --trace "$W/trace.trace/pytorch-eager-t5.json" > /dev/null 2>> "$W/py.txt"
-python3 bench/pytorch_resnet.py --steps 10 --warmup 5 --json "$W/pytorch-eager-resnet.json" --trace "$W/trace.trace/pytorch-eager-resnet.json" > /dev/null 2>> "$W/py.txt"
-if [ "${PYCOMPILE:-0}" = 1 ]; then
-  python3 bench/pytorch_t5.py --compile --steps 20 --warmup 10 --json "$W/pytorch-compile-t5.json" > /dev/null 2>> "$W/py.txt"
-fi
+for m in ${PYTRACE-t5 resnet}; do
+  python3 "bench/pytorch_$m.py" --steps 10 --warmup 5 --json "$W/pytorch-eager-$m.json" --trace "$W/trace.trace/pytorch-eager-$m.json" > /dev/null 2>> "$W/py.txt"
+done
+for m in ${PYCOMPILE:-}; do
+  python3 "bench/pytorch_$m.py" --compile --steps 50 --warmup 10 --json "$W/pytorch-compile-$m.json" > /dev/null 2>> "$W/py.txt" || echo "torch.compile of $m failed"
+done
 for f in "$W"/trace.trace/*.json; do
   python3 bench/trace_summary.py "$f" --top 25 > "${f%.json}.txt" 2>&1
   gzip "$f"
@@ -42,3 +54,4 @@ tar -C "$W" -czf "$OUT/families.tar.gz" .
 cat "$W/gpu-tests.txt" 2>/dev/null
 for f in "$W"/trace.trace/*.txt; do echo "== $(basename "$f")"; grep -m1 "^step" "$f"; sed -n "/^GPU:/,\$p" "$f" | head -32; done
 python3 bench/summarize.py "$W" t5-large-bf16
+[ -z "${RN_VARIANTS:-}" ] || python3 bench/summarize.py "$W" resnet50-bf16 | tail -2

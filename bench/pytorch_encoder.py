@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import measure, run_args, write
+from benchlib import compiled, impl_name, measure, run_args, write
 
 # layers, width, heads, feed-forward width
 PRESETS = {"claims5": (6, 512, 8, 2048), "tiny": (2, 64, 4, 256)}
@@ -64,7 +64,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     flops = flops_per_token(model, a.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=dev == "cuda")
-    step_fn = torch.compile(model) if a.compile else model
+    step_fn = compiled(model, a)
     model.train()
 
     def step(i):
@@ -81,7 +81,7 @@ def main():
     dt, loss, mem = measure(step, a, dev)
     tps = a.steps * a.batch * a.seq_len / dt
     out = {
-        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "impl": impl_name(a),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
         "model": a.preset, "parameters": n_params, "flops_per_token": flops, "batch": a.batch,
         "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup,

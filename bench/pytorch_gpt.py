@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, run_args, timed, warm_up, write
+from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
 
 PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
 
@@ -88,7 +88,7 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25) if world > 1 else model
-    step_fn = torch.compile(ddp) if a.compile else ddp
+    step_fn = compiled(ddp, a)
     data = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq + 1), device=dev)
 
     def step(i):
@@ -107,7 +107,7 @@ def main():
     tps = tokens / dt
     flops_per_token = 6 * n_params + 12 * layers * d * a.seq
     out = {
-        "impl": ("pytorch-compile" if a.compile else "pytorch-eager") + (f"-ddp{world}" if world > 1 else ""),
+        "impl": impl_name(a, f"-ddp{world}" if world > 1 else ""),
         "world_size": world,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, run_args, timed, warm_up, write
+from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
 
 DEPTHS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3]}
 
@@ -108,7 +108,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     macs = multiply_adds(model, a.image_size)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay, fused=True)
-    step_fn = torch.compile(model) if a.compile else model
+    step_fn = compiled(model, a)
     model.train()
 
     def step(i):
@@ -126,7 +126,7 @@ def main():
     dt, loss = timed(step, a.warmup, a.steps)
     ips = a.steps * a.batch / dt
     out = {
-        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "impl": impl_name(a),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "model": f"resnet{a.depth}", "parameters": n_params, "multiply_adds": macs, "batch": a.batch,
         "image_size": a.image_size, "steps": a.steps, "warmup": a.warmup,

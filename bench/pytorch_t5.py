@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch reference for harness's `t5` model: the same T5 v1.0
 encoder-decoder, recipe and measurement, in eager PyTorch (or, with
---compile, each layer compiled with torch.compile).
+--compile, the whole model compiled with torch.compile in --compile-mode;
+with --compile-layers, each layer compiled instead).
 
 Architecture as crates/train/src/models/t5.rs: RMS-normalised pre-norm layers without
 biases, ReLU feed-forward, unscaled attention logits with a learned bias per
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import memory, run_args, timed, warm_up, write
+from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
 
 # layers per stack, heads, width, feed-forward width
 PRESETS = {"small": (6, 8, 512, 2048), "base": (12, 12, 768, 3072), "large": (24, 16, 1024, 4096)}
@@ -147,6 +148,7 @@ def main():
     ap.add_argument("--seq", type=int, default=512, help="target length (the source is as many words and the end token)")
     ap.add_argument("--vocab", type=int, default=32128)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--compile-layers", action="store_true", help="torch.compile each layer (regional compilation) instead of the whole model")
     run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -155,14 +157,16 @@ def main():
     model = T5(layers, heads, d, d_ff, a.vocab).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
-    if a.compile:
+    if a.compile_layers:
         # Regional compilation (PyTorch's recipe for repeated blocks): each
         # layer is compiled in place, and the 48 layers of T5-large share
         # two compiled graphs (encoder, decoder layer); compiling the whole
         # model took more than 7 minutes on an H100 host.
         for layer in list(model.encoder) + list(model.decoder):
             layer.compile()
-    step_fn = model
+        step_fn = model
+    else:
+        step_fn = compiled(model, a)
     # Random pairs (harness: `pairs` data with noise = 1): words 2..vocab-1,
     # each source closed by the end token.
     data = torch.randint(2, a.vocab, (a.warmup + a.steps, 2, a.batch, a.seq + 1), device=dev)
@@ -185,7 +189,7 @@ def main():
     # x length each).
     flops_per_token = 6 * n_params + 36 * layers * d * a.seq
     out = {
-        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "impl": "pytorch-compile-layers" if a.compile_layers else impl_name(a),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
         "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "steps_per_s": a.steps / dt,

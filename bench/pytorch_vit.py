@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import measure, run_args, write
+from benchlib import compiled, impl_name, measure, run_args, write
 
 # layers, width, heads, MLP width
 PRESETS = {"vit-b16": (12, 768, 12, 3072), "vit-tiny": (2, 64, 4, 256)}
@@ -98,7 +98,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     flops = flops_per_image(model, a.image_size)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay, fused=dev == "cuda")
-    step_fn = torch.compile(model) if a.compile else model
+    step_fn = compiled(model, a)
     model.train()
 
     def step(i):
@@ -115,7 +115,7 @@ def main():
     dt, loss, mem = measure(step, a, dev)
     ips = a.steps * a.batch / dt
     out = {
-        "impl": "pytorch-compile" if a.compile else "pytorch-eager",
+        "impl": impl_name(a),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
         "model": a.preset, "parameters": n_params, "flops_per_image": flops, "batch": a.batch,
         "image_size": a.image_size, "steps": a.steps, "warmup": a.warmup,

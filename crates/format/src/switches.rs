@@ -184,6 +184,10 @@ switches! {
     /// `HARNESS_FUSED_RMS_NORM` (default 1): t5's residual add and RMS
     /// normalisation node on CUDA; 0 keeps libtorch's.
     fused_rms_norm: bool = true, "HARNESS_FUSED_RMS_NORM", Recorded;
+    /// `HARNESS_FUSED_BN` (default 1): the ResNets' training-mode batch
+    /// norm with its ReLU and residual add as one node on CUDA; 0 keeps
+    /// libtorch's.
+    fused_bn: bool = true, "HARNESS_FUSED_BN", Recorded;
     /// `HARNESS_FUSED_CASTS` (default 1): the fused layers' weights cast to
     /// bf16 in one launch per step; 0 leaves each layer to cast its own.
     /// Read on every step.

@@ -381,6 +381,145 @@ fn masked_column_sums(x: &Tensor, m: Option<&Tensor>) -> anyhow::Result<(Option<
     Ok((dx, Partials(part)))
 }
 
+/// Whether [`batch_norm`] takes rows of `c` channels: a multiple of 8
+/// whose groups of 8 divide a block's 256 threads (8 to 2048 channels in
+/// powers of two).
+pub fn batch_norm_fits(c: i64) -> bool {
+    c % 8 == 0 && c >= 8 && 256 % (c / 8) == 0
+}
+
+/// Threads per block of the batch norm kernels (`BN_THREADS`).
+const BN_THREADS: u32 = 256;
+
+/// Rows per block of the batch norm's reductions over `m` rows, and the
+/// blocks: a few blocks per SM.
+fn bn_blocks(k: &Loaded, m: i64) -> (i64, u32) {
+    let blocks = i64::from(k.sms) * 4;
+    let per = (m + blocks - 1) / blocks;
+    let per = per.max(1);
+    (per, ((m + per - 1) / per).max(1) as u32)
+}
+
+/// A grid striding over the `m * c / 8` groups of 8 channels.
+fn bn_stride_grid(k: &Loaded, m: i64, c: i64) -> Grid {
+    let groups = (m * c / 8).max(1) as u64;
+    Grid::line(groups.div_ceil(u64::from(BN_THREADS)).min(u64::from(k.sms) * 16) as u32, BN_THREADS)
+}
+
+/// The forward pass of training-mode batch norm over the rows of
+/// channels-last activations `x` `[m, c]` (bf16, contiguous,
+/// [`batch_norm_fits`]), with weight `w` and bias `b` (fp32 `[c]`), then
+/// `res` (bf16 `[m, c]`) added and ReLU applied where asked:
+/// `y = relu(xhat * w + b + res)` in bf16, `xhat = (x - mean) / sqrt(var +
+/// eps)` with the rows' mean and biased variance. Returns y, the mean and
+/// 1/std (fp32 `[c]`, for [`batch_norm_backward`]). `running` (mean, var,
+/// fp32 `[c]`) are updated as torch's batch norm does: `(1 - momentum) *
+/// old + momentum * new`, with the unbiased variance.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    res: Option<&Tensor>,
+    running: Option<(&Tensor, &Tensor)>,
+    momentum: f32,
+    eps: f32,
+    relu: bool,
+) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    let k = require("fused")?;
+    let (m, c) = x.size2()?;
+    let rows_ok = |t: &Tensor| t.size() == [m, c] && t.kind() == Kind::BFloat16 && t.device() == x.device() && t.is_contiguous();
+    anyhow::ensure!(
+        batch_norm_fits(c) && x.device().is_cuda() && rows_ok(x),
+        "fused batch norm takes contiguous bf16 CUDA rows [{m}, {c}]"
+    );
+    anyhow::ensure!(res.is_none_or(rows_ok), "the residual must be contiguous bf16 [{m}, {c}]");
+    let vec_ok = |t: &Tensor| t.size() == [c] && t.kind() == Kind::Float && t.device() == x.device() && t.is_contiguous();
+    anyhow::ensure!(vec_ok(w) && vec_ok(b), "batch norm parameters must be fp32 [{c}]");
+    anyhow::ensure!(running.is_none_or(|(rm, rv)| vec_ok(rm) && vec_ok(rv)), "running statistics must be fp32 [{c}]");
+    let (per, blocks) = bn_blocks(k, m);
+    let part = Tensor::empty([i64::from(blocks), 2, c], (Kind::Float, x.device()));
+    let (m32, c32, per32) = (i32::try_from(m)?, i32::try_from(c)?, i32::try_from(per)?);
+    let mean = Tensor::empty([c], (Kind::Float, x.device()));
+    let (rstd, scale, shift) = (mean.empty_like(), mean.empty_like(), mean.empty_like());
+    let y = x.empty_like();
+    let (rm, rv) = running.unzip();
+    // SAFETY: the arguments follow bn_stats', bn_stats_finish's and
+    // bn_apply's signatures (device pointers to tensors of the checked
+    // shapes, kinds and contiguity or fresh ones of theirs, null for the
+    // absent residual and running statistics, then ints and floats); the
+    // partial sums hold [blocks, 2, c] for the blocks launched; every
+    // tensor outlives the launches, which go to libtorch's current stream
+    // in order (the reduction of the partial sums between them too).
+    unsafe {
+        launch(k.bn_stats, Grid::line(blocks, BN_THREADS), params![x, &part, m32, c32, per32])?;
+    }
+    let sums = Partials(part).sums()?;
+    // SAFETY: as above; `sums` is the fresh [2, c] total of the partial
+    // sums, `x`'s first row gives the shift they were taken from.
+    unsafe {
+        launch(
+            k.bn_stats_finish,
+            Grid::line((c as u32).div_ceil(256), 256),
+            params![&sums, x, m32, c32, w, b, &mean, &rstd, &scale, &shift, rm, rv, momentum, eps],
+        )?;
+        launch(k.bn_apply, bn_stride_grid(k, m, c), params![x, res, &scale, &shift, &y, m32, c32, i32::from(relu)])?;
+    }
+    Ok((y, mean, rstd))
+}
+
+/// The backward pass of [`batch_norm`] from the output's gradient `dy`, the
+/// output `y` where it went through the ReLU (for its mask), the input `x`
+/// and the kept `mean` and `rstd`, and `w`: returns dx (bf16), the
+/// residual's gradient (bf16, with `want_dres`: the gradient behind the
+/// ReLU), and `[2, c]` fp32 sums: db, then dw.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward(
+    dy: &Tensor,
+    relu_out: Option<&Tensor>,
+    x: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    w: &Tensor,
+    want_dres: bool,
+) -> anyhow::Result<(Tensor, Option<Tensor>, Tensor)> {
+    let k = require("fused")?;
+    let (m, c) = x.size2()?;
+    let rows_ok = |t: &Tensor| t.size() == [m, c] && t.kind() == Kind::BFloat16 && t.device() == x.device() && t.is_contiguous();
+    anyhow::ensure!(
+        batch_norm_fits(c) && rows_ok(dy) && rows_ok(x) && relu_out.is_none_or(rows_ok),
+        "fused batch norm backward takes contiguous bf16 rows [{m}, {c}]"
+    );
+    let (y, relu) = (relu_out, relu_out.is_some());
+    let vec_ok = |t: &Tensor| t.size() == [c] && t.kind() == Kind::Float && t.device() == x.device() && t.is_contiguous();
+    anyhow::ensure!([mean, rstd, w].iter().all(|t| vec_ok(t)), "batch norm backward: kept statistics and weight must be fp32 [{c}]");
+    let (per, blocks) = bn_blocks(k, m);
+    let part = Tensor::empty([i64::from(blocks), 2, c], (Kind::Float, x.device()));
+    let (m32, c32, per32) = (i32::try_from(m)?, i32::try_from(c)?, i32::try_from(per)?);
+    // SAFETY: the arguments follow bn_bwd_sums' signature (device pointers
+    // to the checked rows and vectors, null for y without the ReLU, which
+    // the kernel then does not read, partial sums of [blocks, 2, c] for the
+    // blocks launched, then ints); all outlive the launch.
+    unsafe {
+        launch(k.bn_bwd_sums, Grid::line(blocks, BN_THREADS), params![dy, y, x, mean, rstd, &part, m32, c32, per32, i32::from(relu)])?
+    };
+    let sums = Partials(part).sums()?;
+    let dx = x.empty_like();
+    let dres = want_dres.then(|| x.empty_like());
+    // SAFETY: the arguments follow bn_bwd_apply's signature (device
+    // pointers to the checked rows and vectors, null for y without the
+    // ReLU, the [2, c] sums, fresh rows for dx and dres or null, then
+    // ints); all outlive the launch.
+    unsafe {
+        launch(
+            k.bn_bwd_apply,
+            bn_stride_grid(k, m, c),
+            params![dy, y, x, mean, rstd, w, &sums, &dx, dres.as_ref(), m32, c32, i32::from(relu)],
+        )?
+    };
+    Ok((dx, dres, sums))
+}
+
 /// Whether [`embed`] takes rows of `c` channels.
 pub fn embed_fits(c: i64) -> bool {
     c % 4 == 0 && (4..=4096).contains(&c)
@@ -860,6 +999,11 @@ mod tests {
             "adamw",
             "adamw_steps",
             "cast_list",
+            "bn_stats",
+            "bn_stats_finish",
+            "bn_apply",
+            "bn_bwd_sums",
+            "bn_bwd_apply",
         ] {
             assert!(ptx.contains(&format!(".entry {k}")), "{k} missing");
         }

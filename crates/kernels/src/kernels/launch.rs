@@ -40,6 +40,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/multi_tensor.cu"),
     include_str!("../../cuda/clock.cu"),
     include_str!("../../cuda/hash.cu"),
+    include_str!("../../cuda/batch_norm.cu"),
 );
 
 /// A kernel of the loaded module.
@@ -80,6 +81,13 @@ pub(super) struct Loaded {
     pub(super) adamw: Kernel,
     pub(super) adamw_steps: Kernel,
     pub(super) cast_list: Kernel,
+    /// Training-mode batch norm with its ReLU and residual add
+    /// (`batch_norm.cu`).
+    pub(super) bn_stats: Kernel,
+    pub(super) bn_stats_finish: Kernel,
+    pub(super) bn_apply: Kernel,
+    pub(super) bn_bwd_sums: Kernel,
+    pub(super) bn_bwd_apply: Kernel,
     /// Streaming multiprocessors of the device (grid sizes).
     pub(super) sms: u32,
     /// The device's compute capability (major).
@@ -176,6 +184,11 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
             adamw: waiting("adamw")?,
             adamw_steps: waiting("adamw_steps")?,
             cast_list: waiting("cast_list")?,
+            bn_stats: waiting("bn_stats")?,
+            bn_stats_finish: waiting("bn_stats_finish")?,
+            bn_apply: waiting("bn_apply")?,
+            bn_bwd_sums: waiting("bn_bwd_sums")?,
+            bn_bwd_apply: waiting("bn_bwd_apply")?,
             sms,
             major,
             stamp: plain("stamp")?,

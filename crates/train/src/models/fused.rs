@@ -1022,6 +1022,209 @@ fn embed_with(engine: Engine, idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> (Tens
     (out[0].shallow_clone(), tie)
 }
 
+/// Training-mode batch norm, then a residual added and ReLU where asked:
+/// the autograd node behind [`batch_norm_act`]. Inputs `[x, w, b, res?]`
+/// (`x` and `res` `[n, c, h, w]`), output `[y]`, kept `[x, y, mean, rstd,
+/// w]` (on CUDA `x` and `y` as their channels-last rows `[n h w, c]`; `y`
+/// only for the ReLU's mask, an empty tensor without it).
+struct BatchNormAct {
+    engine: Engine,
+    relu: bool,
+    residual: bool,
+    /// The running mean and variance, updated by the forward pass (in a
+    /// mutex: a node is shared with autograd's threads).
+    running: std::sync::Mutex<Option<(Tensor, Tensor)>>,
+    momentum: f64,
+    eps: f64,
+}
+
+/// The rows `[n h w, c]` of a channels-last `[n, c, h, w]` tensor (a view;
+/// a copy for another layout).
+fn nhwc_rows(t: &Tensor) -> Tensor {
+    let c = t.size()[1];
+    t.permute([0, 2, 3, 1]).contiguous().view([-1, c])
+}
+
+/// `[n, c, h, w]` (channels-last strides) over rows `[n h w, c]`.
+fn from_nhwc_rows(rows: &Tensor, shape: &[i64]) -> Tensor {
+    let [n, c, h, w] = shape else { panic!("batch norm takes [n, c, h, w]") };
+    rows.view([*n, *h, *w, *c]).permute([0, 3, 1, 2])
+}
+
+impl BatchNormAct {
+    /// What the backward pass keeps of the output `y`: `y` for the ReLU's
+    /// mask; without the ReLU nothing (an empty tensor), so that a
+    /// shortcut's batch norm does not hold its output.
+    fn mask_of(&self, y: &Tensor) -> Tensor {
+        if self.relu {
+            y.shallow_clone()
+        } else {
+            Tensor::empty([0], (y.kind(), y.device()))
+        }
+    }
+
+    /// The reference forward pass over `[n, c, h, w]`: `(y, mean, rstd)`.
+    fn reference_forward(&self, x: &Tensor, w: &Tensor, b: &Tensor, res: Option<&Tensor>) -> (Tensor, Tensor, Tensor) {
+        let c = x.size()[1];
+        let per_channel = |t: &Tensor| t.view([1, c, 1, 1]);
+        let x32 = x.to_kind(Kind::Float);
+        let mean = x32.mean_dim([0i64, 2, 3].as_slice(), false, Kind::Float);
+        let centred = &x32 - per_channel(&mean);
+        let var = centred.square().mean_dim([0i64, 2, 3].as_slice(), false, Kind::Float);
+        let rstd = (&var + self.eps).rsqrt();
+        let mut y = centred * per_channel(&(&rstd * w)) + per_channel(b);
+        if let Some(r) = res {
+            y += r.to_kind(Kind::Float);
+        }
+        if self.relu {
+            y = y.relu();
+        }
+        if let Some((rm, rv)) = &*self.running.lock().unwrap_or_else(|e| e.into_inner()) {
+            let m = (x.numel() as i64 / c) as f64;
+            let unbiased = &var * (m / (m - 1.0).max(1.0));
+            let _ = rm.shallow_clone().g_mul_scalar_(1.0 - self.momentum).g_add_(&(mean.shallow_clone() * self.momentum));
+            let _ = rv.shallow_clone().g_mul_scalar_(1.0 - self.momentum).g_add_(&(unbiased * self.momentum));
+        }
+        (y.to_kind(x.kind()), mean, rstd)
+    }
+
+    /// The reference backward pass: `(dx, dres, db, dw)`.
+    fn reference_backward(&self, dy: &Tensor, saved: [&Tensor; 5]) -> (Tensor, Tensor, Tensor, Tensor) {
+        let [x, y, mean, rstd, w] = saved;
+        let c = x.size()[1];
+        let per_channel = |t: &Tensor| t.view([1, c, 1, 1]);
+        let mut g = dy.to_kind(Kind::Float);
+        if self.relu {
+            g *= y.gt(0.0).to_kind(Kind::Float);
+        }
+        let xhat = (x.to_kind(Kind::Float) - per_channel(mean)) * per_channel(rstd);
+        let m = (x.numel() as i64 / c) as f64;
+        let sg = g.sum_dim_intlist([0i64, 2, 3].as_slice(), false, Kind::Float);
+        let sgx = (&g * &xhat).sum_dim_intlist([0i64, 2, 3].as_slice(), false, Kind::Float);
+        let dx = per_channel(&(w * rstd)) * (&g - per_channel(&sg) / m - &xhat * per_channel(&sgx) / m);
+        (dx.to_kind(x.kind()), g.to_kind(x.kind()), sg, sgx)
+    }
+}
+
+impl CustomOp for BatchNormAct {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let (x, w, b, res) = match inputs {
+            [x, w, b] if !self.residual => (x, w, b, None),
+            [x, w, b, r] if self.residual => (x, w, b, Some(r)),
+            _ => anyhow::bail!("batch_norm_act: {} inputs", inputs.len()),
+        };
+        let (y, kept) = match self.engine {
+            Engine::Cuda => {
+                let (x2, r2) = (nhwc_rows(x), res.map(nhwc_rows));
+                let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+                let running = guard.as_ref().map(|(m, v)| (m, v));
+                let (y2, mean, rstd) =
+                    kernels::batch_norm(&x2, w, b, r2.as_ref(), running, self.momentum as f32, self.eps as f32, self.relu)?;
+                (from_nhwc_rows(&y2, &x.size()), vec![x2, self.mask_of(&y2), mean, rstd, w.shallow_clone()])
+            }
+            Engine::Reference => {
+                let (y, mean, rstd) = self.reference_forward(x, w, b, res);
+                (y.shallow_clone(), vec![x.shallow_clone(), self.mask_of(&y), mean, rstd, w.shallow_clone()])
+            }
+        };
+        Ok((vec![y], kept))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let ([x, y, mean, rstd, w], [dy]) = (saved, grads) else {
+            anyhow::bail!("batch_norm_act: {} kept, {} gradients", saved.len(), grads.len())
+        };
+        let n_inputs = 3 + usize::from(self.residual);
+        let Some(dy) = dy else { return Ok((0..n_inputs).map(|_| None).collect()) };
+        let (dx, dres, db, dw) = match self.engine {
+            Engine::Cuda => {
+                let shape = dy.size();
+                let (dx, dres, sums) =
+                    kernels::batch_norm_backward(&nhwc_rows(dy), self.relu.then_some(y), x, mean, rstd, w, self.residual)?;
+                let dres = dres.map(|d| from_nhwc_rows(&d, &shape));
+                (from_nhwc_rows(&dx, &shape), dres, sums.get(0), sums.get(1))
+            }
+            Engine::Reference => {
+                let (dx, dres, db, dw) = self.reference_backward(dy, [x, y, mean, rstd, w]);
+                (dx, Some(dres), db, dw)
+            }
+        };
+        let mut g = vec![Some(dx), Some(dw), Some(db)];
+        if self.residual {
+            g.push(dres);
+        }
+        Ok(g)
+    }
+}
+
+/// Whether `x` (4-d) has channels-last strides.
+pub fn is_channels_last(x: &Tensor) -> bool {
+    let (size, stride) = (x.size(), x.stride());
+    size.len() == 4 && stride[1] == 1 && stride[3] == size[1] && stride[2] == size[1] * size[3]
+}
+
+/// Whether [`batch_norm_act`] runs the CUDA kernels on `x` (bf16,
+/// channels-last `[n, c, h, w]`, a width the kernels take, CUDA);
+/// `HARNESS_FUSED_BN=0` keeps libtorch's layers (a diagnostic).
+pub fn batch_norm_cuda_fits(x: &Tensor) -> bool {
+    let size = x.size();
+    crate::switches::get().fused_bn
+        && size.len() == 4
+        && x.device().is_cuda()
+        && x.kind() == Kind::BFloat16
+        && is_channels_last(x)
+        && kernels::batch_norm_fits(size[1])
+        && kernels::available()
+}
+
+/// Training-mode batch norm of `x` `[n, c, h, w]` over its batch and
+/// positions with weight `w` and bias `b` (fp32 `[c]`), then `res` (the
+/// residual, `x`'s shape) added and ReLU applied where asked: `relu(bn(x) +
+/// res)`, in `x`'s kind, the running mean and variance updated (momentum,
+/// unbiased variance) as torch's batch norm does. On CUDA
+/// ([`batch_norm_cuda_fits`]) three kernels forward (the statistics in two
+/// stages, then the normalisation with the add and the ReLU, writing
+/// channels-last bf16) and three backward (the sums of the gradient behind
+/// the ReLU and of its product with the normalised input, their total, then
+/// the input's and the residual's gradients in one pass); elsewhere the same
+/// maths in libtorch operations.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_act(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    running: Option<(&Tensor, &Tensor)>,
+    momentum: f64,
+    eps: f64,
+    res: Option<&Tensor>,
+    relu: bool,
+) -> Tensor {
+    let cuda = batch_norm_cuda_fits(x) && !reference_forced() && res.is_none_or(|r| r.kind() == Kind::BFloat16 && r.size() == x.size());
+    let engine = if cuda { Engine::Cuda } else { Engine::Reference };
+    batch_norm_act_with(engine, x, w, b, running, momentum, eps, res, relu)
+}
+
+/// [`batch_norm_act`]'s node on `engine`.
+#[allow(clippy::too_many_arguments)]
+fn batch_norm_act_with(
+    engine: Engine,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    running: Option<(&Tensor, &Tensor)>,
+    momentum: f64,
+    eps: f64,
+    res: Option<&Tensor>,
+    relu: bool,
+) -> Tensor {
+    let running = running.map(|(m, v)| (m.shallow_clone(), v.shallow_clone()));
+    let op = BatchNormAct { engine, relu, residual: res.is_some(), running: std::sync::Mutex::new(running), momentum, eps };
+    let mut inputs = vec![x, w, b];
+    inputs.extend(res);
+    let mut out = torch_ext::custom_op(op, &inputs).unwrap_or_else(|e| panic!("{e}"));
+    out.pop().expect("batch_norm_act returns its output")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1186,6 +1389,57 @@ mod tests {
         let (x, w) = (Tensor::arange(24, (Kind::Float, Device::Cpu)).view([3, 8]), Tensor::ones([8], (Kind::Float, Device::Cpu)));
         let (xo, y) = add_rms_norm(&x, None, &w);
         assert!(xo.equal(&x) && y.kind() == Kind::Float);
+    }
+
+    /// Batch norm in training (then the residual and ReLU where asked) on
+    /// `[n, c, h, w]` (channels-last on CUDA) in `kind`: the output, the
+    /// gradients of x, w, b (and the residual's), and the running mean and
+    /// variance after the step; through [`batch_norm_act_with`] on
+    /// `engine`, or (None) libtorch's batch norm, add and ReLU.
+    fn bn_grads(engine: Option<Engine>, relu: bool, residual: bool, dev: Device, kind: Kind, shape: [i64; 4]) -> Vec<Tensor> {
+        let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(23);
+        let c = shape[1];
+        let layout = |t: Tensor| if dev.is_cuda() { crate::models::vision::channels_last(&t) } else { t };
+        let x = layout((Tensor::randn(shape, (Kind::Float, dev)) * 2.0 + 0.7).to_kind(kind)).set_requires_grad(true);
+        let r = layout(Tensor::randn(shape, (Kind::Float, dev)).to_kind(kind)).set_requires_grad(true);
+        let w = (Tensor::randn([c], (Kind::Float, dev)) * 0.2 + 1.0).set_requires_grad(true);
+        let b = (Tensor::randn([c], (Kind::Float, dev)) * 0.2).set_requires_grad(true);
+        let (rm, rv) = (Tensor::randn([c], (Kind::Float, dev)) * 0.1, Tensor::ones([c], (Kind::Float, dev)));
+        let p = Tensor::randn(shape, (Kind::Float, dev));
+        let res = residual.then_some(&r);
+        let y = match engine {
+            Some(engine) => batch_norm_act_with(engine, &x, &w, &b, Some((&rm, &rv)), 0.1, 1e-5, res, relu),
+            None => {
+                let mut y = x.batch_norm(Some(&w), Some(&b), Some(&rm), Some(&rv), true, 0.1, 1e-5, false);
+                if let Some(r) = res {
+                    y = &y + r;
+                }
+                if relu {
+                    y = y.relu();
+                }
+                y
+            }
+        };
+        assert_eq!(y.kind(), kind, "the output is not in the input's kind");
+        (y.to_kind(Kind::Float) * p).sum(Kind::Float).backward();
+        let mut out = vec![y.detach().to_kind(Kind::Float), x.grad().to_kind(Kind::Float), w.grad(), b.grad()];
+        if residual {
+            out.push(r.grad().to_kind(Kind::Float));
+        }
+        out.extend([rm, rv]);
+        out
+    }
+
+    #[test]
+    fn the_batch_norm_node_matches_libtorchs_layers() {
+        // fp32 on the CPU: the reference's written-out backward pass
+        // against autograd's, the running statistics as torch's.
+        for (relu, residual) in [(true, true), (true, false), (false, false)] {
+            let want = bn_grads(None, relu, residual, Device::Cpu, Kind::Float, [4, 16, 5, 3]);
+            let got = bn_grads(Some(Engine::Reference), relu, residual, Device::Cpu, Kind::Float, [4, 16, 5, 3]);
+            assert_close(&want, &got, max_error, 1e-4, &format!("relu={relu} residual={residual}"));
+        }
     }
 
     #[test]
@@ -1578,6 +1832,23 @@ mod tests {
                     let got = rms_grads(Some(Engine::Cuda), residual, buffer, dev, Kind::BFloat16, shape);
                     assert_close(&want, &got, relative, 1e-2, &format!("RMS {shape:?} residual={residual} buffer={buffer}"));
                 }
+            }
+        }
+        // Batch norm with its ReLU and residual (ResNet-50's widths and
+        // positions per image, a 7 x 7 one of 2048 channels, and the
+        // smallest width), channels-last bf16, against the reference's
+        // maths on the same device (fp32, rounded to bf16 at the end, as
+        // the kernels) and, more loosely, against libtorch's layers: their
+        // bf16 rounding before the ReLU flips its mask where the input is
+        // near 0, and the gradient differs there by the whole of dy.
+        for shape in [[8, 64, 28, 28], [4, 256, 14, 14], [6, 2048, 7, 7], [3, 8, 5, 5], [2, 512, 7, 9]] {
+            for (relu, residual) in [(true, true), (true, false), (false, false)] {
+                let case = format!("batch norm {shape:?} relu={relu} residual={residual}");
+                let got = bn_grads(Some(Engine::Cuda), relu, residual, dev, Kind::BFloat16, shape);
+                let want = bn_grads(Some(Engine::Reference), relu, residual, dev, Kind::BFloat16, shape);
+                assert_close(&want, &got, relative, 1e-2, &case);
+                let libtorch = bn_grads(None, relu, residual, dev, Kind::BFloat16, shape);
+                assert_close(&libtorch, &got, relative, 6e-2, &format!("{case}, against libtorch"));
             }
         }
         // Post-norm (fp32 rows out, fp32 gradients in): the claims5

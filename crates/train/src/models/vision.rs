@@ -69,11 +69,13 @@ impl Vision {
 
     /// A ViT's residual adds and LayerNorms through [`fused::add_norm`],
     /// its linear layers through [`fused::linear`], as the
-    /// `gpt` family's (bf16 on CUDA, `kernels = "fused"`). ResNets have
-    /// none of these layers.
+    /// `gpt` family's; a ResNet's batch norms, with the ReLU and the
+    /// residual add after them, through [`fused::batch_norm_act`] in
+    /// training (bf16 on CUDA, `kernels = "fused"`).
     pub fn use_fused_kernels(&mut self, on: bool) {
-        if let Vision::Vit(n) = self {
-            n.fused = on;
+        match self {
+            Vision::Vit(n) => n.fused = on,
+            Vision::ResNet(n) => n.fused = on,
         }
     }
 }
@@ -180,11 +182,7 @@ pub fn channels_last(x: &Tensor) -> Tensor {
     x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
 }
 
-/// Whether `x` (4-d) has channels-last strides.
-pub fn is_channels_last(x: &Tensor) -> bool {
-    let (size, stride) = (x.size(), x.stride());
-    size.len() == 4 && stride[1] == 1 && stride[3] == size[1] && stride[2] == size[1] * size[3]
-}
+pub use fused::is_channels_last;
 
 /// A convolution without bias and its batch norm.
 struct ConvBn {
@@ -208,10 +206,35 @@ impl ConvBn {
         ConvBn { conv, bn: nn::batch_norm2d(&p / "bn", c_out, bn_cfg) }
     }
 
-    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
-        self.bn.forward_t(&self.conv.forward(x), train)
+    /// `relu(bn(conv(x)) + res)`, the residual and the ReLU where asked
+    /// ([`ConvBn::bn_act`]).
+    fn forward(&self, x: &Tensor, train: bool, fused: bool, res: Option<&Tensor>, relu: bool) -> Tensor {
+        self.bn_act(&self.conv.forward(x), train, fused, res, relu)
+    }
+
+    /// `relu(bn(z) + res)` of the convolution's output `z`: with `fused`
+    /// in training where the kernels take `z`, one node
+    /// ([`fused::batch_norm_act`]); else libtorch's batch norm, add and
+    /// ReLU.
+    fn bn_act(&self, z: &Tensor, train: bool, fused: bool, res: Option<&Tensor>, relu: bool) -> Tensor {
+        if let (true, true, Some(w), Some(b)) = (fused && train, fused::batch_norm_cuda_fits(z), &self.bn.ws, &self.bn.bs) {
+            let running = Some((&self.bn.running_mean, &self.bn.running_var));
+            return fused::batch_norm_act(z, w, b, running, BN_MOMENTUM, BN_EPS, res, relu);
+        }
+        let mut y = self.bn.forward_t(z, train);
+        if let Some(r) = res {
+            y = &y + r;
+        }
+        if relu {
+            y = y.relu();
+        }
+        y
     }
 }
+
+/// Batch norm's momentum and epsilon (torch's and tch's defaults).
+const BN_MOMENTUM: f64 = 0.1;
+const BN_EPS: f64 = 1e-5;
 
 /// A residual block: two 3x3 convolutions (basic) or 1x1, 3x3, 1x1
 /// (bottleneck), and a 1x1 projection of the shortcut where the shape
@@ -222,20 +245,20 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+    /// The convolutions with their batch norms and ReLUs, the last batch
+    /// norm taking the shortcut's add and the block's ReLU.
+    fn forward(&self, x: &Tensor, train: bool, fused: bool) -> Tensor {
+        let (last, first) = self.convs.split_last().expect("a block has convolutions");
         let mut y = x.shallow_clone();
-        let last = self.convs.len() - 1;
-        for (i, c) in self.convs.iter().enumerate() {
-            y = c.forward(&y, train);
-            if i < last {
-                y = y.relu();
-            }
+        for c in first {
+            y = c.forward(&y, train, fused, None, true);
         }
+        let z = last.conv.forward(&y);
         let shortcut = match &self.down {
-            Some(d) => d.forward(x, train),
+            Some(d) => d.forward(x, train, fused, None, false),
             None => x.shallow_clone(),
         };
-        (y + shortcut).relu()
+        last.bn_act(&z, train, fused, Some(&shortcut), true)
     }
 }
 
@@ -246,6 +269,8 @@ pub struct ResNet {
     pool: bool,
     blocks: Vec<Block>,
     fc: nn::Linear,
+    /// harness's fused kernels ([`Vision::use_fused_kernels`]).
+    fused: bool,
 }
 
 impl ResNet {
@@ -281,7 +306,7 @@ impl ResNet {
             }
         }
         let fc = nn::linear(p / "fc", c_in, cfg.vocab, Default::default());
-        let net = ResNet { stem, pool: !small, blocks, fc };
+        let net = ResNet { stem, pool: !small, blocks, fc, fused: false };
         if p.device().is_cuda() {
             net.weights_channels_last();
         }
@@ -304,12 +329,12 @@ impl ResNet {
     /// `[n, classes]` logits of `[n, channels, side, side]` images.
     pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
         let x = if x.device().is_cuda() && !is_channels_last(x) { channels_last(x) } else { x.shallow_clone() };
-        let mut y = self.stem.forward(&x, train).relu();
+        let mut y = self.stem.forward(&x, train, self.fused, None, true);
         if self.pool {
             y = y.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
         }
         for b in &self.blocks {
-            y = b.forward(&y, train);
+            y = b.forward(&y, train, self.fused);
         }
         let pooled = y.adaptive_avg_pool2d([1, 1]).flatten(1, -1);
         self.fc.forward(&pooled)
