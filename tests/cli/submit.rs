@@ -179,6 +179,17 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     assert!(row("cut.bundle").contains("ran 2 of the 3 repeats"));
     assert!(row("swapped.bundle").contains("is not the artifact that ran"));
     assert!(subs.contains("baseline `allreduce` (reference)"));
+    // With the reference submissions, as docs/submitting.md has a newcomer
+    // rank one: the new bundle and the reference `topk` in one table of
+    // the compression track.
+    let refs = repo_root().join("results/cpu/submissions/1.2");
+    run_ok(harness(dir).arg("report").arg(&refs).args([".", "--out-dir", "board-refs"]));
+    let with_refs = std::fs::read_to_string(dir.join("board-refs/LEADERBOARD.md")).unwrap();
+    let head = "### standard-cpu 1.2 · cpu · 2 ranks · track `compression`\n";
+    let track = &with_refs[with_refs.find(head).unwrap_or_else(|| panic!("no compression track:\n{with_refs}")) + head.len()..];
+    let track = &track[..track.find("\n### ").unwrap_or(track.len())];
+    let ranked = |who: &str| track.lines().any(|l| l.starts_with("| ") && l.contains(who));
+    assert!(ranked("sign-vote 0.3.1") && ranked("topk 0.1.0"), "the new and the reference submission in one table:\n{track}");
     // The per-workload tables hold the verified bundle's 3 repeats of its
     // plugin alone: the others' entries (the same plugin) are not pooled in.
     // (Its run's baseline rows name the run: "allreduce (baseline; run of

@@ -1157,6 +1157,12 @@ impl CustomOp for BatchNormAct {
     }
 }
 
+/// `x` with channels-last strides (NHWC in memory, NCHW in shape). tch has
+/// no memory-format API; libtorch infers the format from the strides.
+pub fn channels_last(x: &Tensor) -> Tensor {
+    x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
+}
+
 /// Whether `x` (4-d) has channels-last strides.
 pub fn is_channels_last(x: &Tensor) -> bool {
     let (size, stride) = (x.size(), x.stride());
@@ -1188,35 +1194,27 @@ pub fn batch_norm_cuda_fits(x: &Tensor) -> bool {
 /// the ReLU and of its product with the normalised input, their total, then
 /// the input's and the residual's gradients in one pass); elsewhere the same
 /// maths in libtorch operations.
-#[allow(clippy::too_many_arguments)]
-pub fn batch_norm_act(
-    x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
-    running: Option<(&Tensor, &Tensor)>,
-    momentum: f64,
-    eps: f64,
-    res: Option<&Tensor>,
-    relu: bool,
-) -> Tensor {
+pub fn batch_norm_act(x: &Tensor, bn: &BatchNormParams, res: Option<&Tensor>, relu: bool) -> Tensor {
     let cuda = batch_norm_cuda_fits(x) && !reference_forced() && res.is_none_or(|r| r.kind() == Kind::BFloat16 && r.size() == x.size());
     let engine = if cuda { Engine::Cuda } else { Engine::Reference };
-    batch_norm_act_with(engine, x, w, b, running, momentum, eps, res, relu)
+    batch_norm_act_with(engine, x, bn, res, relu)
+}
+
+/// A batch norm's weight and bias (fp32 `[c]`), its running mean and
+/// variance (updated in training) and its momentum and epsilon, as
+/// [`batch_norm_act`] takes them.
+#[derive(Clone, Copy)]
+pub struct BatchNormParams<'a> {
+    pub w: &'a Tensor,
+    pub b: &'a Tensor,
+    pub running: Option<(&'a Tensor, &'a Tensor)>,
+    pub momentum: f64,
+    pub eps: f64,
 }
 
 /// [`batch_norm_act`]'s node on `engine`.
-#[allow(clippy::too_many_arguments)]
-fn batch_norm_act_with(
-    engine: Engine,
-    x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
-    running: Option<(&Tensor, &Tensor)>,
-    momentum: f64,
-    eps: f64,
-    res: Option<&Tensor>,
-    relu: bool,
-) -> Tensor {
+fn batch_norm_act_with(engine: Engine, x: &Tensor, bn: &BatchNormParams, res: Option<&Tensor>, relu: bool) -> Tensor {
+    let BatchNormParams { w, b, running, momentum, eps } = *bn;
     let running = running.map(|(m, v)| (m.shallow_clone(), v.shallow_clone()));
     let op = BatchNormAct { engine, relu, residual: res.is_some(), running: std::sync::Mutex::new(running), momentum, eps };
     let mut inputs = vec![x, w, b];
@@ -1400,7 +1398,7 @@ mod tests {
         let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(23);
         let c = shape[1];
-        let layout = |t: Tensor| if dev.is_cuda() { crate::models::vision::channels_last(&t) } else { t };
+        let layout = |t: Tensor| if dev.is_cuda() { channels_last(&t) } else { t };
         let x = layout((Tensor::randn(shape, (Kind::Float, dev)) * 2.0 + 0.7).to_kind(kind)).set_requires_grad(true);
         let r = layout(Tensor::randn(shape, (Kind::Float, dev)).to_kind(kind)).set_requires_grad(true);
         let w = (Tensor::randn([c], (Kind::Float, dev)) * 0.2 + 1.0).set_requires_grad(true);
@@ -1409,7 +1407,10 @@ mod tests {
         let p = Tensor::randn(shape, (Kind::Float, dev));
         let res = residual.then_some(&r);
         let y = match engine {
-            Some(engine) => batch_norm_act_with(engine, &x, &w, &b, Some((&rm, &rv)), 0.1, 1e-5, res, relu),
+            Some(engine) => {
+                let bn = BatchNormParams { w: &w, b: &b, running: Some((&rm, &rv)), momentum: 0.1, eps: 1e-5 };
+                batch_norm_act_with(engine, &x, &bn, res, relu)
+            }
             None => {
                 let mut y = x.batch_norm(Some(&w), Some(&b), Some(&rm), Some(&rv), true, 0.1, 1e-5, false);
                 if let Some(r) = res {

@@ -176,13 +176,7 @@ impl Vit {
     }
 }
 
-/// `x` with channels-last strides (NHWC in memory, NCHW in shape). tch has
-/// no memory-format API; libtorch infers the format from the strides.
-pub fn channels_last(x: &Tensor) -> Tensor {
-    x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
-}
-
-pub use fused::is_channels_last;
+pub use fused::{channels_last, is_channels_last};
 
 /// A convolution without bias and its batch norm.
 struct ConvBn {
@@ -219,7 +213,8 @@ impl ConvBn {
     fn bn_act(&self, z: &Tensor, train: bool, fused: bool, res: Option<&Tensor>, relu: bool) -> Tensor {
         if let (true, true, Some(w), Some(b)) = (fused && train, fused::batch_norm_cuda_fits(z), &self.bn.ws, &self.bn.bs) {
             let running = Some((&self.bn.running_mean, &self.bn.running_var));
-            return fused::batch_norm_act(z, w, b, running, BN_MOMENTUM, BN_EPS, res, relu);
+            let bn = fused::BatchNormParams { w, b, running, momentum: BN_MOMENTUM, eps: BN_EPS };
+            return fused::batch_norm_act(z, &bn, res, relu);
         }
         let mut y = self.bn.forward_t(z, train);
         if let Some(r) = res {
