@@ -388,6 +388,17 @@ pub fn batch_norm_fits(c: i64) -> bool {
     c % 8 == 0 && c >= 8 && 256 % (c / 8) == 0
 }
 
+/// `t`, or a copy of it where it does not start 16-byte aligned (the batch
+/// norm kernels load 8 channels at a time; a parameter or gradient inside
+/// a ZeRO flat buffer may start anywhere).
+fn aligned16(t: &Tensor) -> Tensor {
+    if (t.data_ptr() as usize) % 16 == 0 {
+        t.shallow_clone()
+    } else {
+        t.copy()
+    }
+}
+
 /// Threads per block of the batch norm kernels (`BN_THREADS`).
 const BN_THREADS: u32 = 256;
 
@@ -437,6 +448,8 @@ pub fn batch_norm(
     let vec_ok = |t: &Tensor| t.size() == [c] && t.kind() == Kind::Float && t.device() == x.device() && t.is_contiguous();
     anyhow::ensure!(vec_ok(w) && vec_ok(b), "batch norm parameters must be fp32 [{c}]");
     anyhow::ensure!(running.is_none_or(|(rm, rv)| vec_ok(rm) && vec_ok(rv)), "running statistics must be fp32 [{c}]");
+    let (x, res) = (aligned16(x), res.map(aligned16));
+    let (x, res) = (&x, res.as_ref());
     let (per, blocks) = bn_blocks(k, m);
     let part = Tensor::empty([i64::from(blocks), 2, c], (Kind::Float, x.device()));
     let (m32, c32, per32) = (i32::try_from(m)?, i32::try_from(c)?, i32::try_from(per)?);
@@ -490,7 +503,10 @@ pub fn batch_norm_backward(
         batch_norm_fits(c) && rows_ok(dy) && rows_ok(x) && relu_out.is_none_or(rows_ok),
         "fused batch norm backward takes contiguous bf16 rows [{m}, {c}]"
     );
-    let (y, relu) = (relu_out, relu_out.is_some());
+    let (dy, x, w) = (aligned16(dy), aligned16(x), aligned16(w));
+    let (dy, x, w) = (&dy, &x, &w);
+    let y = relu_out.map(aligned16);
+    let (y, relu) = (y.as_ref(), relu_out.is_some());
     let vec_ok = |t: &Tensor| t.size() == [c] && t.kind() == Kind::Float && t.device() == x.device() && t.is_contiguous();
     anyhow::ensure!([mean, rstd, w].iter().all(|t| vec_ok(t)), "batch norm backward: kept statistics and weight must be fp32 [{c}]");
     let (per, blocks) = bn_blocks(k, m);

@@ -1852,6 +1852,24 @@ mod tests {
                 assert_close(&libtorch, &got, relative, 6e-2, &format!("{case}, against libtorch"));
             }
         }
+        // A batch norm weight and bias inside a flat buffer (ZeRO), 4 bytes
+        // off 16: the same results as aligned copies (the kernels load 8
+        // channels at a time).
+        {
+            let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+            let (m, c) = (512, 64);
+            let x = Tensor::randn([m, c], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+            let dy = Tensor::randn([m, c], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+            let flat = Tensor::randn([1 + 2 * c], (Kind::Float, dev));
+            let (w, b) = (flat.narrow(0, 1, c), flat.narrow(0, 1 + c, c));
+            let run = |w: &Tensor, b: &Tensor| {
+                let (y, mean, rstd) = kernels::batch_norm(&x, w, b, None, None, 0.1, 1e-5, true).unwrap();
+                let (dx, _, sums) = kernels::batch_norm_backward(&dy, Some(&y), &x, &mean, &rstd, w, false).unwrap();
+                [y, dx, sums]
+            };
+            let (off, aligned) = (run(&w, &b), run(&w.copy(), &b.copy()));
+            assert!(off.iter().zip(&aligned).all(|(a, b)| a.equal(b)), "batch norm: an unaligned weight changed the results");
+        }
         // Post-norm (fp32 rows out, fp32 gradients in): the claims5
         // encoder's width, a block per row (2048), several rows per warp.
         for shape in [(300, 512), (64, 2048), (5000, 256)] {
