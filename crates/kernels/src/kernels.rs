@@ -406,8 +406,7 @@ const BN_THREADS: u32 = 256;
 /// blocks: a few blocks per SM.
 fn bn_blocks(k: &Loaded, m: i64) -> (i64, u32) {
     let blocks = i64::from(k.sms) * 4;
-    let per = (m + blocks - 1) / blocks;
-    let per = per.max(1);
+    let per = ((m + blocks - 1) / blocks).max(1);
     (per, ((m + per - 1) / per).max(1) as u32)
 }
 
@@ -589,7 +588,7 @@ pub fn embed_backward(idx: &Tensor, dx: &Tensor, gwte: &Tensor, gwpe: &Tensor, a
     let c = gwte.size2()?.1;
     let dx = dx.to_kind(Kind::Float).contiguous();
     // The kernel reads dx four floats at a time.
-    let dx = if (dx.data_ptr() as usize) % 16 == 0 { dx } else { dx.copy() };
+    let dx = aligned16(&dx);
     anyhow::ensure!(dx.size() == [b, t, c] && embed_fits(c), "fused embedding backward: dx must be [{b}, {t}, {c}]");
     anyhow::ensure!(
         [gwte, gwpe].iter().all(|g| (g.data_ptr() as usize) % 16 == 0),
