@@ -11,7 +11,9 @@
 # of the PyTorch references in eager mode (bench/pytorch_t5.py,
 # bench/pytorch_resnet.py; PYTRACE="t5 resnet" by default), each
 # summarised by bench/trace_summary.py. PYCOMPILE="resnet t5" adds
-# torch.compile runs of those models (T5-large's takes minutes). Writes
+# torch.compile runs of those models, the whole model compiled in each of
+# COMPILE_MODES (default "default"; e.g. "default max-autotune-no-cudagraphs
+# reduce-overhead"), and the ratios are taken against the best. Writes
 # $OUT/families.tar.gz and prints the table last. Needs .carry/harness
 # (docs/benchmarks.md).
 set -uo pipefail
@@ -44,7 +46,13 @@ for m in ${PYTRACE-t5 resnet}; do
   python3 "bench/pytorch_$m.py" --steps 10 --warmup 5 --json "$W/pytorch-eager-$m.json" --trace "$W/trace.trace/pytorch-eager-$m.json" > /dev/null 2>> "$W/py.txt"
 done
 for m in ${PYCOMPILE:-}; do
-  python3 "bench/pytorch_$m.py" --compile --steps 50 --warmup 10 --json "$W/pytorch-compile-$m.json" > /dev/null 2>> "$W/py.txt" || echo "torch.compile of $m failed"
+  for mode in ${COMPILE_MODES:-default}; do
+    tag=${mode/#default/}
+    start=$SECONDS
+    python3 "bench/pytorch_$m.py" --compile --compile-mode "$mode" --steps 50 --warmup 10 \
+      --json "$W/pytorch-compile${tag:+-$tag}-$m.json" > /dev/null 2>> "$W/py.txt" || echo "torch.compile of $m ($mode) failed"
+    echo "torch.compile of $m ($mode): $((SECONDS - start)) s with its compile" >> "$W/compile-times.txt"
+  done
 done
 for f in "$W"/trace.trace/*.json; do
   python3 bench/trace_summary.py "$f" --top 25 > "${f%.json}.txt" 2>&1
@@ -53,5 +61,7 @@ done
 tar -C "$W" -czf "$OUT/families.tar.gz" .
 cat "$W/gpu-tests.txt" 2>/dev/null
 for f in "$W"/trace.trace/*.txt; do echo "== $(basename "$f")"; grep -m1 "^step" "$f"; sed -n "/^GPU:/,\$p" "$f" | head -32; done
-python3 bench/summarize.py "$W" t5-large-bf16
-[ -z "${RN_VARIANTS:-}" ] || python3 bench/summarize.py "$W" resnet50-bf16 | tail -2
+cat "$W/compile-times.txt" 2>/dev/null
+[ -z "${VARIANTS-x}" ] || python3 bench/summarize.py "$W" t5-large-bf16 t5
+[ -z "${RN_VARIANTS:-}" ] || python3 bench/summarize.py "$W" resnet50-bf16 resnet
+for v in ${RN_VARIANTS:-}; do python3 bench/summarize.py "$W" resnet50-bf16 resnet "${v%%=*}" | sed -n '/^harness variant/,$p'; done

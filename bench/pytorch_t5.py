@@ -113,12 +113,17 @@ class T5(nn.Module):
         self.dec_norm = nn.Parameter(torch.ones(d))
         self.tables = {}
 
+    def prepare(self, src_len, tgt_len, device):
+        """Builds the bucket tables for these lengths, before any compile:
+        torch.compile traces Python, and the table's q x k calls of
+        `bucket` traced in the forward held the whole-model compile for
+        more than 8 minutes (never finished) on an H100 host."""
+        for q, causal in ((src_len, False), (tgt_len, True)):
+            idx = [[bucket(j - i, not causal) for j in range(q)] for i in range(q)]
+            self.tables[(q, q, causal)] = torch.tensor(idx, device=device)
+
     def position_bias(self, table, q, k, causal, device):
-        key = (q, k, causal)
-        if key not in self.tables:
-            idx = [[bucket(j - i, not causal) for j in range(k)] for i in range(q)]
-            self.tables[key] = torch.tensor(idx, device=device)
-        bias = F.embedding(self.tables[key], table).permute(2, 0, 1).unsqueeze(0)
+        bias = F.embedding(self.tables[(q, k, causal)], table).permute(2, 0, 1).unsqueeze(0)
         if causal:
             mask = torch.ones(q, k, dtype=torch.bool, device=device).triu(1)
             bias = bias.masked_fill(mask, float("-inf"))
@@ -155,6 +160,7 @@ def main():
     dev = "cuda"
     layers, heads, d, d_ff = PRESETS[a.preset]
     model = T5(layers, heads, d, d_ff, a.vocab).to(dev)
+    model.prepare(a.seq + 1, a.seq, dev)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
     if a.compile_layers:

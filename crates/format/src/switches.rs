@@ -188,6 +188,10 @@ switches! {
     /// norm with its ReLU and residual add as one node on CUDA; 0 keeps
     /// libtorch's.
     fused_bn: bool = true, "HARNESS_FUSED_BN", Recorded;
+    /// `HARNESS_FUSED_POOL` (default 1): the ResNets' max pooling in
+    /// training as harness's kernels on CUDA (a byte per output for the
+    /// backward pass); 0 keeps libtorch's.
+    fused_pool: bool = true, "HARNESS_FUSED_POOL", Recorded;
     /// `HARNESS_FUSED_CASTS` (default 1): the fused layers' weights cast to
     /// bf16 in one launch per step; 0 leaves each layer to cast its own.
     /// Read on every step.

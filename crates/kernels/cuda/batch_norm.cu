@@ -4,6 +4,9 @@
 // y = relu((x - mean) / sqrt(var + eps) * w + b + res). Blocks of 256
 // threads: thread t owns the 8 channels of group t % G (G = C / 8) on rows
 // t / G, t / G + 256 / G, ... of its block's rows. Statistics in fp32.
+// With the ReLU, the forward pass also writes the ReLU's mask, one byte per
+// 8 channels (bit j: y[8 i + j] > 0), which the backward pass reads instead
+// of y: 1/16 of the bytes.
 #define BN_THREADS 256
 // Eight fp32 channels from a 16-byte aligned pointer.
 __device__ __forceinline__ void ld_f8(const float* __restrict__ p, float v[8]) {
@@ -74,10 +77,24 @@ extern "C" __global__ void bn_stats_finish(const float* __restrict__ sums, const
     run_var[c] = (1.f - momentum) * run_var[c] + momentum * (M > 1 ? var * n / (n - 1.f) : var);
   }
 }
+// The 8 bits of a ReLU mask byte for 8 values written as bf16: bit j set
+// where v[j] rounded to bf16 is above 0.
+__device__ __forceinline__ unsigned char bn_mask_bits(const float v[8]) {
+  unsigned int bits = 0;
+  #pragma unroll
+  for (int j = 0; j < 8; j++) bits |= (bf2f(f2bf(v[j])) > 0.f ? 1u : 0u) << j;
+  return (unsigned char)bits;
+}
+// 8 gradients with the ReLU's mask byte applied: d[j] where bit j is set.
+__device__ __forceinline__ void bn_apply_mask(float d[8], unsigned char bits) {
+  #pragma unroll
+  for (int j = 0; j < 8; j++) d[j] = (bits >> j) & 1u ? d[j] : 0.f;
+}
 // y = x * scale + shift (+ res) (then ReLU), bf16, 8 channels per thread,
-// grid-striding over the M * G groups.
+// grid-striding over the M * G groups; the ReLU where `mask` is given,
+// which gets its byte per group.
 extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const bf16* __restrict__ res, const float* __restrict__ scale,
-    const float* __restrict__ shift, bf16* __restrict__ y, int M, int C, int relu) {
+    const float* __restrict__ shift, bf16* __restrict__ y, unsigned char* __restrict__ mask, int M, int C) {
   PDL_WAIT();
   const int G = C / 8;
   const size_t total = (size_t)M * G;
@@ -92,17 +109,19 @@ extern "C" __global__ void bn_apply(const bf16* __restrict__ x, const bf16* __re
     #pragma unroll
     for (int j = 0; j < 8; j++) {
       const float o = v[j] * sc[j] + sh[j] + rv[j];
-      v[j] = relu ? fmaxf(o, 0.f) : o;
+      v[j] = mask ? fmaxf(o, 0.f) : o;
     }
     st_bf8(y + 8 * i, v);
+    if (mask) mask[i] = bn_mask_bits(v);
   }
 }
-// The backward pass, stage 1: g = dy where y > 0 (with the ReLU), else dy;
+// The backward pass, stage 1: g = dy where the ReLU's mask (if given) has
+// its bit set (y > 0), else 0 (without the ReLU: dy);
 // per-block sums of g and of g * xhat (xhat = (x - mean) * rstd) in part
 // [gridDim.x, 2, C], summed by add_partials: db and dw.
-extern "C" __global__ void __launch_bounds__(BN_THREADS) bn_bwd_sums(const bf16* __restrict__ dy, const bf16* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(BN_THREADS) bn_bwd_sums(const bf16* __restrict__ dy, const unsigned char* __restrict__ mask,
     const bf16* __restrict__ x, const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ part,
-    int M, int C, int per, int relu) {
+    int M, int C, int per) {
   PDL_WAIT();
   const int G = C / 8, g = threadIdx.x % G, lanes = BN_THREADS / G, lane = threadIdx.x / G;
   const int r0 = blockIdx.x * per, r1 = min(M, r0 + per);
@@ -115,12 +134,7 @@ extern "C" __global__ void __launch_bounds__(BN_THREADS) bn_bwd_sums(const bf16*
     float d[8], xv[8];
     ld_bf8(dy + at, d);
     ld_bf8(x + at, xv);
-    if (relu) {
-      float yv[8];
-      ld_bf8(y + at, yv);
-      #pragma unroll
-      for (int j = 0; j < 8; j++) d[j] = yv[j] > 0.f ? d[j] : 0.f;
-    }
+    if (mask) bn_apply_mask(d, mask[(size_t)r * G + g]);
     #pragma unroll
     for (int j = 0; j < 8; j++) { s[j] += d[j]; q[j] += d[j] * (xv[j] - mu[j]) * rs[j]; }
   }
@@ -129,9 +143,9 @@ extern "C" __global__ void __launch_bounds__(BN_THREADS) bn_bwd_sums(const bf16*
 // Stage 2: dx = w * rstd * (g - sum(g) / M - xhat * sum(g * xhat) / M)
 // (bf16), and with `dres`, the residual's gradient g (bf16). `sums` is
 // [2, C]: sum(g), then sum(g * xhat).
-extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16* __restrict__ y, const bf16* __restrict__ x,
+extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const unsigned char* __restrict__ mask, const bf16* __restrict__ x,
     const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ w, const float* __restrict__ sums,
-    bf16* __restrict__ dx, bf16* __restrict__ dres, int M, int C, int relu) {
+    bf16* __restrict__ dx, bf16* __restrict__ dres, int M, int C) {
   PDL_WAIT();
   const int G = C / 8;
   const float inv_m = 1.f / (float)M;
@@ -141,12 +155,7 @@ extern "C" __global__ void bn_bwd_apply(const bf16* __restrict__ dy, const bf16*
     float d[8], xv[8];
     ld_bf8(dy + 8 * i, d);
     ld_bf8(x + 8 * i, xv);
-    if (relu) {
-      float yv[8];
-      ld_bf8(y + 8 * i, yv);
-      #pragma unroll
-      for (int j = 0; j < 8; j++) d[j] = yv[j] > 0.f ? d[j] : 0.f;
-    }
+    if (mask) bn_apply_mask(d, mask[i]);
     if (dres) st_bf8(dres + 8 * i, d);
     float r[8], mu[8], wv[8], sg[8], sgx[8], o[8];
     ld_f8(rstd + c, r);

@@ -41,6 +41,7 @@ const SOURCE: &str = concat!(
     include_str!("../../cuda/clock.cu"),
     include_str!("../../cuda/hash.cu"),
     include_str!("../../cuda/batch_norm.cu"),
+    include_str!("../../cuda/pool.cu"),
 );
 
 /// A kernel of the loaded module.
@@ -88,6 +89,9 @@ pub(super) struct Loaded {
     pub(super) bn_apply: Kernel,
     pub(super) bn_bwd_sums: Kernel,
     pub(super) bn_bwd_apply: Kernel,
+    /// Max pooling with a byte offset per output (`pool.cu`).
+    pub(super) max_pool_fwd: Kernel,
+    pub(super) max_pool_bwd: Kernel,
     /// Streaming multiprocessors of the device (grid sizes).
     pub(super) sms: u32,
     /// The device's compute capability (major).
@@ -189,6 +193,8 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
             bn_apply: waiting("bn_apply")?,
             bn_bwd_sums: waiting("bn_bwd_sums")?,
             bn_bwd_apply: waiting("bn_bwd_apply")?,
+            max_pool_fwd: waiting("max_pool_fwd")?,
+            max_pool_bwd: waiting("max_pool_bwd")?,
             sms,
             major,
             stamp: plain("stamp")?,

@@ -19,6 +19,9 @@ use tch::{Kind, Tensor};
 use crate::kernels::{self, Norm};
 use crate::torch_ext::{self, CustomOp};
 
+/// A max pooling's window ([`max_pool`]).
+pub use crate::kernels::Pool;
+
 /// LayerNorm's epsilon (as `nn.LayerNorm`).
 pub const EPS: f64 = 1e-5;
 
@@ -1024,9 +1027,11 @@ fn embed_with(engine: Engine, idx: &Tensor, wte: &Tensor, wpe: &Tensor) -> (Tens
 
 /// Training-mode batch norm, then a residual added and ReLU where asked:
 /// the autograd node behind [`batch_norm_act`]. Inputs `[x, w, b, res?]`
-/// (`x` and `res` `[n, c, h, w]`), output `[y]`, kept `[x, y, mean, rstd,
-/// w]` (on CUDA `x` and `y` as their channels-last rows `[n h w, c]`; `y`
-/// only for the ReLU's mask, an empty tensor without it).
+/// (`x` and `res` `[n, c, h, w]`), output `[y]`, kept `[x, mask, mean,
+/// rstd, w]`: on CUDA `x` as its channels-last rows `[n h w, c]` and the
+/// ReLU's bit mask ([`kernels::BatchNormOut::relu_mask`]), in the reference
+/// `x` and `y` for its mask; without the ReLU an empty tensor for the mask,
+/// so that a shortcut's batch norm does not hold its output.
 struct BatchNormAct {
     engine: Engine,
     relu: bool,
@@ -1052,14 +1057,13 @@ fn from_nhwc_rows(rows: &Tensor, shape: &[i64]) -> Tensor {
 }
 
 impl BatchNormAct {
-    /// What the backward pass keeps of the output `y`: `y` for the ReLU's
-    /// mask; without the ReLU nothing (an empty tensor), so that a
-    /// shortcut's batch norm does not hold its output.
+    /// What the reference's backward pass keeps for the ReLU's mask: `y`;
+    /// without the ReLU nothing (an empty tensor).
     fn mask_of(&self, y: &Tensor) -> Tensor {
         if self.relu {
             y.shallow_clone()
         } else {
-            Tensor::empty([0], (y.kind(), y.device()))
+            no_mask(y)
         }
     }
 
@@ -1118,9 +1122,9 @@ impl CustomOp for BatchNormAct {
                 let (x2, r2) = (nhwc_rows(x), res.map(nhwc_rows));
                 let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
                 let running = guard.as_ref().map(|(m, v)| (m, v));
-                let (y2, mean, rstd) =
-                    kernels::batch_norm(&x2, w, b, r2.as_ref(), running, self.momentum as f32, self.eps as f32, self.relu)?;
-                (from_nhwc_rows(&y2, &x.size()), vec![x2, self.mask_of(&y2), mean, rstd, w.shallow_clone()])
+                let out = kernels::batch_norm(&x2, w, b, r2.as_ref(), running, self.momentum as f32, self.eps as f32, self.relu)?;
+                let mask = out.relu_mask.unwrap_or_else(|| no_mask(&out.y));
+                (from_nhwc_rows(&out.y, &x.size()), vec![x2, mask, out.mean, out.rstd, w.shallow_clone()])
             }
             Engine::Reference => {
                 let (y, mean, rstd) = self.reference_forward(x, w, b, res);
@@ -1131,7 +1135,7 @@ impl CustomOp for BatchNormAct {
     }
 
     fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
-        let ([x, y, mean, rstd, w], [dy]) = (saved, grads) else {
+        let ([x, mask, mean, rstd, w], [dy]) = (saved, grads) else {
             anyhow::bail!("batch_norm_act: {} kept, {} gradients", saved.len(), grads.len())
         };
         let n_inputs = 3 + usize::from(self.residual);
@@ -1140,12 +1144,12 @@ impl CustomOp for BatchNormAct {
             Engine::Cuda => {
                 let shape = dy.size();
                 let (dx, dres, sums) =
-                    kernels::batch_norm_backward(&nhwc_rows(dy), self.relu.then_some(y), x, mean, rstd, w, self.residual)?;
+                    kernels::batch_norm_backward(&nhwc_rows(dy), self.relu.then_some(mask), x, mean, rstd, w, self.residual)?;
                 let dres = dres.map(|d| from_nhwc_rows(&d, &shape));
                 (from_nhwc_rows(&dx, &shape), dres, sums.get(0), sums.get(1))
             }
             Engine::Reference => {
-                let (dx, dres, db, dw) = self.reference_backward(dy, [x, y, mean, rstd, w]);
+                let (dx, dres, db, dw) = self.reference_backward(dy, [x, mask, mean, rstd, w]);
                 (dx, Some(dres), db, dw)
             }
         };
@@ -1155,6 +1159,36 @@ impl CustomOp for BatchNormAct {
         }
         Ok(g)
     }
+}
+
+/// Max pooling in training: the autograd node behind [`max_pool`] on CUDA.
+/// Input `[x]` (`[n, c, h, w]`, channels-last), output `[y]`
+/// (channels-last), kept `[offsets]`: a byte per output, not the input.
+struct MaxPool {
+    pool: Pool,
+    /// The input's height and width.
+    in_hw: (i64, i64),
+}
+
+impl CustomOp for MaxPool {
+    fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let [x] = inputs else { anyhow::bail!("max_pool: {} inputs", inputs.len()) };
+        let (y, offsets) = kernels::max_pool(&x.permute([0, 2, 3, 1]), self.pool)?;
+        Ok((vec![y.permute([0, 3, 1, 2])], vec![offsets]))
+    }
+
+    fn backward(&self, saved: &[Tensor], grads: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+        let ([offsets], [dy]) = (saved, grads) else { anyhow::bail!("max_pool: {} kept, {} gradients", saved.len(), grads.len()) };
+        let Some(dy) = dy else { return Ok(vec![None]) };
+        let (h, w) = self.in_hw;
+        let dx = kernels::max_pool_backward(&dy.permute([0, 2, 3, 1]).contiguous(), offsets, h, w, self.pool)?;
+        Ok(vec![Some(dx.permute([0, 3, 1, 2]))])
+    }
+}
+
+/// The empty tensor kept in place of a mask where there is no ReLU.
+fn no_mask(like: &Tensor) -> Tensor {
+    Tensor::empty([0], (like.kind(), like.device()))
 }
 
 /// `x` with channels-last strides (NHWC in memory, NCHW in shape). tch has
@@ -1198,6 +1232,40 @@ pub fn batch_norm_act(x: &Tensor, bn: &BatchNormParams, res: Option<&Tensor>, re
     let cuda = batch_norm_cuda_fits(x) && !reference_forced() && res.is_none_or(|r| r.kind() == Kind::BFloat16 && r.size() == x.size());
     let engine = if cuda { Engine::Cuda } else { Engine::Reference };
     batch_norm_act_with(engine, x, bn, res, relu)
+}
+
+/// Whether [`max_pool`] runs harness's kernels on `x` (bf16, channels-last
+/// `[n, c, h, w]` on CUDA, a window the kernels take);
+/// `HARNESS_FUSED_POOL=0` keeps libtorch's (a diagnostic).
+pub fn max_pool_cuda_fits(x: &Tensor, pool: Pool) -> bool {
+    let size = x.size();
+    crate::switches::get().fused_pool
+        && size.len() == 4
+        && x.device().is_cuda()
+        && x.kind() == Kind::BFloat16
+        && is_channels_last(x)
+        && pool.fits(size[1])
+        && kernels::available()
+}
+
+/// Max pooling of `x` `[n, c, h, w]` over square windows: on CUDA
+/// ([`max_pool_cuda_fits`]) one kernel each way, keeping a byte per output
+/// (its maximum's place in its window) for the backward pass instead of
+/// the input and int64 indices; elsewhere libtorch's `max_pool2d`.
+pub fn max_pool(x: &Tensor, pool: Pool) -> Tensor {
+    if !max_pool_cuda_fits(x, pool) || reference_forced() {
+        return libtorch_max_pool(x, pool);
+    }
+    let size = x.size();
+    let op = MaxPool { pool, in_hw: (size[2], size[3]) };
+    let mut out = torch_ext::custom_op(op, &[x]).unwrap_or_else(|e| panic!("{e}"));
+    out.pop().expect("max_pool returns its output")
+}
+
+/// libtorch's max pooling of `x` `[n, c, h, w]` over `pool`'s windows.
+pub fn libtorch_max_pool(x: &Tensor, pool: Pool) -> Tensor {
+    let Pool { k, stride, pad } = pool;
+    x.max_pool2d([k, k], [stride, stride], [pad, pad], [1, 1], false)
 }
 
 /// A batch norm's weight and bias (fp32 `[c]`), its running mean and
@@ -1806,6 +1874,52 @@ mod tests {
     }
 
     #[test]
+    fn cuda_max_pool_matches_libtorch() {
+        if !crate::device::init_cuda() {
+            eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        // ResNet's stem pooling at its size, odd sides, other windows; values
+        // on a coarse grid so that windows hold ties (the first maximum in
+        // row-major order wins, as libtorch's), and a NaN.
+        let stem = Pool { k: 3, stride: 2, pad: 1 };
+        let cases = [
+            ([32, 64, 112, 112], stem),
+            ([3, 8, 7, 9], stem),
+            ([2, 16, 10, 11], Pool { k: 2, stride: 2, pad: 0 }),
+            ([2, 24, 9, 8], Pool { k: 3, stride: 1, pad: 1 }),
+            ([1, 8, 13, 13], Pool { k: 5, stride: 3, pad: 2 }),
+        ];
+        for (shape, pool) in cases {
+            let (x, dy) = {
+                let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+                let x = Tensor::randint(7, shape, (Kind::Float, dev)) - 3.0;
+                let y_shape = [shape[0], shape[1], pool.out(shape[2]), pool.out(shape[3])];
+                (x, Tensor::randn(y_shape, (Kind::Float, dev)).to_kind(Kind::BFloat16))
+            };
+            let x = channels_last(&x.to_kind(Kind::BFloat16));
+            let _ = x.permute([0, 2, 3, 1]).view([-1]).get(5).fill_(f64::NAN);
+            assert!(max_pool_cuda_fits(&x, pool), "{shape:?} {pool:?}: the kernels should take it");
+            let run = |fused: bool| {
+                let x = x.detach().set_requires_grad(true);
+                let y = if fused { max_pool(&x, pool) } else { libtorch_max_pool(&x, pool) };
+                (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float).backward();
+                (y.detach(), x.grad())
+            };
+            let ((y, dx), (want_y, want_dx)) = (run(true), run(false));
+            let case = format!("max pool {shape:?} {pool:?}");
+            assert!(is_channels_last(&y) && y.size() == want_y.size(), "{case}: the output's shape or layout");
+            assert!(
+                y.isnan().equal(&want_y.isnan()) && y.nan_to_num(0.0, None, None).equal(&want_y.nan_to_num(0.0, None, None)),
+                "{case}: outputs differ"
+            );
+            let err = relative(&want_dx, &dx);
+            assert!(err < 1e-3, "{case}: the input's gradient differs ({err})");
+        }
+    }
+
+    #[test]
     fn cuda_kernels_match_the_reference() {
         if !crate::device::init_cuda() {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
@@ -1863,12 +1977,19 @@ mod tests {
             let flat = Tensor::randn([1 + 2 * c], (Kind::Float, dev));
             let (w, b) = (flat.narrow(0, 1, c), flat.narrow(0, 1 + c, c));
             let run = |w: &Tensor, b: &Tensor| {
-                let (y, mean, rstd) = kernels::batch_norm(&x, w, b, None, None, 0.1, 1e-5, true).unwrap();
-                let (dx, _, sums) = kernels::batch_norm_backward(&dy, Some(&y), &x, &mean, &rstd, w, false).unwrap();
-                [y, dx, sums]
+                let out = kernels::batch_norm(&x, w, b, None, None, 0.1, 1e-5, true).unwrap();
+                let (dx, _, sums) = kernels::batch_norm_backward(&dy, out.relu_mask.as_ref(), &x, &out.mean, &out.rstd, w, false).unwrap();
+                [out.y, dx, sums]
             };
             let (off, aligned) = (run(&w, &b), run(&w.copy(), &b.copy()));
             assert!(off.iter().zip(&aligned).all(|(a, b)| a.equal(b)), "batch norm: an unaligned weight changed the results");
+            // The ReLU's mask: bit j of byte i where y's element 8 i + j is
+            // above 0, bit for bit.
+            let out = kernels::batch_norm(&x, &w, &b, None, None, 0.1, 1e-5, true).unwrap();
+            let weights = Tensor::from_slice(&[1i64, 2, 4, 8, 16, 32, 64, 128]).to_device(dev);
+            let want = (out.y.gt(0.0).to_kind(Kind::Int64).view([-1, 8]) * weights).sum_dim_intlist(1, false, Kind::Int64);
+            let mask = out.relu_mask.expect("a mask with the ReLU").to_kind(Kind::Int64);
+            assert!(mask.equal(&want), "batch norm: the ReLU's mask is not y > 0");
         }
         // Post-norm (fp32 rows out, fp32 gradients in): the claims5
         // encoder's width, a block per row (2048), several rows per warp.

@@ -227,6 +227,9 @@ impl ConvBn {
     }
 }
 
+/// ImageNet's stem pooling: 3 x 3 windows, stride 2, padding 1.
+const STEM_POOL: fused::Pool = fused::Pool { k: 3, stride: 2, pad: 1 };
+
 /// Batch norm's momentum and epsilon (torch's and tch's defaults).
 const BN_MOMENTUM: f64 = 0.1;
 const BN_EPS: f64 = 1e-5;
@@ -326,7 +329,7 @@ impl ResNet {
         let x = if x.device().is_cuda() && !is_channels_last(x) { channels_last(x) } else { x.shallow_clone() };
         let mut y = self.stem.forward(&x, train, self.fused, None, true);
         if self.pool {
-            y = y.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
+            y = if self.fused { fused::max_pool(&y, STEM_POOL) } else { fused::libtorch_max_pool(&y, STEM_POOL) };
         }
         for b in &self.blocks {
             y = b.forward(&y, train, self.fused);
