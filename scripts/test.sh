@@ -18,6 +18,19 @@ step() {
 
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
+# The build cache: a fresh clone (no target/ yet) starts from a copy of the
+# last fresh clone's target/ (scripts/build-cache.sh), so that the
+# dependencies (wasmtime, cranelift, tch, ...) are not compiled again:
+# cargo's fingerprints rebuild whatever changed, the workspace's crates
+# always (their sources are newer). After every check passed, the clone's
+# target/ becomes the cache. HARNESS_BUILD_CACHE=0 turns both off.
+fresh_clone=false
+if [ ! -e target ] && [ "${HARNESS_BUILD_CACHE:-1}" != 0 ]; then
+  fresh_clone=true
+  step "build cache: restoring target/"
+  scripts/build-cache.sh restore
+fi
+
 step "format and report crates: the layers below libtorch and wasmtime, tested without them"
 # They must not depend on libtorch or wasmtime: the report and the verifier
 # build anywhere. Run without the libtorch environment to prove it.
@@ -73,6 +86,11 @@ rm -rf "$tmp"; cd "$repo"
 step "bench scripts parse"
 python3 -m py_compile bench/*.py
 for f in bench/*.sh; do bash -n "$f"; done
+
+if $fresh_clone; then
+  step "build cache: saving target/"
+  scripts/build-cache.sh save
+fi
 
 step ""
 echo "== time per step"

@@ -147,8 +147,10 @@ pub struct RunArgs {
 /// Arguments of `harness validate`.
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
-    /// The suite to check.
-    pub suite: PathBuf,
+    /// The suites to check (each on its own; every problem of every suite
+    /// is reported).
+    #[arg(required = true)]
+    pub suites: Vec<PathBuf>,
 }
 
 /// Arguments of `harness report`.
@@ -488,11 +490,23 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-/// `harness validate`: loads the suite, loads each of its plugins and
-/// configures it as the suite does, and prints what it found; an invalid
-/// suite or plugin is [`exit::INVALID_SUITE`].
+/// `harness validate`: checks each suite ([`validate_one`]); any invalid
+/// suite or plugin is [`exit::INVALID_SUITE`], after all were checked.
 fn validate(args: ValidateArgs) -> anyhow::Result<i32> {
-    let s = match Suite::load(&args.suite) {
+    let mut code = exit::OK;
+    for suite in &args.suites {
+        if validate_one(suite)? != exit::OK {
+            code = exit::INVALID_SUITE;
+        }
+    }
+    Ok(code)
+}
+
+/// Loads the suite, loads each of its plugins and configures it as the
+/// suite does, and prints what it found; an invalid suite or plugin is
+/// [`exit::INVALID_SUITE`].
+fn validate_one(suite: &Path) -> anyhow::Result<i32> {
+    let s = match Suite::load(suite) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("{e}");
@@ -516,7 +530,7 @@ fn validate(args: ValidateArgs) -> anyhow::Result<i32> {
     let plan = s.plan();
     println!(
         "{}: ok ({} workloads, {} strategies, {} entries)",
-        args.suite.display(),
+        suite.display(),
         s.spec.workloads.len(),
         s.strategies().len(),
         plan.entries.len()

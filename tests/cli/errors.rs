@@ -115,10 +115,29 @@ fn every_suite_in_the_repository_validates() {
         }
     }
     assert!(suites.len() > 20, "{suites:?}");
-    for s in suites {
-        let out = harness(&root).arg("validate").arg(&s).output().unwrap();
-        assert!(out.status.success(), "{}: {}", s.display(), String::from_utf8_lossy(&out.stderr));
+    // One process for all of them (`validate` takes several suites).
+    let out = harness(&root).arg("validate").args(&suites).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "a suite does not validate (plugins built? scripts/build-plugins.sh):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for s in &suites {
+        assert!(stdout.contains(&format!("{}: ok (", s.display())), "{} not reported valid:\n{stdout}", s.display());
     }
+}
+
+#[test]
+fn validate_checks_every_suite_it_is_given_and_fails_if_any_is_invalid() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = repo_root().join("suites/cpu.toml");
+    let bad = write(dir.path(), "bad.toml", "[suite]\nname = \"bad\"\nrepeats = 0\n");
+    let out = harness(dir.path()).arg("validate").arg(&bad).arg(&good).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("bad.toml:"), "the invalid suite is named with its line: {stderr}");
+    assert!(stdout.contains("cpu.toml: ok ("), "the suite after it is still checked: {stdout}");
 }
 
 /// `harness ARGS` in `dir`, killed if it has not ended within 30 s (a
