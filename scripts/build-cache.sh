@@ -5,7 +5,8 @@
 # The cache is one copy of a target/ folder (about 4.5 GB after ./x test),
 # at ${HARNESS_CACHE:-~/.cache/harness}/target, replaced as a whole on each
 # save, so it never grows beyond one build. Copies keep modification times
-# (cargo compares them with the sources') and are taken under a lock, so
+# (cargo compares the dependencies' with their sources'; the workspace's
+# crates are always rebuilt) and are taken under a lock, so
 # two clones on one machine do not mix halves of two builds. The docs and
 # scratch folders are left out.
 set -euo pipefail
@@ -18,7 +19,12 @@ case "${1:-}" in
   restore)
     if [ -d "$cache/target" ]; then
       cp -a --reflink=auto "$cache/target" target
-      echo "restored target/ from $cache/target ($(du -sh target | cut -f1))"
+      # The workspace's own crates (harness*, plugins and fixtures
+      # included) lose their fingerprints, so cargo builds them from this
+      # clone's sources whatever the files' times (a cache saved after
+      # this clone was made would otherwise look newer than its sources).
+      find target -maxdepth 5 -path '*/.fingerprint/harness*' -prune -exec rm -rf {} +
+      echo "restored target/ from $cache/target ($(du -sh target | cut -f1)), the workspace's crates to rebuild"
     else
       echo "no build cache at $cache/target yet: building from scratch"
     fi ;;
