@@ -29,13 +29,15 @@ case "${1:-}" in
       echo "no build cache at $cache/target yet: building from scratch"
     fi ;;
   save)
-    rm -rf "$cache/target.new"
+    # The old cache goes first (under the lock no clone is reading it), so
+    # the disk never holds two caches; a copy cut short leaves no cache,
+    # never half of one.
+    rm -rf "$cache/target" "$cache/target.new"
     mkdir -p "$cache/target.new"
     for d in target/*; do
       case "${d#target/}" in doc|tmp) continue ;; esac
       cp -a --reflink=auto "$d" "$cache/target.new/"
     done
-    rm -rf "$cache/target"
     mv "$cache/target.new" "$cache/target"
     echo "saved target/ to $cache/target ($(du -sh "$cache/target" | cut -f1))" ;;
   *) echo "usage: scripts/build-cache.sh restore|save" >&2; exit 2 ;;
