@@ -601,8 +601,12 @@ pub fn max_pool_backward(dy: &Tensor, offsets: &Tensor, h: i64, w: i64, pool: Po
     let k = require("fused")?;
     let (n, ho, wo, c) = dy.size4()?;
     anyhow::ensure!(
-        pool.fits(c) && (pool.out(h), pool.out(w)) == (ho, wo) && dy.kind() == Kind::BFloat16 && dy.is_contiguous(),
-        "fused max pooling backward takes contiguous bf16 rows [n, ho, wo, {c}] of {pool:?}"
+        pool.fits(c)
+            && (pool.out(h), pool.out(w)) == (ho, wo)
+            && dy.kind() == Kind::BFloat16
+            && dy.device().is_cuda()
+            && dy.is_contiguous(),
+        "fused max pooling backward takes contiguous bf16 CUDA rows [n, ho, wo, {c}] of {pool:?}"
     );
     anyhow::ensure!(
         offsets.size() == dy.size() && offsets.kind() == Kind::Uint8 && offsets.is_contiguous() && offsets.device() == dy.device(),
