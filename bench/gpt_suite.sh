@@ -1,7 +1,8 @@
 # Sourced by bench/scaling.sh and bench/scaling_levers.sh: the GPT suite they
 # run, bf16 with nanoGPT's AdamW recipe on synthetic tokens.
 # gpt_suite NAME DESCRIPTION PRESET WORLD BATCH STEPS WARMUP BUCKET_MB STRATEGIES
-# prints the suite; STRATEGIES is its [[strategy]] tables, verbatim.
+# prints the suite; STRATEGIES is its [[strategy]] tables, verbatim;
+# BUCKET_MB "auto" leaves the bucket size to harness.
 gpt_suite() {
   cat <<EOF_SUITE
 [suite]
@@ -11,7 +12,7 @@ device = "cuda"
 seed = 1
 warmup_steps = $7
 world_size = $4
-bucket_mb = $8
+$([ "$8" = auto ] || echo "bucket_mb = $8")
 
 [[workload]]
 name = "gpt-$3-bf16"

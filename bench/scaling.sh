@@ -24,7 +24,7 @@ for n in $counts; do
   gpus=$(seq -s, 0 $((n - 1)))
   zero=""
   if [ "$n" -gt 1 ]; then zero=$'[[strategy]]\nname = "zero2"\nzero = 2'; fi
-  gpt_suite "scaling-$preset-$n" "GPT $preset bf16 on $n GPU(s): DDP and ZeRO-2 (bench/scaling.sh)" "$preset" "$n" "$batch" "$steps" "$warm" 25 \
+  gpt_suite "scaling-$preset-$n" "GPT $preset bf16 on $n GPU(s): DDP and ZeRO-2 (bench/scaling.sh)" "$preset" "$n" "$batch" "$steps" "$warm" auto \
     $'[[strategy]]\nname = "ddp"\nbaseline = true\n\n'"$zero" > "$dir/suite-$n.toml"
   t0=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpus "$BIN" run "$dir/suite-$n.toml" --out "$dir/harness-$n.json" --quiet > "$dir/harness-$n.txt" 2>&1 || tail -5 "$dir/harness-$n.txt"

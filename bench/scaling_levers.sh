@@ -12,7 +12,12 @@
 #   VARIANTS (default all): any of one one-buckets ddp flat zero2 no-overlap
 #   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
-#   bucket100 trace
+#   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
+#   the size to harness) bf16-bN zero2-bN flat-bN (the same at N MiB
+#   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) ctasN
+#   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
+#   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN; the traces'
+#   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,26 +52,41 @@ run() {
 gpus=$(seq -s, 0 $((n - 1)))
 for v in $variants; do
   case "$v" in
-    one) suite one 1 25 >/dev/null; run one CUDA_VISIBLE_DEVICES=0 ;;
-    one-buckets) suite one-buckets 1 25 >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
-    ddp) suite ddp "$n" 25 >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
-    flat) suite flat "$n" 25 >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
-    zero2) suite zero2 "$n" 25 zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    simple) suite simple "$n" 25 ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ch32) suite ch32 "$n" 25 ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bf16) suite bf16 "$n" 25 ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    prio) suite prio "$n" 25 >/dev/null; run prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    bf16-prio) suite bf16-prio "$n" 25 ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    zero2-prio) suite zero2-prio "$n" 25 zero2 'zero = 2' >/dev/null; run zero2-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    net) suite net "$n" 25 ddp-net 'nccl_transport = "network"' >/dev/null; run net CUDA_VISIBLE_DEVICES="$gpus" ;;
-    net-bf16) suite net-bf16 "$n" 25 ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run net-bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    no-overlap) suite no-overlap "$n" 25 >/dev/null; run no-overlap CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
-    ch8) suite ch8 "$n" 25 ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run ch8 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bucket100) suite bucket100 "$n" 100 >/dev/null; run bucket100 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    trace) suite trace "$n" 25 >/dev/null; TRACE=1 run trace CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3
-      for f in "$dir"/trace.trace/*.json; do
+    one) suite one 1 auto >/dev/null; run one CUDA_VISIBLE_DEVICES=0 ;;
+    one-buckets) suite one-buckets 1 auto >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
+    ddp) suite ddp "$n" auto >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
+    flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    zero2) suite zero2 "$n" auto zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    simple) suite simple "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ch32) suite ch32 "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16) suite bf16 "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    prio) suite prio "$n" auto >/dev/null; run prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    bf16-prio) suite bf16-prio "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    zero2-prio) suite zero2-prio "$n" auto zero2 'zero = 2' >/dev/null; run zero2-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    net) suite net "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run net CUDA_VISIBLE_DEVICES="$gpus" ;;
+    net-bf16) suite net-bf16 "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run net-bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    no-overlap) suite no-overlap "$n" auto >/dev/null; run no-overlap CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
+    ch8) suite ch8 "$n" auto ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run ch8 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bucket[0-9]*) suite "$v" "$n" "${v#bucket}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16-b[0-9]*) suite "$v" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    zero2-b[0-9]*) suite "$v" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    sm[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#sm}" ;;
+    ctas[0-9]*-sm[0-9]*) c=${v%-sm*}; c=${c#ctas}
+      suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
+    ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ctaeff) suite ctaeff "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run ctaeff CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ll128) suite ll128 "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run ll128 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    trace|trace-one|trace-sm[0-9]*)
+      case "$v" in
+        trace-one) suite "$v" 1 auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
+        trace-sm*) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${v#trace-sm}" ;;
+        *) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
+      esac
+      for f in "$dir/$v.trace"/*.json; do
         [ -e "$f" ] || continue
         python3 bench/trace_summary.py "$f" --top 25 > "${f%.json}.txt" 2>&1
+        python3 bench/dp_trace.py "$f" > "${f%.json}.dp.txt" 2>&1
         gzip -f "$f"
       done ;;
     *) echo "unknown variant $v" >&2 ;;

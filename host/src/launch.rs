@@ -425,7 +425,7 @@ impl Run<'_> {
             warmup_steps: meta.warmup_steps,
             peak_tflops: peak_for,
             memory_total_bytes: self.memory_total_bytes,
-            bucket_bytes: (meta.bucket_mb * 1024.0 * 1024.0) as u64,
+            bucket_bytes: meta.bucket_mb.map(|mb| (mb * 1024.0 * 1024.0) as u64),
             plugins: &self.plugins,
             checkpoint_dir: checkpoint_dir(&self.opts.out, &entry.id),
             resume: self.opts.resume,

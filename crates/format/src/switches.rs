@@ -221,6 +221,12 @@ switches! {
     /// so that their blocks go before the computation's; 0 gives it the
     /// default priority, the computation's.
     comm_priority: bool = false, "HARNESS_COMM_PRIORITY", Recorded;
+    /// `HARNESS_SM_RESERVE` (default 0): SMs that the backward pass's
+    /// cuBLASLt matmuls leave to the collectives overlapping it (cuBLASLt's
+    /// SM count target is the device's SMs less these), from the launch of
+    /// the first bucket's reduction to the end of the pass; 0 lets the
+    /// matmuls target every SM.
+    sm_reserve: u64 = 0, "HARNESS_SM_RESERVE", Recorded;
     /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
     /// rank or at several with the overlap on, autograd's own gradients
     /// (several ranks average each bucket's gradients in place as one NCCL

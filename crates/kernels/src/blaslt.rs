@@ -27,6 +27,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::cublaslt::sys;
@@ -101,6 +102,8 @@ struct Problem {
     trans_b: bool,
     epilogue: Epilogue,
     f32_out: bool,
+    /// cuBLASLt's SM count target (0: the device's SMs), see [`reserve_sms`].
+    sms: i32,
 }
 
 type Status = sys::cublasStatus_t;
@@ -279,6 +282,10 @@ fn describe(api: &'static Api, p: &Problem, bias: *const c_void, aux: *const c_v
             set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
             set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
         }
+        if p.sms > 0 {
+            // int32: the SMs the heuristic sizes the kernel for.
+            set(&desc, A::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &p.sms)?;
+        }
     }
     let bf = sys::cudaDataType::CUDA_R_16BF;
     let out = if p.f32_out { sys::cudaDataType::CUDA_R_32F } else { bf };
@@ -331,7 +338,7 @@ fn capturing(stream: dsys::CUstream) -> bool {
     r != dsys::CUresult::CUDA_SUCCESS || status != dsys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }
 
-/// Launches `p` with `algo` on `stream`.
+/// Launches `p` with `algo` on `stream`: `D = A B + beta D`.
 ///
 /// # Safety
 /// The pointers must be live device memory of the sizes `layouts` describe
@@ -343,8 +350,9 @@ unsafe fn launch(
     algo: &sys::cublasLtMatmulAlgo_t,
     (a, b, d): (*const c_void, *const c_void, *mut c_void),
     stream: dsys::CUstream,
+    beta: f32,
 ) -> Result<(), String> {
-    let (alpha, beta) = (1f32, 0f32);
+    let alpha = 1f32;
     let [la, lb, ld] = layouts;
     // SAFETY: per the function's contract; alpha and beta are fp32 host
     // scalars (the default pointer mode) and the workspace is libtorch's
@@ -388,11 +396,11 @@ fn fastest(
         // SAFETY: the caller's pointers and descriptors (see `launch`); the
         // events are live and recorded on the same stream.
         let time = unsafe {
-            if launch(l, desc, layouts, algo, ptrs, stream).is_err() {
+            if launch(l, desc, layouts, algo, ptrs, stream, 0.0).is_err() {
                 continue;
             }
             let _ = drv::event::record(start, stream);
-            let ok = (0..3).all(|_| launch(l, desc, layouts, algo, ptrs, stream).is_ok());
+            let ok = (0..3).all(|_| launch(l, desc, layouts, algo, ptrs, stream, 0.0).is_ok());
             let _ = drv::event::record(end, stream);
             let _ = drv::event::synchronize(end);
             if !ok {
@@ -444,19 +452,19 @@ fn act_problem(act: Act, n: u64, c: u64, f: u64) -> Problem {
 /// w as [k, o] col-major, transposed) B (x as [k, n])`.
 fn linear_problem(n: u64, k: u64, o: u64, bias: bool) -> Problem {
     let epilogue = if bias { Epilogue::Bias } else { Epilogue::Plain };
-    Problem { m: o, n, k, trans_a: true, trans_b: false, epilogue, f32_out: false }
+    Problem { m: o, n, k, trans_a: true, trans_b: false, epilogue, f32_out: false, sms: 0 }
 }
 
 /// Row-major `dx = dy w` (dy `[n, o]`, w `[o, k]`): `D [k, n] = A (w as
 /// [k, o] col-major) B (dy as [o, n])`.
 fn input_grad_problem(n: u64, o: u64, k: u64) -> Problem {
-    Problem { m: k, n, k: o, trans_a: false, trans_b: false, epilogue: Epilogue::Plain, f32_out: false }
+    Problem { m: k, n, k: o, trans_a: false, trans_b: false, epilogue: Epilogue::Plain, f32_out: false, sms: 0 }
 }
 
 /// Row-major `dw = dy^T x` in fp32 (dy `[n, o]`, x `[n, k]`): `D [k, o] = A
 /// (x as [k, n] col-major) op(B = dy as [o, n], transposed)`.
 fn weight_grad_problem(n: u64, o: u64, k: u64) -> Problem {
-    Problem { m: k, n: o, k: n, trans_a: false, trans_b: true, epilogue: Epilogue::Plain, f32_out: true }
+    Problem { m: k, n: o, k: n, trans_a: false, trans_b: true, epilogue: Epilogue::Plain, f32_out: true, sms: 0 }
 }
 
 /// Row-major `dpre = (dout w2) * gelu'(pre)` (dout `[n, c2]`, w2 `[c2, f]`):
@@ -465,13 +473,54 @@ fn dgelu_problem(n: u64, c2: u64, f: u64) -> Problem {
     Problem { epilogue: Epilogue::DGelu, ..input_grad_problem(n, c2, f) }
 }
 
-/// Runs `p` on libtorch's current stream.
-fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, aux: Option<&Tensor>) -> anyhow::Result<()> {
+/// The SM count target of the matmuls queued now (0: every SM).
+static SM_TARGET: AtomicI32 = AtomicI32::new(0);
+
+/// Makes the matmuls queued from now on leave `reserve` of the current
+/// device's SMs to work that runs beside them (e.g. the collectives that
+/// overlap a backward pass; 0 gives them every SM again): they are
+/// launched with the SMs left as their SM count target
+/// (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`), so that a persistent kernel's
+/// grid need not wait for the SMs the other work holds. The algorithms
+/// stay those chosen for every SM: those cuBLASLt's heuristic picks for
+/// fewer SMs ran slower beside NCCL on H200s (separate epilogue kernels,
+/// split reductions).
+pub fn reserve_sms(reserve: u32) -> anyhow::Result<()> {
+    static SMS: OnceLock<Result<i32, String>> = OnceLock::new();
+    let target = if reserve == 0 {
+        0
+    } else {
+        let sms = SMS.get_or_init(|| {
+            let mut dev: dsys::CUdevice = 0;
+            // SAFETY: writes the current context's device into dev.
+            unsafe { dsys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
+            // SAFETY: dev is the current context's device; reads one attribute.
+            unsafe { drv::device::get_attribute(dev, dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }
+                .map_err(|e| format!("{e:?}"))
+        });
+        let sms = sms.clone().map_err(anyhow::Error::msg)?;
+        anyhow::ensure!((reserve as i64) < sms as i64, "cannot reserve {reserve} of the device's {sms} SMs");
+        sms - reserve as i32
+    };
+    SM_TARGET.store(target, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Runs `p` on libtorch's current stream: `d = a b` (op's applied), or
+/// with `add` `d += a b` (fp32 sums, one rounding). Its algorithm is the
+/// one chosen for every SM, timed into `d` (into a scratch copy with
+/// `add`); under an SM target ([`reserve_sms`]) it is launched with the
+/// target in its descriptor.
+fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, aux: Option<&Tensor>, add: bool) -> anyhow::Result<()> {
     let l = library().map_err(anyhow::Error::msg)?;
     let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.data_ptr());
     let (desc, layouts) = describe(l.api, &p, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
     let stream = crate::torch_ext::current_cuda_stream()? as dsys::CUstream;
     let ptrs = (a.data_ptr() as *const c_void, b.data_ptr() as *const c_void, d.data_ptr());
+    // The timing runs write their output: not into what `add` adds to.
+    let scratch = add.then(|| d.empty_like());
+    let timed = (ptrs.0, ptrs.1, scratch.as_ref().map_or(ptrs.2, |t| t.data_ptr()));
+    let beta = if add { 1.0 } else { 0.0 };
     let algo = {
         let mut cache = l.algos.lock().unwrap_or_else(|e| e.into_inner());
         match cache.get(&p) {
@@ -479,20 +528,34 @@ fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, au
             Some(&(a, false)) if capturing(stream) => a,
             _ => {
                 let found = candidates(&l, &desc, &layouts).map_err(anyhow::Error::msg)?;
-                let algo = if capturing(stream) { found.first().copied() } else { fastest(&l, &desc, &layouts, &found, ptrs, stream) };
+                let algo = if capturing(stream) { found.first().copied() } else { fastest(&l, &desc, &layouts, &found, timed, stream) };
                 cache.insert(p, (algo, !capturing(stream)));
                 algo
             }
         }
     };
     let algo = algo.ok_or_else(|| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}"))?;
+    let sms = SM_TARGET.load(Ordering::Relaxed);
+    if sms > 0 {
+        let targeted = describe(l.api, &Problem { sms, ..p }, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
+        // SAFETY: as below; the targeted descriptor differs only in its SM count.
+        match unsafe { launch(&l, &targeted.0, &layouts, &algo, ptrs, stream, beta) } {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!("harness: cuBLASLt refused an SM count target of {sms} for {p:?} ({e}); those matmuls use every SM")
+                });
+            }
+        }
+    }
     // SAFETY: the descriptors describe the tensors' checked shapes (bf16,
     // contiguous, column-major views of the row-major tensors); the bias
     // and aux pointers set in `desc` are `bias` and `aux`, live for the
     // call; the call goes to libtorch's current stream, whose caching
     // allocator keeps every tensor's memory from reuse until work queued
     // after it has run.
-    unsafe { launch(&l, &desc, &layouts, &algo, ptrs, stream) }.map_err(|e| anyhow::anyhow!("{p:?}: {e}"))
+    unsafe { launch(&l, &desc, &layouts, &algo, ptrs, stream, beta) }.map_err(|e| anyhow::anyhow!("{p:?}: {e}"))
 }
 
 fn check_bf16(ts: &[&Tensor]) -> anyhow::Result<()> {
@@ -521,7 +584,7 @@ pub fn act_forward(act: Act, h: &Tensor, w: &Tensor, b: &Tensor) -> anyhow::Resu
     };
     let b = b.to_kind(Kind::BFloat16).contiguous();
     let aux = (act == Act::Gelu).then_some(&pre);
-    run(act_problem(act, n as u64, c as u64, f as u64), w, h, &m, Some(&b), aux)?;
+    run(act_problem(act, n as u64, c as u64, f as u64), w, h, &m, Some(&b), aux, false)?;
     Ok((pre, m))
 }
 
@@ -532,7 +595,7 @@ pub fn dgelu_backward(dout: &Tensor, w2: &Tensor, pre: &Tensor) -> anyhow::Resul
     let ((n, c2), (c2w, f)) = (dout.size2()?, w2.size2()?);
     anyhow::ensure!(c2 == c2w && pre.size() == [n, f], "dgelu_backward: dout [{n}, {c2}], w2 [{c2w}, {f}], pre {:?}", pre.size());
     let dpre = pre.empty_like();
-    run(dgelu_problem(n as u64, c2 as u64, f as u64), w2, dout, &dpre, None, Some(pre))?;
+    run(dgelu_problem(n as u64, c2 as u64, f as u64), w2, dout, &dpre, None, Some(pre), false)?;
     Ok(dpre)
 }
 
@@ -552,7 +615,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> anyhow::Result<Tens
     anyhow::ensure!(k == k1 && b.is_none_or(|b| b.size() == [o]), "linear: x [{n}, {k}], w [{o}, {k1}]");
     let y = Tensor::empty([n, o], (Kind::BFloat16, x.device()));
     let b = b.map(|b| b.to_kind(Kind::BFloat16).contiguous());
-    run(linear_problem(n as u64, k as u64, o as u64, b.is_some()), w, x, &y, b.as_ref(), None)?;
+    run(linear_problem(n as u64, k as u64, o as u64, b.is_some()), w, x, &y, b.as_ref(), None, false)?;
     Ok(y)
 }
 
@@ -562,7 +625,7 @@ pub fn input_grad(dy: &Tensor, w: &Tensor) -> anyhow::Result<Tensor> {
     let ((n, o), (o1, k)) = (dy.size2()?, w.size2()?);
     anyhow::ensure!(o == o1, "input_grad: dy [{n}, {o}], w [{o1}, {k}]");
     let dx = Tensor::empty([n, k], (Kind::BFloat16, dy.device()));
-    run(input_grad_problem(n as u64, o as u64, k as u64), w, dy, &dx, None, None)?;
+    run(input_grad_problem(n as u64, o as u64, k as u64), w, dy, &dx, None, None, false)?;
     Ok(dx)
 }
 
@@ -573,8 +636,27 @@ pub fn weight_grad(dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
     let ((n, o), (n1, k)) = (dy.size2()?, x.size2()?);
     anyhow::ensure!(n == n1, "weight_grad: dy [{n}, {o}], x [{n1}, {k}]");
     let dw = Tensor::empty([o, k], (Kind::Float, dy.device()));
-    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, &dw, None, None)?;
+    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, &dw, None, None, false)?;
     Ok(dw)
+}
+
+/// `into += dy^T x` (fp32 `[o, k]`, contiguous, 16-byte aligned): the
+/// weight's gradient added into a gradient buffer by the matmul itself (its
+/// epilogue reads `into`), the same sums as [`weight_grad`] followed by an
+/// fp32 add, without the temporary or the pass of the add.
+pub fn weight_grad_add(dy: &Tensor, x: &Tensor, into: &Tensor) -> anyhow::Result<()> {
+    check_bf16(&[dy, x])?;
+    let ((n, o), (n1, k)) = (dy.size2()?, x.size2()?);
+    anyhow::ensure!(n == n1, "weight_grad_add: dy [{n}, {o}], x [{n1}, {k}]");
+    anyhow::ensure!(
+        into.kind() == Kind::Float
+            && into.size() == [o, k]
+            && into.device() == dy.device()
+            && into.is_contiguous()
+            && (into.data_ptr() as usize) % 16 == 0,
+        "weight_grad_add: the gradient must be a contiguous, 16-byte aligned fp32 [{o}, {k}] tensor on the operands' device"
+    );
+    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, into, None, None, true)
 }
 
 #[cfg(test)]

@@ -127,6 +127,9 @@ struct Segment {
 struct Overlap {
     /// ZeRO: reduce-scatters instead of all-reduces.
     sharded: bool,
+    /// SMs the backward pass's matmuls leave to the collectives from the
+    /// first bucket's launch on (`HARNESS_SM_RESERVE`; 0 off the GPU).
+    reserve: u32,
     bucket_of: Vec<usize>,
     sizes: Vec<usize>,
     /// Each bucket's parameters (their gradients are the group).
@@ -148,6 +151,9 @@ struct OverlapState {
     reduce_kind: Option<Kind>,
     casts: Vec<(Tensor, Tensor)>,
     launched: Vec<bool>,
+    /// Whether the matmuls were told to leave SMs to the collectives
+    /// (`Overlap::reserve`), until the pass ends.
+    reserved: bool,
     error: Option<String>,
 }
 
@@ -202,6 +208,14 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
     st.remaining[b] = st.remaining[b].saturating_sub(1);
     if st.remaining[b] == 0 && !st.launched[b] && st.error.is_none() {
         st.launched[b] = true;
+        if o.reserve > 0 && !st.reserved {
+            // The rest of the pass's matmuls run beside the collectives.
+            st.reserved = true;
+            if let Err(e) = crate::blaslt::reserve_sms(o.reserve) {
+                st.error = Some(e.to_string());
+                return;
+            }
+        }
         // SAFETY: see CommPtr.
         // The autograd thread uses it only while the owning thread is
         // blocked in `backward` and does not touch the collective.
@@ -218,6 +232,14 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
             st.error = Some(e.to_string());
         }
     }
+}
+
+/// The number of gradient buckets [`DataParallel::auto_bucket_bytes`] aims at.
+pub const AUTO_BUCKETS: u64 = 24;
+
+/// [`DataParallel::auto_bucket_bytes`] for `total` bytes of gradients.
+fn auto_bucket_bytes_for(total: u64) -> u64 {
+    (total / AUTO_BUCKETS).max(25 << 20)
 }
 
 /// One rank's data-parallel state (more than one rank).
@@ -242,6 +264,17 @@ pub fn decays(p: &Tensor) -> bool {
 }
 
 impl DataParallel {
+    /// The gradient bucket size for `params` when the suite sets none:
+    /// about [`AUTO_BUCKETS`] buckets, and at least PyTorch DDP's 25 MiB.
+    /// Each bucket is one NCCL launch beside the backward pass, with a cost
+    /// of its own: on 4 H200s GPT 1.3B (5.2 GB of fp32 gradients) scaled
+    /// 0.881 at 25 MiB and 0.899 at 200 or 400 MiB, while GPT-2 124M (0.5
+    /// GB) did best at 25 MiB (0.903 against 0.889 at 200): see
+    /// docs/benchmarks.md, "Data-parallel levers".
+    pub fn auto_bucket_bytes(params: &[Tensor]) -> u64 {
+        auto_bucket_bytes_for(params.iter().map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64).sum())
+    }
+
     /// Buckets of at most `bucket_bytes` of gradients over `params` (the
     /// same on every rank, after the initial broadcast), with flat gradient
     /// buffers; under ZeRO the parameters are moved into flat buffers too.
@@ -417,10 +450,13 @@ impl DataParallel {
             reduce_kind: None,
             casts: Vec::new(),
             launched: vec![false; n],
+            reserved: false,
             error: None,
         };
         let sharded = self.stage.sharded();
-        let o = Box::new(Overlap { sharded, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
+        let reserve = if self.device.is_cuda() { crate::switches::get().sm_reserve } else { 0 };
+        let reserve = u32::try_from(reserve).map_err(|_| anyhow::anyhow!("HARNESS_SM_RESERVE={reserve} is more SMs than a GPU has"))?;
+        let o = Box::new(Overlap { sharded, reserve, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
             // SAFETY: ctx points into the box kept in self.overlap; the hooks
@@ -461,10 +497,16 @@ impl DataParallel {
         st.error = None;
     }
 
-    /// After each backward pass: no more hooks into the collective.
+    /// After each backward pass: no more hooks into the collective, and
+    /// the matmuls have every SM again.
     pub fn disarm_overlap(&mut self) {
         if let Some(o) = &self.overlap {
-            o.state.lock().unwrap_or_else(|e| e.into_inner()).comm = None;
+            let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.comm = None;
+            if std::mem::take(&mut st.reserved) {
+                // Cannot fail: the device's SM count was read when reserving.
+                let _ = crate::blaslt::reserve_sms(0);
+            }
         }
     }
 
@@ -859,6 +901,18 @@ mod tests {
         }
         dp.check_grads(ps).unwrap();
         dp.grads().unwrap().iter().map(values).collect()
+    }
+
+    #[test]
+    fn the_automatic_bucket_size_is_a_24th_of_the_gradients_and_at_least_25_mib() {
+        let mib = 1u64 << 20;
+        // GPT-2 124M's fp32 gradients: PyTorch DDP's 25 MiB.
+        assert_eq!(auto_bucket_bytes_for(124_475_904 * 4), 25 * mib);
+        // GPT 1.3B's: about 24 buckets of 200-odd MiB.
+        let big = 1_315_577_856u64 * 4;
+        assert_eq!(auto_bucket_bytes_for(big), big / 24);
+        assert!((200 * mib..220 * mib).contains(&auto_bucket_bytes_for(big)));
+        assert_eq!(auto_bucket_bytes_for(0), 25 * mib);
     }
 
     #[test]

@@ -88,8 +88,9 @@ pub struct EntryContext<'a> {
     pub peak_tflops: Option<f64>,
     /// Memory of the training device (GPU memory, or the host's RAM).
     pub memory_total_bytes: u64,
-    /// Gradient bucket size for data parallelism.
-    pub bucket_bytes: u64,
+    /// Gradient bucket size for data parallelism (none: harness's choice,
+    /// [`dp::DataParallel::auto_bucket_bytes`]).
+    pub bucket_bytes: Option<u64>,
     /// The suite's plugins.
     pub plugins: &'a crate::plugin::PluginSet,
     /// Where this entry's checkpoints go (removed when the entry succeeds).

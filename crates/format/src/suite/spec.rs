@@ -134,9 +134,11 @@ pub struct SuiteMeta {
     /// CPU threads for libtorch's intra-op pool (default: all cores).
     #[serde(default)]
     pub threads: Option<u32>,
-    /// Gradient bucket size for data parallelism, MiB (PyTorch DDP's 25).
-    #[serde(default = "default_bucket_mb")]
-    pub bucket_mb: f64,
+    /// Gradient bucket size for data parallelism, MiB; none: harness's
+    /// choice for the model (`DataParallel::auto_bucket_bytes`: about 24
+    /// buckets, at least PyTorch DDP's 25 MiB).
+    #[serde(default)]
+    pub bucket_mb: Option<f64>,
     /// A collective not finished within this many seconds fails the entry.
     #[serde(default = "default_collective_timeout")]
     pub collective_timeout_s: f64,
@@ -149,9 +151,6 @@ pub struct SuiteMeta {
     pub hardware: Option<Hardware>,
 }
 
-fn default_bucket_mb() -> f64 {
-    25.0
-}
 fn default_collective_timeout() -> f64 {
     60.0
 }

@@ -239,7 +239,7 @@ impl Checker<'_> {
         if meta.world_size == 0 {
             self.err(&[Key("suite"), Key("world_size")], "`world_size` must be at least 1", None);
         }
-        if !(meta.bucket_mb.is_finite() && meta.bucket_mb > 0.0) {
+        if meta.bucket_mb.is_some_and(|mb| !(mb.is_finite() && mb > 0.0)) {
             self.err(&[Key("suite"), Key("bucket_mb")], "`bucket_mb` must be a positive size in MiB", None);
         }
         if !(meta.collective_timeout_s.is_finite() && meta.collective_timeout_s > 0.0) {

@@ -515,7 +515,7 @@ fn linear_backward(
     // The weight's gradient straight out of the matmul in fp32 (bf16
     // products, fp32 sums), where autocast's bf16 matmul rounds it to bf16
     // and a cast widens it again.
-    let dw = into_buffer(w, weight_grad(engine, dy, x16)?)?;
+    let dw = weight_grad_into_buffer(engine, dy, x16, w)?;
     let dw = match (dw, tie) {
         (Some(dw), Some(tie)) => tie.put(dw),
         (dw, _) => dw,
@@ -707,7 +707,7 @@ impl CustomOp for Mlp {
         let Some(dy) = dy else { return Ok((0..4).map(|_| None).collect()) };
         let Some((pre, m)) = hidden else { anyhow::bail!("mlp: the backward pass ran twice (retain_graph is not supported)") };
         let dy = aligned_rows(dy);
-        let dw2 = weight_grad(self.engine, &dy, &m)?;
+        let dw2 = weight_grad_into_buffer(self.engine, &dy, &m, w2)?;
         drop(m);
         let (dpre, db1) = match self.engine {
             Engine::Cuda => match self.act {
@@ -734,10 +734,10 @@ impl CustomOp for Mlp {
             }
         };
         drop(pre);
-        let dw1 = weight_grad(self.engine, &dpre, h)?;
+        let dw1 = weight_grad_into_buffer(self.engine, &dpre, h, w1)?;
         let dh = input_grad(self.engine, &dpre, w1h)?.to_kind(self.h_kind);
         let db1 = db1.deliver(&[b1])?.pop().flatten();
-        Ok(vec![Some(dh), into_buffer(w1, dw1)?, db1, into_buffer(w2, dw2)?])
+        Ok(vec![Some(dh), dw1, db1, dw2])
     }
 }
 
@@ -843,6 +843,23 @@ fn weight_grad(engine: Engine, dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor
         Engine::Cuda => dy.tr().f_mm_dtype(x, Kind::Float)?,
         Engine::Reference => dy.to_kind(Kind::Float).tr().f_mm(&x.to_kind(Kind::Float))?,
     })
+}
+
+/// The gradient of weight `w` (`dy^T x`, [`weight_grad`]) added into its
+/// gradient buffer (none for autograd), or handed to autograd where `w` has
+/// none. Where the matmul runs in cuBLASLt and the buffer is aligned, the
+/// matmul adds into the buffer itself (its epilogue reads it: the same fp32
+/// sum and rounding), without a temporary and a pass of its own for the add
+/// (a flat gradient buffer under ZeRO, or a later micro-batch's backward
+/// pass under gradient accumulation).
+fn weight_grad_into_buffer(engine: Engine, dy: &Tensor, x: &Tensor, w: &Tensor) -> anyhow::Result<Option<Tensor>> {
+    if let Some(b) = buffer(w) {
+        if lt(engine, &[dy, x]) && aligned(&[&b]) {
+            crate::blaslt::weight_grad_add(dy, x, &b)?;
+            return Ok(None);
+        }
+    }
+    into_buffer(w, weight_grad(engine, dy, x)?)
 }
 
 /// `g` added into `p`'s gradient buffer (none for autograd), or handed to
@@ -1916,6 +1933,30 @@ mod tests {
             );
             let err = relative(&want_dx, &dx);
             assert!(err < 1e-3, "{case}: the input's gradient differs ({err})");
+        }
+    }
+
+    #[test]
+    fn cuda_weight_gradient_added_by_the_matmul() {
+        if !crate::device::init_cuda() {
+            eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        // A weight's gradient added into its buffer by the matmul itself
+        // (its epilogue reads the buffer): the matmul's fp32 sums plus the
+        // buffer, as the gradient out of the matmul followed by an fp32 add.
+        for (n, o, k) in [(512, 2304, 768), (33, 8 * 130, 64)] {
+            let (dy, x, into) = {
+                let _turn = torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+                let bf = |s: [i64; 2]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
+                (bf([n, o]), bf([n, k]), Tensor::randn([o, k], (Kind::Float, dev)))
+            };
+            let want = &into + crate::blaslt::weight_grad(&dy, &x).unwrap();
+            let got = into.copy();
+            crate::blaslt::weight_grad_add(&dy, &x, &got).unwrap();
+            let err = (&want - &got).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+            assert!(err < 1e-6, "weight gradient added by the matmul [{n}, {o}, {k}]: relative error {err}");
         }
     }
 

@@ -110,7 +110,9 @@ impl Training {
         // strategy, and the built-in all-reduce returns at once with one
         // rank. Optionally sharded (ZeRO).
         let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
-        let mut dp = tch::no_grad(|| DataParallel::new(&params, ctx.bucket_bytes, stage, rank, world))?;
+        let mut dp = tch::no_grad(|| {
+            DataParallel::new(&params, ctx.bucket_bytes.unwrap_or_else(|| DataParallel::auto_bucket_bytes(&params)), stage, rank, world)
+        })?;
         let (targets, decay) = dp.update_targets(&params);
         let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
         let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));

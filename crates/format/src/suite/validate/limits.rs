@@ -80,13 +80,15 @@ impl Checker<'_> {
             MAX_STEPS,
             "steps are bounded by 10000000 (the loss curve keeps a point per step)",
         );
-        self.float_at_most(
-            &at("bucket_mb"),
-            "bucket_mb",
-            meta.bucket_mb,
-            MAX_BUCKET_MB,
-            "a bucket larger than the model is one bucket; 1 TiB is larger than any model that fits",
-        );
+        if let Some(mb) = meta.bucket_mb {
+            self.float_at_most(
+                &at("bucket_mb"),
+                "bucket_mb",
+                mb,
+                MAX_BUCKET_MB,
+                "a bucket larger than the model is one bucket; 1 TiB is larger than any model that fits",
+            );
+        }
         self.float_at_most(
             &at("collective_timeout_s"),
             "collective_timeout_s",
