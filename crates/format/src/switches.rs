@@ -192,6 +192,10 @@ switches! {
     /// training as harness's kernels on CUDA (a byte per output for the
     /// backward pass); 0 keeps libtorch's.
     fused_pool: bool = true, "HARNESS_FUSED_POOL", Recorded;
+    /// `HARNESS_BF16_IMAGES` (default 1): under bf16 autocast on CUDA, the
+    /// vision models' training images come in bf16 (their first layer, a
+    /// convolution, casts them so anyway); 0 keeps them fp32.
+    bf16_images: bool = true, "HARNESS_BF16_IMAGES", Recorded;
     /// `HARNESS_FUSED_CASTS` (default 1): the fused layers' weights cast to
     /// bf16 in one launch per step; 0 leaves each layer to cast its own.
     /// Read on every step.

@@ -149,6 +149,12 @@ impl Training {
         }
         // Precision: autocast as torch.autocast does it; weights stay fp32.
         let autocast = AutocastGuard::set(device, w.precision)?;
+        // Images in bf16 where the model's first layer (ResNet's stem, ViT's
+        // patches: convolutions) would cast them under bf16 autocast: the
+        // same values, a smaller batch (HARNESS_BF16_IMAGES=0 keeps fp32).
+        if device.is_cuda() && w.precision == Precision::Bf16 && w.model.kind == ModelKind::Vision && switches.bf16_images {
+            data.images_in(Kind::BFloat16);
+        }
         let (fused, mut warnings) = fused_kernels(device, w.precision, w.kernels);
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
