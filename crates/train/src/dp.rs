@@ -270,7 +270,7 @@ impl DataParallel {
     /// of its own: on 4 H200s GPT 1.3B (5.2 GB of fp32 gradients) scaled
     /// 0.881 at 25 MiB and 0.899 at 200 or 400 MiB, while GPT-2 124M (0.5
     /// GB) did best at 25 MiB (0.903 against 0.889 at 200): see
-    /// docs/benchmarks.md, "Data-parallel levers".
+    /// docs/benchmarks.md, "Data-parallel levers, second round".
     pub fn auto_bucket_bytes(params: &[Tensor]) -> u64 {
         auto_bucket_bytes_for(params.iter().map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64).sum())
     }
