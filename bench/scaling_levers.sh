@@ -14,9 +14,10 @@
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
 #   the size to harness) bf16-bN zero2-bN flat-bN (the same at N MiB
-#   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) ctasN
+#   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) smN-gG (with
+#   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
-#   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN; the traces'
+#   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
@@ -71,6 +72,8 @@ for v in $variants; do
     bucket[0-9]*) suite "$v" "$n" "${v#bucket}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bf16-b[0-9]*) suite "$v" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     zero2-b[0-9]*) suite "$v" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    sm[0-9]*-g[0-9]*) suite "$v" "$n" auto >/dev/null
+      r=${v%-g*}; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${r#sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
     sm[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#sm}" ;;
     ctas[0-9]*-sm[0-9]*) c=${v%-sm*}; c=${c#ctas}
       suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
@@ -80,6 +83,8 @@ for v in $variants; do
     trace|trace-one|trace-sm[0-9]*)
       case "$v" in
         trace-one) suite "$v" 1 auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
+        trace-sm*-g*) suite "$v" "$n" auto >/dev/null; r=${v%-g*}
+          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${r#trace-sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
         trace-sm*) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${v#trace-sm}" ;;
         *) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
       esac

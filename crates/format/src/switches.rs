@@ -231,6 +231,12 @@ switches! {
     /// the first bucket's reduction to the end of the pass; 0 lets the
     /// matmuls target every SM.
     sm_reserve: u64 = 0, "HARNESS_SM_RESERVE", Recorded;
+    /// `HARNESS_SM_RESERVE_GBS` (default 0): with `HARNESS_SM_RESERVE`, the
+    /// SMs are left only to the matmuls that the host's model places beside
+    /// a running collective, each bucket's all-reduce moving its ring
+    /// traffic at this many GB/s; 0 leaves them to every matmul from the
+    /// first bucket's launch to the end of the pass.
+    sm_reserve_gbs: u64 = 0, "HARNESS_SM_RESERVE_GBS", Recorded;
     /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
     /// rank or at several with the overlap on, autograd's own gradients
     /// (several ranks average each bucket's gradients in place as one NCCL

@@ -503,7 +503,60 @@ pub fn reserve_sms(reserve: u32) -> anyhow::Result<()> {
         sms - reserve as i32
     };
     SM_TARGET.store(target, Ordering::Relaxed);
+    if target == 0 {
+        *WINDOW.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
     Ok(())
+}
+
+/// The host's model of when collectives run beside the matmuls, on a clock
+/// of modelled device time that the matmuls queued since the first
+/// collective advance (an estimate: the kernels between them are not
+/// counted, which the rate's efficiency stands for).
+struct Window {
+    /// Modelled device time of the matmuls queued so far, seconds.
+    clock: f64,
+    /// When the collectives queued so far end, on that clock.
+    busy_until: f64,
+}
+
+/// Some once [`reserve_beside`] was called since the last
+/// [`reserve_sms`]`(0)`.
+static WINDOW: Mutex<Option<Window>> = Mutex::new(None);
+
+/// A matmul's modelled time: its flops at 4096 bf16 flops per clock per SM
+/// (Hopper's dense rate) at 1.8 GHz on 132 SMs, at 60% of that.
+fn modelled_seconds(p: &Problem) -> f64 {
+    2.0 * p.m as f64 * p.n as f64 * p.k as f64 / (4096.0 * 1.8e9 * 132.0 * 0.6)
+}
+
+/// With [`reserve_sms`] on: leaves the SMs only to the matmuls that the
+/// host's model places beside a collective, rather than to every matmul
+/// queued from now on; `seconds` is the device time of a collective queued
+/// now (after those already queued, on one stream). A matmul queued while
+/// the modelled collectives run is launched with the SM target, the others
+/// with every SM.
+pub fn reserve_beside(seconds: f64) {
+    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+    let w = w.get_or_insert(Window { clock: 0.0, busy_until: 0.0 });
+    w.busy_until = w.busy_until.max(w.clock) + seconds;
+}
+
+/// The SM target for `p` queued now, advancing the model's clock.
+fn sm_target_for(p: &Problem) -> i32 {
+    let target = SM_TARGET.load(Ordering::Relaxed);
+    if target == 0 {
+        return 0;
+    }
+    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(w) = w.as_mut() else { return target };
+    let beside = w.clock < w.busy_until;
+    w.clock += modelled_seconds(p);
+    if beside {
+        target
+    } else {
+        0
+    }
 }
 
 /// Runs `p` on libtorch's current stream: `d = a b` (op's applied), or
@@ -535,7 +588,7 @@ fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, au
         }
     };
     let algo = algo.ok_or_else(|| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}"))?;
-    let sms = SM_TARGET.load(Ordering::Relaxed);
+    let sms = sm_target_for(&p);
     if sms > 0 {
         let targeted = describe(l.api, &Problem { sms, ..p }, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
         // SAFETY: as below; the targeted descriptor differs only in its SM count.
@@ -661,6 +714,28 @@ pub fn weight_grad_add(dy: &Tensor, x: &Tensor, into: &Tensor) -> anyhow::Result
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sm_target_goes_to_the_matmuls_modelled_beside_a_collective() {
+        // Needs no GPU: the host's model only (the target is set directly,
+        // as reserve_sms sets it from the device's SM count).
+        let p = weight_grad_problem(4096, 4096, 4096);
+        let t = modelled_seconds(&p);
+        SM_TARGET.store(108, Ordering::Relaxed);
+        // Without a modelled collective, every matmul gets the target.
+        assert_eq!([sm_target_for(&p), sm_target_for(&p)], [108, 108]);
+        reserve_beside(2.5 * t);
+        let got: Vec<i32> = (0..4).map(|_| sm_target_for(&p)).collect();
+        assert_eq!(got, [108, 108, 108, 0], "the collective of 2.5 matmuls' time covers the first three");
+        // Queued after the first has ended: it starts at the model's clock.
+        reserve_beside(t);
+        assert_eq!([sm_target_for(&p), sm_target_for(&p)], [108, 0]);
+        SM_TARGET.store(0, Ordering::Relaxed);
+        *WINDOW.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        assert_eq!(sm_target_for(&p), 0, "no target: every SM");
+    }
+
     #[test]
     fn the_entry_points_come_from_libtorchs_cublaslt() {
         // Needs no GPU: the symbols of the libcublasLt that a CUDA build of

@@ -130,6 +130,10 @@ struct Overlap {
     /// SMs the backward pass's matmuls leave to the collectives from the
     /// first bucket's launch on (`HARNESS_SM_RESERVE`; 0 off the GPU).
     reserve: u32,
+    /// With `reserve`: each bucket's all-reduce as device seconds in the
+    /// host's model of the collectives beside the matmuls
+    /// (`HARNESS_SM_RESERVE_GBS`; none: the whole rest of the pass).
+    modelled: Option<Vec<f64>>,
     bucket_of: Vec<usize>,
     sizes: Vec<usize>,
     /// Each bucket's parameters (their gradients are the group).
@@ -215,6 +219,9 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
                 st.error = Some(e.to_string());
                 return;
             }
+        }
+        if let Some(seconds) = &o.modelled {
+            crate::blaslt::reserve_beside(seconds[b]);
         }
         // SAFETY: see CommPtr.
         // The autograd thread uses it only while the owning thread is
@@ -456,7 +463,14 @@ impl DataParallel {
         let sharded = self.stage.sharded();
         let reserve = if self.device.is_cuda() { crate::switches::get().sm_reserve } else { 0 };
         let reserve = u32::try_from(reserve).map_err(|_| anyhow::anyhow!("HARNESS_SM_RESERVE={reserve} is more SMs than a GPU has"))?;
-        let o = Box::new(Overlap { sharded, reserve, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
+        // A ring all-reduce sends and receives 2 (n - 1) / n of the bucket.
+        let gbs = crate::switches::get().sm_reserve_gbs;
+        let ring = 2.0 * (self.world as f64 - 1.0) / self.world as f64;
+        let modelled = (reserve > 0 && gbs > 0).then(|| {
+            let bytes = |b: &Bucket| b.numel as f64 * b.kind.elt_size_in_bytes() as f64;
+            self.buckets.iter().map(|b| ring * bytes(b) / (gbs as f64 * 1e9)).collect()
+        });
+        let o = Box::new(Overlap { sharded, reserve, modelled, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
             // SAFETY: ctx points into the box kept in self.overlap; the hooks
