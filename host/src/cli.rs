@@ -528,12 +528,13 @@ fn validate_one(suite: &Path) -> anyhow::Result<i32> {
         return Ok(exit::INVALID_SUITE);
     }
     let plan = s.plan();
+    use crate::fmt::counted;
     println!(
-        "{}: ok ({} workloads, {} strategies, {} entries)",
+        "{}: ok ({}, {}, {})",
         suite.display(),
-        s.spec.workloads.len(),
-        s.strategies().len(),
-        plan.entries.len()
+        counted(s.spec.workloads.len(), "workload", "workloads"),
+        counted(s.strategies().len(), "strategy", "strategies"),
+        counted(plan.entries.len(), "entry", "entries")
     );
     Ok(exit::OK)
 }

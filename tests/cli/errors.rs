@@ -35,7 +35,7 @@ fn the_good_suite_validates() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "suite.toml", GOOD);
     let o = run_ok(harness(dir.path()).args(["validate", "suite.toml"]));
-    assert_eq!(String::from_utf8_lossy(&o.stdout), "suite.toml: ok (1 workloads, 1 strategies, 1 entries)\n");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "suite.toml: ok (1 workload, 1 strategy, 1 entry)\n");
 }
 
 #[test]

@@ -13,6 +13,12 @@ pub fn human(x: f64) -> String {
     }
 }
 
+/// `n` and the noun, singular for one: `counted(1, "entry", "entries")` is
+/// "1 entry", `counted(3, ...)` "3 entries".
+pub fn counted(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// The first 12 characters of a hash (or the whole, if shorter).
 pub fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
