@@ -570,9 +570,6 @@ fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, au
     let (desc, layouts) = describe(l.api, &p, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
     let stream = crate::torch_ext::current_cuda_stream()? as dsys::CUstream;
     let ptrs = (a.data_ptr() as *const c_void, b.data_ptr() as *const c_void, d.data_ptr());
-    // The timing runs write their output: not into what `add` adds to.
-    let scratch = add.then(|| d.empty_like());
-    let timed = (ptrs.0, ptrs.1, scratch.as_ref().map_or(ptrs.2, |t| t.data_ptr()));
     let beta = if add { 1.0 } else { 0.0 };
     let algo = {
         let mut cache = l.algos.lock().unwrap_or_else(|e| e.into_inner());
@@ -581,6 +578,9 @@ fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, au
             Some(&(a, false)) if capturing(stream) => a,
             _ => {
                 let found = candidates(&l, &desc, &layouts).map_err(anyhow::Error::msg)?;
+                // The timing runs write their output: not into what `add` adds to.
+                let scratch = add.then(|| d.empty_like());
+                let timed = (ptrs.0, ptrs.1, scratch.as_ref().map_or(ptrs.2, |t| t.data_ptr()));
                 let algo = if capturing(stream) { found.first().copied() } else { fastest(&l, &desc, &layouts, &found, timed, stream) };
                 cache.insert(p, (algo, !capturing(stream)));
                 algo
