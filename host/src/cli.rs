@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::bench::Allreduce;
 use crate::console::Console;
 use crate::device;
+use crate::fmt::counted;
 use crate::launch::{self, RunOptions};
 use crate::ranks::{self, RankEnv};
 use crate::report;
@@ -528,7 +529,6 @@ fn validate_one(suite: &Path) -> anyhow::Result<i32> {
         return Ok(exit::INVALID_SUITE);
     }
     let plan = s.plan();
-    use crate::fmt::counted;
     println!(
         "{}: ok ({}, {}, {})",
         suite.display(),

@@ -1122,6 +1122,11 @@ mod tests {
     }
 }
 
+/// The bytes of `t`'s elements (its numel times its element size).
+pub fn nbytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
 /// Whether `t`'s elements fill `numel` consecutive elements of memory from
 /// its data pointer, each once, in some order of its dimensions (a
 /// contiguous tensor, or one in channels-last layout): what a library that

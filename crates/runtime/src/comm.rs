@@ -23,6 +23,7 @@ use hdrhistogram::Histogram;
 use tch::Tensor;
 
 use crate::measure;
+use crate::torch_ext::nbytes;
 
 /// The words of [`CommError::Aborted`]'s message that say another rank
 /// ended the collective.
@@ -285,11 +286,6 @@ pub fn any_rank(comm: &mut dyn Collective, flag: bool, device: tch::Device) -> R
 /// True on every rank when `ok` is true on every rank (a barrier too).
 pub fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: tch::Device) -> Result<bool, CommError> {
     Ok(!any_rank(comm, !ok, device)?)
-}
-
-/// Bytes of a tensor's elements.
-fn nbytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
 /// One rank alone: collectives are the identity and move nothing.

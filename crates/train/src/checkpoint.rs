@@ -133,7 +133,7 @@ impl Snapshot {
 
     /// Bytes of tensor data held.
     pub fn bytes(&self) -> u64 {
-        let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum::<u64>();
+        let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| crate::torch_ext::nbytes(t)).sum::<u64>();
         t(&self.model) + t(&self.state) + self.plugins.iter().map(|(_, b)| b.len() as u64).sum::<u64>()
     }
 
@@ -875,7 +875,7 @@ fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     let mut entries = Vec::new();
     let mut at = 0u64;
     for (name, t) in tensors {
-        let n = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let n = crate::torch_ext::nbytes(t);
         entries.push((name.clone(), dtype_name(t.kind())?, t.size(), [at, at + n]));
         at += n;
     }

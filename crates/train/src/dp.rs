@@ -279,7 +279,7 @@ impl DataParallel {
     /// GB) did best at 25 MiB (0.903 against 0.889 at 200): see
     /// docs/benchmarks.md, "Data-parallel levers, second round".
     pub fn auto_bucket_bytes(params: &[Tensor]) -> u64 {
-        auto_bucket_bytes_for(params.iter().map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as u64).sum())
+        auto_bucket_bytes_for(params.iter().map(torch_ext::nbytes).sum())
     }
 
     /// Buckets of at most `bucket_bytes` of gradients over `params` (the
@@ -466,10 +466,8 @@ impl DataParallel {
         // A ring all-reduce sends and receives 2 (n - 1) / n of the bucket.
         let gbs = crate::switches::get().sm_reserve_gbs;
         let ring = 2.0 * (self.world as f64 - 1.0) / self.world as f64;
-        let modelled = (reserve > 0 && gbs > 0).then(|| {
-            let bytes = |b: &Bucket| b.numel as f64 * b.kind.elt_size_in_bytes() as f64;
-            self.buckets.iter().map(|b| ring * bytes(b) / (gbs as f64 * 1e9)).collect()
-        });
+        let modelled =
+            (reserve > 0 && gbs > 0).then(|| self.bucket_bytes().iter().map(|&b| ring * b as f64 / (gbs as f64 * 1e9)).collect());
         let o = Box::new(Overlap { sharded, reserve, modelled, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
@@ -793,7 +791,7 @@ impl DataParallel {
     /// Bytes of gradient memory this rank holds now: the full buffers
     /// allocated and the reduced chunks.
     pub fn gradient_bytes(&self) -> u64 {
-        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let bytes = torch_ext::nbytes;
         if self.local {
             return torch_ext::grads(&self.params).map_or(0, |g| g.iter().filter(|g| g.defined()).map(bytes).sum());
         }
@@ -831,7 +829,7 @@ pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut size = 0u64;
     for (i, p) in params.iter().enumerate() {
-        let b = (p.numel() * p.kind().elt_size_in_bytes()) as u64;
+        let b = torch_ext::nbytes(p);
         match out.last_mut() {
             Some(cur) if size + b <= max_bytes => {
                 cur.push(i);

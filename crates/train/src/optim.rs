@@ -77,7 +77,7 @@ impl Optimizer {
     /// Bytes of optimizer state held now (AdamW: both moments and the step
     /// counts; SGD: the momentum buffers, created at the first step).
     pub fn state_bytes(&self) -> u64 {
-        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let bytes = crate::torch_ext::nbytes;
         match self {
             Optimizer::AdamW { exp_avg, exp_avg_sq, steps, .. } => exp_avg.iter().chain(exp_avg_sq).chain(steps).map(bytes).sum(),
             Optimizer::Sgd { bufs, .. } => bufs.iter().flatten().map(bytes).sum(),
