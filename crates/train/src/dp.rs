@@ -920,8 +920,8 @@ mod tests {
         let mib = 1u64 << 20;
         // GPT-2 124M's fp32 gradients: PyTorch DDP's 25 MiB.
         assert_eq!(auto_bucket_bytes_for(124_475_904 * 4), 25 * mib);
-        // GPT 1.3B's: about 24 buckets of 200-odd MiB.
-        let big = 1_315_577_856u64 * 4;
+        // GPT 1.3B's (1,313,722,368 parameters): 25 buckets of about 209 MiB.
+        let big = 1_313_722_368u64 * 4;
         assert_eq!(auto_bucket_bytes_for(big), big / 24);
         assert!((200 * mib..220 * mib).contains(&auto_bucket_bytes_for(big)));
         assert_eq!(auto_bucket_bytes_for(0), 25 * mib);
