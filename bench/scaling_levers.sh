@@ -15,7 +15,10 @@
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
 #   the size to harness) bf16-bN zero2-bN flat-bN (the same at N MiB
 #   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) smN-gG (with
-#   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ctasN
+#   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ce
+#   (HARNESS_CE_GATHER=1: symmetric flat buffers, the all-gather half on the
+#   copy engines) ce-bN, split (the same reduce-scatter and all-gather with
+#   NCCL_CTA_POLICY=0, both on SMs) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
@@ -58,6 +61,9 @@ for v in $variants; do
     ddp) suite ddp "$n" auto >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
     flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    split) suite split "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run split CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite zero2 "$n" auto zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
     simple) suite simple "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
     ch32) suite ch32 "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;

@@ -763,6 +763,11 @@ pub fn launch_local_ranks(
         let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
         let mut env: Vec<(String, String)> = env.into_iter().collect();
         env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
+        // The copy engines' all-gather needs NCCL's zero-CTA policy.
+        let policy_set = std::env::var_os("NCCL_CTA_POLICY").is_some() || env.iter().any(|(k, _)| k == "NCCL_CTA_POLICY");
+        if crate::switches::get().ce_gather && !policy_set {
+            env.push(("NCCL_CTA_POLICY".to_owned(), "2".to_owned()));
+        }
         let args = argv(started);
         started = true;
         let ends = spawn_ranks(world, &args, &env)?;

@@ -374,7 +374,9 @@ pub struct RankRecord {
     pub gradient_bytes: u64,
 }
 
-/// Memory high-water marks.
+/// Memory high-water marks. The device figures include what harness holds
+/// beside the caching allocator for the whole entry (the gradient buffers
+/// in NCCL's symmetric memory under `HARNESS_CE_GATHER=1`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct MemoryRecord {
     /// Peak resident set of the process during the entry.

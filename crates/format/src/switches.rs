@@ -242,6 +242,13 @@ switches! {
     /// (several ranks average each bucket's gradients in place as one NCCL
     /// group); 0 keeps the flat gradient buffers.
     local_grads: bool = true, "HARNESS_LOCAL_GRADS", Recorded;
+    /// `HARNESS_CE_GATHER` (default 0): 1 keeps the flat gradient buffers
+    /// (as `HARNESS_LOCAL_GRADS=0`) in NCCL's symmetric memory and averages
+    /// each overlapped bucket as a reduce-scatter and an all-gather, which
+    /// NCCL 2.28 and later runs on the copy engines (no SMs) when its CTA
+    /// policy is zero (`NCCL_CTA_POLICY=2`, which harness sets for the
+    /// ranks it starts unless it is set already); 0 all-reduces each bucket.
+    ce_gather: bool = false, "HARNESS_CE_GATHER", Recorded;
     /// `HARNESS_CUDA_GRAPH` (default unset): overrides the workloads'
     /// `cuda_graph`; 1 replays the step as a CUDA graph where it qualifies,
     /// 0 runs every step eagerly, unset leaves it to the suite.

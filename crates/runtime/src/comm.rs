@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::measure;
 use crate::torch_ext::nbytes;
@@ -214,6 +214,26 @@ pub trait Collective {
     fn reduce_scatter_avg_async(&mut self, t: &Tensor, out: &Tensor) -> Result<(), CommError> {
         let _ = (t, out);
         Err(CommError::Aborted { op: "reduce_scatter", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
+    }
+    /// A zeroed 1-D buffer of `numel` elements of `kind` in memory that
+    /// every rank allocates alike (NCCL: `ncclMemAlloc`, registered as a
+    /// symmetric window), for [`Collective::all_reduce_split_avg_async`];
+    /// every rank must ask for the same buffers in the same order. None
+    /// where there is no such memory (the caller keeps its own buffers).
+    /// The buffer lives as long as the collective, which frees it.
+    fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
+        let _ = (numel, kind);
+        Ok(None)
+    }
+    /// Starts averaging `t` (numel divisible by world_size) over ranks, in
+    /// place, as a reduce-scatter (averaging) and an all-gather, with the
+    /// same ordering as [`Collective::all_reduce_sum_async`]. In a buffer of
+    /// [`Collective::symmetric_zeros`] NCCL runs the all-gather on the copy
+    /// engines when its CTA policy is zero (`NCCL_CTA_POLICY=2`), leaving
+    /// the SMs to the computation. Only where `supports_async`.
+    fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+        let _ = t;
+        Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
     }
     /// Makes work queued from now on wait for every asynchronous collective.
     fn wait_async(&mut self) -> Result<(), CommError> {
@@ -548,6 +568,21 @@ impl Collective for InProcessComm {
     fn reduce_scatter_avg_async(&mut self, t: &Tensor, out: &Tensor) -> Result<(), CommError> {
         let chunk = self.reduce_scatter_sum(t)? / self.group.n as f64;
         tch::no_grad(|| out.shallow_clone().copy_(&chunk.view_as(out)));
+        Ok(())
+    }
+
+    /// Plain zeros: thread ranks share one memory already, and the split
+    /// path then runs (and is tested) on CPU too.
+    fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
+        Ok(Some(Tensor::zeros([numel], (kind, tch::Device::Cpu))))
+    }
+
+    /// The reduce-scatter divided by the number of ranks, then the
+    /// all-gather of the chunks back into `t`.
+    fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+        let chunk = self.reduce_scatter_sum(t)? / self.group.n as f64;
+        let all = self.all_gather(&chunk)?;
+        tch::no_grad(|| t.shallow_clone().copy_(&all.view_as(t)));
         Ok(())
     }
 
@@ -1001,7 +1036,23 @@ pub mod nccl {
         group_end: unsafe extern "C" fn() -> c_int,
         destroy: unsafe extern "C" fn(CommT) -> c_int,
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+        /// Symmetric memory (NCCL 2.27 and later), absent before.
+        symmetric: Option<Symmetric>,
     }
+
+    /// ncclMemAlloc, ncclMemFree, ncclCommWindowRegister and
+    /// ncclCommWindowDeregister.
+    struct Symmetric {
+        mem_alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int,
+        mem_free: unsafe extern "C" fn(*mut c_void) -> c_int,
+        register: unsafe extern "C" fn(CommT, *mut c_void, usize, *mut WindowT, c_int) -> c_int,
+        deregister: unsafe extern "C" fn(CommT, WindowT) -> c_int,
+    }
+
+    type WindowT = *mut c_void;
+
+    /// NCCL_WIN_COLL_SYMMETRIC: every rank passes the same offsets into the window.
+    const WIN_COLL_SYMMETRIC: c_int = 1;
 
     fn lib() -> Result<&'static Lib, String> {
         static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
@@ -1015,7 +1066,16 @@ pub mod nccl {
                         *lib.get($name).map_err(|e| format!("libnccl.so.2 lacks {}: {e}", String::from_utf8_lossy($name)))?
                     };
                 }
+                let symmetric = (|| {
+                    Some(Symmetric {
+                        mem_alloc: *lib.get(b"ncclMemAlloc").ok()?,
+                        mem_free: *lib.get(b"ncclMemFree").ok()?,
+                        register: *lib.get(b"ncclCommWindowRegister").ok()?,
+                        deregister: *lib.get(b"ncclCommWindowDeregister").ok()?,
+                    })
+                })();
                 Ok(Lib {
+                    symmetric,
                     get_unique_id: sym!(b"ncclGetUniqueId"),
                     init_rank: sym!(b"ncclCommInitRank"),
                     all_reduce: sym!(b"ncclAllReduce"),
@@ -1086,6 +1146,9 @@ pub mod nccl {
         side: Option<cudarc::driver::sys::CUstream>,
         /// True when collectives were queued on `side` since the last wait.
         side_busy: bool,
+        /// The buffers of `symmetric_zeros`, with their windows.
+        windows: Vec<(*mut c_void, WindowT)>,
+        device: tch::Device,
     }
 
     // SAFETY: the stream handle is used by one thread at a time (the owner,
@@ -1112,6 +1175,8 @@ pub mod nccl {
                 link,
                 side: None,
                 side_busy: false,
+                windows: Vec::new(),
+                device,
             })
         }
 
@@ -1221,6 +1286,20 @@ pub mod nccl {
             name: &'static str,
             issue: impl FnOnce(&Lib, CommT, *mut c_void) -> c_int,
         ) -> Result<(), CommError> {
+            self.on_side_after(op, bytes, name, true, issue)
+        }
+
+        /// [`NcclComm::on_side`], with the wait for the legacy stream only
+        /// when `wait`: a collective queued right behind another on the side
+        /// stream is ordered after the same input already.
+        fn on_side_after(
+            &mut self,
+            op: Op,
+            bytes: u64,
+            name: &'static str,
+            wait: bool,
+            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> c_int,
+        ) -> Result<(), CommError> {
             let side = match self.side {
                 Some(s) => s,
                 None => {
@@ -1237,12 +1316,14 @@ pub mod nccl {
                 }
             };
             let l = lib().map_err(|e| self.fail(name, e))?;
-            // The side stream waits for the gradients, queued on the legacy stream.
-            let ready = self.mark(std::ptr::null_mut(), name)?;
-            // SAFETY: `side` is our live stream.
-            unsafe { ready.wait_on(side) }.map_err(|e| self.fail(name, e))?;
-            // The wait took the event's state now: it can be recorded again.
-            self.spare.push(ready);
+            if wait {
+                // The side stream waits for the gradients, queued on the legacy stream.
+                let ready = self.mark(std::ptr::null_mut(), name)?;
+                // SAFETY: `side` is our live stream.
+                unsafe { ready.wait_on(side) }.map_err(|e| self.fail(name, e))?;
+                // The wait took the event's state now: it can be recorded again.
+                self.spare.push(ready);
+            }
             let start = self.mark(side, name)?;
             check(issue(l, self.comm, side as *mut c_void), name).map_err(|e| self.fail(name, e))?;
             let end = self.mark(side, name)?;
@@ -1312,6 +1393,54 @@ pub mod nccl {
             // until after `wait_async`, on our side stream.
             self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| unsafe {
                 (l.reduce_scatter)(sp, rp, count, dt, RED_AVG, comm, side)
+            })
+        }
+        fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
+            let name = "symmetric_zeros";
+            let l = lib().map_err(|e| self.fail(name, e))?;
+            let (Some(sym), tch::Device::Cuda(_)) = (&l.symmetric, self.device) else { return Ok(None) };
+            let bytes = numel.max(1) as usize * kind.elt_size_in_bytes();
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: p receives device memory of `bytes` bytes.
+            check(unsafe { (sym.mem_alloc)(&mut p, bytes) }, "ncclMemAlloc").map_err(|e| self.fail(name, e))?;
+            let mut w: WindowT = std::ptr::null_mut();
+            // SAFETY: p is NCCL's memory of `bytes` bytes; every rank registers
+            // its buffers in the same order (a collective call).
+            if let Err(e) = check(unsafe { (sym.register)(self.comm, p, bytes, &mut w, WIN_COLL_SYMMETRIC) }, "ncclCommWindowRegister") {
+                // SAFETY: p came from ncclMemAlloc and nothing else holds it.
+                unsafe { (sym.mem_free)(p) };
+                return Err(self.fail(name, e));
+            }
+            self.windows.push((p, w));
+            // SAFETY: `numel` elements of `kind` at p on this rank's device,
+            // alive until this communicator is dropped (see the trait).
+            let t = unsafe { Tensor::f_from_blob(p as *const u8, &[numel], &[1], kind, self.device) }.map_err(|e| self.fail(name, e))?;
+            let _ = tch::no_grad(|| t.shallow_clone().zero_());
+            Ok(Some(t))
+        }
+        fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
+            let dt = self.dtype_of(t, "all_reduce")?;
+            let (numel, n) = (t.numel(), self.n);
+            if numel % n != 0 {
+                let reason = format!("{numel} elements do not split evenly over {n} ranks");
+                return Err(CommError::Invalid { op: "all_reduce", seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            let count = numel / n;
+            let base = t.data_ptr();
+            // SAFETY: this rank's chunk lies inside t (rank < n).
+            let mine = unsafe { (base as *mut u8).add(self.rank * count * t.kind().elt_size_in_bytes()) } as *mut c_void;
+            let bytes = nbytes(t);
+            // SAFETY: in place in t (NCCL's in-place reduce-scatter and
+            // all-gather: the chunk at this rank's offset), live device
+            // memory that the caller keeps until after `wait_async`, on our
+            // side stream, the gather queued behind the scatter.
+            self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| unsafe {
+                (l.reduce_scatter)(base, mine, count, dt, RED_AVG, comm, side)
+            })?;
+            // SAFETY: as above: this rank's chunk gathered into t, in place,
+            // queued on the side stream behind the reduce-scatter.
+            self.on_side_after(Op::AllGather, bytes, "all_gather", false, |l, comm, side| unsafe {
+                (l.all_gather)(mine, base, count, dt, comm, side)
             })
         }
         fn wait_async(&mut self) -> Result<(), CommError> {
@@ -1425,6 +1554,19 @@ pub mod nccl {
 
     impl Drop for NcclComm {
         fn drop(&mut self) {
+            if let (Ok(Lib { symmetric: Some(sym), .. }), false) = (lib(), self.windows.is_empty()) {
+                // Work on the buffers completes first.
+                if let tch::Device::Cuda(i) = self.device {
+                    tch::Cuda::synchronize(i as i64);
+                }
+                for (p, w) in std::mem::take(&mut self.windows) {
+                    // SAFETY: our window and NCCL's memory, each released once.
+                    unsafe {
+                        (sym.deregister)(self.comm, w);
+                        (sym.mem_free)(p);
+                    }
+                }
+            }
             if let Ok(l) = lib() {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };

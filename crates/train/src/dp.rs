@@ -158,6 +158,9 @@ struct OverlapState {
     /// Whether the matmuls were told to leave SMs to the collectives
     /// (`Overlap::reserve`), until the pass ends.
     reserved: bool,
+    /// The flat buffers are in symmetric memory and averaged as a
+    /// reduce-scatter and an all-gather ([`DataParallel::use_symmetric_buffers`]).
+    split: bool,
     error: Option<String>,
 }
 
@@ -229,6 +232,7 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
         let comm = unsafe { comm.get() };
         let started = match (st.flats.get(b), st.chunks.get(b)) {
             (Some(flat), Some(chunk)) => comm.reduce_scatter_avg_async(flat, chunk).map_err(anyhow::Error::from),
+            (Some(flat), None) if st.split => comm.all_reduce_split_avg_async(flat).map_err(anyhow::Error::from),
             (Some(flat), None) => comm.all_reduce_sum_async(flat).map_err(anyhow::Error::from),
             (None, _) => {
                 let kind = st.reduce_kind;
@@ -401,6 +405,41 @@ impl DataParallel {
         Ok(true)
     }
 
+    /// `HARNESS_CE_GATHER`: with the overlap on, the flat buffers (neither
+    /// autograd's own gradients nor ZeRO) move into the collective's
+    /// symmetric memory, padded to a multiple of the ranks, and each bucket
+    /// is averaged as a reduce-scatter and an all-gather (NCCL can run the
+    /// gather on the copy engines, see
+    /// [`Collective::all_reduce_split_avg_async`]). Every rank calls it.
+    /// Returns whether it applies (false, and nothing changed, where the
+    /// collective has no symmetric memory).
+    pub fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+        let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local) else { return Ok(false) };
+        let world = self.world as i64;
+        let mut flats = Vec::with_capacity(self.buckets.len());
+        for b in &self.buckets {
+            let padded = (b.numel + world - 1) / world * world;
+            match comm.symmetric_zeros(padded, b.kind)? {
+                Some(flat) => flats.push(flat),
+                None if flats.is_empty() => return Ok(false),
+                None => anyhow::bail!("the collective gave symmetric memory for {} gradient buckets, not all", flats.len()),
+            }
+        }
+        for (b, flat) in self.buckets.iter_mut().zip(flats) {
+            let mut views = Vec::with_capacity(b.params.len());
+            for (&i, &off) in b.params.iter().zip(&b.offsets) {
+                let p = &self.params[i];
+                let view = slot(&flat, off, p);
+                torch_ext::set_grad(p, Some(&view))?;
+                views.push(view);
+            }
+            b.padded = flat.numel() as i64;
+            b.grad = Some((flat, views));
+        }
+        o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
+        Ok(true)
+    }
+
     /// Averages the gradients in `kind` (the strategy's `reduce_dtype`),
     /// which only the overlapped average of autograd's own gradients does:
     /// an error where it is off with more than one rank (one rank reduces
@@ -458,6 +497,7 @@ impl DataParallel {
             casts: Vec::new(),
             launched: vec![false; n],
             reserved: false,
+            split: false,
             error: None,
         };
         let sharded = self.stage.sharded();
@@ -665,7 +705,11 @@ impl DataParallel {
                     comm.reduce_scatter_avg_async(flat, &st.chunks[bi])?;
                 } else {
                     let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
-                    comm.all_reduce_sum_async(flat)?;
+                    if o.state.lock().unwrap_or_else(|e| e.into_inner()).split {
+                        comm.all_reduce_split_avg_async(flat)?;
+                    } else {
+                        comm.all_reduce_sum_async(flat)?;
+                    }
                 }
             }
             o.state.lock().unwrap_or_else(|e| e.into_inner()).launched = vec![false; count];
@@ -688,7 +732,8 @@ impl DataParallel {
                         b.grad = None;
                     }
                 }
-            } else if !self.local {
+            } else if !self.local && !o.state.lock().unwrap_or_else(|e| e.into_inner()).split {
+                // Summed: the average is a division away (the split path averages in NCCL).
                 for b in &self.buckets {
                     if let Some((flat, _)) = &b.grad {
                         let _ = flat.shallow_clone().divide_scalar_(n);
@@ -796,6 +841,18 @@ impl DataParallel {
             return torch_ext::grads(&self.params).map_or(0, |g| g.iter().filter(|g| g.defined()).map(bytes).sum());
         }
         self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| bytes(&g.0)) + b.reduced.as_ref().map_or(0, bytes)).sum()
+    }
+
+    /// Bytes of device memory this state holds outside libtorch's caching
+    /// allocator, which its peaks leave out: the symmetric gradient
+    /// buffers of [`DataParallel::use_symmetric_buffers`], held for the
+    /// whole run.
+    pub fn outside_allocator_bytes(&self) -> u64 {
+        let split = self.overlap.as_ref().is_some_and(|o| o.state.lock().unwrap_or_else(|e| e.into_inner()).split);
+        if !split {
+            return 0;
+        }
+        self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| torch_ext::nbytes(&g.0))).sum()
     }
 
     /// Bytes of each bucket's gradients (padding excluded).
@@ -1152,6 +1209,39 @@ mod tests {
             }
             assert!(got[3].iter().all(|&x| x == 0.0), "an unused parameter's average is zero");
         }
+    }
+
+    #[test]
+    fn symmetric_buffers_average_as_a_scatter_and_a_gather_what_the_all_reduce_does() {
+        // HARNESS_CE_GATHER's path on thread ranks: the flat buffers moved
+        // into the collective's symmetric memory (padded to the ranks), each
+        // bucket a reduce-scatter and an all-gather from the hooks.
+        let run = |split: bool| {
+            two_ranks(move |rank, comm| {
+                let ps = params(5);
+                let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, rank, 2).unwrap();
+                assert!(dp.enable_overlap(comm).unwrap());
+                if split {
+                    assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap());
+                }
+                let padded: Vec<i64> = dp.buckets.iter().map(|b| b.padded).collect();
+                let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
+                let s = comm.stats();
+                let ops = |op| s.ops.get(&op).map_or(0, |o| o.collectives);
+                (steps, padded, ops(crate::comm::Op::AllReduce), ops(crate::comm::Op::ReduceScatter), ops(crate::comm::Op::AllGather))
+            })
+        };
+        let plain = run(false);
+        let split = run(true);
+        // The same averages bit for bit (a sum in rank order, halved), on both ranks.
+        assert_eq!(split[0].0, plain[0].0);
+        assert_eq!(split[0].0, split[1].0);
+        // Buckets of 15, 11 and 9 elements: odd ones padded to the two ranks.
+        assert_eq!(plain[0].1, [15, 11, 9]);
+        assert_eq!(split[0].1, [16, 12, 10]);
+        // Three buckets a step, two steps: an all-reduce each, or a scatter and a gather.
+        assert_eq!((plain[0].2, plain[0].3, plain[0].4), (6, 0, 0));
+        assert_eq!((split[0].2, split[0].3, split[0].4), (0, 6, 6));
     }
 
     #[test]

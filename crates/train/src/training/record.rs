@@ -300,7 +300,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
     let flops_per_token = t.cfg.flops_per_token(t.n_params);
     let achieved_tflops = flops_per_token * tokens_per_s / 1e12;
     let peak = ctx.peak_tflops;
-    let memory = memory_record(&m)?;
+    let memory = memory_record(&m, t.dp.outside_allocator_bytes() as i64)?;
     let ranks = vec![RankRecord {
         rank: t.rank as u32,
         memory: memory.clone(),
@@ -374,17 +374,19 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
     Ok(EntryOutput { metrics, histograms, warnings: t.warnings.clone() })
 }
 
-/// Peak memory: the process's RSS and, on CUDA, the device's peaks.
-fn memory_record(m: &Meter) -> Result<MemoryRecord> {
+/// Peak memory: the process's RSS and, on CUDA, the device's peaks, with
+/// `outside` bytes held beside libtorch's allocator for the whole entry
+/// (symmetric gradient buffers) added to each.
+fn memory_record(m: &Meter, outside: i64) -> Result<MemoryRecord> {
     let device = match m.cuda {
         Some(i) => Some(torch_ext::cuda_memory(i)?),
         None => None,
     };
     Ok(MemoryRecord {
         peak_rss_bytes: measure::peak_rss_bytes(),
-        peak_device_allocated_bytes: device.as_ref().map(|d| d.peak_allocated.max(m.peak_seen.0)),
-        peak_device_reserved_bytes: device.as_ref().map(|d| d.peak_reserved.max(m.peak_seen.1)),
-        peak_step_allocated_bytes: device.as_ref().map(|_| m.peak_seen.0),
+        peak_device_allocated_bytes: device.as_ref().map(|d| d.peak_allocated.max(m.peak_seen.0) + outside),
+        peak_device_reserved_bytes: device.as_ref().map(|d| d.peak_reserved.max(m.peak_seen.1) + outside),
+        peak_step_allocated_bytes: device.as_ref().map(|_| m.peak_seen.0 + outside),
     })
 }
 

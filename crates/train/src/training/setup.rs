@@ -135,8 +135,11 @@ impl Training {
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // One rank with the plain average: autograd's own gradients
         // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
-        let local_allowed = switches.local_grads;
+        // HARNESS_CE_GATHER=1 keeps them too, in symmetric memory, for the
+        // all-gather on the copy engines.
+        let local_allowed = switches.local_grads && !switches.ce_gather;
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
+        let symmetric = switches.ce_gather && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
         // The strategy's `reduce_dtype`: the average in bf16.
         if ctx.entry.strategy.reduce_dtype == crate::suite::ReduceDtype::Bf16 {
             dp.reduce_in(Kind::BFloat16)?;
@@ -156,6 +159,13 @@ impl Training {
             data.images_in(Kind::BFloat16);
         }
         let (fused, mut warnings) = fused_kernels(device, w.precision, w.kernels);
+        if switches.ce_gather && world > 1 && !symmetric {
+            warnings.push(
+                "HARNESS_CE_GATHER=1: the gradients stay in plain flat buffers, all-reduced (it needs the overlapped built-in \
+                 all-reduce without ZeRO, and NCCL 2.27 or later with symmetric memory)"
+                    .to_owned(),
+            );
+        }
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
         // The fused cross-entropy serves the token models (gpt, mlp).
