@@ -135,9 +135,9 @@ impl Training {
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // One rank with the plain average: autograd's own gradients
         // (HARNESS_LOCAL_GRADS=0 keeps the buckets, to measure the change).
-        // HARNESS_CE_GATHER=1 keeps them too, in symmetric memory, for the
-        // all-gather on the copy engines.
-        let local_allowed = switches.local_grads && !switches.ce_gather;
+        // HARNESS_CE_GATHER=1 keeps them too on several ranks, in symmetric
+        // memory, for the all-gather on the copy engines.
+        let local_allowed = switches.local_grads && !(switches.ce_gather && world > 1);
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         let symmetric = switches.ce_gather && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
         // The strategy's `reduce_dtype`: the average in bf16.
