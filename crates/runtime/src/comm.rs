@@ -1209,6 +1209,16 @@ pub mod nccl {
             dtype(t.kind()).ok_or_else(|| self.fail(op, format!("NCCL cannot move {:?}", t.kind())))
         }
 
+        /// Each rank's share of `numel` elements, refused (before NCCL sees
+        /// it) where they do not split evenly.
+        fn chunk_of(&self, numel: usize, op: &'static str) -> Result<usize, CommError> {
+            if numel % self.n != 0 {
+                let reason = format!("{numel} elements do not split evenly over {} ranks", self.n);
+                return Err(CommError::Invalid { op, seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            Ok(numel / self.n)
+        }
+
         /// Reads back the timings of finished collectives, oldest first (all
         /// of them with `wait`, else those done already), and keeps their
         /// events for reuse.
@@ -1420,12 +1430,7 @@ pub mod nccl {
         }
         fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
             let dt = self.dtype_of(t, "all_reduce")?;
-            let (numel, n) = (t.numel(), self.n);
-            if numel % n != 0 {
-                let reason = format!("{numel} elements do not split evenly over {n} ranks");
-                return Err(CommError::Invalid { op: "all_reduce", seq: self.stats.collectives, rank: self.rank, reason });
-            }
-            let count = numel / n;
+            let count = self.chunk_of(t.numel(), "all_reduce")?;
             let base = t.data_ptr();
             // SAFETY: this rank's chunk lies inside t (rank < n).
             let mine = unsafe { (base as *mut u8).add(self.rank * count * t.kind().elt_size_in_bytes()) } as *mut c_void;
@@ -1482,12 +1487,7 @@ pub mod nccl {
         fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
             let src = t.contiguous();
             let dt = self.dtype_of(&src, "reduce_scatter")?;
-            let numel = src.numel();
-            if numel % self.n != 0 {
-                let reason = format!("{numel} elements do not split evenly over {} ranks", self.n);
-                return Err(CommError::Invalid { op: "reduce_scatter", seq: self.stats.collectives, rank: self.rank, reason });
-            }
-            let count = numel / self.n;
+            let count = self.chunk_of(src.numel(), "reduce_scatter")?;
             let out = Tensor::empty([count as i64], (src.kind(), src.device()));
             let (sp, rp) = (src.data_ptr(), out.data_ptr());
             // SAFETY: n x `count` elements are read from src and `count` written

@@ -97,6 +97,27 @@ struct Bucket {
     reduced: Option<Tensor>,
 }
 
+impl Bucket {
+    /// Makes `flat` the bucket's gradient buffer and every parameter's
+    /// `.grad` its view of it.
+    fn attach(&mut self, params: &[Tensor], flat: Tensor) -> anyhow::Result<()> {
+        let mut views = Vec::with_capacity(self.params.len());
+        for (&i, &off) in self.params.iter().zip(&self.offsets) {
+            let p = &params[i];
+            let view = slot(&flat, off, p);
+            torch_ext::set_grad(p, Some(&view))?;
+            views.push(view);
+        }
+        self.grad = Some((flat, views));
+        Ok(())
+    }
+}
+
+/// `numel` rounded up to a multiple of `world` (ranks' equal chunks).
+fn padded_to(numel: i64, world: usize) -> i64 {
+    ((numel as usize).div_ceil(world) * world) as i64
+}
+
 /// A contiguous piece of this rank's shard (ZeRO): elements
 /// `start .. start + len` of a bucket's flat buffers, inside parameters of
 /// one weight-decay group (consecutive parameters of a group are merged).
@@ -305,7 +326,7 @@ impl DataParallel {
                 offsets.push(numel);
                 numel += params[i].numel() as i64;
             }
-            let padded = if stage.sharded() { ((numel as usize).div_ceil(world) * world) as i64 } else { numel };
+            let padded = if stage.sharded() { padded_to(numel, world) } else { numel };
             buckets.push(Bucket { params: idx, offsets, numel, padded, kind, grad: None, param_flat: None, reduced: None });
         }
         let mut dp = DataParallel {
@@ -371,14 +392,7 @@ impl DataParallel {
                 continue;
             }
             let flat = Tensor::zeros([b.padded], (b.kind, self.device));
-            let mut views = Vec::with_capacity(b.params.len());
-            for (&i, &off) in b.params.iter().zip(&b.offsets) {
-                let p = &params[i];
-                let view = slot(&flat, off, p);
-                torch_ext::set_grad(p, Some(&view))?;
-                views.push(view);
-            }
-            b.grad = Some((flat, views));
+            b.attach(params, flat)?;
         }
         Ok(())
     }
@@ -415,26 +429,17 @@ impl DataParallel {
     /// collective has no symmetric memory).
     pub fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local) else { return Ok(false) };
-        let world = self.world as i64;
         let mut flats = Vec::with_capacity(self.buckets.len());
         for b in &self.buckets {
-            let padded = (b.numel + world - 1) / world * world;
-            match comm.symmetric_zeros(padded, b.kind)? {
+            match comm.symmetric_zeros(padded_to(b.numel, self.world), b.kind)? {
                 Some(flat) => flats.push(flat),
                 None if flats.is_empty() => return Ok(false),
                 None => anyhow::bail!("the collective gave symmetric memory for {} gradient buckets, not all", flats.len()),
             }
         }
         for (b, flat) in self.buckets.iter_mut().zip(flats) {
-            let mut views = Vec::with_capacity(b.params.len());
-            for (&i, &off) in b.params.iter().zip(&b.offsets) {
-                let p = &self.params[i];
-                let view = slot(&flat, off, p);
-                torch_ext::set_grad(p, Some(&view))?;
-                views.push(view);
-            }
             b.padded = flat.numel() as i64;
-            b.grad = Some((flat, views));
+            b.attach(&self.params, flat)?;
         }
         o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
         Ok(true)
@@ -683,12 +688,12 @@ impl DataParallel {
         let n = self.world as f64;
         let count = self.buckets.len();
         if let (Some(o), true) = (&self.overlap, compressor.is_plain_average()) {
-            let launched = {
+            let (launched, split) = {
                 let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(e) = st.error.take() {
                     anyhow::bail!("an all-reduce started during the backward pass failed: {e}");
                 }
-                std::mem::take(&mut st.launched)
+                (std::mem::take(&mut st.launched), st.split)
             };
             // Buckets whose gradients never all arrived (unused parameters).
             for (bi, (b, done)) in self.buckets.iter().zip(launched.iter().copied().chain(std::iter::repeat(false))).enumerate() {
@@ -705,7 +710,7 @@ impl DataParallel {
                     comm.reduce_scatter_avg_async(flat, &st.chunks[bi])?;
                 } else {
                     let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
-                    if o.state.lock().unwrap_or_else(|e| e.into_inner()).split {
+                    if split {
                         comm.all_reduce_split_avg_async(flat)?;
                     } else {
                         comm.all_reduce_sum_async(flat)?;
@@ -732,7 +737,7 @@ impl DataParallel {
                         b.grad = None;
                     }
                 }
-            } else if !self.local && !o.state.lock().unwrap_or_else(|e| e.into_inner()).split {
+            } else if !self.local && !split {
                 // Summed: the average is a division away (the split path averages in NCCL).
                 for b in &self.buckets {
                     if let Some((flat, _)) = &b.grad {
