@@ -18,7 +18,9 @@
 #   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ce
 #   (HARNESS_CE_GATHER=1: symmetric flat buffers, the all-gather half on the
 #   copy engines) ce-bN, split (the same reduce-scatter and all-gather with
-#   NCCL_CTA_POLICY=0, both on SMs) ctasN
+#   NCCL_CTA_POLICY=0, both on SMs) cer (ce and HARNESS_CE_REDUCE=1: the
+#   reduce-scatter as an all-to-all on the copy engines and an averaging
+#   kernel) cer-bN trace-ce trace-cer ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
@@ -63,6 +65,8 @@ for v in $variants; do
     flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    cer) suite cer "$n" auto >/dev/null; run cer CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+    cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     split) suite split "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run split CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite zero2 "$n" auto zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
     simple) suite simple "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
@@ -86,8 +90,11 @@ for v in $variants; do
     ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ctaeff) suite ctaeff "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run ctaeff CUDA_VISIBLE_DEVICES="$gpus" ;;
     ll128) suite ll128 "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run ll128 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    trace|trace-one|trace-sm[0-9]*)
+    trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer)
       case "$v" in
+        trace-ce) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
+        trace-cer) suite "$v" "$n" auto >/dev/null
+          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
         trace-one) suite "$v" 1 auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
         trace-sm*-g*) suite "$v" "$n" auto >/dev/null; r=${v%-g*}
           TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${r#trace-sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;

@@ -249,6 +249,12 @@ switches! {
     /// policy is zero (`NCCL_CTA_POLICY=2`, which harness sets for the
     /// ranks it starts unless it is set already); 0 all-reduces each bucket.
     ce_gather: bool = false, "HARNESS_CE_GATHER", Recorded;
+    /// `HARNESS_CE_REDUCE` (default 0): with `HARNESS_CE_GATHER=1`, 1 moves
+    /// the reduce-scatter off the SMs too: each bucket's chunks go to their
+    /// ranks by an all-to-all (NCCL 2.28's `ncclAlltoAll`, on the copy
+    /// engines under the zero CTA policy) and one kernel averages this
+    /// rank's chunk; fp32 buckets only.
+    ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
     /// `HARNESS_CUDA_GRAPH` (default unset): overrides the workloads'
     /// `cuda_graph`; 1 replays the step as a CUDA graph where it qualifies,
     /// 0 runs every step eagerly, unset leaves it to the suite.

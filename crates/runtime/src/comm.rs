@@ -225,12 +225,27 @@ pub trait Collective {
         let _ = (numel, kind);
         Ok(None)
     }
+    /// A receive buffer of `numel` elements of `kind` in symmetric memory
+    /// for [`Collective::all_reduce_split_avg_async`] on buffers of up to
+    /// `numel` elements, whose reduce-scatter then also leaves the SMs: an
+    /// all-to-all of the chunks (NCCL 2.28's `ncclAlltoAll`, on the copy
+    /// engines under the zero CTA policy) into this buffer, then one kernel
+    /// that averages this rank's chunk. Every rank calls it alike, after
+    /// its [`Collective::symmetric_zeros`]. Returns whether it applies
+    /// (false where there is no such all-to-all, or for a kind other than
+    /// fp32).
+    fn symmetric_scratch(&mut self, numel: i64, kind: Kind) -> Result<bool, CommError> {
+        let _ = (numel, kind);
+        Ok(false)
+    }
     /// Starts averaging `t` (numel divisible by world_size) over ranks, in
     /// place, as a reduce-scatter (averaging) and an all-gather, with the
     /// same ordering as [`Collective::all_reduce_sum_async`]. In a buffer of
     /// [`Collective::symmetric_zeros`] NCCL runs the all-gather on the copy
     /// engines when its CTA policy is zero (`NCCL_CTA_POLICY=2`), leaving
-    /// the SMs to the computation. Only where `supports_async`.
+    /// the SMs to the computation, and with a [`Collective::symmetric_scratch`]
+    /// the reduce-scatter too, but for its averaging kernel. Only where
+    /// `supports_async`.
     fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
         let _ = t;
         Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
@@ -1038,6 +1053,8 @@ pub mod nccl {
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
         /// Symmetric memory (NCCL 2.27 and later), absent before.
         symmetric: Option<Symmetric>,
+        /// ncclAlltoAll (NCCL 2.28 and later), absent before.
+        all_to_all: Option<unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, CommT, *mut c_void) -> c_int>,
     }
 
     /// ncclMemAlloc, ncclMemFree, ncclCommWindowRegister and
@@ -1076,6 +1093,7 @@ pub mod nccl {
                 })();
                 Ok(Lib {
                     symmetric,
+                    all_to_all: lib.get(b"ncclAlltoAll").ok().map(|f| *f),
                     get_unique_id: sym!(b"ncclGetUniqueId"),
                     init_rank: sym!(b"ncclCommInitRank"),
                     all_reduce: sym!(b"ncclAllReduce"),
@@ -1146,9 +1164,31 @@ pub mod nccl {
         side: Option<cudarc::driver::sys::CUstream>,
         /// True when collectives were queued on `side` since the last wait.
         side_busy: bool,
-        /// The buffers of `symmetric_zeros`, with their windows.
+        /// The buffers of `symmetric_zeros` and `symmetric_scratch`, with
+        /// their windows.
         windows: Vec<(*mut c_void, WindowT)>,
+        /// The all-to-all's receive buffer of `symmetric_scratch`.
+        scratch: Option<Tensor>,
+        /// The bucket whose all-to-all was issued last, not yet gathered.
+        deferred: Option<Deferred>,
+        /// The stream of the all-to-all reduce-scatter's averages, at
+        /// CUDA's greatest priority, once used.
+        averaging: Option<cudarc::driver::sys::CUstream>,
         device: tch::Device,
+    }
+
+    /// A bucket of the all-to-all reduce-scatter whose all-gather waits
+    /// for the next bucket (see [`NcclComm::finish_deferred`]).
+    struct Deferred {
+        /// Recorded on the averaging stream after the bucket's average.
+        averaged: Event,
+        /// The bucket's start, this rank's chunk in it, the chunk's
+        /// elements, NCCL's type and the bucket's bytes, for the all-gather.
+        base: *mut c_void,
+        mine: *mut c_void,
+        count: usize,
+        dt: c_int,
+        bytes: u64,
     }
 
     // SAFETY: the stream handle is used by one thread at a time (the owner,
@@ -1176,6 +1216,9 @@ pub mod nccl {
                 side: None,
                 side_busy: false,
                 windows: Vec::new(),
+                scratch: None,
+                deferred: None,
+                averaging: None,
                 device,
             })
         }
@@ -1252,6 +1295,69 @@ pub mod nccl {
             Ok(e)
         }
 
+        /// Starts the deferred bucket's all-gather, if there is one, once its
+        /// average is done (on the side stream, which then also waits for
+        /// the compute stream as it is now); returns whether there was one.
+        /// Issued at the next bucket's hook, the gather finds the average
+        /// long done, and the compute stream never waits for a collective
+        /// before the end of the backward pass.
+        fn finish_deferred(&mut self) -> Result<bool, CommError> {
+            let Some(d) = self.deferred.take() else { return Ok(false) };
+            let side = self.side.ok_or_else(|| self.fail("all_gather", "no side stream for a deferred all-gather"))?;
+            // SAFETY: `side` is our live stream; `averaged` is a live event.
+            unsafe { d.averaged.wait_on(side) }.map_err(|e| self.fail("all_gather", e))?;
+            // The wait took the event's state now: it can be recorded again.
+            self.spare.push(d.averaged);
+            let (base, mine, count, dt) = (d.base, d.mine, d.count, d.dt);
+            self.on_side_after(Op::AllGather, d.bytes, "all_gather", true, |l, comm, side| {
+                // SAFETY: this rank's averaged chunk gathered into the
+                // bucket, in place, on our side stream after the average
+                // (the wait above).
+                check(unsafe { (l.all_gather)(mine, base, count, dt, comm, side) }, "all_gather")
+            })?;
+            Ok(true)
+        }
+
+        /// The averaging stream (see `averaging`), made on first use.
+        fn averaging_stream(&mut self) -> Result<cudarc::driver::sys::CUstream, CommError> {
+            use cudarc::driver::result::stream;
+            if let Some(s) = self.averaging {
+                return Ok(s);
+            }
+            let s = stream::get_priority_range()
+                .and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
+                .map_err(|e| self.fail("reduce_scatter", e))?;
+            self.averaging = Some(s);
+            Ok(s)
+        }
+
+        /// A zeroed buffer of NCCL's memory registered as a symmetric window
+        /// (a collective call: every rank asks alike), freed with the
+        /// communicator; None where NCCL has no symmetric memory or the
+        /// device is not CUDA.
+        fn symmetric_alloc(&mut self, numel: i64, kind: Kind, name: &'static str) -> Result<Option<Tensor>, CommError> {
+            let l = lib().map_err(|e| self.fail(name, e))?;
+            let (Some(sym), tch::Device::Cuda(_)) = (&l.symmetric, self.device) else { return Ok(None) };
+            let bytes = numel.max(1) as usize * kind.elt_size_in_bytes();
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: p receives device memory of `bytes` bytes.
+            check(unsafe { (sym.mem_alloc)(&mut p, bytes) }, "ncclMemAlloc").map_err(|e| self.fail(name, e))?;
+            let mut w: WindowT = std::ptr::null_mut();
+            // SAFETY: p is NCCL's memory of `bytes` bytes; every rank registers
+            // its buffers in the same order (a collective call).
+            if let Err(e) = check(unsafe { (sym.register)(self.comm, p, bytes, &mut w, WIN_COLL_SYMMETRIC) }, "ncclCommWindowRegister") {
+                // SAFETY: p came from ncclMemAlloc and nothing else holds it.
+                unsafe { (sym.mem_free)(p) };
+                return Err(self.fail(name, e));
+            }
+            self.windows.push((p, w));
+            // SAFETY: `numel` elements of `kind` at p on this rank's device,
+            // alive until this communicator is dropped (see the trait).
+            let t = unsafe { Tensor::f_from_blob(p as *const u8, &[numel], &[1], kind, self.device) }.map_err(|e| self.fail(name, e))?;
+            let _ = tch::no_grad(|| t.shallow_clone().zero_());
+            Ok(Some(t))
+        }
+
         /// All-reduces `ts` in place with `red` as one NCCL group on the side
         /// stream (see [`NcclComm::on_side`]).
         fn side_all_reduce(&mut self, ts: &[Tensor], red: c_int) -> Result<(), CommError> {
@@ -1261,10 +1367,7 @@ pub mod nccl {
             self.on_side(Op::AllReduce, bytes, name, |l, comm, side| {
                 // SAFETY: NCCL's group calls take no arguments; every call in
                 // between is queued and issued at ncclGroupEnd.
-                let code = unsafe { (l.group_start)() };
-                if code != 0 {
-                    return code;
-                }
+                check(unsafe { (l.group_start)() }, name)?;
                 let mut issued = 0;
                 for (t, &dt) in ts.iter().zip(&types) {
                     let (p, count) = (t.data_ptr(), t.numel());
@@ -1278,11 +1381,7 @@ pub mod nccl {
                 }
                 // SAFETY: closes the group opened above, also after a failed call.
                 let ended = unsafe { (l.group_end)() };
-                if issued != 0 {
-                    issued
-                } else {
-                    ended
-                }
+                check(if issued != 0 { issued } else { ended }, name)
             })
         }
 
@@ -1294,7 +1393,7 @@ pub mod nccl {
             op: Op,
             bytes: u64,
             name: &'static str,
-            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> c_int,
+            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> anyhow::Result<()>,
         ) -> Result<(), CommError> {
             self.on_side_after(op, bytes, name, true, issue)
         }
@@ -1308,7 +1407,7 @@ pub mod nccl {
             bytes: u64,
             name: &'static str,
             wait: bool,
-            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> c_int,
+            issue: impl FnOnce(&Lib, CommT, *mut c_void) -> anyhow::Result<()>,
         ) -> Result<(), CommError> {
             let side = match self.side {
                 Some(s) => s,
@@ -1335,7 +1434,7 @@ pub mod nccl {
                 self.spare.push(ready);
             }
             let start = self.mark(side, name)?;
-            check(issue(l, self.comm, side as *mut c_void), name).map_err(|e| self.fail(name, e))?;
+            issue(l, self.comm, side as *mut c_void).map_err(|e| self.fail(name, e))?;
             let end = self.mark(side, name)?;
             self.pending.push((op, bytes, start, None, end));
             self.stats.count(op, bytes, self.n);
@@ -1398,35 +1497,24 @@ pub mod nccl {
                 return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
             }
             let (sp, rp) = (t.data_ptr(), out.data_ptr());
-            // SAFETY: n x `count` elements read from t and `count` written to
-            // out, live device buffers of that type that the caller keeps
-            // until after `wait_async`, on our side stream.
-            self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| unsafe {
-                (l.reduce_scatter)(sp, rp, count, dt, RED_AVG, comm, side)
+            self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| {
+                // SAFETY: n x `count` elements read from t and `count`
+                // written to out, live device buffers of that type that the
+                // caller keeps until after `wait_async`, on our side stream.
+                check(unsafe { (l.reduce_scatter)(sp, rp, count, dt, RED_AVG, comm, side) }, name)
             })
         }
         fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
-            let name = "symmetric_zeros";
+            self.symmetric_alloc(numel, kind, "symmetric_zeros")
+        }
+        fn symmetric_scratch(&mut self, numel: i64, kind: Kind) -> Result<bool, CommError> {
+            let name = "symmetric_scratch";
             let l = lib().map_err(|e| self.fail(name, e))?;
-            let (Some(sym), tch::Device::Cuda(_)) = (&l.symmetric, self.device) else { return Ok(None) };
-            let bytes = numel.max(1) as usize * kind.elt_size_in_bytes();
-            let mut p: *mut c_void = std::ptr::null_mut();
-            // SAFETY: p receives device memory of `bytes` bytes.
-            check(unsafe { (sym.mem_alloc)(&mut p, bytes) }, "ncclMemAlloc").map_err(|e| self.fail(name, e))?;
-            let mut w: WindowT = std::ptr::null_mut();
-            // SAFETY: p is NCCL's memory of `bytes` bytes; every rank registers
-            // its buffers in the same order (a collective call).
-            if let Err(e) = check(unsafe { (sym.register)(self.comm, p, bytes, &mut w, WIN_COLL_SYMMETRIC) }, "ncclCommWindowRegister") {
-                // SAFETY: p came from ncclMemAlloc and nothing else holds it.
-                unsafe { (sym.mem_free)(p) };
-                return Err(self.fail(name, e));
+            if l.all_to_all.is_none() || kind != Kind::Float || crate::kernels::mean_chunks_unavailable().is_some() {
+                return Ok(false);
             }
-            self.windows.push((p, w));
-            // SAFETY: `numel` elements of `kind` at p on this rank's device,
-            // alive until this communicator is dropped (see the trait).
-            let t = unsafe { Tensor::f_from_blob(p as *const u8, &[numel], &[1], kind, self.device) }.map_err(|e| self.fail(name, e))?;
-            let _ = tch::no_grad(|| t.shallow_clone().zero_());
-            Ok(Some(t))
+            self.scratch = self.symmetric_alloc(numel, kind, name)?;
+            Ok(self.scratch.is_some())
         }
         fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
             let dt = self.dtype_of(t, "all_reduce")?;
@@ -1435,20 +1523,57 @@ pub mod nccl {
             // SAFETY: this rank's chunk lies inside t (rank < n).
             let mine = unsafe { (base as *mut u8).add(self.rank * count * t.kind().elt_size_in_bytes()) } as *mut c_void;
             let bytes = nbytes(t);
-            // SAFETY: in place in t (NCCL's in-place reduce-scatter and
-            // all-gather: the chunk at this rank's offset), live device
-            // memory that the caller keeps until after `wait_async`, on our
-            // side stream, the gather queued behind the scatter.
-            self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| unsafe {
-                (l.reduce_scatter)(base, mine, count, dt, RED_AVG, comm, side)
+            let received = self.scratch.as_ref().filter(|r| r.numel() >= t.numel() && t.kind() == Kind::Float);
+            if let Some(received) = received.map(|r| r.narrow(0, 0, t.numel() as i64)) {
+                // The reduce-scatter off the SMs but for the averaging: each
+                // rank's copy of each chunk goes to that chunk's rank (copy
+                // engines). The bucket before is gathered first (its
+                // gather's wait for the compute stream covers this bucket's
+                // gradients too); this one's gather waits for the next
+                // bucket or for `wait_async` (see `finish_deferred`).
+                let waited = self.finish_deferred()?;
+                let rp = received.data_ptr();
+                self.on_side_after(Op::ReduceScatter, bytes, "reduce_scatter", !waited, |l, comm, side| {
+                    let all_to_all = l.all_to_all.ok_or_else(|| anyhow::anyhow!("NCCL lacks ncclAlltoAll"))?;
+                    // SAFETY: `count` elements to each rank from t (n x
+                    // count) into the scratch buffer (at least n x count),
+                    // both windows at offset 0 on every rank, live device
+                    // memory kept until after `wait_async`, on our side stream.
+                    check(unsafe { all_to_all(base, rp, count, dt, comm, side) }, "ncclAlltoAll")
+                })?;
+                // The average, on a stream of its own at the greatest
+                // priority: its blocks take SMs as the backward pass's
+                // kernels free them, and nothing waits for it but the
+                // gather (and the next all-to-all, which reuses `received`).
+                let side = self.side.ok_or_else(|| self.fail("reduce_scatter", "no side stream after the all-to-all"))?;
+                let arrived = self.mark(side, "reduce_scatter")?;
+                let averaging = self.averaging_stream()?;
+                // SAFETY: `averaging` is our live stream; `arrived` a live event.
+                unsafe { arrived.wait_on(averaging) }.map_err(|e| self.fail("reduce_scatter", e))?;
+                self.spare.push(arrived);
+                let out = t.narrow(0, (self.rank * count) as i64, count as i64);
+                crate::kernels::mean_chunks_on(averaging as *mut c_void, &received, &out, self.n)
+                    .map_err(|e| self.fail("reduce_scatter", e))?;
+                let averaged = self.mark(averaging, "reduce_scatter")?;
+                self.deferred = Some(Deferred { averaged, base, mine, count, dt, bytes });
+                return Ok(());
+            }
+            self.finish_deferred()?;
+            self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| {
+                // SAFETY: in place in t (NCCL's in-place reduce-scatter and
+                // all-gather: the chunk at this rank's offset), live device
+                // memory that the caller keeps until after `wait_async`, on
+                // our side stream, the gather queued behind the scatter.
+                check(unsafe { (l.reduce_scatter)(base, mine, count, dt, RED_AVG, comm, side) }, "reduce_scatter")
             })?;
-            // SAFETY: as above: this rank's chunk gathered into t, in place,
-            // queued on the side stream behind the reduce-scatter.
-            self.on_side_after(Op::AllGather, bytes, "all_gather", false, |l, comm, side| unsafe {
-                (l.all_gather)(mine, base, count, dt, comm, side)
+            self.on_side_after(Op::AllGather, bytes, "all_gather", false, |l, comm, side| {
+                // SAFETY: as above: this rank's chunk gathered into t, in
+                // place, queued on the side stream behind the reduce-scatter.
+                check(unsafe { (l.all_gather)(mine, base, count, dt, comm, side) }, "all_gather")
             })
         }
         fn wait_async(&mut self) -> Result<(), CommError> {
+            self.finish_deferred()?;
             if let (Some(side), true) = (self.side, self.side_busy) {
                 // SAFETY: `side` is our live stream; null is the legacy stream.
                 let done = Event::new().and_then(|e| unsafe { e.record_on(side) }.map(|_| e)).map_err(|e| self.fail("all_reduce", e))?;
@@ -1571,7 +1696,7 @@ pub mod nccl {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };
             }
-            if let Some(s) = self.side.take() {
+            for s in [self.side.take(), self.averaging.take()].into_iter().flatten() {
                 // SAFETY: our stream, destroyed once; work on it completes first.
                 let _ = unsafe { cudarc::driver::result::stream::destroy(s) };
             }

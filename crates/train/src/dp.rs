@@ -445,6 +445,20 @@ impl DataParallel {
         Ok(true)
     }
 
+    /// `HARNESS_CE_REDUCE`: after [`DataParallel::use_symmetric_buffers`],
+    /// a receive buffer as large as the largest bucket, so that each
+    /// bucket's reduce-scatter runs as an all-to-all on the copy engines
+    /// and an averaging kernel (see [`Collective::symmetric_scratch`]).
+    /// Every rank calls it. Returns whether it applies.
+    pub fn use_copy_engine_reduce(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+        let split = self.overlap.as_ref().is_some_and(|o| o.state.lock().unwrap_or_else(|e| e.into_inner()).split);
+        let Some(largest) = self.buckets.iter().max_by_key(|b| b.padded).filter(|_| split) else { return Ok(false) };
+        if self.buckets.iter().any(|b| b.kind != largest.kind) {
+            return Ok(false);
+        }
+        Ok(comm.symmetric_scratch(largest.padded, largest.kind)?)
+    }
+
     /// Averages the gradients in `kind` (the strategy's `reduce_dtype`),
     /// which only the overlapped average of autograd's own gradients does:
     /// an error where it is off with more than one rank (one rank reduces
@@ -1229,6 +1243,9 @@ mod tests {
                 if split {
                     assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap());
                 }
+                // HARNESS_CE_REDUCE needs the split buffers and an all-to-all
+                // on copy engines, which thread ranks lack: it stays off.
+                assert!(!dp.use_copy_engine_reduce(comm).unwrap());
                 let padded: Vec<i64> = dp.buckets.iter().map(|b| b.padded).collect();
                 let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
                 let s = comm.stats();

@@ -114,23 +114,12 @@ unsafe impl Sync for Loaded {}
 pub(super) fn loaded() -> Result<&'static Loaded, String> {
     static K: OnceLock<Result<Loaded, String>> = OnceLock::new();
     K.get_or_init(|| {
-        let mut dev = 0;
-        // SAFETY: libtorch has initialised CUDA on this thread (a tensor is
-        // on the device before the first launch); this reads the device.
-        unsafe { sys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
-        // SAFETY: dev is the current context's device; this reads one of
-        // its attributes.
-        let cap = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"));
+        let dev = current_device()?;
+        let cap = |a| attribute(dev, a);
         let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let image = CString::new(compile(major, minor)?).map_err(|e| e.to_string())?;
-        // SAFETY: image is NUL-terminated PTX text; the module lives for the
-        // process (kept in the static).
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))?;
-        let get = |name: &str| {
-            // SAFETY: module is loaded; the name is NUL-terminated.
-            unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
-        };
+        let module = load(&compile(major, minor)?)?;
+        let get = |name: &str| function(module, name);
         // Every kernel but the cross-entropy and the clock's starts with
         // PDL_WAIT.
         let waiting = |name: &str| get(name).map(|f| Kernel { f, waits: true });
@@ -206,6 +195,72 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
     .map_err(Clone::clone)
 }
 
+/// The device of the current context (libtorch has initialised CUDA on
+/// this thread: a tensor is on the device before the first launch).
+fn current_device() -> Result<sys::CUdevice, String> {
+    let mut dev = 0;
+    // SAFETY: this reads the current context's device into dev.
+    unsafe { sys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
+    Ok(dev)
+}
+
+/// One attribute of device `dev`.
+fn attribute(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32, String> {
+    // SAFETY: dev is a device of this process; this reads one attribute.
+    unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("{e:?}"))
+}
+
+/// A module loaded from PTX text, kept for the process (the callers keep
+/// it in a static).
+fn load(ptx: &str) -> Result<sys::CUmodule, String> {
+    let image = CString::new(ptx).map_err(|e| e.to_string())?;
+    // SAFETY: image is NUL-terminated PTX text.
+    unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("{e:?}"))
+}
+
+/// The function `name` of a loaded module.
+fn function(module: sys::CUmodule, name: &str) -> Result<sys::CUfunction, String> {
+    // SAFETY: module is loaded; the name is NUL-terminated.
+    unsafe { result::module::get_function(module, CString::new(name).expect("no NUL")) }.map_err(|e| format!("{name}: {e:?}"))
+}
+
+/// The collectives' kernels (`cuda/comm.cu`): a program of their own,
+/// compiled and loaded on first use, so that the training kernels' program
+/// (whose PTX moves with any edit of its text, see [`SOURCE`]) stays as it is.
+pub(super) struct CommKernels {
+    _module: sys::CUmodule,
+    pub(super) mean_chunks_f32: Kernel,
+    /// Streaming multiprocessors of the device (grid sizes).
+    pub(super) sms: u32,
+}
+
+// SAFETY: as for Loaded: driver handles, only used for launches.
+unsafe impl Send for CommKernels {}
+// SAFETY: as for Send; nothing changes after loading.
+unsafe impl Sync for CommKernels {}
+
+/// The collectives' kernels, or why they cannot be used.
+pub(super) fn comm_loaded() -> Result<&'static CommKernels, String> {
+    static K: OnceLock<Result<CommKernels, String>> = OnceLock::new();
+    K.get_or_init(|| {
+        let dev = current_device()?;
+        let cap = |a| attribute(dev, a);
+        let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let module = load(&compile_program(COMM_SOURCE, major, minor, Vec::new())?)?;
+        Ok(CommKernels {
+            _module: module,
+            mean_chunks_f32: Kernel { f: function(module, "mean_chunks_f32")?, waits: false },
+            sms: cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// The collectives' program (see [`CommKernels`]).
+pub(super) const COMM_SOURCE: &str = include_str!("../../cuda/comm.cu");
+
 /// The loaded module, or an error saying that the `what` kernels are
 /// unavailable and why.
 pub(super) fn require(what: &str) -> anyhow::Result<&'static Loaded> {
@@ -214,10 +269,15 @@ pub(super) fn require(what: &str) -> anyhow::Result<&'static Loaded> {
 
 /// Compiles the kernels to PTX for a compute capability (NVRTC needs no GPU).
 pub(super) fn compile(major: i32, minor: i32) -> Result<String, String> {
-    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
     let options = vec![format!("-DADAM_MAX={ADAM_MAX}"), format!("-DADAM_CHUNK={ADAM_CHUNK}"), format!("-DCAST_CHUNK={CAST_CHUNK}")];
+    compile_program(SOURCE, major, minor, options)
+}
+
+/// Compiles `source` to PTX for a compute capability, with NVRTC `options`.
+pub(super) fn compile_program(source: &'static str, major: i32, minor: i32, options: Vec<String>) -> Result<String, String> {
+    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
     let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
-    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts))
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts))
         .map_err(|_| "libnvrtc could not be loaded".to_owned())?
         .map_err(|e| format!("NVRTC: {e:?}"))?;
     Ok(ptx.to_src())
@@ -339,8 +399,18 @@ pub(super) use params;
 /// within what it may take (the default limit, or what it was allowed at
 /// load).
 pub(super) unsafe fn launch(kernel: Kernel, grid: Grid, params: &mut [Param]) -> anyhow::Result<()> {
+    // SAFETY: per this function's contract, on libtorch's stream.
+    unsafe { launch_on(stream()?, kernel, grid, params) }
+}
+
+/// [`launch`] on `stream` instead of libtorch's current stream.
+///
+/// # Safety
+/// As for [`launch`], with `stream` for libtorch's stream: a live stream of
+/// the current context, which orders the kernel after the work that
+/// produces its inputs and keeps its pointers valid until it has run.
+pub(super) unsafe fn launch_on(stream: sys::CUstream, kernel: Kernel, grid: Grid, params: &mut [Param]) -> anyhow::Result<()> {
     let mut args: Vec<*mut c_void> = params.iter_mut().map(Param::addr).collect();
-    let stream = stream()?;
     if !(kernel.waits && dependent_launches()) {
         // SAFETY: per the function's contract; each argument points into
         // `params`, alive for the duration of the call.

@@ -140,6 +140,7 @@ impl Training {
         let local_allowed = switches.local_grads && !(switches.ce_gather && world > 1);
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         let symmetric = switches.ce_gather && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
+        let ce_reduce = switches.ce_reduce && symmetric && dp.use_copy_engine_reduce(comm)?;
         // The strategy's `reduce_dtype`: the average in bf16.
         if ctx.entry.strategy.reduce_dtype == crate::suite::ReduceDtype::Bf16 {
             dp.reduce_in(Kind::BFloat16)?;
@@ -163,6 +164,13 @@ impl Training {
             warnings.push(
                 "HARNESS_CE_GATHER=1: the gradients stay in plain flat buffers, all-reduced (it needs the overlapped built-in \
                  all-reduce without ZeRO, and NCCL 2.27 or later with symmetric memory)"
+                    .to_owned(),
+            );
+        }
+        if switches.ce_reduce && world > 1 && !ce_reduce {
+            warnings.push(
+                "HARNESS_CE_REDUCE=1: the reduce-scatter stays on the SMs (it needs HARNESS_CE_GATHER=1 in effect, fp32 \
+                 gradients, NCCL 2.28 or later with ncclAlltoAll, and harness's CUDA kernels)"
                     .to_owned(),
             );
         }
