@@ -114,10 +114,8 @@ unsafe impl Sync for Loaded {}
 pub(super) fn loaded() -> Result<&'static Loaded, String> {
     static K: OnceLock<Result<Loaded, String>> = OnceLock::new();
     K.get_or_init(|| {
-        let dev = current_device()?;
+        let (dev, major, minor) = current_device()?;
         let cap = |a| attribute(dev, a);
-        let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let module = load(&compile(major, minor)?)?;
         let get = |name: &str| function(module, name);
         // Every kernel but the cross-entropy and the clock's starts with
@@ -196,12 +194,15 @@ pub(super) fn loaded() -> Result<&'static Loaded, String> {
 }
 
 /// The device of the current context (libtorch has initialised CUDA on
-/// this thread: a tensor is on the device before the first launch).
-fn current_device() -> Result<sys::CUdevice, String> {
+/// this thread: a tensor is on the device before the first launch), and
+/// its compute capability (major, minor).
+fn current_device() -> Result<(sys::CUdevice, i32, i32), String> {
     let mut dev = 0;
     // SAFETY: this reads the current context's device into dev.
     unsafe { sys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
-    Ok(dev)
+    let major = attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    Ok((dev, major, minor))
 }
 
 /// One attribute of device `dev`.
@@ -243,15 +244,12 @@ unsafe impl Sync for CommKernels {}
 pub(super) fn comm_loaded() -> Result<&'static CommKernels, String> {
     static K: OnceLock<Result<CommKernels, String>> = OnceLock::new();
     K.get_or_init(|| {
-        let dev = current_device()?;
-        let cap = |a| attribute(dev, a);
-        let major = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let (dev, major, minor) = current_device()?;
         let module = load(&compile_program(COMM_SOURCE, major, minor, Vec::new())?)?;
         Ok(CommKernels {
             _module: module,
             mean_chunks_f32: Kernel { f: function(module, "mean_chunks_f32")?, waits: false },
-            sms: cap(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+            sms: attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         })
     })
     .as_ref()
