@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import compiled, impl_name, measure, run_args, write
+from benchlib import compiled, finish, impl_name, measure, run_args
 
 # layers, width, heads, feed-forward width
 PRESETS = {"claims5": (6, 512, 8, 2048), "tiny": (2, 64, 4, 256)}
@@ -90,7 +90,7 @@ def main():
         **mem,
         "final_loss": loss.item(),
     }
-    write(out, a.json)
+    finish(out, a.json)
 
 
 if __name__ == "__main__":

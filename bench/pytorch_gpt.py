@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
+from benchlib import compiled, finish, impl_name, memory, run_args, timed, warm_up, write
 
 PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
 
@@ -119,9 +119,12 @@ def main():
     if rank != 0:
         torch.distributed.destroy_process_group()
         return
-    write(out, a.json)
     if world > 1:
+        # The other ranks leave the group too: no early exit here.
+        write(out, a.json)
         torch.distributed.destroy_process_group()
+        return
+    finish(out, a.json)
 
 
 if __name__ == "__main__":

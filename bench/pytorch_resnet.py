@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
+from benchlib import compiled, finish, impl_name, memory, run_args, timed, warm_up
 
 DEPTHS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3]}
 
@@ -136,7 +136,7 @@ def main():
         **memory(),
         "final_loss": loss.item(),
     }
-    write(out, a.json)
+    finish(out, a.json)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import compiled, impl_name, memory, run_args, timed, warm_up, write
+from benchlib import compiled, finish, impl_name, memory, run_args, timed, warm_up
 
 # layers per stack, heads, width, feed-forward width
 PRESETS = {"small": (6, 8, 512, 2048), "base": (12, 12, 768, 3072), "large": (24, 16, 1024, 4096)}
@@ -203,7 +203,7 @@ def main():
         **memory(),
         "final_loss": loss.item(),
     }
-    write(out, a.json)
+    finish(out, a.json)
 
 
 if __name__ == "__main__":

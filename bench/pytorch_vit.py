@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchlib import compiled, impl_name, measure, run_args, write
+from benchlib import compiled, finish, impl_name, measure, run_args
 
 # layers, width, heads, MLP width
 PRESETS = {"vit-b16": (12, 768, 12, 3072), "vit-tiny": (2, 64, 4, 256)}
@@ -124,7 +124,7 @@ def main():
         **mem,
         "final_loss": loss.item(),
     }
-    write(out, a.json)
+    finish(out, a.json)
 
 
 if __name__ == "__main__":
