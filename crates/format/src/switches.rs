@@ -276,6 +276,10 @@ switches! {
     /// `HARNESS_TRACE_STEPS` (default 1): steps that `harness run --trace`
     /// records (at least one).
     trace_steps: u64 = 1, "HARNESS_TRACE_STEPS", Operational;
+    /// `HARNESS_TRACE_ALL_RANKS` (default 0): 1 has every rank of a
+    /// data-parallel entry record its trace (rank r > 0 beside rank 0's,
+    /// as `NAME.rank<r>.json`), to compare the ranks' timelines.
+    trace_all_ranks: bool = false, "HARNESS_TRACE_ALL_RANKS", Operational;
     /// `HARNESS_GRAPH_DEBUG` (default 0): 1 prints the CUDA allocator's
     /// figures around a graph's capture (warm-up steps only).
     graph_debug: bool = false, "HARNESS_GRAPH_DEBUG", Operational;

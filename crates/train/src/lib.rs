@@ -275,8 +275,23 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
 /// `harness run --trace`: libtorch's profiler records one step on rank 0,
 /// the first after warm-up (its retries and restores included), and writes
 /// its trace; `HARNESS_TRACE_STEPS=n` records n steps (the gaps between
-/// steps). The device is synchronised before the profiler stops, so the
-/// trace holds the steps' kernels.
+/// steps), `HARNESS_TRACE_ALL_RANKS=1` on every rank ([`rank_trace_file`]).
+/// The device is synchronised before the profiler stops, so the trace holds
+/// the steps' kernels.
+/// Rank `rank`'s trace beside rank 0's `file`: `file` itself for rank 0,
+/// `NAME.rank<r>.EXT` for the others.
+fn rank_trace_file(file: &Path, rank: usize) -> std::path::PathBuf {
+    if rank == 0 {
+        return file.to_path_buf();
+    }
+    let stem = file.file_stem().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let name = match file.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    file.with_file_name(name)
+}
+
 struct StepTrace {
     file: Option<std::path::PathBuf>,
     step: u64,
@@ -288,8 +303,9 @@ struct StepTrace {
 impl StepTrace {
     fn new(ctx: &EntryContext<'_>, rank: usize) -> StepTrace {
         let last = ctx.workload.steps.map_or(u64::MAX, |s| s.saturating_sub(1));
-        let steps = crate::switches::get().trace_steps.max(1);
-        StepTrace { file: ctx.trace.clone().filter(|_| rank == 0), step: ctx.warmup_steps.min(last), left: steps, on: false }
+        let switches = crate::switches::get();
+        let file = ctx.trace.as_deref().filter(|_| rank == 0 || switches.trace_all_ranks).map(|f| rank_trace_file(f, rank));
+        StepTrace { file, step: ctx.warmup_steps.min(last), left: switches.trace_steps.max(1), on: false }
     }
 
     fn before(&mut self, step: u64, device: Device) -> anyhow::Result<()> {
@@ -398,6 +414,14 @@ fn synchronize(device: Device) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn other_ranks_trace_beside_rank_zero() {
+        let f = Path::new("out/trace/gpt-tiny_ddp_r0.json");
+        assert_eq!(rank_trace_file(f, 0), f);
+        assert_eq!(rank_trace_file(f, 3), Path::new("out/trace/gpt-tiny_ddp_r0.rank3.json"));
+        assert_eq!(rank_trace_file(Path::new("t"), 1), Path::new("t.rank1"));
+    }
 
     fn workload(extra: &str) -> Workload {
         let text = format!(
