@@ -9,7 +9,8 @@
 # bench/trace_summary.py breaks down. Prints a table last.
 # Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
-#   VARIANTS (default all): any of one one-buckets ddp flat zero2 no-overlap
+#   VARIANTS (default all): any of one one-gN (1 GPU on GPU N, to see how
+#   the GPUs of the host differ) one-buckets ddp flat zero2 no-overlap
 #   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
@@ -59,6 +60,7 @@ gpus=$(seq -s, 0 $((n - 1)))
 for v in $variants; do
   case "$v" in
     one) suite one 1 auto >/dev/null; run one CUDA_VISIBLE_DEVICES=0 ;;
+    one-g[0-9]*) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
     one-buckets) suite one-buckets 1 auto >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
     ddp) suite ddp "$n" auto >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
     flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
