@@ -376,7 +376,8 @@ pub struct RankRecord {
 
 /// Memory high-water marks. The device figures include what harness holds
 /// beside the caching allocator for the whole entry (the gradient buffers
-/// in NCCL's symmetric memory under `HARNESS_CE_GATHER=1`).
+/// in NCCL's symmetric memory under `HARNESS_CE_GATHER=1`, and the
+/// all-to-all's receive buffer under `HARNESS_CE_REDUCE=1`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct MemoryRecord {
     /// Peak resident set of the process during the entry.

@@ -1320,13 +1320,10 @@ pub mod nccl {
 
         /// The averaging stream (see `averaging`), made on first use.
         fn averaging_stream(&mut self) -> Result<cudarc::driver::sys::CUstream, CommError> {
-            use cudarc::driver::result::stream;
             if let Some(s) = self.averaging {
                 return Ok(s);
             }
-            let s = stream::get_priority_range()
-                .and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
-                .map_err(|e| self.fail("reduce_scatter", e))?;
+            let s = greatest_priority_stream().map_err(|e| self.fail("reduce_scatter", e))?;
             self.averaging = Some(s);
             Ok(s)
         }
@@ -1412,12 +1409,10 @@ pub mod nccl {
             let side = match self.side {
                 Some(s) => s,
                 None => {
-                    use cudarc::driver::result::stream;
                     let s = if harness_format::switches::get().comm_priority {
-                        stream::get_priority_range()
-                            .and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
+                        greatest_priority_stream()
                     } else {
-                        stream::create(stream::StreamKind::NonBlocking)
+                        cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
                     };
                     let s = s.map_err(|e| self.fail(name, e))?;
                     self.side = Some(s);
@@ -1675,6 +1670,12 @@ pub mod nccl {
             }
             self.stats.clear_timings();
         }
+    }
+
+    /// A new non-blocking stream at CUDA's greatest priority.
+    fn greatest_priority_stream() -> Result<cudarc::driver::sys::CUstream, cudarc::driver::DriverError> {
+        use cudarc::driver::result::stream;
+        stream::get_priority_range().and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
     }
 
     impl Drop for NcclComm {

@@ -287,6 +287,8 @@ pub struct DataParallel {
     segments: Vec<Segment>,
     /// Autograd's own gradients, no buffers ([`DataParallel::use_local_grads`]).
     local: bool,
+    /// Bytes of the all-to-all's receive buffer ([`DataParallel::use_copy_engine_reduce`]).
+    scratch_bytes: u64,
 }
 
 /// Whether a parameter gets weight decay: matrices and embeddings, not biases
@@ -339,6 +341,7 @@ impl DataParallel {
             buckets,
             segments: Vec::new(),
             local: false,
+            scratch_bytes: 0,
         };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
@@ -451,12 +454,22 @@ impl DataParallel {
     /// and an averaging kernel (see [`Collective::symmetric_scratch`]).
     /// Every rank calls it. Returns whether it applies.
     pub fn use_copy_engine_reduce(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
-        let split = self.overlap.as_ref().is_some_and(|o| o.state.lock().unwrap_or_else(|e| e.into_inner()).split);
-        let Some(largest) = self.buckets.iter().max_by_key(|b| b.padded).filter(|_| split) else { return Ok(false) };
+        let Some(largest) = self.buckets.iter().max_by_key(|b| b.padded).filter(|_| self.split_buffers()) else { return Ok(false) };
         if self.buckets.iter().any(|b| b.kind != largest.kind) {
             return Ok(false);
         }
-        Ok(comm.symmetric_scratch(largest.padded, largest.kind)?)
+        let (numel, kind) = (largest.padded, largest.kind);
+        let applies = comm.symmetric_scratch(numel, kind)?;
+        if applies {
+            self.scratch_bytes = numel as u64 * kind.elt_size_in_bytes() as u64;
+        }
+        Ok(applies)
+    }
+
+    /// Whether the flat buffers are the collective's symmetric memory
+    /// ([`DataParallel::use_symmetric_buffers`]).
+    fn split_buffers(&self) -> bool {
+        self.overlap.as_ref().is_some_and(|o| o.state.lock().unwrap_or_else(|e| e.into_inner()).split)
     }
 
     /// Averages the gradients in `kind` (the strategy's `reduce_dtype`),
@@ -864,14 +877,15 @@ impl DataParallel {
 
     /// Bytes of device memory this state holds outside libtorch's caching
     /// allocator, which its peaks leave out: the symmetric gradient
-    /// buffers of [`DataParallel::use_symmetric_buffers`], held for the
+    /// buffers of [`DataParallel::use_symmetric_buffers`] and the receive
+    /// buffer of [`DataParallel::use_copy_engine_reduce`], held for the
     /// whole run.
     pub fn outside_allocator_bytes(&self) -> u64 {
-        let split = self.overlap.as_ref().is_some_and(|o| o.state.lock().unwrap_or_else(|e| e.into_inner()).split);
-        if !split {
+        if !self.split_buffers() {
             return 0;
         }
-        self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| torch_ext::nbytes(&g.0))).sum()
+        let buffers: u64 = self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| torch_ext::nbytes(&g.0))).sum();
+        buffers + self.scratch_bytes
     }
 
     /// Bytes of each bucket's gradients (padding excluded).
