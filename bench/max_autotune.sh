@@ -17,6 +17,9 @@
 # MODELS="t5" (or "resnet") runs one model only; T5_GPUS (default 0,1,2) and
 # RN_GPU (default 3) choose the GPUs; harness runs on the first of T5_GPUS
 # for T5 and on RN_GPU for ResNet-50, the GPUs the PyTorch runs time on.
+# On a one-GPU machine (MODELS=t5 T5_GPUS=0) run `tune` twice: a run ended
+# by its limit leaves the shapes it autotuned in inductor's local cache, and
+# the next one starts from them (T5-large on an H100: 20 shapes, then 7).
 #
 # Where the autotuning runs changes how long compiling takes, not the kernels
 # chosen: every choice is still timed on an idle GPU of the same kind. Only the
