@@ -21,7 +21,8 @@
 #   copy engines) ce-bN, split (the same reduce-scatter and all-gather with
 #   NCCL_CTA_POLICY=0, both on SMs) cer (ce and HARNESS_CE_REDUCE=1: the
 #   reduce-scatter as an all-to-all on the copy engines and an averaging
-#   kernel) cer-bN trace-ce trace-cer ctasN
+#   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z (flat, ce, cer with
+#   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
@@ -68,6 +69,9 @@ for v in $variants; do
     ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     cer) suite cer "$n" auto >/dev/null; run cer CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+    flat-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
+    ce-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
+    cer-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
     cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     split) suite split "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run split CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite zero2 "$n" auto zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
@@ -122,7 +126,7 @@ def entries(v):
     except Exception:
         return []
 one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
-print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9}")
+print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9} {'unzeroed':>8}")
 for v in variants:
     for e in entries(v):
         m = e.get("metrics")
@@ -134,5 +138,6 @@ for v in variants:
         sc = f"{m['tokens_per_s'] / (w * one):.3f}" if one and w > 1 else ""
         peak = (m.get("memory") or {}).get("peak_device_allocated_bytes", 0) / 2**30
         ev = m.get("final_eval_loss") or float("nan")
-        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f}")
+        unz = f"{m.get('unzeroed_buckets') or 0}/{len(m.get('bucket_bytes') or [])}" if w > 1 else ""
+        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f} {unz:>8}")
 PY

@@ -256,6 +256,11 @@ pub struct Metrics {
     /// Size in bytes of each gradient bucket reduced per step (world > 1).
     #[serde(default)]
     pub bucket_bytes: Vec<u64>,
+    /// How many of those buckets the last step left unzeroed at its start,
+    /// the layers writing their gradients over the stale buffers
+    /// (`HARNESS_UNZEROED_GRADS`); absent when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unzeroed_buckets: Option<u32>,
     /// All-reduce bus bandwidth, GB/s (nccl-tests: bytes / time x 2(n-1)/n).
     #[serde(default)]
     pub busbw_gbs: Option<f64>,

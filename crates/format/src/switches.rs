@@ -255,6 +255,14 @@ switches! {
     /// engines under the zero CTA policy) and one kernel averages this
     /// rank's chunk; fp32 buckets only.
     ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
+    /// `HARNESS_UNZEROED_GRADS` (default 1): where several ranks keep flat
+    /// gradient buffers with the overlapped average (`HARNESS_LOCAL_GRADS=0`
+    /// or `HARNESS_CE_GATHER=1`, no ZeRO), a step's start leaves a bucket's
+    /// buffer unzeroed when the fused layers write all its gradients
+    /// themselves: the step's first write to each writes over it (a weight
+    /// gradient's matmul with beta = 0), the same values as adding into
+    /// zeros; 0 zeroes every buffer at each step's start.
+    unzeroed_grads: bool = true, "HARNESS_UNZEROED_GRADS", Recorded;
     /// `HARNESS_CUDA_GRAPH` (default unset): overrides the workloads'
     /// `cuda_graph`; 1 replays the step as a CUDA graph where it qualifies,
     /// 0 runs every step eagerly, unset leaves it to the suite.

@@ -333,6 +333,22 @@ char *hx_set_grad_ready_hook(tensor param, void (*cb)(void *, int64_t), void *ct
   })
 }
 
+// Calls cb(ctx, idx) each time a backward pass hands autograd a gradient for
+// the leaf `param`, before autograd accumulates it (a tensor hook, as
+// PyTorch's register_hook); a layer that adds into the parameter's gradient
+// itself hands none, and the hook stays silent. *handle: the hook's number,
+// for hx_remove_hook.
+char *hx_set_grad_arrival_hook(tensor param, void (*cb)(void *, int64_t), void *ctx, int64_t idx, int64_t *handle) {
+  HX_TRY({
+    *handle = static_cast<int64_t>(param->register_hook([cb, ctx, idx](const at::Tensor &g) {
+      if (g.defined()) cb(ctx, idx);
+    }));
+  })
+}
+
+// Removes the tensor hook numbered `handle` from `param`.
+char *hx_remove_hook(tensor param, int64_t handle) { HX_TRY(param->remove_hook(static_cast<unsigned>(handle))) }
+
 }  // extern "C"
 
 // The state of libtorch's default generator of a device (device < 0: the CPU

@@ -1,5 +1,5 @@
 // g_k[c] += sum over b of part[b, k, c] for part [B, K, C] (fp32, K <= 3),
-// or g_k[c] = that sum (assign != 0): the per-block partial sums of the
+// or g_k[c] = that sum where bit k of `assign` is set: the per-block partial sums of the
 // backward kernels above, reduced and added into the parameters' gradient
 // buffers (any alignment), or written as new gradients, in one launch.
 // Block (32, 32): 32 columns, 32 row strides; grid (C / 32, K). The order
@@ -20,6 +20,6 @@ extern "C" __global__ void add_partials(const float* __restrict__ part, float* g
     #pragma unroll
     for (int j = 1; j < 32; j++) s += sh[j][threadIdx.x];
     float* g = k == 0 ? g0 : (k == 1 ? g1 : g2);
-    g[c] = assign ? s : g[c] + s;
+    g[c] = ((assign >> k) & 1) ? s : g[c] + s;
   }
 }

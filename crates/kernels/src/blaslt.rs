@@ -696,20 +696,22 @@ pub fn weight_grad(dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
 /// `into += dy^T x` (fp32 `[o, k]`, contiguous, 16-byte aligned): the
 /// weight's gradient added into a gradient buffer by the matmul itself (its
 /// epilogue reads `into`), the same sums as [`weight_grad`] followed by an
-/// fp32 add, without the temporary or the pass of the add.
-pub fn weight_grad_add(dy: &Tensor, x: &Tensor, into: &Tensor) -> anyhow::Result<()> {
+/// fp32 add, without the temporary or the pass of the add. With `add`
+/// false, `into = dy^T x` (beta = 0: `into`'s old contents are not read,
+/// for a buffer's first gradient of a step).
+pub fn weight_grad_into(dy: &Tensor, x: &Tensor, into: &Tensor, add: bool) -> anyhow::Result<()> {
     check_bf16(&[dy, x])?;
     let ((n, o), (n1, k)) = (dy.size2()?, x.size2()?);
-    anyhow::ensure!(n == n1, "weight_grad_add: dy [{n}, {o}], x [{n1}, {k}]");
+    anyhow::ensure!(n == n1, "weight_grad_into: dy [{n}, {o}], x [{n1}, {k}]");
     anyhow::ensure!(
         into.kind() == Kind::Float
             && into.size() == [o, k]
             && into.device() == dy.device()
             && into.is_contiguous()
             && (into.data_ptr() as usize) % 16 == 0,
-        "weight_grad_add: the gradient must be a contiguous, 16-byte aligned fp32 [{o}, {k}] tensor on the operands' device"
+        "weight_grad_into: the gradient must be a contiguous, 16-byte aligned fp32 [{o}, {k}] tensor on the operands' device"
     );
-    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, into, None, None, true)
+    run(weight_grad_problem(n as u64, o as u64, k as u64), x, dy, into, None, None, add)
 }
 
 #[cfg(test)]

@@ -726,7 +726,7 @@ impl Partials {
         let (_, n, c) = self.0.size3()?;
         let out = Tensor::empty([n, c], (Kind::Float, self.0.device()));
         let rows: Vec<Tensor> = (0..n).map(|i| out.get(i)).collect();
-        self.reduce(&rows.iter().collect::<Vec<_>>(), true)?;
+        self.reduce(&rows.iter().collect::<Vec<_>>(), &[true; 3])?;
         Ok(out)
     }
 
@@ -735,11 +735,19 @@ impl Partials {
     /// parameter's gradient buffer), every one in one launch, where libtorch
     /// takes a reduction (with a memset) and an add per vector.
     pub fn add_into(&self, into: &[&Tensor]) -> anyhow::Result<()> {
-        self.reduce(into, false)
+        self.reduce(into, &[])
     }
 
-    /// The sums added into `into` (`assign`: written there).
-    fn reduce(&self, into: &[&Tensor], assign: bool) -> anyhow::Result<()> {
+    /// As [`Partials::add_into`], but the `i`-th sum is written over
+    /// `into[i]` where `write[i]` (a gradient buffer whose contents are
+    /// stale: the step's first write to it), added where not.
+    pub fn store_into(&self, into: &[&Tensor], write: &[bool]) -> anyhow::Result<()> {
+        self.reduce(into, write)
+    }
+
+    /// The sums added into `into`, or written there where `assign` says so
+    /// (missing entries: added).
+    fn reduce(&self, into: &[&Tensor], assign: &[bool]) -> anyhow::Result<()> {
         let k = require("fused")?;
         let (blocks, n, c) = self.0.size3()?;
         anyhow::ensure!(into.len() <= n as usize && (1..=3).contains(&into.len()), "{n} partial sums for {} gradients", into.len());
@@ -753,12 +761,13 @@ impl Partials {
         // One row of blocks per gradient (the first `into.len()` sums).
         let grid = Grid::new(((c32 as u32).div_ceil(32), into.len() as u32, 1), (32, 32, 1));
         let g = |i: usize| into.get(i).copied();
+        let mask = assign.iter().take(3).enumerate().fold(0i32, |m, (i, &w)| m | (i32::from(w) << i));
         // SAFETY: the arguments follow add_partials' signature: the partial
         // sums [blocks, k, c] (contiguous, fresh from empty()), the checked
         // fp32 [c] gradients (null beyond `into`, never read), then B, K, C
-        // and the flag; all outlive the call, which goes to libtorch's
+        // and the bits of the gradients to write; all outlive the call, which goes to libtorch's
         // current stream, as the kernel that wrote the sums did.
-        unsafe { launch(k.add_partials, grid, params![&self.0, g(0), g(1), g(2), b32, k32, c32, i32::from(assign)])? };
+        unsafe { launch(k.add_partials, grid, params![&self.0, g(0), g(1), g(2), b32, k32, c32, mask])? };
         Ok(())
     }
 }
@@ -1208,6 +1217,16 @@ mod tests {
             for (i, (g, w)) in gs.iter().zip(&want).enumerate() {
                 let err = (g - w).abs().max().double_value(&[]);
                 assert!(err < 1e-4, "[{b}, {k}, {c}], gradient {i}: max error {err}");
+            }
+            // The first gradient written over a stale (NaN) buffer, the
+            // others added, in the same launch.
+            let stale: Vec<Tensor> =
+                (0..k).map(|i| if i == 0 { Tensor::full([c], f64::NAN, (Kind::Float, dev)) } else { gs[i as usize].copy() }).collect();
+            part.store_into(&stale.iter().collect::<Vec<_>>(), &[true, false, false]).unwrap();
+            for (i, g) in stale.iter().enumerate() {
+                let want = if i == 0 { sums.get(0) } else { &gs[i] + sums.get(i as i64) };
+                let err = (g - &want).abs().max().double_value(&[]);
+                assert!(err < 1e-4, "[{b}, {k}, {c}], gradient {i} stored: max error {err}");
             }
         }
     }

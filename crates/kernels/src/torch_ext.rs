@@ -103,6 +103,8 @@ mod ffi {
             n_out: *mut c_int,
         ) -> *mut c_char;
         pub fn hx_set_grad_ready_hook(param: *mut c_void, cb: Option<GradReady>, ctx: *mut c_void, idx: i64) -> *mut c_char;
+        pub fn hx_set_grad_arrival_hook(param: *mut c_void, cb: GradReady, ctx: *mut c_void, idx: i64, handle: *mut i64) -> *mut c_char;
+        pub fn hx_remove_hook(param: *mut c_void, handle: i64) -> *mut c_char;
         pub fn hx_rand_seeded(
             kind: c_int,
             sizes: *const i64,
@@ -616,6 +618,28 @@ pub unsafe fn set_grad_ready_hook(param: &Tensor, cb: Option<GradReady>, ctx: *m
     check(unsafe { ffi::hx_set_grad_ready_hook(param.as_ptr() as *mut c_void, cb, ctx, idx) })
 }
 
+/// Sets a hook on a leaf parameter that runs `cb(ctx, idx)` on the autograd
+/// engine's thread each time a backward pass hands autograd a gradient for
+/// it, before autograd accumulates that gradient into `.grad`. A layer that
+/// adds into the gradient buffer itself and hands autograd none leaves the
+/// hook silent. Returns the hook's handle for [`remove_hook`].
+///
+/// # Safety
+/// `ctx` must stay valid, and `cb` safe to call from another thread, until
+/// the hook is removed.
+pub unsafe fn set_grad_arrival_hook(param: &Tensor, cb: GradReady, ctx: *mut c_void, idx: i64) -> Result<i64, TorchError> {
+    let mut handle = 0i64;
+    // SAFETY: param is a live tensor and handle outlives the call; the caller keeps ctx valid.
+    check(unsafe { ffi::hx_set_grad_arrival_hook(param.as_ptr() as *mut c_void, cb, ctx, idx, &mut handle) })?;
+    Ok(handle)
+}
+
+/// Removes the hook [`set_grad_arrival_hook`] returned `handle` for.
+pub fn remove_hook(param: &Tensor, handle: i64) -> Result<(), TorchError> {
+    // SAFETY: param is a live tensor.
+    check(unsafe { ffi::hx_remove_hook(param.as_ptr() as *mut c_void, handle) })
+}
+
 /// What [`rand_seeded`] draws.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RandKind {
@@ -1017,6 +1041,33 @@ mod tests {
         }
         (&a * 2.0).sum(Kind::Float).backward();
         assert_eq!(seen.len(), 2, "a removed hook fired");
+    }
+
+    #[test]
+    fn arrival_hooks_fire_before_autograd_accumulates() {
+        struct Seen {
+            a: Tensor,
+            at_arrival: Vec<(i64, Vec<f32>)>,
+        }
+        unsafe extern "C" fn look(ctx: *mut c_void, idx: i64) {
+            // SAFETY: ctx is the Seen below, alive while the hook is set.
+            let s = unsafe { &mut *(ctx as *mut Seen) };
+            let g = s.a.grad();
+            let now = if g.defined() { Vec::<f32>::try_from(&g).unwrap() } else { vec![] };
+            s.at_arrival.push((idx, now));
+        }
+        let a = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let mut seen = Seen { a: a.shallow_clone(), at_arrival: vec![] };
+        // SAFETY: `seen` outlives the hook, removed below.
+        let handle = unsafe { set_grad_arrival_hook(&a, look, &mut seen as *mut Seen as *mut c_void, 4).unwrap() };
+        (&a * 3.0).sum(Kind::Float).backward();
+        (&a * 3.0).sum(Kind::Float).backward();
+        // Once per backward pass, each time before that pass's gradient was added.
+        assert_eq!(seen.at_arrival, vec![(4, vec![]), (4, vec![3.0, 3.0])]);
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), vec![6.0, 6.0]);
+        remove_hook(&a, handle).unwrap();
+        (&a * 3.0).sum(Kind::Float).backward();
+        assert_eq!(seen.at_arrival.len(), 2, "a removed hook fired");
     }
 
     /// A two-layer block with dropout: x -> dropout(gelu(x W1)) W2 + x.

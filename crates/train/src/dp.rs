@@ -25,6 +25,12 @@ use crate::torch_ext;
 
 impl Drop for DataParallel {
     fn drop(&mut self) {
+        if let Some(f) = self.stale_bufs.take() {
+            for (p, &h) in self.params.iter().zip(&f.hooks) {
+                let _ = torch_ext::remove_hook(p, h);
+            }
+            crate::stale::forget(self.buckets.iter().filter_map(|b| b.grad.as_ref()).flat_map(|g| g.1.iter()));
+        }
         if self.overlap.is_some() {
             for p in &self.params {
                 // SAFETY: removing the hook; nothing else refers to the context.
@@ -159,6 +165,12 @@ struct Overlap {
     sizes: Vec<usize>,
     /// Each bucket's parameters (their gradients are the group).
     members: Vec<Vec<Tensor>>,
+    /// Every parameter, by index.
+    params: Vec<Tensor>,
+    /// Whether a backward pass has handed autograd a gradient for the
+    /// parameter (rather than a layer writing its buffer itself): set by
+    /// the arrival hooks of [`DataParallel::use_stale_buffers`].
+    by_autograd: Vec<std::sync::atomic::AtomicBool>,
     state: std::sync::Mutex<OverlapState>,
 }
 
@@ -182,7 +194,32 @@ struct OverlapState {
     /// The flat buffers are in symmetric memory and averaged as a
     /// reduce-scatter and an all-gather ([`DataParallel::use_symmetric_buffers`]).
     split: bool,
+    /// Buffers may be stale at a step's start ([`DataParallel::use_stale_buffers`]):
+    /// a gradient that nothing wrote is zeroed before its bucket goes.
+    stale: bool,
     error: Option<String>,
+}
+
+/// [`DataParallel::use_stale_buffers`]'s state.
+struct StaleBuffers {
+    /// The arrival hooks' handles, by parameter.
+    hooks: Vec<i64>,
+    /// Steps begun since it was turned on.
+    steps: u64,
+    /// Which buckets the current step left unzeroed.
+    stale: Vec<bool>,
+}
+
+/// The arrival hook of [`DataParallel::use_stale_buffers`]: autograd is
+/// about to add a gradient into parameter `idx`'s buffer, so the buffer
+/// must hold zeros or this step's earlier gradients; and the parameter's
+/// bucket is zeroed at the next steps' starts.
+unsafe extern "C" fn grad_arrives(ctx: *mut std::ffi::c_void, idx: i64) {
+    // SAFETY: ctx is the boxed Overlap of a live DataParallel (the arrival
+    // hooks are removed in its Drop, before the box goes).
+    let o = unsafe { &*(ctx as *const Overlap) };
+    o.by_autograd[idx as usize].store(true, std::sync::atomic::Ordering::Relaxed);
+    crate::stale::settle(&o.params[idx as usize].grad());
 }
 
 /// Starts averaging `grads` in place as one collective, or with `kind`
@@ -232,6 +269,10 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
     let o = unsafe { &*(ctx as *const Overlap) };
     let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
     let Some(comm) = st.comm else { return };
+    if st.stale {
+        // No layer wrote this gradient in the step: zeros, before the bucket goes.
+        crate::stale::settle(&o.params[idx as usize].grad());
+    }
     let b = o.bucket_of[idx as usize];
     st.remaining[b] = st.remaining[b].saturating_sub(1);
     if st.remaining[b] == 0 && !st.launched[b] && st.error.is_none() {
@@ -289,6 +330,8 @@ pub struct DataParallel {
     local: bool,
     /// Bytes of the all-to-all's receive buffer ([`DataParallel::use_copy_engine_reduce`]).
     scratch_bytes: u64,
+    /// [`DataParallel::use_stale_buffers`].
+    stale_bufs: Option<StaleBuffers>,
 }
 
 /// Whether a parameter gets weight decay: matrices and embeddings, not biases
@@ -342,6 +385,7 @@ impl DataParallel {
             segments: Vec::new(),
             local: false,
             scratch_bytes: 0,
+            stale_bufs: None,
         };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
@@ -466,6 +510,55 @@ impl DataParallel {
         Ok(applies)
     }
 
+    /// `HARNESS_STALE_GRADS`: with the overlap on and flat buffers (neither
+    /// autograd's own gradients nor ZeRO), a step's start leaves a bucket's
+    /// buffer as it is, unzeroed, where in the steps so far no gradient of
+    /// its parameters reached autograd: the fused layers write them all
+    /// themselves, and each one's first write of a step writes over the
+    /// buffer ([`crate::stale`]; a weight's gradient matmul with beta = 0)
+    /// instead of adding into zeros. That saves the zeroing pass and the
+    /// matmuls' reads of the zeros, for the same values bit for bit. The
+    /// first step zeroes every bucket and learns, through a hook on every
+    /// parameter that sees the gradients autograd is handed, which buckets
+    /// qualify; should autograd be handed one later, that hook zeroes the
+    /// stale buffer first, and its bucket is zeroed from the next step on.
+    /// A gradient that nothing wrote in a step is zeroed before its bucket
+    /// is reduced. Returns whether it applies.
+    pub fn use_stale_buffers(&mut self) -> anyhow::Result<bool> {
+        let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local && self.stale_bufs.is_none()) else { return Ok(false) };
+        let ctx = &**o as *const Overlap as *mut std::ffi::c_void;
+        let mut hooks = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            // SAFETY: ctx points into the box kept in self.overlap; Drop
+            // removes these hooks before it goes.
+            match unsafe { torch_ext::set_grad_arrival_hook(p, grad_arrives, ctx, i as i64) } {
+                Ok(h) => hooks.push(h),
+                Err(e) => {
+                    for (p, &h) in self.params.iter().zip(&hooks) {
+                        let _ = torch_ext::remove_hook(p, h);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        o.state.lock().unwrap_or_else(|e| e.into_inner()).stale = true;
+        self.stale_bufs = Some(StaleBuffers { hooks, steps: 0, stale: vec![false; self.buckets.len()] });
+        Ok(true)
+    }
+
+    /// How many buckets the current step left unzeroed
+    /// ([`DataParallel::use_stale_buffers`]).
+    pub fn stale_buckets(&self) -> usize {
+        self.stale_bufs.as_ref().map_or(0, |f| f.stale.iter().filter(|&&s| s).count())
+    }
+
+    /// Zeroes the gradients of bucket `b` that nothing wrote this step.
+    fn settle_bucket(&self, b: &Bucket) {
+        if let (Some(_), Some((_, views))) = (&self.stale_bufs, &b.grad) {
+            views.iter().for_each(crate::stale::settle);
+        }
+    }
+
     /// Whether the flat buffers are the collective's symmetric memory
     /// ([`DataParallel::use_symmetric_buffers`]).
     fn split_buffers(&self) -> bool {
@@ -530,6 +623,7 @@ impl DataParallel {
             launched: vec![false; n],
             reserved: false,
             split: false,
+            stale: false,
             error: None,
         };
         let sharded = self.stage.sharded();
@@ -540,7 +634,10 @@ impl DataParallel {
         let ring = 2.0 * (self.world as f64 - 1.0) / self.world as f64;
         let modelled =
             (reserve > 0 && gbs > 0).then(|| self.bucket_bytes().iter().map(|&b| ring * b as f64 / (gbs as f64 * 1e9)).collect());
-        let o = Box::new(Overlap { sharded, reserve, modelled, bucket_of, sizes, members, state: std::sync::Mutex::new(state) });
+        let params = self.params.iter().map(Tensor::shallow_clone).collect();
+        let by_autograd = self.params.iter().map(|_| std::sync::atomic::AtomicBool::new(false)).collect();
+        let state = std::sync::Mutex::new(state);
+        let o = Box::new(Overlap { sharded, reserve, modelled, bucket_of, sizes, members, params, by_autograd, state });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
             // SAFETY: ctx points into the box kept in self.overlap; the hooks
@@ -657,9 +754,20 @@ impl DataParallel {
             torch_ext::grads_to_none(&self.params)?;
             return Ok(());
         }
-        for b in &mut self.buckets {
-            if let Some((flat, _)) = &mut b.grad {
-                let _ = flat.zero_();
+        if let (Some(f), Some(o)) = (&mut self.stale_bufs, &self.overlap) {
+            f.steps += 1;
+            for (b, stale) in self.buckets.iter().zip(&mut f.stale) {
+                *stale = f.steps > 1 && !b.params.iter().any(|&i| o.by_autograd[i].load(std::sync::atomic::Ordering::Relaxed));
+            }
+        }
+        let stale = self.stale_bufs.as_ref().map(|f| f.stale.clone()).unwrap_or_default();
+        for (bi, b) in self.buckets.iter_mut().enumerate() {
+            if let Some((flat, views)) = &mut b.grad {
+                if stale.get(bi).copied().unwrap_or(false) {
+                    crate::stale::mark(views.iter());
+                } else {
+                    let _ = flat.zero_();
+                }
             }
         }
         Ok(())
@@ -727,6 +835,7 @@ impl DataParallel {
                 if done {
                     continue;
                 }
+                self.settle_bucket(b);
                 if self.local {
                     let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
                     let kind = st.reduce_kind;
@@ -773,6 +882,9 @@ impl DataParallel {
                 }
             }
             return Ok(());
+        }
+        if self.stale_bufs.is_some() {
+            self.buckets.iter().for_each(|b| self.settle_bucket(b));
         }
         for (index, b) in self.buckets.iter_mut().enumerate() {
             let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
@@ -1278,6 +1390,84 @@ mod tests {
         // Three buckets a step, two steps: an all-reduce each, or a scatter and a gather.
         assert_eq!((plain[0].2, plain[0].3, plain[0].4), (6, 0, 0));
         assert_eq!((split[0].2, split[0].3, split[0].4), (0, 6, 6));
+    }
+
+    #[test]
+    fn unzeroed_buffers_that_the_layers_write_average_as_zeroed_ones_do() {
+        // A fused linear layer (w, b: its node writes their buffers itself),
+        // a parameter whose node hands autograd no gradient and writes none
+        // (u), and one autograd accumulates (v), on two ranks, four steps of
+        // two micro-batches; the third step's first micro-batch runs the
+        // layer through libtorch, so autograd gets w's and b's gradients
+        // first. Between steps every gradient is overwritten with NaN: what
+        // a stale buffer holds must never reach an average.
+        struct NoGradient;
+        impl torch_ext::CustomOp for NoGradient {
+            fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+                Ok((vec![&inputs[0] * 2.0], vec![]))
+            }
+            fn backward(&self, _: &[Tensor], _: &[Option<Tensor>]) -> anyhow::Result<Vec<Option<Tensor>>> {
+                Ok(vec![None])
+            }
+        }
+        let run = |unzeroed: bool| {
+            two_ranks(move |rank, comm| {
+                let w = (Tensor::arange(12, tch::kind::FLOAT_CPU).view([4, 3]) * 0.1).sin().set_requires_grad(true);
+                let b = (Tensor::arange(4, tch::kind::FLOAT_CPU) * 0.3).cos().set_requires_grad(true);
+                let u = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+                let v = Tensor::from_slice(&[0.5f32, -1.5, 2.0]).set_requires_grad(true);
+                let ps = vec![w.shallow_clone(), b.shallow_clone(), u.shallow_clone(), v.shallow_clone()];
+                // Buckets: [w, b, u] (72 bytes), [v].
+                let mut dp = DataParallel::new(&ps, 72, ZeroStage::None, rank, 2).unwrap();
+                assert!(dp.enable_overlap(comm).unwrap());
+                if unzeroed {
+                    assert!(dp.use_stale_buffers().unwrap());
+                }
+                let mut out = Vec::new();
+                for step in 0..4u64 {
+                    dp.begin_step().unwrap();
+                    let stale = dp.stale_buckets();
+                    for micro in 0..2 {
+                        dp.before_backward(&ps).unwrap();
+                        dp.arm_overlap(comm, micro == 1);
+                        let k = (rank + 1) as f64 + step as f64 + micro as f64;
+                        let x = (Tensor::arange(6, tch::kind::FLOAT_CPU).view([2, 3]) * k).cos().to_kind(Kind::BFloat16);
+                        let y = if step == 2 && micro == 0 {
+                            x.to_kind(Kind::Float).linear(&w, Some(&b))
+                        } else {
+                            crate::models::fused::reference_linear(&x, &w, Some(&b)).to_kind(Kind::Float)
+                        };
+                        let nothing = torch_ext::custom_op(NoGradient, &[&u]).unwrap().remove(0).sum(Kind::Float);
+                        ((&y * &y).sum(Kind::Float) + (&v * &v * k).sum(Kind::Float) + nothing).backward();
+                        dp.disarm_overlap();
+                    }
+                    dp.check_grads(&ps).unwrap();
+                    dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
+                    out.push((dp.grads().unwrap().iter().map(values).collect::<Vec<_>>(), stale));
+                    tch::no_grad(|| {
+                        for g in torch_ext::grads(&ps).unwrap() {
+                            let _ = g.shallow_clone().fill_(f64::NAN);
+                        }
+                    });
+                }
+                out
+            })
+        };
+        let zeroed = run(false);
+        let unzeroed = run(true);
+        let grads = |r: &Vec<(Vec<Vec<f32>>, usize)>| r.iter().map(|s| s.0.clone()).collect::<Vec<_>>();
+        // Bit for bit the zeroed buffers' averages, on both ranks.
+        assert_eq!(grads(&unzeroed[0]), grads(&zeroed[0]));
+        assert_eq!(grads(&unzeroed[0]), grads(&unzeroed[1]));
+        assert!(grads(&zeroed[0]).iter().flatten().flatten().all(|x| x.is_finite()));
+        assert!(unzeroed[0].iter().all(|s| s.0[2].iter().all(|&x| x == 0.0)), "a gradient nothing wrote averages to zero");
+        // The first step zeroes both buckets and learns that autograd
+        // writes v's; [w, b, u] stays unzeroed in the second and third
+        // steps (where autograd's gradients for w and b found their buffers
+        // zeroed by the hook), and is zeroed once autograd has written there.
+        let stale: Vec<usize> = unzeroed[0].iter().map(|s| s.1).collect();
+        assert_eq!(stale, [0, 1, 1, 0]);
+        assert!(zeroed[0].iter().all(|s| s.1 == 0));
     }
 
     #[test]

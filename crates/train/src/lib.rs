@@ -33,6 +33,7 @@ pub mod oom;
 pub mod optim;
 pub mod replicas;
 pub mod resilience;
+mod stale;
 pub mod tiers;
 pub mod training;
 

@@ -143,11 +143,13 @@ impl Sums {
                 Sums::Tensors(ts) => ts.into_iter().map(Some).collect(),
             });
         };
+        // A buffer the step has not written yet is written over, not added to.
+        let first: Vec<bool> = buffers.iter().map(crate::stale::take).collect();
         match self {
-            Sums::Partials(part) => part.add_into(&buffers.iter().collect::<Vec<_>>())?,
+            Sums::Partials(part) => part.store_into(&buffers.iter().collect::<Vec<_>>(), &first)?,
             Sums::Tensors(ts) => {
-                for (g, t) in buffers.iter().zip(&ts) {
-                    let _ = g.shallow_clone().f_add_(t)?;
+                for ((g, t), first) in buffers.iter().zip(&ts).zip(first) {
+                    store(g, t, first)?;
                 }
             }
         }
@@ -427,6 +429,10 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Tensor {
 /// directly: `.grad` defined, fp32, contiguous, of `p`'s shape (the data
 /// parallel code keeps each parameter's as a view of its bucket).
 ///
+/// A layer that writes a buffer asks [`crate::stale::take`] first: the
+/// step's first write to a buffer the data parallel code left stale
+/// (unzeroed) writes over it instead of adding.
+///
 /// A layer that adds a gradient there itself hands autograd none for `p`.
 /// `p`'s AccumulateGrad node still runs, after the backward pass of every
 /// use of `p` (so after this one), and runs the post-accumulate-grad hook
@@ -622,6 +628,13 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Tensor
         return x.linear(w, b);
     }
     linear_with(engine(), x, w, b, None)
+}
+
+/// [`linear`]'s autograd node on the reference engine (any device), for the
+/// tests of the code that keeps gradient buffers.
+#[cfg(test)]
+pub(crate) fn reference_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    linear_with(Engine::Reference, x, w, b, None)
 }
 
 /// [`linear`] without a bias through a weight that is also the table of
@@ -855,7 +868,9 @@ fn weight_grad(engine: Engine, dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor
 fn weight_grad_into_buffer(engine: Engine, dy: &Tensor, x: &Tensor, w: &Tensor) -> anyhow::Result<Option<Tensor>> {
     if let Some(b) = buffer(w) {
         if lt(engine, &[dy, x]) && aligned(&[&b]) {
-            crate::blaslt::weight_grad_add(dy, x, &b)?;
+            // The step's first gradient for the buffer: beta = 0.
+            let add = !crate::stale::take(&b);
+            crate::blaslt::weight_grad_into(dy, x, &b, add)?;
             return Ok(None);
         }
     }
@@ -867,11 +882,23 @@ fn weight_grad_into_buffer(engine: Engine, dy: &Tensor, x: &Tensor, w: &Tensor) 
 fn into_buffer(p: &Tensor, g: Tensor) -> anyhow::Result<Option<Tensor>> {
     Ok(match buffer(p) {
         Some(b) => {
-            let _ = b.shallow_clone().f_add_(&g)?;
+            store(&b, &g, crate::stale::take(&b))?;
             None
         }
         None => Some(g),
     })
+}
+
+/// `g` added into the gradient buffer `b`, or copied over it where `first`
+/// (the step's first write to a stale buffer, [`crate::stale`]).
+fn store(b: &Tensor, g: &Tensor, first: bool) -> anyhow::Result<()> {
+    let mut b = b.shallow_clone();
+    if first {
+        b.f_copy_(g)?;
+    } else {
+        let _ = b.f_add_(g)?;
+    }
+    Ok(())
 }
 
 /// Whether [`mlp`] runs on CUDA for `n` rows of `c` channels, `f` hidden
@@ -964,8 +991,14 @@ impl CustomOp for Embed {
         // already added its part), else the output layer's, else zeros.
         let (gwte, wte_out) = match (buffer(wte), head) {
             (Some(g), head) => {
-                if let Some(h) = head {
-                    let _ = g.shallow_clone().f_add_(&h)?;
+                // The kernel adds the rows: a stale buffer gets the output
+                // layer's part or zeros first.
+                match (crate::stale::take(&g), head) {
+                    (first, Some(h)) => store(&g, &h, first)?,
+                    (true, None) => {
+                        let _ = g.shallow_clone().f_zero_()?;
+                    }
+                    (false, None) => {}
                 }
                 (g, None)
             }
@@ -978,6 +1011,14 @@ impl CustomOp for Embed {
         // Positions beyond the sequence get no gradient: the kernel writes
         // the first t rows, so a fresh tensor is zeroed where t is shorter.
         let (gwpe, wpe_out, assign) = match buffer(wpe) {
+            // A stale buffer: the kernel writes the first t rows over it,
+            // and the rest are zeroed where t is shorter.
+            Some(g) if crate::stale::take(&g) => {
+                if t < wpe.size()[0] {
+                    let _ = g.narrow(0, t, wpe.size()[0] - t).f_zero_()?;
+                }
+                (g, None, true)
+            }
             Some(g) => (g, None, false),
             None if t == wpe.size()[0] => {
                 let g = wpe.empty_like();
@@ -1954,9 +1995,14 @@ mod tests {
             };
             let want = &into + crate::blaslt::weight_grad(&dy, &x).unwrap();
             let got = into.copy();
-            crate::blaslt::weight_grad_add(&dy, &x, &got).unwrap();
+            crate::blaslt::weight_grad_into(&dy, &x, &got, true).unwrap();
             let err = (&want - &got).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
             assert!(err < 1e-6, "weight gradient added by the matmul [{n}, {o}, {k}]: relative error {err}");
+            // A step's first write (beta = 0) never reads the buffer: NaNs
+            // there are overwritten with the matmul's sums, bit for bit.
+            let stale = Tensor::full([o, k], f64::NAN, (Kind::Float, dev));
+            crate::blaslt::weight_grad_into(&dy, &x, &stale, false).unwrap();
+            assert!(stale.equal(&crate::blaslt::weight_grad(&dy, &x).unwrap()), "the first write [{n}, {o}, {k}] differs");
         }
     }
 

@@ -349,6 +349,7 @@ pub fn entry_output(ctx: &EntryContext<'_>, t: &mut Training, m: Meter, o: Outco
         bytes_on_wire: cs.bytes_sent,
         world_size: world as u32,
         bucket_bytes: if world > 1 { t.bucket_bytes() } else { Vec::new() },
+        unzeroed_buckets: t.unzeroed_buckets(),
         collectives: cs.collectives,
         collective: (cs.collectives > 0).then(|| LatencySummary::of(&cs.latency)),
         collective_emulated: (cs.collectives > 0 && cs.emulated_total != cs.measured_total).then(|| LatencySummary::of(&cs.emulated)),

@@ -141,6 +141,11 @@ impl Training {
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         let symmetric = switches.ce_gather && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
         let ce_reduce = switches.ce_reduce && symmetric && dp.use_copy_engine_reduce(comm)?;
+        // Flat buffers that the fused layers write whole are not zeroed at
+        // each step's start (HARNESS_UNZEROED_GRADS=0 zeroes them).
+        if switches.unzeroed_grads && overlapped {
+            dp.use_stale_buffers()?;
+        }
         // The strategy's `reduce_dtype`: the average in bf16.
         if ctx.entry.strategy.reduce_dtype == crate::suite::ReduceDtype::Bf16 {
             dp.reduce_in(Kind::BFloat16)?;
@@ -243,6 +248,11 @@ impl Training {
     /// Gradient bucket sizes (for results of multi-rank entries).
     pub fn bucket_bytes(&self) -> Vec<u64> {
         self.dp.bucket_bytes()
+    }
+
+    /// The buckets the last step left unzeroed (none: absent).
+    pub fn unzeroed_buckets(&self) -> Option<u32> {
+        Some(self.dp.stale_buckets() as u32).filter(|&n| n > 0)
     }
 
     /// Whether the model classifies (its evaluations report accuracy).
