@@ -21,7 +21,7 @@
 #   copy engines) ce-bN, split (the same reduce-scatter and all-gather with
 #   NCCL_CTA_POLICY=0, both on SMs) cer (ce and HARNESS_CE_REDUCE=1: the
 #   reduce-scatter as an all-to-all on the copy engines and an averaging
-#   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z (flat, ce, cer with
+#   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z zero2-z (flat, ce, cer, zero2 with
 #   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
@@ -71,6 +71,7 @@ for v in $variants; do
     cer) suite cer "$n" auto >/dev/null; run cer CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     flat-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
     ce-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
+    zero2-z) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_UNZEROED_GRADS=0 ;;
     cer-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
     cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     split) suite split "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run split CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;

@@ -256,8 +256,8 @@ switches! {
     /// rank's chunk; fp32 buckets only.
     ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
     /// `HARNESS_UNZEROED_GRADS` (default 1): where several ranks keep flat
-    /// gradient buffers with the overlapped average (`HARNESS_LOCAL_GRADS=0`
-    /// or `HARNESS_CE_GATHER=1`, no ZeRO), a step's start leaves a bucket's
+    /// gradient buffers with the overlapped average (`HARNESS_LOCAL_GRADS=0`,
+    /// `HARNESS_CE_GATHER=1`, ZeRO), a step's start leaves a bucket's
     /// buffer unzeroed when the fused layers write all its gradients
     /// themselves: the step's first write to each writes over it (a weight
     /// gradient's matmul with beta = 0), the same values as adding into

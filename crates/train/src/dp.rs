@@ -432,14 +432,27 @@ impl DataParallel {
     }
 
     /// Allocates (zeroed) the gradient buffers that are missing and makes
-    /// every parameter's `.grad` its view of its bucket's buffer.
+    /// every parameter's `.grad` its view of its bucket's buffer. A bucket
+    /// this step leaves unzeroed ([`DataParallel::use_stale_buffers`]; ZeRO-2
+    /// allocates its buffers anew each step) gets a buffer of which only the
+    /// padding is zeroed, its views marked stale.
     fn attach_grads(&mut self, params: &[Tensor]) -> anyhow::Result<()> {
-        for b in &mut self.buckets {
+        for (bi, b) in self.buckets.iter_mut().enumerate() {
             if b.grad.is_some() {
                 continue;
             }
-            let flat = Tensor::zeros([b.padded], (b.kind, self.device));
+            let stale = self.stale_bufs.as_ref().is_some_and(|f| f.stale.get(bi).copied().unwrap_or(false));
+            let flat = if stale {
+                let flat = Tensor::empty([b.padded], (b.kind, self.device));
+                let _ = flat.narrow(0, b.numel, b.padded - b.numel).zero_();
+                flat
+            } else {
+                Tensor::zeros([b.padded], (b.kind, self.device))
+            };
             b.attach(params, flat)?;
+            if stale {
+                crate::stale::mark(b.grad.as_ref().map(|g| g.1.iter()).into_iter().flatten());
+            }
         }
         Ok(())
     }
@@ -510,9 +523,9 @@ impl DataParallel {
         Ok(applies)
     }
 
-    /// `HARNESS_STALE_GRADS`: with the overlap on and flat buffers (neither
-    /// autograd's own gradients nor ZeRO), a step's start leaves a bucket's
-    /// buffer as it is, unzeroed, where in the steps so far no gradient of
+    /// `HARNESS_UNZEROED_GRADS`: with the overlap on and flat buffers (not
+    /// autograd's own gradients), a step's start leaves a bucket's buffer as
+    /// it is, unzeroed (ZeRO-2: allocated without zeroing), where in the steps so far no gradient of
     /// its parameters reached autograd: the fused layers write them all
     /// themselves, and each one's first write of a step writes over the
     /// buffer ([`crate::stale`]; a weight's gradient matmul with beta = 0)
@@ -525,7 +538,7 @@ impl DataParallel {
     /// A gradient that nothing wrote in a step is zeroed before its bucket
     /// is reduced. Returns whether it applies.
     pub fn use_stale_buffers(&mut self) -> anyhow::Result<bool> {
-        let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local && self.stale_bufs.is_none()) else { return Ok(false) };
+        let Some(o) = self.overlap.as_ref().filter(|_| !self.local && self.stale_bufs.is_none()) else { return Ok(false) };
         let ctx = &**o as *const Overlap as *mut std::ffi::c_void;
         let mut hooks = Vec::with_capacity(self.params.len());
         for (i, p) in self.params.iter().enumerate() {
@@ -1410,7 +1423,7 @@ mod tests {
                 Ok(vec![None])
             }
         }
-        let run = |unzeroed: bool| {
+        let run = |unzeroed: bool, stage: ZeroStage| {
             two_ranks(move |rank, comm| {
                 let w = (Tensor::arange(12, tch::kind::FLOAT_CPU).view([4, 3]) * 0.1).sin().set_requires_grad(true);
                 let b = (Tensor::arange(4, tch::kind::FLOAT_CPU) * 0.3).cos().set_requires_grad(true);
@@ -1418,7 +1431,7 @@ mod tests {
                 let v = Tensor::from_slice(&[0.5f32, -1.5, 2.0]).set_requires_grad(true);
                 let ps = vec![w.shallow_clone(), b.shallow_clone(), u.shallow_clone(), v.shallow_clone()];
                 // Buckets: [w, b, u] (72 bytes), [v].
-                let mut dp = DataParallel::new(&ps, 72, ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::new(&ps, 72, stage, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 if unzeroed {
                     assert!(dp.use_stale_buffers().unwrap());
@@ -1445,7 +1458,8 @@ mod tests {
                     dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
                     out.push((dp.grads().unwrap().iter().map(values).collect::<Vec<_>>(), stale));
                     tch::no_grad(|| {
-                        for g in torch_ext::grads(&ps).unwrap() {
+                        // (ZeRO-2 has released its buffers.)
+                        for g in torch_ext::grads(&ps).unwrap().into_iter().filter(Tensor::defined) {
                             let _ = g.shallow_clone().fill_(f64::NAN);
                         }
                     });
@@ -1453,21 +1467,27 @@ mod tests {
                 out
             })
         };
-        let zeroed = run(false);
-        let unzeroed = run(true);
-        let grads = |r: &Vec<(Vec<Vec<f32>>, usize)>| r.iter().map(|s| s.0.clone()).collect::<Vec<_>>();
-        // Bit for bit the zeroed buffers' averages, on both ranks.
-        assert_eq!(grads(&unzeroed[0]), grads(&zeroed[0]));
-        assert_eq!(grads(&unzeroed[0]), grads(&unzeroed[1]));
-        assert!(grads(&zeroed[0]).iter().flatten().flatten().all(|x| x.is_finite()));
-        assert!(unzeroed[0].iter().all(|s| s.0[2].iter().all(|&x| x == 0.0)), "a gradient nothing wrote averages to zero");
-        // The first step zeroes both buckets and learns that autograd
-        // writes v's; [w, b, u] stays unzeroed in the second and third
-        // steps (where autograd's gradients for w and b found their buffers
-        // zeroed by the hook), and is zeroed once autograd has written there.
-        let stale: Vec<usize> = unzeroed[0].iter().map(|s| s.1).collect();
-        assert_eq!(stale, [0, 1, 1, 0]);
-        assert!(zeroed[0].iter().all(|s| s.1 == 0));
+        for stage in [ZeroStage::None, ZeroStage::One, ZeroStage::Two] {
+            let zeroed = run(false, stage);
+            let unzeroed = run(true, stage);
+            let grads = |r: &Vec<(Vec<Vec<f32>>, usize)>| r.iter().map(|s| s.0.clone()).collect::<Vec<_>>();
+            // Bit for bit the zeroed buffers' averages.
+            assert_eq!(grads(&unzeroed[0]), grads(&zeroed[0]), "{stage:?}");
+            assert_eq!(grads(&unzeroed[1]), grads(&zeroed[1]), "{stage:?}");
+            assert!(grads(&zeroed[0]).iter().flatten().flatten().all(|x| x.is_finite()), "{stage:?}");
+            if stage == ZeroStage::None {
+                assert_eq!(grads(&unzeroed[0]), grads(&unzeroed[1]));
+                assert!(unzeroed[0].iter().all(|s| s.0[2].iter().all(|&x| x == 0.0)), "a gradient nothing wrote averages to zero");
+            }
+            // The first step zeroes both buckets and learns that autograd
+            // writes v's; [w, b, u] stays unzeroed in the second and third
+            // steps (where autograd's gradients for w and b found their
+            // buffers zeroed by the hook), and is zeroed once autograd has
+            // written there.
+            let stale: Vec<usize> = unzeroed[0].iter().map(|s| s.1).collect();
+            assert_eq!(stale, [0, 1, 1, 0], "{stage:?}");
+            assert!(zeroed[0].iter().all(|s| s.1 == 0), "{stage:?}");
+        }
     }
 
     #[test]
