@@ -18,7 +18,7 @@
 #   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) smN-gG (with
 #   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ce
 #   (HARNESS_CE_GATHER=1: symmetric flat buffers, the all-gather half on the
-#   copy engines) ce-bN, split (the same reduce-scatter and all-gather with
+#   copy engines) ce-bN, ce-ctasN (ce with NCCL_MAX_CTAS=N: the reduce-scatter on N SMs), split (the same reduce-scatter and all-gather with
 #   NCCL_CTA_POLICY=0, both on SMs) cer (ce and HARNESS_CE_REDUCE=1: the
 #   reduce-scatter as an all-to-all on the copy engines and an averaging
 #   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z zero2-z (flat, ce, cer, zero2 with
@@ -67,6 +67,8 @@ for v in $variants; do
     flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    ce-ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ce-ctas} }" >/dev/null
+      run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     cer) suite cer "$n" auto >/dev/null; run cer CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     flat-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
