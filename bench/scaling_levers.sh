@@ -10,7 +10,8 @@
 # Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
 #   VARIANTS (default all): any of one one-gN (1 GPU on GPU N, to see how
-#   the GPUs of the host differ) one-buckets ddp flat zero2 no-overlap
+#   the GPUs of the host differ) one-buckets ddp (harness's default) local
+#   (HARNESS_CE_GATHER=0: autograd's own gradients all-reduced) flat zero2 no-overlap
 #   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
@@ -64,6 +65,7 @@ for v in $variants; do
     one-g[0-9]*) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
     one-buckets) suite one-buckets 1 auto >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
     ddp) suite ddp "$n" auto >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
+    local) suite local "$n" auto >/dev/null; run local CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
     flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;

@@ -763,9 +763,15 @@ pub fn launch_local_ranks(
         let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
         let mut env: Vec<(String, String)> = env.into_iter().collect();
         env.push((ENTRIES_VAR.to_owned(), ids.join(",")));
-        // The copy engines' all-gather needs NCCL's zero-CTA policy.
+        // The copy engines' all-gather needs NCCL's zero-CTA policy: for
+        // HARNESS_CE_GATHER=1, and by default for a group of entries that
+        // all may take it (see Strategy::copy_engine_gather_candidate).
         let policy_set = std::env::var_os("NCCL_CTA_POLICY").is_some() || env.iter().any(|(k, _)| k == "NCCL_CTA_POLICY");
-        if crate::switches::get().ce_gather && !policy_set {
+        let ce = match crate::switches::get().ce_gather {
+            Some(on) => on,
+            None => group.iter().all(|e| e.strategy.copy_engine_gather_candidate()),
+        };
+        if ce && !policy_set {
             env.push(("NCCL_CTA_POLICY".to_owned(), "2".to_owned()));
         }
         let args = argv(started);

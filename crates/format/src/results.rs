@@ -381,7 +381,8 @@ pub struct RankRecord {
 
 /// Memory high-water marks. The device figures include what harness holds
 /// beside the caching allocator for the whole entry (the gradient buffers
-/// in NCCL's symmetric memory under `HARNESS_CE_GATHER=1`, and the
+/// in NCCL's symmetric memory where the copy engines gather them
+/// (`HARNESS_CE_GATHER`), and the
 /// all-to-all's receive buffer under `HARNESS_CE_REDUCE=1`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct MemoryRecord {

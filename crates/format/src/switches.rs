@@ -242,14 +242,19 @@ switches! {
     /// (several ranks average each bucket's gradients in place as one NCCL
     /// group); 0 keeps the flat gradient buffers.
     local_grads: bool = true, "HARNESS_LOCAL_GRADS", Recorded;
-    /// `HARNESS_CE_GATHER` (default 0): 1 keeps the flat gradient buffers
-    /// (as `HARNESS_LOCAL_GRADS=0`) in NCCL's symmetric memory and averages
-    /// each overlapped bucket as a reduce-scatter and an all-gather, which
-    /// NCCL 2.28 and later runs on the copy engines (no SMs) when its CTA
-    /// policy is zero (`NCCL_CTA_POLICY=2`, which harness sets for the
-    /// ranks it starts unless it is set already); 0 all-reduces each bucket.
-    ce_gather: bool = false, "HARNESS_CE_GATHER", Recorded;
-    /// `HARNESS_CE_REDUCE` (default 0): with `HARNESS_CE_GATHER=1`, 1 moves
+    /// `HARNESS_CE_GATHER` (default unset): the flat gradient buffers in
+    /// NCCL's symmetric memory, each overlapped bucket averaged as a
+    /// reduce-scatter and an all-gather, which NCCL 2.28 and later runs on
+    /// the copy engines (no SMs) when its CTA policy is zero
+    /// (`NCCL_CTA_POLICY=2`, which harness sets for the ranks it starts
+    /// unless it is set already). Unset: where it applies by default (CUDA
+    /// GPUs with peer access, ranks harness started on one host, the plain
+    /// fp32 average overlapped, no ZeRO, NCCL's own transport, no emulated
+    /// link), else autograd's own gradients all-reduced; 1: wherever the
+    /// symmetric memory is to be had (else flat buffers, all-reduced); 0:
+    /// never.
+    ce_gather: Option<bool> = None, "HARNESS_CE_GATHER", Recorded;
+    /// `HARNESS_CE_REDUCE` (default 0): with `HARNESS_CE_GATHER` in effect, 1 moves
     /// the reduce-scatter off the SMs too: each bucket's chunks go to their
     /// ranks by an all-to-all (NCCL 2.28's `ncclAlltoAll`, on the copy
     /// engines under the zero CTA policy) and one kernel averages this

@@ -63,6 +63,25 @@ pub fn make_current(index: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether every visible GPU can reach every other's memory directly
+/// (NVLink or PCIe peer access), as NCCL's copy-engine collectives in
+/// symmetric memory need; true with one GPU, false without CUDA.
+pub fn peer_access_everywhere() -> bool {
+    use cudarc::driver::{result, sys};
+    let n = gpu_count() as i32;
+    if n == 0 {
+        return false;
+    }
+    let Ok(devs) = (0..n).map(result::device::get).collect::<Result<Vec<_>, _>>() else { return false };
+    devs.iter().all(|&a| {
+        devs.iter().all(|&b| {
+            let mut can = 0;
+            // SAFETY: `can` receives an int; a and b are valid devices.
+            a == b || (unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) } == sys::CUresult::CUDA_SUCCESS && can == 1)
+        })
+    })
+}
+
 /// How many GPUs the driver sees (0 without CUDA).
 pub fn gpu_count() -> usize {
     if !init_cuda() {
