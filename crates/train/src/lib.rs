@@ -268,8 +268,10 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     replicas.check(&t.params, &t.names, comm, step, compressor)?;
     t.strategies.compressor.finish()?;
     let batch_changes = std::mem::take(&mut batch.changes);
-    let resilience = safe.finish(ctx, t.rank);
+    // (The training's collectives, before the ranks meet to remove the
+    // checkpoints.)
     let comm_stats = comm.stats().clone();
+    let resilience = safe.finish(ctx, t.rank, comm, t.device)?;
     record::entry_output(ctx, &mut t, meter, Outcome { steps: step, train_time, batch_changes, resilience, comm: &comm_stats })
 }
 

@@ -605,15 +605,26 @@ impl Resilience {
     }
 
     /// The entry finished: its checkpoints served a run that has not
-    /// finished, so rank 0 removes them (after the writer stopped). Returns
-    /// the record when the entry's results carry one.
-    pub fn finish(mut self, ctx: &EntryContext<'_>, rank: usize) -> Option<ResilienceRecord> {
+    /// finished, so rank 0 removes them, once every rank's writer has
+    /// stopped (the ranks meet first: a writer still persisting its rank's
+    /// file would otherwise make the directory again after the removal).
+    /// Returns the record when the entry's results carry one.
+    pub fn finish(
+        mut self,
+        ctx: &EntryContext<'_>,
+        rank: usize,
+        comm: &mut dyn crate::comm::Collective,
+        device: tch::Device,
+    ) -> Result<Option<ResilienceRecord>> {
         drop(self.tiers.take());
-        if let (Some(_), 0) = (&self.store, rank) {
-            let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
+        if self.store.is_some() {
+            crate::comm::ranks_agree(comm, true, device)?;
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
+            }
         }
         let tracked = self.tracked();
-        tracked.then_some(self.record)
+        Ok(tracked.then_some(self.record))
     }
 }
 
