@@ -210,6 +210,13 @@ struct StaleBuffers {
     stale: Vec<bool>,
 }
 
+impl StaleBuffers {
+    /// Whether the current step left bucket `bi` unzeroed.
+    fn left(&self, bi: usize) -> bool {
+        self.stale.get(bi).copied().unwrap_or(false)
+    }
+}
+
 /// The arrival hook of [`DataParallel::use_stale_buffers`]: autograd is
 /// about to add a gradient into parameter `idx`'s buffer, so the buffer
 /// must hold zeros or this step's earlier gradients; and the parameter's
@@ -441,7 +448,7 @@ impl DataParallel {
             if b.grad.is_some() {
                 continue;
             }
-            let stale = self.stale_bufs.as_ref().is_some_and(|f| f.stale.get(bi).copied().unwrap_or(false));
+            let stale = self.stale_bufs.as_ref().is_some_and(|f| f.left(bi));
             let flat = if stale {
                 let flat = Tensor::empty([b.padded], (b.kind, self.device));
                 let _ = flat.narrow(0, b.numel, b.padded - b.numel).zero_();
@@ -773,10 +780,9 @@ impl DataParallel {
                 *stale = f.steps > 1 && !b.params.iter().any(|&i| o.by_autograd[i].load(std::sync::atomic::Ordering::Relaxed));
             }
         }
-        let stale = self.stale_bufs.as_ref().map(|f| f.stale.clone()).unwrap_or_default();
         for (bi, b) in self.buckets.iter_mut().enumerate() {
             if let Some((flat, views)) = &mut b.grad {
-                if stale.get(bi).copied().unwrap_or(false) {
+                if self.stale_bufs.as_ref().is_some_and(|f| f.left(bi)) {
                     crate::stale::mark(views.iter());
                 } else {
                     let _ = flat.zero_();
