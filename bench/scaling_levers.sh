@@ -6,7 +6,8 @@
 # gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; averaging in bf16; the
 # collectives' stream at CUDA's greatest priority; with NCCL's protocol or
 # channel count set; with larger buckets), then one traced run whose step
-# bench/trace_summary.py breaks down. Prints a table last.
+# bench/trace_summary.py breaks down. Prints a table last (with the phases'
+# medians in ms: forward, backward, the wait after it, the optimizer).
 # Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
 #   VARIANTS (default all): any of one one-gN (1 GPU on GPU N, to see how
@@ -25,8 +26,14 @@
 #   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z zero2-z (flat, ce, cer, zero2 with
 #   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
-#   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
+#   ll128 (NCCL_PROTO=LL128) byname (HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0:
+#   the buckets in the parameters' names' order, none smaller at the end, as
+#   before 2026-11-27) byname-tail (names' order, smaller last buckets) tailN
+#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
+#   Any variant takes more environment as VARIANT+VAR=VALUE[+VAR=VALUE...],
+#   e.g. cer+HARNESS_READY_ORDER=0.
+# Each run is stopped after $RUN_TIMEOUT seconds (default 300).
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +52,7 @@ mkdir -p "$dir"
 
 # suite NAME WORLD BUCKET_MB [STRATEGY-NAME [STRATEGY-TOML]]
 suite() {
-  gpt_suite "levers-$preset-$1" "GPT $preset bf16 on $2 GPU(s), lever $1 (bench/scaling_levers.sh)" "$preset" "$2" "$batch" "$steps" "$warm" "$3" \
+  gpt_suite "levers-$preset-${1//[^A-Za-z0-9_-]/-}" "GPT $preset bf16 on $2 GPU(s), lever $1 (bench/scaling_levers.sh)" "$preset" "$2" "$batch" "$steps" "$warm" "$3" \
     "$(printf '[[strategy]]\nname = "%s"\nbaseline = true\n%s' "${4:-ddp}" "${5:-}")" > "$dir/$1.toml"
   echo "$dir/$1.toml"
 }
@@ -54,42 +61,49 @@ suite() {
 run() {
   local name=$1; shift
   local t0; t0=$(date +%s)
-  env "$@" "$BIN" run "$dir/$name.toml" --out "$dir/$name.json" --quiet ${TRACE:+--trace} > "$dir/$name.txt" 2>&1 || tail -5 "$dir/$name.txt"
+  timeout "${RUN_TIMEOUT:-300}" env "$@" "${extra[@]}" "$BIN" run "$dir/$name.toml" --out "$dir/$name.json" --quiet ${TRACE:+--trace} > "$dir/$name.txt" 2>&1 || tail -5 "$dir/$name.txt"
   echo "$name: $(( $(date +%s) - t0 )) s" >&2
 }
 
 gpus=$(seq -s, 0 $((n - 1)))
 for v in $variants; do
-  case "$v" in
-    one) suite one 1 auto >/dev/null; run one CUDA_VISIBLE_DEVICES=0 ;;
+  # VARIANT+VAR=VALUE+...: the variant with more environment for harness.
+  extra=()
+  [[ "$v" != *+* ]] || IFS=+ read -ra extra <<< "${v#*+}"
+  case "${v%%+*}" in
+    one) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 ;;
     one-g[0-9]*) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
-    one-buckets) suite one-buckets 1 auto >/dev/null; run one-buckets CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
-    ddp) suite ddp "$n" auto >/dev/null; run ddp CUDA_VISIBLE_DEVICES="$gpus" ;;
-    local) suite local "$n" auto >/dev/null; run local CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
-    flat) suite flat "$n" auto >/dev/null; run flat CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    one-buckets) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
+    ddp) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    local) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
+    flat) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
     flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
-    ce) suite ce "$n" auto >/dev/null; run ce CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    ce) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ce-ctas} }" >/dev/null
       run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    cer) suite cer "$n" auto >/dev/null; run cer CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+    cer) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     flat-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
     ce-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
     zero2-z) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_UNZEROED_GRADS=0 ;;
     cer-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
     cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
-    split) suite split "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run split CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    zero2) suite zero2 "$n" auto zero2 'zero = 2' >/dev/null; run zero2 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    simple) suite simple "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run simple CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ch32) suite ch32 "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run ch32 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bf16) suite bf16 "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    prio) suite prio "$n" auto >/dev/null; run prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    bf16-prio) suite bf16-prio "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run bf16-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    zero2-prio) suite zero2-prio "$n" auto zero2 'zero = 2' >/dev/null; run zero2-prio CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    net) suite net "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run net CUDA_VISIBLE_DEVICES="$gpus" ;;
-    net-bf16) suite net-bf16 "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run net-bf16 CUDA_VISIBLE_DEVICES="$gpus" ;;
-    no-overlap) suite no-overlap "$n" auto >/dev/null; run no-overlap CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
-    ch8) suite ch8 "$n" auto ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run ch8 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    split) suite "$v" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    zero2) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    byname) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
+    byname-tail) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 ;;
+    tail[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TAIL_BUCKETS="${v#tail}" ;;
+    zero2-byname) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
+    simple) suite "$v" "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ch32) suite "$v" "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16) suite "$v" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    prio) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    bf16-prio) suite "$v" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    zero2-prio) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    net) suite "$v" "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    net-bf16) suite "$v" "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    no-overlap) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
+    ch8) suite "$v" "$n" auto ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bucket[0-9]*) suite "$v" "$n" "${v#bucket}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bf16-b[0-9]*) suite "$v" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     zero2-b[0-9]*) suite "$v" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
@@ -99,8 +113,8 @@ for v in $variants; do
     ctas[0-9]*-sm[0-9]*) c=${v%-sm*}; c=${c#ctas}
       suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
     ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ctaeff) suite ctaeff "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run ctaeff CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ll128) suite ll128 "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run ll128 CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ctaeff) suite "$v" "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ll128) suite "$v" "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer)
       case "$v" in
         trace-ce) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
@@ -131,12 +145,13 @@ def entries(v):
     except Exception:
         return []
 one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
-print(f"{'variant':<12} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9} {'unzeroed':>8}")
+vw = max([12] + [len(v) for v in variants])
+print(f"{'variant':<{vw}} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9} {'unzeroed':>8} {'fwd':>6} {'bwd':>6} {'wait':>5} {'opt':>5}")
 for v in variants:
     for e in entries(v):
         m = e.get("metrics")
         if not m:
-            print(f"{v:<12} failed: {str(e.get('error'))[:80]}")
+            print(f"{v:<{vw}} failed: {str(e.get('error'))[:80]}")
             continue
         w = m.get("world_size", 1)
         s = m.get("step") or {}
@@ -144,5 +159,7 @@ for v in variants:
         peak = (m.get("memory") or {}).get("peak_device_allocated_bytes", 0) / 2**30
         ev = m.get("final_eval_loss") or float("nan")
         unz = f"{m.get('unzeroed_buckets') or 0}/{len(m.get('bucket_bytes') or [])}" if w > 1 else ""
-        print(f"{v:<12} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f} {unz:>8}")
+        ph = lambda k: ((m.get("phases") or {}).get(k) or {}).get("p50_ms", 0)
+        print(f"{v:<{vw}} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f} {unz:>8}"
+              f" {ph('forward'):>6.1f} {ph('backward'):>6.1f} {ph('communicate'):>5.1f} {ph('optimizer'):>5.1f}")
 PY

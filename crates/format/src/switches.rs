@@ -260,6 +260,21 @@ switches! {
     /// engines under the zero CTA policy) and one kernel averages this
     /// rank's chunk; fp32 buckets only.
     ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
+    /// `HARNESS_READY_ORDER` (default 1): several ranks fill their gradient
+    /// buckets with the parameters in the order the backward pass finishes
+    /// their gradients, the reverse of the order the model creates them
+    /// (its forward pass's); 0 fills them in the parameters' names' order.
+    ready_order: bool = true, "HARNESS_READY_ORDER", Recorded;
+    /// `HARNESS_TAIL_BUCKETS` (default 3): the last buckets of that order,
+    /// the gradients the backward pass finishes last, are this many
+    /// buckets of a half, a quarter, an eighth ... of the bucket size, so
+    /// that little is left to reduce after the pass; 0 keeps them whole.
+    tail_buckets: u64 = 3, "HARNESS_TAIL_BUCKETS", Recorded;
+    /// `HARNESS_SHARED_NORM` (default 1): with several ranks and no ZeRO,
+    /// the gradient norm that clipping needs is computed by each rank over a
+    /// world-th of the averaged gradients, the squares added up by a
+    /// control all-reduce of one number; 0 has every rank read all of them.
+    shared_norm: bool = true, "HARNESS_SHARED_NORM", Recorded;
     /// `HARNESS_UNZEROED_GRADS` (default 1): where several ranks keep flat
     /// gradient buffers with the overlapped average (`HARNESS_LOCAL_GRADS=0`,
     /// `HARNESS_CE_GATHER=1`, ZeRO), a step's start leaves a bucket's

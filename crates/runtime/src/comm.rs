@@ -184,6 +184,13 @@ pub trait Collective {
     fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    /// Sums a small control value `t` (a gradient norm's square, a flag)
+    /// over ranks, in place, outside the accounting: not training traffic,
+    /// so that a few bytes a step do not count in the collectives' latencies
+    /// and bus bandwidths. Ordered as [`Collective::all_reduce_sum`].
+    fn all_reduce_sum_control(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+        self.all_reduce_sum(t)
+    }
     /// True when [`Collective::all_reduce_sum_async`] runs collectives beside
     /// the computation (NCCL on a side stream).
     fn supports_async(&self) -> bool {
@@ -640,6 +647,12 @@ impl Collective for InProcessComm {
             Ok(ts[root].copy())
         })?;
         tch::no_grad(|| t.copy_(&r));
+        Ok(())
+    }
+
+    fn all_reduce_sum_control(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+        let sum = self.group.run("all_reduce", "a control all_reduce".to_owned(), self.rank, t, &sum_slots)?;
+        tch::no_grad(|| t.copy_(&sum.view_as(t)));
         Ok(())
     }
 
@@ -1625,6 +1638,15 @@ pub mod nccl {
             // SAFETY: in place on t's device memory; the legacy default stream.
             let code = unsafe { (l.broadcast)(p, p, count, dt, root as c_int, self.comm, std::ptr::null_mut()) };
             check(code, "broadcast").map_err(|e| self.fail("broadcast", e))
+        }
+        fn all_reduce_sum_control(&mut self, t: &mut Tensor) -> Result<(), CommError> {
+            let dt = self.dtype_of(t, "all_reduce")?;
+            let l = lib().map_err(|e| self.fail("all_reduce", e))?;
+            let (p, count) = (t.data_ptr(), t.numel());
+            // SAFETY: in place on t's device memory, `count` elements of the
+            // given type; the legacy default stream, as all_reduce_sum.
+            let code = unsafe { (l.all_reduce)(p, p, count, dt, RED_SUM, self.comm, std::ptr::null_mut()) };
+            check(code, "all_reduce").map_err(|e| self.fail("all_reduce", e))
         }
         fn check_call(&mut self, call: &str, t: &Tensor) -> Result<(), CommError> {
             // Each rank's (call, elements, dtype), gathered on the device

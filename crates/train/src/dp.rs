@@ -322,6 +322,29 @@ fn auto_bucket_bytes_for(total: u64) -> u64 {
     (total / AUTO_BUCKETS).max(25 << 20)
 }
 
+/// How [`DataParallel::new`] lays out its gradient buckets: which
+/// parameters go together and in which order the buckets are reduced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketPlan {
+    /// Every parameter's index once, in the order the backward pass is
+    /// expected to finish their gradients ([`ready_order`]): buckets are
+    /// consecutive runs of it, so that a bucket is complete, and its
+    /// reduction starts, soon after its first gradient.
+    pub order: Vec<usize>,
+    /// A bucket's most bytes of gradients.
+    pub max_bytes: u64,
+    /// How many buckets at the end of `order` are smaller ([`buckets_of`]).
+    pub tail: u32,
+}
+
+impl BucketPlan {
+    /// The parameters in their own order, buckets of at most `max_bytes`,
+    /// none smaller at the end.
+    pub fn in_order(params: &[Tensor], max_bytes: u64) -> BucketPlan {
+        BucketPlan { order: (0..params.len()).collect(), max_bytes, tail: 0 }
+    }
+}
+
 /// One rank's data-parallel state (more than one rank).
 pub struct DataParallel {
     overlap: Option<Box<Overlap>>,
@@ -359,15 +382,22 @@ impl DataParallel {
         auto_bucket_bytes_for(params.iter().map(torch_ext::nbytes).sum())
     }
 
-    /// Buckets of at most `bucket_bytes` of gradients over `params` (the
-    /// same on every rank, after the initial broadcast), with flat gradient
-    /// buffers; under ZeRO the parameters are moved into flat buffers too.
-    pub fn new(params: &[Tensor], bucket_bytes: u64, stage: ZeroStage, rank: usize, world: usize) -> anyhow::Result<DataParallel> {
+    /// Buckets over `params` as `plan` lays them out (the same on every
+    /// rank, after the initial broadcast), with flat gradient buffers;
+    /// under ZeRO the parameters are moved into flat buffers too.
+    pub fn new(params: &[Tensor], plan: &BucketPlan, stage: ZeroStage, rank: usize, world: usize) -> anyhow::Result<DataParallel> {
         anyhow::ensure!(rank < world, "rank {rank} is not in a world of {world}");
         anyhow::ensure!(world >= 2 || !stage.sharded(), "ZeRO needs world >= 2");
+        let mut sorted = plan.order.clone();
+        sorted.sort_unstable();
+        anyhow::ensure!(
+            sorted.iter().copied().eq(0..params.len()),
+            "the bucket order must list each of the {} parameters once",
+            params.len()
+        );
         let device = params.first().map_or(Device::Cpu, |p| p.device());
         let mut buckets = Vec::new();
-        for idx in buckets_of(params, bucket_bytes) {
+        for idx in buckets_of(params, &plan.order, plan.max_bytes, plan.tail) {
             let kind = params[idx[0]].kind();
             if let Some(&i) = idx.iter().find(|&&i| params[i].kind() != kind) {
                 anyhow::bail!("parameters {} and {i} share a gradient bucket but not a dtype ({kind:?}, {:?})", idx[0], params[i].kind());
@@ -609,12 +639,11 @@ impl DataParallel {
         self.local
     }
 
-    /// With local gradients: every parameter's, in bucket order (zeros for
-    /// one that no backward pass reached).
+    /// With local gradients: every parameter's, in the parameters' order
+    /// (zeros for one that no backward pass reached).
     fn local_grads(&self) -> anyhow::Result<Vec<Tensor>> {
-        let order: Vec<usize> = self.buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
         let all = torch_ext::grads(&self.params)?;
-        Ok(order.into_iter().map(|i| if all[i].defined() { all[i].shallow_clone() } else { self.params[i].zeros_like() }).collect())
+        Ok(all.into_iter().zip(&self.params).map(|(g, p)| if g.defined() { g } else { p.zeros_like() }).collect())
     }
 
     /// Turns on the overlap of the gradients' reduction (all-reduces, or
@@ -756,12 +785,7 @@ impl DataParallel {
     pub fn first_non_finite_bucket(&self) -> Option<usize> {
         if self.local {
             let grads = self.local_grads().ok()?;
-            let mut at = 0;
-            return self.buckets.iter().position(|b| {
-                let bad = grads[at..at + b.params.len()].iter().any(|g| g.isfinite().all().int64_value(&[]) == 0);
-                at += b.params.len();
-                bad
-            });
+            return self.buckets.iter().position(|b| b.params.iter().any(|&i| grads[i].isfinite().all().int64_value(&[]) == 0));
         }
         self.buckets.iter().position(|b| b.grad.as_ref().is_some_and(|(flat, _)| flat.isfinite().all().int64_value(&[]) == 0))
     }
@@ -941,12 +965,14 @@ impl DataParallel {
             return self.local_grads();
         }
         if !self.stage.sharded() {
-            let views = self.buckets.iter().map(|b| b.grad.as_ref().map(|g| &g.1));
-            let mut out = Vec::new();
-            for v in views {
-                out.extend(v.ok_or_else(|| anyhow::anyhow!("a gradient buffer is missing"))?.iter().map(Tensor::shallow_clone));
+            let mut out: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
+            for b in &self.buckets {
+                let (_, views) = b.grad.as_ref().ok_or_else(|| anyhow::anyhow!("a gradient buffer is missing"))?;
+                for (&i, v) in b.params.iter().zip(views) {
+                    out[i] = Some(v.shallow_clone());
+                }
             }
-            return Ok(out);
+            return out.into_iter().map(|g| g.ok_or_else(|| anyhow::anyhow!("a parameter is in no bucket"))).collect();
         }
         self.segments
             .iter()
@@ -959,12 +985,12 @@ impl DataParallel {
     }
 
     /// What the optimizer updates, with whether each gets weight decay: the
-    /// parameters in bucket order, or under ZeRO the shard's pieces of the
-    /// flat parameter buffers.
+    /// parameters in their own order (whatever the buckets' order, so that
+    /// the optimizer's state keeps its order), or under ZeRO the shard's
+    /// pieces of the flat parameter buffers.
     pub fn update_targets(&self, params: &[Tensor]) -> (Vec<Tensor>, Vec<bool>) {
         if !self.stage.sharded() {
-            let order = self.buckets.iter().flat_map(|b| b.params.iter().copied());
-            return order.map(|i| (params[i].shallow_clone(), decays(&params[i]))).unzip();
+            return params.iter().map(|p| (p.shallow_clone(), decays(p))).unzip();
         }
         self.segments
             .iter()
@@ -973,6 +999,32 @@ impl DataParallel {
                 (flat.narrow(0, s.start, s.len), s.decay)
             })
             .unzip()
+    }
+
+    /// Without ZeRO, after the reduction, where every rank holds the same
+    /// averaged gradients: this rank's disjoint share of them, the r-th of
+    /// `world` equal pieces of each flat buffer (or of each of autograd's
+    /// gradients), for a norm that each rank computes over a `world`-th of
+    /// the gradients and the ranks add up ([`global_norm`]) instead of every
+    /// rank reading them all. None under ZeRO (its shard is the share) or
+    /// with one rank.
+    pub fn norm_share(&self) -> anyhow::Result<Option<Vec<Tensor>>> {
+        if self.stage.sharded() || self.world < 2 {
+            return Ok(None);
+        }
+        let piece = |t: &Tensor| {
+            let n = t.numel() as i64;
+            let per = (n + self.world as i64 - 1) / self.world as i64;
+            let start = (self.rank as i64 * per).min(n);
+            t.reshape([-1]).narrow(0, start, per.min(n - start))
+        };
+        let whole = if self.local {
+            self.local_grads()?
+        } else {
+            let flats = self.buckets.iter().map(|b| b.grad.as_ref().map(|g| g.0.narrow(0, 0, b.numel)));
+            flats.collect::<Option<Vec<_>>>().ok_or_else(|| anyhow::anyhow!("a gradient buffer is missing"))?
+        };
+        Ok(Some(whole.iter().map(piece).filter(|p| p.numel() > 0).collect()))
     }
 
     /// Whether optimizer state and gradients are sharded (ZeRO).
@@ -1031,28 +1083,49 @@ impl DataParallel {
 /// min(1, max_norm / (norm + 1e-6)), as `clip_grad_norm_`. Returns the
 /// global norm (a device scalar).
 pub fn clip_grad_norm_sharded(grads: &[Tensor], max_norm: f64, comm: &mut dyn Collective, device: Device) -> anyhow::Result<Tensor> {
-    let local = if grads.is_empty() { Tensor::zeros([], (Kind::Float, device)) } else { torch_ext::clip_grad_norm(grads, None)? };
-    let mut sq = local.square();
-    comm.all_reduce_sum(&mut sq)?;
-    let total = sq.sqrt();
-    let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
+    let total = global_norm(grads, comm, device)?;
+    scale_to_norm(grads, &total, max_norm);
+    Ok(total)
+}
+
+/// Scales `grads`, whose 2-norm is `norm`, by min(1, max_norm / (norm +
+/// 1e-6)), as `torch.nn.utils.clip_grad_norm_` does.
+pub fn scale_to_norm(grads: &[Tensor], norm: &Tensor, max_norm: f64) {
+    let coef = ((norm + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
     tch::no_grad(|| {
         for g in grads {
             let _ = g.shallow_clone().g_mul_(&coef);
         }
     });
-    Ok(total)
 }
 
-/// Groups consecutive parameters into buckets of at most `max_bytes` of
-/// gradients (a parameter larger than that gets a bucket of its own).
-pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
+/// The 2-norm of gradients spread over the ranks, each holding the disjoint
+/// part `parts` (a device scalar, the same on every rank): the ranks add up
+/// the squares of their parts' norms with a control all-reduce.
+pub fn global_norm(parts: &[Tensor], comm: &mut dyn Collective, device: Device) -> anyhow::Result<Tensor> {
+    let local = if parts.is_empty() { Tensor::zeros([], (Kind::Float, device)) } else { torch_ext::clip_grad_norm(parts, None)? };
+    let mut sq = local.square();
+    comm.all_reduce_sum_control(&mut sq)?;
+    Ok(sq.sqrt())
+}
+
+/// Groups the parameters, taken in `order`, into buckets of consecutive
+/// parameters of at most `max_bytes` of gradients (a parameter larger than
+/// its bucket's limit gets a bucket of its own). The last `tail` buckets
+/// are smaller: the limit halves for each, from the end of `order` (the
+/// last at `max_bytes / 2^tail`), so that the gradients that the backward
+/// pass finishes last, whose reduction nothing overlaps, go in small
+/// collectives. Built from the end, so the first bucket takes what is left.
+pub fn buckets_of(params: &[Tensor], order: &[usize], max_bytes: u64, tail: u32) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut size = 0u64;
-    for (i, p) in params.iter().enumerate() {
-        let b = torch_ext::nbytes(p);
+    for &i in order.iter().rev() {
+        let b = torch_ext::nbytes(&params[i]);
+        // The current bucket is the k-th from the end.
+        let k = out.len().saturating_sub(1) as u32;
+        let limit = max_bytes >> tail.saturating_sub(k).min(63);
         match out.last_mut() {
-            Some(cur) if size + b <= max_bytes => {
+            Some(cur) if size + b <= limit => {
                 cur.push(i);
                 size += b;
             }
@@ -1062,7 +1135,29 @@ pub fn buckets_of(params: &[Tensor], max_bytes: u64) -> Vec<Vec<usize>> {
             }
         }
     }
+    out.reverse();
+    for bucket in &mut out {
+        bucket.reverse();
+    }
     out
+}
+
+/// The order in which a backward pass finishes the gradients of `params`,
+/// as far as `created` (their creation order, by index into `params`) tells:
+/// the reverse of it, as PyTorch DDP buckets parameters in the reverse of
+/// their registration order (a model creates its layers in the order its
+/// forward pass uses them, whose gradients then come last to first). A
+/// parameter missing from `created` goes first, a repeated one at its last
+/// place, an index out of range is left out.
+pub fn ready_order(n: usize, created: &[usize]) -> Vec<usize> {
+    let mut listed = vec![false; n];
+    let mut last_first = Vec::with_capacity(n);
+    for &i in created.iter().rev() {
+        if i < n && !std::mem::replace(&mut listed[i], true) {
+            last_first.push(i);
+        }
+    }
+    (0..n).filter(|&i| !listed[i]).chain(last_first).collect()
 }
 
 /// `p`'s place in the flat buffer `flat` (its `numel` values from `off`):
@@ -1154,7 +1249,7 @@ mod tests {
 
         // Same parameters, gradients as views of flat buckets of at most 44 bytes.
         let ps = params(1);
-        let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap();
+        let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap();
         assert_eq!(dp.bucket_bytes(), [60, 28 + 16, 36]);
         for step in 0..2 {
             dp.begin_step().unwrap();
@@ -1175,9 +1270,9 @@ mod tests {
         let want = autograd_reference();
         // Two ranks, ZeRO or a compressor keep the buffers.
         let ps = params(1);
-        assert!(!DataParallel::new(&ps, 44, ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
-        assert!(!DataParallel::new(&ps, 44, ZeroStage::None, 0, 1).unwrap().use_local_grads(false).unwrap());
-        let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, 0, 1).unwrap();
+        assert!(!DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
+        assert!(!DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap().use_local_grads(false).unwrap());
+        let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap();
         assert!(dp.use_local_grads(true).unwrap());
         assert_eq!(dp.gradient_bytes(), 0, "the buffers stayed");
         for step in 0..2 {
@@ -1208,7 +1303,7 @@ mod tests {
         for stage in [ZeroStage::None, ZeroStage::Two] {
             let ps = vec![conv(), Tensor::ones([5], tch::kind::FLOAT_CPU).set_requires_grad(true)];
             let strides = ps[0].stride();
-            let mut dp = DataParallel::new(&ps, 1 << 20, stage, 0, 2).unwrap();
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 1 << 20), stage, 0, 2).unwrap();
             assert_eq!(ps[0].stride(), strides, "{stage:?} changed the parameter's layout");
             assert_eq!(ps[0].grad().stride(), strides, "{stage:?}: the gradient's layout is not the parameter's");
             dp.begin_step().unwrap();
@@ -1228,7 +1323,7 @@ mod tests {
         let mut sizes = Vec::new();
         for rank in 0..world {
             let ps = params(2);
-            let dp = DataParallel::new(&ps, 44, ZeroStage::One, rank, world).unwrap();
+            let dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, world).unwrap();
             // Buffers padded to a multiple of the ranks: 15 -> 15, 11 -> 12, 9 -> 9.
             assert_eq!(dp.buckets.iter().map(|b| b.padded).collect::<Vec<_>>(), [15, 12, 9]);
             // The parameters kept their values and now live in the flat buffers.
@@ -1278,7 +1373,7 @@ mod tests {
         for stage in [ZeroStage::One, ZeroStage::Two] {
             let out = two_ranks(move |rank, comm| {
                 let ps = params(3);
-                let mut dp = DataParallel::new(&ps, 44, stage, rank, 2).unwrap();
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
                 let full = dp.gradient_bytes();
                 dp.begin_step().unwrap();
                 dp.before_backward(&ps).unwrap();
@@ -1343,7 +1438,7 @@ mod tests {
         let run = |local: bool| {
             two_ranks(move |rank, comm| {
                 let ps = params(5);
-                let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 // Else the flat buffers, which HARNESS_LOCAL_GRADS=0 keeps.
                 if local {
@@ -1376,6 +1471,96 @@ mod tests {
     }
 
     #[test]
+    fn buckets_follow_the_plans_order_and_shrink_at_its_end() {
+        // 60, 28, 16 and 36 bytes of gradients.
+        let ps = params(1);
+        // In order, 44-byte buckets: a parameter larger than that alone.
+        assert_eq!(buckets_of(&ps, &[0, 1, 2, 3], 44, 0), [vec![0], vec![1, 2], vec![3]]);
+        // The reverse order, the last bucket at most 100 / 2 bytes: 16 alone
+        // (60 more would pass 50), then 60 + 28 within 100, 36 left first.
+        assert_eq!(buckets_of(&ps, &[3, 1, 0, 2], 100, 1), [vec![3], vec![1, 0], vec![2]]);
+        // Two smaller ones: 16 within 25, 60 alone past 50, then 28 + 36.
+        assert_eq!(buckets_of(&ps, &[3, 1, 0, 2], 100, 2), [vec![3, 1], vec![0], vec![2]]);
+        // The backward pass finishes the last created first; a parameter the
+        // creation order misses goes first, a repeated one at its last place.
+        assert_eq!(ready_order(4, &[0, 1, 2, 3]), [3, 2, 1, 0]);
+        assert_eq!(ready_order(4, &[2, 0, 3, 0, 9]), [1, 0, 3, 2]);
+    }
+
+    #[test]
+    fn buckets_in_another_order_average_as_in_the_parameters_order() {
+        // The same two steps on two ranks, the buckets in the parameters'
+        // order or as [3], [1, 0], [2]: the same averages, handed to the
+        // optimizer in the parameters' order, on every path that keeps
+        // flat buffers or autograd's gradients.
+        let run = |reordered: bool, path: u8| {
+            two_ranks(move |rank, comm| {
+                let ps = params(5);
+                let plan =
+                    if reordered { BucketPlan { order: vec![3, 1, 0, 2], max_bytes: 100, tail: 1 } } else { BucketPlan::in_order(&ps, 44) };
+                let mut dp = DataParallel::new(&ps, &plan, ZeroStage::None, rank, 2).unwrap();
+                assert!(dp.enable_overlap(comm).unwrap());
+                match path {
+                    1 => assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap()),
+                    2 => assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap()),
+                    _ => {}
+                }
+                let (targets, _) = dp.update_targets(&ps);
+                assert!(targets.iter().zip(&ps).all(|(t, p)| t.data_ptr() == p.data_ptr()), "the optimizer's targets keep their order");
+                let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
+                (steps, dp.bucket_bytes())
+            })
+        };
+        for path in 0..3 {
+            let (before, after) = (run(false, path), run(true, path));
+            assert_eq!(after[0].0, before[0].0, "path {path}");
+            assert_eq!(after[0].0, after[1].0, "path {path}");
+            assert_eq!(after[0].1, [36, 88, 16]);
+        }
+        let ps = params(5);
+        let e = DataParallel::new(&ps, &BucketPlan { order: vec![0, 1, 1, 3], max_bytes: 44, tail: 0 }, ZeroStage::None, 0, 2)
+            .err()
+            .expect("a parameter twice is refused");
+        assert!(e.to_string().contains("each of the 4 parameters once"), "{e}");
+    }
+
+    #[test]
+    fn the_ranks_shares_of_the_norm_add_up_to_the_norm_of_every_gradient() {
+        // After the reduction every rank holds the same averages; each takes
+        // a disjoint half of them, and the control all-reduce that adds the
+        // squares up is not counted as gradient traffic.
+        for path in 0..3u8 {
+            let got = two_ranks(move |rank, comm| {
+                let ps = params(5);
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
+                assert!(dp.enable_overlap(comm).unwrap());
+                match path {
+                    1 => assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap()),
+                    2 => assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap()),
+                    _ => {}
+                }
+                two_steps(&mut dp, &ps, rank, comm);
+                let all = torch_ext::clip_grad_norm(&dp.grads().unwrap(), None).unwrap().double_value(&[]);
+                let share = dp.norm_share().unwrap().expect("two ranks without ZeRO share the norm");
+                let mine: i64 = share.iter().map(|t| t.numel() as i64).sum();
+                let before = comm.stats().collectives;
+                let norm = global_norm(&share, comm, Device::Cpu).unwrap().double_value(&[]);
+                (all, norm, mine, comm.stats().collectives - before)
+            });
+            for (rank, (all, norm, _, counted)) in got.iter().enumerate() {
+                assert!((all - norm).abs() <= 1e-5 * all, "path {path}, rank {rank}: {norm} against {all}");
+                assert_eq!(*counted, 0, "the control all-reduce counted");
+            }
+            // 35 elements (or 15 + 7 + 4 + 9, each split) between the two ranks, once each.
+            assert_eq!(got[0].2 + got[1].2, 35, "path {path}");
+        }
+        // Under ZeRO the shard is the share, and one rank reads everything.
+        let ps = params(5);
+        assert!(DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, 0, 2).unwrap().norm_share().unwrap().is_none());
+        assert!(DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap().norm_share().unwrap().is_none());
+    }
+
+    #[test]
     fn symmetric_buffers_average_as_a_scatter_and_a_gather_what_the_all_reduce_does() {
         // HARNESS_CE_GATHER's path on thread ranks: the flat buffers moved
         // into the collective's symmetric memory (padded to the ranks), each
@@ -1383,7 +1568,7 @@ mod tests {
         let run = |split: bool| {
             two_ranks(move |rank, comm| {
                 let ps = params(5);
-                let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 if split {
                     assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap());
@@ -1437,7 +1622,7 @@ mod tests {
                 let v = Tensor::from_slice(&[0.5f32, -1.5, 2.0]).set_requires_grad(true);
                 let ps = vec![w.shallow_clone(), b.shallow_clone(), u.shallow_clone(), v.shallow_clone()];
                 // Buckets: [w, b, u] (72 bytes), [v].
-                let mut dp = DataParallel::new(&ps, 72, stage, rank, 2).unwrap();
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 72), stage, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 if unzeroed {
                     assert!(dp.use_stale_buffers().unwrap());
@@ -1500,7 +1685,7 @@ mod tests {
     fn a_bf16_reduction_averages_in_bf16_and_only_where_it_can() {
         let out = two_ranks(|rank, comm| {
             let ps = params(7);
-            let mut dp = DataParallel::new(&ps, 44, ZeroStage::None, rank, 2).unwrap();
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap());
             dp.reduce_in(Kind::BFloat16).unwrap();
@@ -1524,7 +1709,7 @@ mod tests {
         // Where the flat buffers or ZeRO reduce, it is refused by name.
         let refused = two_ranks(|rank, comm| {
             let ps = params(7);
-            let mut dp = DataParallel::new(&ps, 44, ZeroStage::One, rank, 2).unwrap();
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             dp.reduce_in(Kind::BFloat16).unwrap_err().to_string()
         });
@@ -1541,7 +1726,7 @@ mod tests {
             let run = move |overlap: bool| {
                 two_ranks(move |rank, comm| {
                     let ps = params(6);
-                    let mut dp = DataParallel::new(&ps, 44, stage, rank, 2).unwrap();
+                    let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
                     if overlap {
                         assert!(dp.enable_overlap(comm).unwrap());
                     }
@@ -1568,7 +1753,7 @@ mod tests {
         }
         let out = two_ranks(|rank, comm| {
             let ps = params(4);
-            let mut dp = DataParallel::new(&ps, 1 << 20, ZeroStage::None, rank, 2).unwrap();
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 1 << 20), ZeroStage::None, rank, 2).unwrap();
             dp.begin_step().unwrap();
             dp.before_backward(&ps).unwrap();
             loss(&ps, 1.0).backward();

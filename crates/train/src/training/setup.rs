@@ -132,9 +132,8 @@ impl Training {
         // strategy, and the built-in all-reduce returns at once with one
         // rank. Optionally sharded (ZeRO).
         let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
-        let mut dp = tch::no_grad(|| {
-            DataParallel::new(&params, ctx.bucket_bytes.unwrap_or_else(|| DataParallel::auto_bucket_bytes(&params)), stage, rank, world)
-        })?;
+        let plan = bucket_plan(&vs, &params, ctx.bucket_bytes);
+        let mut dp = tch::no_grad(|| DataParallel::new(&params, &plan, stage, rank, world))?;
         let (targets, decay) = dp.update_targets(&params);
         let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
         let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
@@ -328,6 +327,27 @@ impl Training {
 
 /// What [`init_model`] makes: the store, the model, the parameters' names
 /// and tensors, and the untrained state variables (buffers) by name.
+/// The gradient buckets: at most `bucket_bytes` each (else
+/// [`DataParallel::auto_bucket_bytes`]), filled in the order the backward
+/// pass finishes the gradients, the reverse of the model's creation order
+/// (`HARNESS_READY_ORDER=0`: the parameters' names' order), and the last
+/// `HARNESS_TAIL_BUCKETS` buckets smaller.
+fn bucket_plan(vs: &nn::VarStore, params: &[Tensor], bucket_bytes: Option<u64>) -> dp::BucketPlan {
+    let switches = crate::switches::get();
+    let order = if switches.ready_order {
+        let created: Vec<usize> = vs
+            .trainable_variables()
+            .iter()
+            .filter_map(|t| params.iter().position(|p| p.data_ptr() == t.data_ptr() && p.size() == t.size()))
+            .collect();
+        dp::ready_order(params.len(), &created)
+    } else {
+        (0..params.len()).collect()
+    };
+    let max_bytes = bucket_bytes.unwrap_or_else(|| DataParallel::auto_bucket_bytes(params));
+    dp::BucketPlan { order, max_bytes, tail: switches.tail_buckets.min(63) as u32 }
+}
+
 type Initialised = (nn::VarStore, Model, Vec<String>, Vec<Tensor>, Vec<(String, Tensor)>);
 
 /// The model from the entry's seed, parameters and buffers (variables that
@@ -368,6 +388,74 @@ fn fused_kernels(device: Device, precision: Precision, wanted: Kernels) -> (bool
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The order in which a backward pass of the model `spec` (on CPU, over
+    /// `input` as its own target) finishes its parameters' gradients, as
+    /// indices into the parameters of [`init_model`], and its bucket plan
+    /// at about a fifth of the gradients a bucket.
+    fn arrivals(spec: &crate::suite::ModelSpec, vocab: u32, input: &Tensor) -> (Vec<usize>, dp::BucketPlan, Vec<Tensor>) {
+        unsafe extern "C" fn arrived(ctx: *mut std::ffi::c_void, idx: i64) {
+            // SAFETY: ctx is the mutex below, alive while the hooks are set.
+            let v = unsafe { &*(ctx as *const std::sync::Mutex<Vec<usize>>) };
+            v.lock().unwrap().push(idx as usize);
+        }
+        let cfg = ModelConfig::resolve(spec, vocab, input.size()[1] as u32).unwrap();
+        let (vs, model, _, params, _) = init_model(&cfg, crate::suite::Recompute::None, 3, Device::Cpu);
+        let total: u64 = params.iter().map(crate::torch_ext::nbytes).sum();
+        let plan = bucket_plan(&vs, &params, Some(total / 5));
+        let seen = std::sync::Mutex::new(Vec::new());
+        let ctx = &seen as *const _ as *mut std::ffi::c_void;
+        for (i, p) in params.iter().enumerate() {
+            // SAFETY: `seen` outlives the hooks, removed below.
+            unsafe { crate::torch_ext::set_grad_ready_hook(p, Some(arrived), ctx, i as i64).unwrap() };
+        }
+        model.loss(input, input, true).backward();
+        for p in &params {
+            // SAFETY: removing the hook.
+            unsafe { crate::torch_ext::set_grad_ready_hook(p, None, std::ptr::null_mut(), 0).unwrap() };
+        }
+        (seen.into_inner().unwrap(), plan, params)
+    }
+
+    /// Whether `buckets` complete in their order when gradients arrive in
+    /// `arrived`'s: each bucket's last gradient before the next bucket's last.
+    fn complete_in_order(buckets: &[Vec<usize>], arrived: &[usize]) -> bool {
+        let at = |i: &usize| arrived.iter().position(|a| a == i).expect("every parameter's gradient arrives");
+        let last: Vec<usize> = buckets.iter().map(|b| b.iter().map(at).max().unwrap()).collect();
+        last.windows(2).all(|w| w[0] < w[1])
+    }
+
+    #[test]
+    fn gradient_buckets_complete_in_their_order_in_a_gpts_backward_pass() {
+        // Twelve layers: by name, layer 10 would come between 1 and 2, and
+        // the position table beside the final norm (a bucket that waits for
+        // the end of the pass); the tied token table is finished last.
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let spec = crate::suite::ModelSpec {
+            kind: ModelKind::Gpt,
+            preset: Some("tiny".into()),
+            n_layer: Some(12),
+            n_head: None,
+            d_model: None,
+            d_ff: None,
+            dropout: None,
+        };
+        let input = Tensor::randint(64, [2, 8], (Kind::Int64, Device::Cpu));
+        let (arrived, plan, params) = arrivals(&spec, 64, &input);
+        assert_eq!(arrived.len(), params.len(), "one arrival per parameter");
+        assert!(crate::switches::get().ready_order, "the test needs HARNESS_READY_ORDER unset or 1");
+        let buckets = dp::buckets_of(&params, &plan.order, plan.max_bytes, plan.tail);
+        assert!(buckets.len() >= 5, "{} buckets", buckets.len());
+        assert!(complete_in_order(&buckets, &arrived), "buckets {buckets:?}, arrivals {arrived:?}");
+        // By name they would not.
+        let by_name = dp::buckets_of(&params, &(0..params.len()).collect::<Vec<_>>(), plan.max_bytes, plan.tail);
+        assert!(!complete_in_order(&by_name, &arrived));
+        // The tied token table's gradient is finished last, and is last in
+        // the order; the last bucket is the smallest.
+        assert_eq!(arrived.last(), plan.order.last());
+        let bytes = |b: &Vec<usize>| b.iter().map(|&i| crate::torch_ext::nbytes(&params[i])).sum::<u64>();
+        assert!(buckets.iter().all(|b| bytes(b) >= bytes(buckets.last().unwrap())));
+    }
 
     #[test]
     fn autocast_covers_the_forward_pass_and_pauses_for_the_backward_pass() {

@@ -217,6 +217,9 @@ impl Training {
         let mut clip_norm = None;
         let mut grad_scale = None;
         if let Some(max) = self.grad_clip {
+            // Several ranks each take a world-th of the averaged gradients
+            // (HARNESS_SHARED_NORM=0: each reads them all; ZeRO: its shard).
+            let share = if crate::switches::get().shared_norm { self.dp.norm_share()? } else { None };
             if sharded {
                 let _norm = dp::clip_grad_norm_sharded(&grads, max, comm, self.device)?;
             } else if self.scaler.is_none() && self.optimizer.takes_grad_scale() {
@@ -226,8 +229,15 @@ impl Training {
                 // min(1, max / (norm + 1e-6)) without the pass over every
                 // gradient that applies it (1.9 ms of a 147 ms step of the
                 // 1.3B preset on an H100).
-                let norm = torch_ext::clip_grad_norm(&grads, None)?;
+                let norm = match share {
+                    Some(share) => dp::global_norm(&share, comm, self.device)?,
+                    None => torch_ext::clip_grad_norm(&grads, None)?,
+                };
                 grad_scale = Some(((&norm + 1e-6) / max).clamp_min(1.0));
+                clip_norm = Some(norm);
+            } else if let Some(share) = share {
+                let norm = dp::global_norm(&share, comm, self.device)?;
+                dp::scale_to_norm(&grads, &norm, max);
                 clip_norm = Some(norm);
             } else {
                 clip_norm = Some(torch_ext::clip_grad_norm(&grads, Some(max))?);
