@@ -380,7 +380,13 @@ unsafe fn launch(
 }
 
 /// The fastest of `found` for the problem, each timed over a few runs into
-/// the real outputs (which the caller's run then overwrites), on `stream`.
+/// the real outputs (which the caller's run then overwrites), on `stream`,
+/// twice (the better of the two). The device is idle first: the timing
+/// must not see other streams' kernels, such as the collectives that a
+/// data-parallel backward pass overlaps (on 4 x H100 they had the 1.3B's
+/// attention projections take algorithms 70% slower on a quiet GPU, 3.7 ms
+/// a step in one traced run). Waiting for a collective cannot stall: every rank started it
+/// before reaching the matmul that asks (the same model, in the same order).
 fn fastest(
     l: &Lt,
     desc: &Desc,
@@ -391,8 +397,9 @@ fn fastest(
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
     let ev = || drv::event::create(dsys::CUevent_flags::CU_EVENT_DEFAULT).ok();
     let (Some(start), Some(end)) = (ev(), ev()) else { return found.first().copied() };
+    let _ = drv::ctx::synchronize();
     let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
-    for algo in found {
+    for algo in found.iter().chain(found) {
         // SAFETY: the caller's pointers and descriptors (see `launch`); the
         // events are live and recorded on the same stream.
         let time = unsafe {
