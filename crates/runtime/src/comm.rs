@@ -182,6 +182,18 @@ pub trait Collective {
     fn all_gather(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Sums `t` (numel divisible by world_size) over ranks and returns this rank's 1-D chunk (numel / world_size elements, rank order).
     fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
+    /// Gathers every rank's chunk of the contiguous 1-D `flat` (numel
+    /// divisible by world_size; rank r's chunk is the r-th of world_size
+    /// equal pieces) into the whole of `flat` on every rank, in place: what
+    /// [`Collective::all_gather`] of the chunks gives, without a second
+    /// buffer or a copy where the collective writes in place (NCCL).
+    fn all_gather_in_place(&mut self, flat: &Tensor) -> Result<(), CommError> {
+        let n = self.world_size() as i64;
+        let chunk = flat.numel() as i64 / n;
+        let full = self.all_gather(&flat.narrow(0, self.rank() as i64 * chunk, chunk))?;
+        tch::no_grad(|| flat.shallow_clone().copy_(&full));
+        Ok(())
+    }
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Sums a small control value `t` (a gradient norm's square, a flag)
@@ -1616,6 +1628,22 @@ pub mod nccl {
             // memory only for work queued after this.
             self.timed(Op::AllGather, nbytes(&out), |l, comm| unsafe { (l.all_gather)(sp, rp, count, dt, comm, std::ptr::null_mut()) })?;
             Ok(out)
+        }
+        fn all_gather_in_place(&mut self, flat: &Tensor) -> Result<(), CommError> {
+            let dt = self.dtype_of(flat, "all_gather")?;
+            if !flat.is_contiguous() || flat.dim() != 1 {
+                let reason = "an in-place all-gather takes a contiguous 1-D buffer".to_owned();
+                return Err(CommError::Invalid { op: "all_gather", seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            let count = self.chunk_of(flat.numel(), "all_gather")?;
+            let base = flat.data_ptr();
+            // SAFETY: this rank's chunk, inside `flat`.
+            let mine = unsafe { (base as *mut u8).add(self.rank * count * flat.kind().elt_size_in_bytes()) } as *mut c_void;
+            // SAFETY: NCCL's in-place all-gather (the send buffer is this
+            // rank's chunk of the receive buffer): n x `count` elements of
+            // `flat`, a live device buffer of that type, on the legacy
+            // default stream.
+            self.timed(Op::AllGather, nbytes(flat), |l, comm| unsafe { (l.all_gather)(mine, base, count, dt, comm, std::ptr::null_mut()) })
         }
         fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
             let src = t.contiguous();

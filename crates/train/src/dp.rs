@@ -1040,9 +1040,7 @@ impl DataParallel {
         }
         for b in &mut self.buckets {
             let flat = b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
-            let chunk = b.padded / self.world as i64;
-            let full = comm.all_gather(&flat.narrow(0, self.rank as i64 * chunk, chunk))?;
-            tch::no_grad(|| flat.shallow_clone().copy_(&full));
+            comm.all_gather_in_place(flat)?;
             b.reduced = None;
         }
         Ok(())
@@ -1075,17 +1073,6 @@ impl DataParallel {
     pub fn bucket_bytes(&self) -> Vec<u64> {
         self.buckets.iter().map(|b| b.numel as u64 * b.kind.elt_size_in_bytes() as u64).collect()
     }
-}
-
-/// Clips gradients spread over the ranks (each rank holds a disjoint part,
-/// ZeRO's shard) to the global 2-norm `max_norm`: the ranks sum the squares
-/// of their parts' norms with an all-reduce, then each scales its part by
-/// min(1, max_norm / (norm + 1e-6)), as `clip_grad_norm_`. Returns the
-/// global norm (a device scalar).
-pub fn clip_grad_norm_sharded(grads: &[Tensor], max_norm: f64, comm: &mut dyn Collective, device: Device) -> anyhow::Result<Tensor> {
-    let total = global_norm(grads, comm, device)?;
-    scale_to_norm(grads, &total, max_norm);
-    Ok(total)
 }
 
 /// Scales `grads`, whose 2-norm is `norm`, by min(1, max_norm / (norm +
@@ -1770,7 +1757,8 @@ mod tests {
         // Rank 0 holds [3], rank 1 holds [4]: the global norm is 5.
         let out = two_ranks(|rank, comm| {
             let g = Tensor::from_slice(&[3.0f32 + rank as f32]);
-            let norm = clip_grad_norm_sharded(&[g.shallow_clone()], 1.0, comm, Device::Cpu).unwrap();
+            let norm = global_norm(&[g.shallow_clone()], comm, Device::Cpu).unwrap();
+            scale_to_norm(&[g.shallow_clone()], &norm, 1.0);
             (norm.double_value(&[]), g.double_value(&[0]))
         });
         assert!((out[0].0 - 5.0).abs() < 1e-6 && (out[1].0 - 5.0).abs() < 1e-6);
