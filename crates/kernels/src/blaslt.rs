@@ -385,8 +385,9 @@ unsafe fn launch(
 /// must not see other streams' kernels, such as the collectives that a
 /// data-parallel backward pass overlaps (on 4 x H100 they had the 1.3B's
 /// attention projections take algorithms 70% slower on a quiet GPU, 3.7 ms
-/// a step in one traced run). Waiting for a collective cannot stall: every rank started it
-/// before reaching the matmul that asks (the same model, in the same order).
+/// a step in one traced run). Waiting for a collective cannot stall: every
+/// rank started it before reaching the matmul that asks (the same model, in
+/// the same order).
 fn fastest(
     l: &Lt,
     desc: &Desc,
