@@ -86,6 +86,31 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
 }
 
 #[test]
+fn a_non_finite_output_on_one_rank_is_caught_by_that_rank_with_clipping_on() {
+    // With clipping, several ranks share the gradient norm (each reads a
+    // piece of the averaged gradients); where the norm checks a plugin's
+    // output, each rank must read all of its own: here rank 1's first
+    // element, which lies in rank 0's piece, is NaN and rank 0's is not.
+    let dir = tempfile::tempdir().unwrap();
+    let workload = WORKLOAD.replace("eval_batches = 1", "eval_batches = 1\ngrad_clip = 1.0");
+    let s = format!(
+        "[suite]\nname = \"nan-one-rank\"\ndevice = \"cpu\"\nseed = 1\nworld_size = 2\nwarmup_steps = 2\n{workload}\n\
+         [[plugin]]\nname = \"bad\"\npath = \"{}\"\n\
+         [[strategy]]\nname = \"nan-first\"\ncompressor = \"bad\"\ncompressor_config = {{ mode = \"nan-first\", rank = 1 }}\n",
+        artifact("misbehave.wasm").display()
+    );
+    let suite = write(dir.path(), "suite.toml", &s);
+    let out_path = dir.path().join("r.json");
+    let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    let r = results(&out_path);
+    let e = entry(&r, "mlp/nan-first/r0");
+    assert_eq!(e["status"], "failed", "{e}");
+    let msg = e["error"].as_str().unwrap();
+    assert!(msg.contains("rank 1: ") && msg.contains("non-finite values in bucket 0 at step 0"), "{msg}");
+}
+
+#[test]
 fn a_wasm_all_reduce_plugin_trains_exactly_like_the_built_in_one() {
     let dir = tempfile::tempdir().unwrap();
     let s = format!(

@@ -273,7 +273,9 @@ switches! {
     /// `HARNESS_SHARED_NORM` (default 1): with several ranks and no ZeRO,
     /// the gradient norm that clipping needs is computed by each rank over a
     /// world-th of the averaged gradients, the squares added up by a
-    /// control all-reduce of one number; 0 has every rank read all of them.
+    /// control all-reduce of one number (not where that norm checks a
+    /// compressor plugin's output: each rank reads all of its own); 0 has
+    /// every rank read all of them.
     shared_norm: bool = true, "HARNESS_SHARED_NORM", Recorded;
     /// `HARNESS_UNZEROED_GRADS` (default 1): where several ranks keep flat
     /// gradient buffers with the overlapped average (`HARNESS_LOCAL_GRADS=0`,

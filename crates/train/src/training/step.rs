@@ -220,8 +220,12 @@ impl Training {
             // The norm: under ZeRO over the ranks' shards; with several
             // ranks over a world-th of the averaged gradients each
             // (HARNESS_SHARED_NORM=0: each reads them all); an all-reduce of
-            // one number adds the squares up.
-            let share = if crate::switches::get().shared_norm { self.dp.norm_share()? } else { None };
+            // one number adds the squares up. Not where the norm checks a
+            // plugin's output: each rank then reads all of its own, which a
+            // hostile compressor may have left different from the others'.
+            let checks_plugin = matches!(check, OutputCheck::ByNorm(_));
+            let shared = crate::switches::get().shared_norm && !checks_plugin;
+            let share = if shared { self.dp.norm_share()? } else { None };
             let spread = if sharded { Some(grads.as_slice()) } else { share.as_deref() };
             let norm = spread.map(|parts| dp::global_norm(parts, comm, self.device)).transpose()?;
             if self.scaler.is_none() && self.optimizer.takes_grad_scale() {

@@ -7,19 +7,21 @@
 //!   with the WASM build), `alloc` (grows a `Vec` without bound,
 //!   touching every page; natively that exhausts the host process's memory,
 //!   so use it with the WASM build), `nan` (leaves NaN in the bucket),
+//!   `nan-first` (averages as `allreduce`, then leaves NaN in the bucket's
+//!   first element only),
 //!   `wrong-shape` (assigns a tensor of another shape to the bucket),
 //!   `reject` (configure fails), `hang` (sleeps for an hour without entering
 //!   the collective; natively only), `kill` (kills its own process with
 //!   SIGKILL, as the kernel's out-of-memory killer would; natively only);
 //! - `at`: `compress` (default) or `configure`: where `trap`, `panic`,
-//!   `loop` and `alloc` happen. `nan`, `wrong-shape`, `hang` and `kill`
-//!   happen in `compress`;
+//!   `loop` and `alloc` happen. `nan`, `nan-first`, `wrong-shape`, `hang`
+//!   and `kill` happen in `compress`;
 //! - `rank`: the one rank that misbehaves (default: every rank); the others
 //!   behave like `allreduce`.
 
 use harness_sdk::{tensor, BucketInfo, Collective, Compressor, Config, Error, Plugin, Tensor};
 
-const MODES: [&str; 10] = ["ok", "trap", "panic", "loop", "alloc", "nan", "wrong-shape", "reject", "hang", "kill"];
+const MODES: [&str; 11] = ["ok", "trap", "panic", "loop", "alloc", "nan", "nan-first", "wrong-shape", "reject", "hang", "kill"];
 
 /// See the crate docs.
 pub struct Misbehave {
@@ -103,15 +105,24 @@ impl Compressor for Misbehave {
             "kill" => kill_self(),
             "nan" => bucket.assign(&bucket.mul_scalar(f64::NAN)),
             "wrong-shape" => bucket.assign(&tensor::zeros(&[bucket.numel() + 1], bucket.dtype(), bucket)),
-            _ => {
-                comm.all_reduce_sum(bucket);
-                let world = comm.world_size();
-                if world > 1 {
-                    bucket.assign(&bucket.mul_scalar(1.0 / f64::from(world)));
-                }
+            "nan-first" => {
+                average(bucket, comm);
+                let mut poison = vec![0f32; bucket.numel() as usize];
+                poison[0] = f32::NAN;
+                bucket.assign(&bucket.add(&tensor::from_f32(&poison, &bucket.shape(), bucket)));
             }
+            _ => average(bucket, comm),
         }
         Ok(())
+    }
+}
+
+/// What `allreduce` does: the bucket summed over the ranks, then divided by them.
+fn average(bucket: &Tensor, comm: &Collective) {
+    comm.all_reduce_sum(bucket);
+    let world = comm.world_size();
+    if world > 1 {
+        bucket.assign(&bucket.mul_scalar(1.0 / f64::from(world)));
     }
 }
 
