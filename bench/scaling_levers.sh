@@ -27,7 +27,7 @@
 #   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
 #   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) byname (HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0:
-#   the buckets in the parameters' names' order, none smaller at the end, as
+#   the buckets in the parameters' names' order (filled from the end), none smaller at the end, about as
 #   before 2026-11-27) byname-tail (names' order, smaller last buckets) tailN
 #   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.

@@ -1363,6 +1363,7 @@ mod tests {
             world_size: 1,
             steps: Some(300),
             plugins: [("compressor".to_owned(), "cd".repeat(32))].into(),
+            shards: String::new(),
         }
     }
 
@@ -1749,7 +1750,7 @@ mod tests {
             Store::open(&ours, 0, 1, false, false).unwrap().for_run(r, accept()).unwrap()
         };
         type Edit = fn(&mut RunIdentity);
-        let cases: [(&str, Edit, &str); 5] = [
+        let cases: [(&str, Edit, &str); 6] = [
             (
                 "run.entry",
                 |r| r.entry = "w/b/r0".into(),
@@ -1759,6 +1760,12 @@ mod tests {
             ("run.seed", |r| r.seed = 8, "is 7, this run's is 8"),
             ("run.steps", |r| r.steps = Some(200), "is Some(300), this run's is Some(200)"),
             ("run.plugins", |r| r.plugins.clear(), "belongs to another run or entry"),
+            // ZeRO's shards laid out otherwise (the checkpoint's run had none).
+            (
+                "run.shards",
+                |r| r.shards = "0123456789abcdef".into(),
+                "is none, this run's is `0123456789abcdef`: the ZeRO shards lie differently",
+            ),
         ];
         for (field, edit, why) in cases {
             let e = refusal(other(edit).read(40), &copy, field);

@@ -1027,6 +1027,25 @@ impl DataParallel {
         Ok(Some(whole.iter().map(piece).filter(|p| p.numel() > 0).collect()))
     }
 
+    /// Under ZeRO, a digest of where each parameter lies in the buckets
+    /// and so in the ranks' shards (the parameters, their offsets, the
+    /// padded sizes, the ranks): equal exactly when the optimizer state of
+    /// one run's shard pieces belongs to the same parameters in another's.
+    /// Empty without ZeRO.
+    pub fn shard_layout(&self) -> String {
+        use sha2::{Digest, Sha256};
+        if !self.stage.sharded() {
+            return String::new();
+        }
+        let mut h = Sha256::new();
+        h.update(format!("world {}\n", self.world));
+        for b in &self.buckets {
+            h.update(format!("bucket {} {:?} {:?}\n", b.padded, b.params, b.offsets));
+        }
+        let digest = h.finalize();
+        digest.iter().take(8).map(|x| format!("{x:02x}")).collect()
+    }
+
     /// Whether optimizer state and gradients are sharded (ZeRO).
     pub fn sharded(&self) -> bool {
         self.stage.sharded()
@@ -1509,6 +1528,24 @@ mod tests {
             .err()
             .expect("a parameter twice is refused");
         assert!(e.to_string().contains("each of the 4 parameters once"), "{e}");
+    }
+
+    #[test]
+    fn zero_shard_layouts_follow_the_bucket_plan_and_plain_data_parallelism_has_none() {
+        // What a ZeRO checkpoint records so that a run whose buckets lie
+        // otherwise refuses it: the same plan, the same digest; another, another.
+        let layout = |plan: BucketPlan, stage| {
+            let ps = params(5);
+            DataParallel::new(&ps, &plan, stage, 0, 2).unwrap().shard_layout()
+        };
+        let reordered = || BucketPlan { order: vec![3, 1, 0, 2], max_bytes: 100, tail: 1 };
+        let a = layout(BucketPlan::in_order(&params(5), 44), ZeroStage::One);
+        assert_eq!(a.len(), 16, "{a}");
+        assert_eq!(a, layout(BucketPlan::in_order(&params(5), 44), ZeroStage::One));
+        assert_ne!(a, layout(reordered(), ZeroStage::One));
+        assert_ne!(a, layout(BucketPlan::in_order(&params(5), 60), ZeroStage::One));
+        assert_eq!(layout(reordered(), ZeroStage::Two), layout(reordered(), ZeroStage::Two));
+        assert_eq!(layout(reordered(), ZeroStage::None), "");
     }
 
     #[test]

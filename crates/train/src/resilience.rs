@@ -653,6 +653,7 @@ fn run_and_accept(ctx: &EntryContext<'_>, t: &mut Training) -> Result<(RunIdenti
         world_size: t.world as u32,
         steps: w.steps,
         plugins,
+        shards: t.dp.shard_layout(),
     };
     let bounds = match t.strategies.batch.plugin_mut() {
         None => Bounds::fixed(w.batch, w.grad_accum, w.steps),

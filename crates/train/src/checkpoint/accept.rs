@@ -72,6 +72,13 @@ pub struct RunIdentity {
     /// The sha256 of each strategy plugin's artifact, by slot
     /// (`compressor`, `batch`, `checkpoint`; built-in strategies have none).
     pub plugins: BTreeMap<String, String>,
+    /// Under ZeRO, a digest of how the parameters lie in the shards
+    /// ([`crate::dp::DataParallel::shard_layout`]): the optimizer state is
+    /// kept per shard piece, and pieces of another layout can have the same
+    /// shapes and hold other parameters' state. Empty (and not written)
+    /// without ZeRO, where the state follows the parameters.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub shards: String,
 }
 
 impl RunIdentity {
@@ -102,6 +109,20 @@ impl RunIdentity {
         }
         if theirs.plugins != self.plugins {
             return Err(differs("plugins", format!("{:?}", theirs.plugins), format!("{:?}", self.plugins)));
+        }
+        if theirs.shards != self.shards {
+            let shown = |s: &str| if s.is_empty() { "none".to_owned() } else { format!("`{s}`") };
+            return Err(refused(
+                dir,
+                "run.shards",
+                format!(
+                    "is {}, this run's is {}: the ZeRO shards lie differently (the gradient buckets changed: bucket_mb, \
+                     HARNESS_READY_ORDER, HARNESS_TAIL_BUCKETS or harness's version), so its optimizer state would \
+                     land on other parameters",
+                    shown(&theirs.shards),
+                    shown(&self.shards)
+                ),
+            ));
         }
         Ok(())
     }
