@@ -562,8 +562,8 @@ impl DataParallel {
 
     /// `HARNESS_UNZEROED_GRADS`: with the overlap on and flat buffers (not
     /// autograd's own gradients), a step's start leaves a bucket's buffer as
-    /// it is, unzeroed (ZeRO-2: allocated without zeroing), where in the steps so far no gradient of
-    /// its parameters reached autograd: the fused layers write them all
+    /// it is, unzeroed (ZeRO-2: allocated without zeroing), where in the
+    /// steps so far no gradient of its parameters reached autograd: the fused layers write them all
     /// themselves, and each one's first write of a step writes over the
     /// buffer ([`crate::stale`]; a weight's gradient matmul with beta = 0)
     /// instead of adding into zeros. That saves the zeroing pass and the
@@ -1014,7 +1014,7 @@ impl DataParallel {
         }
         let piece = |t: &Tensor| {
             let n = t.numel() as i64;
-            let per = (n + self.world as i64 - 1) / self.world as i64;
+            let per = padded_to(n, self.world) / self.world as i64;
             let start = (self.rank as i64 * per).min(n);
             t.reshape([-1]).narrow(0, start, per.min(n - start))
         };

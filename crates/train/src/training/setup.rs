@@ -325,8 +325,6 @@ impl Training {
     }
 }
 
-/// What [`init_model`] makes: the store, the model, the parameters' names
-/// and tensors, and the untrained state variables (buffers) by name.
 /// The gradient buckets: at most `bucket_bytes` each (else
 /// [`DataParallel::auto_bucket_bytes`]), filled in the order the backward
 /// pass finishes the gradients, the reverse of the model's creation order
@@ -348,6 +346,8 @@ fn bucket_plan(vs: &nn::VarStore, params: &[Tensor], bucket_bytes: Option<u64>) 
     dp::BucketPlan { order, max_bytes, tail: switches.tail_buckets.min(63) as u32 }
 }
 
+/// What [`init_model`] makes: the store, the model, the parameters' names
+/// and tensors, and the untrained state variables (buffers) by name.
 type Initialised = (nn::VarStore, Model, Vec<String>, Vec<Tensor>, Vec<(String, Tensor)>);
 
 /// The model from the entry's seed, parameters and buffers (variables that
