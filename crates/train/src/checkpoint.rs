@@ -1780,6 +1780,10 @@ mod tests {
         // Compressed by a run that does not compress.
         let zst = Store::open(&ours, 0, 1, true, false).unwrap().for_run(run("w/a/r0"), accept()).unwrap();
         refusal(zst.read(40), &copy, "compressed");
+        // A forged shard layout is refused without echoing what it holds.
+        forge(&copy, |m| m.run.shards = "\u{1b}[2J\nrefused? no".into());
+        let e = refusal(other(|_| {}).read(40), &copy, "run.shards");
+        assert!(e.contains("is no layout digest (16 bytes), this run's is none") && !e.contains('\u{1b}'), "{e}");
     }
 
     #[test]

@@ -111,7 +111,12 @@ impl RunIdentity {
             return Err(differs("plugins", format!("{:?}", theirs.plugins), format!("{:?}", self.plugins)));
         }
         if theirs.shards != self.shards {
-            let shown = |s: &str| if s.is_empty() { "none".to_owned() } else { format!("`{s}`") };
+            // A manifest is a stranger's: only a layout digest (hex) is shown.
+            let shown = |s: &str| match s {
+                "" => "none".to_owned(),
+                s if s.len() <= 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => format!("`{s}`"),
+                s => format!("no layout digest ({} bytes)", s.len()),
+            };
             return Err(refused(
                 dir,
                 "run.shards",
