@@ -1784,6 +1784,10 @@ mod tests {
         forge(&copy, |m| m.run.shards = "\u{1b}[2J\nrefused? no".into());
         let e = refusal(other(|_| {}).read(40), &copy, "run.shards");
         assert!(e.contains("is no layout digest (16 bytes), this run's is none") && !e.contains('\u{1b}'), "{e}");
+        // So is a forged entry id.
+        forge(&copy, |m| m.run.entry = "w/\u{1b}[2J".into());
+        let e = refusal(other(|_| {}).read(40), &copy, "run.entry");
+        assert!(e.contains("is a value of 6 bytes (not shown") && !e.contains('\u{1b}'), "{e}");
     }
 
     #[test]

@@ -93,10 +93,10 @@ impl RunIdentity {
             refused(dir, format!("run.{field}"), format!("is {t}, this run's is {o}: the checkpoint belongs to another run or entry"))
         };
         if theirs.suite_sha256 != self.suite_sha256 {
-            return Err(differs("suite_sha256", theirs.suite_sha256.clone(), self.suite_sha256.clone()));
+            return Err(differs("suite_sha256", shown(&theirs.suite_sha256, false), self.suite_sha256.clone()));
         }
         if theirs.entry != self.entry {
-            return Err(differs("entry", format!("`{}`", theirs.entry), format!("`{}`", self.entry)));
+            return Err(differs("entry", shown(&theirs.entry, true), format!("`{}`", self.entry)));
         }
         if theirs.seed != self.seed {
             return Err(differs("seed", theirs.seed.to_string(), self.seed.to_string()));
@@ -130,6 +130,20 @@ impl RunIdentity {
             ));
         }
         Ok(())
+    }
+}
+
+/// A string from a stranger's manifest as a message shows it: as it is
+/// (in backticks with `quoted`) when short and free of control characters,
+/// else only its length.
+fn shown(s: &str, quoted: bool) -> String {
+    if s.len() > 256 || s.chars().any(char::is_control) {
+        return format!("a value of {} bytes (not shown: too long or with control characters)", s.len());
+    }
+    if quoted {
+        format!("`{s}`")
+    } else {
+        s.to_owned()
     }
 }
 
