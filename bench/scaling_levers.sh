@@ -12,7 +12,7 @@
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
 #   VARIANTS (default all): any of one one-gN (1 GPU on GPU N, to see how
 #   the GPUs of the host differ) one-buckets ddp (harness's default) local
-#   (HARNESS_CE_GATHER=0: autograd's own gradients all-reduced) flat zero2 no-overlap
+#   (HARNESS_CE_GATHER=0: autograd's own gradients all-reduced) flat zero1 zero2 no-overlap
 #   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
@@ -29,7 +29,7 @@
 #   ll128 (NCCL_PROTO=LL128) byname (HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0:
 #   the buckets in the parameters' names' order (filled from the end), none smaller at the end, about as
 #   before 2026-11-27) byname-tail (names' order, smaller last buckets) tailN
-#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-smN trace-smN-gG; the traces'
+#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-zero1 trace-zero2 trace-smN trace-smN-gG; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 #   Any variant takes more environment as VARIANT+VAR=VALUE[+VAR=VALUE...],
 #   e.g. cer+HARNESS_READY_ORDER=0.
@@ -90,6 +90,7 @@ for v in $variants; do
     cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     split) suite "$v" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    zero1) suite "$v" "$n" auto zero1 'zero = 1' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     byname) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
     byname-tail) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 ;;
     tail[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TAIL_BUCKETS="${v#tail}" ;;
@@ -115,8 +116,10 @@ for v in $variants; do
     ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ctaeff) suite "$v" "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ll128) suite "$v" "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer)
+    trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer|trace-zero[12])
       case "$v" in
+        trace-zero[12]) suite "$v" "$n" auto "zero${v#trace-zero}" "zero = ${v#trace-zero}" >/dev/null
+          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
         trace-ce) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
         trace-cer) suite "$v" "$n" auto >/dev/null
           TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;

@@ -413,3 +413,91 @@ fn a_checkpoint_policy_of_contract_0_1_0_still_loads_and_persists_every_checkpoi
     assert_eq!(res["failures"][0]["restored_to"], 10);
     assert!(res["checkpoints"].as_array().unwrap().iter().any(|c| c["persisted"] == true));
 }
+
+/// ZeRO's parameters are gathered beside the next forward pass
+/// (`HARNESS_ZERO_PREFETCH`, on by default): whatever reads them between
+/// steps waits for the gathers first. Thread ranks run a gather only when
+/// it is waited for, so a reader that did not wait would see another rank's
+/// shard stale: the replica check would fail, an evaluation or a checkpoint
+/// would differ. Two ranks, ZeRO-1 and ZeRO-2, evaluations, replica checks
+/// and asynchronous checkpoints every 4 steps and a failure at step 13: the
+/// same losses, evaluations and restore points, bit for bit, as with the
+/// gathers right after each update.
+#[test]
+fn zero_gathers_beside_the_forward_pass_change_no_bit_of_training_checkpoints_or_restores() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        r#"[suite]
+name = "zero-prefetch"
+device = "cpu"
+seed = 5
+world_size = 2
+warmup_steps = 2
+bucket_mb = 0.1
+
+[[workload]]
+name = "gpt"
+model = {{ kind = "gpt", preset = "tiny" }}
+data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
+batch = 8
+seq_len = 32
+steps = 20
+optimizer = {{ kind = "adamw", lr = 3e-3, betas = [0.9, 0.95], weight_decay = 0.1 }}
+grad_clip = 1.0
+eval_every = 4
+eval_batches = 2
+faults = {{ at_steps = [13] }}
+
+{}
+[[strategy]]
+name = "zero1"
+zero = 1
+checkpoint = "every-n"
+checkpoint_config = {{ every = 4, keep = 2 }}
+
+[[strategy]]
+name = "zero2"
+zero = 2
+checkpoint = "every-n"
+checkpoint_config = {{ every = 4, keep = 2 }}
+"#,
+        plugin_table("every-n", "every-n.wasm"),
+    );
+    let s = write(dir.path(), "s.toml", &text);
+    let run = |prefetch: &str| {
+        let out = dir.path().join(format!("prefetch{prefetch}.json"));
+        run_ok(
+            harness(dir.path())
+                .env("HARNESS_ZERO_PREFETCH", prefetch)
+                .env("HARNESS_REPLICA_CHECK_EVERY", "4")
+                .args(["run", "-q"])
+                .arg(&s)
+                .arg("--out")
+                .arg(&out),
+        );
+        results(&out)
+    };
+    let (on, off) = (run("1"), run("0"));
+    for s in ["zero1", "zero2"] {
+        let (x, y) = (entry(&on, s), entry(&off, s));
+        assert_eq!(x["status"], "ok", "{s}: {}", x["error"]);
+        assert_eq!(y["status"], "ok", "{s}: {}", y["error"]);
+        assert_eq!(losses(x).len(), 20, "{s}");
+        assert_eq!(losses(x), losses(y), "{s}: the losses differ with the gathers beside the forward pass");
+        let evals = |e: &serde_json::Value| -> Vec<(u64, f64)> {
+            e["metrics"]["eval_curve"].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[2].as_f64().unwrap())).collect()
+        };
+        assert_eq!(evals(x), evals(y), "{s}");
+        assert_eq!(evals(x).len(), 5, "{s}");
+        assert_eq!(x["metrics"]["final_eval_loss"], y["metrics"]["final_eval_loss"], "{s}");
+        let failures = |e: &serde_json::Value| -> Vec<(u64, u64)> {
+            let fs = e["metrics"]["resilience"]["failures"].as_array().unwrap().iter();
+            fs.map(|f| (f["step"].as_u64().unwrap(), f["restored_to"].as_u64().unwrap())).collect()
+        };
+        assert_eq!(failures(x), [(13, 12)], "{s}");
+        assert_eq!(failures(y), [(13, 12)], "{s}");
+    }
+    // The setting is recorded with the result where it is not the default.
+    assert_eq!(on["switches"].get("HARNESS_ZERO_PREFETCH"), None, "{}", on["switches"]);
+    assert_eq!(off["switches"]["HARNESS_ZERO_PREFETCH"], "0", "{}", off["switches"]);
+}

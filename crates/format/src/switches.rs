@@ -260,6 +260,14 @@ switches! {
     /// engines under the zero CTA policy) and one kernel averages this
     /// rank's chunk; fp32 buckets only.
     ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
+    /// `HARNESS_ZERO_PREFETCH` (default 1): under ZeRO with several ranks,
+    /// the parameters updated by each rank's shard are all-gathered beside
+    /// the next step's forward pass (bucket by bucket, in the order the
+    /// pass reads them; GPT's layers wait for their own bucket only, other
+    /// models for all of them before the pass) from buffers in NCCL's
+    /// symmetric memory, on the copy engines where NCCL's CTA policy is
+    /// zero; 0 gathers them right after the update, on the SMs.
+    zero_prefetch: bool = true, "HARNESS_ZERO_PREFETCH", Recorded;
     /// `HARNESS_READY_ORDER` (default 1): several ranks fill their gradient
     /// buckets with the parameters in the order the backward pass finishes
     /// their gradients, the reverse of the order the model creates them

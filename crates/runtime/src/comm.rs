@@ -194,6 +194,16 @@ pub trait Collective {
         tch::no_grad(|| flat.shallow_clone().copy_(&full));
         Ok(())
     }
+    /// Starts [`Collective::all_gather_in_place`] once the work queued so
+    /// far has produced `flat`, without holding up the work queued after
+    /// it: returns what makes later work wait for the gathered buffer, or
+    /// None where the gather is done already (the default: it runs now).
+    /// NCCL gathers on its side stream (on the copy engines for a buffer of
+    /// [`Collective::symmetric_zeros`] under the zero CTA policy).
+    fn all_gather_in_place_async(&mut self, flat: &Tensor) -> Result<Option<Gathered>, CommError> {
+        self.all_gather_in_place(flat)?;
+        Ok(None)
+    }
     /// Copies `root`'s `t` to every rank (setup; not counted as training bytes).
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Sums a small control value `t` (a gradient norm's square, a flag)
@@ -290,6 +300,29 @@ pub trait Collective {
     /// Forgets the timings so far (not the counts or bytes): called when
     /// warm-up ends, so NCCL's lazy set-up stays out of the latencies.
     fn reset_timings(&mut self);
+}
+
+/// An asynchronous gather in flight ([`Collective::all_gather_in_place_async`]):
+/// [`Gathered::wait`] makes the work queued after it wait for the buffer.
+pub struct Gathered(Box<dyn FnOnce() -> Result<(), CommError>>);
+
+impl Gathered {
+    /// `wait` makes later work wait for the gather (it must not block the
+    /// host where the device can wait instead).
+    pub fn new(wait: impl FnOnce() -> Result<(), CommError> + 'static) -> Gathered {
+        Gathered(Box::new(wait))
+    }
+
+    /// Makes the work queued from now on wait for the gathered buffer.
+    pub fn wait(self) -> Result<(), CommError> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Gathered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gathered")
+    }
 }
 
 /// A collective lent beyond its borrow: to a plugin call in progress (the
@@ -410,7 +443,7 @@ impl InProcessGroup {
 
     /// The handle of rank `rank`.
     pub fn rank(self: &Arc<Self>, rank: usize, link: Option<Link>) -> InProcessComm {
-        InProcessComm { group: self.clone(), rank, link, stats: CommStats::default() }
+        InProcessComm { group: self.clone(), rank, link, stats: CommStats::default(), late: Arc::default() }
     }
 
     /// Waits for a change of the state until `deadline`; fails on abort or
@@ -542,6 +575,9 @@ pub struct InProcessComm {
     rank: usize,
     link: Option<Link>,
     stats: CommStats,
+    /// The times of gathers run at their waits ([`Gathered::wait`]): their
+    /// bytes and how long they took, read into `stats` by `stats`.
+    late: Arc<Mutex<Vec<(u64, Duration)>>>,
 }
 
 impl InProcessComm {
@@ -603,6 +639,30 @@ impl Collective for InProcessComm {
         let chunk = self.reduce_scatter_sum(t)? / self.group.n as f64;
         tch::no_grad(|| out.shallow_clone().copy_(&chunk.view_as(out)));
         Ok(())
+    }
+
+    /// Deferred to [`Gathered::wait`], where every rank runs the gather:
+    /// until then `flat` holds only this rank's chunk of the update, so a
+    /// read that does not wait for the gather sees stale values (what the
+    /// tests of the prefetch rely on). Every rank must wait for its gathers
+    /// in the same order.
+    fn all_gather_in_place_async(&mut self, flat: &Tensor) -> Result<Option<Gathered>, CommError> {
+        if self.link.is_some() {
+            // An emulated link stretches each collective as it runs.
+            self.all_gather_in_place(flat)?;
+            return Ok(None);
+        }
+        let (group, rank, flat, late) = (self.group.clone(), self.rank, flat.shallow_clone(), self.late.clone());
+        // Counted here, as NCCL's is at its launch (the gather at the wait
+        // runs on a handle of its own).
+        self.stats.count(Op::AllGather, nbytes(&flat), self.group.n);
+        Ok(Some(Gathered::new(move || {
+            let mut at_wait = InProcessComm { group, rank, link: None, stats: CommStats::default(), late: Arc::default() };
+            let t0 = Instant::now();
+            at_wait.all_gather_in_place(&flat)?;
+            late.lock().unwrap_or_else(|e| e.into_inner()).push((nbytes(&flat), t0.elapsed()));
+            Ok(())
+        })))
     }
 
     /// Plain zeros: thread ranks share one memory already, and the split
@@ -673,10 +733,14 @@ impl Collective for InProcessComm {
     }
 
     fn stats(&mut self) -> &CommStats {
+        for (bytes, took) in std::mem::take(&mut *self.late.lock().unwrap_or_else(|e| e.into_inner())) {
+            self.stats.time(Op::AllGather, bytes, took, took);
+        }
         &self.stats
     }
 
     fn reset_timings(&mut self) {
+        self.late.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.stats.clear_timings();
     }
 }
@@ -1644,6 +1708,42 @@ pub mod nccl {
             // `flat`, a live device buffer of that type, on the legacy
             // default stream.
             self.timed(Op::AllGather, nbytes(flat), |l, comm| unsafe { (l.all_gather)(mine, base, count, dt, comm, std::ptr::null_mut()) })
+        }
+        fn all_gather_in_place_async(&mut self, flat: &Tensor) -> Result<Option<super::Gathered>, CommError> {
+            if !self.supports_async() {
+                self.all_gather_in_place(flat)?;
+                return Ok(None);
+            }
+            let name = "all_gather";
+            let dt = self.dtype_of(flat, name)?;
+            if !flat.is_contiguous() || flat.dim() != 1 {
+                let reason = "an in-place all-gather takes a contiguous 1-D buffer".to_owned();
+                return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
+            }
+            let count = self.chunk_of(flat.numel(), name)?;
+            let base = flat.data_ptr();
+            // SAFETY: this rank's chunk, inside `flat`.
+            let mine = unsafe { (base as *mut u8).add(self.rank * count * flat.kind().elt_size_in_bytes()) } as *mut c_void;
+            self.on_side(Op::AllGather, nbytes(flat), name, |l, comm, side| {
+                // SAFETY: NCCL's in-place all-gather into `flat`, a live
+                // device buffer that the caller keeps (a parameter buffer)
+                // and reads only after `Gathered::wait`, on our side stream
+                // after the work queued on the legacy stream so far.
+                check(unsafe { (l.all_gather)(mine, base, count, dt, comm, side) }, name)
+            })?;
+            let side = self.side.ok_or_else(|| self.fail(name, "no side stream after the all-gather"))?;
+            let done = self.mark(side, name)?;
+            let rank = self.rank;
+            Ok(Some(super::Gathered::new(move || {
+                // SAFETY: null is the legacy default stream; `done` is a live
+                // event (destroyed after the wait is queued, which CUDA allows).
+                unsafe { done.wait_on(std::ptr::null_mut()) }.map_err(|e| CommError::Aborted {
+                    op: "all_gather",
+                    seq: 0,
+                    rank,
+                    reason: e.to_string(),
+                })
+            })))
         }
         fn reduce_scatter_sum(&mut self, t: &Tensor) -> Result<Tensor, CommError> {
             let src = t.contiguous();

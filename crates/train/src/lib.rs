@@ -28,6 +28,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod data;
 pub mod dp;
+mod gate;
 pub mod models;
 pub mod oom;
 pub mod optim;
@@ -218,6 +219,9 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         meter.timer.end_step()?;
         safe.record.steps_executed += 1;
 
+        if decision.fail || decision.save || replicas.due(done, t.world) {
+            t.params_current()?;
+        }
         if decision.fail {
             step = safe.fail(&mut t, &mut batch, done, now, decision.lose_memory, &mut |to| {
                 meter.rewind(to);
@@ -255,6 +259,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             // the ones results record). Every rank stops together: none may
             // wait in a collective for ranks that have stopped.
             let (rank, device) = (t.rank, t.device);
+            t.params_current()?;
             let decide = |reached| Ok(w.stop_at_target && rank_zero_reached(reached, rank, comm, device)?);
             if meter.evaluate(&t, step, decide)? {
                 break;
@@ -262,6 +267,8 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         }
     }
 
+    // The last update's parameters, gathered on the training clock.
+    t.params_current()?;
     // The training clock stops before the last replica check: it checks
     // the training, it is not part of it.
     let train_time = meter.close(&t, step)?;

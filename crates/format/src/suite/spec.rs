@@ -765,14 +765,15 @@ impl Strategy {
         env
     }
 
-    /// Whether, by what the strategy says, several ranks may average its
-    /// gradients with the all-gather on the copy engines by default
-    /// (`HARNESS_CE_GATHER` unset): the built-in average in fp32, no ZeRO,
-    /// NCCL's own transport, no emulated link. The ranks then also need
-    /// NCCL's zero-CTA policy and GPUs that reach each other's memory.
+    /// Whether, by what the strategy says, several ranks may gather on the
+    /// copy engines by default: without ZeRO the averaged gradients
+    /// (`HARNESS_CE_GATHER` unset), under ZeRO the updated parameters
+    /// (`HARNESS_ZERO_PREFETCH`); the built-in average in fp32, NCCL's own
+    /// transport, no emulated link. The ranks then also need NCCL's
+    /// zero-CTA policy (harness sets it for a group of such entries) and
+    /// GPUs that reach each other's memory.
     pub fn copy_engine_gather_candidate(&self) -> bool {
         self.compressor == "allreduce"
-            && self.zero == 0
             && self.reduce_dtype == ReduceDtype::Fp32
             && self.nccl_transport == NcclTransport::Auto
             && self.link.is_none()

@@ -794,18 +794,45 @@ pub struct WeightCasts(());
 impl WeightCasts {
     /// Casts every 2-d fp32 CUDA tensor of `params` (the weights the fused
     /// linear layers read; others are not looked up) for this step.
+    /// Weights still being gathered ([`crate::gate`]) are cast as their
+    /// layers wait for them ([`params_ready`]).
     pub fn new(params: &[Tensor]) -> anyhow::Result<WeightCasts> {
+        let ready: Vec<Tensor> = params.iter().filter(|p| !crate::gate::pending(p)).map(Tensor::shallow_clone).collect();
+        *CASTS.lock().unwrap_or_else(|e| e.into_inner()) = Some(Casts::new());
+        Self::add(&ready)?;
+        Ok(WeightCasts(()))
+    }
+
+    /// Casts the 2-d fp32 CUDA tensors of `params` into this step's casts,
+    /// if the step has them.
+    fn add(params: &[Tensor]) -> anyhow::Result<()> {
         let ws: Vec<Tensor> =
             params.iter().filter(|p| p.dim() == 2 && p.kind() == Kind::Float && p.device().is_cuda()).map(Tensor::shallow_clone).collect();
-        let casts = kernels::cast_bf16_list(&ws)?;
-        let map = ws.iter().zip(casts).map(|(w, c)| ((w.data_ptr() as usize, w.size()), c)).collect();
-        *CASTS.lock().unwrap_or_else(|e| e.into_inner()) = Some(map);
-        Ok(WeightCasts(()))
+        if ws.is_empty() {
+            return Ok(());
+        }
+        let mut casts = CASTS.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(map) = casts.as_mut() else { return Ok(()) };
+        for (w, c) in ws.iter().zip(kernels::cast_bf16_list(&ws)?) {
+            map.insert((w.data_ptr() as usize, w.size()), c);
+        }
+        Ok(())
     }
 
     fn get(w: &Tensor) -> Option<Tensor> {
         let casts = CASTS.lock().unwrap_or_else(|e| e.into_inner());
         casts.as_ref()?.get(&(w.data_ptr() as usize, w.size())).map(Tensor::shallow_clone)
+    }
+}
+
+/// Before a layer reads `params`: the device waits for the gathers of
+/// their buckets still in flight ([`crate::gate`], ZeRO's prefetch), and
+/// the weights those buckets hold join the step's casts. Nothing to do
+/// where no gather is in flight.
+pub fn params_ready(params: &[&Tensor]) {
+    let arrived = crate::gate::before(params).unwrap_or_else(|e| panic!("waiting for the parameters' all-gather failed: {e:#}"));
+    if !arrived.is_empty() {
+        WeightCasts::add(&arrived).unwrap_or_else(|e| panic!("casting the gathered weights failed: {e:#}"));
     }
 }
 

@@ -61,6 +61,11 @@ impl Norm {
         Norm { ws: ln.ws.expect("affine"), bs: ln.bs.expect("affine"), d }
     }
 
+    /// Its weight and bias.
+    pub(crate) fn params(&self) -> Vec<&Tensor> {
+        vec![&self.ws, &self.bs]
+    }
+
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         x.layer_norm([self.d], Some(&self.ws), Some(&self.bs), fused::EPS, true)
     }

@@ -54,6 +54,17 @@ impl GptBlock {
         (x, s.mlp(&self.c_fc, &self.mlp_proj, &h))
     }
 
+    /// Its parameters, for [`fused::params_ready`].
+    fn params(&self) -> Vec<&Tensor> {
+        let mut ps = self.ln1.params();
+        for l in [&self.c_attn, &self.attn_proj, &self.c_fc, &self.mlp_proj] {
+            ps.push(&l.ws);
+            ps.extend(l.bs.as_ref());
+        }
+        ps.extend(self.ln2.params());
+        ps
+    }
+
     fn share(&self) -> GptBlock {
         GptBlock {
             ln1: self.ln1.share(),
@@ -222,6 +233,13 @@ impl Model {
         }
     }
 
+    /// Whether the forward pass waits for each layer's parameters itself
+    /// ([`fused::params_ready`]), so that ZeRO's gathers of the others may
+    /// still run (GPT); other models' parameters are all gathered first.
+    pub fn waits_per_layer(&self) -> bool {
+        matches!(self.net, Net::Gpt { .. })
+    }
+
     /// Whether the fused kernels are on ([`Model::use_fused_kernels`]).
     pub fn uses_fused_kernels(&self) -> bool {
         self.fused
@@ -267,6 +285,7 @@ impl Model {
             Net::Gpt { wte, wpe, blocks, ln_f } => {
                 let (b, t) = input.size2().expect("token batches are 2-d");
                 let s = shape(b, t);
+                fused::params_ready(&[&wte.ws, &wpe.ws]);
                 let (x, tie) = if s.fused && fused::embed_cuda_fits(cfg.d_model, input.device()) {
                     let (x, tie) = fused::embed(input, &wte.ws, &wpe.ws);
                     (x, Some(tie))
@@ -280,6 +299,7 @@ impl Model {
                 // block takes one tensor: the pending output is added first.
                 let mut pending: Option<Branch> = None;
                 for (i, blk) in blocks.iter().enumerate() {
+                    fused::params_ready(&blk.params());
                     if again(i) && s.train {
                         if let Some(f) = pending.take() {
                             x = residual(&x, f.value());
@@ -290,6 +310,7 @@ impl Model {
                         (x, pending) = (nx, Some(f));
                     }
                 }
+                fused::params_ready(&ln_f.params());
                 let (_, x) = ln_f.add_forward(&x, pending.as_ref(), s.fused);
                 let logits = fused::tied_linear(&x, &wte.ws, tie.as_ref(), s.fused);
                 Output::Logits { logits: logits.view([b * t, cfg.vocab]), target: target.reshape([b * t]) }

@@ -97,6 +97,7 @@ fn copy_engine_gather_applies(ctx: &EntryContext<'_>, device: Device, world: usi
     world > 1
         && device.is_cuda()
         && switches.local_grads
+        && ctx.entry.strategy.zero == 0
         && ctx.entry.strategy.copy_engine_gather_candidate()
         && std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2")
         && crate::device::peer_access_everywhere()
@@ -134,6 +135,14 @@ impl Training {
         let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
         let plan = bucket_plan(&vs, &params, ctx.bucket_bytes);
         let mut dp = tch::no_grad(|| DataParallel::new(&params, &plan, stage, rank, world))?;
+        // ZeRO's parameters gathered beside the next forward pass
+        // (HARNESS_ZERO_PREFETCH), from NCCL's symmetric memory where there
+        // is some (set up before the optimizer takes views of the buffers).
+        let prefetch = dp.sharded() && world > 1 && comm.supports_async() && crate::switches::get().zero_prefetch;
+        if prefetch {
+            dp.use_symmetric_params(comm)?;
+            dp.prefetch_params(true);
+        }
         let (targets, decay) = dp.update_targets(&params);
         let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
         let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));

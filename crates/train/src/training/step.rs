@@ -83,6 +83,12 @@ impl Training {
         // (HARNESS_FUSED_CASTS=0 leaves each layer to cast its own, a
         // diagnostic).
         let casts = self.model.uses_fused_kernels() && crate::switches::get().fused_casts;
+        // ZeRO's prefetch: the last update's parameters are still being
+        // gathered; the forward pass's layers wait for their own buckets
+        // (GPT), other models for all of them here.
+        if !self.model.waits_per_layer() {
+            crate::gate::settle()?;
+        }
         let _casts = if casts { Some(crate::models::fused::WeightCasts::new(&self.params)?) } else { None };
         for micro in 0..accum {
             timer.start(Phase::Data)?;
@@ -108,6 +114,9 @@ impl Training {
             // autocast): let go of it before the backward pass's peak.
             let (tokens, samples) = (b.tokens, b.samples);
             drop(b);
+            // Parameters the forward pass did not read: gathered before the
+            // backward pass and the update.
+            crate::gate::settle()?;
             if self.autocast.on() {
                 torch_ext::autocast_clear_cache()?;
             }
@@ -269,6 +278,13 @@ impl Training {
             timer.stop()?;
         }
         Ok(())
+    }
+
+    /// Every parameter as the last update left it (ZeRO's prefetch leaves
+    /// the gathers running into the next step's forward pass): for
+    /// whatever reads them between steps.
+    pub fn params_current(&self) -> Result<()> {
+        self.dp.params_current()
     }
 
     /// After a restore: statistics in flight belong to the lost steps, and
