@@ -94,10 +94,18 @@ impl Drop for AutocastGuard {
 /// gradients, for the flat buffers' memory through the forward pass
 /// (docs/benchmarks.md, "Data-parallel levers, fifth round").
 fn copy_engine_gather_applies(ctx: &EntryContext<'_>, device: Device, world: usize, switches: &crate::switches::Switches) -> bool {
+    switches.local_grads && ctx.entry.strategy.zero == 0 && copy_engines_between_ranks(ctx, device, world)
+}
+
+/// Whether the ranks may gather through NCCL's symmetric memory on the
+/// copy engines: CUDA GPUs that all reach each other's memory, ranks that
+/// harness started on one host with NCCL's zero-CTA policy, and a strategy
+/// that may ([`crate::suite::Strategy::copy_engine_gather_candidate`]).
+/// Elsewhere (e.g. ranks on several hosts) NCCL's symmetric windows are
+/// not asked for.
+fn copy_engines_between_ranks(ctx: &EntryContext<'_>, device: Device, world: usize) -> bool {
     world > 1
         && device.is_cuda()
-        && switches.local_grads
-        && ctx.entry.strategy.zero == 0
         && ctx.entry.strategy.copy_engine_gather_candidate()
         && std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2")
         && crate::device::peer_access_everywhere()
@@ -136,11 +144,15 @@ impl Training {
         let plan = bucket_plan(&vs, &params, ctx.bucket_bytes);
         let mut dp = tch::no_grad(|| DataParallel::new(&params, &plan, stage, rank, world))?;
         // ZeRO's parameters gathered beside the next forward pass
-        // (HARNESS_ZERO_PREFETCH), from NCCL's symmetric memory where there
-        // is some (set up before the optimizer takes views of the buffers).
+        // (HARNESS_ZERO_PREFETCH), on the copy engines from NCCL's symmetric
+        // memory where that applies (set up before the optimizer takes views
+        // of the buffers; on the CPU's thread ranks too, where it is plain
+        // memory), else on the SMs from the buffers as they are.
         let prefetch = dp.sharded() && world > 1 && comm.supports_async() && crate::switches::get().zero_prefetch;
         if prefetch {
-            dp.use_symmetric_params(comm)?;
+            if !device.is_cuda() || copy_engines_between_ranks(ctx, device, world) {
+                dp.use_symmetric_params(comm)?;
+            }
             dp.prefetch_params(true);
         }
         let (targets, decay) = dp.update_targets(&params);
