@@ -183,7 +183,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         let elapsed = meter.train_elapsed();
         progress(&Progress { step, total_steps: w.steps, elapsed, time_budget: budget, loss: None, tokens_per_s: None, resumed_from });
     }
-    let replicas = replica_check();
+    let mut replicas = replica_check();
     let compressor = &ctx.entry.strategy.compressor;
     let mut trace = StepTrace::new(ctx, t.rank);
 
@@ -208,6 +208,8 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         };
         let now = meter.trained(step, &mut out)?;
         let done = step + 1;
+        // The verdict of the replica check started a step ago.
+        replicas.settle()?;
 
         // The policies decide the next batch and the checkpoints; a
         // failure may strike.
@@ -238,7 +240,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         }
         safe.delete(&decision.delete, t.rank)?;
         if replicas.due(done, t.world) {
-            replicas.check(&t.params, &t.names, comm, done, compressor)?;
+            replicas.start(&t.params, &t.names, comm, done, compressor)?;
         }
 
         meter.end_step(recording);

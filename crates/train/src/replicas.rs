@@ -19,6 +19,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::comm::Collective;
 use crate::torch_ext;
+use crate::training::Pending;
 
 /// Steps between checks when the suite does not say.
 pub const DEFAULT_EVERY: u64 = crate::switches::Switches::DEFAULT.replica_check_every;
@@ -46,13 +47,28 @@ pub struct ReplicaCheck {
     every: u64,
     /// Also on a single rank (to measure what the fingerprint costs).
     forced: bool,
+    /// A comparison started by [`ReplicaCheck::start`], its verdict not read yet.
+    in_flight: Option<InFlight>,
+}
+
+/// A comparison on its way: the hashes stay on the device and whether any
+/// differs comes to the host behind an event, read by [`ReplicaCheck::settle`].
+struct InFlight {
+    done: u64,
+    rank: usize,
+    strategy: String,
+    /// The parameters' names, for a verdict that fails.
+    names: Vec<String>,
+    ours: Tensor,
+    reference: Tensor,
+    differ: Pending,
 }
 
 impl ReplicaCheck {
     /// Checks every `every` steps (0: only after the last step) with more
     /// than one rank; `forced` takes the fingerprint on one rank too.
     pub fn new(every: u64, forced: bool) -> ReplicaCheck {
-        ReplicaCheck { every, forced }
+        ReplicaCheck { every, forced, in_flight: None }
     }
 
     /// Whether the check runs after `done` steps.
@@ -60,25 +76,50 @@ impl ReplicaCheck {
         (world > 1 || self.forced) && self.every > 0 && done % self.every == 0
     }
 
-    /// Compares this rank's parameters with rank 0's.
-    pub fn check(&self, params: &[Tensor], names: &[String], comm: &mut dyn Collective, done: u64, strategy: &str) -> Result<()> {
+    /// Compares this rank's parameters with rank 0's, and waits for the
+    /// verdict (after the last step).
+    pub fn check(&mut self, params: &[Tensor], names: &[String], comm: &mut dyn Collective, done: u64, strategy: &str) -> Result<()> {
+        self.start(params, names, comm, done, strategy)?;
+        self.settle()
+    }
+
+    /// Starts comparing this rank's parameters with rank 0's (the verdict
+    /// of a comparison still in flight is read first). The hashes and the
+    /// broadcast are queued on the device and the verdict comes to the host
+    /// behind an event: [`ReplicaCheck::settle`] reads it a step later, so
+    /// the check does not stop the host until the device has drained its
+    /// queue (which cost about 15 ms, 0.8% of GPT-2 124M's throughput on 4
+    /// H200s with a check every 50 steps).
+    pub fn start(&mut self, params: &[Tensor], names: &[String], comm: &mut dyn Collective, done: u64, strategy: &str) -> Result<()> {
         if comm.world_size() == 1 && !self.forced {
             return Ok(());
         }
+        self.settle()?;
         let ours = hashes(params)?;
-        if comm.world_size() == 1 {
+        let (reference, differ) = if comm.world_size() == 1 {
             // Nothing to compare with: the fingerprint is taken (and read)
             // so that its cost shows.
-            let _ = ours.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+            (ours.shallow_clone(), ours.f_sum(Kind::Int64)?.f_mul_scalar(0)?)
+        } else {
+            let mut reference = ours.copy();
+            comm.broadcast(&mut reference, 0)?;
+            let differ = ours.f_ne_tensor(&reference)?.f_any()?;
+            (reference, differ)
+        };
+        let differ = Pending::start(done, 0.0, &differ.f_to_kind(Kind::Float)?)?;
+        let (rank, strategy, names) = (comm.rank(), strategy.to_owned(), names.to_vec());
+        self.in_flight = Some(InFlight { done, rank, strategy, names, ours, reference, differ });
+        Ok(())
+    }
+
+    /// Reads the verdict of the comparison in flight, if there is one
+    /// (waiting for it): an error naming the first parameter that differs.
+    pub fn settle(&mut self) -> Result<()> {
+        let Some(f) = self.in_flight.take() else { return Ok(()) };
+        if f.differ.read()? == 0.0 {
             return Ok(());
         }
-        let mut reference = ours.copy();
-        comm.broadcast(&mut reference, 0)?;
-        let differ = ours.f_ne_tensor(&reference)?.f_any()?.f_to_device(Device::Cpu)?.f_int64_value(&[])? != 0;
-        if !differ {
-            return Ok(());
-        }
-        Err(diverged(&ours, &reference, names, done, comm.rank(), strategy)?.into())
+        Err(diverged(&f.ours, &f.reference, &f.names, f.done, f.rank, &f.strategy)?.into())
     }
 }
 
@@ -162,6 +203,36 @@ mod tests {
         assert!(results[0].is_ok(), "{:?}", results[0]);
         let e = results[1].as_ref().unwrap_err();
         assert!(e.contains("after step 7, rank 1's parameter `b` differs from rank 0's") && e.contains("`flipper`"), "{e}");
+    }
+
+    /// A check started during training returns at once, on the diverged
+    /// rank too, and its verdict comes with the next `settle`, naming the
+    /// step it was taken after.
+    #[test]
+    fn a_started_check_fails_at_its_settle_naming_its_step() {
+        let names = vec!["w".to_owned(), "b".to_owned()];
+        let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                let (g, names) = (g.clone(), names.clone());
+                std::thread::spawn(move || {
+                    let mut c = g.rank(r, None);
+                    let p = params();
+                    let mut check = ReplicaCheck::new(2, false);
+                    check.start(&p, &names, &mut c, 2, "flipper").map_err(|e| e.to_string())?;
+                    check.settle().map_err(|e| e.to_string())?;
+                    if r == 1 {
+                        let _ = p[0].narrow(0, 3, 1).f_neg_().unwrap();
+                    }
+                    check.start(&p, &names, &mut c, 4, "flipper").map_err(|e| e.to_string())?;
+                    check.settle().map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        let results: Vec<Result<(), String>> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(results[0].is_ok(), "{:?}", results[0]);
+        let e = results[1].as_ref().unwrap_err();
+        assert!(e.contains("after step 4, rank 1's parameter `w` differs from rank 0's"), "{e}");
     }
 
     /// Tensors of more than one chunk of rows, with a tail, and of every

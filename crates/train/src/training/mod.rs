@@ -133,7 +133,7 @@ impl Pending {
         Ok(())
     }
 
-    fn read(&self) -> Result<f64> {
+    pub(crate) fn read(&self) -> Result<f64> {
         self.wait()?;
         Ok(self.host.double_value(&[]))
     }
