@@ -302,8 +302,8 @@ switches! {
     /// as torch.autocast covers the forward pass only.
     autocast_backward: bool = false, "HARNESS_AUTOCAST_BACKWARD", Recorded;
     /// `HARNESS_REPLICA_CHECK_EVERY` (default 50): steps between the checks
-    /// that data-parallel replicas hold the same parameters (0: after the
-    /// last step only).
+    /// that data-parallel replicas hold the same parameters, which also run
+    /// once after warm-up (0: after the last step only).
     replica_check_every: u64 = 50, "HARNESS_REPLICA_CHECK_EVERY", Recorded;
     /// `HARNESS_REPLICA_CHECK_FORCE` (default 0): 1 takes the replica
     /// fingerprint on one rank too, to measure what it costs.

@@ -183,7 +183,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         let elapsed = meter.train_elapsed();
         progress(&Progress { step, total_steps: w.steps, elapsed, time_budget: budget, loss: None, tokens_per_s: None, resumed_from });
     }
-    let mut replicas = replica_check();
+    let mut replicas = replica_check(ctx.warmup_steps);
     let compressor = &ctx.entry.strategy.compressor;
     let mut trace = StepTrace::new(ctx, t.rank);
 
@@ -409,12 +409,13 @@ fn target_loss(w: &Workload, floor: Option<f64>) -> Option<f64> {
 }
 
 /// Replica checks every [`replicas::DEFAULT_EVERY`] steps, or every
-/// `HARNESS_REPLICA_CHECK_EVERY` steps (0: only after the last step); with
+/// `HARNESS_REPLICA_CHECK_EVERY` steps, and after warm-up (0: only after
+/// the last step); with
 /// `HARNESS_REPLICA_CHECK_FORCE=1` the fingerprint is taken on one rank too,
 /// to measure its cost.
-fn replica_check() -> ReplicaCheck {
+fn replica_check(warmup_steps: u64) -> ReplicaCheck {
     let s = crate::switches::get();
-    ReplicaCheck::new(s.replica_check_every, s.replica_check_force)
+    ReplicaCheck::new(s.replica_check_every, warmup_steps, s.replica_check_force)
 }
 
 fn synchronize(device: Device) {
