@@ -157,6 +157,35 @@ fn a_checkpoint_policy_that_deletes_twice_is_refused() {
     assert_eq!(entry(&r, "mlp/last/r0")["status"], "ok");
 }
 
+/// Under ZeRO the parameters' gathers run into the next step; an entry
+/// that fails between its update and its next forward pass (here its
+/// checkpoint policy, on two thread ranks) leaves gathers of its own
+/// collective behind, which the next entry drops: it trains as the first.
+#[test]
+fn a_zero_entry_that_fails_after_its_update_leaves_nothing_to_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = format!(
+        "[suite]\nname = \"twice-zero\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\nworld_size = 2\n{WORKLOAD}\n\
+         [[plugin]]\nname = \"twice\"\npath = \"{}\"\n\
+         [[strategy]]\nname = \"first\"\nzero = 2\n\
+         [[strategy]]\nname = \"twice\"\nzero = 2\ncheckpoint = \"twice\"\ncheckpoint_async = false\n\
+         [[strategy]]\nname = \"last\"\nzero = 2\n",
+        artifact("hostile-checkpoint.wasm").display()
+    );
+    let suite = write(dir.path(), "suite.toml", &s);
+    let out_path = dir.path().join("r.json");
+    let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = results(&out_path);
+    assert_contains(&error_of(&r, "twice"), &["checkpoint-policy plugin `twice`", "delete the checkpoint of step 1 twice"]);
+    let losses = |id: &str| -> Vec<f64> {
+        let e = entry(&r, id);
+        assert_eq!(e["status"], "ok", "{id}: {}", e["error"]);
+        e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].as_f64().unwrap()).collect()
+    };
+    assert_eq!(losses("mlp/last/r0"), losses("mlp/first/r0"));
+}
+
 /// A native plugin that ends the process, by any route (`exit(0)`,
 /// `_exit(0)`, the `exit_group(0)` system call, a thread of its own calling
 /// `exit(0)` while harness trains on), does not end the run successfully:

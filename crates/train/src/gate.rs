@@ -82,3 +82,11 @@ pub fn settle() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Drops the gathers in flight without waiting for them: at an entry's
+/// start, where what an earlier entry on this thread left (one that failed
+/// between its update and its next forward pass) belongs to a collective
+/// that is gone.
+pub fn forget() {
+    GATE.with(|g| g.borrow_mut().take());
+}

@@ -115,6 +115,10 @@ impl Training {
     /// Sets up an entry on this rank: every rank's model starts from rank
     /// 0's parameters; each rank draws its own samples.
     pub fn new(ctx: &EntryContext<'_>, comm: &mut dyn Collective) -> Result<Training> {
+        // Gathers that an entry before this one on this thread left in
+        // flight (it failed between an update and its next forward pass)
+        // belong to its collective: dropped, never waited for.
+        crate::gate::forget();
         let w = ctx.workload;
         let device = ctx.device;
         // The encoder reads vectors of its own width.
