@@ -426,41 +426,12 @@ fn a_checkpoint_policy_of_contract_0_1_0_still_loads_and_persists_every_checkpoi
 #[test]
 fn zero_gathers_beside_the_forward_pass_change_no_bit_of_training_checkpoints_or_restores() {
     let dir = tempfile::tempdir().unwrap();
+    let workload = crate::tiny_gpt("gpt", 20, "grad_clip = 1.0\neval_every = 4\nfaults = { at_steps = [13] }")
+        .replace("betas = [0.9, 0.95] }", "betas = [0.9, 0.95], weight_decay = 0.1 }");
+    let every4 = "checkpoint = \"every-n\"\ncheckpoint_config = { every = 4, keep = 2 }";
     let text = format!(
-        r#"[suite]
-name = "zero-prefetch"
-device = "cpu"
-seed = 5
-world_size = 2
-warmup_steps = 2
-bucket_mb = 0.1
-
-[[workload]]
-name = "gpt"
-model = {{ kind = "gpt", preset = "tiny" }}
-data = {{ kind = "synthetic", vocab = 64, branching = 2 }}
-batch = 8
-seq_len = 32
-steps = 20
-optimizer = {{ kind = "adamw", lr = 3e-3, betas = [0.9, 0.95], weight_decay = 0.1 }}
-grad_clip = 1.0
-eval_every = 4
-eval_batches = 2
-faults = {{ at_steps = [13] }}
-
-{}
-[[strategy]]
-name = "zero1"
-zero = 1
-checkpoint = "every-n"
-checkpoint_config = {{ every = 4, keep = 2 }}
-
-[[strategy]]
-name = "zero2"
-zero = 2
-checkpoint = "every-n"
-checkpoint_config = {{ every = 4, keep = 2 }}
-"#,
+        "[suite]\nname = \"zero-prefetch\"\ndevice = \"cpu\"\nseed = 5\nworld_size = 2\nwarmup_steps = 2\nbucket_mb = 0.1\n{workload}\n{}\n\
+         [[strategy]]\nname = \"zero1\"\nzero = 1\n{every4}\n\n[[strategy]]\nname = \"zero2\"\nzero = 2\n{every4}\n",
         plugin_table("every-n", "every-n.wasm"),
     );
     let s = write(dir.path(), "s.toml", &text);

@@ -140,20 +140,7 @@ fn plugin_output_is_escaped_cut_and_limited() {
 /// background persists depends on how fast the disk is.)
 #[test]
 fn a_checkpoint_policy_that_deletes_twice_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = format!(
-        "[suite]\nname = \"twice\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\n{WORKLOAD}\n\
-         [[plugin]]\nname = \"twice\"\npath = \"{}\"\n\
-         [[strategy]]\nname = \"first\"\n[[strategy]]\nname = \"twice\"\ncheckpoint = \"twice\"\ncheckpoint_async = false\n\
-         [[strategy]]\nname = \"last\"\n",
-        artifact("hostile-checkpoint.wasm").display()
-    );
-    let suite = write(dir.path(), "suite.toml", &s);
-    let out_path = dir.path().join("r.json");
-    let out = harness(dir.path()).arg("run").arg(&suite).arg("--out").arg(&out_path).arg("-q").output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let r = results(&out_path);
-    assert_contains(&error_of(&r, "twice"), &["checkpoint-policy plugin `twice`", "delete the checkpoint of step 1 twice"]);
+    let r = run_twice(1, "");
     assert_eq!(entry(&r, "mlp/last/r0")["status"], "ok");
 }
 
@@ -163,13 +150,26 @@ fn a_checkpoint_policy_that_deletes_twice_is_refused() {
 /// collective behind, which the next entry drops: it trains as the first.
 #[test]
 fn a_zero_entry_that_fails_after_its_update_leaves_nothing_to_the_next() {
+    let r = run_twice(2, "zero = 2\n");
+    let losses = |id: &str| -> Vec<f64> {
+        let e = entry(&r, id);
+        assert_eq!(e["status"], "ok", "{id}: {}", e["error"]);
+        e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].as_f64().unwrap()).collect()
+    };
+    assert_eq!(losses("mlp/last/r0"), losses("mlp/first/r0"));
+}
+
+/// Entries `first`, `twice` (the hostile checkpoint policy that deletes a
+/// checkpoint twice, synchronous checkpoints) and `last` on `world` thread
+/// ranks, each strategy with the keys `keys`: the run exits 1 and `twice`
+/// fails naming its plugin. Returns the result file.
+fn run_twice(world: u32, keys: &str) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let s = format!(
-        "[suite]\nname = \"twice-zero\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\nworld_size = 2\n{WORKLOAD}\n\
+        "[suite]\nname = \"twice\"\ndevice = \"cpu\"\nseed = 1\nwarmup_steps = 1\nworld_size = {world}\n{WORKLOAD}\n\
          [[plugin]]\nname = \"twice\"\npath = \"{}\"\n\
-         [[strategy]]\nname = \"first\"\nzero = 2\n\
-         [[strategy]]\nname = \"twice\"\nzero = 2\ncheckpoint = \"twice\"\ncheckpoint_async = false\n\
-         [[strategy]]\nname = \"last\"\nzero = 2\n",
+         [[strategy]]\nname = \"first\"\n{keys}[[strategy]]\nname = \"twice\"\n{keys}checkpoint = \"twice\"\ncheckpoint_async = false\n\
+         [[strategy]]\nname = \"last\"\n{keys}",
         artifact("hostile-checkpoint.wasm").display()
     );
     let suite = write(dir.path(), "suite.toml", &s);
@@ -178,12 +178,7 @@ fn a_zero_entry_that_fails_after_its_update_leaves_nothing_to_the_next() {
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
     let r = results(&out_path);
     assert_contains(&error_of(&r, "twice"), &["checkpoint-policy plugin `twice`", "delete the checkpoint of step 1 twice"]);
-    let losses = |id: &str| -> Vec<f64> {
-        let e = entry(&r, id);
-        assert_eq!(e["status"], "ok", "{id}: {}", e["error"]);
-        e["metrics"]["loss_curve"].as_array().unwrap().iter().map(|p| p[2].as_f64().unwrap()).collect()
-    };
-    assert_eq!(losses("mlp/last/r0"), losses("mlp/first/r0"));
+    r
 }
 
 /// A native plugin that ends the process, by any route (`exit(0)`,

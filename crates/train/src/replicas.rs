@@ -175,7 +175,6 @@ mod tests {
     /// names rank 1 and the bias.
     #[test]
     fn a_sign_flipped_slice_is_caught_and_named() {
-        let names = vec!["w".to_owned(), "b".to_owned()];
         let (mine, flipped) = (params(), params());
         let _ = flipped[1].narrow(0, 1, 4).f_neg_().unwrap();
         for (a, b) in mine.iter().zip(&flipped) {
@@ -192,24 +191,31 @@ mod tests {
         assert_ne!(Vec::<i64>::try_from(&torch_ext::param_hashes(&swapped).unwrap()).unwrap()[0], h0[0]);
 
         // Two thread ranks, rank 1 with the flipped slice.
+        let e = rank_one_fails(|r, c, names| {
+            let p = params();
+            if r == 1 {
+                let _ = p[1].narrow(0, 1, 4).f_neg_().unwrap();
+            }
+            ReplicaCheck::new(1, 0, false).check(&p, names, c, 7, "flipper")
+        });
+        assert!(e.contains("after step 7, rank 1's parameter `b` differs from rank 0's") && e.contains("`flipper`"), "{e}");
+    }
+
+    /// Runs `f(rank, collective, names)` on two thread ranks (parameters
+    /// `w` and `b`): rank 0 must succeed; returns rank 1's error.
+    fn rank_one_fails(f: impl Fn(usize, &mut crate::comm::InProcessComm, &[String]) -> Result<()> + Send + Sync + 'static) -> String {
+        let names = vec!["w".to_owned(), "b".to_owned()];
         let g = InProcessGroup::new(2, Duration::from_secs(10));
+        let f = std::sync::Arc::new(f);
         let ranks: Vec<_> = (0..2)
             .map(|r| {
-                let (g, names) = (g.clone(), names.clone());
-                std::thread::spawn(move || {
-                    let mut c = g.rank(r, None);
-                    let p = params();
-                    if r == 1 {
-                        let _ = p[1].narrow(0, 1, 4).f_neg_().unwrap();
-                    }
-                    ReplicaCheck::new(1, 0, false).check(&p, &names, &mut c, 7, "flipper").map_err(|e| e.to_string())
-                })
+                let (g, names, f) = (g.clone(), names.clone(), f.clone());
+                std::thread::spawn(move || f(r, &mut g.rank(r, None), &names).map_err(|e| e.to_string()))
             })
             .collect();
-        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let results: Vec<Result<(), String>> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
         assert!(results[0].is_ok(), "{:?}", results[0]);
-        let e = results[1].as_ref().unwrap_err();
-        assert!(e.contains("after step 7, rank 1's parameter `b` differs from rank 0's") && e.contains("`flipper`"), "{e}");
+        results[1].clone().expect_err("rank 1 diverged")
     }
 
     /// A check started during training returns at once, on the diverged
@@ -217,28 +223,18 @@ mod tests {
     /// step it was taken after.
     #[test]
     fn a_started_check_fails_at_its_settle_naming_its_step() {
-        let names = vec!["w".to_owned(), "b".to_owned()];
-        let g = InProcessGroup::new(2, Duration::from_secs(10));
-        let ranks: Vec<_> = (0..2)
-            .map(|r| {
-                let (g, names) = (g.clone(), names.clone());
-                std::thread::spawn(move || {
-                    let mut c = g.rank(r, None);
-                    let p = params();
-                    let mut check = ReplicaCheck::new(2, 0, false);
-                    check.start(&p, &names, &mut c, 2, "flipper").map_err(|e| e.to_string())?;
-                    check.settle().map_err(|e| e.to_string())?;
-                    if r == 1 {
-                        let _ = p[0].narrow(0, 3, 1).f_neg_().unwrap();
-                    }
-                    check.start(&p, &names, &mut c, 4, "flipper").map_err(|e| e.to_string())?;
-                    check.settle().map_err(|e| e.to_string())
-                })
-            })
-            .collect();
-        let results: Vec<Result<(), String>> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
-        assert!(results[0].is_ok(), "{:?}", results[0]);
-        let e = results[1].as_ref().unwrap_err();
+        let e = rank_one_fails(|r, c, names| {
+            let p = params();
+            let mut check = ReplicaCheck::new(2, 0, false);
+            check.start(&p, names, c, 2, "flipper")?;
+            check.settle()?;
+            if r == 1 {
+                let _ = p[0].narrow(0, 3, 1).f_neg_().unwrap();
+            }
+            // Returns at once on the diverged rank too; the verdict comes with the settle.
+            check.start(&p, names, c, 4, "flipper")?;
+            check.settle()
+        });
         assert!(e.contains("after step 4, rank 1's parameter `w` differs from rank 0's"), "{e}");
     }
 
