@@ -368,6 +368,10 @@ pub struct DataParallel {
     /// Bytes of the parameter buffers in the collective's symmetric memory
     /// ([`DataParallel::use_symmetric_params`]).
     symmetric_param_bytes: u64,
+    /// ZeRO's prefetch: the gather of the bucket the forward pass reads
+    /// first, started before the rest of the update
+    /// ([`DataParallel::start_lead_gather`]).
+    lead: Option<Option<crate::comm::Gathered>>,
 }
 
 /// Whether a parameter gets weight decay: matrices and embeddings, not biases
@@ -431,6 +435,7 @@ impl DataParallel {
             stale_bufs: None,
             prefetch: false,
             symmetric_param_bytes: 0,
+            lead: None,
         };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
@@ -1133,14 +1138,39 @@ impl DataParallel {
         self.prefetch
     }
 
-    /// Starts every bucket's gather (see [`DataParallel::prefetch_params`]),
-    /// those the forward pass reads first first (the buckets follow the
-    /// backward pass's order), and hands them to [`crate::gate`].
+    /// With the prefetch, the update's targets ([`DataParallel::update_targets`])
+    /// that lie in the last bucket, the one the forward pass reads first
+    /// (GPT's token embedding): updated first, so that its gather
+    /// ([`DataParallel::start_lead_gather`]) runs beside the rest of the
+    /// update. None without the prefetch or with one bucket.
+    pub fn lead_targets(&self) -> Option<Vec<bool>> {
+        let last = self.buckets.len().checked_sub(1).filter(|&l| self.prefetch && l > 0)?;
+        Some(self.segments.iter().map(|s| s.bucket == last).collect())
+    }
+
+    /// Starts the gather of the last bucket (see
+    /// [`DataParallel::lead_targets`]) once its targets are updated; the
+    /// other buckets' start in [`DataParallel::gather_params`].
+    pub fn start_lead_gather(&mut self, comm: &mut dyn Collective) -> anyhow::Result<()> {
+        let Some(b) = self.buckets.last().filter(|_| self.prefetch) else { return Ok(()) };
+        let flat = b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
+        self.lead = Some(comm.all_gather_in_place_async(flat)?);
+        Ok(())
+    }
+
+    /// Starts every bucket's gather (see [`DataParallel::prefetch_params`])
+    /// but the one [`DataParallel::start_lead_gather`] started, those the
+    /// forward pass reads first first (the buckets follow the backward
+    /// pass's order), and hands them to [`crate::gate`].
     fn start_gathers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<()> {
         let mut gathers: Vec<Option<crate::comm::Gathered>> = self.buckets.iter().map(|_| None).collect();
+        let mut lead = self.lead.take();
+        let last = self.buckets.len().saturating_sub(1);
         for (bi, b) in self.buckets.iter().enumerate().rev() {
-            let flat = b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
-            gathers[bi] = comm.all_gather_in_place_async(flat)?;
+            gathers[bi] = match lead.take().filter(|_| bi == last) {
+                Some(started) => started,
+                None => comm.all_gather_in_place_async(b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers"))?,
+            };
         }
         let members = self.buckets.iter().map(|b| b.params.iter().map(|&i| self.params[i].shallow_clone()).collect()).collect();
         crate::gate::arm(gathers, members)

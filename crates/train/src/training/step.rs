@@ -265,7 +265,17 @@ impl Training {
             let dp = &self.dp;
             self.strategies.compressor.check_output(step, &norm, &|| dp.first_non_finite_bucket())?;
         }
-        self.optimizer.step(&self.targets, &grads, lr, self.scaler.as_ref().map(|s| &s.found_inf), grad_scale.as_ref())?;
+        let (found_inf, grad_scale) = (self.scaler.as_ref().map(|s| &s.found_inf), grad_scale.as_ref());
+        match self.dp.lead_targets() {
+            // ZeRO's prefetch: the bucket the next forward pass reads first
+            // is updated first, and its gather starts beside the rest.
+            Some(lead) => {
+                self.optimizer.step_where(&self.targets, &grads, lr, found_inf, grad_scale, &|i| lead[i])?;
+                self.dp.start_lead_gather(comm)?;
+                self.optimizer.step_where(&self.targets, &grads, lr, found_inf, grad_scale, &|i| !lead[i])?;
+            }
+            None => self.optimizer.step(&self.targets, &grads, lr, found_inf, grad_scale)?,
+        }
         if let Some(s) = &mut self.scaler {
             s.update();
         }
