@@ -539,20 +539,29 @@ impl DataParallel {
     /// collective has no symmetric memory).
     pub fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local) else { return Ok(false) };
-        let mut flats = Vec::with_capacity(self.buckets.len());
-        for b in &self.buckets {
-            match comm.symmetric_zeros(padded_to(b.numel, self.world), b.kind)? {
-                Some(flat) => flats.push(flat),
-                None if flats.is_empty() => return Ok(false),
-                None => anyhow::bail!("the collective gave symmetric memory for {} gradient buckets, not all", flats.len()),
-            }
-        }
+        let Some(flats) = self.symmetric_flats(comm, "gradient")? else { return Ok(false) };
         for (b, flat) in self.buckets.iter_mut().zip(flats) {
             b.padded = flat.numel() as i64;
             b.attach(&self.params, flat)?;
         }
         o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
         Ok(true)
+    }
+
+    /// A zeroed buffer in the collective's symmetric memory for every
+    /// bucket, padded to a multiple of the ranks (ZeRO's padding already):
+    /// all of them, or None where the collective has none. `what` names
+    /// the buckets in the error of a collective that gave some only.
+    fn symmetric_flats(&self, comm: &mut dyn Collective, what: &str) -> anyhow::Result<Option<Vec<Tensor>>> {
+        let mut flats = Vec::with_capacity(self.buckets.len());
+        for b in &self.buckets {
+            match comm.symmetric_zeros(padded_to(b.numel, self.world), b.kind)? {
+                Some(flat) => flats.push(flat),
+                None if flats.is_empty() => return Ok(None),
+                None => anyhow::bail!("the collective gave symmetric memory for {} {what} buckets, not all", flats.len()),
+            }
+        }
+        Ok(Some(flats))
     }
 
     /// `HARNESS_CE_REDUCE`: after [`DataParallel::use_symmetric_buffers`],
@@ -1094,14 +1103,7 @@ impl DataParallel {
         if !self.stage.sharded() {
             return Ok(false);
         }
-        let mut flats = Vec::with_capacity(self.buckets.len());
-        for b in &self.buckets {
-            match comm.symmetric_zeros(b.padded, b.kind)? {
-                Some(flat) => flats.push(flat),
-                None if flats.is_empty() => return Ok(false),
-                None => anyhow::bail!("the collective gave symmetric memory for {} parameter buckets, not all", flats.len()),
-            }
-        }
+        let Some(flats) = self.symmetric_flats(comm, "parameter")? else { return Ok(false) };
         tch::no_grad(|| -> anyhow::Result<()> {
             for (b, flat) in self.buckets.iter_mut().zip(flats) {
                 let old = b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers");
@@ -1132,12 +1134,6 @@ impl DataParallel {
         self.prefetch = on && self.stage.sharded();
     }
 
-    /// Whether the parameters' gathers run beside the forward pass
-    /// ([`DataParallel::prefetch_params`]).
-    pub fn prefetches(&self) -> bool {
-        self.prefetch
-    }
-
     /// With the prefetch, the update's targets ([`DataParallel::update_targets`])
     /// that lie in the last bucket, the one the forward pass reads first
     /// (GPT's token embedding): updated first, so that its gather
@@ -1164,13 +1160,13 @@ impl DataParallel {
     /// pass's order), and hands them to [`crate::gate`].
     fn start_gathers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<()> {
         let mut gathers: Vec<Option<crate::comm::Gathered>> = self.buckets.iter().map(|_| None).collect();
-        let mut lead = self.lead.take();
-        let last = self.buckets.len().saturating_sub(1);
-        for (bi, b) in self.buckets.iter().enumerate().rev() {
-            gathers[bi] = match lead.take().filter(|_| bi == last) {
-                Some(started) => started,
-                None => comm.all_gather_in_place_async(b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers"))?,
-            };
+        let lead = self.lead.take();
+        let started = if lead.is_some() { self.buckets.len() - 1 } else { self.buckets.len() };
+        if let (Some(g), Some(slot)) = (lead, gathers.last_mut()) {
+            *slot = g;
+        }
+        for (bi, b) in self.buckets.iter().enumerate().take(started).rev() {
+            gathers[bi] = comm.all_gather_in_place_async(b.param_flat.as_ref().expect("ZeRO keeps flat parameter buffers"))?;
         }
         let members = self.buckets.iter().map(|b| b.params.iter().map(|&i| self.params[i].shallow_clone()).collect()).collect();
         crate::gate::arm(gathers, members)
