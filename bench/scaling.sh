@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Scaling on one host: harness DDP and ZeRO-2 against PyTorch DDP on the same
+# Scaling on one host: harness DDP, ZeRO-1 and ZeRO-2 against PyTorch DDP on the same
 # GPT model, batch and GPU counts, in one call, one process per GPU; then
 # torch.distributed all_reduce busbw on harness's gradient buckets at each
 # count. Prints a table last.
 # Usage: bench/scaling.sh PRESET "COUNTS"   e.g. bench/scaling.sh 1.3b "1 2 4"
 #   PRESET: gpt2-124m (batch 16, 110 steps) or 1.3b (batch 8, 35 steps), bf16.
+# PyTorch runs under torch.compile (its default mode, of the DDP-wrapped
+# model), or eagerly with EAGER=1.
 # Needs $HARNESS_BIN (default .carry/harness) and PyTorch 2.11 with torchrun.
 # Writes under ${OUT:-bench-out}/scaling-PRESET/.
 set -uo pipefail
@@ -23,13 +25,13 @@ mkdir -p "$dir"
 for n in $counts; do
   gpus=$(seq -s, 0 $((n - 1)))
   zero=""
-  if [ "$n" -gt 1 ]; then zero=$'[[strategy]]\nname = "zero2"\nzero = 2'; fi
-  gpt_suite "scaling-$preset-$n" "GPT $preset bf16 on $n GPU(s): DDP and ZeRO-2 (bench/scaling.sh)" "$preset" "$n" "$batch" "$steps" "$warm" auto \
+  if [ "$n" -gt 1 ]; then zero=$'[[strategy]]\nname = "zero1"\nzero = 1\n\n[[strategy]]\nname = "zero2"\nzero = 2'; fi
+  gpt_suite "scaling-$preset-$n" "GPT $preset bf16 on $n GPU(s): DDP, ZeRO-1 and ZeRO-2 (bench/scaling.sh)" "$preset" "$n" "$batch" "$steps" "$warm" auto \
     $'[[strategy]]\nname = "ddp"\nbaseline = true\n\n'"$zero" > "$dir/suite-$n.toml"
   t0=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpus "$BIN" run "$dir/suite-$n.toml" --out "$dir/harness-$n.json" --quiet > "$dir/harness-$n.txt" 2>&1 || tail -5 "$dir/harness-$n.txt"
   t1=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpus torchrun --standalone --nproc_per_node="$n" bench/pytorch_gpt.py --preset "$preset" --batch "$batch" \
+  CUDA_VISIBLE_DEVICES=$gpus torchrun --standalone --nproc_per_node="$n" bench/pytorch_gpt.py --preset "$preset" --batch "$batch" $([ -n "${EAGER:-}" ] || echo --compile) \
     --steps $((steps - warm)) --warmup "$warm" --json "$dir/pytorch-$n.json" > "$dir/pytorch-$n.txt" 2>&1 || tail -5 "$dir/pytorch-$n.txt"
   t2=$(date +%s)
   if [ "$n" -gt 1 ]; then
@@ -76,7 +78,8 @@ for n in counts:
     for name, tps, p50, peak, busbw in rows:
         if n == 1:
             one[name] = tps
-        base = one.get(name if name != "zero2" else "ddp")
+        # One GPU runs DDP only: the ZeRO stages scale against it.
+        base = one.get("ddp" if name.startswith("zero") else name)
         scal = f"{tps / (n * base):.3f}" if base and n > 1 else "-"
         vs = f"{tps / pt['tokens_per_s']:.3f}" if pt and name != "pytorch-ddp" else "-"
         tbs = f"{tb:.1f}" if tb and name == "ddp" else "-"

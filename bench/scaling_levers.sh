@@ -11,7 +11,10 @@
 # Usage: bench/scaling_levers.sh PRESET N [VARIANTS]
 #   PRESET: gpt2-124m (batch 16, 60 steps) or 1.3b (batch 8, 25 steps).
 #   VARIANTS (default all): any of one one-gN (1 GPU on GPU N, to see how
-#   the GPUs of the host differ) one-buckets ddp (harness's default) local
+#   the GPUs of the host differ) one-long (1 GPU, GPU 0, three times the
+#   steps) concurrent (one-long on every GPU at once, no communication: what
+#   the host's GPUs do side by side, the most a data-parallel step could
+#   scale; its rows give each GPU's tokens/s over one-long's) one-buckets ddp (harness's default) local
 #   (HARNESS_CE_GATHER=0: autograd's own gradients all-reduced) flat zero1 zero2 no-overlap
 #   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
 #   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
@@ -73,6 +76,13 @@ for v in $variants; do
   case "${v%%+*}" in
     one) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 ;;
     one-g[0-9]*) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
+    one-long) steps=$((steps * 3)) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 ;;
+    concurrent)
+      for g in $(seq 0 $((n - 1))); do
+        steps=$((steps * 3)) suite "$v-g$g" 1 auto >/dev/null
+        run "$v-g$g" CUDA_VISIBLE_DEVICES="$g" &
+      done
+      wait ;;
     one-buckets) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
     ddp) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
     local) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
@@ -148,6 +158,9 @@ def entries(v):
     except Exception:
         return []
 one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
+long = next((e["metrics"]["tokens_per_s"] for e in entries("one-long") if e.get("metrics")), None)
+# `concurrent` ran one result per GPU: concurrent-g0, concurrent-g1, ...
+variants = [x for v in variants for x in ([f"{v}-g{g}" for g in range(n)] if v == "concurrent" else [v])]
 vw = max([12] + [len(v) for v in variants])
 print(f"{'variant':<{vw}} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9} {'unzeroed':>8} {'fwd':>6} {'bwd':>6} {'wait':>5} {'opt':>5}")
 for v in variants:
@@ -159,10 +172,16 @@ for v in variants:
         w = m.get("world_size", 1)
         s = m.get("step") or {}
         sc = f"{m['tokens_per_s'] / (w * one):.3f}" if one and w > 1 else ""
+        if v.startswith("concurrent-") and long:
+            sc = f"{m['tokens_per_s'] / long:.3f}*"
         peak = (m.get("memory") or {}).get("peak_device_allocated_bytes", 0) / 2**30
         ev = m.get("final_eval_loss") or float("nan")
         unz = f"{m.get('unzeroed_buckets') or 0}/{len(m.get('bucket_bytes') or [])}" if w > 1 else ""
         ph = lambda k: ((m.get("phases") or {}).get(k) or {}).get("p50_ms", 0)
         print(f"{v:<{vw}} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f} {unz:>8}"
               f" {ph('forward'):>6.1f} {ph('backward'):>6.1f} {ph('communicate'):>5.1f} {ph('optimizer'):>5.1f}")
+conc = [e["metrics"]["tokens_per_s"] for g in range(n) for e in entries(f"concurrent-g{g}") if e.get("metrics")]
+if long and len(conc) == n:
+    print(f"* concurrent: each GPU's tokens/s over one-long's; all {n} together {sum(conc) / (n * long):.3f}, "
+          f"the slowest {min(conc) / long:.3f} (a data-parallel step waits for it)")
 PY
