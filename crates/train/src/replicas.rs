@@ -76,9 +76,10 @@ impl ReplicaCheck {
 
     /// Whether the check runs after `done` steps: every `every` steps, and
     /// once after warm-up, so that what the first check costs once (its
-    /// kernel's first launch loads it: 40 to 90 ms a rank on 4 H200s, 1 to
-    /// 4% of the throughput of a 50-step measurement of GPT-2 124M) falls in
-    /// warm-up rather than in the measured steps.
+    /// kernel's first launch loads it: step 50 took 67 to 126 ms instead of
+    /// 31 on 4 H200s, and GPT-2 124M's 4-GPU throughput over 50 measured
+    /// steps read 0.6 to 0.9% low) falls in warm-up rather than in the
+    /// measured steps.
     pub fn due(&self, done: u64, world: usize) -> bool {
         (world > 1 || self.forced) && self.every > 0 && (done % self.every == 0 || done == self.warmup)
     }
@@ -95,8 +96,9 @@ impl ReplicaCheck {
     /// broadcast are queued on the device and the verdict comes to the host
     /// behind an event: [`ReplicaCheck::settle`] reads it a step later, so
     /// the check does not stop the host until the device has drained its
-    /// queue (which cost about 15 ms, 0.8% of GPT-2 124M's throughput on 4
-    /// H200s with a check every 50 steps).
+    /// queue. (On 4 H200s this lag alone did not measurably change GPT-2
+    /// 124M's throughput; what the check cost was its first launch, see
+    /// [`ReplicaCheck::due`].)
     pub fn start(&mut self, params: &[Tensor], names: &[String], comm: &mut dyn Collective, done: u64, strategy: &str) -> Result<()> {
         if comm.world_size() == 1 && !self.forced {
             return Ok(());
