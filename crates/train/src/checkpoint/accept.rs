@@ -111,8 +111,9 @@ impl RunIdentity {
             return Err(differs("plugins", format!("{:?}", theirs.plugins), format!("{:?}", self.plugins)));
         }
         if theirs.shards != self.shards {
-            // A manifest is a stranger's: only a layout digest (hex) is shown.
-            let shown = |s: &str| match s {
+            // A manifest is a stranger's: only a layout digest (hex) is shown
+            // (stricter than `shown`, which any printable value passes).
+            let digest = |s: &str| match s {
                 "" => "none".to_owned(),
                 s if s.len() <= 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => format!("`{s}`"),
                 s => format!("no layout digest ({} bytes)", s.len()),
@@ -124,8 +125,8 @@ impl RunIdentity {
                     "is {}, this run's is {}: the ZeRO shards lie differently (the gradient buckets changed: bucket_mb, \
                      HARNESS_READY_ORDER, HARNESS_TAIL_BUCKETS or harness's version), so its optimizer state would \
                      land on other parameters",
-                    shown(&theirs.shards),
-                    shown(&self.shards)
+                    digest(&theirs.shards),
+                    digest(&self.shards)
                 ),
             ));
         }
