@@ -260,6 +260,14 @@ switches! {
     /// engines under the zero CTA policy) and one kernel averages this
     /// rank's chunk; fp32 buckets only.
     ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
+    /// `HARNESS_SYM_SCATTER` (default 1): where the copy engines' all-gather
+    /// averages the buckets (`HARNESS_CE_GATHER`, the reduce-scatter on the
+    /// SMs), each fp32 bucket's reduce-scatter sums (NCCL 2.27 and later run
+    /// a sum between symmetric windows as a kernel that loads the peers'
+    /// chunks directly, where NCCL's average takes its ring kernels) and a
+    /// kernel divides this rank's chunk by the ranks before its gather: the
+    /// fp32 average, summed in another order; 0 averages with NCCL's average.
+    sym_scatter: bool = true, "HARNESS_SYM_SCATTER", Recorded;
     /// `HARNESS_ZERO_PREFETCH` (default 1): under ZeRO with several ranks,
     /// the parameters updated by each rank's shard are all-gathered beside
     /// the next step's forward pass (bucket by bucket, in the order the

@@ -1002,6 +1002,25 @@ pub fn mean_chunks_on(stream: *mut c_void, received: &Tensor, out: &Tensor, n: u
     Ok(())
 }
 
+/// `x` (dense fp32 on CUDA) multiplied by `scale` in place, on `stream`
+/// (a live `CUstream` that orders the kernel after whatever writes `x`;
+/// the caller keeps `x`'s memory until it has run): a reduce-scatter's sum
+/// made the average.
+pub fn scale_on(stream: *mut c_void, x: &Tensor, scale: f32) -> anyhow::Result<()> {
+    let k = comm_loaded().map_err(|e| anyhow::anyhow!("the collectives' kernels are unavailable: {e}"))?;
+    anyhow::ensure!(x.kind() == Kind::Float && x.is_contiguous(), "scale takes a dense fp32 tensor");
+    let n = x.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let blocks = u32::try_from(((n + 4095) / 4096).clamp(1, i64::from(k.sms)))?;
+    // SAFETY: the parameters match scale_f32's signature (n floats of x,
+    // read and written in place); the caller's stream orders the kernel
+    // and keeps the memory (see above).
+    unsafe { launch_on(stream as _, k.scale_f32, Grid::line(blocks, 512), params![x, n, scale]) }?;
+    Ok(())
+}
+
 /// Records the GPU clock into `at` (one int64 on the device), in stream order.
 pub fn stamp(at: &Tensor) -> anyhow::Result<()> {
     let k = require("device")?;
@@ -1136,6 +1155,7 @@ mod tests {
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         let comm = launch::compile_program(launch::COMM_SOURCE, 9, 0, Vec::new()).unwrap();
         assert!(comm.contains(".entry mean_chunks_f32") && comm.contains("ld.global.nc.v4.f32"), "{comm}");
+        assert!(comm.contains(".entry scale_f32"), "{comm}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [
             "add_ln_fwd",
@@ -1193,6 +1213,26 @@ mod tests {
             let err = (out.narrow(0, 0, c) - &want).abs().max().double_value(&[]);
             assert!(err < 1e-6, "{n} chunks of {c}: max error {err}");
             assert_eq!(Vec::<f32>::try_from(&out.narrow(0, c, 4)).unwrap(), vec![7.0; 4], "{n} chunks of {c}: wrote past the chunk");
+        }
+    }
+
+    /// The reduce-scatter's division: each element times the factor, on
+    /// the vectorised path and the scalar one, nothing written past the end.
+    #[test]
+    fn cuda_scale_matches_libtorch() {
+        if !cuda() {
+            return;
+        }
+        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = tch::Device::Cuda(0);
+        let stream = crate::torch_ext::current_cuda_stream().unwrap();
+        for c in [1i64 << 20, 1_000_003, 3] {
+            let x = Tensor::randn([c + 4], (Kind::Float, dev));
+            let want = x.narrow(0, 0, c) * 0.25;
+            let tail = Vec::<f32>::try_from(&x.narrow(0, c, 4)).unwrap();
+            scale_on(stream, &x.narrow(0, 0, c), 0.25).unwrap();
+            assert!(x.narrow(0, 0, c).equal(&want), "{c} elements: not the product");
+            assert_eq!(Vec::<f32>::try_from(&x.narrow(0, c, 4)).unwrap(), tail, "{c} elements: wrote past the end");
         }
     }
 

@@ -1643,12 +1643,25 @@ pub mod nccl {
                 return Ok(());
             }
             self.finish_deferred()?;
+            // HARNESS_SYM_SCATTER: the sum, which NCCL's symmetric-memory
+            // kernels take (ReduceScatter_LD loads the peers' chunks from
+            // their windows), made the average by a kernel behind it.
+            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float;
+            let chunk = t.narrow(0, (self.rank * count) as i64, count as i64);
+            let n = self.n;
             self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| {
+                let op = if summed { RED_SUM } else { RED_AVG };
                 // SAFETY: in place in t (NCCL's in-place reduce-scatter and
                 // all-gather: the chunk at this rank's offset), live device
                 // memory that the caller keeps until after `wait_async`, on
                 // our side stream, the gather queued behind the scatter.
-                check(unsafe { (l.reduce_scatter)(base, mine, count, dt, RED_AVG, comm, side) }, "reduce_scatter")
+                check(unsafe { (l.reduce_scatter)(base, mine, count, dt, op, comm, side) }, "reduce_scatter")?;
+                if summed {
+                    // The chunk divided by the ranks, on the side stream
+                    // behind the scatter and before the gather.
+                    crate::kernels::scale_on(side, &chunk, 1.0 / n as f32)?;
+                }
+                Ok(())
             })?;
             self.on_side_after(Op::AllGather, bytes, "all_gather", false, |l, comm, side| {
                 // SAFETY: as above: this rank's chunk gathered into t, in
