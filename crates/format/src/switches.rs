@@ -266,7 +266,10 @@ switches! {
     /// a sum between symmetric windows as a kernel that loads the peers'
     /// chunks directly, where NCCL's average takes its ring kernels) and a
     /// kernel divides this rank's chunk by the ranks before its gather: the
-    /// fp32 average, summed in another order; 0 averages with NCCL's average.
+    /// fp32 average, summed in another order. ZeRO-1's gradient buffers lie
+    /// in symmetric memory too, each reduce-scattered in place (its chunk a
+    /// piece of it, no memory of its own). 0 averages with NCCL's average
+    /// and keeps ZeRO-1's buffers and chunks in libtorch's memory.
     sym_scatter: bool = true, "HARNESS_SYM_SCATTER", Recorded;
     /// `HARNESS_ZERO_PREFETCH` (default 1): under ZeRO with several ranks,
     /// the parameters updated by each rank's shard are all-gathered beside

@@ -1255,7 +1255,7 @@ pub mod nccl {
         side_busy: bool,
         /// The buffers of `symmetric_zeros` and `symmetric_scratch`, with
         /// their windows.
-        windows: Vec<(*mut c_void, WindowT)>,
+        windows: Vec<(*mut c_void, WindowT, usize)>,
         /// The all-to-all's receive buffer of `symmetric_scratch`.
         scratch: Option<Tensor>,
         /// The bucket whose all-to-all was issued last, not yet gathered.
@@ -1436,12 +1436,20 @@ pub mod nccl {
                 unsafe { (sym.mem_free)(p) };
                 return Err(self.fail(name, e));
             }
-            self.windows.push((p, w));
+            self.windows.push((p, w, bytes));
             // SAFETY: `numel` elements of `kind` at p on this rank's device,
             // alive until this communicator is dropped (see the trait).
             let t = unsafe { Tensor::f_from_blob(p as *const u8, &[numel], &[1], kind, self.device) }.map_err(|e| self.fail(name, e))?;
             let _ = tch::no_grad(|| t.shallow_clone().zero_());
             Ok(Some(t))
+        }
+
+        /// Whether `t`'s memory lies inside one of our symmetric windows
+        /// (where NCCL runs a collective between windows as its
+        /// symmetric-memory kernels).
+        fn in_window(&self, t: &Tensor) -> bool {
+            let (at, len) = (t.data_ptr() as usize, nbytes(t) as usize);
+            self.windows.iter().any(|&(p, _, bytes)| at >= p as usize && at + len <= p as usize + bytes)
         }
 
         /// All-reduces `ts` in place with `red` as one NCCL group on the side
@@ -1581,11 +1589,20 @@ pub mod nccl {
                 return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
             }
             let (sp, rp) = (t.data_ptr(), out.data_ptr());
+            // HARNESS_SYM_SCATTER: between symmetric windows the sum (NCCL's
+            // symmetric kernel), divided by a kernel behind it.
+            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float && self.in_window(t) && self.in_window(out);
+            let n = self.n;
             self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| {
+                let op = if summed { RED_SUM } else { RED_AVG };
                 // SAFETY: n x `count` elements read from t and `count`
                 // written to out, live device buffers of that type that the
                 // caller keeps until after `wait_async`, on our side stream.
-                check(unsafe { (l.reduce_scatter)(sp, rp, count, dt, RED_AVG, comm, side) }, name)
+                check(unsafe { (l.reduce_scatter)(sp, rp, count, dt, op, comm, side) }, name)?;
+                if summed {
+                    crate::kernels::scale_on(side, out, 1.0 / n as f32)?;
+                }
+                Ok(())
             })
         }
         fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
@@ -1646,7 +1663,7 @@ pub mod nccl {
             // HARNESS_SYM_SCATTER: the sum, which NCCL's symmetric-memory
             // kernels take (ReduceScatter_LD loads the peers' chunks from
             // their windows), made the average by a kernel behind it.
-            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float;
+            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float && self.in_window(t);
             let chunk = t.narrow(0, (self.rank * count) as i64, count as i64);
             let n = self.n;
             self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| {
@@ -1848,7 +1865,7 @@ pub mod nccl {
                 if let tch::Device::Cuda(i) = self.device {
                     tch::Cuda::synchronize(i as i64);
                 }
-                for (p, w) in std::mem::take(&mut self.windows) {
+                for (p, w, _) in std::mem::take(&mut self.windows) {
                     // SAFETY: our window and NCCL's memory, each released once.
                     unsafe {
                         (sym.deregister)(self.comm, w);

@@ -372,6 +372,9 @@ pub struct DataParallel {
     /// first, started before the rest of the update
     /// ([`DataParallel::start_lead_gather`]).
     lead: Option<Option<crate::comm::Gathered>>,
+    /// ZeRO-1's gradient buffers are the collective's symmetric memory,
+    /// each reduce-scattered in place ([`DataParallel::use_symmetric_zero_grads`]).
+    zero_sym: bool,
 }
 
 /// Whether a parameter gets weight decay: matrices and embeddings, not biases
@@ -436,6 +439,7 @@ impl DataParallel {
             prefetch: false,
             symmetric_param_bytes: 0,
             lead: None,
+            zero_sym: false,
         };
         if stage.sharded() {
             tch::no_grad(|| -> anyhow::Result<()> {
@@ -545,6 +549,34 @@ impl DataParallel {
             b.attach(&self.params, flat)?;
         }
         o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
+        Ok(true)
+    }
+
+    /// ZeRO-1 with the overlap: the gradient buffers in the collective's
+    /// symmetric memory (NCCL: `ncclMemAlloc`, one window a bucket), each
+    /// reduce-scattered in place into this rank's chunk of it, which NCCL
+    /// runs between windows as its symmetric kernel (`HARNESS_SYM_SCATTER`:
+    /// the sum, divided behind it). Every rank calls it alike, before the
+    /// arrival hooks of [`DataParallel::use_stale_buffers`]. Returns whether
+    /// it applies (not ZeRO-2, whose buffers are released every step).
+    pub fn use_symmetric_zero_grads(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+        if self.stage != ZeroStage::One || self.local || self.zero_sym || self.overlap.is_none() {
+            return Ok(false);
+        }
+        let Some(flats) = self.symmetric_flats(comm, "gradient")? else { return Ok(false) };
+        tch::no_grad(|| -> anyhow::Result<()> {
+            for (b, flat) in self.buckets.iter_mut().zip(flats) {
+                anyhow::ensure!(
+                    flat.numel() as i64 == b.padded,
+                    "a symmetric buffer of {} elements for a bucket of {}",
+                    flat.numel(),
+                    b.padded
+                );
+                b.attach(&self.params, flat)?;
+            }
+            Ok(())
+        })?;
+        self.zero_sym = true;
         Ok(true)
     }
 
@@ -742,7 +774,12 @@ impl DataParallel {
         };
         let world = self.world as i64;
         st.chunks = if o.sharded {
-            self.buckets.iter().map(|b| Tensor::empty([b.padded / world], (b.kind, self.device))).collect()
+            let chunk = |b: &Bucket| match (&b.grad, self.zero_sym) {
+                // In place: this rank's chunk of the symmetric buffer.
+                (Some((flat, _)), true) => flat.narrow(0, self.rank as i64 * (b.padded / world), b.padded / world),
+                _ => Tensor::empty([b.padded / world], (b.kind, self.device)),
+            };
+            self.buckets.iter().map(chunk).collect()
         } else {
             Vec::new()
         };
@@ -1187,17 +1224,20 @@ impl DataParallel {
         if self.local {
             return torch_ext::grads(&self.params).map_or(0, |g| g.iter().filter(|g| g.defined()).map(bytes).sum());
         }
-        self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| bytes(&g.0)) + b.reduced.as_ref().map_or(0, bytes)).sum()
+        // ZeRO-1's in-place chunks are views of the buffers, not memory of their own.
+        let reduced = |b: &Bucket| if self.zero_sym { 0 } else { b.reduced.as_ref().map_or(0, bytes) };
+        self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| bytes(&g.0)) + reduced(b)).sum()
     }
 
     /// Bytes of device memory this state holds outside libtorch's caching
     /// allocator, which its peaks leave out: the symmetric gradient
-    /// buffers of [`DataParallel::use_symmetric_buffers`] and the receive
+    /// buffers of [`DataParallel::use_symmetric_buffers`] (ZeRO-1's of
+    /// [`DataParallel::use_symmetric_zero_grads`]) and the receive
     /// buffer of [`DataParallel::use_copy_engine_reduce`], and ZeRO's
     /// symmetric parameter buffers ([`DataParallel::use_symmetric_params`]),
     /// held for the whole run.
     pub fn outside_allocator_bytes(&self) -> u64 {
-        if !self.split_buffers() {
+        if !self.split_buffers() && !self.zero_sym {
             return self.symmetric_param_bytes;
         }
         let buffers: u64 = self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| torch_ext::nbytes(&g.0))).sum();
@@ -1880,6 +1920,34 @@ mod tests {
                 assert!(hooked.iter().flatten().all(|(_, bytes)| *bytes == 4 * (8 + 6 + 5)), "{hooked:?}");
             }
         }
+        // ZeRO-1 with its buffers in the collective's symmetric memory (plain
+        // memory on thread ranks), each reduce-scattered in place: the same
+        // chunks, and the chunks no memory of their own.
+        let run = |symmetric: bool| {
+            two_ranks(move |rank, comm| {
+                let ps = params(6);
+                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
+                assert!(!tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap(), "it needs the overlap");
+                assert!(dp.enable_overlap(comm).unwrap());
+                if symmetric {
+                    assert!(tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap());
+                    assert_eq!(dp.outside_allocator_bytes(), 4 * (16 + 12 + 10), "the buffers lie outside libtorch's allocator");
+                }
+                two_steps(&mut dp, &ps, rank, comm)
+            })
+        };
+        let (plain, symmetric) = (run(false), run(true));
+        for (p, s) in plain.iter().flatten().zip(symmetric.iter().flatten()) {
+            assert_eq!(p.0, s.0, "the reduced chunks");
+            assert_eq!(p.1, s.1 + 4 * (8 + 6 + 5), "the gradient bytes: the buffers, without the chunks again");
+        }
+        let refused = two_ranks(|rank, comm| {
+            let ps = params(6);
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
+            assert!(dp.enable_overlap(comm).unwrap());
+            tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap()
+        });
+        assert_eq!(refused, [false, false], "ZeRO-2 releases its buffers every step");
     }
 
     #[test]

@@ -192,6 +192,12 @@ impl Training {
         let local_allowed = switches.local_grads && !symmetric && !forced;
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
         let ce_reduce = switches.ce_reduce && symmetric && dp.use_copy_engine_reduce(comm)?;
+        // ZeRO-1's gradient buffers in symmetric memory, reduce-scattered in
+        // place by NCCL's symmetric kernel (HARNESS_SYM_SCATTER; plain memory
+        // on the CPU's thread ranks, so that the path runs there too).
+        if switches.sym_scatter && overlapped && (!device.is_cuda() || copy_engines_between_ranks(ctx, device, world)) {
+            tch::no_grad(|| dp.use_symmetric_zero_grads(comm))?;
+        }
         // Flat buffers that the fused layers write whole are not zeroed at
         // each step's start (HARNESS_UNZEROED_GRADS=0 zeroes them).
         if switches.unzeroed_grads && overlapped {
