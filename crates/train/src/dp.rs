@@ -930,6 +930,13 @@ impl DataParallel {
                 if let Some(e) = st.error.take() {
                     anyhow::bail!("an all-reduce started during the backward pass failed: {e}");
                 }
+                // The hooks' references to the buffers go: ZeRO-2 releases its
+                // buffers after the wait below, and a reference kept here
+                // would hold them through the update and the next forward
+                // pass, and beside their successors from the next step's
+                // allocation to its first hook (3.6 GiB at GPT 1.3B's peak
+                // on 4 H100s, above ZeRO-1's).
+                st.flats = Vec::new();
                 (std::mem::take(&mut st.launched), st.split)
             };
             // Buckets whose gradients never all arrived (unused parameters).
@@ -1948,6 +1955,35 @@ mod tests {
             tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap()
         });
         assert_eq!(refused, [false, false], "ZeRO-2 releases its buffers every step");
+    }
+
+    #[test]
+    fn zero2_lets_go_of_its_buffers_after_the_reduction() {
+        // The overlap's hooks keep references to the buffers they reduce
+        // during the backward pass; after the reduction nothing may hold a
+        // released buffer, or it outlives its release (memory held through
+        // the update, the forward pass and the next allocation).
+        let held = two_ranks(|rank, comm| {
+            let ps = params(6);
+            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
+            assert!(dp.enable_overlap(comm).unwrap());
+            let mut held = Vec::new();
+            for step in 0..2 {
+                dp.begin_step().unwrap();
+                dp.before_backward(&ps).unwrap();
+                dp.arm_overlap(comm, true);
+                (loss(&ps, 1.0) * (rank as f64 + 1.0)).backward();
+                dp.disarm_overlap();
+                dp.check_grads(&ps).unwrap();
+                dp.reduce(&ps, &mut AllReduce, comm, step, false).unwrap();
+                assert!(dp.buckets.iter().all(|b| b.grad.is_none()), "released");
+                let o = dp.overlap.as_ref().unwrap();
+                held.push(o.state.lock().unwrap().flats.len());
+                dp.gather_params(comm).unwrap();
+            }
+            held
+        });
+        assert_eq!(held, [[0, 0], [0, 0]], "buffers still referenced after their release");
     }
 
     #[test]
