@@ -36,6 +36,9 @@
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 #   Any variant takes more environment as VARIANT+VAR=VALUE[+VAR=VALUE...],
 #   e.g. cer+HARNESS_READY_ORDER=0.
+# ROUNDS=N (default 1) runs the variants N times, interleaved (round r > 1 as
+# VARIANT@r), divides by the median of the `one` runs and prints each
+# variant's median scaling and range last.
 # Each run is stopped after $RUN_TIMEOUT seconds (default 300).
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
@@ -69,77 +72,81 @@ run() {
 }
 
 gpus=$(seq -s, 0 $((n - 1)))
+for round in $(seq 1 "${ROUNDS:-1}"); do
 for v in $variants; do
+  # Round 1 runs as VARIANT, later rounds as VARIANT@ROUND.
+  name=$v
+  [ "$round" -eq 1 ] || name="$v@$round"
   # VARIANT+VAR=VALUE+...: the variant with more environment for harness.
   extra=()
   [[ "$v" != *+* ]] || IFS=+ read -ra extra <<< "${v#*+}"
   case "${v%%+*}" in
-    one) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 ;;
-    one-g[0-9]*) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
-    one-long) steps=$((steps * 3)) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 ;;
+    one) suite "$name" 1 auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES=0 ;;
+    one-g[0-9]*) suite "$name" 1 auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="${v#one-g}" ;;
+    one-long) steps=$((steps * 3)) suite "$name" 1 auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES=0 ;;
     concurrent)
       for g in $(seq 0 $((n - 1))); do
-        steps=$((steps * 3)) suite "$v-g$g" 1 auto >/dev/null
-        run "$v-g$g" CUDA_VISIBLE_DEVICES="$g" &
+        steps=$((steps * 3)) suite "$name-g$g" 1 auto >/dev/null
+        run "$name-g$g" CUDA_VISIBLE_DEVICES="$g" &
       done
       wait ;;
-    one-buckets) suite "$v" 1 auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
-    ddp) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    local) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
-    flat) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
-    flat-b[0-9]*) suite "$v" "$n" "${v#flat-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
-    ce) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    ce-ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ce-ctas} }" >/dev/null
-      run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    ce-b[0-9]*) suite "$v" "$n" "${v#ce-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    cer) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
-    flat-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
-    ce-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
-    zero2-z) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_UNZEROED_GRADS=0 ;;
-    cer-z) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
-    cer-b[0-9]*) suite "$v" "$n" "${v#cer-b}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
-    split) suite "$v" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    zero2) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    zero1) suite "$v" "$n" auto zero1 'zero = 1' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    byname) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
-    byname-tail) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 ;;
-    tail[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TAIL_BUCKETS="${v#tail}" ;;
-    zero2-byname) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
-    simple) suite "$v" "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ch32) suite "$v" "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bf16) suite "$v" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    prio) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    bf16-prio) suite "$v" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    zero2-prio) suite "$v" "$n" auto zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    net) suite "$v" "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    net-bf16) suite "$v" "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    no-overlap) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
-    ch8) suite "$v" "$n" auto ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bucket[0-9]*) suite "$v" "$n" "${v#bucket}" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    bf16-b[0-9]*) suite "$v" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    zero2-b[0-9]*) suite "$v" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    sm[0-9]*-g[0-9]*) suite "$v" "$n" auto >/dev/null
-      r=${v%-g*}; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${r#sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
-    sm[0-9]*) suite "$v" "$n" auto >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#sm}" ;;
+    one-buckets) suite "$name" 1 auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES=0 HARNESS_LOCAL_GRADS=0 ;;
+    ddp) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    local) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=0 ;;
+    flat) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    flat-b[0-9]*) suite "$name" "$n" "${v#flat-b}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 ;;
+    ce) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    ce-ctas[0-9]*) suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ce-ctas} }" >/dev/null
+      run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    ce-b[0-9]*) suite "$name" "$n" "${v#ce-b}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    cer) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+    flat-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
+    ce-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
+    zero2-z) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_UNZEROED_GRADS=0 ;;
+    cer-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
+    cer-b[0-9]*) suite "$name" "$n" "${v#cer-b}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+    split) suite "$name" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
+    zero2) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    zero1) suite "$name" "$n" auto zero1 'zero = 1' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    byname) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
+    byname-tail) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 ;;
+    tail[0-9]*) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TAIL_BUCKETS="${v#tail}" ;;
+    zero2-byname) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
+    simple) suite "$name" "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ch32) suite "$name" "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16) suite "$name" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    prio) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    bf16-prio) suite "$name" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    zero2-prio) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
+    net) suite "$name" "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    net-bf16) suite "$name" "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    no-overlap) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
+    ch8) suite "$name" "$n" auto ddp-ch8 'nccl = { NCCL_MAX_NCHANNELS = 8 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bucket[0-9]*) suite "$name" "$n" "${v#bucket}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    bf16-b[0-9]*) suite "$name" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    zero2-b[0-9]*) suite "$name" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    sm[0-9]*-g[0-9]*) suite "$name" "$n" auto >/dev/null
+      r=${v%-g*}; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${r#sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
+    sm[0-9]*) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#sm}" ;;
     ctas[0-9]*-sm[0-9]*) c=${v%-sm*}; c=${c#ctas}
-      suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
-    ctas[0-9]*) suite "$v" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ctaeff) suite "$v" "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    ll128) suite "$v" "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run "$v" CUDA_VISIBLE_DEVICES="$gpus" ;;
+      suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
+    ctas[0-9]*) suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ctaeff) suite "$name" "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
+    ll128) suite "$name" "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer|trace-zero[12])
       case "$v" in
-        trace-zero[12]) suite "$v" "$n" auto "zero${v#trace-zero}" "zero = ${v#trace-zero}" >/dev/null
-          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
-        trace-ce) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
-        trace-cer) suite "$v" "$n" auto >/dev/null
-          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
-        trace-one) suite "$v" 1 auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
-        trace-sm*-g*) suite "$v" "$n" auto >/dev/null; r=${v%-g*}
-          TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${r#trace-sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
-        trace-sm*) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${v#trace-sm}" ;;
-        *) suite "$v" "$n" auto >/dev/null; TRACE=1 run "$v" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
+        trace-zero[12]) suite "$name" "$n" auto "zero${v#trace-zero}" "zero = ${v#trace-zero}" >/dev/null
+          TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
+        trace-ce) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
+        trace-cer) suite "$name" "$n" auto >/dev/null
+          TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
+        trace-one) suite "$name" 1 auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
+        trace-sm*-g*) suite "$name" "$n" auto >/dev/null; r=${v%-g*}
+          TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${r#trace-sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
+        trace-sm*) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${v#trace-sm}" ;;
+        *) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
       esac
-      for f in "$dir/$v.trace"/*.json; do
+      for f in "$dir/$name.trace"/*.json; do
         [ -e "$f" ] || continue
         python3 bench/trace_summary.py "$f" --top 25 > "${f%.json}.txt" 2>&1
         python3 bench/dp_trace.py "$f" > "${f%.json}.dp.txt" 2>&1
@@ -148,19 +155,29 @@ for v in $variants; do
     *) echo "unknown variant $v" >&2 ;;
   esac
 done
+done
 
 python3 - "$dir" "$n" $variants <<'PY'
 import json, os, sys
+import statistics
 d, n, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rounds = int(os.environ.get("ROUNDS") or 1)
 def entries(v):
     try:
         return json.load(open(os.path.join(d, v + ".json")))["entries"]
     except Exception:
         return []
-one = next((e["metrics"]["tokens_per_s"] for e in entries("one") if e.get("metrics")), None)
-long = next((e["metrics"]["tokens_per_s"] for e in entries("one-long") if e.get("metrics")), None)
+def named(v, r):
+    return v if r == 1 else f"{v}@{r}"
+def tps(v):
+    return [e["metrics"]["tokens_per_s"] for r in range(1, rounds + 1) for e in entries(named(v, r)) if e.get("metrics")]
+# The 1-GPU baseline: the median of the rounds' `one` runs (GPU 0).
+one = statistics.median(tps("one")) if tps("one") else None
+long = statistics.median(tps("one-long")) if tps("one-long") else None
 # `concurrent` ran one result per GPU: concurrent-g0, concurrent-g1, ...
 variants = [x for v in variants for x in ([f"{v}-g{g}" for g in range(n)] if v == "concurrent" else [v])]
+base = variants
+variants = [named(v, r) for r in range(1, rounds + 1) for v in base]
 vw = max([12] + [len(v) for v in variants])
 print(f"{'variant':<{vw}} {'GPUs':>4} {'tokens/s':>11} {'step p50 ms':>11} {'step mean ms':>12} {'scaling':>8} {'peak GiB':>9} {'eval loss':>9} {'unzeroed':>8} {'fwd':>6} {'bwd':>6} {'wait':>5} {'opt':>5}")
 for v in variants:
@@ -180,6 +197,15 @@ for v in variants:
         ph = lambda k: ((m.get("phases") or {}).get(k) or {}).get("p50_ms", 0)
         print(f"{v:<{vw}} {w:>4} {m['tokens_per_s']:>11,.0f} {s.get('p50_ms', 0):>11.2f} {s.get('mean_ms', 0):>12.2f} {sc:>8} {peak:>9.2f} {ev:>9.4f} {unz:>8}"
               f" {ph('forward'):>6.1f} {ph('backward'):>6.1f} {ph('communicate'):>5.1f} {ph('optimizer'):>5.1f}")
+if rounds > 1:
+    print(f"over {rounds} rounds (scaling against the median 1-GPU run): median [lowest, highest]")
+    for v in base:
+        runs = [e["metrics"] for r in range(1, rounds + 1) for e in entries(named(v, r)) if e.get("metrics")]
+        w = runs[0].get("world_size", 1) if runs else 1
+        if not runs or w < 2 or not one:
+            continue
+        sc = [m["tokens_per_s"] / (w * one) for m in runs]
+        print(f"{v:<{vw}} {w:>4} {statistics.median(m['tokens_per_s'] for m in runs):>11,.0f} {statistics.median(sc):>8.3f} [{min(sc):.3f}, {max(sc):.3f}] of {len(sc)}")
 conc = [e["metrics"]["tokens_per_s"] for g in range(n) for e in entries(f"concurrent-g{g}") if e.get("metrics")]
 if long and len(conc) == n:
     print(f"* concurrent: each GPU's tokens/s over one-long's; all {n} together {sum(conc) / (n * long):.3f}, "
