@@ -934,8 +934,8 @@ impl DataParallel {
                 // buffers after the wait below, and a reference kept here
                 // would hold them through the update and the next forward
                 // pass, and beside their successors from the next step's
-                // allocation to its first hook (3.6 GiB at GPT 1.3B's peak
-                // on 4 H100s, above ZeRO-1's).
+                // allocation to its first hook (while they did, ZeRO-2 peaked
+                // 3.6 GiB above ZeRO-1 on GPT 1.3B on 4 H100s).
                 st.flats = Vec::new();
                 (std::mem::take(&mut st.launched), st.split)
             };
