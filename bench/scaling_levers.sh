@@ -38,7 +38,9 @@
 #   e.g. cer+HARNESS_READY_ORDER=0.
 # ROUNDS=N (default 1) runs the variants N times, interleaved (round r > 1 as
 # VARIANT@r), divides by the median of the `one` runs and prints each
-# variant's median scaling and range last.
+# variant's median scaling and range last. With one-g1 .. one-g(N-1) among
+# the variants, the N-GPU runs are also divided by the mean of the GPUs'
+# 1-GPU runs (GPU 0 alone may be faster or slower than the others).
 # Each run is stopped after $RUN_TIMEOUT seconds (default 300).
 # Needs $HARNESS_BIN (default .carry/harness). Writes under $OUT/levers-PRESET/.
 set -uo pipefail
@@ -206,6 +208,18 @@ if rounds > 1:
             continue
         sc = [m["tokens_per_s"] / (w * one) for m in runs]
         print(f"{v:<{vw}} {w:>4} {statistics.median(m['tokens_per_s'] for m in runs):>11,.0f} {statistics.median(sc):>8.3f} [{min(sc):.3f}, {max(sc):.3f}] of {len(sc)}")
+# With one-g1 .. one-g(N-1) beside `one`: the GPUs differ (up to 3.6% on one
+# host), and a data-parallel step runs on all of them, so scaling against the
+# mean of their 1-GPU runs as well as against GPU 0's.
+each = [tps("one")] + [tps(f"one-g{g}") for g in range(1, n)]
+if n > 1 and all(each):
+    mean = statistics.mean(statistics.median(t) for t in each)
+    print(f"scaling against the mean of the {n} GPUs' 1-GPU runs ({mean:,.0f} tokens/s; GPU 0: {one:,.0f}):")
+    for v in base:
+        runs = [e["metrics"] for r in range(1, rounds + 1) for e in entries(named(v, r)) if e.get("metrics")]
+        w = runs[0].get("world_size", 1) if runs else 1
+        if runs and w > 1:
+            print(f"{v:<{vw}} {w:>4} {statistics.median(m['tokens_per_s'] for m in runs) / (w * mean):>8.3f}")
 conc = [e["metrics"]["tokens_per_s"] for g in range(n) for e in entries(f"concurrent-g{g}") if e.get("metrics")]
 if long and len(conc) == n:
     print(f"* concurrent: each GPU's tokens/s over one-long's; all {n} together {sum(conc) / (n * long):.3f}, "
