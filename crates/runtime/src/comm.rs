@@ -1211,6 +1211,34 @@ pub mod nccl {
         anyhow::bail!("{what}: NCCL error {code}: {msg}")
     }
 
+    /// Averages `t` over the ranks into `out` (this rank's chunk) on
+    /// `side`: NCCL's average, or with `scale` (see `NcclComm::sum_scale`)
+    /// the sum, multiplied by it behind the scatter, before anything queued
+    /// after it on `side` (the split average's gather).
+    ///
+    /// # Safety
+    /// `t` and `out` are live device buffers of NCCL type `dt`, `t` the
+    /// ranks times `out`'s elements, kept by the caller until work queued
+    /// after this on `side` has run; `comm` and `side` are our live
+    /// communicator and stream.
+    unsafe fn reduce_scatter_avg(
+        l: &Lib,
+        comm: CommT,
+        side: *mut c_void,
+        t: &Tensor,
+        out: &Tensor,
+        dt: c_int,
+        scale: Option<f32>,
+    ) -> anyhow::Result<()> {
+        let op = if scale.is_some() { RED_SUM } else { RED_AVG };
+        // SAFETY: as the caller promises.
+        check(unsafe { (l.reduce_scatter)(t.data_ptr(), out.data_ptr(), out.numel(), dt, op, comm, side) }, "reduce_scatter")?;
+        match scale {
+            Some(s) => crate::kernels::scale_on(side, out, s),
+            None => Ok(()),
+        }
+    }
+
     /// A fresh unique id (rank 0 makes it and shares it through the rendezvous).
     pub fn unique_id() -> anyhow::Result<UniqueId> {
         let l = lib().map_err(anyhow::Error::msg)?;
@@ -1452,6 +1480,16 @@ pub mod nccl {
             self.windows.iter().any(|&(p, _, bytes)| at >= p as usize && at + len <= p as usize + bytes)
         }
 
+        /// `HARNESS_SYM_SCATTER`: the factor that makes the sum of a
+        /// reduce-scatter of `t` into `out` their average, where both lie in
+        /// our symmetric windows (NCCL runs a sum between windows as its
+        /// symmetric kernel, which loads the peers' chunks directly, and its
+        /// average as the ring kernels); None: NCCL's average.
+        fn sum_scale(&self, t: &Tensor, out: &Tensor) -> Option<f32> {
+            let on = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float;
+            (on && self.in_window(t) && self.in_window(out)).then(|| 1.0 / self.n as f32)
+        }
+
         /// All-reduces `ts` in place with `red` as one NCCL group on the side
         /// stream (see [`NcclComm::on_side`]).
         fn side_all_reduce(&mut self, ts: &[Tensor], red: c_int) -> Result<(), CommError> {
@@ -1588,21 +1626,12 @@ pub mod nccl {
                 let reason = format!("{numel} elements do not split over {} ranks into {count} of {:?}", self.n, out.kind());
                 return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
             }
-            let (sp, rp) = (t.data_ptr(), out.data_ptr());
-            // HARNESS_SYM_SCATTER: between symmetric windows the sum (NCCL's
-            // symmetric kernel), divided by a kernel behind it.
-            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float && self.in_window(t) && self.in_window(out);
-            let n = self.n;
+            let scale = self.sum_scale(t, out);
             self.on_side(Op::ReduceScatter, nbytes(t), name, |l, comm, side| {
-                let op = if summed { RED_SUM } else { RED_AVG };
                 // SAFETY: n x `count` elements read from t and `count`
                 // written to out, live device buffers of that type that the
                 // caller keeps until after `wait_async`, on our side stream.
-                check(unsafe { (l.reduce_scatter)(sp, rp, count, dt, op, comm, side) }, name)?;
-                if summed {
-                    crate::kernels::scale_on(side, out, 1.0 / n as f32)?;
-                }
-                Ok(())
+                unsafe { reduce_scatter_avg(l, comm, side, t, out, dt, scale) }
             })
         }
         fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
@@ -1660,25 +1689,15 @@ pub mod nccl {
                 return Ok(());
             }
             self.finish_deferred()?;
-            // HARNESS_SYM_SCATTER: the sum, which NCCL's symmetric-memory
-            // kernels take (ReduceScatter_LD loads the peers' chunks from
-            // their windows), made the average by a kernel behind it.
-            let summed = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float && self.in_window(t);
             let chunk = t.narrow(0, (self.rank * count) as i64, count as i64);
-            let n = self.n;
+            let scale = self.sum_scale(t, &chunk);
             self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| {
-                let op = if summed { RED_SUM } else { RED_AVG };
                 // SAFETY: in place in t (NCCL's in-place reduce-scatter and
-                // all-gather: the chunk at this rank's offset), live device
-                // memory that the caller keeps until after `wait_async`, on
-                // our side stream, the gather queued behind the scatter.
-                check(unsafe { (l.reduce_scatter)(base, mine, count, dt, op, comm, side) }, "reduce_scatter")?;
-                if summed {
-                    // The chunk divided by the ranks, on the side stream
-                    // behind the scatter and before the gather.
-                    crate::kernels::scale_on(side, &chunk, 1.0 / n as f32)?;
-                }
-                Ok(())
+                // all-gather: `chunk` is this rank's, at its offset in t),
+                // live device memory that the caller keeps until after
+                // `wait_async`, on our side stream, the gather queued behind
+                // the scatter.
+                unsafe { reduce_scatter_avg(l, comm, side, t, &chunk, dt, scale) }
             })?;
             self.on_side_after(Op::AllGather, bytes, "all_gather", false, |l, comm, side| {
                 // SAFETY: as above: this rank's chunk gathered into t, in

@@ -542,13 +542,12 @@ impl DataParallel {
     /// Returns whether it applies (false, and nothing changed, where the
     /// collective has no symmetric memory).
     pub fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
-        let Some(o) = self.overlap.as_ref().filter(|o| !o.sharded && !self.local) else { return Ok(false) };
-        let Some(flats) = self.symmetric_flats(comm, "gradient")? else { return Ok(false) };
-        for (b, flat) in self.buckets.iter_mut().zip(flats) {
-            b.padded = flat.numel() as i64;
-            b.attach(&self.params, flat)?;
+        if !self.overlap.as_ref().is_some_and(|o| !o.sharded && !self.local) || !self.attach_symmetric_grads(comm)? {
+            return Ok(false);
         }
-        o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
+        if let Some(o) = &self.overlap {
+            o.state.lock().unwrap_or_else(|e| e.into_inner()).split = true;
+        }
         Ok(true)
     }
 
@@ -563,20 +562,26 @@ impl DataParallel {
         if self.stage != ZeroStage::One || self.local || self.zero_sym || self.overlap.is_none() {
             return Ok(false);
         }
+        self.zero_sym = self.attach_symmetric_grads(comm)?;
+        Ok(self.zero_sym)
+    }
+
+    /// Every bucket's gradient buffer moved into the collective's symmetric
+    /// memory, padded to a multiple of the ranks (ZeRO's buckets are padded
+    /// so already), the parameters' gradients views of it. Returns false,
+    /// and nothing changed, where the collective has no symmetric memory.
+    fn attach_symmetric_grads(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         let Some(flats) = self.symmetric_flats(comm, "gradient")? else { return Ok(false) };
-        tch::no_grad(|| -> anyhow::Result<()> {
-            for (b, flat) in self.buckets.iter_mut().zip(flats) {
-                anyhow::ensure!(
-                    flat.numel() as i64 == b.padded,
-                    "a symmetric buffer of {} elements for a bucket of {}",
-                    flat.numel(),
-                    b.padded
-                );
-                b.attach(&self.params, flat)?;
-            }
-            Ok(())
-        })?;
-        self.zero_sym = true;
+        for (b, flat) in self.buckets.iter_mut().zip(flats) {
+            anyhow::ensure!(
+                !self.stage.sharded() || flat.numel() as i64 == b.padded,
+                "a symmetric buffer of {} elements for a bucket of {}",
+                flat.numel(),
+                b.padded
+            );
+            b.padded = flat.numel() as i64;
+            b.attach(&self.params, flat)?;
+        }
         Ok(true)
     }
 
