@@ -1,4 +1,7 @@
-//! Short forms of numbers and hashes for console lines and tables.
+//! Short forms of numbers and hashes for console lines and tables, and
+//! text from files made safe to print.
+
+use std::borrow::Cow;
 
 /// 12345.6 -> "12.3k".
 pub fn human(x: f64) -> String {
@@ -22,4 +25,42 @@ pub fn counted(n: usize, one: &str, many: &str) -> String {
 /// The first 12 characters of a hash (or the whole, if shorter).
 pub fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
+}
+
+/// Characters a reader does not see but that change how the text around
+/// them reads: control characters (C0, DEL, C1; a terminal acts on escape
+/// sequences that start with some of them) and the Unicode bidirectional
+/// controls, which can reorder what follows them on screen.
+pub fn unseen(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `s` as a terminal may print it when a file chose it (a key, a name, a
+/// value quoted in a message): unseen characters written as escapes
+/// (`\u{1b}`), tabs and line breaks kept.
+pub fn printable(s: &str) -> Cow<'_, str> {
+    let kept = |c: char| !unseen(c) || matches!(c, '\t' | '\n' | '\r');
+    if s.chars().all(kept) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if kept(c) {
+            out.push(c);
+        } else {
+            out.extend(c.escape_unicode());
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printable_text_escapes_what_a_terminal_acts_on_and_keeps_the_rest() {
+        assert!(matches!(printable("plain, ünïcode\tand\nlines"), Cow::Borrowed(_)));
+        assert_eq!(printable("a\u{1b}[2Jb\u{7}\u{9b}c\u{202e}d\u{7f}"), r"a\u{1b}[2Jb\u{7}\u{9b}c\u{202e}d\u{7f}");
+    }
 }

@@ -8,12 +8,7 @@
 //! written into a link: the report's links are built from hex digits and
 //! its own names alone.
 
-/// Characters a reader does not see but that change how the text around
-/// them reads: control characters (C0, DEL, C1) and the Unicode
-/// bidirectional controls, which can reorder what follows them on screen.
-fn unseen(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-}
+use harness_format::fmt::unseen;
 
 /// `s` as HTML text or as an attribute value (between double or single
 /// quotes): `& < > " '` become entities, unseen characters (other than

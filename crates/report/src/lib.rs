@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
 use crate::escape::{md, md_code};
-use crate::fmt::human;
+use crate::fmt::{human, printable};
 use crate::results::{EntryStatus, Metrics, RunResult};
 pub use metric::{Better, Metric, PerMetric};
 use stats::{Summary, Verdict};
@@ -721,13 +721,15 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
         });
         let Some(y) = y else { continue };
         let (rx, ry) = (score(x.clone()), score(y.clone()));
+        // The result files chose the names: for a terminal, escaped.
+        let p = |s: &str| printable(s).into_owned();
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED);
         t.set_header([
             "metric",
-            &format!("A: {}", x.strategy),
+            &format!("A: {}", p(&x.strategy)),
             "A median",
-            &format!("B: {}", y.strategy),
+            &format!("B: {}", p(&y.strategy)),
             "B median",
             "B / A",
             "difference",
@@ -755,9 +757,9 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             let med = |s: Option<&Summary>| s.map_or("-".into(), |s| metric.format(s.median));
             t.add_row([metric.name().to_owned(), metric.format_summary(sa), med(sa), metric.format_summary(sb), med(sb), ratio, verdict]);
         }
-        out.push_str(&format!("{} / {} on {} vs {}\n", x.suite, x.workload, x.device, y.device));
+        out.push_str(&format!("{} / {} on {} vs {}\n", p(&x.suite), p(&x.workload), p(&x.device), p(&y.device)));
         if !x.switches.is_empty() || !y.switches.is_empty() {
-            let say = |s: &String| if s.is_empty() { "none".to_owned() } else { s.clone() };
+            let say = |s: &String| if s.is_empty() { "none".to_owned() } else { p(s) };
             out.push_str(&format!("switches: A {}; B {}\n", say(&x.switches), say(&y.switches)));
         }
         out.push_str(&format!("{t}\n\n"));
@@ -877,6 +879,23 @@ mod tests {
         assert!(!compare_table(&results[..1], &results[2..]).contains("switches"));
         assert!(summary_table(&switched).contains("\nswitches: HARNESS_FUSED_MLP=0 (not the default work)"));
         assert!(!summary_table(&results[0]).contains("switches"));
+    }
+
+    #[test]
+    fn compare_shows_what_the_result_files_chose_without_sending_it_to_the_terminal() {
+        use crate::results::testing::result;
+        let mut a = result("s", None, 10.0);
+        let b = result("s", None, 20.0);
+        for e in &mut a.entries {
+            e.strategy = "base\u{1b}]0;title\u{7}".into();
+            e.device = "cpu\u{202e}".into();
+        }
+        a.switches = [("HARNESS_X".to_owned(), "\u{1b}[2J".to_owned())].into();
+        let text = compare_table(&[a], &[b]);
+        assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+        assert!(text.contains(r"A: base\u{1b}]0;title\u{7}"), "{text}");
+        assert!(text.contains(r"on cpu\u{202e} vs cpu"), "{text}");
+        assert!(text.contains(r"switches: A HARNESS_X=\u{1b}[2J; B none"), "{text}");
     }
 
     #[test]

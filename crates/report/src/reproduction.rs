@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
+use crate::fmt::printable;
 use crate::machine::Fingerprint;
 use crate::metric::Metric;
 use crate::results::{EntryStatus, Metrics, RunResult};
@@ -455,10 +456,13 @@ pub fn check(record: &[u8], sig: &SignatureFile, public_hex: &str, manifest: Opt
 
 /// The lines `harness reproduce` prints for a record.
 pub fn render(r: &Record) -> String {
+    // Names and figures from the bundle, for a terminal: escaped.
+    let p = |s: &str| printable(s).into_owned();
     let c = &r.comparison;
+    let folder = p(&r.bundle.folder);
     let mut out = format!(
         "{}: {} entries and {} evaluations compared ({}; largest difference {:.2e}), {} timing figures\n",
-        r.bundle.folder,
+        folder,
         c.entries_compared,
         c.evaluations_compared,
         allowed_traj(&r.tolerance),
@@ -468,8 +472,8 @@ pub fn render(r: &Record) -> String {
     for t in &c.timing {
         out.push_str(&format!(
             "  {} {}: claimed {:.4}, reproduced {:.4} ({:+.1}%, band ±{:.0}%){}\n",
-            t.at,
-            t.figure,
+            p(&t.at),
+            p(&t.figure),
             t.claimed,
             t.reproduced,
             100.0 * (t.reproduced / t.claimed - 1.0),
@@ -478,11 +482,10 @@ pub fn render(r: &Record) -> String {
         ));
     }
     for d in &c.differences {
-        out.push_str(&format!("difference: {d}\n"));
+        out.push_str(&format!("difference: {}\n", p(&d.to_string())));
     }
     out.push_str(&format!(
-        "{}: {}\n",
-        r.bundle.folder,
+        "{folder}: {}\n",
         if r.reproduced { "reproduced".to_owned() } else { format!("NOT reproduced ({} differences)", c.differences.len()) }
     ));
     out

@@ -17,6 +17,7 @@ use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
     BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
+use crate::fmt::{printable, unseen};
 
 /// A loaded, validated suite with its source.
 #[derive(Debug, Clone)]
@@ -75,23 +76,43 @@ impl fmt::Display for SuiteError {
             Some((l, c)) => format!("{name}:{l}:{c}"),
             None => name.clone(),
         };
-        let mut diag = Diagnostic::error().with_message(format!("{loc}: {}", self.message));
+        // The file chose the message's quotes and the excerpt: what a
+        // terminal would act on (escape sequences) is shown, not sent.
+        let (loc, message) = (printable(&loc), printable(&self.message));
+        let mut diag = Diagnostic::error().with_message(format!("{loc}: {message}"));
+        let (source, at) = excerpt(&self.source_text);
         if let Some(span) = &self.span {
             let end = span.end.max(span.start + 1).min(self.source_text.len());
             let start = span.start.min(end);
-            diag = diag.with_labels(vec![Label::primary((), start..end)]);
+            diag = diag.with_labels(vec![Label::primary((), at(start)..at(end))]);
         }
         if let Some(h) = &self.hint {
-            diag = diag.with_notes(vec![format!("hint: {h}")]);
+            diag = diag.with_notes(vec![format!("hint: {}", printable(h))]);
         }
-        let file = SimpleFile::new(name, self.source_text.as_str());
+        let file = SimpleFile::new(printable(&name), source.as_str());
         let mut out = Vec::new();
         let config = term::Config::default();
         if term::emit(&mut out, &config, &file, &diag).is_err() {
-            return write!(f, "error: {loc}: {}", self.message);
+            return write!(f, "error: {loc}: {message}");
         }
         f.write_str(String::from_utf8_lossy(&out).trim_end())
     }
+}
+
+/// `source` for an excerpt on a terminal: each unseen character but tabs
+/// and line breaks replaced by U+FFFD, with the map from a byte offset in
+/// `source` to the same place in the copy.
+fn excerpt(source: &str) -> (String, impl Fn(usize) -> usize + '_) {
+    let shown = |c: char| if unseen(c) && !matches!(c, '\t' | '\n' | '\r') { '\u{fffd}' } else { c };
+    let copy: String = source.chars().map(shown).collect();
+    let at = move |offset: usize| {
+        let mut o = offset.min(source.len());
+        while !source.is_char_boundary(o) {
+            o -= 1;
+        }
+        source[..o].chars().map(|c| shown(c).len_utf8()).sum()
+    };
+    (copy, at)
 }
 
 /// A path into the TOML document: keys and array indices.
@@ -1000,6 +1021,35 @@ name = "b"
         let e = parse(&bad).unwrap_err();
         assert_eq!(e.0.len(), 1);
         assert_eq!(e.0[0].line_col(), Some((10, 9)));
+    }
+
+    #[test]
+    fn what_a_terminal_would_act_on_is_shown_not_sent() {
+        // A suite may spell escape sequences in its strings and keys, and
+        // put raw control or bidirectional characters in its text; its
+        // errors quote the former and show lines holding the latter.
+        let sent = |text: &str| -> Vec<char> { text.chars().filter(|&c| crate::fmt::unseen(c) && c != '\n').collect() };
+        for (quoted, says) in [
+            (OK.replace("name = \"w\"", "name = \"w\\u001b]0;title\\u0007\""), r"workload name `w\u{1b}]0;title\u{7}` is not a plain name"),
+            (OK.replace("steps = 10", "steps = 10\n\"k\\u001b[2J\" = 1"), r"unknown field `k\u{1b}[2J`"),
+        ] {
+            let text = parse(&quoted).unwrap_err().to_string();
+            assert!(sent(&text).is_empty(), "{:?} in {text}", sent(&text));
+            assert!(text.contains(says), "{text}");
+        }
+        // Raw characters: TOML refuses control characters, not the
+        // bidirectional ones; either way the excerpt shows U+FFFD, and its
+        // caret stays under the character the message is about.
+        for (raw, at) in [("batch = 0 # \u{202e} x \u{2066}", "batch = 0"), ("batch = 4 # \u{1b}[31m red \u{9b}", "\u{fffd}[31m")] {
+            let e = parse(&OK.replace("batch = 4", raw)).unwrap_err();
+            let text = e.to_string();
+            assert!(sent(&text).is_empty(), "{:?} in {text}", sent(&text));
+            let (_, col) = e.0[0].line_col().unwrap();
+            let line = text.lines().find(|l| l.contains(at)).unwrap_or_else(|| panic!("{text}"));
+            let caret = text.lines().skip_while(|l| *l != line).nth(1).unwrap();
+            let start = line.find("batch").unwrap();
+            assert_eq!(caret[start..].chars().position(|c| c == '^'), Some(col - 1), "{text}");
+        }
     }
 
     #[test]

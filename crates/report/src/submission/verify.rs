@@ -49,6 +49,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::{files, sha256_hex, Manifest, BUNDLE_FORMAT, LOG, MACHINE, MANIFEST, RESULT, SUITE};
+use crate::fmt::printable;
 use crate::plugin::{head_hex, ArtifactFormat};
 use crate::results::{EntryStatus, RunResult, Submission};
 use crate::suite::standard::{self, Entry, Released};
@@ -666,17 +667,21 @@ fn list<S: AsRef<str>>(xs: &[S]) -> String {
 
 /// The text `harness verify` prints.
 pub fn render(dir: &Path, v: &Verdict) -> String {
+    // The reasons quote what the bundle chose (names, versions, paths):
+    // for a terminal, escaped.
+    let p = |s: &str| printable(s).into_owned();
+    let dir = p(&dir.display().to_string());
     let mut out = String::new();
     for n in &v.notes {
-        out.push_str(&format!("note: {n}\n"));
+        out.push_str(&format!("note: {}\n", p(n)));
     }
     if v.verified() {
-        out.push_str(&format!("{}: verified\n", dir.display()));
+        out.push_str(&format!("{dir}: verified\n"));
         return out;
     }
     for x in &v.violations {
-        out.push_str(&format!("violation [{}]: {}\n  what to do: {}\n", x.rule, x.what, x.todo));
+        out.push_str(&format!("violation [{}]: {}\n  what to do: {}\n", x.rule, p(&x.what), p(&x.todo)));
     }
-    out.push_str(&format!("{}: NOT verified ({} violations)\n", dir.display(), v.violations.len()));
+    out.push_str(&format!("{dir}: NOT verified ({} violations)\n", v.violations.len()));
     out
 }

@@ -52,8 +52,8 @@ fn level_name(level: u32) -> &'static str {
     }
 }
 
-/// `s` with control characters escaped (`\n`, `\u{1b}`, ...) and cut to
-/// `max` characters.
+/// `s` with control and bidirectional characters escaped (`\n`, `\u{1b}`,
+/// `\u{202e}`, ...) and cut to `max` characters.
 pub fn clean(s: &str, max: usize) -> String {
     let mut out = String::new();
     for (n, c) in s.chars().enumerate() {
@@ -62,7 +62,7 @@ pub fn clean(s: &str, max: usize) -> String {
             out.push_str(&format!(" ... ({rest} more characters cut)"));
             break;
         }
-        if c.is_control() {
+        if harness_format::fmt::unseen(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);

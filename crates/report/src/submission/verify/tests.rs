@@ -498,3 +498,15 @@ fn hostile_hashes_are_cut_for_messages_without_a_panic() {
     assert_eq!(super::short("aaaaaaaaaaaéé"), "aaaaaaaaaaaé");
     assert_eq!(super::short("0123456789abcdef"), "0123456789ab");
 }
+
+#[test]
+fn reasons_quote_what_the_bundle_chose_without_sending_it_to_the_terminal() {
+    let v = Verdict {
+        violations: vec![Violation { rule: "files", what: "`w\u{1b}[2J` is not a workload of the suite".into(), todo: "\u{9b}31m".into() }],
+        notes: vec!["a \u{202e}note".into()],
+    };
+    let text = render(Path::new("x\u{1b}]0;t\u{7}.bundle"), &v);
+    assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+    assert!(text.contains(r"`w\u{1b}[2J` is not a workload"), "{text}");
+    assert!(text.contains(r"x\u{1b}]0;t\u{7}.bundle: NOT verified"), "{text}");
+}
