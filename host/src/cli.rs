@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::bench::Allreduce;
 use crate::console::Console;
 use crate::device;
-use crate::fmt::counted;
+use crate::fmt::{counted, printable};
 use crate::launch::{self, RunOptions};
 use crate::ranks::{self, RankEnv};
 use crate::report;
@@ -550,11 +550,14 @@ fn check_plugins(s: &Suite, set: &crate::plugin::PluginSet) -> usize {
                     crate::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
                     crate::plugin::Transport::Native => "native, unsandboxed".to_owned(),
                 };
-                println!("plugin `{}`: {} {} ({}, {transport}) from {}", spec.name, m.name, m.version, m.kind.name(), m.path.display())
+                // The artifact chose its name and version.
+                let line =
+                    format!("plugin `{}`: {} {} ({}, {transport}) from {}", spec.name, m.name, m.version, m.kind.name(), m.path.display());
+                println!("{}", printable(&line));
             }
             Err(e) => {
                 bad += 1;
-                eprintln!("error: {e}");
+                eprintln!("error: {}", printable(&e.to_string()));
             }
         }
     }
@@ -594,7 +597,7 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     let submission = match enter(&mut suite, &args) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", printable(&e.to_string()));
             return Ok(exit::INVALID_SUITE);
         }
     };
@@ -677,7 +680,7 @@ fn run_here(suite: &Suite, opts: &RunOptions, quiet: bool) -> anyhow::Result<i32
     crate::plugin::exit_guard::arm(false);
     let result = match result {
         Err(e) if e.is::<launch::RanksLost>() => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", printable(&format!("{e:#}")));
             return Ok(exit::RANK_LOST);
         }
         r => r?,

@@ -11,13 +11,15 @@ fn main() {
     // The HARNESS_* switches, parsed once before any work: a malformed one
     // is refused, not ignored.
     if let Err(e) = harness::switches::init() {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", harness::fmt::printable(&e.to_string()));
         std::process::exit(harness::exit::INVALID_SWITCH);
     }
     let code = match harness::cli::main(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Errors quote what files and peers chose (a result file's
+            // values, a plugin's names): escaped for the terminal.
+            eprintln!("error: {}", harness::fmt::printable(&format!("{e:#}")));
             harness::exit::ERROR
         }
     };

@@ -161,6 +161,33 @@ fn compare_prints_ratios_and_significance() {
 }
 
 #[test]
+fn what_a_file_chose_reaches_the_terminal_escaped() {
+    // A result file and a suite that spell escape sequences (set the
+    // terminal's title, clear the screen): the errors and the table quote
+    // them, escaped.
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = fixture();
+    a.entries.iter_mut().for_each(|e| e.strategy = "base\u{1b}]0;title\u{7}".into());
+    write(dir.path(), "a.json", &serde_json::to_string(&a).unwrap());
+    let bad = serde_json::to_string(&fixture()).unwrap().replacen("\"ok\"", "\"ok\\u001b[2J\"", 1);
+    write(dir.path(), "bad.json", &bad);
+    write(dir.path(), "bad.toml", "[suite]\nname = \"s\"\n\"k\\u001b[2J\" = 1 # \u{202e}\n");
+    let table = run_ok(harness(dir.path()).args(["compare", "a.json", "a.json"]));
+    let failed = harness(dir.path()).args(["compare", "bad.json", "a.json"]).output().unwrap();
+    let invalid = harness(dir.path()).args(["validate", "bad.toml"]).output().unwrap();
+    for (out, says) in [
+        (&table.stdout, r"A: base\u{1b}]0;title\u{7}"),
+        (&failed.stderr, r"unknown variant `ok\u{1b}[2J`"),
+        (&invalid.stderr, r"unknown field `k\u{1b}[2J`"),
+    ] {
+        let text = String::from_utf8_lossy(out);
+        assert!(text.contains(says), "{text}");
+        assert!(!text.chars().any(|c| harness::fmt::unseen(c) && c != '\n'), "{text:?}");
+    }
+    assert!(String::from_utf8_lossy(&invalid.stderr).contains("\"k\\u001b[2J\" = 1 # \u{fffd}"));
+}
+
+#[test]
 fn report_rejects_an_empty_folder() {
     let dir = tempfile::tempdir().unwrap();
     let out = harness(dir.path()).args(["report", "."]).output().unwrap();
