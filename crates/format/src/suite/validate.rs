@@ -856,7 +856,13 @@ impl Checker<'_> {
             }
         }
         for (k, v) in &st.nccl {
-            if !k.starts_with("NCCL_") || k.len() == 5 {
+            // Each becomes an environment variable of the ranks, and shows in
+            // their NCCL line: a name of NCCL's form, a value of printable
+            // ASCII.
+            let named = k
+                .strip_prefix("NCCL_")
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'));
+            if !named {
                 self.err(
                     &at("nccl"),
                     format!("`{k}` is not an NCCL setting"),
@@ -868,6 +874,15 @@ impl Checker<'_> {
                     format!("`{k}` is set by harness, which reads NCCL's debug output to record the transports"),
                     Some("set it in the environment of `harness run` if you need it; the transports are then not recorded".into()),
                 );
+            }
+            if let toml::Value::String(text) = v {
+                if !text.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+                    self.err(
+                        &at("nccl"),
+                        format!("`{k}` = {text:?} holds a character other than printable ASCII"),
+                        Some("NCCL's settings are names, numbers and lists of them, e.g. \"Ring,Tree\"".into()),
+                    );
+                }
             }
             if !matches!(v, toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Boolean(_)) {
                 self.err(&at("nccl"), format!("`{k}` must be a string, an integer or a boolean"), None);
@@ -1068,6 +1083,12 @@ name = "b"
             ("nccl = { ALGO = \"Ring\" }", "`ALGO` is not an NCCL setting"),
             ("nccl = { NCCL_DEBUG = \"WARN\" }", "`NCCL_DEBUG` is set by harness"),
             ("nccl = { NCCL_ALGO = [1] }", "must be a string, an integer or a boolean"),
+            ("nccl = { \"NCCL_ALGO\\u001b[2J\" = \"Ring\" }", "`NCCL_ALGO\u{1b}[2J` is not an NCCL setting"),
+            ("nccl = { NCCL_ = 1 }", "`NCCL_` is not an NCCL setting"),
+            (
+                "nccl = { NCCL_ALGO = \"Ring\\u001b]0;t\\u0007\" }",
+                r#"`NCCL_ALGO` = "Ring\u{1b}]0;t\u{7}" holds a character other than printable ASCII"#,
+            ),
             ("nccl_transport = \"ib\"", "unknown variant `ib`"),
             ("link = { gbps = 10, nodes = 3 }", "`nodes = 3` does not split world_size = 4"),
             ("link = { gbps = 10, nodes = 1 }", "`nodes = 1` does not split"),
