@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::fmt::human;
+use crate::fmt::{human, printable};
 use crate::report;
 use crate::results::{EntryResult, EntryStatus, RunResult};
 use crate::train::Progress;
@@ -82,12 +82,15 @@ impl Console {
         }
     }
 
-    /// Shows a line on stderr unless quiet, and logs it.
+    /// Shows a line on stderr unless quiet, and logs it. Lines quote what
+    /// suites, plugins and peers chose (paths, names, their errors): what a
+    /// terminal would act on is escaped.
     fn say(&self, line: &str) {
+        let line = printable(line);
         if !self.quiet {
             eprintln!("{line}");
         }
-        self.log(line);
+        self.log(&line);
     }
 
     /// The run's opening line: what runs where, and the result file.
@@ -103,6 +106,7 @@ impl Console {
 
     /// A warning, shown even when quiet.
     pub fn warning(&self, msg: &str) {
+        let msg = printable(msg);
         eprintln!("warning: {msg}");
         self.log(&format!("warning: {msg}"));
     }
@@ -243,4 +247,26 @@ impl Drop for QuietPanics {
 /// (taken: a second call returns None).
 pub fn last_panic() -> Option<String> {
     LAST_PANIC.with(|p| p.borrow_mut().take())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runs_log_holds_what_was_chosen_elsewhere_escaped() {
+        // Entry failures and notes quote paths, plugin names and their
+        // errors; the log (bundled, read by others) and the terminal get
+        // the same escaped line.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.log");
+        let mut c = Console::new(true);
+        c.log_to(&path);
+        c.note("plugin `p\u{1b}]0;title\u{7}` said \u{202e}no");
+        c.warning("\u{9b}2J");
+        let log = std::fs::read_to_string(&path).unwrap();
+        assert!(!log.chars().any(|ch| crate::fmt::unseen(ch) && ch != '\n'), "{log:?}");
+        assert!(log.contains(r"harness: plugin `p\u{1b}]0;title\u{7}` said \u{202e}no"), "{log}");
+        assert!(log.contains(r"warning: \u{9b}2J"), "{log}");
+    }
 }
