@@ -33,6 +33,11 @@ fn default_suite_learns_towards_the_floor_and_records_everything() {
         // Histograms decode and agree with the summary.
         let h = harness::measure::decode(&e.histograms["step"]).unwrap();
         assert_eq!(h.len(), m.steps - m.warmup_steps);
+        // The recorded steps tile the window that tokens/s is measured
+        // over (`harness verify` checks the two against each other).
+        let window = m.tokens as f64 * (m.steps - m.warmup_steps) as f64 / m.steps as f64 / m.tokens_per_s;
+        let held = h.mean() * h.len() as f64 / 1e9;
+        assert!(held <= window * 1.002 + 1e-4, "{}: the steps hold {held} s, the window is {window} s", e.id);
         let p50 = h.value_at_quantile(0.5) as f64 / 1e6;
         assert!((p50 - m.step.as_ref().unwrap().p50_ms).abs() < 1e-9);
         for phase in ["data", "forward", "backward", "optimizer"] {

@@ -128,6 +128,14 @@ impl Meter {
         if step == warmup_steps && self.measured_from.is_none() {
             self.synchronize();
             self.measured_from = Some((self.train_elapsed(), self.tokens, self.samples));
+            // The first recorded step starts with the window, so that the
+            // recorded steps tile it: without this it also held the time
+            // since the last warm-up step ended (the device finishing the
+            // warm-up's queued work in the synchronize above, the host's
+            // progress and checks, any time the process was not scheduled),
+            // and its histogram could hold more than the window
+            // (`harness verify` refused such an honest run on a loaded CPU).
+            self.last_iter = Instant::now();
             comm.reset_timings();
         }
         let recording = step >= warmup_steps;
