@@ -597,6 +597,44 @@ mod tests {
     }
 
     #[test]
+    fn the_printed_record_escapes_what_the_bundle_and_the_rerun_chose() {
+        // The folder's name is the bundle's, and a failed rerun's error is
+        // quoted in a difference: neither reaches the terminal raw.
+        let r = with_curve(testing::result("s", None, 100.0), vec![(1, 0.5, 2.0)]);
+        let mut failed = r.clone();
+        failed.entries[0].status = EntryStatus::Failed { error: "out of memory\u{1b}[2J".into(), kind: None };
+        let comparison = compare(&r, &failed, &suite_of(&r), &Tolerance::CPU);
+        let bundle = BundleId {
+            folder: "b\u{1b}]0;title\u{7}.bundle".into(),
+            manifest_sha256: "m".into(),
+            result_sha256: "r".into(),
+            plugin_kind: "compressor".into(),
+            plugin_name: "p".into(),
+            plugin_version: "1".into(),
+            plugin_sha256: "a".into(),
+            suite: "s.toml".into(),
+            suite_version: None,
+            tracks: vec![],
+            gpus: 0,
+        };
+        let record = Record {
+            format: FORMAT,
+            bundle,
+            machine: r.machine.clone(),
+            harness_version: "0".into(),
+            reproduced_at: "now".into(),
+            rerun_sha256: "x".into(),
+            tolerance: Tolerance::CPU,
+            comparison,
+            reproduced: false,
+        };
+        let text = render(&record);
+        assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+        assert!(text.contains(r"failed: out of memory\u{1b}[2J"), "{text}");
+        assert!(text.contains(r"b\u{1b}]0;title\u{7}.bundle: NOT reproduced"), "{text}");
+    }
+
+    #[test]
     fn records_sign_and_check_and_an_edited_record_or_another_key_is_refused() {
         let (secret, public) = keygen().unwrap();
         let r = testing::result("s", None, 100.0);
