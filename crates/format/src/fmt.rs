@@ -35,23 +35,36 @@ pub fn unseen(c: char) -> bool {
     c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
+/// The unseen characters that text for a terminal must not hold as they
+/// are: all but tabs and line breaks, which lay out multi-line text.
+pub fn withheld(c: char) -> bool {
+    unseen(c) && !matches!(c, '\t' | '\n' | '\r')
+}
+
 /// `s` as a terminal may print it when a file chose it (a key, a name, a
-/// value quoted in a message): unseen characters written as escapes
-/// (`\u{1b}`), tabs and line breaks kept.
+/// value quoted in a message): [`withheld`] characters written as escapes
+/// (`\u{1b}`), so that the reader sees what the file held. (One-line notes
+/// that name files use [`terminal`] instead.)
 pub fn printable(s: &str) -> Cow<'_, str> {
-    let kept = |c: char| !unseen(c) || matches!(c, '\t' | '\n' | '\r');
-    if s.chars().all(kept) {
+    if !s.chars().any(withheld) {
         return Cow::Borrowed(s);
     }
     let mut out = String::with_capacity(s.len() + 8);
     for c in s.chars() {
-        if kept(c) {
-            out.push(c);
-        } else {
+        if withheld(c) {
             out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
         }
     }
     Cow::Owned(out)
+}
+
+/// Text for one terminal line that names files and folders (`harness
+/// report`'s notes), whose names may hold escape sequences: every unseen
+/// character, line breaks included, becomes U+FFFD.
+pub fn terminal(s: &str) -> String {
+    s.chars().map(|c| if unseen(c) { '\u{fffd}' } else { c }).collect()
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! written into a link: the report's links are built from hex digits and
 //! its own names alone.
 
+pub use harness_format::fmt::terminal;
 use harness_format::fmt::unseen;
 
 /// `s` as HTML text or as an attribute value (between double or single
@@ -74,13 +75,6 @@ pub fn md_code(s: &str) -> String {
     } else {
         format!("<code>{}</code>", md(s))
     }
-}
-
-/// Text for the terminal: `harness report`'s notes on stderr name files
-/// and folders, whose names may hold escape sequences; unseen characters
-/// become U+FFFD.
-pub fn terminal(s: &str) -> String {
-    s.chars().map(|c| if unseen(c) { '\u{fffd}' } else { c }).collect()
 }
 
 /// One of the two outputs, for what both write alike (a title with a name

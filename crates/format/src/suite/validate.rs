@@ -17,7 +17,7 @@ use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
     BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
-use crate::fmt::{printable, unseen};
+use crate::fmt::{printable, withheld};
 
 /// A loaded, validated suite with its source.
 #[derive(Debug, Clone)]
@@ -99,11 +99,11 @@ impl fmt::Display for SuiteError {
     }
 }
 
-/// `source` for an excerpt on a terminal: each unseen character but tabs
-/// and line breaks replaced by U+FFFD, with the map from a byte offset in
-/// `source` to the same place in the copy.
+/// `source` for an excerpt on a terminal: each [`withheld`] character
+/// replaced by U+FFFD, with the map from a byte offset in `source` to the
+/// same place in the copy.
 fn excerpt(source: &str) -> (String, impl Fn(usize) -> usize + '_) {
-    let shown = |c: char| if unseen(c) && !matches!(c, '\t' | '\n' | '\r') { '\u{fffd}' } else { c };
+    let shown = |c: char| if withheld(c) { '\u{fffd}' } else { c };
     let copy: String = source.chars().map(shown).collect();
     let at = move |offset: usize| {
         let mut o = offset.min(source.len());
