@@ -274,7 +274,21 @@ impl Checker<'_> {
         if meta.threads == Some(0) {
             self.err(&[Key("suite"), Key("threads")], "`threads` must be at least 1", Some("leave it out to use every core".into()));
         }
+        self.description(&[Key("suite"), Key("description")], meta.description.as_deref());
         self.meta_bounds(meta);
+    }
+
+    /// A description is text for people (the report shows it, results and
+    /// bundles carry it to others): tabs and line breaks, but no character
+    /// that a terminal acts on or that reorders the text around it.
+    fn description(&mut self, at: &[Seg], text: Option<&str>) {
+        if let Some(c) = text.and_then(|t| t.chars().find(|&c| withheld(c))) {
+            self.err(
+                at,
+                format!("the description holds {}, a character that a terminal acts on or that reorders text", c.escape_unicode()),
+                Some("write it as plain text; tabs and line breaks are fine".into()),
+            );
+        }
     }
 
     /// Every `[[workload]]`; returns their names (strategies refer to them).
@@ -790,6 +804,7 @@ impl Checker<'_> {
                 self.err(&at("name"), format!("track name `{}` is used twice or is not a plain name", t.name), Some(NAME_HINT.into()));
             }
             self.track_bounds(i, t);
+            self.description(&at("description"), t.description.as_deref());
             if !TRACK_KINDS.contains(&t.kind.as_str()) {
                 self.err(&at("kind"), format!("unknown track kind `{}`", t.kind), Some(format!("one of: {}", TRACK_KINDS.join(", "))));
             }
@@ -1064,6 +1079,15 @@ name = "b"
             let caret = text.lines().skip_while(|l| *l != line).nth(1).unwrap();
             let start = line.find("batch").unwrap();
             assert_eq!(caret[start..].chars().position(|c| c == '^'), Some(col - 1), "{text}");
+        }
+        // A description is text for people: tabs and line breaks, nothing
+        // a terminal acts on (the report shows it; bundles carry it).
+        let described = |d: &str| OK.replace("repeats = 2", &format!("repeats = 2\ndescription = \"{d}\""));
+        assert!(parse(&described(r"two lines\n\tand a tab, ünïcode")).is_ok());
+        for d in [r"\u001b]0;title\u0007", r"right \u202e to left"] {
+            let text = parse(&described(d)).unwrap_err().to_string();
+            assert!(sent(&text).is_empty(), "{:?} in {text}", sent(&text));
+            assert!(text.contains("test.toml:5:15: the description holds"), "{text}");
         }
     }
 
