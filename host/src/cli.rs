@@ -732,7 +732,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
     let SubmitArgs { result, out, log, no_artifacts } = args;
     let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
     let dir = crate::submission::submit(&result, &opts)?;
-    println!("bundle: {}", dir.display());
+    println!("bundle: {}", shown(&dir));
     let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect_component);
     print!("{}", crate::submission::verify::render(&dir, &verdict));
     Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
@@ -752,16 +752,17 @@ fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
     if let (Some(record), Some(key)) = (&args.reproduction, &args.public_key) {
         let [bundle] = args.bundles.as_slice() else { anyhow::bail!("--reproduction checks the record of one bundle; name one") };
         match crate::reproduce::public_key(key).and_then(|k| crate::reproduce::check_signed(bundle, record, &k)) {
+            // The record's machine and time are what its signer wrote.
             Ok(r) => println!(
                 "{}: signed reproduction record: {} on {} ({}), {}",
-                record.display(),
+                shown(record),
                 if r.reproduced { "reproduced" } else { "NOT reproduced" },
-                r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str()),
-                r.machine.hostname,
-                r.reproduced_at
+                printable(r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str())),
+                printable(&r.machine.hostname),
+                printable(&r.reproduced_at)
             ),
             Err(e) => {
-                println!("{}: the reproduction record does not check: {e:#}", record.display());
+                println!("{}: the reproduction record does not check: {}", shown(record), printable(&format!("{e:#}")));
                 code = exit::NOT_VERIFIED;
             }
         }
@@ -785,7 +786,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
         if !verdict.verified() {
             print!("{}", crate::submission::verify::render(dir, &verdict));
-            println!("{}: not reproduced: the bundle does not verify", dir.display());
+            println!("{}: not reproduced: the bundle does not verify", shown(dir));
             code = exit::NOT_REPRODUCED;
             continue;
         }
@@ -794,11 +795,11 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         if rerun.done {
             println!(
                 "{}: a finished rerun of the same inputs is in {}; comparing with it (--fresh trains again)",
-                dir.display(),
-                rerun.dir.display()
+                shown(dir),
+                shown(&rerun.dir)
             );
         } else {
-            println!("{}: training it again in {}", dir.display(), rerun.dir.display());
+            println!("{}: training it again in {}", shown(dir), shown(&rerun.dir));
             let exe = std::env::current_exe().context("cannot find the harness executable")?;
             let args = RunArgs {
                 suite: rerun.suite.clone(),
@@ -824,7 +825,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         }
         let (record, path) = rp::record(dir, &bundle, &rerun, &opts)?;
         print!("{}", crate::report::reproduction::render(&record));
-        println!("record: {}{}", path.display(), if opts.key.is_some() { " (signed: .sig)" } else { "" });
+        println!("record: {}{}", shown(&path), if opts.key.is_some() { " (signed: .sig)" } else { "" });
         if !record.reproduced {
             code = exit::NOT_REPRODUCED;
         }
@@ -1002,25 +1003,44 @@ impl Argv {
     }
 }
 
+/// A path as the terminal shows it: a bundle's folder may come from
+/// elsewhere, with escape sequences in its name.
+fn shown(p: &Path) -> String {
+    printable(&p.display().to_string()).into_owned()
+}
+
 fn print_env(f: &device::Fingerprint) {
+    print!("{}", printable(&env_text(f)));
+}
+
+/// `harness env`'s lines. The strings come from the host (its name, the
+/// CPU's and the GPUs' names, the libraries' version strings), which a
+/// terminal could act on: the caller escapes them.
+fn env_text(f: &device::Fingerprint) -> String {
+    use std::fmt::Write;
     let na = |o: &Option<String>| o.clone().unwrap_or_else(|| "not found".into());
-    println!("harness   {} ({})", f.harness_version, f.git_revision);
-    println!("host      {} ({})", f.hostname, f.os);
-    println!("cpu       {} ({} cores), {} memory", f.cpu, f.cpu_cores, report::bytes(f.memory_bytes));
+    let mut out = String::new();
+    let mut line = |text: String| {
+        let _ = writeln!(out, "{text}");
+    };
+    line(format!("harness   {} ({})", f.harness_version, f.git_revision));
+    line(format!("host      {} ({})", f.hostname, f.os));
+    line(format!("cpu       {} ({} cores), {} memory", f.cpu, f.cpu_cores, report::bytes(f.memory_bytes)));
     if f.gpus.is_empty() {
-        println!("gpus      none usable (training runs on CPU)");
+        line("gpus      none usable (training runs on CPU)".into());
     }
     for g in &f.gpus {
-        println!("gpu {}     {} ({}, compute {})", g.index, g.name, report::bytes(g.memory_bytes), g.compute_capability);
+        line(format!("gpu {}     {} ({}, compute {})", g.index, g.name, report::bytes(g.memory_bytes), g.compute_capability));
     }
-    println!("driver    {}", na(&f.driver));
-    println!(
+    line(format!("driver    {}", na(&f.driver)));
+    line(format!(
         "cuda      {} (libtorch build){}",
         na(&f.cuda),
         f.cuda_driver_api.as_ref().map(|v| format!(", driver supports {v}")).unwrap_or_default()
-    );
-    println!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default());
-    println!("nccl      {}", na(&f.nccl));
+    ));
+    line(format!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default()));
+    line(format!("nccl      {}", na(&f.nccl)));
+    out
 }
 
 #[cfg(test)]
@@ -1093,5 +1113,30 @@ mod tests {
                 c => panic!("{c:?}"),
             }
         }
+    }
+
+    #[test]
+    fn harness_env_shows_the_hosts_strings_escaped() {
+        let f = device::Fingerprint {
+            hostname: "node\u{1b}]0;owned\u{7}".into(),
+            os: "linux".into(),
+            cpu: "cpu \u{202e}x".into(),
+            cpu_cores: 2,
+            memory_bytes: 1 << 30,
+            gpus: vec![device::GpuInfo { index: 0, name: "H100\u{1b}[2J".into(), memory_bytes: 1 << 30, compute_capability: "9.0".into() }],
+            driver: Some("580".into()),
+            cuda: None,
+            cuda_driver_api: None,
+            libtorch: None,
+            nccl: Some("2.28\u{9b}".into()),
+            harness_version: "0".into(),
+            git_revision: "r".into(),
+        };
+        let shown = printable(&env_text(&f)).into_owned();
+        assert!(!shown.chars().any(crate::fmt::withheld), "{shown:?}");
+        for part in [r"node\u{1b}]0;owned\u{7}", r"cpu \u{202e}x", r"H100\u{1b}[2J", r"2.28\u{9b}", "cuda      not found"] {
+            assert!(shown.contains(part), "{part} in {shown}");
+        }
+        assert_eq!(shown.lines().count(), 8, "{shown}");
     }
 }

@@ -79,6 +79,25 @@ fn an_honest_bundle_reproduces_bit_for_bit_and_a_forged_copy_is_refused_with_the
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("the signature does not match the record"), "{}", text(&out));
 
+    // What the signer wrote about its machine reaches the terminal escaped.
+    let mut hostile: serde_json::Value = serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    hostile["machine"]["hostname"] = "node\u{1b}]0;owned\u{7}".into();
+    let bytes = serde_json::to_vec_pretty(&hostile).unwrap();
+    std::fs::write(dir.join("hostile.reproduction.json"), &bytes).unwrap();
+    let secret = std::fs::read_to_string(dir.join("operator.key")).unwrap();
+    let sig = harness::report::reproduction::sign(&bytes, secret.trim()).unwrap();
+    std::fs::write(dir.join("hostile.reproduction.json.sig"), serde_json::to_vec_pretty(&sig).unwrap()).unwrap();
+    let out = run_ok(harness(dir).args([
+        "verify",
+        "r.bundle",
+        "--reproduction",
+        "hostile.reproduction.json",
+        "--public-key",
+        "operator.key.pub",
+    ]));
+    let said = text(&out);
+    assert!(said.contains(r"(node\u{1b}]0;owned\u{7})") && !said.contains('\u{1b}'), "{said:?}");
+
     // A forged copy: the submission's first evaluation of its first repeat
     // made better, the manifest's hashes recomputed. The same inputs, so
     // the kept rerun is compared again rather than trained anew.
