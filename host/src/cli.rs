@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::bench::Allreduce;
 use crate::console::Console;
 use crate::device;
-use crate::fmt::{counted, printable};
+use crate::fmt::{counted, printable, printable_path};
 use crate::launch::{self, RunOptions};
 use crate::ranks::{self, RankEnv};
 use crate::report;
@@ -732,7 +732,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
     let SubmitArgs { result, out, log, no_artifacts } = args;
     let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
     let dir = crate::submission::submit(&result, &opts)?;
-    println!("bundle: {}", shown(&dir));
+    println!("bundle: {}", printable_path(&dir));
     let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect_component);
     print!("{}", crate::submission::verify::render(&dir, &verdict));
     Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
@@ -755,14 +755,14 @@ fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
             // The record's machine and time are what its signer wrote.
             Ok(r) => println!(
                 "{}: signed reproduction record: {} on {} ({}), {}",
-                shown(record),
+                printable_path(record),
                 if r.reproduced { "reproduced" } else { "NOT reproduced" },
                 printable(r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str())),
                 printable(&r.machine.hostname),
                 printable(&r.reproduced_at)
             ),
             Err(e) => {
-                println!("{}: the reproduction record does not check: {}", shown(record), printable(&format!("{e:#}")));
+                println!("{}: the reproduction record does not check: {}", printable_path(record), printable(&format!("{e:#}")));
                 code = exit::NOT_VERIFIED;
             }
         }
@@ -786,7 +786,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
         if !verdict.verified() {
             print!("{}", crate::submission::verify::render(dir, &verdict));
-            println!("{}: not reproduced: the bundle does not verify", shown(dir));
+            println!("{}: not reproduced: the bundle does not verify", printable_path(dir));
             code = exit::NOT_REPRODUCED;
             continue;
         }
@@ -795,11 +795,11 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         if rerun.done {
             println!(
                 "{}: a finished rerun of the same inputs is in {}; comparing with it (--fresh trains again)",
-                shown(dir),
-                shown(&rerun.dir)
+                printable_path(dir),
+                printable_path(&rerun.dir)
             );
         } else {
-            println!("{}: training it again in {}", shown(dir), shown(&rerun.dir));
+            println!("{}: training it again in {}", printable_path(dir), printable_path(&rerun.dir));
             let exe = std::env::current_exe().context("cannot find the harness executable")?;
             let args = RunArgs {
                 suite: rerun.suite.clone(),
@@ -825,7 +825,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         }
         let (record, path) = rp::record(dir, &bundle, &rerun, &opts)?;
         print!("{}", crate::report::reproduction::render(&record));
-        println!("record: {}{}", shown(&path), if opts.key.is_some() { " (signed: .sig)" } else { "" });
+        println!("record: {}{}", printable_path(&path), if opts.key.is_some() { " (signed: .sig)" } else { "" });
         if !record.reproduced {
             code = exit::NOT_REPRODUCED;
         }
@@ -1001,12 +1001,6 @@ impl Argv {
     fn opt<V: Into<OsString>>(self, name: &str, values: impl IntoIterator<Item = V>) -> Argv {
         values.into_iter().fold(self, |argv, v| argv.arg(name).arg(v))
     }
-}
-
-/// A path as the terminal shows it: a bundle's folder may come from
-/// elsewhere, with escape sequences in its name.
-fn shown(p: &Path) -> String {
-    printable(&p.display().to_string()).into_owned()
 }
 
 fn print_env(f: &device::Fingerprint) {

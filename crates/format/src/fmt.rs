@@ -60,6 +60,12 @@ pub fn printable(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// A path as [`printable`] shows it: a folder from elsewhere (a bundle
+/// someone sent) may hold escape sequences in its name.
+pub fn printable_path(p: &std::path::Path) -> String {
+    printable(&p.display().to_string()).into_owned()
+}
+
 /// Text for one terminal line that names files and folders (`harness
 /// report`'s notes), whose names may hold escape sequences: every unseen
 /// character, line breaks included, becomes U+FFFD.

@@ -49,7 +49,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::{files, sha256_hex, Manifest, BUNDLE_FORMAT, LOG, MACHINE, MANIFEST, RESULT, SUITE};
-use crate::fmt::printable;
+use crate::fmt::{printable, printable_path};
 use crate::plugin::{head_hex, ArtifactFormat};
 use crate::results::{EntryStatus, RunResult, Submission};
 use crate::suite::standard::{self, Entry, Released};
@@ -670,7 +670,7 @@ pub fn render(dir: &Path, v: &Verdict) -> String {
     // The reasons quote what the bundle chose (names, versions, paths):
     // for a terminal, escaped.
     let p = |s: &str| printable(s).into_owned();
-    let dir = p(&dir.display().to_string());
+    let dir = printable_path(dir);
     let mut out = String::new();
     for n in &v.notes {
         out.push_str(&format!("note: {}\n", p(n)));
