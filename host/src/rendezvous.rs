@@ -16,8 +16,8 @@
 //!   secret over ("client", run, both nonces, rank), checked in constant
 //!   time; the server answers `OK <mac'>` (over "server", run and both
 //!   nonces: the client checks that it talks to this run's rank 0) or
-//!   `DENIED <why>` and closes. A refused peer is logged once per address
-//!   and reason; the run goes on.
+//!   `DENIED <why>` and closes, or `BUSY <why>` when the authenticated
+//!   connections are at their cap (the client tries again).
 //! - **One request** per connection: `SET <key> <len>\n<bytes>` (a key is
 //!   written once: another value for a key already set is refused) or
 //!   `PUT <key> <len>\n<bytes>` (replaced: heartbeats), both answered `OK`;
@@ -28,23 +28,35 @@
 //!   job id), which the server enforces.
 //! - **Caps** ([`Limits`]): key and value sizes (checked from the request
 //!   line, before anything is allocated), the number of keys and the bytes
-//!   held (values being received included), concurrent connections
-//!   (`BUSY` above the cap; clients retry until their timeout).
+//!   held (values being received included), and connections in two pools,
+//!   so that peers without the secret cannot crowd out the ranks: those
+//!   not yet authenticated ([`Limits::max_pending`]; when it is full, a new
+//!   connection pushes out the oldest, which an honest rank, answering its
+//!   greeting within a round trip, never is for long) and authenticated
+//!   ones ([`Limits::max_connections`], sized by the world; one more is
+//!   answered `BUSY` instead of `OK`). The threads alive stay within the two
+//!   caps: the accepting thread waits for a pushed-out one to end. Until
+//!   their timeout, clients try again soon after a closed handshake, and
+//!   after a growing pause after `BUSY` or an unreachable store.
 //! - **Timeouts**: a connection must authenticate within
-//!   [`Limits::handshake_timeout`] of its accept, then send its request,
-//!   and later take the answer, within [`Limits::io_timeout`] each; a GET
-//!   waits at most [`Limits::max_wait`]. Values are shared with the readers
-//!   that are sent them, never copied, and no lock is held while sending.
+//!   [`Limits::handshake_timeout`] of its accept (1 s: a silent peer holds
+//!   its slot no longer), then send its request, and later take the answer,
+//!   within [`Limits::io_timeout`] each; a GET waits at most
+//!   [`Limits::max_wait`]. Values are shared with the readers that are sent
+//!   them, never copied, and no lock is held while sending.
+//! - **Logs**: a refused, timed-out or pushed-out peer is named (its
+//!   address) on stderr once per address and reason, and counted
+//!   ([`Server::stats`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
-use rand::RngCore;
+use rand::{Rng, RngCore};
 use sha2::Sha256;
 
 /// The environment variable that carries a run's rendezvous secret to its
@@ -60,7 +72,8 @@ pub const MAX_KEY_BYTES: usize = 1024;
 pub const MAX_VALUE_BYTES: usize = 16 << 20;
 
 const GREETING: &str = "HARNESS-RDZV";
-const VERSION: &str = "1";
+/// 2: `BUSY` may answer `AUTH` (the authenticated connections' cap).
+const VERSION: &str = "2";
 const NONCE_BYTES: usize = 32;
 /// The longest handshake or answer line either side reads.
 const MAX_LINE: usize = 512;
@@ -72,6 +85,12 @@ const THREAD_STACK: usize = 256 << 10;
 const CLIENT_HANDSHAKE: Duration = Duration::from_secs(10);
 /// How long a client waits for the answer to a request, beyond a GET's wait.
 const CLIENT_IO: Duration = Duration::from_secs(60);
+/// A client's pause before it tries again: after a closed handshake always
+/// this one, otherwise doubled after each failed try up to
+/// [`CLIENT_MAX_PAUSE`]; each drawn at random between half and all of it
+/// (so that ranks that met `BUSY` together do not come back together).
+const CLIENT_FIRST_PAUSE: Duration = Duration::from_millis(5);
+const CLIENT_MAX_PAUSE: Duration = Duration::from_millis(200);
 /// Addresses and reasons whose refusals are logged; beyond, refusals are
 /// only counted.
 const MAX_LOGGED: usize = 4096;
@@ -210,9 +229,13 @@ pub struct Limits {
     /// The most bytes the store holds, values being received included (each
     /// key counts its key, its value and 64 bytes).
     pub max_store_bytes: usize,
-    /// The most connections open at once, authenticated or not; one more
-    /// is answered `BUSY` and closed.
+    /// The most authenticated connections open at once (the ranks'
+    /// requests); one more is answered `BUSY` instead of `OK`. Peers without
+    /// the secret never hold one.
     pub max_connections: usize,
+    /// The most connections open at once that have not authenticated yet;
+    /// one more pushes out the oldest of them.
+    pub max_pending: usize,
     /// How long a connection has from its accept to be authenticated.
     pub handshake_timeout: Duration,
     /// How long an authenticated peer has to send its request, and later
@@ -224,17 +247,26 @@ pub struct Limits {
 
 impl Limits {
     /// The caps for a run of `world` ranks: [`MAX_KEY_BYTES`],
-    /// [`MAX_VALUE_BYTES`], a million keys, 256 MiB, 64 + 4 connections
-    /// per rank (at most half the process's file descriptors), 10 s to
-    /// authenticate, 60 s per request and answer, a GET's wait at most a day.
+    /// [`MAX_VALUE_BYTES`], a million keys, 256 MiB; 256 + 1 per rank
+    /// connections waiting to authenticate (every rank at once, and more
+    /// than peers without the secret can replace within a rank's round trip;
+    /// at most an eighth of the process's file descriptors) and 64 + 4 per
+    /// rank authenticated (a rank holds two or three at a time; the two
+    /// pools at most half the file descriptors); 1 s to authenticate (a
+    /// round trip and two HMACs take well under a millisecond on a network
+    /// the ranks share, and a rank that misses it tries again); 60 s per
+    /// request and answer; a GET's wait at most a day.
     pub fn for_world(world: usize) -> Limits {
+        let fds = fd_limit() / 2;
+        let max_pending = (256 + world).min(fds / 4).max(16);
         Limits {
             max_key_bytes: MAX_KEY_BYTES,
             max_value_bytes: MAX_VALUE_BYTES,
             max_keys: 1 << 20,
             max_store_bytes: 256 << 20,
-            max_connections: (64 + 4 * world).min(fd_limit() / 2).max(16),
-            handshake_timeout: Duration::from_secs(10),
+            max_connections: (64 + 4 * world).min(fds.saturating_sub(max_pending)).max(16),
+            max_pending,
+            handshake_timeout: Duration::from_secs(1),
             io_timeout: Duration::from_secs(60),
             max_wait: Duration::from_secs(24 * 3600),
         }
@@ -289,15 +321,24 @@ pub fn bind_addrs(host: &str, port: u16, spans_hosts: bool) -> Result<Vec<Socket
 /// What the server counted, for logs and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Connections open now.
+    /// Connections open now, authenticated or not.
     pub open: usize,
+    /// Of those, the ones not yet authenticated.
+    pub pending: usize,
+    /// Connection threads alive: the open connections', and those of
+    /// pushed-out connections still ending.
+    pub threads: usize,
     /// Requests served.
     pub served: u64,
-    /// Connections answered `BUSY` (over the cap).
+    /// Connections answered `BUSY` (authenticated over the cap, or no
+    /// thread to serve them).
     pub busy: u64,
     /// Connections closed before authenticating: silent, too slow, or
-    /// sending a request first.
+    /// sending something else first.
     pub unauthenticated: u64,
+    /// Connections pushed out before authenticating by newer ones (the
+    /// pool of those waiting to authenticate was full).
+    pub evicted: u64,
     /// Connections whose authentication failed (wrong secret, another run).
     pub denied: u64,
     /// Authenticated requests refused (a cap, a bad key) or cut off (too slow).
@@ -316,6 +357,7 @@ pub struct Stats {
 enum Kind {
     Busy,
     Unauthenticated,
+    Evicted,
     Denied,
     Refused,
 }
@@ -435,12 +477,44 @@ fn read_line(r: &mut impl BufRead, cap: usize) -> io::Result<Option<String>> {
     String::from_utf8(buf).map(Some).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a line that is not UTF-8"))
 }
 
+/// The connections open, in their two pools, and the threads serving them:
+/// what the accepting thread and the connections' threads share.
+#[derive(Default)]
+struct Conns {
+    /// Connections not yet authenticated, oldest first.
+    pending: BTreeMap<u64, Pending>,
+    next_id: u64,
+    /// Authenticated connections open.
+    authenticated: usize,
+    /// Connection threads alive.
+    threads: usize,
+}
+
+struct Pending {
+    /// Shared with the connection's thread, for the accepting thread to shut
+    /// it when it pushes the connection out.
+    conn: Arc<TcpStream>,
+    peer: SocketAddr,
+    accepted: Instant,
+}
+
+/// Whether an authenticated connection may go on to its request.
+enum Admission {
+    Admitted,
+    /// The authenticated connections are at their cap.
+    Full,
+    /// A newer connection pushed it out first (the accepting thread counted it).
+    PushedOut,
+}
+
 /// What the server threads share.
 struct Shared {
     auth: Auth,
     limits: Limits,
     store: Store,
-    open: AtomicUsize,
+    conns: Mutex<Conns>,
+    /// Signalled when a connection's thread ends.
+    ended: Condvar,
     served: AtomicU64,
     /// Whether a failed accept was logged.
     accept_failed: AtomicBool,
@@ -486,7 +560,8 @@ pub fn serve(addrs: &[SocketAddr], auth: &Auth, limits: Limits) -> Result<Server
         auth: auth.clone(),
         limits,
         store: Store::default(),
-        open: AtomicUsize::new(0),
+        conns: Mutex::default(),
+        ended: Condvar::new(),
         served: AtomicU64::new(0),
         accept_failed: AtomicBool::new(false),
         counts: Mutex::default(),
@@ -512,12 +587,19 @@ impl Server {
     pub fn stats(&self) -> Stats {
         let s = &self.shared;
         let count = |k| s.counts.lock().unwrap_or_else(|e| e.into_inner()).get(&k).copied().unwrap_or(0);
+        let (pending, authenticated, threads) = {
+            let c = s.lock_conns();
+            (c.pending.len(), c.authenticated, c.threads)
+        };
         let st = s.store.lock();
         Stats {
-            open: s.open.load(SeqCst),
+            open: pending + authenticated,
+            pending,
+            threads,
             served: s.served.load(SeqCst),
             busy: count(Kind::Busy),
             unauthenticated: count(Kind::Unauthenticated),
+            evicted: count(Kind::Evicted),
             denied: count(Kind::Denied),
             refused: count(Kind::Refused),
             keys: st.map.len(),
@@ -532,16 +614,44 @@ impl Server {
     }
 }
 
-/// Counts the open connection it was made for until dropped.
-struct OpenGuard(Arc<Shared>);
+/// A connection's thread, counted until it ends (and its connection taken
+/// out of the pending pool if it is still there).
+struct ThreadGuard {
+    shared: Arc<Shared>,
+    id: u64,
+}
 
-impl Drop for OpenGuard {
+impl Drop for ThreadGuard {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, SeqCst);
+        let mut c = self.shared.lock_conns();
+        c.pending.remove(&self.id);
+        c.threads -= 1;
+        drop(c);
+        self.shared.ended.notify_all();
     }
 }
 
+/// An authenticated connection, counted in its pool until dropped.
+struct AuthenticatedGuard<'a>(&'a Shared);
+
+impl Drop for AuthenticatedGuard<'_> {
+    fn drop(&mut self) {
+        self.0.lock_conns().authenticated -= 1;
+    }
+}
+
+/// Sends a fresh connection the greeting with the server's nonce `sn`,
+/// without blocking: a short line into an empty socket buffer.
+fn greet(conn: &TcpStream, run: &str, sn: &str) -> io::Result<()> {
+    conn.set_nodelay(true)?;
+    conn.set_nonblocking(true)?;
+    let sent = (&*conn).write_all(format!("{GREETING} {VERSION} {run} {sn}\n").as_bytes());
+    conn.set_nonblocking(false)?;
+    sent
+}
+
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
+    let lim = &shared.limits;
     loop {
         let (conn, peer) = match listener.accept() {
             Ok(c) => c,
@@ -555,29 +665,66 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                 continue;
             }
         };
-        if shared.open.fetch_add(1, SeqCst) >= shared.limits.max_connections {
-            shared.open.fetch_sub(1, SeqCst);
-            // Never blocks the accepting thread: a short line into a fresh
-            // socket's buffer, or nothing.
-            let _ = conn.set_nonblocking(true);
-            let _ = (&conn).write_all(format!("BUSY {} connections open, the cap\n", shared.limits.max_connections).as_bytes());
-            let why = format!("over the cap of {} open connections (answered BUSY)", shared.limits.max_connections);
-            shared.refuse(peer, &refusal(Kind::Busy, why));
+        let accepted = Instant::now();
+        // Greeted at once, before its thread exists: a rank's AUTH is on its
+        // way while the thread starts, so it leaves the pending pool sooner.
+        let sn = nonce();
+        if let Err(e) = greet(&conn, shared.auth.run(), &sn) {
+            shared.refuse(peer, &refusal(Kind::Unauthenticated, format!("did not take the greeting: {e}")));
             continue;
         }
-        let guard = OpenGuard(shared.clone());
-        let sh = shared.clone();
+        let conn = Arc::new(conn);
+        let (id, pushed_out) = {
+            let mut c = shared.lock_conns();
+            // Full of connections that have not authenticated: the oldest
+            // goes. A rank answers its greeting within a round trip, so it is
+            // the newest, not the oldest, while a silent peer ages until a
+            // newcomer pushes it out (or its deadline closes it).
+            let pushed_out = if c.pending.len() >= lim.max_pending { c.pending.pop_first().map(|(_, p)| p) } else { None };
+            if let Some(p) = &pushed_out {
+                // Its thread's read or write fails at once, and it ends.
+                let _ = p.conn.shutdown(Shutdown::Both);
+            }
+            // The threads alive stay within the two pools: a pushed-out
+            // connection's thread may still be ending.
+            while c.threads >= lim.max_pending + lim.max_connections {
+                c = shared.ended.wait_timeout(c, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+            }
+            let id = c.next_id;
+            c.next_id += 1;
+            c.pending.insert(id, Pending { conn: conn.clone(), peer, accepted });
+            c.threads += 1;
+            (id, pushed_out)
+        };
+        if let Some(p) = pushed_out {
+            let why = format!(
+                "not authenticated {:.0} ms after its accept, pushed out by a newer connection ({} connections waiting to authenticate, the cap)",
+                p.accepted.elapsed().as_secs_f64() * 1e3,
+                lim.max_pending
+            );
+            shared.refuse(p.peer, &refusal(Kind::Evicted, why));
+        }
+        let guard = ThreadGuard { shared: shared.clone(), id };
+        let (sh, theirs) = (shared.clone(), conn.clone());
         let spawned = std::thread::Builder::new().name("harness-rendezvous-conn".into()).stack_size(THREAD_STACK).spawn(move || {
-            let _guard = guard;
-            sh.serve_conn(&conn, peer);
+            let guard = guard;
+            sh.serve_conn(&theirs, peer, guard.id, accepted, &sn);
         });
         if let Err(e) = spawned {
-            shared.log_line(&format!("rendezvous: cannot start a thread for {peer}: {e}"));
+            // The guard went with the closure. Never blocks the accepting
+            // thread: a short line into a fresh socket's buffer, or nothing.
+            let _ = conn.set_nonblocking(true);
+            let _ = (&*conn).write_all(b"BUSY no thread to serve the connection\n");
+            shared.refuse(peer, &refusal(Kind::Busy, format!("no thread to serve it: {e} (answered BUSY)")));
         }
     }
 }
 
 impl Shared {
+    fn lock_conns(&self) -> MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn log_line(&self, line: &str) {
         eprintln!("harness: {line}");
         let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
@@ -613,16 +760,49 @@ impl Shared {
         }
     }
 
+    /// Moves connection `id`, just authenticated, from the pending pool to
+    /// the authenticated one, if it is still pending and there is room.
+    fn admit(&self, id: u64) -> Admission {
+        let mut c = self.lock_conns();
+        if c.pending.remove(&id).is_none() {
+            return Admission::PushedOut;
+        }
+        if c.authenticated >= self.limits.max_connections {
+            return Admission::Full;
+        }
+        c.authenticated += 1;
+        Admission::Admitted
+    }
+
     /// One connection: the handshake, then one request.
-    fn serve_conn(&self, conn: &TcpStream, peer: SocketAddr) {
-        let _ = conn.set_nodelay(true);
-        let deadline = Instant::now() + self.limits.handshake_timeout;
+    fn serve_conn(&self, conn: &TcpStream, peer: SocketAddr, id: u64, accepted: Instant, sn: &str) {
+        let deadline = accepted + self.limits.handshake_timeout;
         let mut r = BufReader::with_capacity(4096, Timed { s: conn, deadline });
         let mut w = Timed { s: conn, deadline };
-        let rank = match self.handshake(&mut r, &mut w) {
-            Ok(rank) => rank,
-            Err(e) => return self.refuse(peer, &e),
+        let (rank, proof) = match self.handshake(&mut r, &mut w, sn) {
+            Ok(ok) => ok,
+            Err(e) => {
+                // Unless a newer connection pushed it out first (counted then).
+                if self.lock_conns().pending.remove(&id).is_some() {
+                    self.refuse(peer, &e);
+                }
+                return;
+            }
         };
+        let _admitted = match self.admit(id) {
+            Admission::Admitted => AuthenticatedGuard(self),
+            Admission::PushedOut => return,
+            Admission::Full => {
+                let cap = self.limits.max_connections;
+                let _ = w.write_all(format!("BUSY the cap of {cap} authenticated connections\n").as_bytes());
+                let why = format!("rank {rank} authenticated over the cap of {cap} authenticated connections (answered BUSY)");
+                return self.refuse(peer, &refusal(Kind::Busy, why));
+            }
+        };
+        if let Err(e) = w.write_all(format!("OK {proof}\n").as_bytes()) {
+            let timeout = self.limits.handshake_timeout;
+            return self.refuse(peer, &refusal(Kind::Refused, format!("rank {rank} did not take OK: {}", io_why(&e, timeout))));
+        }
         let deadline = Instant::now() + self.limits.io_timeout;
         r.get_mut().deadline = deadline;
         w.deadline = deadline;
@@ -638,13 +818,12 @@ impl Shared {
         }
     }
 
-    /// The greeting and the peer's proof of the secret: its rank.
-    fn handshake(&self, r: &mut impl BufRead, w: &mut impl Write) -> Result<usize, Refusal> {
+    /// The peer's proof of the secret, after the greeting with nonce `sn`:
+    /// its rank, and the store's own proof for the answer `OK`.
+    fn handshake(&self, r: &mut impl BufRead, w: &mut impl Write, sn: &str) -> Result<(usize, String), Refusal> {
         let timeout = self.limits.handshake_timeout;
         let unauth = |e: io::Error| refusal(Kind::Unauthenticated, format!("did not authenticate: {}", io_why(&e, timeout)));
         let run = self.auth.run();
-        let sn = nonce();
-        w.write_all(format!("{GREETING} {VERSION} {run} {sn}\n").as_bytes()).map_err(unauth)?;
         let line = read_line(r, MAX_LINE)
             .map_err(unauth)?
             .ok_or_else(|| refusal(Kind::Unauthenticated, "closed the connection without authenticating"))?;
@@ -667,9 +846,8 @@ impl Shared {
                 format!("authentication failed (claiming rank {}): a wrong secret, or a rank of another run", quoted(rank)),
             ));
         }
-        let proof = hex::encode(self.auth.mac(&[b"server", run.as_bytes(), sn.as_bytes(), cn.as_bytes()]));
-        w.write_all(format!("OK {proof}\n").as_bytes()).map_err(unauth)?;
-        rank.parse().map_err(|_| refusal(Kind::Denied, format!("rank {} is not a number", quoted(rank))))
+        let rank = rank.parse().map_err(|_| refusal(Kind::Denied, format!("rank {} is not a number", quoted(rank))))?;
+        Ok((rank, hex::encode(self.auth.mac(&[b"server", run.as_bytes(), sn.as_bytes(), cn.as_bytes()]))))
     }
 
     /// An authenticated peer's one request.
@@ -795,9 +973,18 @@ pub struct Client {
     pub auth: Auth,
 }
 
+/// A `BUSY` line as the reason for another try.
+fn busy(line: &str) -> String {
+    format!("the store is busy: {}", quoted(line.trim_start_matches("BUSY").trim_start()))
+}
+
 /// Why one attempt to connect failed: worth another try, or not.
 enum Attempt {
+    /// No store yet, or a busy one: try again after a growing pause.
     Retry(String),
+    /// The store closed the handshake (pushed out by peers without the
+    /// secret, most likely): try again soon, as a pause would not end that.
+    Closed(String),
     Fatal(RendezvousError),
 }
 
@@ -808,26 +995,30 @@ struct Conn {
 }
 
 impl Client {
-    /// Connects, authenticates (retrying while the store is unreachable or
-    /// busy, until the client's timeout), and returns the connection.
+    /// Connects, authenticates (retrying while the store is unreachable,
+    /// busy or closes the handshake, until the client's timeout), and
+    /// returns the connection.
     fn connect(&self) -> Result<Conn, RendezvousError> {
         let deadline = Instant::now() + self.timeout;
+        let mut pause = CLIENT_FIRST_PAUSE;
         loop {
-            let why = match self.addr.to_socket_addrs() {
-                Err(e) => e.to_string(),
+            let (why, closed) = match self.addr.to_socket_addrs() {
+                Err(e) => (e.to_string(), false),
                 Ok(addrs) => {
-                    let mut why = "no address".to_owned();
+                    let mut why = ("no address".to_owned(), false);
                     for a in addrs {
                         match self.attempt(a) {
                             Ok(c) => return Ok(c),
                             Err(Attempt::Fatal(e)) => return Err(e),
-                            Err(Attempt::Retry(w)) => why = w,
+                            Err(Attempt::Retry(w)) => why = (w, false),
+                            Err(Attempt::Closed(w)) => why = (w, true),
                         }
                     }
                     why
                 }
             };
-            if Instant::now() >= deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Err(RendezvousError::Unreachable {
                     rank: self.rank,
                     addr: self.addr.clone(),
@@ -835,23 +1026,27 @@ impl Client {
                     why,
                 });
             }
-            std::thread::sleep(Duration::from_millis(100));
+            let wait = if closed { CLIENT_FIRST_PAUSE } else { pause };
+            if !closed {
+                pause = (pause * 2).min(CLIENT_MAX_PAUSE);
+            }
+            std::thread::sleep(rand::rng().random_range(wait / 2..=wait).min(left));
         }
     }
 
     /// One connection to `a` and the handshake.
     fn attempt(&self, a: SocketAddr) -> Result<Conn, Attempt> {
-        let retry = |e: io::Error| Attempt::Retry(e.to_string());
-        let s = TcpStream::connect_timeout(&a, Duration::from_secs(2)).map_err(retry)?;
+        let s = TcpStream::connect_timeout(&a, Duration::from_secs(2)).map_err(|e| Attempt::Retry(e.to_string()))?;
+        let closed = |e: io::Error| Attempt::Closed(e.to_string());
         let _ = s.set_nodelay(true);
-        s.set_read_timeout(Some(CLIENT_HANDSHAKE)).map_err(retry)?;
-        s.set_write_timeout(Some(CLIENT_HANDSHAKE)).map_err(retry)?;
-        let mut r = BufReader::new(s.try_clone().map_err(retry)?);
+        s.set_read_timeout(Some(CLIENT_HANDSHAKE)).map_err(closed)?;
+        s.set_write_timeout(Some(CLIENT_HANDSHAKE)).map_err(closed)?;
+        let mut r = BufReader::new(s.try_clone().map_err(closed)?);
         let mut w = s;
-        let line = read_line(&mut r, MAX_LINE).map_err(retry)?.ok_or_else(|| Attempt::Retry(format!("{a} closed the connection")))?;
+        let line = read_line(&mut r, MAX_LINE).map_err(closed)?.ok_or_else(|| Attempt::Closed(format!("{a} closed the connection")))?;
         let parts: Vec<&str> = line.split_ascii_whitespace().collect();
         let (run, sn) = match parts.as_slice() {
-            ["BUSY", ..] => return Err(Attempt::Retry(format!("the store is busy: {}", quoted(&line)))),
+            ["BUSY", ..] => return Err(Attempt::Retry(busy(&line))),
             [GREETING, VERSION, run, sn] if is_nonce(sn) => (*run, *sn),
             [GREETING, v, ..] => {
                 return Err(Attempt::Fatal(RendezvousError::Protocol(format!(
@@ -870,14 +1065,15 @@ impl Client {
         let cn = nonce();
         let rank = self.rank.to_string();
         let tag = hex::encode(self.auth.mac(&[b"client", ours.as_bytes(), sn.as_bytes(), cn.as_bytes(), rank.as_bytes()]));
-        w.write_all(format!("AUTH {rank} {cn} {tag}\n").as_bytes()).map_err(retry)?;
+        w.write_all(format!("AUTH {rank} {cn} {tag}\n").as_bytes()).map_err(closed)?;
         let denied = |why: String| Attempt::Fatal(RendezvousError::Denied { rank: self.rank, addr: a.to_string(), why });
         let answer = read_line(&mut r, MAX_LINE)
-            .map_err(retry)?
-            .ok_or_else(|| Attempt::Retry(format!("{a} closed the connection during the handshake")))?;
+            .map_err(closed)?
+            .ok_or_else(|| Attempt::Closed(format!("{a} closed the connection during the handshake")))?;
         match answer.split_ascii_whitespace().collect::<Vec<_>>().as_slice() {
             ["OK", proof] if self.auth.verify(&[b"server", ours.as_bytes(), sn.as_bytes(), cn.as_bytes()], proof) => Ok(Conn { r, w }),
             ["OK", ..] => Err(denied("it did not prove that it holds this run's secret: it is not this run's rank 0".into())),
+            ["BUSY", ..] => Err(Attempt::Retry(busy(&answer))),
             _ if run != ours => Err(denied(format!(
                 "it serves another run (run id {}, this rank's is {ours}): the ranks have different secrets, or the port is another job's",
                 quoted(run)
@@ -1246,35 +1442,158 @@ mod tests {
     }
 
     #[test]
-    fn idle_connections_are_capped_and_closed_and_the_ranks_still_meet() {
+    fn idle_connections_are_pushed_out_and_closed_and_the_ranks_still_meet() {
         let auth = new_auth();
-        let (server, addr) = start(&auth, Limits { max_connections: 8, ..quick(300, 2000) });
-        // The tester held 663 connections; over a cap of 8, 40 do.
+        let (server, addr) = start(&auth, Limits { max_pending: 8, ..quick(300, 2000) });
+        // The tester held 663 connections; over a pool of 8, 40 do.
         let mut idle: Vec<Raw> = (0..40).map(|_| Raw::connect(&addr)).collect();
-        assert!(server.stats().open <= 8);
-        // The ranks meet all the same: refused while the store is full,
-        // they try again, and the idle connections are closed soon.
+        // The ranks meet all the same: the oldest idle connections make room
+        // for them, and the rest are closed soon.
         let c0 = client(&addr, 0, &auth, secs(10));
         let c1 = client(&addr, 1, &auth, secs(10));
         let waiter = std::thread::spawn(move || c1.get("id").unwrap());
         c0.set("id", b"nccl").unwrap();
         assert_eq!(waiter.join().unwrap(), b"nccl");
-        let mut busy = 0u64;
         for raw in &mut idle {
+            // Greeted, then pushed out or timed out.
             let rest = raw.rest();
-            if rest.starts_with("BUSY") {
-                busy += 1;
-            } else {
-                assert!(rest.starts_with(GREETING) && rest.lines().count() == 1, "{rest}");
-            }
+            assert!(rest.starts_with(GREETING) && rest.lines().count() == 1, "{rest}");
         }
-        assert!(busy >= 1, "some were over the cap");
-        eventually("every connection closed", || server.stats().open == 0);
+        eventually("every connection closed", || server.stats().threads == 0);
         let st = server.stats();
-        assert!(st.busy >= busy && st.unauthenticated >= 40 - busy, "{st:?}");
+        assert!(st.evicted >= 32 && st.evicted + st.unauthenticated >= 40 && st.busy == 0, "{st:?}");
         let logged = server.logged().join("\n");
         assert!(logged.contains("did not authenticate: timed out after 0.3 s"), "{logged}");
-        assert!(logged.contains("over the cap of 8 open connections (answered BUSY)"), "{logged}");
+        assert!(logged.contains("pushed out by a newer connection (8 connections waiting to authenticate, the cap)"), "{logged}");
+    }
+
+    /// Issue 61: 100 connections that read the greeting and stay silent,
+    /// reconnecting at once, held the store's 72 slots, and every request of
+    /// the ranks was answered `BUSY` until their timeout. Now such peers
+    /// fill only the pool of connections waiting to authenticate, where the
+    /// oldest is pushed out for a newcomer, and a rank's connection leaves it
+    /// within a round trip.
+    #[test]
+    fn issue_61_silent_peers_that_reconnect_at_once_do_not_lock_the_ranks_out() {
+        // The defaults (more room than the flood fills), and a pool that it
+        // keeps full, pushing out the oldest at each accept.
+        for limits in [Limits::for_world(2), Limits { max_pending: 16, ..Limits::for_world(2) }] {
+            let auth = new_auth();
+            let (server, addr) = start(&auth, limits.clone());
+            let flooded = limits.max_pending.min(128);
+            let stop = Arc::new(AtomicBool::new(false));
+            let flood: Vec<_> = (0..128)
+                .map(|_| {
+                    let (addr, stop) = (addr.clone(), stop.clone());
+                    std::thread::Builder::new()
+                        .stack_size(64 << 10)
+                        .spawn(move || {
+                            let mut buf = [0u8; 256];
+                            while !stop.load(SeqCst) {
+                                let Ok(mut s) = TcpStream::connect(&addr) else { continue };
+                                s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                                // Take the greeting, say nothing, and connect again once closed.
+                                while !stop.load(SeqCst) {
+                                    match s.read(&mut buf) {
+                                        Ok(0) => break,
+                                        Ok(_) => {}
+                                        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+                                        Err(_) => break,
+                                    }
+                                }
+                            }
+                        })
+                        .unwrap()
+                })
+                .collect();
+            eventually("the flood holds its connections", || server.stats().pending == flooded);
+            let t0 = Instant::now();
+            let c0 = client(&addr, 0, &auth, secs(5));
+            let c1 = client(&addr, 1, &auth, secs(5));
+            let c1_waits = c1.clone();
+            let waiter = std::thread::spawn(move || c1_waits.get("nccl/id").unwrap());
+            c0.put("nccl/id", b"unique id").unwrap();
+            assert_eq!(waiter.join().unwrap(), b"unique id");
+            for i in 0..5 {
+                c0.put(&format!("beat/{i}"), b"0").unwrap();
+                assert_eq!(c1.get(&format!("beat/{i}")).unwrap(), b"0");
+                c1.set(&format!("figures/{i}"), b"1").unwrap();
+                assert_eq!(c0.get(&format!("figures/{i}")).unwrap(), b"1");
+            }
+            let took = t0.elapsed();
+            let st = server.stats();
+            stop.store(true, SeqCst);
+            for t in flood {
+                t.join().unwrap();
+            }
+            assert!(took < secs(3), "the ranks took {took:?} among the flood ({limits:?}): {st:?}");
+            assert!(st.pending <= limits.max_pending && st.threads <= limits.max_pending + limits.max_connections, "{st:?}");
+            assert!(st.busy == 0 && st.keys == 11, "{st:?}");
+            let logged = server.logged().join("\n");
+            if flooded == limits.max_pending {
+                assert!(st.evicted > 0, "{st:?}");
+                assert!(logged.contains("refused 127.0.0.1:") && logged.contains("pushed out by a newer connection"), "{logged}");
+            }
+        }
+    }
+
+    #[test]
+    fn garbage_or_an_oversized_line_before_authenticating_is_dropped_at_once() {
+        let auth = new_auth();
+        // A long deadline: what closes these connections is what they sent.
+        let (server, addr) = start(&auth, quick(5000, 5000));
+        let t0 = Instant::now();
+        for (sent, answer) in [
+            (vec![b'x'; 600], ""),
+            (vec![b'x'; 1 << 20], ""),
+            (b"\xff\xfe\x00 binary\n".to_vec(), ""),
+            (b"hello there\n".to_vec(), "DENIED authenticate first\n"),
+            (b"AUTH 1 short 00\n".to_vec(), "DENIED malformed AUTH\n"),
+        ] {
+            let mut raw = Raw::connect(&addr);
+            raw.greeting();
+            raw.send(&sent);
+            assert_eq!(raw.rest(), answer, "{:?}", String::from_utf8_lossy(&sent[..sent.len().min(20)]));
+        }
+        assert!(t0.elapsed() < secs(2), "dropped at once, not at the deadline: {:?}", t0.elapsed());
+        eventually("5 counted", || server.stats().unauthenticated == 5);
+        let st = server.stats();
+        assert_eq!((st.open, st.keys), (0, 0), "{st:?}");
+        // Logged with the peer's address (once for it and this reason).
+        let logged = server.logged();
+        assert_eq!(logged.len(), 1, "{logged:?}");
+        assert!(logged[0].starts_with("rendezvous: refused 127.0.0.1:") && logged[0].contains("a line over 512 bytes"), "{logged:?}");
+    }
+
+    #[test]
+    fn authenticated_connections_over_their_cap_are_answered_busy_and_the_rank_retries() {
+        let auth = new_auth();
+        let (server, addr) = start(&auth, Limits { max_connections: 1, ..quick(2000, 2000) });
+        let holder = Raw::authenticated(&addr, &auth);
+        let mut raw = Raw::connect(&addr);
+        let (run, sn) = raw.greeting();
+        let cn = nonce();
+        let tag = hex::encode(auth.mac(&[b"client", run.as_bytes(), sn.as_bytes(), cn.as_bytes(), b"1"]));
+        raw.send(format!("AUTH 1 {cn} {tag}\n").as_bytes());
+        assert_eq!(raw.rest(), "BUSY the cap of 1 authenticated connections\n");
+        // A rank's client tries again, and gets in once the slot is free.
+        let c = client(&addr, 0, &auth, secs(5));
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(holder);
+        });
+        c.set("k", b"v").unwrap();
+        release.join().unwrap();
+        eventually("1 served", || server.stats().served == 1);
+        assert!(server.stats().busy >= 2, "{:?}", server.stats());
+        assert!(server.logged().join("\n").contains("rank 1 authenticated over the cap of 1 authenticated connections (answered BUSY)"));
+        // A client that runs out of time says why.
+        let _holder = Raw::authenticated(&addr, &auth);
+        let e = client(&addr, 0, &auth, Duration::from_millis(200)).get("k").unwrap_err().to_string();
+        assert!(
+            e.contains("could not reach the rendezvous") && e.contains("the store is busy: \"the cap of 1 authenticated connections\""),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1314,7 +1633,7 @@ mod tests {
     #[test]
     fn an_honest_pair_agrees_while_rogues_try_everything_at_once() {
         let auth = new_auth();
-        let (server, addr) = start(&auth, Limits { max_connections: 16, ..quick(300, 1000) });
+        let (server, addr) = start(&auth, Limits { max_pending: 16, ..quick(300, 1000) });
         let stop = Arc::new(AtomicBool::new(false));
         let rogues: Vec<_> = (0..4)
             .map(|kind| {
