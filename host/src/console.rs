@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::fmt::{human, printable};
+use crate::fmt::{human, printable, printable_path};
 use crate::report;
 use crate::results::{EntryResult, EntryStatus, RunResult};
 use crate::train::Progress;
@@ -48,7 +48,8 @@ impl Console {
     }
 
     /// Also writes the run's lines to `path` (appended, so a resumed run
-    /// adds to the log of the run it continues).
+    /// adds to the log of the run it continues; never through a symbolic
+    /// link: [`harness_format::outfile::append`]).
     pub fn log_to(&mut self, path: &Path) {
         self.log = Some(std::sync::Mutex::new(Log::Pending(path.to_owned())));
     }
@@ -63,16 +64,17 @@ impl Console {
         let Some(log) = &self.log else { return };
         let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
         if let Log::Pending(path) = &*log {
-            let open = || -> std::io::Result<std::fs::File> {
+            let open = || -> anyhow::Result<std::fs::File> {
                 if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir)?;
                 }
-                std::fs::OpenOptions::new().create(true).append(true).open(path)
+                Ok(harness_format::outfile::append(path)?)
             };
             *log = match open() {
                 Ok(f) => Log::Open(f),
                 Err(e) => {
-                    eprintln!("warning: cannot write the run's log {}: {e}", path.display());
+                    let why = printable(&format!("{e:#}")).into_owned();
+                    eprintln!("warning: the run's log {} is not written: {why}", printable_path(path));
                     Log::Failed
                 }
             };
@@ -114,7 +116,8 @@ impl Console {
     /// Shows a progress bar for entry `position` (from 1) of `count`: by step
     /// when the run length is steps, by time when it is a time budget.
     pub fn entry_started(&mut self, position: usize, count: usize, id: &str, steps: Option<u64>, budget_s: Option<f64>) {
-        let bar = progress_bar(self.quiet, &format!("[{position}/{count}] {id}"), steps, budget_s);
+        // The suite chose the entry's name.
+        let bar = progress_bar(self.quiet, &format!("[{position}/{count}] {}", printable(id)), steps, budget_s);
         self.entry = Some(EntryBar { id: id.to_owned(), bar, last_print: Instant::now() });
         crate::interrupt::at(id, 0, steps);
     }
@@ -129,7 +132,7 @@ impl Console {
             // count only the steps this process runs.
             bar.set_position(from);
             bar.reset_eta();
-            let line = format!("  resumed entry {id} from step {from} (its newest checkpoint)");
+            let line = format!("  resumed entry {} from step {from} (its newest checkpoint)", printable(id));
             if !self.quiet {
                 bar.suspend(|| eprintln!("{line}"));
             }
@@ -149,7 +152,7 @@ impl Console {
         bar.set_message(msg.clone());
         if !self.quiet && bar.is_hidden() && last_print.elapsed() >= Duration::from_secs(10) && !bar.is_finished() {
             *last_print = Instant::now();
-            eprintln!("  {id}: step {}{} {msg}", p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
+            eprintln!("  {}: step {}{} {msg}", printable(id), p.step, p.total_steps.map(|s| format!("/{s}")).unwrap_or_default());
         }
     }
 
@@ -181,13 +184,15 @@ impl Console {
     /// it ends a rank whose collectives hang; it runs on the watchdog's
     /// thread.
     pub fn rank_stopping(&self) -> impl FnOnce(&str) + Send + 'static {
-        |msg: &str| eprintln!("harness: {msg}; stopping this rank")
+        |msg: &str| eprintln!("harness: {}; stopping this rank", printable(msg))
     }
 
-    /// The summary table of a finished run, and where its results are.
+    /// The summary table of a finished run, and where its results are. The
+    /// table quotes the entries' names, which a result file that was
+    /// resumed or a suite from elsewhere chose.
     pub fn summary(&self, result: &RunResult, out: &Path) {
-        println!("{}", report::summary_table(result));
-        println!("results: {}", out.display());
+        println!("{}", printable(&report::summary_table(result)));
+        println!("results: {}", printable_path(out));
     }
 }
 
@@ -268,5 +273,19 @@ mod tests {
         assert!(!log.chars().any(|ch| crate::fmt::unseen(ch) && ch != '\n'), "{log:?}");
         assert!(log.contains(r"harness: plugin `p\u{1b}]0;title\u{7}` said \u{202e}no"), "{log}");
         assert!(log.contains(r"warning: \u{9b}2J"), "{log}");
+    }
+
+    /// Issue 61: a link planted at `<out>.log` had the run append its log
+    /// to the link's target.
+    #[test]
+    fn the_runs_log_is_never_written_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let (target, path) = (dir.path().join("profile"), dir.path().join("run.log"));
+        std::fs::write(&target, "mine\n").unwrap();
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        let mut c = Console::new(true);
+        c.log_to(&path);
+        c.note("a line");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "mine\n");
     }
 }

@@ -741,7 +741,9 @@ fn run_nccl(
 /// (killed, or stopped by its watchdog), the entry it was in is recorded as
 /// failed (by rank 0, or here when rank 0 itself died) and the ranks are
 /// started anew for the entries left. Returns None when every entry has a
-/// record, or the exit code of a rank that could not run at all. `argv`
+/// record, or the exit code of a rank that could not run at all, or
+/// [`exit::ENDED_AFTER_RUN`] when every entry has a record but a rank's
+/// process died after finishing its entries. `argv`
 /// gives the ranks' arguments, continuing `out` (`--resume`) or not.
 pub fn launch_local_ranks(
     world: usize,
@@ -754,10 +756,12 @@ pub fn launch_local_ranks(
     let gpus = device::gpu_count();
     anyhow::ensure!(gpus >= world, "the suite asks for world_size = {world} but this machine has {gpus} usable GPU(s)\nhint: lower world_size, or start ranks on several hosts with torchrun or srun");
     let mut started = resume;
+    // A rank process that finished its round and then died (see below).
+    let mut ended_after_run = false;
     loop {
         let done = done_ids(out)?;
         let todo: Vec<&PlanEntry> = plan.entries.iter().filter(|e| !done.contains(&e.id)).collect();
-        let Some(first) = todo.first() else { return Ok(None) };
+        let Some(first) = todo.first() else { return Ok(ended_after_run.then_some(exit::ENDED_AFTER_RUN)) };
         let env = first.strategy.nccl_env();
         let group: Vec<&PlanEntry> = todo.iter().take_while(|e| e.strategy.nccl_env() == env).copied().collect();
         let ids: Vec<&str> = group.iter().map(|e| e.id.as_str()).collect();
@@ -785,7 +789,23 @@ pub fn launch_local_ranks(
             eprintln!("harness: {m}; the run is incomplete (the result file keeps the entries finished before)");
             return Ok(Some(exit::PLUGIN_ENDED_PROCESS));
         }
-        let statuses: Vec<std::process::ExitStatus> = ends.into_iter().map(|e| e.0).collect();
+        // A rank that finished its round and then died (a native plugin's
+        // thread or exit handler) lost nothing: its entries are recorded.
+        // It counts with the code it returned, and the run, once done,
+        // exits with ENDED_AFTER_RUN, never 0.
+        let statuses: Vec<std::process::ExitStatus> = ends
+            .into_iter()
+            .enumerate()
+            .map(|(r, (status, v))| match (crate::supervise::ended_after_run(&v, status), v.finished) {
+                (Some(m), Some(code)) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    eprintln!("harness: rank {r}: {m}; its entries are recorded, and the run will exit with {}", exit::ENDED_AFTER_RUN);
+                    ended_after_run = true;
+                    std::process::ExitStatus::from_raw((code & 0xff) << 8)
+                }
+                _ => status,
+            })
+            .collect();
         let lost: Vec<String> = statuses.iter().enumerate().filter_map(|(r, s)| lost_rank(r, s)).collect();
         if lost.is_empty() {
             // 0, or 1 (some entry failed): the round finished its entries.

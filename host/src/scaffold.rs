@@ -82,12 +82,17 @@ fn vendor_sdk(dir: &Path) -> Result<()> {
 }
 
 /// Writes each `(relative path, text)` under `dir`, making folders as
-/// needed.
+/// needed; scripts (`*.sh`) are made executable. Each file is new
+/// ([`harness_format::outfile::create_new`]): nothing already at its path,
+/// a link least of all, is written through.
 fn write_files<'a>(dir: &Path, files: impl IntoIterator<Item = (&'a str, String)>) -> Result<()> {
+    use std::io::Write;
     for (file, text) in files {
         let path = dir.join(file);
         std::fs::create_dir_all(path.parent().expect("a file in a folder")).with_context(|| format!("cannot create {}", dir.display()))?;
-        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        let mode = if file.ends_with(".sh") { 0o777 } else { 0o666 };
+        let mut f = harness_format::outfile::create_new(&path, Some(mode))?;
+        f.write_all(text.as_bytes()).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
 }
@@ -207,7 +212,8 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
     }
     let root = dir.join(name);
-    if root.exists() {
+    // A link there, dangling or not, is something there too.
+    if std::fs::symlink_metadata(&root).is_ok() {
         bail!("{} already exists; choose another name or --dir", root.display());
     }
     match lang {
@@ -223,12 +229,6 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
             files.push(("suite.toml", suite(kind, name, &artifact, build)));
             files.push((".gitignore", ignore.to_owned()));
             write_files(&root, files)?;
-            if build == "./build.sh" {
-                use std::os::unix::fs::PermissionsExt;
-                let script = root.join("build.sh");
-                std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
-                    .with_context(|| format!("cannot make {} executable", script.display()))?;
-            }
             return Ok(root);
         }
         "c" | "c-wasm" | "python" | "js" => {
@@ -269,7 +269,10 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
     Ok(root)
 }
 
-/// The manifest as a `[[plugin]]` table that pins it.
+/// The manifest as a `[[plugin]]` table that pins it. The artifact chose
+/// its name, version and contract version: each value is a TOML string
+/// ([`toml_string`]) that spells every character a terminal acts on as an
+/// escape, and reads back as what the artifact said.
 pub fn manifest_toml(m: &Manifest) -> String {
     let transport = match m.transport {
         Transport::Wasm => "wasm component (sandboxed)",
@@ -280,18 +283,79 @@ pub fn manifest_toml(m: &Manifest) -> String {
         Transport::Native => format!("native ABI {}", m.abi),
     };
     format!(
-        "# {transport}, {abi}\n[[plugin]]\nname = \"{}\"\npath = \"{}\"\nkind = \"{}\"\nversion = \"{}\"\nsha256 = \"{}\"\n",
-        m.name,
-        m.path.display(),
-        m.kind.name(),
-        m.version,
-        m.sha256
+        "# {transport}, {}\n[[plugin]]\nname = {}\npath = {}\nkind = {}\nversion = {}\nsha256 = {}\n",
+        crate::fmt::printable_line(&abi),
+        toml_string(&m.name),
+        toml_string(&m.path.display().to_string()),
+        toml_string(m.kind.name()),
+        toml_string(&m.version),
+        toml_string(&m.sha256)
     )
+}
+
+/// `s` as a TOML basic string: `"` and `\` escaped, and every character
+/// that [`crate::fmt::unseen`] names (control and bidirectional
+/// characters) written as `\uXXXX`. (The `toml` crate's writer leaves C1
+/// controls and the bidirectional ones as they are.)
+fn toml_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if crate::fmt::unseen(c) => out.push_str(&format!("\\u{:04X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 61: `harness plugin inspect` printed the name and version an
+    /// artifact chose raw (escape sequences, bells, U+202E).
+    #[test]
+    fn the_manifest_table_spells_what_the_artifact_chose_as_toml_escapes() {
+        let m = Manifest {
+            name: "evil\u{1b}]0;owned\u{7}\u{202e}\"q\\\n".into(),
+            version: "1.0\u{9b}2J\r".into(),
+            kind: crate::plugin::Kind::Compressor,
+            transport: Transport::Native,
+            abi: "1\u{1b}[2J".into(),
+            sha256: "ab".repeat(32),
+            path: "/p/lib\u{7}x.so".into(),
+        };
+        let shown = manifest_toml(&m);
+        assert!(!shown.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{shown:?}");
+        assert!(shown.contains(r#"name = "evil\u001B]0;owned\u0007\u202E\"q\\\u000A""#), "{shown}");
+        assert!(shown.contains(r#"version = "1.0\u009B2J\u000D""#), "{shown}");
+        assert!(shown.starts_with("# native library (unsandboxed), native ABI 1\\u{1b}[2J\n"), "{shown}");
+        // Pasted into a suite, the table pins what the artifact said.
+        let t: toml::Table = shown.parse().unwrap();
+        let p = &t["plugin"][0];
+        assert_eq!(p["name"].as_str(), Some(m.name.as_str()));
+        assert_eq!(p["version"].as_str(), Some(m.version.as_str()));
+        assert_eq!(p["path"].as_str(), Some("/p/lib\u{7}x.so"));
+        assert_eq!(p["kind"].as_str(), Some("compressor"));
+    }
+
+    #[test]
+    fn a_new_plugin_is_not_written_through_a_link_at_its_folder() {
+        let d = tempfile::tempdir().unwrap();
+        let elsewhere = d.path().join("elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, d.path().join("p")).unwrap();
+        let e = create("compressor", "p", d.path(), None, "c").unwrap_err();
+        assert!(e.to_string().contains("already exists"), "{e}");
+        assert!(!elsewhere.exists());
+        let made = create("compressor", "q", d.path(), None, "python").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert!(std::fs::metadata(made.join("build.sh")).unwrap().permissions().mode() & 0o100 != 0);
+        assert!(std::fs::metadata(made.join("app.py")).unwrap().permissions().mode() & 0o111 == 0);
+    }
 
     #[test]
     fn the_vendored_sdk_holds_every_source_file_of_the_sdk() {

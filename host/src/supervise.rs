@@ -9,7 +9,9 @@
 //! parent says which plugin and exits with
 //! [`crate::exit::PLUGIN_ENDED_PROCESS`]. The result file, rewritten by the
 //! child after every finished entry, keeps the entries finished before and
-//! stays `complete: false`.
+//! stays `complete: false`. A child that finished its run (result file
+//! complete) and then died anyway (a plugin's thread or exit handler) ends
+//! the run with [`crate::exit::ENDED_AFTER_RUN`], never 0.
 
 use std::path::Path;
 use std::process::ExitStatus;
@@ -96,16 +98,45 @@ pub fn ended_by_plugin(v: &Verdict, status: ExitStatus) -> Option<String> {
     }
 }
 
+/// What ended a process that finished its run (returned its exit code
+/// itself, in its mark `v`) and then ended otherwise (`status`): a signal or
+/// another status, after its last native plugin call. None when it ended
+/// with the code it returned, or did not finish. A rank's launcher asks this
+/// of each rank process too.
+pub fn ended_after_run(v: &Verdict, status: ExitStatus) -> Option<String> {
+    let code = v.finished?;
+    if status.code() == Some(code) {
+        return None;
+    }
+    let last = match &v.last_call {
+        Some((who, call, _)) => {
+            format!(", after its last native plugin call ({who}'s `{call}`) had returned: a thread or exit handler the plugin left behind?")
+        }
+        None => String::new(),
+    };
+    Some(format!("the run finished (exit code {code}), then its process ended by {}{last}", how(v, status)))
+}
+
 /// The exit code of a supervised run that ended with `status`, and what to
 /// say about it.
 fn judge(v: &Verdict, status: ExitStatus) -> (i32, Option<String>) {
     use std::os::unix::process::ExitStatusExt;
     const INCOMPLETE: &str = "the run is incomplete (the result file keeps the entries finished before)";
     if let Some(code) = v.finished {
-        // It finished its work; a crash while it tore down is only reported.
-        let note = (status.code() != Some(code))
-            .then(|| format!("the run finished (exit code {code}), then its process ended by {}", how(v, status)));
-        return (code, note);
+        let Some(m) = ended_after_run(v, status) else { return (code, None) };
+        // The run's own verdict (0, or 1 for failed entries) is in the
+        // result file; a process that crashed after it is no success.
+        // Other codes already say the run did not succeed, and why.
+        return match code {
+            exit::OK | exit::ENTRY_FAILED => (
+                exit::ENDED_AFTER_RUN,
+                Some(format!(
+                    "{m}; the result file was written before and is complete, but harness exits with {} instead of {code}: the process did not end cleanly",
+                    exit::ENDED_AFTER_RUN
+                )),
+            ),
+            _ => (code, Some(m)),
+        };
     }
     if let Some(m) = ended_by_plugin(v, status) {
         return (exit::PLUGIN_ENDED_PROCESS, Some(format!("{m}; {INCOMPLETE}")));
@@ -121,5 +152,39 @@ fn judge(v: &Verdict, status: ExitStatus) -> (i32, Option<String>) {
             };
             (code, Some(format!("the run's process ended ({how}) before it finished; {INCOMPLETE}")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    /// Issue 61: a native plugin's thread that killed the process after the
+    /// run had finished left `harness run` exiting 0.
+    #[test]
+    fn a_process_that_dies_after_its_run_never_exits_0() {
+        let signal = |sig: i32| ExitStatus::from_raw(sig);
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        let last = Some(("compressor plugin `q`".to_owned(), "compress".to_owned(), false));
+        let finished = |code| Verdict { finished: Some(code), last_call: last.clone(), by_exit: false };
+        for (code, status) in [(exit::OK, signal(libc::SIGSEGV)), (exit::ENTRY_FAILED, signal(libc::SIGSEGV)), (exit::OK, exited(7))] {
+            let (got, m) = judge(&finished(code), status);
+            assert_eq!(got, exit::ENDED_AFTER_RUN, "{code} {status:?}");
+            let m = m.unwrap();
+            assert!(m.starts_with(&format!("the run finished (exit code {code}), then its process ended by ")), "{m}");
+            assert!(
+                m.contains("compressor plugin `q`'s `compress`") && m.contains("the result file was written before and is complete"),
+                "{m}"
+            );
+        }
+        assert!(judge(&finished(exit::OK), signal(libc::SIGSEGV)).1.unwrap().contains("ended by signal 11"));
+        // A process that ended with the code it returned keeps it; one that
+        // could not run (3) keeps its code and claims no complete results.
+        assert_eq!(judge(&finished(exit::OK), exited(0)), (exit::OK, None));
+        assert_eq!(judge(&finished(exit::ENTRY_FAILED), exited(1)), (exit::ENTRY_FAILED, None));
+        let (got, m) = judge(&finished(exit::ERROR), signal(libc::SIGSEGV));
+        assert_eq!(got, exit::ERROR);
+        assert!(!m.unwrap().contains("complete"));
     }
 }

@@ -30,6 +30,13 @@ pub const RANK_LOST: i32 = 5;
 /// thread of its own) during a run; the result file is incomplete
 /// (`plugin::exit_guard`, and `harness run`'s supervising parent).
 pub const PLUGIN_ENDED_PROCESS: i32 = 4;
+/// The run finished and wrote its whole result file (it returned 0 or 1
+/// itself), but its process then ended otherwise, by a signal or another
+/// status: a native plugin's thread or exit handler, or a crash while the
+/// process tore down (`harness run`'s supervising parent, and its launcher
+/// of ranks). The result file stands; the process that made it did not
+/// end cleanly, so the run does not count as a success.
+pub const ENDED_AFTER_RUN: i32 = 6;
 
 /// The exit code of a run that finished with `failed_entries` failed
 /// entries: every kind of entry failure (`error::EntryError`, recorded as

@@ -13,7 +13,10 @@
 //!   once (those that change the measured work are recorded in results);
 //! - the leaves [`error`] (why an entry failed), [`exit`] (exit codes),
 //!   [`files`] (reading files that untrusted input names: regular files
-//!   only, up to a cap) and [`fmt`] (short forms of numbers).
+//!   only, up to a cap), [`outfile`] (opening the files harness writes
+//!   without following a symbolic link), [`fmt`] (short forms of numbers,
+//!   text made safe for a terminal) and [`secrets`]
+//!   (the user's keys, kept outside the folders they seal).
 
 pub mod error;
 pub mod exit;
@@ -22,7 +25,10 @@ pub mod fmt;
 pub mod histogram;
 pub mod link;
 pub mod machine;
+pub mod outfile;
 pub mod plugin;
 pub mod results;
+#[cfg(unix)]
+pub mod secrets;
 pub mod suite;
 pub mod switches;

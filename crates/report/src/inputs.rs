@@ -3,29 +3,28 @@
 //! identified by its content, and, when it is the first of its content
 //! and verifies, its result joined to the per-workload tables under
 //! submission strategies named after its plugin. Folders are searched (not
-//! recursively) for both.
+//! recursively, and never through a symbolic link) for both.
+//!
+//! Every file is read within its kind's cap (`harness_format::files`), and
+//! every histogram of a result is decoded before the result is used: a
+//! file that cannot be read, parsed or decoded is refused with a note
+//! naming it and why, and the board is built from the rest.
 //!
 //! A bundle's folder name, and every string inside it, is its submitter's
 //! to choose: nothing here trusts them further than `verify` checked, and
 //! what is shown of them is escaped by the writers ([`crate::escape`]).
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
+use harness_format::files;
 use serde::Serialize;
 
 use crate::results::{self, RunResult};
 use crate::submission::verify::{self, Inspect};
 use crate::submission::{sha256_hex, Bundle, Manifest, MANIFEST, RESULT};
 use crate::submissions::{self, Files, Verified};
-
-/// The most bytes of a bundle's `result.json` the board copies (a
-/// standard-suite result with its histograms is well under 1 MiB).
-pub const MAX_RESULT_COPY: u64 = 16 << 20;
-/// The most bytes of a bundle's `MANIFEST.json` the board copies.
-pub const MAX_MANIFEST_COPY: u64 = 1 << 20;
 
 /// What `harness report` read.
 pub struct Loaded {
@@ -64,9 +63,13 @@ pub fn content_id(m: &Manifest) -> String {
 }
 
 /// Reads result files and bundles; folders in `paths` are searched (not
-/// recursively) for bundles and `*.json` result files, skipping JSON files
-/// that are not harness results (bench outputs) and results that were
-/// bundled next to themselves (`r.json` beside `r.bundle`). Each bundle is
+/// recursively; symbolic links in them are skipped) for bundles and
+/// `*.json` result files, skipping JSON files that are not harness results
+/// (bench outputs) and results that were bundled next to themselves
+/// (`r.json` beside `r.bundle`). A result that is too large, too new or
+/// holds a histogram that does not decode is refused with a note, as is
+/// one named here; only a named file that cannot be opened stops the
+/// report. Each bundle is
 /// checked with [`verify::verify`]`(dir, inspect)`; of bundles with one
 /// content identity that verify, the first given ranks and the others are
 /// listed as its copies. Only a bundle that ranks adds its result to the
@@ -77,31 +80,42 @@ pub fn load(paths: &[PathBuf], inspect: Inspect) -> Result<Loaded> {
         if crate::submission::is_bundle(p) {
             add_bundle(p, inspect, &mut l);
         } else if p.is_dir() {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(p)?.flatten().map(|e| e.path()).collect();
-            files.sort();
-            for f in files {
-                if crate::submission::is_bundle(&f) {
-                    add_bundle(&f, inspect, &mut l);
+            // The folder's own entries: `file_type` does not follow links.
+            let mut files: Vec<(PathBuf, std::fs::FileType)> =
+                std::fs::read_dir(p)?.flatten().filter_map(|e| Some((e.path(), e.file_type().ok()?))).collect();
+            files.sort_by(|a, b| a.0.cmp(&b.0));
+            for (f, kind) in files {
+                let json = f.extension().is_some_and(|x| x == "json");
+                if kind.is_symlink() {
+                    if json || crate::submission::is_bundle(&f) {
+                        l.notes.push(crate::escape::terminal(&format!(
+                            "note: skipped {}, a symbolic link: a folder's own files and bundles are read, never a link out of it (name its target to include it)",
+                            f.display()
+                        )));
+                    }
+                    continue;
+                }
+                if kind.is_dir() {
+                    if crate::submission::is_bundle(&f) {
+                        add_bundle(&f, inspect, &mut l);
+                    }
                     continue;
                 }
                 // A result that was bundled is read from its bundle.
-                if f.extension().is_none_or(|x| x != "json") || crate::submission::is_bundle(&crate::submission::default_bundle_path(&f)) {
+                if !json || crate::submission::is_bundle(&crate::submission::default_bundle_path(&f)) {
                     continue;
                 }
-                match RunResult::read(&f) {
-                    Ok(r) => {
-                        l.sources.push(f.display().to_string());
-                        l.results.push(r);
-                    }
-                    Err(results::ResultsError::Parse { .. }) => {
-                        l.notes.push(crate::escape::terminal(&format!("note: {} is not a harness result file; skipped", f.display())))
-                    }
-                    Err(e) => return Err(e.into()),
-                }
+                let read = files::read_plain(&f, files::RESULT_MAX_BYTES)
+                    .map_err(results::ResultsError::from)
+                    .and_then(|bytes| RunResult::parse(&String::from_utf8_lossy(&bytes), &f));
+                add_result(&f, read, &mut l);
             }
         } else {
-            l.results.push(RunResult::read(p)?);
-            l.sources.push(p.display().to_string());
+            // Named here: read as given (a pipe too), within the cap.
+            match RunResult::read(p) {
+                Err(results::ResultsError::File(e @ files::FileError::Io { .. })) => return Err(e.into()),
+                read => add_result(p, read, &mut l),
+            }
         }
     }
     anyhow::ensure!(
@@ -110,6 +124,38 @@ pub fn load(paths: &[PathBuf], inspect: Inspect) -> Result<Loaded> {
         crate::escape::terminal(&paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))
     );
     Ok(l)
+}
+
+/// Files the result read from `path` among the results if it was read and
+/// its histograms decode, else a note saying why it was refused (a JSON
+/// file that is no result at all, a bench output, is merely skipped).
+fn add_result(path: &Path, read: Result<RunResult, results::ResultsError>, l: &mut Loaded) {
+    let why = match read {
+        Ok(r) => match undecodable(&r) {
+            None => {
+                l.sources.push(path.display().to_string());
+                l.results.push(r);
+                return;
+            }
+            Some(why) => why,
+        },
+        Err(results::ResultsError::Parse { .. }) => {
+            l.notes.push(crate::escape::terminal(&format!("note: {} is not a harness result file; skipped", path.display())));
+            return;
+        }
+        Err(e) => e.to_string(),
+    };
+    l.notes.push(crate::escape::terminal(&format!("note: refused {}: {why}; the board is built without it", path.display())));
+}
+
+/// Why `r` cannot be used, if one of its histograms does not decode: the
+/// first such entry and histogram, and the decoder's reason.
+fn undecodable(r: &RunResult) -> Option<String> {
+    r.entries.iter().find_map(|e| {
+        e.histograms.iter().find_map(|(key, h)| {
+            crate::measure::decode(h).err().map(|err| format!("entry {}'s `{key}` histogram does not decode: {err}", e.id))
+        })
+    })
 }
 
 /// Reads, verifies and identifies the bundle in `dir`, and files it: a
@@ -136,8 +182,8 @@ fn add_bundle(dir: &Path, inspect: Inspect, l: &mut Loaded) {
     let mut copied = Vec::new();
     let mut copies = Vec::new();
     let mut not_copied = Vec::new();
-    for (name, limit) in [(RESULT, MAX_RESULT_COPY), (MANIFEST, MAX_MANIFEST_COPY)] {
-        match read_bounded(&dir.join(name), limit) {
+    for name in [RESULT, MANIFEST] {
+        match crate::submission::files::read(dir, name, crate::submission::files::cap(name)) {
             Ok(bytes) => {
                 let listed = bundle.manifest.files.iter().find(|f| f.path == name).map(|f| f.sha256.as_str());
                 if verified && name == RESULT && listed != Some(sha256_hex(&bytes).as_str()) {
@@ -201,18 +247,56 @@ fn rename_submission_strategies(r: &mut RunResult) {
     }
 }
 
-/// The bytes of `path`, if it is a plain file (not a link, which could
-/// point anywhere on this machine) of at most `limit` bytes.
-fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
-    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("cannot read it ({e})"))?;
-    if !meta.is_file() {
-        return Err("not a plain file".into());
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::results::testing;
+
+    /// Issue 61's bomb: the first 9 bytes of a V2 histogram (its cookie,
+    /// its payload length set to 0xFFFFFFF0, the first byte of its
+    /// normalizing offset) in base64, 12 characters that stand for the
+    /// first 12 of an honest histogram's text.
+    const BOMB_HEAD: &str = "HISTE/////AA";
+
+    fn no_plugins(_: &[u8]) -> anyhow::Result<crate::plugin::Manifest> {
+        unreachable!("no bundle is given")
     }
-    let f = std::fs::File::open(path).map_err(|e| format!("cannot read it ({e})"))?;
-    let mut bytes = Vec::new();
-    f.take(limit + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot read it ({e})"))?;
-    if bytes.len() as u64 > limit {
-        return Err(format!("larger than {} MiB", limit >> 20));
+
+    /// Issue 61: `harness report` aborted on a result whose histogram asked
+    /// for 4 GiB, even beside honest files; it refuses that file, naming it
+    /// and why, and reports the rest.
+    #[test]
+    fn a_result_that_does_not_decode_is_refused_and_the_rest_reported() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let good = testing::result("s", None, 100.0);
+        let mut bad = testing::result("s", None, 50.0);
+        let step = bad.entries[0].histograms.get_mut("step").unwrap();
+        *step = format!("{BOMB_HEAD}{}", &step[BOMB_HEAD.len()..]);
+        std::fs::write(dir.join("a.json"), serde_json::to_vec(&good).unwrap()).unwrap();
+        std::fs::write(dir.join("b.json"), serde_json::to_vec(&bad).unwrap()).unwrap();
+        // Over the cap: refused by its size, unread (a sparse file).
+        std::fs::File::create(dir.join("c.json")).unwrap().set_len(files::RESULT_MAX_BYTES + 1).unwrap();
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(dir.join("a.json"), dir.join("d.json")).unwrap();
+
+        let l = load(&[dir.to_owned()], &no_plugins).unwrap();
+        assert_eq!(l.sources, [dir.join("a.json").display().to_string()], "{:?}", l.notes);
+        let notes = l.notes.join("\n");
+        let refused = format!(
+            "note: refused {}: entry w/baseline/r0's `step` histogram does not decode: the histogram's header declares a payload of 4294967280 bytes (bytes 4..8)",
+            dir.join("b.json").display()
+        );
+        assert!(notes.contains(&refused), "{notes}");
+        assert!(notes.contains("c.json has 16777217 bytes, more than the 16777216 bytes (16 MiB) harness reads"), "{notes}");
+        #[cfg(unix)]
+        assert!(notes.contains(&format!("note: skipped {}, a symbolic link", dir.join("d.json").display())), "{notes}");
+
+        // Named on the command line, it is refused the same way; a file
+        // that cannot be opened still stops the report.
+        let l = load(&[dir.join("b.json"), dir.join("a.json")], &no_plugins).unwrap();
+        assert_eq!(l.results.len(), 1);
+        assert!(l.notes.join("\n").contains(&refused), "{:?}", l.notes);
+        assert!(load(&[dir.join("none.json")], &no_plugins).is_err());
     }
-    Ok(bytes)
 }

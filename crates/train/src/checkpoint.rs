@@ -9,7 +9,9 @@
 //! step-00000040/
 //!   checkpoint.json          manifest: format, the run it belongs to, step,
 //!                            data position, batch, every file's size and
-//!                            sha256, and its own sha256 over all of that
+//!                            sha256, its own sha256 over all of that, and
+//!                            its seal: an HMAC-SHA256 of that sha256 under
+//!                            the user's checkpoint key
 //!   model.safetensors[.zst]  parameters (rank 0 writes them; ranks hold equal copies)
 //!   rank-0.safetensors[.zst] that rank's optimizer and scaler state, RNG state
 //!                            and plugin states (`plugin/<slot>`, bytes)
@@ -23,11 +25,22 @@
 //! Only a directory with the final name counts. Temporary directories left
 //! by a crash are removed when the store is opened.
 //!
+//! The seal's key is the user's `checkpoints` key, kept outside every
+//! checkpoint folder, in the user's state folder
+//! ([`harness_format::secrets`]: `$HARNESS_STATE_DIR`, else
+//! `~/.local/state/harness`), so whoever can write a checkpoint folder but
+//! not that key cannot make a checkpoint this store accepts: files rewritten
+//! with their hashes recomputed fail the seal. A later process of the same
+//! user on the same machine (`harness run --resume`) holds the same key;
+//! a checkpoint taken to another machine or user is refused unless its key
+//! goes with it (checkpoints never travel in bundles).
+//!
 //! Reading treats the folder as hostile ([`accept`], [`confined`]): the
 //! checkpoint must be a real directory of regular files (no symbolic link
 //! anywhere below the entry's checkpoint directory, which itself and its
 //! parent must be real directories; FIFOs and devices are refused from their
-//! metadata, unopened), its manifest must be intact (its sha256), of this
+//! metadata, unopened), its manifest must be intact (its sha256) and sealed
+//! with the user's key (its HMAC), of this
 //! run and entry ([`RunIdentity`]), name exactly the files this store
 //! writes, and hold a position within what the run could have produced
 //! ([`Bounds`]); every file's size is checked against what the run's
@@ -53,6 +66,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
+use harness_format::secrets::Key;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
@@ -63,9 +77,32 @@ use tch::{Device, Kind, Tensor};
 #[error("the checkpoint write was cancelled")]
 pub struct Cancelled;
 
-/// Version of the on-disk layout (2: the manifest names the run it belongs
-/// to, holds every rank's file record and its own sha256).
-pub const FORMAT: u32 = 2;
+/// Version of the on-disk layout. 3: the manifest carries a seal (`seal`,
+/// an HMAC-SHA256 under the user's checkpoint key). 2: the manifest names
+/// the run it belongs to, holds every rank's file record and its own
+/// sha256. A checkpoint of another format is refused by name (`format`):
+/// `--resume` fails its entry, which runs again only in a new result file.
+pub const FORMAT: u32 = 3;
+
+/// The name of the user's key that checkpoints are sealed with
+/// ([`harness_format::secrets::Key::of_user`]).
+pub const KEY_NAME: &str = "checkpoints";
+
+/// What a manifest's seal is made for (its HMAC's domain).
+const SEAL_CONTEXT: &str = "harness checkpoint manifest";
+
+/// The key the stores of this process seal with and check seals against:
+/// the user's `checkpoints` key.
+#[cfg(not(test))]
+fn user_key() -> Result<Key> {
+    Key::of_user(KEY_NAME).context("the key checkpoints are sealed with")
+}
+
+/// In unit tests, a key of the tests' own, never the user's.
+#[cfg(test)]
+fn user_key() -> Result<Key> {
+    Ok(tests::key())
+}
 
 /// Where a checkpoint puts the training loop.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -162,6 +199,52 @@ struct FileRecord {
     chunk_bytes: Option<u64>,
 }
 
+/// A manifest's seal: the HMAC-SHA256 of its sha256 under the writer's
+/// checkpoint key, and that key's id ([`Key::id`], which tells a seal of
+/// another key from a changed manifest in messages).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Seal {
+    key: String,
+    hmac: String,
+}
+
+impl Seal {
+    /// The seal of the manifest whose sha256 is `digest`, made with `key`.
+    fn of(key: &Key, digest: &str) -> Seal {
+        Seal { key: key.id(), hmac: hex::encode(key.mac(SEAL_CONTEXT, &[digest.as_bytes()])) }
+    }
+
+    /// Refuses this seal of the manifest of `dir` (whose sha256 is
+    /// `digest`) unless `key` made it.
+    fn check(&self, dir: &Path, digest: &str, key: &Key) -> Result<()> {
+        let sealed = hex::decode(&self.hmac).is_ok_and(|mac| key.verify(SEAL_CONTEXT, &[digest.as_bytes()], &mac));
+        if sealed {
+            return Ok(());
+        }
+        let ours = key.id();
+        let why = if self.key != ours {
+            // A stranger's text: shown only as a key id (16 hex digits).
+            let theirs = match &self.key {
+                k if k.len() == 16 && k.bytes().all(|b| b.is_ascii_hexdigit()) => format!("key {k}"),
+                k => format!("no key id ({} bytes)", k.len()),
+            };
+            format!(
+                "was made with {theirs}, not with this user's checkpoint key {} (key {ours}): the checkpoint was written by \
+                 another user or machine, before the key was made anew, or forged; it resumes only where its writer's key is",
+                key.path().display()
+            )
+        } else {
+            format!(
+                "does not match the manifest under this user's checkpoint key {} (key {ours}): the checkpoint was changed \
+                 after it was written (its hashes recomputed without the key)",
+                key.path().display()
+            )
+        };
+        Err(refused(dir, "seal", why))
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Manifest {
@@ -175,14 +258,17 @@ struct Manifest {
     ranks: Vec<FileRecord>,
     /// The sha256 of everything above ([`Manifest::digest`]).
     sha256: String,
+    /// The sha256 sealed with the writer's key.
+    seal: Seal,
 }
 
 impl Manifest {
-    /// The sha256 of the manifest's fields but its own hash, in their
-    /// canonical form (compact JSON, fields in declaration order).
+    /// The sha256 of the manifest's fields but its own hash and seal, in
+    /// their canonical form (compact JSON, fields in declaration order).
     fn digest(&self) -> String {
         let mut m = self.clone();
         m.sha256.clear();
+        m.seal = Seal::default();
         let mut h = Sha256::new();
         h.update(b"harness checkpoint manifest\n");
         h.update(serde_json::to_vec(&m).expect("a manifest serialises"));
@@ -209,6 +295,8 @@ pub struct Store {
     /// How reads go to the disk ([`ReadMode::RESTORE`] unless a benchmark
     /// compares others).
     pub read_mode: ReadMode,
+    /// What manifests are sealed with, and seals checked against.
+    key: Key,
 }
 
 /// Name of the directory of the checkpoint of `step`.
@@ -230,8 +318,11 @@ impl Store {
     /// left behind, and with `fresh` every checkpoint there too (a new run
     /// of the entry, not a resumed one). Neither `root` nor its parent may
     /// be a symbolic link. The store belongs to no run in particular until
-    /// [`Store::for_run`].
+    /// [`Store::for_run`]. Its seals are made with the user's checkpoint
+    /// key (made on first use; a key refused, or no folder for it, fails
+    /// the open, naming the key and what to do).
     pub fn open(root: &Path, rank: usize, world: usize, compress: bool, fresh: bool) -> Result<Store> {
+        let key = user_key()?;
         not_a_link(root)?;
         if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
             not_a_link(parent)?;
@@ -259,7 +350,15 @@ impl Store {
             run: RunIdentity::anonymous(world),
             accept: None,
             read_mode: ReadMode::RESTORE,
+            key,
         })
+    }
+
+    /// This store with its seals made with, and checked against, `key`
+    /// instead of the user's checkpoint key.
+    pub fn with_key(mut self, key: Key) -> Store {
+        self.key = key;
+        self
     }
 
     /// This store as the run `run`'s: its manifests name it, and reads
@@ -352,9 +451,18 @@ impl Store {
         let tmp = self.tmp(position.step);
         let model: FileRecord = read_record(&tmp.join("model.json"))?;
         let ranks = (0..self.world).map(|r| read_record(&tmp.join(format!("rank-{r}.json")))).collect::<Result<Vec<FileRecord>>>()?;
-        let mut m =
-            Manifest { format: FORMAT, run: self.run.clone(), compressed: self.compress, position, model, ranks, sha256: String::new() };
+        let mut m = Manifest {
+            format: FORMAT,
+            run: self.run.clone(),
+            compressed: self.compress,
+            position,
+            model,
+            ranks,
+            sha256: String::new(),
+            seal: Seal::default(),
+        };
         m.sha256 = m.digest();
+        m.seal = Seal::of(&self.key, &m.sha256);
         write_synced(&tmp.join("checkpoint.json"), &serde_json::to_vec_pretty(&m)?)?;
         sync_dir(&tmp)?;
         let dir = self.dir(position.step);
@@ -414,9 +522,11 @@ impl Store {
     }
 
     /// Refuses the manifest `m` of the checkpoint of `step` in `dir` unless
-    /// it is this run's, written as this store writes, and (with
-    /// [`Store::for_run`]) within the run's bounds and layout.
+    /// it is sealed with this store's key, this run's, written as this
+    /// store writes, and (with [`Store::for_run`]) within the run's bounds
+    /// and layout.
     fn check(&self, m: &Manifest, step: u64, dir: &Path, layout: &Layout) -> Result<()> {
+        m.seal.check(dir, &m.sha256, &self.key)?;
         self.run.check(dir, &m.run)?;
         if m.compressed != self.compress {
             return Err(refused(
@@ -514,7 +624,8 @@ fn check_record(dir: &Path, field: &str, rec: &FileRecord, file: &str, compresse
 
 /// Checks a checkpoint directory completely (every rank's files, sizes and
 /// hashes, against its manifest, whose own hash must hold) and returns
-/// where it puts training.
+/// where it puts training: whether it is whole, not whether it is
+/// authentic (its seal needs the writer's key; reads check it).
 pub fn verify(dir: &Path) -> Result<Position> {
     let folder = Dir::open(dir)?;
     let m = read_manifest(&folder)?;
@@ -618,6 +729,14 @@ fn read_manifest(folder: &Dir) -> Result<Manifest> {
         format: u32,
     }
     let f: Format = serde_json::from_slice(&bytes).map_err(|e| refused(dir, "format", format!("cannot be read: {e}")))?;
+    if f.format < FORMAT {
+        let why = format!(
+            "is {}, an older harness's, without the keyed seal of format {FORMAT}, the only one this harness reads: run the entry \
+             again in a new result file",
+            f.format
+        );
+        return Err(refused(dir, "format", why));
+    }
     if f.format != FORMAT {
         return Err(refused(dir, "format", format!("is {}; this harness reads format {FORMAT}", f.format)));
     }
@@ -1344,6 +1463,11 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// The key the stores of these tests seal with.
+    pub(super) fn key() -> Key {
+        Key::from_bytes([0x5e; 32])
+    }
+
     fn snap(step: u64, v: f32) -> Snapshot {
         Snapshot {
             position: Position { step, data_position: step * 4, micro_batch: 4, accum_steps: 1, lr_scale: 1.0 },
@@ -1526,13 +1650,22 @@ mod tests {
         (d, s, dir)
     }
 
-    /// Edits the manifest in `dir` as someone who knows the format would:
-    /// its sha256 recomputed.
+    /// Edits the manifest in `dir` as someone who knows the format and
+    /// holds the user's key would: its sha256 recomputed and sealed anew.
     fn forge(dir: &Path, edit: impl FnOnce(&mut Manifest)) {
+        forge_with(dir, Some(&key()), edit)
+    }
+
+    /// [`forge`], the seal made with `key` (None: the seal left as it was,
+    /// by someone without a key).
+    fn forge_with(dir: &Path, key: Option<&Key>, edit: impl FnOnce(&mut Manifest)) {
         let path = dir.join("checkpoint.json");
         let mut m: Manifest = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         edit(&mut m);
         m.sha256 = m.digest();
+        if let Some(key) = key {
+            m.seal = Seal::of(key, &m.sha256);
+        }
         fs::write(path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     }
 
@@ -1675,12 +1808,19 @@ mod tests {
         fs::write(&path, text.replace("\"lr_scale\": \"1\"", "\"lr_scale\": 1e30")).unwrap();
         refusal(s.read(40), &dir, "checkpoint.json");
         // An unknown field is refused, not ignored (it would be outside the hash).
-        fs::write(&path, text.replacen("\"format\": 2,", "\"format\": 2, \"extra\": 1,", 1)).unwrap();
+        fs::write(&path, text.replacen("\"format\": 3,", "\"format\": 3, \"extra\": 1,", 1)).unwrap();
         let e = refusal(s.read(40), &dir, "checkpoint.json");
         assert!(e.contains("unknown field `extra`"), "{e}");
-        fs::write(&path, text.replacen("\"format\": 2", "\"format\": 1", 1)).unwrap();
+        // Format 2 (no keyed seal) and older: refused by name, with what to do.
+        for old in [1, 2] {
+            fs::write(&path, text.replacen("\"format\": 3", &format!("\"format\": {old}"), 1)).unwrap();
+            let e = refusal(s.read(40), &dir, "format");
+            assert!(e.contains(&format!("is {old}, an older harness's, without the keyed seal of format 3")), "{e}");
+            assert!(e.contains("run the entry again in a new result file"), "{e}");
+        }
+        fs::write(&path, text.replacen("\"format\": 3", "\"format\": 4", 1)).unwrap();
         let e = refusal(s.read(40), &dir, "format");
-        assert!(e.contains("is 1; this harness reads format 2"), "{e}");
+        assert!(e.contains("is 4; this harness reads format 3"), "{e}");
     }
 
     #[test]
@@ -1859,12 +1999,55 @@ mod tests {
         assert!(e.contains("the compressor plugin's state is 1048577 bytes, more than the 1048576"), "{e}");
     }
 
-    /// What remains possible, as docs/checkpoint-policies.md says: whoever
-    /// edits their own checkpoint consistently (the files, their hashes and
-    /// the manifest's, within the layout and bounds) feeds the run what they
-    /// like. The result records that the entry resumed.
+    /// Issue 61: format 2's seal was an unkeyed sha256, so a checkpoint
+    /// rewritten with its hashes recomputed resumed (random weights trained
+    /// to eval loss 185). The seal is now keyed: a rewrite without the
+    /// user's key is refused by name, and so is one sealed with a key of
+    /// the forger's own, or a checkpoint of another user's.
     #[test]
-    fn a_consistent_edit_of_ones_own_checkpoint_is_accepted_as_documented() {
+    fn r61_a_checkpoint_rewritten_with_recomputed_hashes_is_refused_by_its_seal() {
+        for compress in [false, true] {
+            let (_d, s, dir) = written(compress);
+            let model = format!("model{}", s.ext());
+            let weights = vec![("w".to_owned(), Tensor::from_slice(&[153.0f32, -7.0]))];
+            let rec = write_tensors(&dir, &model, &weights, compress, &AtomicBool::new(false)).unwrap();
+            // Every hash recomputed, the seal kept: refused, naming the
+            // checkpoint (its step) and the seal.
+            forge_with(&dir, None, |m| m.model = rec.clone());
+            let e = refusal(s.read(40), &dir, "seal");
+            assert!(e.contains("step-00000040") && e.contains("was changed after it was written"), "{e}");
+            assert!(e.contains(&format!("(key {})", key().id())), "{e}");
+            refusal(s.read_into(40, &mut snap(0, 0.0)), &dir, "seal");
+            // The manifest's hash alone still holds: `verify` checks that the
+            // checkpoint is whole, not that it is authentic.
+            verify(&dir).unwrap();
+            // Sealed with a key of the forger's own: refused, naming both keys.
+            let theirs = Key::from_bytes([1; 32]);
+            forge_with(&dir, Some(&theirs), |_| {});
+            let e = refusal(s.read(40), &dir, "seal");
+            assert!(e.contains(&format!("was made with key {}, not with this user's checkpoint key", theirs.id())), "{e}");
+            // A seal's key id that is not one is not echoed.
+            forge_with(&dir, None, |m| m.seal.key = "\u{1b}[2Jforged".into());
+            let e = refusal(s.read(40), &dir, "seal");
+            assert!(e.contains("was made with no key id (10 bytes)") && !e.contains('\u{1b}'), "{e}");
+        }
+        // An honest checkpoint read by a store of another user's key (or of
+        // another machine): refused; the writer's key reads it.
+        let (_d, s, dir) = written(false);
+        let elsewhere = Store::open(&s.root, 0, 1, false, false).unwrap().for_run(run("w/a/r0"), accept()).unwrap();
+        let elsewhere = elsewhere.with_key(Key::from_bytes([2; 32]));
+        let e = refusal(elsewhere.read(40), &dir, "seal");
+        assert!(e.contains("written by another user or machine"), "{e}");
+        s.read(40).unwrap();
+    }
+
+    /// What remains possible, as docs/checkpoint-policies.md says: whoever
+    /// holds the user's key (the user) and edits their own checkpoint
+    /// consistently (the files, their hashes, the manifest's, sealed anew,
+    /// within the layout and bounds) feeds the run what they like. The
+    /// result records that the entry resumed.
+    #[test]
+    fn a_consistent_edit_sealed_with_the_users_own_key_is_accepted_as_documented() {
         let (_d, s, dir) = written(false);
         let weights = vec![("w".to_owned(), Tensor::from_slice(&[153.0f32, -7.0]))];
         let rec = write_tensors(&dir, "model.safetensors", &weights, false, &AtomicBool::new(false)).unwrap();

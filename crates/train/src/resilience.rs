@@ -1,7 +1,7 @@
-//! What survives a failure: the fault clock that injects failures, the
-//! checkpoint store and the policy's history, capturing and restoring a
-//! rank's training state, and what checkpoints and failures cost
-//! ([`Resilience`]).
+//! What survives a failure: the fault clock that injects failures and the
+//! budget that bounds what they may cost, the checkpoint store and the
+//! policy's history, capturing and restoring a rank's training state, and
+//! what checkpoints and failures cost ([`Resilience`]).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -30,6 +30,9 @@ use crate::training::Training;
 /// before the first checkpoint goes back to the start, kept in host memory.
 pub struct Resilience {
     clock: Option<FaultClock>,
+    /// What failures may cost before the entry ends instead of restarting
+    /// (with the clock).
+    budget: Option<FaultBudget>,
     store: Option<Arc<Store>>,
     /// Host-memory snapshots and the background writer; `None` on the
     /// synchronous path (`checkpoint_async = false`) or without a store.
@@ -93,6 +96,8 @@ pub struct Decision {
     pub delete: Vec<u64>,
     /// Ranks whose part of the persist in flight is durable.
     parts_done: usize,
+    /// The failure would overrun rank 0's fault budget: the entry ends.
+    over_budget: Option<Budget>,
 }
 
 impl Resilience {
@@ -101,8 +106,9 @@ impl Resilience {
     /// failures are injected, keeps the starting state.
     pub fn open(ctx: &EntryContext<'_>, t: &mut Training, batch: &Batch) -> Result<Resilience> {
         let w = ctx.workload;
-        let clock =
-            w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some()).map(|f| FaultClock::new(f, ctx.entry.seed, t.rank));
+        let faults = w.faults.as_ref().filter(|f| !f.at_steps.is_empty() || f.mtbf_s.is_some());
+        let clock = faults.map(|f| FaultClock::new(f, ctx.entry.seed, t.rank));
+        let budget = faults.map(|f| FaultBudget::new(f, w.steps, w.time_budget_s));
         let strategy = &ctx.entry.strategy;
         let store = if t.strategies.checkpoint.never_saves() {
             None
@@ -150,6 +156,7 @@ impl Resilience {
         };
         Ok(Resilience {
             clock,
+            budget,
             store,
             tiers,
             history: CheckpointHistory::default(),
@@ -219,12 +226,19 @@ impl Resilience {
     ) -> Result<Decision> {
         let done = telemetry.step;
         self.account_step(now);
+        if let Some(b) = &mut self.budget {
+            b.stepped(now.as_secs_f64());
+        }
         let part_done = self.poll_writer()?;
         self.history.since_last_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
         let decision = policy.decide(telemetry, &self.history)?;
         let (fail, lose_memory) = match &mut self.clock {
             Some(c) => c.strikes(done, now.as_secs_f64()),
             None => (false, false),
+        };
+        let over_budget = match &self.budget {
+            Some(b) if fail => b.overrun(self.record.failures.len() as u64, self.time_lost_with(now)),
+            _ => None,
         };
         let mut d = Decision {
             save: decision.save,
@@ -233,9 +247,13 @@ impl Resilience {
             lose_memory,
             delete: decision.delete,
             parts_done: part_done as usize,
+            over_budget,
         };
         if comm.world_size() > 1 && (self.store.is_some() || self.clock.is_some()) {
             d = self.agree(d, comm, device)?;
+        }
+        if let (true, Some(budget), Some(b)) = (d.fail, d.over_budget, &self.budget) {
+            return Err(b.exhausted(budget, done, self.record.failures.len() as u64, self.time_lost_with(now)).into());
         }
         if part_done && d.parts_done == self.world {
             self.persisted()?;
@@ -243,12 +261,20 @@ impl Resilience {
         Ok(d)
     }
 
+    /// The training time failures have cost so far, and a failure at
+    /// training time `now` would add (the work since the last checkpoint;
+    /// its restore is not known yet).
+    fn time_lost_with(&self, now: Duration) -> f64 {
+        self.record.time_lost_s + now.saturating_sub(self.at_risk_since).as_secs_f64()
+    }
+
     /// Rank 0's decision holds for every rank (a policy that reads the clock
-    /// may decide differently on each): save, persist, failure, and which of
-    /// the checkpoints on disk (the same list on every rank) to delete; the
-    /// ranks whose part of the persist in flight is durable are counted.
+    /// may decide differently on each): save, persist, failure, whether it
+    /// overruns the fault budget, and which of the checkpoints on disk (the
+    /// same list on every rank) to delete; the ranks whose part of the
+    /// persist in flight is durable are counted.
     fn agree(&self, d: Decision, comm: &mut dyn Collective, device: Device) -> Result<Decision> {
-        const FIXED: usize = 5;
+        const FIXED: usize = 6;
         let saved = &self.history.saved;
         let mut v = vec![0f32; FIXED + saved.len()];
         v[4] = d.parts_done as f32;
@@ -257,6 +283,7 @@ impl Resilience {
             v[1] = d.persist as i32 as f32;
             v[2] = d.fail as i32 as f32;
             v[3] = d.lose_memory as i32 as f32;
+            v[5] = d.over_budget.map_or(0.0, Budget::code);
             for (i, s) in saved.iter().enumerate() {
                 v[FIXED + i] = d.delete.contains(s) as i32 as f32;
             }
@@ -272,6 +299,7 @@ impl Resilience {
             lose_memory: got[3] > 0.0,
             delete,
             parts_done: got[4].round() as usize,
+            over_budget: Budget::of_code(got[5]),
         })
     }
 
@@ -422,6 +450,9 @@ impl Resilience {
         restore(t, batch, snap).with_context(|| format!("restoring the checkpoint of step {c} after the failure at step {done}"))?;
         batch.rewind(c, false);
         let resumed_at = synchronized(c);
+        if let Some(b) = &mut self.budget {
+            b.resumed(resumed_at.as_secs_f64());
+        }
         let restore_s = t0.elapsed().as_secs_f64();
         let lost_s = now.saturating_sub(self.at_risk_since).as_secs_f64();
         self.at_risk_since = resumed_at;
@@ -773,6 +804,131 @@ fn exponential(rng: &mut ChaCha8Rng, mean: f64) -> f64 {
     -(1.0 - rng.random::<f64>()).ln() * mean
 }
 
+/// Which fault budget a failure overran.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// `faults.max_restarts`.
+    Restarts,
+    /// `faults.max_time_lost_ratio`.
+    TimeLost,
+}
+
+impl Budget {
+    /// As a number the ranks agree on (0: none).
+    fn code(self) -> f32 {
+        match self {
+            Budget::Restarts => 1.0,
+            Budget::TimeLost => 2.0,
+        }
+    }
+
+    fn of_code(x: f32) -> Option<Budget> {
+        match x.round() as i32 {
+            1 => Some(Budget::Restarts),
+            2 => Some(Budget::TimeLost),
+            _ => None,
+        }
+    }
+}
+
+/// Recent steps the failure-free training time is estimated from.
+const STEP_WINDOW: usize = 32;
+
+/// What injected failures may cost an entry before it ends, failed,
+/// instead of restarting (`faults.max_restarts`,
+/// `faults.max_time_lost_ratio`): failures more frequent than the entry
+/// can checkpoint (or finish, without checkpoints) would otherwise restart
+/// it for ever. Time lost is weighed against the entry's own failure-free
+/// training time, so the budget scales with the entry: its planned steps
+/// at its median step time (steps between decisions on the training
+/// clock, measured as it trains, restores left out), or its time budget,
+/// whichever is shorter.
+pub struct FaultBudget {
+    max_restarts: u64,
+    max_ratio: f64,
+    steps: Option<u64>,
+    time_budget_s: Option<f64>,
+    /// Recent step times, seconds.
+    recent: VecDeque<f64>,
+    /// The training time of the last decision or restore.
+    last_s: f64,
+}
+
+impl FaultBudget {
+    /// The budget of `spec` for an entry of `steps` steps or a time budget
+    /// of `time_budget_s` seconds.
+    pub fn new(spec: &FaultSpec, steps: Option<u64>, time_budget_s: Option<f64>) -> FaultBudget {
+        FaultBudget {
+            max_restarts: spec.max_restarts(),
+            max_ratio: spec.max_time_lost_ratio(),
+            steps,
+            time_budget_s,
+            recent: VecDeque::new(),
+            last_s: 0.0,
+        }
+    }
+
+    /// A step ended at training time `now_s`.
+    pub fn stepped(&mut self, now_s: f64) {
+        let step = now_s - std::mem::replace(&mut self.last_s, now_s);
+        if step > 0.0 {
+            self.recent.push_back(step);
+            if self.recent.len() > STEP_WINDOW {
+                self.recent.pop_front();
+            }
+        }
+    }
+
+    /// Training went on at training time `at_s` after a restore.
+    pub fn resumed(&mut self, at_s: f64) {
+        self.last_s = at_s;
+    }
+
+    /// The entry's failure-free training time, seconds, as estimated now.
+    pub fn failure_free_s(&self) -> Option<f64> {
+        let by_steps = self.steps.zip(median(&self.recent)).map(|(n, step)| n as f64 * step);
+        match (by_steps, self.time_budget_s) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether a failure after `restarts` restarts, with `lost_s` seconds
+    /// of training lost including its own, overruns the budget.
+    pub fn overrun(&self, restarts: u64, lost_s: f64) -> Option<Budget> {
+        if restarts >= self.max_restarts {
+            return Some(Budget::Restarts);
+        }
+        let most = self.failure_free_s()? * self.max_ratio;
+        (lost_s > most).then_some(Budget::TimeLost)
+    }
+
+    /// The entry's error when a failure at step `step` overran `budget`.
+    pub fn exhausted(&self, budget: Budget, step: u64, restarts: u64, lost_s: f64) -> FaultBudgetExhausted {
+        let over = match budget {
+            Budget::Restarts => format!("the restart budget, `faults.max_restarts` = {}", self.max_restarts),
+            Budget::TimeLost => format!(
+                "the time-lost budget, `faults.max_time_lost_ratio` = {} times the entry's failure-free training time (about {:.3} s)",
+                self.max_ratio,
+                self.failure_free_s().unwrap_or(0.0)
+            ),
+        };
+        let (n, step_ms) = (restarts + 1, median(&self.recent).unwrap_or(0.0) * 1e3);
+        FaultBudgetExhausted {
+            message: format!(
+                "injected failures exhausted {over}: failure {n} struck at step {step}, and the {n} failures lost {lost_s:.3} s of training (the work since the last checkpoint, and the restores); the entry ends instead of restarting again. Its steps take about {step_ms:.3} ms: make failures rarer (`faults.mtbf_s`, `faults.at_steps`), checkpoint more often, or raise the budget"
+            ),
+        }
+    }
+}
+
+/// An entry ended by its fault budget ([`FaultBudget`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct FaultBudgetExhausted {
+    message: String,
+}
+
 /// Tensors by name.
 type Named = Vec<(String, Tensor)>;
 
@@ -934,6 +1090,58 @@ mod tests {
         assert!((t / n as f64 - 5.0).abs() < 0.15, "mean time between failures {}", t / n as f64);
         // Other ranks follow rank 0 through a collective.
         assert!(FaultClock::new(&spec, 1, 1).random.is_none());
+    }
+
+    #[test]
+    fn the_fault_budget_ends_an_entry_that_fails_faster_than_it_trains() {
+        // Issue 61: `mtbf_s = 1e-300` restarted a 50-step entry for ever.
+        // Every step of 2 ms fails, and its restore takes 1 ms.
+        let spec = FaultSpec { mtbf_s: Some(1e-3), ..FaultSpec::default() };
+        let mut b = FaultBudget::new(&spec, Some(50), None);
+        let (mut t, mut lost, mut restarts) = (0.0, 0.0, 0u64);
+        let ended = loop {
+            t += 0.002;
+            b.stepped(t);
+            if let Some(over) = b.overrun(restarts, lost + 0.002) {
+                break over;
+            }
+            lost += 0.003;
+            t += 0.001;
+            b.resumed(t);
+            restarts += 1;
+            assert!(restarts < 1000, "no budget ended it");
+        };
+        // Failure-free: 50 steps of 2 ms (restores left out), 0.1 s; ten
+        // times that, 1 s, is lost at the 334th failure (3 ms each).
+        assert_eq!(ended, Budget::TimeLost);
+        assert!((b.failure_free_s().unwrap() - 0.1).abs() < 1e-9, "{:?}", b.failure_free_s());
+        assert_eq!(restarts, 333);
+        let e = b.exhausted(ended, 1, restarts, lost + 0.002).to_string();
+        assert!(e.contains("`faults.max_time_lost_ratio` = 10 times the entry's failure-free training time (about 0.100 s)"), "{e}");
+        assert!(e.contains("failure 334 struck at step 1, and the 334 failures lost 1.001 s of training"), "{e}");
+        assert!(e.contains("Its steps take about 2.000 ms"), "{e}");
+
+        // The restart budget, whatever the time.
+        let spec = FaultSpec { at_steps: vec![1], max_restarts: Some(3), ..FaultSpec::default() };
+        let b = FaultBudget::new(&spec, Some(50), None);
+        assert_eq!(b.overrun(2, 1e9), None, "no step measured yet: only restarts count");
+        assert_eq!(b.overrun(3, 0.0), Some(Budget::Restarts));
+        assert!(b.exhausted(Budget::Restarts, 9, 3, 0.5).to_string().starts_with(
+            "injected failures exhausted the restart budget, `faults.max_restarts` = 3: failure 4 struck at step 9, and the 4 failures lost 0.500 s"
+        ));
+
+        // A time budget bounds the failure-free time; the shorter counts.
+        let spec = FaultSpec { mtbf_s: Some(1.0), ..FaultSpec::default() };
+        let mut b = FaultBudget::new(&spec, None, Some(60.0));
+        assert_eq!(b.failure_free_s(), Some(60.0));
+        assert_eq!(b.overrun(5, 599.0), None);
+        b = FaultBudget::new(&spec, Some(1000), Some(60.0));
+        b.stepped(0.01);
+        assert_eq!(b.failure_free_s(), Some(10.0));
+        // The ranks agree on the budget as a number.
+        for x in [None, Some(Budget::Restarts), Some(Budget::TimeLost)] {
+            assert_eq!(Budget::of_code(x.map_or(0.0, Budget::code)), x);
+        }
     }
 
     #[test]

@@ -31,6 +31,22 @@ pub const MAX_THREADS: u32 = 1024;
 pub const MAX_STEPS: u64 = 10_000_000;
 /// Seconds, for every key that is a duration (a week).
 pub const MAX_SECONDS: f64 = 604_800.0;
+/// Seconds of training time, the least for `time_budget_s` and
+/// `faults.mtbf_s`: a millisecond, about one step of the smallest model
+/// here (`mlp` `tiny` on one CPU core). A shorter budget ends before the
+/// first step; failures more frequent than steps strike at every one.
+pub const MIN_TRAINING_SECONDS: f64 = 0.001;
+/// `collective_timeout_s`, the least: a second. The timeout also bounds the
+/// ranks' rendezvous and a rank's first collective (NCCL's communicator
+/// set-up takes about a second on one host); below it, healthy entries fail
+/// as lost ranks.
+pub const MIN_COLLECTIVE_TIMEOUT_S: f64 = 1.0;
+/// `faults.max_restarts`, the most: every restart is a record in the
+/// result file (about 200 bytes: 20 MB at the bound).
+pub const MAX_RESTARTS: u64 = 100_000;
+/// `faults.max_time_lost_ratio`, the most: failures costing a thousand
+/// times an entry's own training time.
+pub const MAX_TIME_LOST_RATIO: f64 = 1000.0;
 /// The micro-batch, in samples: the range a batch policy may return too.
 pub const MAX_BATCH: u32 = 65_536;
 /// Micro-batches per step: the range a batch policy may return too.
@@ -78,6 +94,9 @@ pub const MAX_PLUGIN_TENSOR_MB: u64 = 1 << 20;
 pub const MAX_BUCKET_MB: f64 = 1_048_576.0;
 /// `peak_tflops`.
 pub const MAX_PEAK_TFLOPS: f64 = 100_000.0;
+/// `peak_tflops`, the least: a GFLOP/s, below one CPU core's peak, so that
+/// MFU stays a fraction of a peak a device could have.
+pub const MIN_PEAK_TFLOPS: f64 = 0.001;
 /// `lr`, `grad_clip`: far inside fp32's range (3.4e38), in which the fused
 /// AdamW kernel reads them.
 pub const MAX_FP32_SCALAR: f64 = 1e30;
@@ -203,7 +222,10 @@ mod tests {
             ("world_size", format!("{MAX_CPU_RANKS}")),
             ("threads", format!("{MAX_THREADS}")),
             ("steps", format!("{MAX_STEPS}")),
-            ("time_budget_s", format!("(0, {MAX_SECONDS}]")),
+            ("time_budget_s", format!("[{MIN_TRAINING_SECONDS}, {MAX_SECONDS}]")),
+            ("collective_timeout_s", format!("[{MIN_COLLECTIVE_TIMEOUT_S}, {MAX_SECONDS}]")),
+            ("max_restarts", format!("1 to {MAX_RESTARTS}")),
+            ("max_time_lost_ratio", format!("(0, {MAX_TIME_LOST_RATIO}]")),
             ("batch", format!("{MAX_BATCH}")),
             ("grad_accum", format!("{MAX_GRAD_ACCUM}")),
             ("seq_len", format!("{MAX_SEQ_LEN}")),
@@ -224,7 +246,7 @@ mod tests {
             ("deadline_ms", format!("{MAX_PLUGIN_DEADLINE_MS}")),
             ("tensor_mb", format!("{MAX_PLUGIN_TENSOR_MB}")),
             ("bucket_mb", format!("(0, {MAX_BUCKET_MB}]")),
-            ("peak_tflops", format!("(0, {MAX_PEAK_TFLOPS}]")),
+            ("peak_tflops", format!("[{MIN_PEAK_TFLOPS}, {MAX_PEAK_TFLOPS}]")),
             ("lr", "(0, 1e30]".into()),
             ("eps", format!("(0, {MAX_EPS}]")),
             ("weight_decay", format!("[0, {MAX_WEIGHT_DECAY}]")),

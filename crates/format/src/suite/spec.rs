@@ -309,6 +309,44 @@ pub struct FaultSpec {
     /// survives a failure of training.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lose_memory: Option<f64>,
+    /// The restart budget: the failure after this many restarts ends the
+    /// entry, failed, instead of restarting it (default
+    /// [`DEFAULT_MAX_RESTARTS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_restarts: Option<u64>,
+    /// The time-lost budget: a failure that brings the time failures cost
+    /// (work lost and restores) above this many times the entry's
+    /// failure-free training time ends the entry, failed, instead of
+    /// restarting it (default [`DEFAULT_MAX_TIME_LOST_RATIO`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_time_lost_ratio: Option<f64>,
+}
+
+/// `faults.max_restarts` when left out. The failure workloads of the
+/// shipped suites restart a handful of times (three before the target in
+/// the standard suites' `gpt2-124m-failures`, a few in 200 steps of GPT-2
+/// at `mtbf_s = 8`); a thousand is far above any run that measures
+/// something, and a tiny MLP failing at every step (steps of 0.4 ms, one
+/// CPU core) reaches it in 1.8 s of training.
+pub const DEFAULT_MAX_RESTARTS: u64 = 1000;
+
+/// `faults.max_time_lost_ratio` when left out: failures may cost ten times
+/// the entry's failure-free training time, a goodput of 1/11. Starting over
+/// three times without checkpoints (the standard suites' baseline) costs at
+/// most three.
+pub const DEFAULT_MAX_TIME_LOST_RATIO: f64 = 10.0;
+
+impl FaultSpec {
+    /// The restart budget in force.
+    pub fn max_restarts(&self) -> u64 {
+        self.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS)
+    }
+
+    /// The time-lost budget in force, as a multiple of the entry's
+    /// failure-free training time.
+    pub fn max_time_lost_ratio(&self) -> f64 {
+        self.max_time_lost_ratio.unwrap_or(DEFAULT_MAX_TIME_LOST_RATIO)
+    }
 }
 
 fn default_eval_batches() -> u32 {

@@ -17,7 +17,7 @@ use super::spec::{
     DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
     BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
-use crate::fmt::{printable, withheld};
+use crate::fmt::{printable, withheld_in_lines};
 
 /// A loaded, validated suite with its source.
 #[derive(Debug, Clone)]
@@ -99,18 +99,18 @@ impl fmt::Display for SuiteError {
     }
 }
 
-/// `source` for an excerpt on a terminal: each [`withheld`] character
-/// replaced by U+FFFD, with the map from a byte offset in `source` to the
-/// same place in the copy.
+/// `source` for an excerpt on a terminal: each character withheld from
+/// its lines ([`withheld_in_lines`]) replaced by U+FFFD, with the map from
+/// a byte offset in `source` to the same place in the copy.
 fn excerpt(source: &str) -> (String, impl Fn(usize) -> usize + '_) {
-    let shown = |c: char| if withheld(c) { '\u{fffd}' } else { c };
-    let copy: String = source.chars().map(shown).collect();
+    let shown = |i: usize, c: char| if withheld_in_lines(source, i, c) { '\u{fffd}' } else { c };
+    let copy: String = source.char_indices().map(|(i, c)| shown(i, c)).collect();
     let at = move |offset: usize| {
         let mut o = offset.min(source.len());
         while !source.is_char_boundary(o) {
             o -= 1;
         }
-        source[..o].chars().map(|c| shown(c).len_utf8()).sum()
+        source[..o].char_indices().map(|(i, c)| shown(i, c).len_utf8()).sum()
     };
     (copy, at)
 }
@@ -282,7 +282,7 @@ impl Checker<'_> {
     /// bundles carry it to others): tabs and line breaks, but no character
     /// that a terminal acts on or that reorders the text around it.
     fn description(&mut self, at: &[Seg], text: Option<&str>) {
-        if let Some(c) = text.and_then(|t| t.chars().find(|&c| withheld(c))) {
+        if let Some((_, c)) = text.and_then(|t| t.char_indices().find(|&(i, c)| withheld_in_lines(t, i, c))) {
             self.err(
                 at,
                 format!("the description holds {}, a character that a terminal acts on or that reorders text", c.escape_unicode()),
@@ -465,6 +465,32 @@ impl Checker<'_> {
         }
         if f.seed.is_some() && f.mtbf_s.is_none() {
             self.err(&at_f("seed"), "`seed` only seeds random failures", Some("add `mtbf_s`, or remove `seed`".into()));
+        }
+        if f.max_restarts == Some(0) {
+            self.err(
+                &at_f("max_restarts"),
+                "`max_restarts` must be at least 1",
+                Some("it bounds the restarts after injected failures".into()),
+            );
+        }
+        if let Some(r) = f.max_time_lost_ratio {
+            if !(r.is_finite() && r > 0.0) {
+                self.err(
+                    &at_f("max_time_lost_ratio"),
+                    "`max_time_lost_ratio` must be a positive multiple of the entry's failure-free training time",
+                    None,
+                );
+            }
+        }
+        let injects = !f.at_steps.is_empty() || f.mtbf_s.is_some();
+        for (key, given) in [("max_restarts", f.max_restarts.is_some()), ("max_time_lost_ratio", f.max_time_lost_ratio.is_some())] {
+            if given && !injects {
+                self.err(
+                    &at_f(key),
+                    format!("`{key}` only bounds injected failures"),
+                    Some("add `at_steps` or `mtbf_s`, or remove it".into()),
+                );
+            }
         }
         if let Some(p) = f.lose_memory {
             if !(0.0..=1.0).contains(&p) {
@@ -1044,6 +1070,29 @@ baseline = true
 [[strategy]]
 name = "b"
 "#;
+
+    #[test]
+    fn fault_budgets_are_positive_and_only_bound_injected_failures() {
+        // Issue 61: the budgets that end an entry failing without end.
+        for (faults, says) in [
+            ("{ at_steps = [3], max_restarts = 0 }", "`max_restarts` must be at least 1"),
+            ("{ at_steps = [3], max_time_lost_ratio = 0.0 }", "`max_time_lost_ratio` must be a positive multiple"),
+            ("{ mtbf_s = 5, max_time_lost_ratio = -1.0 }", "`max_time_lost_ratio` must be a positive multiple"),
+            ("{ mtbf_s = 5, max_time_lost_ratio = nan }", "`max_time_lost_ratio` must be a positive multiple"),
+            ("{ oom_above_batch = 8, max_restarts = 5 }", "`max_restarts` only bounds injected failures"),
+            ("{ max_time_lost_ratio = 5.0 }", "`max_time_lost_ratio` only bounds injected failures"),
+        ] {
+            let e = parse(&OK.replace("steps = 10", &format!("steps = 10\nfaults = {faults}"))).expect_err(faults);
+            assert_eq!(e.0.len(), 1, "{faults}: {e}");
+            assert!(e.0[0].message.contains(says) && e.0[0].line_col().unwrap().0 == 13, "{faults}: {e}");
+        }
+        let s =
+            parse(&OK.replace("steps = 10", "steps = 10\nfaults = { mtbf_s = 5, max_restarts = 7, max_time_lost_ratio = 2.5 }")).unwrap();
+        let f = s.spec.workloads[0].faults.as_ref().unwrap();
+        assert_eq!((f.max_restarts(), f.max_time_lost_ratio()), (7, 2.5));
+        let f = FaultSpec::default();
+        assert_eq!((f.max_restarts(), f.max_time_lost_ratio()), (1000, 10.0));
+    }
 
     #[test]
     fn errors_point_at_line_and_column() {

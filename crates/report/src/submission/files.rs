@@ -2,21 +2,41 @@
 //! bundle comes from someone else: the paths its `MANIFEST.json` names
 //! are read only when they stay inside the bundle's folder, as regular
 //! files reached without a symbolic link, no larger than a cap checked
-//! before reading, and through a reader bounded by that cap. Nothing else
-//! in the folder is read (docs/rules.md, "Verification").
+//! before reading (one per kind of file: [`cap`]), and through a reader
+//! bounded by that cap. Nothing else in the folder is read (docs/rules.md,
+//! "Verification" and "Size limits").
 
-use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
+use harness_format::files as caps;
+
+use super::{LOG, MACHINE, MANIFEST, RESULT, SUITE};
+
 /// Most bytes `MANIFEST.json` may have.
-pub const MANIFEST_CAP: u64 = 1 << 20;
-/// Most bytes any other file of a bundle may have (a result file of a long
-/// run, a large component: a Python one is about 40 MB).
-pub const FILE_CAP: u64 = 256 << 20;
+pub const MANIFEST_CAP: u64 = caps::MANIFEST_MAX_BYTES;
+/// Most bytes any file of a bundle may have: a plugin artifact's cap (a
+/// large component: a Python one is about 40 MB). The bundle's own files
+/// have smaller caps ([`cap`]).
+pub const FILE_CAP: u64 = caps::PLUGIN_MAX_BYTES;
 /// Most bytes of all a bundle's files together.
 pub const TOTAL_CAP: u64 = 512 << 20;
 /// Most files a manifest may list.
 pub const MAX_FILES: usize = 64;
+
+/// The most bytes of the bundle's file `rel` that are read, by its kind:
+/// the manifest, the result, the suite, the fingerprint and the log have
+/// the caps of their kind ([`harness_format::files`]); anything else the
+/// manifest lists is a plugin artifact ([`FILE_CAP`]).
+pub fn cap(rel: &str) -> u64 {
+    match rel {
+        MANIFEST => MANIFEST_CAP,
+        RESULT => caps::RESULT_MAX_BYTES,
+        SUITE => caps::SUITE_MAX_BYTES,
+        MACHINE => caps::MACHINE_MAX_BYTES,
+        LOG => caps::LOG_MAX_BYTES,
+        _ => FILE_CAP,
+    }
+}
 
 /// The file `rel` of the bundle in `dir`, if the path is one a bundle may
 /// name: relative, of plain names only (no `..`, no root, no prefix, no
@@ -68,12 +88,10 @@ pub fn read(dir: &Path, rel: &str, cap: u64) -> Result<Vec<u8>, String> {
     }
     let file = std::fs::File::open(&path).map_err(|e| format!("{rel} cannot be opened: {e}"))?;
     same_file(&meta, &file).map_err(|why| format!("{rel} {why}"))?;
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(cap + 1).read_to_end(&mut bytes).map_err(|e| format!("{rel} cannot be read: {e}"))?;
-    if bytes.len() as u64 > cap {
-        return Err(format!("{rel} grew past {cap} bytes while it was read"));
-    }
-    Ok(bytes)
+    caps::read_at_most(Path::new(rel), file, cap, meta.len()).map_err(|e| match e {
+        caps::FileError::TooLarge { .. } => format!("{rel} grew past {cap} bytes while it was read"),
+        e => e.to_string(),
+    })
 }
 
 /// Whether the file opened is the regular file checked (not one swapped

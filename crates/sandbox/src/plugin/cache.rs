@@ -7,17 +7,23 @@
 //!
 //! Each entry is `<key>.cwasm` with `<key>.sha256`, a seal written when it
 //! was stored: the artifact's sha256, the `.cwasm`'s sha256 and an
-//! HMAC-SHA256 of both and the key under the cache's own secret
-//! (`secret`, 32 random bytes made once, readable by its owner only).
-//! Before compiled code is used, the seal is checked against the artifact
-//! being loaded and the `.cwasm` bytes read: an entry whose bytes do not
-//! match (truncated, corrupt), whose seal names another artifact (an entry
-//! of another module copied or renamed over this one), whose seal was not
-//! made with this cache's secret (forged, or copied from another cache),
+//! HMAC-SHA256 of both and the key under the user's `compile-cache` key,
+//! which lives outside the cache, in the user's state folder
+//! ([`harness_format::secrets`]: `$HARNESS_STATE_DIR`, else
+//! `~/.local/state/harness`). Whoever supplies the cache folder (a shared
+//! or restored CI cache) does not supply that key. Deserializing compiled
+//! code runs it, so nothing is deserialized before its seal is checked
+//! against the artifact being loaded and the `.cwasm` bytes read: an entry
+//! whose bytes do not match (truncated, corrupt), whose seal names another
+//! artifact (an entry of another module copied or renamed over this one),
+//! whose seal was not made with the user's key (forged, copied from
+//! another cache or another user, or sealed by an older harness with the
+//! key it kept in the cache, `components/secret`, which is no longer read),
 //! or that wasmtime refuses (another version or settings under the same
 //! key) is compiled again from the artifact and replaced: foreign code is
-//! never run under an artifact's sha256. Set `HARNESS_COMPILE_CACHE=0` to
-//! compile every time.
+//! never run under an artifact's sha256. Without the user's key (no state
+//! folder, or its key refused) the cache is not used, with a one-line note.
+//! Set `HARNESS_COMPILE_CACHE=0` to compile every time.
 //!
 //! The cache is bounded: after an entry is stored, the least recently
 //! used entries (a load marks an entry used) are removed until the
@@ -27,6 +33,7 @@
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
+use harness_format::secrets::Key;
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 use wasmtime::Engine;
@@ -62,67 +69,96 @@ fn key(engine: &Engine, artifact: &str) -> String {
     format!("{artifact}-{:016x}", h.finish())
 }
 
-/// HMAC-SHA256 (RFC 2104) of `msg` under `secret` (at most 64 bytes).
-fn hmac(secret: &[u8], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    k[..secret.len().min(64)].copy_from_slice(&secret[..secret.len().min(64)]);
-    let pad = |b: u8| k.iter().map(|x| x ^ b).collect::<Vec<u8>>();
-    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(msg).finalize();
-    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
-}
+/// The name of the user's key the cache seals with.
+const KEY_NAME: &str = "compile-cache";
 
-/// The cache's secret: `dir/secret`, made (32 bytes from the system's
-/// random source, mode 0600) when missing. None when it cannot be read or
-/// made, or has another length: then nothing is read from the cache.
-fn secret(dir: &Path) -> Option<Vec<u8>> {
-    let path = dir.join("secret");
-    if let Ok(s) = crate::files::read_regular(&path, 64) {
-        return (s.len() == 32).then_some(s);
-    }
-    std::fs::create_dir_all(dir).ok()?;
-    let mut s = vec![0u8; 32];
-    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom").ok()?, &mut s).ok()?;
-    let tmp = dir.join(format!("secret.tmp{}", std::process::id()));
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
-    std::io::Write::write_all(&mut opts.open(&tmp).ok()?, &s).ok()?;
-    // Another process may have made one meanwhile: the first one stays.
-    if std::fs::hard_link(&tmp, &path).is_err() {
-        let _ = std::fs::remove_file(&tmp);
-        let s = crate::files::read_regular(&path, 64).ok()?;
-        return (s.len() == 32).then_some(s);
-    }
-    let _ = std::fs::remove_file(&tmp);
-    Some(s)
+/// What a seal's HMAC is made for (its domain: no other seal verifies).
+const SEAL_CONTEXT: &str = "harness compile cache entry";
+
+/// The user's `compile-cache` key, read once per process; None (with a
+/// one-line note) when there is no state folder or its key is refused:
+/// then the cache is not used.
+fn user_key() -> Option<&'static Key> {
+    static KEY: std::sync::OnceLock<Option<Key>> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| match Key::of_user(KEY_NAME) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            let e = harness_format::fmt::printable_line(&e.to_string()).into_owned();
+            eprintln!("harness: note: WebAssembly plugins are compiled without the compile cache: {e}");
+            None
+        }
+    })
+    .as_ref()
 }
 
 /// The seal of an entry: what `<key>.sha256` holds.
-fn seal(secret: &[u8], key: &str, artifact: &str, code: &[u8]) -> String {
+fn seal(secret: &Key, key: &str, artifact: &str, code: &[u8]) -> String {
     let code = hex::encode(Sha256::digest(code));
-    let mac = hex::encode(hmac(secret, format!("{key}\n{artifact}\n{code}").as_bytes()));
+    let mac = hex::encode(secret.mac(SEAL_CONTEXT, &[key.as_bytes(), artifact.as_bytes(), code.as_bytes()]));
     format!("artifact {artifact}\ncode {code}\nmac {mac}\n")
+}
+
+/// Whether `sealed` (what `<key>.sha256` holds) is the seal of `code` as
+/// the entry `key` of `artifact`, made with `secret` (its HMAC compared in
+/// constant time).
+fn sealed_by(secret: &Key, key: &str, artifact: &str, code: &[u8], sealed: &[u8]) -> bool {
+    let code = hex::encode(Sha256::digest(code));
+    let Some(mac) = std::str::from_utf8(sealed)
+        .ok()
+        .and_then(|s| s.strip_prefix(&format!("artifact {artifact}\ncode {code}\nmac ")))
+        .and_then(|s| s.strip_suffix('\n'))
+        .and_then(|m| hex::decode(m).ok())
+    else {
+        return false;
+    };
+    secret.verify(SEAL_CONTEXT, &[key.as_bytes(), artifact.as_bytes(), code.as_bytes()], &mac)
+}
+
+/// An older harness kept the cache's key in the cache (`dir/secret`): a
+/// key supplied with the folder it seals proves nothing. It is not read;
+/// a one-line note (once per process) says so, and the entries it sealed
+/// fail their seals and are compiled again. (It is left for the user to
+/// remove: nothing is deleted through a folder someone else may supply.)
+fn note_an_old_secret(dir: &Path) {
+    static NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let old = dir.join("secret");
+    if std::fs::symlink_metadata(&old).is_ok() && !NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "harness: note: {} (the key an older harness kept in the compile cache) is not trusted: the entries it sealed \
+             are compiled again; remove it",
+            harness_format::fmt::printable_path(&old)
+        );
+    }
 }
 
 /// The component of `bytes`, from the cache in `dir` when it holds a sound
 /// entry, else compiled (and stored, best effort: a cache that cannot be
-/// written only costs the next compile).
+/// written only costs the next compile). The entries are sealed with the
+/// user's `compile-cache` key; without it, nothing is read from the cache.
 pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime::Result<(Component, Source)> {
-    let Some((dir, secret)) = dir.and_then(|d| Some((d, secret(d)?))) else {
+    component_sealed(engine, bytes, dir.and_then(|d| Some((d, user_key()?))))
+}
+
+/// [`component`], with the cache folder and the key that seals it.
+fn component_sealed(engine: &Engine, bytes: &[u8], cache: Option<(&Path, &Key)>) -> wasmtime::Result<(Component, Source)> {
+    let Some((dir, secret)) = cache else {
         return Ok((Component::new(engine, bytes)?, Source::Compiled));
     };
+    note_an_old_secret(dir);
     let artifact = hex::encode(Sha256::digest(bytes));
     let key = key(engine, &artifact);
     let (code, sum) = (dir.join(format!("{key}.cwasm")), dir.join(format!("{key}.sha256")));
     let mut source = Source::Compiled;
     if let (Ok(c), Ok(s)) = (crate::files::read_regular(&code, MAX_ENTRY_BYTES), crate::files::read_regular(&sum, 4096)) {
-        if seal(&secret, &key, &artifact, &c).as_bytes() == s.as_slice() {
-            // SAFETY: the bytes are what `Component::serialize` wrote for
-            // this artifact (its sha256 is in the seal) and this engine's
-            // settings (the key), unchanged since (their sha256), and the
-            // seal was made by this cache (its HMAC under the cache's
-            // secret); wasmtime checks the version and settings again.
+        if sealed_by(secret, &key, &artifact, &c, &s) {
+            // SAFETY: deserializing runs the bytes as machine code, so they
+            // must be what `Component::serialize` wrote for this artifact
+            // (its sha256 is in the seal) under this engine's settings (the
+            // key), unchanged since (their sha256, in the seal, of the very
+            // bytes in `c`), and sealed by this user's harness (the HMAC,
+            // under a key kept outside the cache, which whoever supplies the
+            // cache folder does not have); wasmtime checks the version and
+            // settings again.
             if let Ok(comp) = unsafe { Component::deserialize(engine, &c) } {
                 // Used now: the last to go when the cache is pruned.
                 let _ = std::fs::File::options().write(true).open(&code).and_then(|f| f.set_modified(std::time::SystemTime::now()));
@@ -133,7 +169,8 @@ pub fn component(engine: &Engine, bytes: &[u8], dir: Option<&Path>) -> wasmtime:
     }
     let comp = Component::new(engine, bytes)?;
     if let Ok(c) = comp.serialize() {
-        if store(&code, &sum, &c, &seal(&secret, &key, &artifact, &c)).is_ok() {
+        let stored = std::fs::create_dir_all(dir).and_then(|()| store(&code, &sum, &c, &seal(secret, &key, &artifact, &c)));
+        if stored.is_ok() {
             prune(dir, limit_bytes(), &code);
         }
     }
@@ -198,35 +235,56 @@ mod tests {
     /// The smallest component: the preamble of the component binary format.
     const EMPTY_COMPONENT: &[u8] = b"\0asm\x0d\0\x01\0";
 
+    /// A cache folder and a state folder holding the user's key (never the
+    /// real ones).
+    struct Cache {
+        dir: tempfile::TempDir,
+        _state: tempfile::TempDir,
+        key: Key,
+    }
+
+    impl Cache {
+        fn new() -> Cache {
+            let state = tempfile::tempdir().unwrap();
+            let key = Key::in_dir(&state.path().join("harness"), KEY_NAME).unwrap();
+            Cache { dir: tempfile::tempdir().unwrap(), _state: state, key }
+        }
+
+        /// The cache folder (made by the first store).
+        fn path(&self) -> PathBuf {
+            self.dir.path().join("components")
+        }
+
+        /// How `bytes` is obtained through this cache.
+        fn load(&self, bytes: &[u8]) -> Source {
+            component_sealed(super::super::wasm::engine(), bytes, Some((&self.path(), &self.key))).unwrap().1
+        }
+    }
+
     #[test]
     fn a_component_is_compiled_once_and_a_corrupt_entry_is_rebuilt() {
-        let engine = super::super::wasm::engine();
-        let dir = tempfile::tempdir().unwrap();
-        let (_, s) = component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap();
-        assert_eq!(s, Source::Compiled);
-        let (_, s) = component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap();
-        assert_eq!(s, Source::Cached);
+        let cache = Cache::new();
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Compiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Cached);
         // Corrupt the code: its hash no longer matches, so it is compiled
         // again, and the entry replaced.
-        let code = std::fs::read_dir(dir.path())
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|x| x == "cwasm"))
-            .unwrap();
+        let (code, _) = entry(&cache.path(), EMPTY_COMPONENT);
         let mut c = std::fs::read(&code).unwrap();
         let last = c.len() - 1;
         c[last] ^= 0xff;
         std::fs::write(&code, &c).unwrap();
-        let (_, s) = component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap();
-        assert_eq!(s, Source::Recompiled);
-        let (_, s) = component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap();
-        assert_eq!(s, Source::Cached);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Cached);
         // A truncated entry too.
         std::fs::write(&code, &c[..c.len() / 2]).unwrap();
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
         // Without a cache folder nothing is stored.
-        assert_eq!(component(engine, EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
+        assert_eq!(component_sealed(super::super::wasm::engine(), EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
+        // The cache holds entries only: no key.
+        for e in std::fs::read_dir(cache.path()).unwrap() {
+            let p = e.unwrap().path();
+            assert!(p.extension().is_some_and(|x| x == "cwasm" || x == "sha256"), "{}", p.display());
+        }
     }
 
     /// The cache's entry files (code, seal), of the one entry whose key
@@ -242,47 +300,83 @@ mod tests {
         (code.clone(), code.with_extension("sha256"))
     }
 
+    /// Another module: the same preamble and a custom section.
+    const OTHER: &[u8] = b"\0asm\x0d\0\x01\0\x00\x06\x05other";
+
     #[test]
     fn an_entry_of_another_artifact_or_a_forged_seal_is_never_used() {
-        let engine = super::super::wasm::engine();
-        let dir = tempfile::tempdir().unwrap();
-        // Another module: the same preamble and a custom section.
-        let other: &[u8] = b"\0asm\x0d\0\x01\0\x00\x06\x05other";
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Compiled);
-        assert_eq!(component(engine, other, Some(dir.path())).unwrap().1, Source::Compiled);
-        let (code, sum) = entry(dir.path(), EMPTY_COMPONENT);
-        let (other_code, other_sum) = entry(dir.path(), other);
+        let cache = Cache::new();
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Compiled);
+        assert_eq!(cache.load(OTHER), Source::Compiled);
+        let (code, sum) = entry(&cache.path(), EMPTY_COMPONENT);
+        let (other_code, other_sum) = entry(&cache.path(), OTHER);
         // The other module's entry, code and seal, copied over this one's:
         // its seal names the other artifact, so it is compiled again.
         std::fs::copy(&other_code, &code).unwrap();
         std::fs::copy(&other_sum, &sum).unwrap();
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Cached);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Cached);
         // Foreign code with a seal made the way an attacker can (the right
-        // artifact and code hashes, but not the cache's secret): refused.
+        // artifact and code hashes, but another key: a key of their own, or
+        // another user's cache with its key): refused.
         let foreign = std::fs::read(&other_code).unwrap();
-        let forged =
-            seal(&[7u8; 32], &code.file_stem().unwrap().to_string_lossy(), &hex::encode(Sha256::digest(EMPTY_COMPONENT)), &foreign);
-        std::fs::write(&code, &foreign).unwrap();
-        std::fs::write(&sum, forged).unwrap();
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
+        let cache_key = code.file_stem().unwrap().to_string_lossy().into_owned();
+        let artifact = hex::encode(Sha256::digest(EMPTY_COMPONENT));
+        let other_user = Cache::new();
+        for theirs in [Key::from_bytes([7u8; 32]), Key::from_bytes([0u8; 32]), other_user.key.clone()] {
+            std::fs::write(&code, &foreign).unwrap();
+            std::fs::write(&sum, seal(&theirs, &cache_key, &artifact, &foreign)).unwrap();
+            assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled, "{theirs:?}");
+        }
         // The seal of the old format (the code's sha256 alone) too.
         std::fs::write(&code, &foreign).unwrap();
         std::fs::write(&sum, hex::encode(Sha256::digest(&foreign))).unwrap();
-        assert_eq!(component(engine, EMPTY_COMPONENT, Some(dir.path())).unwrap().1, Source::Recompiled);
-        // What is stored again is this artifact's own code, sealed (the
-        // two modules compile to the same bytes here: the seals differ).
-        let s = std::fs::read_to_string(&sum).unwrap();
-        assert!(s.starts_with(&format!("artifact {}\n", hex::encode(Sha256::digest(EMPTY_COMPONENT)))), "{s}");
-        // The secret is the owner's alone.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(dir.path().join("secret")).unwrap().permissions().mode();
-            assert_eq!(mode & 0o077, 0, "mode {mode:o}");
-        }
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
+        // What is stored again is this artifact's own code, sealed with the
+        // user's key (the two modules compile to the same bytes here: the
+        // seals differ).
+        let s = std::fs::read(&sum).unwrap();
+        assert!(sealed_by(&cache.key, &cache_key, &artifact, &std::fs::read(&code).unwrap(), &s));
+        assert!(!sealed_by(&other_user.key, &cache_key, &artifact, &std::fs::read(&code).unwrap(), &s));
     }
 
+    /// The HMAC-SHA256 (RFC 2104) an older harness sealed entries with,
+    /// under the key it kept in the cache (`components/secret`).
+    fn hmac_of_an_older_harness(secret: &[u8], msg: &[u8]) -> [u8; 32] {
+        let mut k = [0u8; 64];
+        k[..secret.len()].copy_from_slice(secret);
+        let pad = |b: u8| k.iter().map(|x| x ^ b).collect::<Vec<u8>>();
+        let inner = Sha256::new().chain_update(pad(0x36)).chain_update(msg).finalize();
+        Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
+    }
+
+    /// Issue 61: the cache kept its key in `components/secret`, so whoever
+    /// supplied the folder supplied the key: with the secret set to zeros,
+    /// another component's code sealed under rt-ramp's sha256 ran as
+    /// rt-ramp. A planted secret and an entry sealed with it are never
+    /// loaded now: the entry is compiled again.
+    #[test]
+    fn r61_a_planted_secret_in_the_cache_and_the_entries_it_seals_are_not_trusted() {
+        let cache = Cache::new();
+        assert_eq!(cache.load(OTHER), Source::Compiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Compiled);
+        let (code, sum) = entry(&cache.path(), EMPTY_COMPONENT);
+        let (other_code, _) = entry(&cache.path(), OTHER);
+        let foreign = std::fs::read(&other_code).unwrap();
+        let cache_key = code.file_stem().unwrap().to_string_lossy().into_owned();
+        let artifact = hex::encode(Sha256::digest(EMPTY_COMPONENT));
+        std::fs::write(cache.path().join("secret"), [0u8; 32]).unwrap();
+        let code_sha = hex::encode(Sha256::digest(&foreign));
+        let mac = hex::encode(hmac_of_an_older_harness(&[0u8; 32], format!("{cache_key}\n{artifact}\n{code_sha}").as_bytes()));
+        std::fs::write(&code, &foreign).unwrap();
+        std::fs::write(&sum, format!("artifact {artifact}\ncode {code_sha}\nmac {mac}\n")).unwrap();
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
+        assert_eq!(cache.load(EMPTY_COMPONENT), Source::Cached);
+        // The planted secret is not read, nor replaced, nor used to seal.
+        assert_eq!(std::fs::read(cache.path().join("secret")).unwrap(), [0u8; 32]);
+        let s = String::from_utf8(std::fs::read(&sum).unwrap()).unwrap();
+        assert!(!s.ends_with(&format!("mac {mac}\n")), "{s}");
+    }
     #[test]
     fn the_least_recently_used_entries_go_first_when_the_cache_is_over_its_bound() {
         let dir = tempfile::tempdir().unwrap();

@@ -591,7 +591,16 @@ impl CheckpointPolicy for PluginCheckpoint {
             Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), h),
         })?;
         if let Some(d) = delete.iter().find(|d| !h.saved.contains(d)) {
-            return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d}, which does not exist")));
+            // Also a step it deleted in an earlier decision: say what is saved.
+            let saved = match h.saved.as_slice() {
+                [] => "none is saved".to_owned(),
+                s if s.len() <= 8 => format!("saved: steps {s:?}"),
+                s => format!("{} are saved, steps {} to {}", s.len(), s[0], s[s.len() - 1]),
+            };
+            return Err(self.plugin.fail(
+                "decide",
+                format!("it asked to delete the checkpoint of step {d}, which is not a saved checkpoint ({saved}): each is deleted once, after it is persisted"),
+            ));
         }
         if let Some(d) = delete.iter().enumerate().find_map(|(i, d)| delete[..i].contains(d).then_some(d)) {
             return Err(self.plugin.fail("decide", format!("it asked to delete the checkpoint of step {d} twice")));

@@ -22,13 +22,16 @@
 //! - `_exit`: calls `_exit(0)` (no exit handlers run);
 //! - `exit_group`: ends the process with the `exit_group(0)` system call;
 //! - `thread-exit`: starts a thread that calls `exit(0)` a moment later,
-//!   while the host trains on (the native build; elsewhere like `exit`).
+//!   while the host trains on (the native build; elsewhere like `exit`);
+//! - `segv-at-exit`: leaves an exit handler behind that kills the process
+//!   with SIGSEGV once the host has finished its run and exits (the native
+//!   build on Linux; elsewhere like `ok`).
 //!
 //! `at = "configure"` moves `sleep` into `configure`.
 
 use harness_sdk::{log, tensor, BucketInfo, Collective, Compressor, Config, Dtype, Error, Plugin, Tensor};
 
-const MODES: [&str; 16] = [
+const MODES: [&str; 17] = [
     "ok",
     "sleep",
     "huge-zeros",
@@ -44,6 +47,7 @@ const MODES: [&str; 16] = [
     "_exit",
     "exit_group",
     "thread-exit",
+    "segv-at-exit",
     "none",
 ];
 
@@ -74,6 +78,61 @@ fn end_now(group: bool) -> ! {
         std::process::exit(0)
     }
 }
+
+/// Registers, once, an exit handler that raises SIGSEGV, and keeps this
+/// library loaded until the process ends (the host unloads it after the
+/// run, and glibc would run the handler then), so that the process dies
+/// after the host has returned its exit code.
+#[cfg(target_os = "linux")]
+fn segv_at_exit() {
+    use std::ffi::{c_char, c_int, c_void};
+    #[repr(C)]
+    struct DlInfo {
+        fname: *const c_char,
+        fbase: *mut c_void,
+        sname: *const c_char,
+        saddr: *mut c_void,
+    }
+    extern "C" {
+        fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+        fn dlopen(file: *const c_char, mode: c_int) -> *mut c_void;
+        fn atexit(f: extern "C" fn()) -> c_int;
+        fn signal(sig: c_int, handler: usize) -> usize;
+        fn raise(sig: c_int) -> c_int;
+    }
+    const RTLD_NOW: c_int = 2;
+    const RTLD_NOLOAD: c_int = 4;
+    const RTLD_NODELETE: c_int = 0x1000;
+    const SIGSEGV: c_int = 11;
+    const SIG_DFL: usize = 0;
+    extern "C" fn segv() {
+        // SAFETY: the default action first (Rust's runtime handles SIGSEGV
+        // to detect stack overflows, and returns from a raised one), then
+        // the signal, which ends the process.
+        unsafe {
+            signal(SIGSEGV, SIG_DFL);
+            raise(SIGSEGV);
+        }
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut info =
+            DlInfo { fname: std::ptr::null(), fbase: std::ptr::null_mut(), sname: std::ptr::null(), saddr: std::ptr::null_mut() };
+        // SAFETY: dladdr fills `info` for an address of this library (the
+        // handler's); dlopen with RTLD_NOLOAD only marks the library, which
+        // is loaded, as never to be unloaded; atexit stores the handler,
+        // which then lives as long as the process.
+        unsafe {
+            if dladdr(segv as *const c_void, &mut info) != 0 && !info.fname.is_null() {
+                dlopen(info.fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+            }
+            atexit(segv);
+        }
+    });
+}
+
+#[cfg(not(target_os = "linux"))]
+fn segv_at_exit() {}
 
 /// See the crate docs.
 pub struct Hostile {
@@ -146,6 +205,7 @@ impl Compressor for Hostile {
                 std::thread::sleep(std::time::Duration::from_millis(50));
                 std::process::exit(0)
             })),
+            "segv-at-exit" => segv_at_exit(),
             _ => {}
         }
         if self.mode != "none" && !(self.mode.starts_with("mismatch") && rank == 1) {

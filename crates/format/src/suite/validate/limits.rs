@@ -2,6 +2,8 @@
 //! them: each error says the bound and, in its hint, why it is there.
 //! Values that break an older rule (zero, negative, not finite) get that
 //! rule's message in `validate.rs`; these checks add the upper bounds, the
+//! least values of the keys that measure something physical (a positive
+//! duration or peak can still be far too small to mean anything), the
 //! names that become paths, the plugin artifacts' files and the estimates
 //! of memory and plan size.
 
@@ -51,6 +53,14 @@ impl Checker<'_> {
         }
     }
 
+    /// A float key at least `least` (only when finite and positive: zero,
+    /// negative and non-finite values have their own message).
+    fn float_at_least(&mut self, segs: &[Seg], key: &str, value: f64, least: f64, why: &str) {
+        if value.is_finite() && value > 0.0 && value < least {
+            self.err(segs, format!("`{key}` = {} is below its bound of {}", num(value), num(least)), Some(why.to_owned()));
+        }
+    }
+
     /// The `[suite]` table's bounds: its name (it names the result file),
     /// repeats, ranks, threads, warm-up, sizes and times.
     pub(super) fn meta_bounds(&mut self, meta: &SuiteMeta) {
@@ -96,7 +106,21 @@ impl Checker<'_> {
             MAX_SECONDS,
             "durations are at most a week (604800 s); the timeout becomes a clock deadline",
         );
+        self.float_at_least(
+            &at("collective_timeout_s"),
+            "collective_timeout_s",
+            meta.collective_timeout_s,
+            MIN_COLLECTIVE_TIMEOUT_S,
+            "it also bounds the ranks' rendezvous and each rank's first collective, and NCCL's set-up alone takes about a second: shorter timeouts fail healthy entries as lost ranks",
+        );
         if let Some(p) = meta.peak_tflops {
+            self.float_at_least(
+                &at("peak_tflops"),
+                "peak_tflops",
+                p,
+                MIN_PEAK_TFLOPS,
+                "a GFLOP/s is below one CPU core's peak; MFU divides by it (1e-300 gave an MFU of 2e298)",
+            );
             self.float_at_most(
                 &at("peak_tflops"),
                 "peak_tflops",
@@ -215,6 +239,13 @@ impl Checker<'_> {
         }
         if let Some(t) = w.time_budget_s {
             self.float_at_most(&at("time_budget_s"), "time_budget_s", t, MAX_SECONDS, "durations are at most a week (604800 s)");
+            self.float_at_least(
+                &at("time_budget_s"),
+                "time_budget_s",
+                t,
+                MIN_TRAINING_SECONDS,
+                "a millisecond is about one step of the smallest model here; a shorter budget ends before the first step",
+            );
         }
         self.at_most(&at("eval_every"), "eval_every", w.eval_every, MAX_STEPS, steps_why);
         if let Some(t) = w.eval_every_tokens {
@@ -296,7 +327,7 @@ impl Checker<'_> {
         }
     }
 
-    /// The `faults` table's upper bounds.
+    /// The `faults` table's bounds.
     fn fault_bounds(&mut self, i: usize, f: &FaultSpec) {
         let at = |k: &'static str| [Key("workload"), Index(i), Key("faults"), Key(k)];
         if let Some(&s) = f.at_steps.iter().max() {
@@ -304,6 +335,31 @@ impl Checker<'_> {
         }
         if let Some(m) = f.mtbf_s {
             self.float_at_most(&at("mtbf_s"), "mtbf_s", m, MAX_SECONDS, "durations are at most a week (604800 s)");
+            self.float_at_least(
+                &at("mtbf_s"),
+                "mtbf_s",
+                m,
+                MIN_TRAINING_SECONDS,
+                "a millisecond is about one step of the smallest model here: failures more frequent than steps strike at every step, and the entry never gets past its first",
+            );
+        }
+        if let Some(n) = f.max_restarts {
+            self.at_most(
+                &at("max_restarts"),
+                "max_restarts",
+                n,
+                MAX_RESTARTS,
+                "every restart is a record in the result file; an entry failing this often measures nothing",
+            );
+        }
+        if let Some(r) = f.max_time_lost_ratio {
+            self.float_at_most(
+                &at("max_time_lost_ratio"),
+                "max_time_lost_ratio",
+                r,
+                MAX_TIME_LOST_RATIO,
+                "failures costing a thousand times the entry's own training time leave nothing to measure",
+            );
         }
         if let Some(b) = f.oom_above_batch {
             self.at_most(&at("oom_above_batch"), "oom_above_batch", b.into(), MAX_BATCH.into(), "micro-batches never exceed 65536 samples");
@@ -667,6 +723,44 @@ mod tests {
             let e = parse(&two.replace("name = \"b\"", &format!("name = \"b\"\nlink = {link}"))).unwrap_err();
             let hit = e.0.iter().find(|x| x.message.contains(says)).unwrap_or_else(|| panic!("{link}: {e}"));
             assert_eq!(hit.line_col().unwrap().0, 22, "{e}");
+        }
+    }
+
+    #[test]
+    fn physical_keys_are_refused_below_the_least_value_that_means_something() {
+        // Issue 61: each of these validated, then restarted for ever
+        // (`mtbf_s`), ended an entry with "rank(s) [] never joined"
+        // (`collective_timeout_s`), recorded an MFU of 2.2e298
+        // (`peak_tflops`) or ended before the first step (`time_budget_s`).
+        for (from, to, says, line) in [
+            ("repeats = 2", "repeats = 2\ncollective_timeout_s = 1e-300", "`collective_timeout_s` = 1e-300 is below its bound of 1", 5),
+            ("repeats = 2", "repeats = 2\ncollective_timeout_s = 0.5", "`collective_timeout_s` = 0.5 is below its bound of 1", 5),
+            ("repeats = 2", "repeats = 2\npeak_tflops = 1e-300", "`peak_tflops` = 1e-300 is below its bound of 0.001", 5),
+            ("steps = 10", "time_budget_s = 1e-300", "`time_budget_s` = 1e-300 is below its bound of 0.001", 12),
+            ("steps = 10", "steps = 10\nfaults = { mtbf_s = 1e-300, seed = 1 }", "`mtbf_s` = 1e-300 is below its bound of 0.001", 13),
+            ("steps = 10", "steps = 10\nfaults = { mtbf_s = 0.0009 }", "`mtbf_s` = 9e-4 is below its bound of 0.001", 13),
+            (
+                "steps = 10",
+                "steps = 10\nfaults = { at_steps = [3], max_restarts = 1000000 }",
+                "`max_restarts` = 1000000 is above its bound of 100000",
+                13,
+            ),
+            (
+                "steps = 10",
+                "steps = 10\nfaults = { at_steps = [3], max_time_lost_ratio = 1e300 }",
+                "`max_time_lost_ratio` = 1e300 is above its bound of 1000",
+                13,
+            ),
+        ] {
+            refused(from, to, says, line);
+        }
+        // The bounds themselves are in range.
+        for (from, to) in [
+            ("repeats = 2", "repeats = 2\ncollective_timeout_s = 1\npeak_tflops = 0.001"),
+            ("steps = 10", "time_budget_s = 0.001"),
+            ("steps = 10", "steps = 10\nfaults = { mtbf_s = 0.001, max_restarts = 100000, max_time_lost_ratio = 1000 }"),
+        ] {
+            parse(&OK.replace(from, to)).unwrap_or_else(|e| panic!("{to}: {e}"));
         }
     }
 
