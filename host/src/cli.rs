@@ -163,6 +163,16 @@ pub struct ReportArgs {
     /// Where to write LEADERBOARD.md and index.html.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
+    /// The operator's signed reproduction records (`harness reproduce
+    /// --key`), or folders holding them: the board ranks the reruns beside
+    /// them; a bundle no record reproduces is shown as self-reported, not
+    /// ranked.
+    #[arg(long, value_name = "RECORDS", num_args = 1.., requires = "public_key")]
+    pub reproductions: Vec<PathBuf>,
+    /// The operator's public key (FILE.pub of `harness keygen`, or the hex)
+    /// that signed the records.
+    #[arg(long, value_name = "KEY", requires = "reproductions")]
+    pub public_key: Option<String>,
 }
 
 /// Arguments of `harness submit`.
@@ -531,7 +541,7 @@ fn validate_one(suite: &Path) -> anyhow::Result<i32> {
     let plan = s.plan();
     println!(
         "{}: ok ({}, {}, {})",
-        suite.display(),
+        printable_path(suite),
         counted(s.spec.workloads.len(), "workload", "workloads"),
         counted(s.strategies().len(), "strategy", "strategies"),
         counted(plan.entries.len(), "entry", "entries")
@@ -589,6 +599,9 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Ok(exit::INVALID_SUITE);
         }
     };
+    if suite.spec.suite.hardware.as_ref().is_some_and(|h| h.class == harness_format::machine::CPU_CLASS) {
+        hold_cpu_kernels()?;
+    }
     let out = out_path(&args, &suite.spec.suite.name)?;
     let rank_env = RankEnv::from_env()?;
     // Before any thread starts (entering a plugin compiles it on threads):
@@ -604,6 +617,12 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     let follower = rank_env.as_ref().is_some_and(|e| e.rank != 0);
     if !args.resume && out.exists() && !follower {
         anyhow::bail!("{} already exists\nhint: pass --resume to continue it, or choose another --out", out.display());
+    }
+    if !follower {
+        // The log is appended to as the run goes: a link planted at its
+        // path would take the run's lines wherever it points. Refused
+        // before anything trains (its opening refuses it again).
+        harness_format::outfile::refuse_link(&Console::log_path(&out))?;
     }
     // The entered plugin configured as its entries will configure it,
     // before anything trains: a misspelt `--plugin-config` key is found
@@ -630,6 +649,35 @@ fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     let opts = RunOptions { out, resume: args.resume, ranks: rank_env, submission, nccl_log, trace: args.trace };
     run_here(&suite, &opts, args.quiet)
+}
+
+/// For a CPU-class suite: starts this command line again with libtorch's
+/// CPU kernels held to the class's level ([`device::CPU_CLASS_PIN`]), so
+/// that a rerun on any CPU of the class trains the same bits. libtorch reads
+/// those variables once, at its first use, so they must be in the
+/// environment the process starts with. Returns at once when they are
+/// there (the process started again, and the child a supervising parent
+/// starts, inherit them) or when the CPU is outside the class (its run is
+/// unofficial, and its fingerprint says why). A value the caller set
+/// otherwise is overridden, with a note: docs/rules.md, "The CPU class".
+fn hold_cpu_kernels() -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let missing = device::cpu_class_pin_missing();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    for (k, v, had) in &missing {
+        if let Some(had) = had {
+            eprintln!(
+                "harness: {k}={} overridden with {k}={v}: a CPU-class suite holds libtorch's CPU kernels to the class's level (docs/rules.md, \"The CPU class\")",
+                printable(&had.to_string_lossy())
+            );
+        }
+    }
+    const WHY: &str = "cannot start harness again with libtorch's CPU kernels held to the CPU class's level";
+    let exe = std::env::current_exe().context(WHY)?;
+    let e = std::process::Command::new(exe).args(std::env::args_os().skip(1)).envs(missing.iter().map(|(k, v, _)| (k, v))).exec();
+    Err(anyhow::Error::new(e).context(WHY))
 }
 
 /// The result file `harness run` writes: `--out`; with `--resume` alone the
@@ -705,12 +753,22 @@ fn finished_run(result: &results::RunResult) -> i32 {
 /// LEADERBOARD.md, index.html and the bundles' copies to `--out-dir`
 /// (`report::inputs::load`, `report::output::write`).
 fn report(args: ReportArgs) -> anyhow::Result<i32> {
-    let ReportArgs { results, out_dir } = args;
+    let ReportArgs { results, out_dir, reproductions, public_key } = args;
     let loaded = report::inputs::load(&results, &crate::plugin::inspect_component)?;
     for n in &loaded.notes {
         eprintln!("{n}");
     }
-    let written = report::output::write(&out_dir, &loaded)?;
+    let operator = match &public_key {
+        Some(key) => {
+            let (records, notes) = report::reproduction::load_signed(&reproductions, &crate::reproduce::public_key(key)?);
+            for n in &notes {
+                eprintln!("{n}");
+            }
+            records
+        }
+        None => Vec::new(),
+    };
+    let written = report::output::write(&out_dir, &loaded, &operator)?;
     let verified = loaded.bundles.iter().filter(|b| b.verdict.verified()).count();
     let copies = loaded.bundles.iter().filter(|b| b.same_as.is_some()).count();
     println!(
@@ -723,6 +781,12 @@ fn report(args: ReportArgs) -> anyhow::Result<i32> {
         report::escape::terminal(&written.leaderboard.display().to_string()),
         report::escape::terminal(&written.page.display().to_string())
     );
+    if public_key.is_some() {
+        let reproduced = operator.iter().filter(|o| o.record.reproduced).count();
+        println!("{} signed reproduction records ({reproduced} reproduced): the submission tables rank their reruns", operator.len());
+    } else if !loaded.bundles.is_empty() {
+        println!("no reproduction records given (--reproductions, --public-key): every submission is shown as self-reported, none ranked");
+    }
     Ok(exit::OK)
 }
 
@@ -753,14 +817,24 @@ fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
         let [bundle] = args.bundles.as_slice() else { anyhow::bail!("--reproduction checks the record of one bundle; name one") };
         match crate::reproduce::public_key(key).and_then(|k| crate::reproduce::check_signed(bundle, record, &k)) {
             // The record's machine and time are what its signer wrote.
-            Ok(r) => println!(
-                "{}: signed reproduction record: {} on {} ({}), {}",
-                printable_path(record),
-                if r.reproduced { "reproduced" } else { "NOT reproduced" },
-                printable(r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str())),
-                printable(&r.machine.hostname),
-                printable(&r.reproduced_at)
-            ),
+            Ok(r) => {
+                println!(
+                    "{}: signed reproduction record: {} on {} ({}), {}",
+                    printable_path(record),
+                    if r.reproduced { "reproduced" } else { "NOT reproduced" },
+                    printable(r.machine.gpus.first().map_or(r.machine.cpu.as_str(), |g| g.name.as_str())),
+                    printable(&r.machine.hostname),
+                    printable(&r.reproduced_at)
+                );
+                // A genuine record of a failed reproduction checks, but
+                // proves the opposite of the claim.
+                if !r.reproduced {
+                    for d in &r.comparison.differences {
+                        println!("  difference: {}", printable(&d.to_string()));
+                    }
+                    code = exit::NOT_REPRODUCED;
+                }
+            }
             Err(e) => {
                 println!("{}: the reproduction record does not check: {}", printable_path(record), printable(&format!("{e:#}")));
                 code = exit::NOT_VERIFIED;
@@ -777,21 +851,35 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
     let ReproduceArgs { bundles, out, key, fresh, quiet } = args;
     if let Some(k) = &key {
         // A key that cannot sign is found before anything trains.
-        let secret = std::fs::read_to_string(k).with_context(|| format!("cannot read the key {}", k.display()))?;
+        let secret = harness_format::files::read_capped(k, harness_format::files::KEY_MAX_BYTES)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .with_context(|| format!("cannot read the key {}", k.display()))?;
         crate::report::reproduction::sign(b"", &secret).with_context(|| format!("{} is not a key `harness keygen` wrote", k.display()))?;
     }
     let opts = Options { out, key, fresh, quiet };
     let mut code = exit::OK;
     for dir in &bundles {
-        let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
+        // Read once: the copy is verified, rerun and hashed into the
+        // record; the bundle's folder is not read again.
+        let staged = match rp::stage(dir, &opts.out) {
+            Ok(s) => s,
+            Err(e) => {
+                let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
+                print!("{}", crate::submission::verify::render(dir, &verdict));
+                println!("{}: not reproduced: {}", printable_path(dir), printable(&format!("{e:#}")));
+                code = exit::NOT_REPRODUCED;
+                continue;
+            }
+        };
+        let verdict = crate::submission::verify::verify(&staged.dir, &crate::plugin::inspect_component);
         if !verdict.verified() {
             print!("{}", crate::submission::verify::render(dir, &verdict));
             println!("{}: not reproduced: the bundle does not verify", printable_path(dir));
             code = exit::NOT_REPRODUCED;
             continue;
         }
-        let bundle = crate::submission::Bundle::read(dir)?;
-        let rerun = rp::prepare(dir, &bundle, &opts)?;
+        let bundle = crate::submission::Bundle::read(&staged.dir)?;
+        let rerun = rp::prepare(&staged.dir, &bundle, &opts)?;
         if rerun.done {
             println!(
                 "{}: a finished rerun of the same inputs is in {}; comparing with it (--fresh trains again)",
@@ -814,6 +902,9 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
                 trace: false,
             };
             let status = std::process::Command::new(exe).args(Child::Run(args).argv()).status()?;
+            // What the child left is this operator's: sealed, so that it is
+            // compared or resumed, and nothing planted in its place is.
+            rp::seal_rerun(&rerun)?;
             // Failed entries are compared (a claim of success they refute);
             // anything else stopped the rerun.
             if !matches!(status.code(), Some(exit::OK | exit::ENTRY_FAILED)) {
@@ -823,7 +914,7 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
                 );
             }
         }
-        let (record, path) = rp::record(dir, &bundle, &rerun, &opts)?;
+        let (record, path) = rp::record(&staged, &bundle, &rerun, &opts)?;
         print!("{}", crate::report::reproduction::render(&record));
         println!("record: {}{}", printable_path(&path), if opts.key.is_some() { " (signed: .sig)" } else { "" });
         if !record.reproduced {
@@ -836,8 +927,9 @@ fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
 /// `harness keygen`: writes a new key pair and prints the public key.
 fn keygen(args: KeygenArgs) -> anyhow::Result<i32> {
     let public = crate::reproduce::keygen(&args.file)?;
-    println!("secret key: {} (keep it private; it signs your reproduction records)", args.file.display());
-    println!("public key: {public} (also in {}.pub; publish it with the board)", args.file.display());
+    let file = printable_path(&args.file);
+    println!("secret key: {file} (keep it private; it signs your reproduction records)");
+    println!("public key: {public} (also in {file}.pub; publish it with the board)");
     Ok(exit::OK)
 }
 
@@ -885,22 +977,24 @@ fn plugin_new(args: PluginNewArgs) -> anyhow::Result<i32> {
         }
         made => made?,
     };
-    println!("created {}", made.display());
+    let made = printable_path(&made);
+    println!("created {made}");
     let build = match lang.as_str() {
         "c" => "make",
         "c-wasm" | "python" | "js" => "./build.sh",
         _ => "cargo build --release --target wasm32-wasip2",
     };
-    println!("build:  cd {} && {build}", made.display());
-    println!("run:    harness run {}/suite.toml", made.display());
+    println!("build:  cd {made} && {build}");
+    println!("run:    harness run {made}/suite.toml");
     Ok(exit::OK)
 }
 
 /// `harness plugin inspect`: prints the artifact's manifest as a
-/// `[[plugin]]` table.
+/// `[[plugin]]` table (its strings escaped as TOML, so nothing the
+/// artifact chose reaches the terminal raw).
 fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
     let m = crate::plugin::inspect(&args.path)?;
-    print!("{}", crate::scaffold::manifest_toml(&m));
+    print!("{}", printable(&crate::scaffold::manifest_toml(&m)));
     Ok(exit::OK)
 }
 
@@ -917,13 +1011,14 @@ fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(250));
     let rows = bench::run(&paths, calls.map_or(Calls::Auto, Calls::Exactly), evict_mb, &mut |stage| match stage {
-        Stage::Loading(p) => bar.set_message(format!("{}: loading", p.display())),
-        Stage::Timing(p, n) => bar.set_message(format!("{}: timing {n} calls", p.display())),
+        Stage::Loading(p) => bar.set_message(format!("{}: loading", printable_path(p))),
+        Stage::Timing(p, n) => bar.set_message(format!("{}: timing {n} calls", printable_path(p))),
         Stage::Done(_) => bar.inc(1),
     });
     bar.finish_and_clear();
     let rows = rows?;
-    print!("{}", bench::table(&rows));
+    // The table names the artifacts by their paths.
+    print!("{}", printable(&bench::table(&rows)));
     let floor = bench::clock_floor(rows.iter().map(|r| r.calls).max().unwrap_or(bench::AUTO_MIN_CALLS));
     println!(
         "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
@@ -1125,6 +1220,7 @@ mod tests {
             nccl: Some("2.28\u{9b}".into()),
             harness_version: "0".into(),
             git_revision: "r".into(),
+            cpu_kernels: None,
         };
         let shown = printable(&env_text(&f)).into_owned();
         assert!(!shown.chars().any(crate::fmt::withheld), "{shown:?}");

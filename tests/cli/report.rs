@@ -24,6 +24,7 @@ fn machine() -> Fingerprint {
         nccl: None,
         harness_version: "0".into(),
         git_revision: "r".into(),
+        cpu_kernels: None,
     }
 }
 

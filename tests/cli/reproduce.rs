@@ -60,6 +60,9 @@ fn an_honest_bundle_reproduces_bit_for_bit_and_a_forged_copy_is_refused_with_the
         .expect("a record");
     let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
     assert_eq!(record["reproduced"], true);
+    // The operator's rerun travels beside the record that hashes it.
+    let rerun = std::fs::read(record_path.with_extension("rerun.json")).expect("the rerun beside the record");
+    assert_eq!(record["rerun_sha256"], hex::encode(Sha256::digest(&rerun)));
     assert_eq!(record["bundle"]["plugin_name"], "sign-vote");
     assert!(record["comparison"]["evaluations_compared"].as_u64().unwrap() >= 9, "{record}");
     assert!(record["comparison"]["timing"].as_array().unwrap().iter().any(|t| t["figure"] == "time to target over the baseline's"));
@@ -109,7 +112,7 @@ fn an_honest_bundle_reproduces_bit_for_bit_and_a_forged_copy_is_refused_with_the
         forged_loss = point[2].as_f64().unwrap() - 0.01;
         point[2] = forged_loss.into();
     });
-    let out = harness(dir).args(["reproduce", "better.bundle", "--out", "repro", "-q"]).output().unwrap();
+    let out = harness(dir).args(["reproduce", "better.bundle", "--key", "operator.key", "--out", "repro", "-q"]).output().unwrap();
     let said = text(&out);
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(said.contains("comparing with it"), "the rerun of the same inputs is reused: {said}");
@@ -119,4 +122,66 @@ fn an_honest_bundle_reproduces_bit_for_bit_and_a_forged_copy_is_refused_with_the
             && said.contains("better.bundle: NOT reproduced"),
         "{said}"
     );
+
+    // Issue 60: a genuine, validly signed record that says NOT reproduced
+    // checks, but `verify --reproduction` must not exit 0 on it.
+    let not_reproduced = std::fs::read_dir(dir.join("repro"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().contains("better.bundle-") && p.to_string_lossy().ends_with(".reproduction.json"))
+        .expect("the forged copy's record");
+    let out = harness(dir)
+        .args(["verify", "better.bundle", "--reproduction", not_reproduced.to_str().unwrap(), "--public-key", "operator.key.pub"])
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("signed reproduction record: NOT reproduced") && said.contains("difference: gpt-tiny/"), "{said}");
+
+    // Issue 60: the board ranks the operator's rerun, beside the claim,
+    // with the records checked against the operator's key; the NOT
+    // reproduced record of the forged copy does not unrank the honest one.
+    let out = run_ok(harness(dir).args([
+        "report",
+        "r.bundle",
+        "--reproductions",
+        "repro",
+        "--public-key",
+        "operator.key.pub",
+        "--out-dir",
+        "board",
+    ]));
+    assert!(text(&out).contains("2 signed reproduction records (1 reproduced)"), "{}", text(&out));
+    let md = std::fs::read_to_string(dir.join("board/LEADERBOARD.md")).unwrap();
+    let row = md.lines().find(|l| l.contains("`r.bundle`")).unwrap_or_else(|| panic!("no row:\n{md}"));
+    assert!(row.starts_with("| 1 | sign-vote 0.3.1 |") && row.contains("operator, 1 rerun (claimed "), "{row}");
+    // A record under another key is not the operator's: nothing ranks.
+    run_ok(harness(dir).args(["keygen", "other.key"]));
+    let out = run_ok(harness(dir).args([
+        "report",
+        "r.bundle",
+        "--reproductions",
+        "repro",
+        "--public-key",
+        "other.key.pub",
+        "--out-dir",
+        "board2",
+    ]));
+    assert!(text(&out).contains("reproduction record not used") && text(&out).contains("was signed by the key"), "{}", text(&out));
+    let md = std::fs::read_to_string(dir.join("board2/LEADERBOARD.md")).unwrap();
+    assert!(md.lines().any(|l| l.starts_with("| - | sign-vote 0.3.1 |") && l.contains("self-reported")), "{md}");
+
+    // Issue 60: the forged claim planted as a finished rerun of the same
+    // inputs in another operator folder was compared with itself and
+    // "reproduced". Without this operator's seal it is trained over.
+    let kept = std::fs::read_dir(dir.join("repro/reruns")).unwrap().flatten().next().expect("the kept rerun").file_name();
+    let planted = dir.join("planted/reruns").join(&kept);
+    std::fs::create_dir_all(&planted).unwrap();
+    std::fs::copy(dir.join("better.bundle/result.json"), planted.join("result.json")).unwrap();
+    let out = harness(dir).args(["reproduce", "better.bundle", "--out", "planted", "-q"]).output().unwrap();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("does not carry this operator's seal") && said.contains("training it again"), "{said}");
+    assert!(said.contains("better.bundle: NOT reproduced"), "{said}");
 }

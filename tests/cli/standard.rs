@@ -125,3 +125,47 @@ fn a_misspelt_plugin_config_key_is_refused_before_anything_trains_naming_the_plu
     assert_eq!(err.matches("unknown config key").count(), 1, "once, however many tracks: {err}");
     assert!(!out.exists(), "nothing ran, nothing was written");
 }
+
+/// Issue 60: a CPU-class bundle reproduced bit for bit only on a CPU of its
+/// own instruction set (libtorch held to AVX2, as on an AVX2-only EPYC, 6
+/// evaluations differed), and its fingerprint did not say which kernels
+/// ran. A run of the CPU standard suite holds libtorch's CPU kernels to
+/// the class's level itself, records them, and is official; a caller's
+/// other value is overridden with a note, and other suites are left as
+/// they are. (The shared honest run is checked, and the other runs stop
+/// before training: their result file exists already.)
+#[test]
+fn a_cpu_class_run_holds_libtorchs_cpu_kernels_to_the_class_level_and_its_fingerprint_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    crate::submit::honest_run(tmp.path());
+    let r = results(&tmp.path().join("r.json"));
+    let pinned = serde_json::json!({
+        "aten": "avx2",
+        "variables": { "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE" },
+        "avx2_fma": true,
+    });
+    assert_eq!(r["machine"]["cpu_kernels"], pinned, "(this test needs an x86-64 CPU with AVX2 and FMA)");
+    assert_eq!(r["submission"]["unofficial"], serde_json::json!([]));
+
+    let held = |suite: &str| {
+        let out = harness(tmp.path())
+            .arg("run")
+            .arg(repo_root().join(suite))
+            .args(["--out", "r.json", "-q"])
+            .env("ATEN_CPU_CAPABILITY", "avx512")
+            .env_remove("MKL_CBWR")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(harness::cli::exit::ERROR), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = held("suites/cpu-standard.toml");
+    assert!(
+        err.contains("harness: ATEN_CPU_CAPABILITY=avx512 overridden with ATEN_CPU_CAPABILITY=avx2: a CPU-class suite holds libtorch's CPU kernels to the class's level"),
+        "{err}"
+    );
+    assert_eq!(err.matches("overridden").count(), 1, "an unset variable is set without a note, and the pin applies once: {err}");
+    assert!(err.contains("r.json already exists"), "the process started again runs the command line: {err}");
+    let err = held("suites/cpu.toml");
+    assert!(!err.contains("overridden") && err.contains("r.json already exists"), "suites outside the CPU class are not held: {err}");
+}

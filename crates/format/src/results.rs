@@ -19,7 +19,9 @@ use crate::suite::{PlanEntry, Suite};
 /// - 2: classification accuracy: `final_eval_accuracy`, `best_accuracy`,
 ///   `target_accuracy` and `accuracy_curve` in an entry's metrics (absent
 ///   for models that do not classify); the model `vision`, its `image`
-///   and, for ViTs, `patch`.
+///   and, for ViTs, `patch`. Additive since: the fingerprint's
+///   `cpu_kernels` (the level libtorch's CPU kernels ran at; absent in
+///   older files).
 pub const FORMAT_VERSION: u32 = 2;
 
 /// Errors reading or writing result files.
@@ -27,8 +29,10 @@ pub const FORMAT_VERSION: u32 = 2;
 pub enum ResultsError {
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: std::io::Error },
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    /// Not read: too large ([`crate::files::RESULT_MAX_BYTES`]), missing,
+    /// or not a file.
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
     #[error("{path} is not a harness result file: {source}")]
     Parse { path: PathBuf, source: serde_json::Error },
     #[error("{path} has result format {found}; this harness reads format {FORMAT_VERSION} and older (upgrade harness)")]
@@ -83,7 +87,9 @@ pub struct Submission {
 impl Submission {
     /// Why this run of `suite` on `machine` is not official, one sentence each
     /// (docs/rules.md): a suite that is not byte-identical to a released one,
-    /// other hardware, a GPU count outside the divisions, a native plugin,
+    /// other hardware (on the CPU class, a CPU without AVX2 and FMA or
+    /// libtorch's CPU kernels not held to them), a GPU count outside the
+    /// divisions, a native plugin,
     /// `HARNESS_*` switches that changed the measured work (`switches`, as
     /// the result records them).
     pub fn unofficial_reasons(&self, suite: &Suite, machine: &Fingerprint, switches: &BTreeMap<String, String>) -> Vec<String> {
@@ -106,6 +112,9 @@ impl Submission {
                 }
                 if !h.gpus.contains(&s.gpus) {
                     why.push(format!("ran on {} GPUs (ranks); the suite's divisions are {:?}", s.gpus, h.gpus));
+                }
+                if h.class == crate::machine::CPU_CLASS {
+                    why.extend(crate::machine::cpu_class_problem(machine));
                 }
             }
         }
@@ -426,10 +435,11 @@ impl RunResult {
         }
     }
 
-    /// Reads a result file, refusing formats newer than this build's.
+    /// Reads a result file, at most [`crate::files::RESULT_MAX_BYTES`] of
+    /// it, refusing formats newer than this build's.
     pub fn read(path: &Path) -> Result<RunResult, ResultsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ResultsError::Read { path: path.into(), source })?;
-        RunResult::parse(&text, path)
+        let bytes = crate::files::read_capped(path, crate::files::RESULT_MAX_BYTES)?;
+        RunResult::parse(&String::from_utf8_lossy(&bytes), path)
     }
 
     /// Parses a result file's text (read elsewhere, e.g. through a bounded
@@ -534,7 +544,8 @@ pub mod testing {
     use super::*;
 
     /// A 2-core CPU machine without GPUs, libtorch or a real build (host `h`,
-    /// harness `0` at revision `r`).
+    /// harness `0` at revision `r`), its CPU kernels held to the CPU
+    /// class's level.
     pub fn machine() -> Fingerprint {
         Fingerprint {
             hostname: "h".into(),
@@ -550,6 +561,7 @@ pub mod testing {
             nccl: None,
             harness_version: "0".into(),
             git_revision: "r".into(),
+            cpu_kernels: Some(crate::machine::CpuKernels::pinned()),
         }
     }
 

@@ -16,8 +16,10 @@
 //!   was reached: bit for bit on the CPU backend, within
 //!   [`Tolerance::trajectory_rel`] on GPUs;
 //! - the score: each workload's time to target over the track baseline's,
-//!   within a band of [`Tolerance::time_floor`] widened by the repeats'
-//!   spread; on GPU classes also the absolute time to target and throughput.
+//!   within the class's band [`Tolerance::time_band`], calibrated on the
+//!   operator's honest reruns (docs/rules.md, "Reproduction"): nothing the
+//!   bundle holds widens it. On GPU classes also the absolute time to
+//!   target and throughput.
 
 use std::collections::BTreeMap;
 
@@ -35,7 +37,18 @@ use crate::suite::Suite;
 ///
 /// Changelog:
 /// - 1: first version.
-pub const FORMAT: u32 = 1;
+/// - 2: `tolerance.time_floor` becomes `time_band`, the whole band (it was
+///   widened by twice the repeats' spread, which the claim set); a format-1
+///   record still reads, its field taken as the band it then allowed at
+///   the least.
+pub const FORMAT: u32 = 2;
+
+/// The CPU class's timing band (see [`Tolerance::CPU`]): five independent
+/// runs of the CPU standard suite's compression track on a 2-core machine
+/// with other work beside them differed in a workload's score by up to 77%
+/// (t5-tiny, max(b/a, a/b) - 1 over the 10 pairs; results/cpu/reproduction-noise),
+/// and the band is that times 5/3, rounded.
+pub const CPU_TIME_BAND: f64 = 1.3;
 
 /// How close a rerun must come to the claim.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -50,9 +63,12 @@ pub struct Tolerance {
     pub trajectory_median_rel: f64,
     /// Evaluations by which the one that reaches the target may move.
     pub target_evals: usize,
-    /// The narrowest band for a timing figure, relative; twice the repeats'
-    /// relative range widens it.
-    pub time_floor: f64,
+    /// The band of a timing figure, relative: the rerun's median may differ
+    /// from the claim's by this much. The class's calibrated run-to-run
+    /// noise; never widened by the claim's (or the rerun's) spread, which a
+    /// submitter sets by editing repeats or by a plugin that adds noise.
+    #[serde(alias = "time_floor")]
+    pub time_band: f64,
     /// Whether absolute times and throughput are compared. Not on the CPU
     /// class, which any CPU belongs to: there only the score (a ratio to the
     /// baseline measured side by side) is.
@@ -61,9 +77,11 @@ pub struct Tolerance {
 
 impl Tolerance {
     /// The CPU backend is deterministic: the trajectory must be bit for
-    /// bit. Timing on shared CPUs is noisy, hence the wide floor.
+    /// bit. Timing on shared CPUs is noisy: the band is the score's
+    /// run-to-run difference measured on a loaded 2-core machine
+    /// (docs/rules.md, "Reproduction", `bench/reproduce_cpu.sh`).
     pub const CPU: Tolerance =
-        Tolerance { trajectory_rel: 0.0, trajectory_median_rel: 0.0, target_evals: 0, time_floor: 0.25, absolute_times: false };
+        Tolerance { trajectory_rel: 0.0, trajectory_median_rel: 0.0, target_evals: 0, time_band: CPU_TIME_BAND, absolute_times: false };
     /// GPUs (bf16, atomics in cuBLAS and NCCL reductions): two honest runs
     /// differ. Measured with bench/reproduce_gpu.sh (one build, the
     /// compression track run three times on a 2 x H100 and on a 2 x H200
@@ -72,9 +90,14 @@ impl Tolerance {
     /// for bit), the median of an entry's differences by at most 0.74%, the
     /// evaluation that reached the target moved by one in 6 of 72 entry
     /// pairs. The bounds are about three times those (docs/rules.md,
-    /// "Reproduction").
+    /// "Reproduction"). The timing band: the largest difference between two
+    /// honest runs of one host, either taken as the claim (max(b/a, a/b) -
+    /// 1), of a median time to target, throughput or score was 19.9%
+    /// (ResNet-50: its median time to target on the H100 host; its score
+    /// differed by 19.8% on the H200 host), and the band is about that
+    /// times 5/3.
     pub const GPU: Tolerance =
-        Tolerance { trajectory_rel: 0.25, trajectory_median_rel: 0.02, target_evals: 1, time_floor: 0.05, absolute_times: true };
+        Tolerance { trajectory_rel: 0.25, trajectory_median_rel: 0.02, target_evals: 1, time_band: 0.33, absolute_times: true };
 
     /// The tolerance of a hardware class (`[suite.hardware] class`).
     pub fn for_class(class: Option<&str>) -> Tolerance {
@@ -168,6 +191,22 @@ pub fn compare(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, tol: 
             claimed: format!("{} ({})", built.harness_version, built.git_revision),
             reproduced: format!("{} ({})", rebuilt.harness_version, rebuilt.git_revision),
             allowed: "the same build: reproduce with the harness that made the bundle".into(),
+        });
+    }
+    // On the CPU class, bit for bit holds only between runs whose libtorch
+    // kernels were held to the class's level (docs/rules.md, "The CPU
+    // class").
+    let class = claimed.submission.as_ref().and_then(|s| s.hardware_class.as_deref());
+    if class == Some(crate::machine::CPU_CLASS)
+        && (built.cpu_kernels != rebuilt.cpu_kernels || crate::machine::cpu_class_problem(rebuilt).is_some())
+    {
+        let show = |m: &crate::machine::Fingerprint| m.cpu_kernels.as_ref().map_or("none recorded".to_owned(), |k| format!("{k:?}"));
+        c.differences.push(Difference {
+            at: "the rerun".into(),
+            figure: "libtorch's CPU kernels (`machine.cpu_kernels`)".into(),
+            claimed: show(built),
+            reproduced: show(rebuilt),
+            allowed: format!("the CPU class's: {}", crate::machine::pin_line()),
         });
     }
     let by_id: BTreeMap<&str, _> = reproduced.entries.iter().map(|e| (e.id.as_str(), e)).collect();
@@ -293,20 +332,6 @@ fn values(r: &RunResult, workload: &str, strategy: &str, metric: Metric) -> BTre
         .collect()
 }
 
-/// (max - min) / median of the values; 0 for fewer than two.
-fn spread(xs: &[f64]) -> f64 {
-    if xs.len() < 2 {
-        return 0.0;
-    }
-    let (lo, hi) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-    let m = median(xs);
-    if m > 0.0 {
-        (hi - lo) / m
-    } else {
-        0.0
-    }
-}
-
 /// The score of each submitted workload (time to target over the track
 /// baseline's, paired by repeat) and, on GPU classes, the absolute time to
 /// target and throughput of every strategy.
@@ -316,7 +341,7 @@ fn compare_timing(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, to
         if x.is_empty() || y.is_empty() {
             return;
         }
-        let band = tol.time_floor.max(2.0 * spread(x).max(spread(y)));
+        let band = tol.time_band;
         let (mx, my) = (median(x), median(y));
         let within = mx > 0.0 && (my / mx - 1.0).abs() <= band;
         if !within {
@@ -325,7 +350,7 @@ fn compare_timing(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, to
                 figure: figure.into(),
                 claimed: format!("{mx:.4} (median of {})", x.len()),
                 reproduced: format!("{my:.4} (median of {}; {:.2}x the claim)", y.len(), my / mx),
-                allowed: format!("within ±{:.0}%: the class's floor or twice the repeats' spread", 100.0 * band),
+                allowed: format!("within ±{:.0}%: the class's calibrated run-to-run noise", 100.0 * band),
             });
         }
         c.timing.push(TimingCheck { at, figure: figure.into(), claimed: mx, reproduced: my, band, within });
@@ -452,6 +477,133 @@ pub fn check(record: &[u8], sig: &SignatureFile, public_hex: &str, manifest: Opt
         );
     }
     Ok(r)
+}
+
+/// A signed record read back, with the operator's rerun kept beside it.
+#[derive(Debug, Clone)]
+pub struct Reproduced {
+    /// The record file.
+    pub path: std::path::PathBuf,
+    pub record: Record,
+    /// The operator's rerun (`<record stem>.rerun.json`), whose sha256 is
+    /// the record's `rerun_sha256`: what the board ranks.
+    pub rerun: RunResult,
+}
+
+impl Reproduced {
+    /// The operator's record of a bundle that claimed `claimed`, with the
+    /// rerun `rerun` (tests of what reads records: the board).
+    #[cfg(test)]
+    pub fn vouching(claimed: &RunResult, rerun: RunResult, reproduced: bool) -> Reproduced {
+        let sub = claimed.submission.clone().unwrap_or_default();
+        let plugin = sub.entered.first().cloned().unwrap_or_default();
+        let mut comparison = Comparison::default();
+        if !reproduced {
+            comparison.differences.push(Difference {
+                at: "gpt-tiny/submission-compression".into(),
+                figure: "time to target over the baseline's".into(),
+                claimed: "0.5".into(),
+                reproduced: "1.0".into(),
+                allowed: "within ±25%".into(),
+            });
+        }
+        let record = Record {
+            format: FORMAT,
+            bundle: BundleId {
+                folder: "b.bundle".into(),
+                manifest_sha256: String::new(),
+                result_sha256: String::new(),
+                plugin_kind: plugin.kind,
+                plugin_name: plugin.name,
+                plugin_version: plugin.version,
+                plugin_sha256: plugin.sha256,
+                suite: claimed.suite.path.clone(),
+                suite_version: sub.suite_version,
+                tracks: sub.tracks,
+                gpus: sub.gpus,
+            },
+            machine: rerun.machine.clone(),
+            harness_version: "0".into(),
+            reproduced_at: "now".into(),
+            rerun_sha256: String::new(),
+            tolerance: Tolerance::CPU,
+            comparison,
+            reproduced,
+        };
+        Reproduced { path: "r.reproduction.json".into(), record, rerun }
+    }
+}
+
+/// Most bytes of a reproduction record.
+pub const RECORD_CAP: u64 = harness_format::files::RECORD_MAX_BYTES;
+
+/// The file holding a record's rerun: `x.reproduction.json` ->
+/// `x.reproduction.rerun.json`.
+pub fn rerun_path(record: &std::path::Path) -> std::path::PathBuf {
+    record.with_extension("rerun.json")
+}
+
+/// Reads the record at `path`, checks its signature (`<path>.sig`) against
+/// the operator's public key (hex), and reads the rerun beside it, whose
+/// sha256 must be the record's. Each file is a regular file read within its
+/// cap, never through a link.
+pub fn read_signed(path: &std::path::Path, public_hex: &str) -> anyhow::Result<Reproduced> {
+    use crate::submission::files;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let read = |p: &std::path::Path, cap: u64| -> anyhow::Result<Vec<u8>> {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        files::read(dir, &name, cap).map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let bytes = read(path, RECORD_CAP)?;
+    let mut sig_name = path.as_os_str().to_owned();
+    sig_name.push(".sig");
+    let sig_path = std::path::PathBuf::from(sig_name);
+    let sig: SignatureFile = serde_json::from_slice(&read(&sig_path, harness_format::files::KEY_MAX_BYTES)?)
+        .map_err(|e| anyhow::anyhow!("{} is not a signature file: {e}", sig_path.display()))?;
+    let record = check(&bytes, &sig, public_hex, None)?;
+    let rerun_file = rerun_path(path);
+    let rerun_bytes = read(&rerun_file, harness_format::files::RESULT_MAX_BYTES)
+        .map_err(|e| anyhow::anyhow!("the operator's rerun beside the record cannot be read: {e}"))?;
+    let sha = crate::submission::sha256_hex(&rerun_bytes);
+    anyhow::ensure!(
+        sha == record.rerun_sha256,
+        "{} has sha256 {sha}; the signed record's rerun has {}",
+        rerun_file.display(),
+        record.rerun_sha256
+    );
+    let rerun = RunResult::parse(&String::from_utf8_lossy(&rerun_bytes), &rerun_file)?;
+    Ok(Reproduced { path: path.to_owned(), record, rerun })
+}
+
+/// Reads every record named (a record file, or a folder searched, not
+/// recursively, for `*.reproduction.json`), checked against the
+/// operator's key: the records that check, and a note for each that does
+/// not (escaped for the terminal).
+pub fn load_signed(paths: &[std::path::PathBuf], public_hex: &str) -> (Vec<Reproduced>, Vec<String>) {
+    let (mut ok, mut notes) = (Vec::new(), Vec::new());
+    let mut files = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            match std::fs::read_dir(p) {
+                Ok(rd) => {
+                    let mut found: Vec<_> =
+                        rd.flatten().map(|e| e.path()).filter(|f| f.to_string_lossy().ends_with(".reproduction.json")).collect();
+                    found.sort();
+                    files.extend(found);
+                }
+                Err(e) => notes.push(format!("{}: cannot be read: {e}", p.display())),
+            }
+        } else {
+            files.push(p.clone());
+        }
+    }
+    for f in files {
+        match read_signed(&f, public_hex) {
+            Ok(r) => ok.push(r),
+            Err(e) => notes.push(printable(&format!("{}: reproduction record not used: {e:#}", f.display())).into_owned()),
+        }
+    }
+    (ok, notes)
 }
 
 /// The lines `harness reproduce` prints for a record.
@@ -594,6 +746,32 @@ mod tests {
             m.tokens_per_s /= 1.03;
         }
         assert!(compare(&claimed, &slower, &suite, &Tolerance::GPU).reproduced());
+    }
+
+    #[test]
+    fn a_claim_whose_repeats_were_spread_apart_does_not_widen_its_own_band() {
+        // Issue 60: two of the three submission repeats rescaled (x0.01 and
+        // x0.1, every record edited to match, so it verifies) spread the
+        // claim's repeats over 99% of their median; the band was twice
+        // that spread, so any rerun "reproduced" it.
+        let (honest, suite) = h100_bundle();
+        let mut forged = honest.clone();
+        for e in forged.entries.iter_mut().filter(|e| e.strategy.starts_with("submission-")) {
+            let scale = match e.repeat {
+                1 => 0.01,
+                2 => 0.1,
+                _ => 1.0,
+            };
+            let m = e.metrics.as_mut().unwrap();
+            m.time_to_target_s = m.time_to_target_s.map(|t| t * scale);
+        }
+        let c = compare(&forged, &honest, &suite, &Tolerance::GPU);
+        let d = c.differences.iter().find(|d| d.figure == "time to target over the baseline's").expect("the score differs");
+        assert!(d.allowed.contains("±33%: the class's calibrated run-to-run noise"), "{d}");
+        assert!(c.timing.iter().all(|t| t.band == Tolerance::GPU.time_band), "{:?}", c.timing);
+        // The CPU class's band is its own constant too.
+        let c = compare(&forged, &honest, &suite, &Tolerance::CPU);
+        assert!(!c.reproduced() && c.timing.iter().all(|t| t.band == CPU_TIME_BAND), "{:?}", c.timing);
     }
 
     #[test]

@@ -90,7 +90,7 @@ pub fn gpu_count() -> usize {
     cudarc::driver::result::init().ok().and_then(|_| cudarc::driver::result::device::get_count().ok()).unwrap_or(0) as usize
 }
 
-pub use harness_format::machine::{Fingerprint, GpuInfo};
+pub use harness_format::machine::{CpuKernels, Fingerprint, GpuInfo, CPU_CLASS_PIN};
 
 /// Reads the machine fingerprint (initialises CUDA if present), for a
 /// harness of version `harness_version` built from `git_revision` (the
@@ -119,6 +119,7 @@ pub fn fingerprint(harness_version: &str, git_revision: &str) -> Fingerprint {
         nccl: nccl_version(),
         harness_version: harness_version.into(),
         git_revision: git_revision.into(),
+        cpu_kernels: cpu_kernels(),
     }
 }
 
@@ -143,14 +144,79 @@ pub fn cpu_has_bf16() -> bool {
 
 /// [`cpu_has_bf16`] from the text of /proc/cpuinfo and the two variables.
 fn bf16_from(cpuinfo: &str, aten_capability: Option<&str>, onednn_max_isa: Option<&str>) -> bool {
-    let flags = cpuinfo.lines().find(|l| l.starts_with("flags") || l.starts_with("Features")).and_then(|l| l.split(':').nth(1));
-    let hardware = flags.is_some_and(|f| f.split_whitespace().any(|f| matches!(f, "avx512_bf16" | "amx_bf16" | "bf16")));
+    let hardware = cpu_flags(cpuinfo).any(|f| matches!(f, "avx512_bf16" | "amx_bf16" | "bf16"));
     let aten = aten_capability.is_none_or(|v| v.trim().eq_ignore_ascii_case("avx512"));
     let onednn = onednn_max_isa.is_none_or(|v| {
         let v = v.trim().to_ascii_uppercase();
         v == "ALL" || v.contains("BF16") || v.contains("AMX")
     });
     hardware && aten && onednn
+}
+
+/// The first CPU's flags in the text of /proc/cpuinfo (`flags` on x86,
+/// `Features` on Arm).
+fn cpu_flags(cpuinfo: &str) -> impl Iterator<Item = &str> {
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags") || l.starts_with("Features")).and_then(|l| l.split(':').nth(1));
+    flags.unwrap_or_default().split_whitespace()
+}
+
+/// The level libtorch's CPU kernels run at in this process, and the
+/// variables of [`CPU_CLASS_PIN`] that hold them (the fingerprint's
+/// `cpu_kernels`); None off x86-64, where ATen's levels are others. Read
+/// from the environment and /proc/cpuinfo, the inputs libtorch decides
+/// from, since libtorch does not say which level it chose.
+pub fn cpu_kernels() -> Option<CpuKernels> {
+    if !cfg!(target_arch = "x86_64") {
+        return None;
+    }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let variables = CPU_CLASS_PIN
+        .iter()
+        .filter_map(|(k, _)| std::env::var_os(k).map(|v| ((*k).to_owned(), v.to_string_lossy().into_owned())))
+        .collect();
+    Some(cpu_kernels_from(&cpuinfo, variables))
+}
+
+/// [`cpu_kernels`] from the text of /proc/cpuinfo and the variables set.
+/// ATen (2.11, `aten/src/ATen/native/DispatchStub.cpp`) takes
+/// `ATEN_CPU_CAPABILITY` as given when it is exactly `avx512`, `avx2` or
+/// `default` (other spellings are ignored with a warning), else the best
+/// level the CPU has.
+fn cpu_kernels_from(cpuinfo: &str, variables: std::collections::BTreeMap<String, String>) -> CpuKernels {
+    let flags: std::collections::BTreeSet<&str> = cpu_flags(cpuinfo).collect();
+    let has = |f: &str| flags.contains(f);
+    let avx2_fma = has("avx2") && has("fma");
+    let aten = match variables.get("ATEN_CPU_CAPABILITY").map(String::as_str) {
+        Some(level @ ("avx512" | "avx2" | "default")) => level,
+        _ if has("avx512vl") && has("avx512bw") && has("avx512dq") && has("fma") => "avx512",
+        _ if avx2_fma => "avx2",
+        _ => "default",
+    };
+    CpuKernels { aten: aten.to_owned(), variables, avx2_fma }
+}
+
+/// The variables of [`CPU_CLASS_PIN`] this process lacks, each with the
+/// value it has instead (None: unset), for `harness run` of a CPU-class
+/// suite to start itself again with them. Empty when it has them all, and
+/// on a CPU outside the class (not x86-64 with AVX2 and FMA), which must
+/// not be held to instructions it lacks (ATen would take `avx2` as given
+/// and stop at the first AVX2 instruction); that run is unofficial, and
+/// its fingerprint says why.
+pub fn cpu_class_pin_missing() -> Vec<(&'static str, &'static str, Option<std::ffi::OsString>)> {
+    let admitted = cpu_kernels().is_some_and(|k| k.avx2_fma);
+    pin_missing(admitted, |k| std::env::var_os(k))
+}
+
+/// [`cpu_class_pin_missing`] for a CPU the class admits or not, and an
+/// environment `var`.
+fn pin_missing(
+    admitted: bool,
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Vec<(&'static str, &'static str, Option<std::ffi::OsString>)> {
+    if !admitted {
+        return Vec::new();
+    }
+    CPU_CLASS_PIN.iter().map(|&(k, v)| (k, v, var(k))).filter(|(_, v, had)| had.as_deref() != Some(std::ffi::OsStr::new(v))).collect()
 }
 
 fn meminfo_kb(key: &str) -> Option<u64> {
@@ -256,7 +322,7 @@ pub fn peak_tflops(gpu_name: &str, low_precision: bool) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::bf16_from;
+    use super::{bf16_from, cpu_kernels_from, pin_missing, CpuKernels, CPU_CLASS_PIN};
 
     #[test]
     fn bf16_needs_the_flag_and_no_variable_holding_libtorch_below_it() {
@@ -272,5 +338,52 @@ mod tests {
         assert!(!bf16_from(spr, None, Some("AVX2")));
         assert!(bf16_from(spr, Some("avx512"), Some("AVX512_CORE_AMX")));
         assert!(bf16_from(spr, None, Some("ALL")));
+    }
+
+    const SPR: &str = "processor\t: 0\nflags\t\t: fpu sse2 fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n";
+    const EPYC: &str = "processor\t: 0\nflags\t\t: fpu sse2 fma avx2\n";
+    const OLD: &str = "processor\t: 0\nflags\t\t: fpu sse2 avx\n";
+
+    fn vars(kv: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        kv.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    /// Issue 60: an AVX-512 CPU and an AVX2-only one ran different ATen
+    /// kernels, and the fingerprint did not say which.
+    #[test]
+    fn the_kernel_level_is_atens_choice_from_the_cpu_and_the_variables() {
+        let aten = |cpuinfo, kv: &[(&str, &str)]| cpu_kernels_from(cpuinfo, vars(kv)).aten;
+        assert_eq!(aten(SPR, &[]), "avx512");
+        assert_eq!(aten(EPYC, &[]), "avx2");
+        assert_eq!(aten(OLD, &[]), "default");
+        // AVX-512 without FMA, or without one of VL, BW and DQ, is not ATen's avx512.
+        assert_eq!(aten("flags\t: avx2 avx512f avx512dq avx512bw avx512vl\n", &[]), "default");
+        assert_eq!(aten("flags\t: fma avx2 avx512f avx512bw avx512vl\n", &[]), "avx2");
+        // ATen takes an exact level as given, and ignores other spellings.
+        assert_eq!(aten(SPR, &[("ATEN_CPU_CAPABILITY", "avx2")]), "avx2");
+        assert_eq!(aten(SPR, &[("ATEN_CPU_CAPABILITY", "default")]), "default");
+        assert_eq!(aten(EPYC, &[("ATEN_CPU_CAPABILITY", "avx512")]), "avx512");
+        assert_eq!(aten(SPR, &[("ATEN_CPU_CAPABILITY", "AVX2")]), "avx512");
+        assert_eq!(aten(SPR, &[("ATEN_CPU_CAPABILITY", " avx2")]), "avx512");
+        // The CPU class's floor.
+        assert!(cpu_kernels_from(SPR, vars(&[])).avx2_fma && cpu_kernels_from(EPYC, vars(&[])).avx2_fma);
+        assert!(!cpu_kernels_from(OLD, vars(&[])).avx2_fma);
+        assert!(!cpu_kernels_from("", vars(&[])).avx2_fma);
+        // Held by the pin, both CPUs record the same kernels: the class's.
+        for cpu in [SPR, EPYC] {
+            assert_eq!(cpu_kernels_from(cpu, vars(&CPU_CLASS_PIN)), CpuKernels::pinned());
+        }
+    }
+
+    #[test]
+    fn the_pin_is_what_the_environment_lacks_and_nothing_on_a_cpu_outside_the_class() {
+        let env = |kv: &'static [(&'static str, &'static str)]| {
+            move |k: &str| kv.iter().find(|(n, _)| *n == k).map(|(_, v)| std::ffi::OsString::from(v))
+        };
+        assert_eq!(pin_missing(true, env(&[])), CPU_CLASS_PIN.iter().map(|&(k, v)| (k, v, None)).collect::<Vec<_>>());
+        assert!(pin_missing(true, env(&CPU_CLASS_PIN)).is_empty(), "pinned already: no second start");
+        let user = pin_missing(true, env(&[("ATEN_CPU_CAPABILITY", "avx512"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("MKL_CBWR", "COMPATIBLE")]));
+        assert_eq!(user, [("ATEN_CPU_CAPABILITY", "avx2", Some("avx512".into()))]);
+        assert!(pin_missing(false, env(&[])).is_empty(), "a CPU without AVX2 is never told to run it");
     }
 }

@@ -14,9 +14,12 @@
 //! * `limits`: the bounds of every numeric key and of names, with the
 //!   lower-bound estimates of memory that validation compares with them.
 //! * `plan`: the expansion into [`Plan`] entries and their seeds.
+//! * `floor`: the best reachable loss and accuracy a data table gives
+//!   ([`DataSpec::loss_floor`]), for the training core and `harness verify`.
 //! * `standard`: the released standard suites, their tracks, and entering a
 //!   plugin into them.
 
+pub mod floor;
 pub mod limits;
 mod model;
 mod plan;

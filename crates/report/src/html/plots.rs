@@ -452,6 +452,7 @@ mod tests {
             rank: Some(1),
             tied: false,
             reference,
+            measured: crate::submissions::Measured::Operator { reruns: 1, claimed: vec![] },
         }
     }
 
@@ -467,6 +468,7 @@ mod tests {
             workloads: (0..n).map(|w| format!("w{w}")).collect(),
             second: Metric::TokensPerS,
             rows,
+            band: 0.3,
         }
     }
 

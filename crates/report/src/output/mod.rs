@@ -24,12 +24,13 @@ pub struct Written {
     pub submission_boards: usize,
 }
 
-/// Scores what was loaded and writes the board into `out_dir` (created if
-/// needed): the bundles' copies first, then `LEADERBOARD.md` and
+/// Scores what was loaded, with the operator's reproductions (`operator`,
+/// checked: [`crate::reproduction::load_signed`]), and writes the board
+/// into `out_dir` (created if needed): the bundles' copies first, then `LEADERBOARD.md` and
 /// `index.html`, each replaced atomically.
-pub fn write(out_dir: &Path, loaded: &Loaded) -> Result<Written> {
+pub fn write(out_dir: &Path, loaded: &Loaded, operator: &[crate::reproduction::Reproduced]) -> Result<Written> {
     let boards = crate::boards(&loaded.results);
-    let subs = submissions::boards(&loaded.bundles);
+    let subs = submissions::boards(&loaded.bundles, operator);
     copy_bundles(out_dir, loaded)?;
     for v in loaded.bundles.iter().filter(|v| v.ranks() && !v.files.links().is_empty()) {
         let page = html::submission_page::page(v, &subs);

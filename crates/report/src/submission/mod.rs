@@ -11,6 +11,7 @@ pub mod verify;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use harness_format::files as caps;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -100,8 +101,10 @@ pub fn default_bundle_path(result: &Path) -> PathBuf {
 /// bundle is assembled in a `.partial` folder and renamed into place, so a
 /// folder named like a bundle is always a whole one.
 pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
-    let raw = std::fs::read(result).with_context(|| format!("cannot read {}", result.display()))?;
-    let run = RunResult::read(result)?;
+    // The bytes bundled are the bytes parsed, read within the caps verify
+    // applies (docs/rules.md, "Size limits").
+    let raw = caps::read_capped(result, caps::RESULT_MAX_BYTES)?;
+    let run = RunResult::parse(&String::from_utf8_lossy(&raw), result)?;
     let Some(sub) = &run.submission else {
         bail!(
             "{} is not the result of a submission run (it has no `submission` record)\n\
@@ -114,10 +117,10 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
         bail!("{} already exists\nhint: remove it, or choose another folder with --out", out.display());
     }
     let log = opts.log.clone().unwrap_or_else(|| crate::results::log_path(result));
-    let log_text = match std::fs::read(&log) {
+    let log_text = match caps::read_capped(&log, caps::LOG_MAX_BYTES) {
         Ok(t) => Some(t),
-        Err(e) if opts.log.is_some() => bail!("cannot read the log {}: {e}", log.display()),
-        Err(_) => None,
+        Err(caps::FileError::Io { error, .. }) if opts.log.is_none() && error.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => bail!("the run's log cannot be bundled: {e}"),
     };
     // Read the artifacts first: a plugin rebuilt since the run is refused
     // before anything is written.
@@ -126,7 +129,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
     for p in &sub.entered {
         let mut file = None;
         if !opts.no_artifacts {
-            let bytes = std::fs::read(&p.path).with_context(|| {
+            let bytes = caps::read_regular(Path::new(&p.path), caps::PLUGIN_MAX_BYTES).with_context(|| {
                 format!(
                     "cannot read the entered plugin {} (its artifact goes into the bundle)\nhint: submit from the machine that ran, or pass --no-artifacts to bundle its sha256 and size only",
                     p.path
@@ -164,7 +167,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
     let mut files = Vec::new();
     let mut put = |rel: &str, bytes: &[u8]| -> Result<()> {
         let path = partial.join(rel);
-        std::fs::write(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        harness_format::outfile::write_new(&path, bytes)?;
         files.push(FileRef { path: rel.to_owned(), sha256: sha256_hex(bytes), bytes: bytes.len() as u64 });
         Ok(())
     };
@@ -193,7 +196,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
         plugins,
         files,
     };
-    std::fs::write(partial.join(MANIFEST), serde_json::to_string_pretty(&manifest)? + "\n")?;
+    harness_format::outfile::write_new(&partial.join(MANIFEST), (serde_json::to_string_pretty(&manifest)? + "\n").as_bytes())?;
     std::fs::rename(&partial, &out).with_context(|| format!("cannot move {} to {}", partial.display(), out.display()))?;
     Ok(out)
 }
@@ -213,6 +216,73 @@ pub fn entered_tracks(r: &RunResult) -> Vec<String> {
         })
         .cloned()
         .collect()
+}
+
+/// Version of the entered identity ([`identity`]): what it hashes.
+///
+/// Changelog:
+/// - 1: the released suite's sha256, the hardware class, the GPU count,
+///   the tracks, and each entered plugin's kind, artifact sha256 and
+///   configuration.
+pub const IDENTITY_VERSION: u32 = 1;
+
+/// What a submission run entered, the identity of a submission by what was
+/// measured rather than by the bundle's bytes (sha256, hex): the released
+/// suite's sha256, the hardware class, the GPU count, the tracks the
+/// plugin was entered in ([`entered_tracks`]) and each entered plugin's
+/// kind, artifact sha256 and configuration (its keys as TOML values, so
+/// spelling and order do not count), serialised canonically. The plan and
+/// seeds follow from these, so two results of one identity are runs of the
+/// same experiment: reruns, or copies whatever bytes were added to their
+/// bundles (a log line, a file, a field). Their names, versions and
+/// transports follow from the artifact's bytes (`harness verify` checks
+/// them), and the machine, times and figures are what was measured, so
+/// none of these count. The leaderboard pools the repeats of the bundles
+/// of one identity into one row per track ([`track_identity`]); `None`
+/// for a result that records no submission.
+pub fn identity(r: &RunResult) -> Option<String> {
+    entered_identity(r, &entered_tracks(r))
+}
+
+/// [`identity`] of the entry into one `track`: the same for a run entered
+/// in every track of the plugin's kind and one entered with `--track`, on
+/// that track.
+pub fn track_identity(r: &RunResult, track: &str) -> Option<String> {
+    entered_identity(r, &[track.to_owned()])
+}
+
+fn entered_identity(r: &RunResult, tracks: &[String]) -> Option<String> {
+    #[derive(Serialize)]
+    struct Entered<'a> {
+        identity: u32,
+        suite_sha256: &'a str,
+        hardware_class: Option<&'a str>,
+        gpus: u32,
+        tracks: Vec<&'a str>,
+        plugins: Vec<(&'a str, &'a str, serde_json::Value)>,
+    }
+    let sub = r.submission.as_ref()?;
+    let mut tracks: Vec<&str> = tracks.iter().map(String::as_str).collect();
+    tracks.sort_unstable();
+    tracks.dedup();
+    // The configuration as values (a JSON object's keys serialise sorted);
+    // text that is no TOML table counts as itself.
+    let config = |text: &str| match text.parse::<toml::Table>() {
+        Ok(t) => serde_json::to_value(t).unwrap_or_else(|_| text.into()),
+        Err(_) => text.into(),
+    };
+    let mut plugins: Vec<(&str, &str, serde_json::Value)> =
+        sub.entered.iter().map(|p| (p.kind.as_str(), p.sha256.as_str(), config(&p.config))).collect();
+    plugins.sort_by(|a, b| (a.0, a.1, a.2.to_string()).cmp(&(b.0, b.1, b.2.to_string())));
+    let entered = Entered {
+        identity: IDENTITY_VERSION,
+        suite_sha256: &r.suite.sha256,
+        hardware_class: sub.hardware_class.as_deref(),
+        gpus: sub.gpus,
+        tracks,
+        plugins,
+    };
+    Some(sha256_hex(&serde_json::to_vec(&entered).expect("an identity serialises")))
 }
 
 /// A bundle read back: its manifest and result, if they could be read.
@@ -235,7 +305,7 @@ impl Bundle {
         let m = dir.join(MANIFEST);
         let text = files::read(dir, MANIFEST, files::MANIFEST_CAP).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
         let manifest: Manifest = serde_json::from_slice(&text).with_context(|| format!("{} is not a bundle manifest", m.display()))?;
-        let raw = files::read(dir, RESULT, files::FILE_CAP).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
+        let raw = files::read(dir, RESULT, files::cap(RESULT)).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
         let result = RunResult::parse(&String::from_utf8_lossy(&raw), &dir.join(RESULT))?;
         Ok(Bundle { dir: dir.to_owned(), manifest, result })
     }

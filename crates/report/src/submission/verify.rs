@@ -7,7 +7,9 @@
 //! 1. files: every file the manifest lists is inside the bundle's folder,
 //!    a regular file within the size caps ([`super::files`]), with its size
 //!    and sha256;
-//! 2. result: the result file reads, and every planned entry has a result;
+//! 2. result: the result file reads, holds no field this harness does not
+//!    know, every planned entry has one result, labelled as planned, and
+//!    every finished entry has its metrics;
 //! 3. suite: byte-identical to a standard suite this harness releases;
 //! 4. plugin: each entered plugin's artifact is the one that ran (its
 //!    sha256, and the plugin records of the entries that ran it), it is a
@@ -25,8 +27,8 @@
 //!    warm-up, and its step histogram agrees with its step counts;
 //! 9. figures: every figure the tables and the leaderboard use is worked
 //!    out again from the raw records (histograms, curves, the suite's
-//!    batch, sequence length and targets, collective records) and compared
-//!    ([`figures`]);
+//!    batch, sequence length, targets and data table, collective records)
+//!    and compared ([`figures`]);
 //! 10. log and failures: no entry failed, and the run's log agrees with the
 //!     result: a line per entry, in the order the plan runs them, with the
 //!     result's figures, and no failure the result lacks ([`log`]);
@@ -135,6 +137,9 @@ pub fn verify(dir: &Path, inspect: Inspect) -> Verdict {
         );
         return v;
     };
+    if let Some(raw) = contents.get(RESULT) {
+        check_known_fields(raw, &result, &mut v);
+    }
     check_complete(&result, &mut v);
     let suite = check_suite(&contents, &manifest, &result, &mut v);
     let formats = check_plugins(&contents, &manifest, &sub, inspect, &mut v);
@@ -178,11 +183,11 @@ fn check_files(dir: &Path, m: &Manifest, v: &mut Verdict) -> Contents {
             v.add("files", format!("the manifest lists {} twice", f.path), RESUBMIT);
             continue;
         }
-        let cap = files::FILE_CAP.min(budget);
+        let cap = files::cap(&f.path).min(budget);
         if f.bytes > cap {
             v.add(
                 "files",
-                format!("the manifest says {} has {} bytes; verify reads at most {cap} bytes of it (a bundle's files: {} bytes each, {} in all)", f.path, f.bytes, files::FILE_CAP, files::TOTAL_CAP),
+                format!("the manifest says {} has {} bytes; verify reads at most {cap} bytes of it (a bundle's files: {} bytes each, {} in all; docs/rules.md, \"Size limits\")", f.path, f.bytes, files::cap(&f.path), files::TOTAL_CAP),
                 RESUBMIT,
             );
             continue;
@@ -211,7 +216,10 @@ fn check_files(dir: &Path, m: &Manifest, v: &mut Verdict) -> Contents {
     contents
 }
 
-/// Rule 2: every planned entry has a result.
+/// Rule 2: every planned entry has one result, labelled as its plan
+/// entry, nothing else has one, and every finished entry carries its
+/// figures: an entry `ok` without metrics would be skipped by every check
+/// below and by the board's pairing, which would then drop its repeat.
 fn check_complete(result: &RunResult, v: &mut Verdict) {
     let missing: Vec<&str> = result.plan.iter().filter(|p| !result.entries.iter().any(|e| e.id == p.id)).map(|p| p.id.as_str()).collect();
     if !missing.is_empty() || !result.complete {
@@ -225,6 +233,88 @@ fn check_complete(result: &RunResult, v: &mut Verdict) {
             ),
             "finish it with `harness run SUITE --plugin ... --out RESULT --resume`, then submit it again",
         );
+    }
+    let mut seen = BTreeSet::new();
+    let (mut twice, mut unplanned, mut relabelled, mut bare) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for e in &result.entries {
+        if !seen.insert(e.id.as_str()) {
+            twice.push(e.id.as_str());
+        }
+        match result.plan.iter().find(|p| p.id == e.id) {
+            None => unplanned.push(e.id.as_str()),
+            Some(p) if p.strategy.name != e.strategy || p.repeat != e.repeat || p.seed != e.seed => relabelled.push(format!(
+                "{} says strategy `{}`, repeat {}, seed {}; its plan entry `{}`, {}, {}",
+                e.id, e.strategy, e.repeat, e.seed, p.strategy.name, p.repeat, p.seed
+            )),
+            Some(_) => {}
+        }
+        if e.status == EntryStatus::Ok && e.metrics.is_none() {
+            bare.push(e.id.as_str());
+        }
+    }
+    const AS_WRITTEN: &str = "submit the result of the run as it was written: every planned entry has one result";
+    if !twice.is_empty() {
+        v.add("result", format!("entries have more than one result: {}", list(&twice)), AS_WRITTEN);
+    }
+    if !unplanned.is_empty() {
+        v.add("result", format!("entries have a result but are not in the plan: {}", list(&unplanned)), AS_WRITTEN);
+    }
+    if !relabelled.is_empty() {
+        v.add("result", format!("entries are labelled otherwise than their plan entry: {}", list(&relabelled)), AS_WRITTEN);
+    }
+    if !bare.is_empty() {
+        v.add(
+            "result",
+            format!(
+                "{} entries finished (`ok`) without metrics, so none of their figures can be checked or ranked: {}",
+                bare.len(),
+                list(&bare)
+            ),
+            "submit the result of the run as it was written: every finished entry records its figures",
+        );
+    }
+}
+
+/// Rule 2: the result file holds no field that this harness does not
+/// know. Such a field would be dropped when the result is read, so it
+/// changes nothing that is checked or ranked, only the bundle's bytes: a
+/// result this harness writes never has one. Every object key of the file
+/// must come back when the result as read is written again (fields that
+/// an older result format lacks are read with their defaults and written
+/// only when set, so older files still pass).
+fn check_known_fields(raw: &[u8], result: &RunResult, v: &mut Verdict) {
+    let (Ok(file), Ok(known)) = (serde_json::from_slice::<serde_json::Value>(raw), serde_json::to_value(result)) else { return };
+    let mut unknown = Vec::new();
+    unknown_keys(&file, &known, "", &mut unknown);
+    if !unknown.is_empty() {
+        v.add(
+            "result",
+            format!("{RESULT} has fields this harness does not know (they would be dropped unread): {}", list(&unknown)),
+            "submit the result of the run as it was written, without fields added to it",
+        );
+    }
+}
+
+/// The paths (`entries[3].metrics.extra`) of the object keys of `file`
+/// that `known` lacks.
+fn unknown_keys(file: &serde_json::Value, known: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match (file, known) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, x) in a {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                match b.get(k) {
+                    None => out.push(format!("`{p}`")),
+                    Some(y) => unknown_keys(x, y, &p, out),
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                unknown_keys(x, y, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -502,6 +592,18 @@ fn check_plan(released: &Suite, sub: &Submission, r: &RunResult, v: &mut Verdict
     }
     if !extra.is_empty() {
         v.add("plan", format!("the plan has entries the released suite does not: {}", list(&extra)), "run the released suite unchanged");
+    }
+    let relabelled: Vec<String> = r
+        .entries
+        .iter()
+        .filter_map(|e| {
+            let p = want.iter().find(|p| p.id == e.id)?;
+            let w = &suite.spec.workloads[p.workload].name;
+            (*w != e.workload).then(|| format!("{} says workload `{}`; the suite's entry is of `{w}`", e.id, e.workload))
+        })
+        .collect();
+    if !relabelled.is_empty() {
+        v.add("plan", format!("entries are labelled with another workload: {}", list(&relabelled)), "run the released suite unchanged");
     }
     for p in &want {
         let Some(g) = got.get(p.id.as_str()) else { continue };

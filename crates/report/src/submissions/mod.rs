@@ -3,17 +3,21 @@
 //! time to target relative to the track's baseline measured in the same
 //! run, with a performance profile across the track's workloads (as
 //! AlgoPerf scores submissions). Only bundles that verify (which makes
-//! them official too) are ranked, each content once; the others, and the
-//! copies of a ranked bundle under other folder names, are listed apart
-//! with the reason ([`apart`]) and never reach a table.
+//! them official too) are ranked, one row per entered identity and track
+//! ([`crate::submission::track_identity`]: what was measured, not the
+//! bundle's bytes), pooling the repeats of every bundle of it ([`boards`]);
+//! the others, and the byte-for-byte copies of a ranked bundle under other
+//! folder names, are listed apart with the reason ([`apart`]) and never
+//! reach a table.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use super::stats::Summary;
 use super::Metric;
 use crate::escape::{self, md, md_code, Markup};
-use crate::results::{EnteredPlugin, EntryStatus, RunResult};
+use crate::reproduction::{Reproduced, Tolerance};
+use crate::results::{EnteredPlugin, EntryResult, EntryStatus, RunResult};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
 use crate::suite::Suite;
@@ -43,7 +47,8 @@ pub struct Verified {
 
 impl Verified {
     /// Whether it is ranked: it verifies and is not a copy of a bundle
-    /// given before it.
+    /// given before it. Its repeats are pooled into the row of its entered
+    /// identity ([`boards`]), which names the first such bundle given.
     pub fn ranks(&self) -> bool {
         self.verdict.verified() && self.same_as.is_none()
     }
@@ -122,8 +127,28 @@ pub struct SubBoard {
     /// The metric shown next to time to target (not ranked on): goodput
     /// for checkpoint policies, throughput for the other kinds.
     pub second: Metric,
-    /// The ranked rows and the baseline's reference row, best first.
+    /// The ranked rows and the baseline's reference row, best first; then
+    /// the rows that are shown but not ranked (self-reported, or not
+    /// reproduced).
     pub rows: Vec<SubRow>,
+    /// The hardware class's timing band ([`crate::reproduction::Tolerance`]):
+    /// how far two honest runs of the same work differ. Two rows are told
+    /// apart only by more than this ([`faster_beyond_doubt`]).
+    pub band: f64,
+}
+
+/// Who measured a row's figures.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Measured {
+    /// The operator: `reruns` reruns (`harness reproduce`, signed records
+    /// that say reproduced), their repeats pooled; what the bundles
+    /// claimed is kept beside, per workload, for the reader.
+    Operator { reruns: usize, claimed: Vec<Option<Summary>> },
+    /// Only the submitter's own runs: shown, never ranked.
+    SelfReported,
+    /// The operator reran a bundle of it and the rerun did not match the
+    /// claim: shown with the first difference, never ranked.
+    NotReproduced { why: String },
 }
 
 /// One submission on one track.
@@ -133,14 +158,16 @@ pub struct SubRow {
     pub plugin: String,
     pub version: String,
     pub sha256: String,
-    /// The bundle's folder as it was given (shown as text, never linked).
+    /// The bundle's folder as it was given (shown as text, never linked):
+    /// the first given of the bundles the row pools.
     pub bundle: PathBuf,
     /// Its files in the board's folder (the links).
     pub files: Files,
     /// The name of its submission strategy on this track in the
     /// per-workload tables ([`strategy_name`]).
     pub strategy: String,
-    /// Per workload: time to target / the baseline's, paired by repeat.
+    /// Per workload: time to target / the baseline's, paired by repeat,
+    /// over the repeats of every bundle the row pools.
     pub ratios: Vec<Option<Summary>>,
     /// Per workload: repeats that reached the target, of those that ran.
     pub reached: Vec<(usize, usize)>,
@@ -159,11 +186,29 @@ pub struct SubRow {
     /// The track's baseline, ratio 1 by definition: listed for reference
     /// among the ranked rows, never ranked itself.
     pub reference: bool,
+    /// Whose measurements `ratios`, `reached` and `second` are.
+    pub measured: Measured,
 }
 
 impl SubRow {
+    /// Whether it is ranked: a submission the operator measured.
     pub fn ranked(&self) -> bool {
-        !self.reference
+        !self.reference && matches!(self.measured, Measured::Operator { .. })
+    }
+
+    /// Who measured it, as a cell: "operator, 2 reruns (claimed 0.52, 0.81)",
+    /// "self-reported", "NOT reproduced: ...".
+    pub fn measured_cell(&self) -> String {
+        match &self.measured {
+            _ if self.reference => "-".into(),
+            Measured::Operator { reruns, claimed } => {
+                let claims: Vec<String> =
+                    claimed.iter().map(|c| c.as_ref().map_or("-".into(), |c| format!("{:.3}", c.olympic_mean))).collect();
+                format!("operator, {reruns} rerun{} (claimed {})", if *reruns == 1 { "" } else { "s" }, claims.join(", "))
+            }
+            Measured::SelfReported => "self-reported (not reproduced by the operator): not ranked".into(),
+            Measured::NotReproduced { why } => format!("NOT reproduced: {why}"),
+        }
     }
 
     fn baseline(b: &SubBoard, runs: usize) -> SubRow {
@@ -182,6 +227,7 @@ impl SubRow {
             rank: None,
             tied: false,
             reference: true,
+            measured: Measured::SelfReported,
         }
     }
 
@@ -195,24 +241,42 @@ impl SubRow {
     }
 }
 
-/// The boards of the ranked bundles' tracks ([`Verified::ranks`]): a
-/// bundle that does not verify, or a copy of one given before, has no row.
-pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
-    let mut by_key: BTreeMap<(String, String, String, u32, String), SubBoard> = BTreeMap::new();
-    for v in bundles.iter().filter(|v| v.ranks()) {
+/// The boards of the verified bundles' tracks: one row per entered
+/// identity ([`crate::submission::track_identity`]: the released suite,
+/// hardware class, GPU count, track, and the plugin's artifact and
+/// configuration) on each track it was entered in, whatever the number of
+/// bundles. The row pools the repeats of all of its bundles (each repeat
+/// once, however many bundles carry it: [`pooled`]), so that neither
+/// several runs nor one run in several bundles can put a best foot
+/// forward; it names and links the first of them given that ranks.
+/// A bundle that does not verify has no row and adds no repeat.
+///
+/// Only the operator's measurements rank ([`Measured`]): a row whose
+/// identity the operator reproduced (`operator`: signed records, checked,
+/// with their reruns) shows and is ranked on the reruns' figures, pooled
+/// over the reruns, with the bundles' claim beside; a row the operator has
+/// not reproduced is shown as self-reported, and one whose reproduction
+/// failed with the first difference, neither ranked.
+pub fn boards(bundles: &[Verified], operator: &[Reproduced]) -> Vec<SubBoard> {
+    type Key = (String, String, String, u32, String);
+    let mut by_key: BTreeMap<Key, SubBoard> = BTreeMap::new();
+    // The rows of each board: its entered identities, each with its bundles
+    // in the order given.
+    let mut rows: BTreeMap<Key, Vec<(String, Vec<&Verified>)>> = BTreeMap::new();
+    for v in bundles.iter().filter(|v| v.verdict.verified()) {
         let r = &v.bundle.result;
         let Some(sub) = &r.submission else { continue };
         let Ok(suite) = Suite::parse(Path::new(&r.suite.path), r.suite.text.clone()) else { continue };
-        let Some(plugin) = sub.entered.first() else { continue };
         // Only the tracks it was entered in: a compressor run without
         // `--track` ran beside the other kinds' baselines, not in their
         // tracks.
         for track in &crate::submission::entered_tracks(r) {
             let Some(t) = suite.spec.tracks.iter().find(|t| &t.name == track) else { continue };
+            let Some(id) = crate::submission::track_identity(r, track) else { continue };
             let version = sub.suite_version.clone().unwrap_or_else(|| "-".into());
             let hardware = sub.hardware_class.clone().unwrap_or_else(|| "-".into());
             let key = (r.suite.name.clone(), version.clone(), hardware.clone(), sub.gpus, track.clone());
-            let board = by_key.entry(key).or_insert_with(|| SubBoard {
+            by_key.entry(key.clone()).or_insert_with(|| SubBoard {
                 suite: r.suite.name.clone(),
                 version,
                 hardware,
@@ -222,20 +286,52 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 workloads: t.workloads.clone(),
                 second: if t.kind == "checkpoint-policy" { Metric::Goodput } else { Metric::TokensPerS },
                 rows: Vec::new(),
+                band: Tolerance::for_class(sub.hardware_class.as_deref()).time_band,
             });
-            let strategy = format!("submission-{track}");
-            let (ratios, reached) = board.workloads.iter().map(|w| time_ratios(r, w, &strategy, &t.baseline)).unzip();
-            let second = board
-                .workloads
+            let ids = rows.entry(key).or_default();
+            match ids.iter_mut().find(|(i, _)| *i == id) {
+                Some((_, vs)) => vs.push(v),
+                None => ids.push((id, vec![v])),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (key, mut board) in by_key {
+        let strategy = format!("submission-{}", board.track);
+        for (id, vs) in rows.remove(&key).unwrap_or_default() {
+            let first = vs.iter().find(|v| v.ranks()).unwrap_or(&vs[0]);
+            let Some(plugin) = first.bundle.result.submission.as_ref().and_then(|s| s.entered.first()) else { continue };
+            let claims: Vec<&RunResult> = vs.iter().map(|v| &v.bundle.result).collect();
+            // The operator's records of this identity: its reruns carry the
+            // same released suite, artifact, configuration and track.
+            let records: Vec<&Reproduced> = operator
                 .iter()
-                .map(|w| paired(r, w, &strategy, &t.baseline, board.second).map(|(s, _)| s).unwrap_or(None))
+                .filter(|o| {
+                    o.record.bundle.plugin_sha256 == plugin.sha256
+                        && crate::submission::track_identity(&o.rerun, &board.track).as_deref() == Some(id.as_str())
+                })
                 .collect();
+            let reruns: Vec<&RunResult> = records.iter().filter(|o| o.record.reproduced).map(|o| &o.rerun).collect();
+            let failed = records.iter().find(|o| !o.record.reproduced);
+            let claimed: Vec<Option<Summary>> =
+                board.workloads.iter().map(|w| pooled(&claims, w, &strategy, &board.baseline, Metric::TimeToTarget).0).collect();
+            let (results, measured) = if !reruns.is_empty() {
+                (reruns.clone(), Measured::Operator { reruns: reruns.len(), claimed })
+            } else if let Some(o) = failed {
+                let why = o.record.comparison.differences.first().map_or_else(|| "the rerun differs".to_owned(), |d| d.to_string());
+                (claims.clone(), Measured::NotReproduced { why })
+            } else {
+                (claims.clone(), Measured::SelfReported)
+            };
+            let (ratios, reached) =
+                board.workloads.iter().map(|w| pooled(&results, w, &strategy, &board.baseline, Metric::TimeToTarget)).unzip();
+            let second = board.workloads.iter().map(|w| pooled(&results, w, &strategy, &board.baseline, board.second).0).collect();
             board.rows.push(SubRow {
                 plugin: plugin.name.clone(),
                 version: plugin.version.clone(),
                 sha256: plugin.sha256.clone(),
-                bundle: v.bundle.dir.clone(),
-                files: v.files.clone(),
+                bundle: first.bundle.dir.clone(),
+                files: first.files.clone(),
                 strategy: strategy_name(plugin, &strategy),
                 ratios,
                 reached,
@@ -244,48 +340,59 @@ pub fn boards(bundles: &[Verified]) -> Vec<SubBoard> {
                 rank: None,
                 tied: false,
                 reference: false,
+                measured,
             });
         }
-    }
-    let mut out: Vec<SubBoard> = by_key.into_values().collect();
-    for b in &mut out {
-        let reference = SubRow::baseline(b, 0);
-        b.rows.push(reference);
-        score(b);
+        let reference = SubRow::baseline(&board, 0);
+        board.rows.push(reference);
+        score(&mut board);
+        out.push(board);
     }
     out
 }
 
 /// A metric of the submission over the baseline's, repeat by repeat (the
-/// two share the repeat's seed and ran side by side): their summary, and
-/// how many of the submission's repeats have the metric, of those that ran.
-/// None when the submission lacks it in a repeat.
-fn paired(r: &RunResult, workload: &str, strategy: &str, baseline: &str, metric: Metric) -> Option<(Option<Summary>, (usize, usize))> {
-    let of = |st: &str| -> BTreeMap<u32, Option<f64>> {
-        r.entries
-            .iter()
-            .filter(|e| e.workload == workload && e.strategy == st)
-            .map(|e| {
-                let x = match (&e.status, &e.metrics) {
-                    (EntryStatus::Ok, Some(m)) => metric.value(m),
-                    _ => None,
-                };
-                (e.repeat, x)
-            })
-            .collect()
+/// two share the repeat's seed and ran side by side in one run), pooled
+/// over the runs `results` of one entered identity: their summary, and how
+/// many of the submission's repeats have the metric, of those that ran.
+/// A repeat is the pair of its two entries' records: one that several
+/// results carry (copies of one run in bundles that differ by a log line,
+/// a file or a field) counts once. The summary is none when a repeat of
+/// the submission lacks the metric (for time to target: missed the
+/// target).
+fn pooled(results: &[&RunResult], workload: &str, strategy: &str, baseline: &str, metric: Metric) -> (Option<Summary>, (usize, usize)) {
+    let value = |e: &EntryResult| match (&e.status, &e.metrics) {
+        (EntryStatus::Ok, Some(m)) => metric.value(m),
+        _ => None,
     };
-    let (sub, base) = (of(strategy), of(baseline));
-    let have = (sub.values().filter(|x| x.is_some()).count(), sub.len());
-    if have.0 < have.1 || have.1 == 0 {
-        return Some((None, have));
+    let mut seen = BTreeSet::new();
+    let mut xs = Vec::new();
+    let mut have = (0, 0);
+    for r in results {
+        let of = |st: &str| -> BTreeMap<u32, &EntryResult> {
+            r.entries.iter().filter(|e| e.workload == workload && e.strategy == st).map(|e| (e.repeat, e)).collect()
+        };
+        let base = of(baseline);
+        for (rep, e) in of(strategy) {
+            let b = base.get(&rep).copied();
+            let record = serde_json::to_vec(&(e, b)).expect("entries serialise");
+            if !seen.insert(crate::submission::sha256_hex(&record)) {
+                continue;
+            }
+            let x = value(e);
+            have.1 += 1;
+            if let Some(x) = x {
+                have.0 += 1;
+                if let Some(b) = b.and_then(value) {
+                    xs.push(x / b);
+                }
+            }
+        }
     }
-    let xs: Vec<f64> = sub.iter().filter_map(|(rep, x)| Some((*x)? / base.get(rep).copied().flatten()?)).collect();
-    Some((Summary::of(&xs), have))
-}
-
-/// Time to target over the baseline's, and the repeats that reached it.
-fn time_ratios(r: &RunResult, workload: &str, strategy: &str, baseline: &str) -> (Option<Summary>, (usize, usize)) {
-    paired(r, workload, strategy, baseline, Metric::TimeToTarget).unwrap_or((None, (0, 0)))
+    if have.0 < have.1 || have.1 == 0 {
+        return (None, have);
+    }
+    (Summary::of(&xs), have)
 }
 
 /// Performance profile and rank. On each workload, a submission's ratio is
@@ -312,7 +419,7 @@ fn score(b: &mut SubBoard) {
         (xs.iter().map(|x| x.ln()).sum::<f64>() / xs.len().max(1) as f64).exp()
     };
     b.rows.sort_by(|x, y| y.profile.total_cmp(&x.profile).then(geo(x).total_cmp(&geo(y))));
-    share_ranks(&mut b.rows);
+    share_ranks(&mut b.rows, b.band);
 }
 
 /// Ranks the rows, in the order of their score: a row's rank is 1 plus
@@ -320,9 +427,9 @@ fn score(b: &mut SubBoard) {
 /// some workload ([`faster_beyond_doubt`]); rows that nothing separates
 /// share a rank and are marked tied. The order is then by rank (a row is
 /// never listed below one it ranks above), the score's order within a rank.
-fn share_ranks(rows: &mut Vec<SubRow>) {
+fn share_ranks(rows: &mut Vec<SubRow>, band: f64) {
     let ranks: Vec<Option<usize>> = (0..rows.len())
-        .map(|i| rows[i].ranked().then(|| 1 + rows[..i].iter().filter(|a| a.ranked() && faster_beyond_doubt(a, &rows[i])).count()))
+        .map(|i| rows[i].ranked().then(|| 1 + rows[..i].iter().filter(|a| a.ranked() && faster_beyond_doubt(a, &rows[i], band)).count()))
         .collect();
     for (r, k) in rows.iter_mut().zip(ranks) {
         r.rank = k;
@@ -331,8 +438,17 @@ fn share_ranks(rows: &mut Vec<SubRow>) {
     let mut keyed: Vec<(usize, SubRow)> = Vec::with_capacity(rows.len());
     let mut last = 0;
     for r in rows.drain(..) {
-        last = r.rank.unwrap_or(last);
-        keyed.push((last, r));
+        // Rows shown but not ranked go last; the reference row keeps its
+        // place among the ranked ones.
+        let at = match (r.rank, r.reference) {
+            (Some(k), _) => {
+                last = k;
+                k
+            }
+            (None, true) => last,
+            (None, false) => usize::MAX,
+        };
+        keyed.push((at, r));
     }
     keyed.sort_by_key(|(k, _)| *k);
     rows.extend(keyed.into_iter().map(|(_, r)| r));
@@ -346,11 +462,14 @@ fn share_ranks(rows: &mut Vec<SubRow>) {
 }
 
 /// Whether `a` is faster than `b` beyond doubt on some workload of the
-/// track: its ratio's 95% interval lies wholly below `b`'s (a ratio of
-/// one repeat is its own interval), or `a` reached a target `b` missed.
-pub fn faster_beyond_doubt(a: &SubRow, b: &SubRow) -> bool {
+/// track: its ratio's 95% interval, widened by the class's timing band
+/// (`band`: how far two honest runs of the same work differ, which
+/// intervals over one run's repeats do not see), lies wholly below `b`'s
+/// (a ratio of one repeat is its own interval), or `a` reached a target
+/// `b` missed.
+pub fn faster_beyond_doubt(a: &SubRow, b: &SubRow, band: f64) -> bool {
     a.ratios.iter().zip(&b.ratios).any(|(x, y)| match (x, y) {
-        (Some(x), Some(y)) => interval(x).1 < interval(y).0,
+        (Some(x), Some(y)) => interval(x).1 * (1.0 + band) < interval(y).0,
         (Some(_), None) => true,
         _ => false,
     })
@@ -416,14 +535,21 @@ pub fn title(b: &SubBoard, m: Markup) -> String {
     )
 }
 
-pub const EXPLAINED: &str = "Per standard suite version, hardware class, GPU count and track. Each workload's cell is the \
-submission's time to target divided by the track baseline's, measured in the same run and paired by repeat (olympic mean \
-and bootstrap 95% interval; below 1 is faster than the baseline), and next to it, not ranked on, the same ratio of goodput \
-(checkpointing tracks) or tokens/s (the others; above 1 is more). The profile score is the area under the performance \
-profile over τ in [1, 4] (AlgoPerf): 1.00 means the best ratio on every workload, 0 a missed target or 4× the best \
-everywhere. Only bundles that `harness verify` accepts are ranked, each content once; the others, and copies of a ranked \
-bundle under other folder names, are listed apart with the reasons. Each bundle's result.json and MANIFEST.json are \
-copied into bundles/ beside this board, named by the bundle's content hash, and the links go there.";
+pub const EXPLAINED: &str = "Per standard suite version, hardware class, GPU count and track. Only what the operator \
+measured is ranked: a row's figures are those of the operator's reruns (`harness reproduce`, signed records checked against \
+the operator's public key, each rerun's result beside its record), pooled over the reruns, with what the bundles claimed \
+beside them; a verified bundle that no record reproduces is shown as self-reported, and one whose rerun did not match its \
+claim as not reproduced, neither ranked. Each workload's cell is the submission's time to target divided by the track \
+baseline's, measured in the same run and paired by repeat (olympic mean and bootstrap 95% interval; below 1 is faster than \
+the baseline), and next to it, not ranked on, the same ratio of goodput (checkpointing tracks) or tokens/s (the others; \
+above 1 is more). The profile score is the area under the performance profile over τ in [1, 4] (AlgoPerf): 1.00 means the \
+best ratio on every workload, 0 a missed target or 4× the best everywhere. A row ranks above another only when it is faster \
+beyond doubt on some workload: its interval, widened by the hardware class's timing band (how far two honest runs of the \
+same work differ, docs/rules.md), lies wholly below the other's; rows that nothing separates share a rank. One row per \
+entered identity (the released suite, the artifact, its configuration, the track), whatever the number of bundles: their \
+repeats are pooled, each once. Bundles that do not verify, and byte-for-byte copies, are listed apart with the reasons. \
+Each bundle's result.json and MANIFEST.json are copied into bundles/ beside this board, named by the bundle's content \
+hash, and the links go there.";
 
 /// The bundles listed apart, in the order given: those that do not verify
 /// and the copies of a ranked one.
@@ -459,7 +585,7 @@ pub fn markdown(boards: &[SubBoard], bundles: &[Verified]) -> String {
         let mut header = vec!["rank".to_owned(), "plugin".into(), "sha256".into()];
         header.extend(b.workloads.iter().map(|w| format!("{} (time vs baseline)", md(w))));
         header.extend(b.workloads.iter().map(|w| format!("{} ({} vs baseline)", md(w), b.second.name())));
-        header.extend(["profile".into(), "bundle".into()]);
+        header.extend(["profile".into(), "measured by".into(), "bundle".into()]);
         out.push_str(&format!("| {} |\n|{}|\n", header.join(" | "), vec![" --- "; header.len()].join("|")));
         for r in &b.rows {
             let sha = if r.reference { "-".into() } else { md_code(short(&r.sha256)) };
@@ -467,6 +593,7 @@ pub fn markdown(boards: &[SubBoard], bundles: &[Verified]) -> String {
             cells.extend(r.ratios.iter().zip(&r.reached).map(|(s, n)| ratio_cell(s, *n, !r.reference)));
             cells.extend(r.second.iter().map(|s| ratio_cell(s, (0, 0), false)));
             cells.push(format!("{:.2}", r.profile));
+            cells.push(md(&r.measured_cell()));
             cells.push(if r.reference { "-".into() } else { bundle_cell(&r.bundle, &r.files) });
             out.push_str(&format!("| {} |\n", cells.join(" | ")));
         }

@@ -378,14 +378,7 @@ pub fn crop_flip(px: &[f32], channels: usize, size: usize, pad: usize, dy: usize
     out
 }
 
-/// Entropy (nats) of a label that is the true class with probability
-/// `1 - p` and each of the other `k - 1` classes with probability
-/// `p / (k - 1)`.
-pub fn label_noise_entropy(p: f64, k: usize) -> f64 {
-    let keep = if p < 1.0 { -(1.0 - p) * (1.0 - p).ln() } else { 0.0 };
-    let flip = if p > 0.0 { -p * (p / (k as f64 - 1.0)).ln() } else { 0.0 };
-    keep + flip
-}
+pub use crate::suite::floor::label_noise_entropy;
 
 #[cfg(test)]
 mod tests {

@@ -27,6 +27,7 @@ use tch::{Device, Kind, Tensor};
 pub mod images;
 pub mod pairs;
 
+use crate::suite::floor::{markov_entropy_rate, MarkovTransitions, DEFAULT_DATA_SEED};
 use crate::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
 use images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
 pub use pairs::Translation;
@@ -48,32 +49,12 @@ pub struct MarkovChain {
 }
 
 impl MarkovChain {
-    /// A seeded chain. Every state `s` has `s + 1 mod vocab` among its
-    /// successors (so the chain is irreducible); state 0 also has itself
-    /// when `branching > 1` (so it is aperiodic).
+    /// A seeded chain ([`MarkovTransitions`], which the data's recorded
+    /// floor is worked out from): every state `s` has `s + 1 mod vocab`
+    /// among its successors (so the chain is irreducible); state 0 also has
+    /// itself when `branching > 1` (so it is aperiodic).
     pub fn new(vocab: usize, branching: usize, seed: u64) -> Self {
-        assert!(vocab >= 2 && (1..=vocab).contains(&branching));
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let k = branching;
-        let mut succ = Vec::with_capacity(vocab * k);
-        let mut probs = Vec::with_capacity(vocab * k);
-        for s in 0..vocab {
-            let mut chosen = vec![((s + 1) % vocab) as u32];
-            if s == 0 && k > 1 {
-                chosen.push(0);
-            }
-            while chosen.len() < k {
-                let t = rng.random_range(0..vocab as u32);
-                if !chosen.contains(&t) {
-                    chosen.push(t);
-                }
-            }
-            // Dirichlet(1) weights: normalised exponentials.
-            let w: Vec<f64> = (0..k).map(|_| -(1.0 - rng.random::<f64>()).ln() + 1e-3).collect();
-            let total: f64 = w.iter().sum();
-            succ.extend(chosen);
-            probs.extend(w.iter().map(|x| x / total));
-        }
+        let MarkovTransitions { vocab, branching: k, succ, probs, stationary } = MarkovTransitions::new(vocab, branching, seed);
         let mut cum = Vec::with_capacity(vocab * k);
         for s in 0..vocab {
             let mut acc = 0.0;
@@ -82,7 +63,6 @@ impl MarkovChain {
                 cum.push(acc);
             }
         }
-        let stationary = stationary(vocab, k, &succ, &probs);
         let mut stationary_cum = Vec::with_capacity(vocab);
         let mut acc = 0.0;
         for p in &stationary {
@@ -107,14 +87,10 @@ impl MarkovChain {
         (0..self.k).filter(|&j| self.succ[s * self.k + j] as usize == t).map(|j| self.probs[s * self.k + j]).sum()
     }
 
-    /// Entropy rate in nats: the lowest expected next-token loss.
+    /// Entropy rate in nats: the lowest expected next-token loss (the
+    /// data's floor, [`crate::suite::DataSpec::loss_floor`]).
     pub fn entropy_rate(&self) -> f64 {
-        (0..self.vocab)
-            .map(|s| {
-                let h: f64 = self.probs[s * self.k..(s + 1) * self.k].iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
-                self.stationary[s] * h
-            })
-            .sum()
+        markov_entropy_rate(self.k, &self.probs, &self.stationary)
     }
 
     fn draw(cum: &[f64], u: f64) -> usize {
@@ -130,33 +106,6 @@ impl MarkovChain {
             s = self.succ[s * self.k + j] as usize;
         }
     }
-}
-
-/// Stationary distribution by lazy power iteration, pi <- (pi + pi P) / 2,
-/// which converges for any irreducible chain, periodic or not.
-fn stationary(vocab: usize, k: usize, succ: &[u32], probs: &[f64]) -> Vec<f64> {
-    let mut pi = vec![1.0 / vocab as f64; vocab];
-    let mut next = vec![0.0; vocab];
-    for _ in 0..1_000_000 {
-        next.iter_mut().for_each(|x| *x = 0.0);
-        for s in 0..vocab {
-            for j in 0..k {
-                next[succ[s * k + j] as usize] += pi[s] * probs[s * k + j];
-            }
-        }
-        let mut diff = 0.0;
-        for s in 0..vocab {
-            let v = 0.5 * (pi[s] + next[s]);
-            diff += (v - pi[s]).abs();
-            pi[s] = v;
-        }
-        if diff < 1e-15 {
-            break;
-        }
-    }
-    let total: f64 = pi.iter().sum();
-    pi.iter_mut().for_each(|x| *x /= total);
-    pi
 }
 
 /// A memory-mapped u16 token file.
@@ -532,7 +481,7 @@ impl Data {
                 // The chain is the task: fixed by the suite's data seed (or a
                 // default), not by the repeat, so every repeat learns the same
                 // distribution from different samples and initialisations.
-                let chain = MarkovChain::new(*vocab as usize, *branching as usize, s.unwrap_or(0x5eed));
+                let chain = MarkovChain::new(*vocab as usize, *branching as usize, s.unwrap_or(DEFAULT_DATA_SEED));
                 let floor = chain.entropy_rate();
                 let src = Arc::new(SampleSource::Markov(chain));
                 (src.clone(), src, Some(floor), None)
@@ -562,12 +511,12 @@ impl Data {
                 (Arc::new(train_src), Arc::new(eval_src), None, None)
             }
             DataSpec::Regression { noise, seed: s, .. } => {
-                let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(0x5eed));
+                let mut rng = ChaCha8Rng::seed_from_u64(s.unwrap_or(DEFAULT_DATA_SEED));
                 let w: Vec<f32> = (0..dim).map(|_| normal(&mut rng) as f32).collect();
                 let w = Tensor::from_slice(&w);
                 let w = (&w / w.norm()).to_device(device);
                 let src = Arc::new(SampleSource::Gaussian { dim });
-                (src.clone(), src, Some(noise * noise), Some((w, *noise)))
+                (src.clone(), src, spec.loss_floor(), Some((w, *noise)))
             }
             DataSpec::Images { classes, image_size, channels, noise, label_noise, augment, padding, seed: s, .. } => {
                 let spec = ImageSpec {
@@ -577,7 +526,7 @@ impl Data {
                     noise: *noise,
                     label_noise: *label_noise,
                     padding: *padding as usize,
-                    seed: s.unwrap_or(0x5eed),
+                    seed: s.unwrap_or(DEFAULT_DATA_SEED),
                 };
                 // Training samples are augmented, eval samples only normalised.
                 let train = ImageSource::new(spec, *augment)?;
@@ -588,7 +537,7 @@ impl Data {
             DataSpec::Pairs { vocab, noise, seed: s } => {
                 // The dictionary is the task, fixed by the data seed as the
                 // Markov chain is.
-                let task = Translation::new(*vocab as usize, *noise, s.unwrap_or(0x5eed));
+                let task = Translation::new(*vocab as usize, *noise, s.unwrap_or(DEFAULT_DATA_SEED));
                 let floor = task.floor();
                 let src = Arc::new(SampleSource::Pairs(task));
                 (src.clone(), src, Some(floor), None)

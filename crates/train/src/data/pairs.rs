@@ -88,19 +88,16 @@ impl Translation {
         }
     }
 
-    /// The best reachable mean cross-entropy per target token (nats).
+    /// The best reachable mean cross-entropy per target token (nats),
+    /// [`crate::suite::floor::translation_floor`].
     pub fn floor(&self) -> f64 {
-        let m = self.words() as f64;
-        let r = self.noise / m;
-        let q = 1.0 - self.noise + r;
-        let xlnx = |x: f64| if x > 0.0 { x * x.ln() } else { 0.0 };
-        -(xlnx(q) + (m - 1.0) * xlnx(r))
+        crate::suite::floor::translation_floor(self.vocab, self.noise)
     }
 
     /// The best reachable top-1 accuracy per target token: the dictionary's
     /// word is right with probability `q`.
     pub fn best_accuracy(&self) -> f64 {
-        1.0 - self.noise + self.noise / self.words() as f64
+        crate::suite::floor::translation_best_accuracy(self.vocab, self.noise)
     }
 }
 

@@ -4,6 +4,9 @@
 //!
 //! - latency summaries (step, phases, host phases, collectives, plugin
 //!   calls) from their HDR histograms, which they are computed from;
+//! - the data's loss floor and best accuracy from the suite's data table
+//!   (the same arithmetic that recorded them, `suite::floor`), to the
+//!   last digits, and the target loss from that floor;
 //! - tokens and samples from the batches in force (the suite's batch, or
 //!   the batch policy's recorded changes) x `seq_len` x ranks x steps;
 //!   throughput from them and the step histogram's time, train time from
@@ -29,7 +32,7 @@ use std::collections::BTreeMap;
 use super::{close, Suite, Verdict};
 use crate::measure::LatencySummary;
 use crate::results::{EntryResult, EntryStatus, Metrics, RunResult};
-use crate::suite::{DataSpec, ModelConfig, PlanEntry, Workload};
+use crate::suite::{DataSpec, ModelConfig, ModelKind, PlanEntry, Workload};
 use harness_format::link::Op;
 
 const TODO: &str = "submit the result of the run as it was written: verify works these figures out again from the records they come from";
@@ -37,6 +40,13 @@ const TODO: &str = "submit the result of the run as it was written: verify works
 /// Figures that are functions of recorded ones: equal but for the
 /// rounding of their JSON text.
 const EXACT: f64 = 1e-9;
+/// The data's floor, worked out again on another machine: its logarithms
+/// (libm's) may round the last bit otherwise, and the synthetic data's
+/// floor sums hundreds of thousands of them (results/ holds GPT-2's
+/// 50304-token floor as 1.0850250618108261 and as 1.085025061810826 from
+/// two hosts). Twelve significant digits: room for the last bits, none
+/// for a floor moved by any amount that shifts a target.
+const FLOOR: f64 = 1e-12;
 /// The HDR histograms' precision (3 significant digits), for sums of
 /// their values.
 const HDR: f64 = 2e-3;
@@ -62,9 +72,13 @@ impl Findings<'_> {
 /// figures a workload's entries share.
 pub(super) fn check(suite: &Suite, r: &RunResult, v: &mut Verdict) {
     let mut out = Vec::new();
+    // A workload's floor, worked out once (the synthetic data's is a
+    // Markov chain's entropy rate).
+    let mut floors: BTreeMap<&str, Option<f64>> = BTreeMap::new();
     for e in &r.entries {
         let (EntryStatus::Ok, Some(m)) = (&e.status, &e.metrics) else { continue };
         let Some(w) = suite.spec.workloads.iter().find(|w| w.name == e.workload) else { continue };
+        let floor = *floors.entry(&w.name).or_insert_with(|| w.data.loss_floor());
         let plan = r.plan.iter().find(|p| p.id == e.id);
         let mut f = Findings { id: &e.id, out: Vec::new() };
         summaries(e, m, &mut f);
@@ -75,11 +89,12 @@ pub(super) fn check(suite: &Suite, r: &RunResult, v: &mut Verdict) {
             host_time(e, m, h, &mut f);
         }
         model(suite, w, m, &mut f);
+        data(w, m, floor, &mut f);
         curves(m, &mut f);
         if let Some(h) = &step {
             loss_span(m, h, &mut f);
         }
-        targets(w, m, &mut f);
+        targets(w, m, floor, &mut f);
         if let Some(b) = &batches {
             eval_points(w, m, b, &mut f);
         }
@@ -325,6 +340,40 @@ fn model(suite: &Suite, w: &Workload, m: &Metrics, f: &mut Findings) {
     }
 }
 
+/// The data's floor and best accuracy, as the suite's data table gives
+/// them (`floor`, [`DataSpec::loss_floor`]): the run recorded them with
+/// the same arithmetic and JSON carries an f64 exactly, so they agree to
+/// the last digits, within [`FLOOR`].
+fn data(w: &Workload, m: &Metrics, floor: Option<f64>, f: &mut Findings) {
+    let kind = match &w.data {
+        DataSpec::Synthetic { .. } => "synthetic",
+        DataSpec::Bin { .. } => "bin",
+        DataSpec::Regression { .. } => "regression",
+        DataSpec::Images { .. } => "images",
+        DataSpec::Pairs { .. } => "pairs",
+    };
+    let source = format!("the suite's `{kind}` data table");
+    let same = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => close(a, b, FLOOR),
+        (a, b) => a.is_none() && b.is_none(),
+    };
+    if !same(m.loss_floor, floor) {
+        f.differs("the data's loss floor", show(m.loss_floor), &source, show(floor));
+    }
+    // Only classifiers record the best accuracy.
+    let classifies = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).is_ok_and(|c| c.kind == ModelKind::Vision);
+    let best = w.data.best_accuracy().filter(|_| classifies);
+    if !same(m.best_accuracy, best) {
+        f.differs("the data's best accuracy", show(m.best_accuracy), &source, show(best));
+    }
+}
+
+/// An optional figure as messages write it: the shortest text that reads
+/// back as the same f64, or "none".
+fn show(x: Option<f64>) -> String {
+    x.map_or_else(|| "none".into(), |x| x.to_string())
+}
+
 /// The curves: steps in order, times monotone within the train time,
 /// accuracy at the evaluations, the final figures their last points, and
 /// each evaluation between the training of the steps before and after it.
@@ -413,10 +462,11 @@ fn loss_span(m: &Metrics, step: &hdrhistogram::Histogram<u64>, f: &mut Findings)
     }
 }
 
-/// The targets as the suite sets them, and the time and steps to target
-/// as the first evaluation that reaches them.
-fn targets(w: &Workload, m: &Metrics, f: &mut Findings) {
-    let target_loss = match (w.target_loss, w.target_above_floor, m.loss_floor) {
+/// The targets as the suite sets them (above the data's `floor`, as the
+/// suite's data table gives it), and the time and steps to target as the
+/// first evaluation that reaches them.
+fn targets(w: &Workload, m: &Metrics, floor: Option<f64>, f: &mut Findings) {
+    let target_loss = match (w.target_loss, w.target_above_floor, floor) {
         (Some(t), _, _) => Some(t),
         (None, Some(above), Some(floor)) => Some(floor + above),
         _ => None,

@@ -2,13 +2,15 @@
 //! class, GPU count, tracks, plugins) are worked out from the released
 //! suite it ran and compared with the result's submission record and the
 //! manifest; the hardware is judged from the fingerprint and from every
-//! entry's own record of where it ran, never from a label.
+//! entry's own record of where it ran, never from a label. On the CPU
+//! class the fingerprint must also record libtorch's CPU kernels held to
+//! the class's level (`machine.cpu_kernels`).
 
 use std::path::Path;
 
 use super::{list, Manifest, Released, Submission, Suite, Verdict, RESUBMIT};
 use crate::results::RunResult;
-use harness_format::machine::Fingerprint;
+use harness_format::machine::{cpu_class_problem, Fingerprint, CPU_CLASS};
 
 const EDITED: &str = "submit the result of the run as it was written: labels are worked out from the released suite, not read";
 
@@ -79,7 +81,10 @@ fn device_name(suite: &Suite, machine: &Fingerprint, gpus: u32) -> Option<String
 
 /// Rule 6: the fingerprint (as bundled twice: `machine.json` and the
 /// result's) has the class's GPU, as many as the run used, and every entry
-/// ran there: its device, its ranks and, on GPUs, its device memory.
+/// ran there: its device, its ranks and, on GPUs, its device memory. On
+/// the CPU class, its CPU has AVX2 and FMA and libtorch's CPU kernels were
+/// held to them: only then does a rerun on another CPU of the class give
+/// the trajectory bit for bit.
 pub(super) fn check_hardware(suite: &Suite, sub: &Submission, r: &RunResult, machine_json: Option<&[u8]>, v: &mut Verdict) {
     const TODO: &str = "run on the suite's hardware class, and submit the result as it was written";
     match machine_json.map(serde_json::from_slice::<Fingerprint>) {
@@ -91,6 +96,16 @@ pub(super) fn check_hardware(suite: &Suite, sub: &Submission, r: &RunResult, mac
     let Some(h) = &suite.spec.suite.hardware else { return };
     let on_gpus = !h.gpu.is_empty();
     let machine = &r.machine;
+    if h.class == CPU_CLASS {
+        if let Some(why) = cpu_class_problem(machine) {
+            v.add(
+                "hardware",
+                why,
+                "run on an x86-64 CPU with AVX2 and FMA with a harness that holds libtorch's CPU kernels to the class's level itself \
+                 (docs/rules.md, \"The CPU class\"), and submit the result as it was written",
+            );
+        }
+    }
     if on_gpus {
         if (machine.gpus.len() as u64) < u64::from(sub.gpus) {
             v.add("hardware", format!("the run used {} GPUs; the fingerprint lists {}", sub.gpus, machine.gpus.len()), TODO);
@@ -131,5 +146,70 @@ pub(super) fn check_hardware(suite: &Suite, sub: &Submission, r: &RunResult, mac
     }
     if !wrong.is_empty() {
         v.add("hardware", list(&wrong), TODO);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::super::{render, verify, MACHINE, MANIFEST, RESULT};
+    use crate::submission::sha256_hex;
+    use crate::test_support::copy_dir;
+
+    /// Issue 60: a CPU-class bundle made with libtorch's kernels at the
+    /// CPU's own level (AVX-512 here) verified, and its rerun on an
+    /// AVX2-only CPU differed in 6 evaluations. The reference `topk`
+    /// bundle of the CPU class, its fingerprint without `cpu_kernels` (as
+    /// harness wrote it before it held them) and then with them pinned,
+    /// the manifest rehashed each time as a forger would.
+    #[test]
+    fn a_cpu_class_bundle_whose_fingerprint_lacks_the_pinned_kernels_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("cpu.bundle");
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        copy_dir(&repo.join("results/cpu/submissions/1.2/compression-topk.bundle"), &dir);
+        let inspect = |bytes: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
+            Ok(crate::plugin::Manifest {
+                name: "topk".into(),
+                version: "0.1.0".into(),
+                kind: crate::plugin::Kind::Compressor,
+                transport: crate::plugin::Transport::Wasm,
+                abi: "0.1.1".into(),
+                sha256: sha256_hex(bytes),
+                path: Default::default(),
+            })
+        };
+        let with_kernels = |kernels: Option<serde_json::Value>| {
+            let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(RESULT)).unwrap()).unwrap();
+            match kernels {
+                Some(k) => r["machine"]["cpu_kernels"] = k,
+                None => _ = r["machine"].as_object_mut().unwrap().remove("cpu_kernels"),
+            }
+            std::fs::write(dir.join(RESULT), serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+            std::fs::write(dir.join(MACHINE), serde_json::to_vec_pretty(&r["machine"]).unwrap()).unwrap();
+            let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(MANIFEST)).unwrap()).unwrap();
+            for f in m["files"].as_array_mut().unwrap() {
+                let bytes = std::fs::read(dir.join(f["path"].as_str().unwrap())).unwrap();
+                f["sha256"] = sha256_hex(&bytes).into();
+                f["bytes"] = bytes.len().into();
+            }
+            std::fs::write(dir.join(MANIFEST), serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+            let v = verify(&dir, &inspect);
+            (v.verified(), render(&dir, &v))
+        };
+        let (verified, text) = with_kernels(None);
+        assert!(!verified, "{text}");
+        assert!(text.contains("violation [hardware]: the fingerprint records no CPU kernels (`machine.cpu_kernels`"), "{text}");
+        let avx512 = serde_json::json!({ "aten": "avx512", "variables": {}, "avx2_fma": true });
+        let (verified, text) = with_kernels(Some(avx512));
+        assert!(!verified, "{text}");
+        assert!(
+            text.contains("libtorch's CPU kernels were not held to the CPU class's level (`machine.cpu_kernels`: ATen `avx512`"),
+            "{text}"
+        );
+        let pinned = serde_json::to_value(crate::machine::CpuKernels::pinned()).unwrap();
+        let (verified, text) = with_kernels(Some(pinned));
+        assert!(verified, "the same bundle with the class's kernels verifies:\n{text}");
     }
 }
