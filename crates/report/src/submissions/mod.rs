@@ -308,6 +308,7 @@ pub fn boards(bundles: &[Verified], operator: &[Reproduced]) -> Vec<SubBoard> {
                 .iter()
                 .filter(|o| {
                     o.record.bundle.plugin_sha256 == plugin.sha256
+                        && crate::submission::entered_tracks(&o.rerun).contains(&board.track)
                         && crate::submission::track_identity(&o.rerun, &board.track).as_deref() == Some(id.as_str())
                 })
                 .collect();

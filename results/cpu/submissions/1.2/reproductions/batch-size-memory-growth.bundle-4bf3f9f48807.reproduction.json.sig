@@ -1,0 +1,5 @@
+{
+  "algorithm": "ed25519",
+  "public_key": "957004a61ee223bebfda2dbd7c69e3e9b62524b138994bbc71cebfcb1466e0d3",
+  "signature": "96b744c51a21225bc847d6b6004a8f384472463dddf4e76bcfca184e02dab527d577ae2e71d7163375e3d7430cc9c778f1ca4c01da6a0eae567fa4108e606e06"
+}

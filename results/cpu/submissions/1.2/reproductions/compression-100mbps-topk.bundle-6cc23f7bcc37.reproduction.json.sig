@@ -1,0 +1,5 @@
+{
+  "algorithm": "ed25519",
+  "public_key": "957004a61ee223bebfda2dbd7c69e3e9b62524b138994bbc71cebfcb1466e0d3",
+  "signature": "a9f941750a17af423b35b65d800feb671b688d57ac7f77a157a27c4f41f7fbb4121fccad353b0f29ea0efdc746a543b68a63aca65719262cede54541853b9205"
+}
