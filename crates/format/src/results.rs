@@ -543,26 +543,9 @@ pub fn log_path(result: &Path) -> PathBuf {
 pub mod testing {
     use super::*;
 
-    /// A 2-core CPU machine without GPUs, libtorch or a real build (host `h`,
-    /// harness `0` at revision `r`), its CPU kernels held to the CPU
-    /// class's level.
+    /// A 2-core CPU machine ([`crate::machine::testing::machine`]).
     pub fn machine() -> Fingerprint {
-        Fingerprint {
-            hostname: "h".into(),
-            os: "Linux".into(),
-            cpu: "c".into(),
-            cpu_cores: 2,
-            memory_bytes: 1,
-            gpus: vec![],
-            driver: None,
-            cuda: None,
-            cuda_driver_api: None,
-            libtorch: None,
-            nccl: None,
-            harness_version: "0".into(),
-            git_revision: "r".into(),
-            cpu_kernels: Some(crate::machine::CpuKernels::pinned()),
-        }
+        crate::machine::testing::machine()
     }
 
     /// A suite `name` (with `[suite] version`, if given) of one workload
@@ -694,6 +677,27 @@ mod tests {
             why,
             ["it ran with switches that change the measured work (HARNESS_OVERLAP=0); official runs leave every HARNESS_* switch at its default"]
         );
+    }
+
+    /// The reason is the run's own (`submission.unofficial`) and verify's:
+    /// CPU-class suites only.
+    #[test]
+    fn a_cpu_class_run_without_the_pinned_kernels_is_unofficial_and_a_gpu_class_run_is_not_judged_by_them() {
+        use crate::machine::{cpu_class_problem, CpuKernels, GpuInfo};
+        use crate::suite::{standard::RELEASED, Suite};
+        let machine = |k: Option<CpuKernels>| Fingerprint { cpu_kernels: k, ..testing::machine() };
+        let suite = |file: &str| {
+            let r = RELEASED.iter().find(|r| r.file == file).unwrap();
+            Suite::parse(std::path::Path::new(r.file), r.text.to_owned()).unwrap()
+        };
+        let (cpu, h100) = (suite("suites/cpu-standard.toml"), suite("suites/h100.toml"));
+        let sub = Submission { released_suite: true, gpus: 2, ..Default::default() };
+        let reasons = |s: &Suite, m: &Fingerprint| sub.unofficial_reasons(s, m, &Default::default());
+        assert_eq!(reasons(&cpu, &machine(Some(CpuKernels::pinned()))), Vec::<String>::new());
+        assert_eq!(reasons(&cpu, &machine(None)), [cpu_class_problem(&machine(None)).unwrap()]);
+        let gpu = GpuInfo { index: 0, name: "NVIDIA H100 80GB HBM3".into(), memory_bytes: 1, compute_capability: "9.0".into() };
+        let on_h100 = Fingerprint { gpus: vec![gpu.clone(), GpuInfo { index: 1, ..gpu }], ..machine(None) };
+        assert_eq!(reasons(&h100, &on_h100), Vec::<String>::new());
     }
 }
 

@@ -441,3 +441,76 @@ fn the_committed_bundles_make_boards_where_every_bundle_ranks() {
         assert_links_stay_inside(&out, &md, &html);
     }
 }
+
+/// Issue 60: "Once per content is easy to evade. Appending a line to
+/// run.log, adding a file to the manifest, or an unknown field in
+/// result.json makes a new identity: one run ranked 3 times, 300 copies
+/// gave 300 rows." The real bundle, and copies of it with each of those
+/// (the manifest rehashed), given to the board: the field is refused by
+/// verify, the others are one row whose repeats are the run's, once.
+#[test]
+fn one_run_in_bundles_with_bytes_added_is_one_row_with_its_repeats_once() {
+    use crate::submission::{sha256_hex, LOG, MANIFEST, RESULT};
+    let real = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h100/submissions/1.2/compression-topk.bundle");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("in");
+    let json = |p: &Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    // Adds `rel` with `bytes` (over any such file) and rehashes the manifest.
+    let put = |bundle: &Path, rel: &str, bytes: &[u8]| {
+        std::fs::write(bundle.join(rel), bytes).unwrap();
+        let mut m = json(&bundle.join(MANIFEST));
+        let files = m["files"].as_array_mut().unwrap();
+        let entry = serde_json::json!({"path": rel, "sha256": sha256_hex(bytes), "bytes": bytes.len()});
+        match files.iter_mut().find(|f| f["path"] == rel) {
+            Some(f) => *f = entry,
+            None => files.push(entry),
+        }
+        std::fs::write(bundle.join(MANIFEST), serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    };
+    for name in ["a.bundle", "log.bundle", "file.bundle", "field.bundle"] {
+        crate::test_support::copy_dir(&real, &dir.join(name));
+    }
+    let mut log = std::fs::read(real.join(LOG)).unwrap();
+    log.extend_from_slice(b"rerun for the leaderboard\n");
+    put(&dir.join("log.bundle"), LOG, &log);
+    put(&dir.join("file.bundle"), "NOTES.txt", b"a file harness submit never writes\n");
+    let mut r = json(&real.join(RESULT));
+    r["resubmitted"] = true.into();
+    put(&dir.join("field.bundle"), RESULT, &serde_json::to_vec_pretty(&r).unwrap());
+
+    let inspect = |bytes: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
+        Ok(crate::plugin::Manifest {
+            name: "topk".into(),
+            version: "0.1.0".into(),
+            kind: crate::plugin::Kind::Compressor,
+            transport: crate::plugin::Transport::Wasm,
+            abi: "0.1.1".into(),
+            sha256: sha256_hex(bytes),
+            path: PathBuf::new(),
+        })
+    };
+    let loaded = crate::inputs::load(std::slice::from_ref(&dir), &inspect).unwrap();
+    let verified: Vec<String> = loaded
+        .bundles
+        .iter()
+        .filter(|v| v.verdict.verified())
+        .map(|v| v.bundle.dir.file_name().unwrap().to_string_lossy().into())
+        .collect();
+    assert_eq!(verified, ["a.bundle", "file.bundle", "log.bundle"]);
+    let field = loaded.bundles.iter().find(|v| v.bundle.dir.ends_with("field.bundle")).unwrap();
+    assert!(field.verdict.reasons().iter().any(|r| r.contains("`resubmitted`")), "{:?}", field.verdict.reasons());
+
+    let subs = crate::submissions::boards(&loaded.bundles, &[]);
+    assert_eq!(subs.len(), 1);
+    let rows: Vec<&crate::submissions::SubRow> = subs[0].rows.iter().filter(|r| !r.reference).collect();
+    assert_eq!(rows.len(), 1, "one run, one row");
+    assert_eq!(rows[0].bundle, dir.join("a.bundle"), "the first given");
+    let original = &loaded.bundles[0].bundle.result;
+    for (w, s) in subs[0].workloads.iter().zip(&rows[0].ratios) {
+        let repeats = original.entries.iter().filter(|e| &e.workload == w && e.strategy == "submission-compression").count();
+        assert_eq!(repeats, 3);
+        assert_eq!(s.as_ref().unwrap().n, repeats, "{w}: the run's repeats, each once, not once per bundle");
+    }
+    let md = crate::submissions::markdown(&subs, &loaded.bundles);
+    assert_eq!(md.lines().filter(|l| l.starts_with("| - | topk 0.1.0")).count(), 1, "shown once, self-reported: {md}");
+}
