@@ -137,7 +137,8 @@ fn r61_a_cache_folder_that_brings_its_own_key_does_not_run_its_code() {
 fn checkpointing_suite(dir: &Path) -> PathBuf {
     let strategy = "\n[[strategy]]\nname = \"every1\"\ncheckpoint = \"every-n\"\ncheckpoint_config = { every = 1, keep = 1 }\n";
     let w = tiny_gpt("a", 400, "") + &plugin_table("every-n", "every-n.wasm") + strategy;
-    write(dir, "s.toml", &suite("sealed", "", &w))
+    let s = suite("sealed", "", &w).replace("device = \"cpu\"", &format!("device = \"{}\"", hostile_device(1)));
+    write(dir, "s.toml", &s)
 }
 
 /// Runs `suite` into `out` until it has a checkpoint of step 3 or later,

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::{artifact, entry, harness, results, write};
+use crate::{artifact, entry, harness, hostile_device, results, write};
 
 /// A tiny MLP workload `name` of `steps` steps with the keys `extra`.
 fn mlp(name: &str, steps: u32, extra: &str) -> String {
@@ -46,7 +46,7 @@ fn run_within(c: &mut Command, dir: &std::path::Path, limit: Duration) -> (Optio
 #[test]
 fn failures_at_every_step_end_the_entry_on_its_fault_budget_and_the_run_goes_on() {
     let dir = tempfile::tempdir().unwrap();
-    let head = "[suite]\nname = \"storm\"\ndevice = \"cpu\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n";
+    let head = format!("[suite]\nname = \"storm\"\ndevice = \"{}\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n", hostile_device(1));
     let refused = write(dir.path(), "refused.toml", &format!("{head}{}", mlp("storm", 50, "faults = { mtbf_s = 1e-300, seed = 1 }")));
     let out = harness(dir.path()).arg("validate").arg(&refused).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -83,9 +83,10 @@ fn failures_at_every_step_end_the_entry_on_its_fault_budget_and_the_run_goes_on(
 fn a_process_killed_after_its_run_does_not_exit_0() {
     let dir = tempfile::tempdir().unwrap();
     let s = format!(
-        "[suite]\nname = \"late\"\ndevice = \"cpu\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n{}\
+        "[suite]\nname = \"late\"\ndevice = \"{}\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n{}\
          [[plugin]]\nname = \"late\"\npath = \"{}\"\n\
          [[strategy]]\nname = \"late\"\ncompressor = \"late\"\ncompressor_config = {{ mode = \"segv-at-exit\" }}\n",
+        hostile_device(1),
         mlp("mlp", 3, ""),
         artifact("libhostile.so").display()
     );
@@ -114,9 +115,10 @@ fn a_process_killed_after_its_run_does_not_exit_0() {
 fn a_checkpoint_deleted_again_is_refused_saying_what_is_saved() {
     let dir = tempfile::tempdir().unwrap();
     let s = format!(
-        "[suite]\nname = \"again\"\ndevice = \"cpu\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n{}\
+        "[suite]\nname = \"again\"\ndevice = \"{}\"\nseed = 1\nthreads = 1\nwarmup_steps = 1\n{}\
          [[plugin]]\nname = \"again\"\npath = \"{}\"\n\
          [[strategy]]\nname = \"again\"\ncheckpoint = \"again\"\ncheckpoint_config = {{ mode = \"again\" }}\ncheckpoint_async = false\n",
+        hostile_device(1),
         mlp("mlp", 6, ""),
         artifact("hostile-checkpoint.wasm").display()
     );

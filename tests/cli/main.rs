@@ -33,6 +33,27 @@ pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The device the hostile-input suites (hostile_suites, hostile_secrets,
+/// sandbox) train on: the CPU, unless `HARNESS_TEST_DEVICE=cuda` (their run
+/// on a GPU machine, bench/hostile_gpu.sh) and the suite's `world` ranks fit
+/// the `HARNESS_TEST_GPUS` GPUs (default 1) the machine has; a suite of more
+/// ranks then stays on the CPU, and says so.
+pub fn hostile_device(world: u32) -> &'static str {
+    match std::env::var("HARNESS_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("cpu") => "cpu",
+        Ok("cuda") => {
+            let gpus: u32 = std::env::var("HARNESS_TEST_GPUS").map_or(1, |g| g.parse().expect("HARNESS_TEST_GPUS is a number"));
+            if world <= gpus {
+                "cuda"
+            } else {
+                eprintln!("note: {world} ranks on the CPU: HARNESS_TEST_GPUS={gpus}");
+                "cpu"
+            }
+        }
+        Ok(other) => panic!("HARNESS_TEST_DEVICE={other}: `cpu` or `cuda`"),
+    }
+}
+
 /// The repository root (suites/ lives there).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
