@@ -63,6 +63,12 @@ pub struct Tolerance {
     pub trajectory_median_rel: f64,
     /// Evaluations by which the one that reaches the target may move.
     pub target_evals: usize,
+    /// Or, relative, how far its step may move (the rerun's step to target
+    /// against the claim's): a GPU rerun of a long or chaotic entry reaches
+    /// its target some evaluations earlier or later. 0 in records written
+    /// before it existed.
+    #[serde(default)]
+    pub target_steps_rel: f64,
     /// The band of a timing figure, relative: the rerun's median may differ
     /// from the claim's by this much. The class's calibrated run-to-run
     /// noise; never widened by the claim's (or the rerun's) spread, which a
@@ -80,24 +86,45 @@ impl Tolerance {
     /// bit. Timing on shared CPUs is noisy: the band is the score's
     /// run-to-run difference measured on a loaded 2-core machine
     /// (docs/rules.md, "Reproduction", `bench/reproduce_cpu.sh`).
-    pub const CPU: Tolerance =
-        Tolerance { trajectory_rel: 0.0, trajectory_median_rel: 0.0, target_evals: 0, time_band: CPU_TIME_BAND, absolute_times: false };
+    pub const CPU: Tolerance = Tolerance {
+        trajectory_rel: 0.0,
+        trajectory_median_rel: 0.0,
+        target_evals: 0,
+        target_steps_rel: 0.0,
+        time_band: CPU_TIME_BAND,
+        absolute_times: false,
+    };
     /// GPUs (bf16, atomics in cuBLAS and NCCL reductions): two honest runs
-    /// differ. Measured with bench/reproduce_gpu.sh (one build, the
-    /// compression track run three times on a 2 x H100 and on a 2 x H200
-    /// host, compared pairwise): an evaluation differed by at most 8.6% and a
-    /// train-loss point by 9.1% (GPT-2 124M in a loss spike; ResNet-50 bit
-    /// for bit), the median of an entry's differences by at most 0.74%, the
-    /// evaluation that reached the target moved by one in 6 of 72 entry
-    /// pairs. The bounds are about three times those (docs/rules.md,
-    /// "Reproduction"). The timing band: the largest difference between two
-    /// honest runs of one host, either taken as the claim (max(b/a, a/b) -
-    /// 1), of a median time to target, throughput or score was 19.9%
-    /// (ResNet-50: its median time to target on the H100 host; its score
-    /// differed by 19.8% on the H200 host), and the band is about that
-    /// times 5/3.
-    pub const GPU: Tolerance =
-        Tolerance { trajectory_rel: 0.25, trajectory_median_rel: 0.02, target_evals: 1, time_band: 0.33, absolute_times: true };
+    /// differ, and how much depends on the workload (docs/rules.md,
+    /// "Reproduction"). Measured with bench/reproduce_gpu.sh and
+    /// bench/board_gpu.sh: the compression track three times on a 2 x H100
+    /// and a 2 x H200 host (GPT-2 124M, ResNet-50), and on one H200 three
+    /// bundles of the batch-size track (GPT 1.3B from a small micro-batch)
+    /// and the checkpointing track (GPT-2 124M under failures) each rerun
+    /// twice, every pair of the three runs compared. The 1.3B entries differ
+    /// most: an evaluation by up to 40.4% (in an early loss spike), the
+    /// median of an entry's differences by up to 6.9%, and the step that
+    /// reached the target by up to 13.3% (208 against 240), where the
+    /// compression track's moved by one evaluation and its medians stayed
+    /// under 0.74%. The bounds: the
+    /// median about three times the largest measured (20%); a point within
+    /// 50% (a relative difference is at most 100%: this catches a point
+    /// moved to half or double); the target's step within the timing band,
+    /// since a step moved further moves the time to target out of it too.
+    /// The timing band: the largest difference between two honest runs of
+    /// one host, either taken as the claim (max(b/a, a/b) - 1), of a median
+    /// time to target, throughput or score was 19.9% (ResNet-50: its median
+    /// time to target on the H100 host; its score differed by 19.8% on the
+    /// H200 host; the 1.3B's median time to target moved by at most 11.0%),
+    /// and the band is about that times 5/3.
+    pub const GPU: Tolerance = Tolerance {
+        trajectory_rel: 0.5,
+        trajectory_median_rel: 0.2,
+        target_evals: 1,
+        target_steps_rel: 0.33,
+        time_band: 0.33,
+        absolute_times: true,
+    };
 
     /// The tolerance of a hardware class (`[suite.hardware] class`).
     pub fn for_class(class: Option<&str>) -> Tolerance {
@@ -172,7 +199,16 @@ fn allowed_traj(tol: &Tolerance) -> String {
     if tol.trajectory_rel == 0.0 {
         "bit for bit on the CPU backend".into()
     } else {
-        format!("each point within {:.0}%, an entry's median within {:.0}%", 100.0 * tol.trajectory_rel, 100.0 * tol.trajectory_median_rel)
+        let target = if tol.target_steps_rel > 0.0 {
+            format!(", the target's step within {:.0}%", 100.0 * tol.target_steps_rel)
+        } else {
+            String::new()
+        };
+        format!(
+            "each point within {:.0}%, an entry's median within {:.0}%{target}",
+            100.0 * tol.trajectory_rel,
+            100.0 * tol.trajectory_median_rel
+        )
     }
 }
 
@@ -266,7 +302,8 @@ fn compare_trajectory(id: &str, a: &Metrics, b: &Metrics, tol: &Tolerance, c: &m
             medians.push((name, median(&diffs)));
         }
         let moved = x.len().abs_diff(y.len());
-        if moved > tol.target_evals && name != "train loss" {
+        let last_step = |c: &Curve| c.last().map_or(0.0, |p| p.0 as f64);
+        if moved > tol.target_evals && rel(last_step(x), last_step(y)) > tol.target_steps_rel && name != "train loss" {
             push(format!("the number of {name} points"), x.len().to_string(), y.len().to_string());
         }
         for (p, q) in x.iter().zip(y.iter()) {
@@ -298,8 +335,12 @@ fn compare_trajectory(id: &str, a: &Metrics, b: &Metrics, tol: &Tolerance, c: &m
         m.steps_to_target.and_then(|s| curve.iter().position(|p| p.0 == s))
     };
     let (ta, tb) = (at_eval(a), at_eval(b));
+    let steps_moved = match (a.steps_to_target, b.steps_to_target) {
+        (Some(x), Some(y)) => rel(x as f64, y as f64),
+        _ => f64::INFINITY,
+    };
     let target_ok = match (ta, tb) {
-        (Some(i), Some(j)) => i.abs_diff(j) <= tol.target_evals,
+        (Some(i), Some(j)) => i.abs_diff(j) <= tol.target_evals || steps_moved <= tol.target_steps_rel,
         (None, None) => a.steps_to_target == b.steps_to_target,
         _ => false,
     };
@@ -681,12 +722,12 @@ mod tests {
         let d = &c.differences[0];
         assert_eq!((d.figure.as_str(), d.allowed.as_str()), ("eval loss at step 2", "bit for bit on the CPU backend"), "{d}");
         // On a GPU class the same difference is within tolerance; a whole
-        // curve 3% lower is not, though each point is within 25%.
+        // curve 25% lower is not, though each point is within 50%.
         assert!(compare(&r, &off, &s, &Tolerance::GPU).reproduced());
-        let lower = with_curve(r.clone(), vec![(1, 0.5, 2.0 * 0.97), (2, 1.0, 1.5 * 0.97)]);
+        let lower = with_curve(r.clone(), vec![(1, 0.5, 2.0 * 0.75), (2, 1.0, 1.5 * 0.75)]);
         let c = compare(&r, &lower, &s, &Tolerance::GPU);
         assert!(
-            c.differences.iter().any(|d| d.figure == "the median relative difference of its eval loss points" && d.reproduced == "3.00%"),
+            c.differences.iter().any(|d| d.figure == "the median relative difference of its eval loss points" && d.reproduced == "25.00%"),
             "{:?}",
             c.differences
         );
@@ -705,6 +746,22 @@ mod tests {
             c.differences
         );
 
+        // On a GPU class: the evaluation that reached the target moves by
+        // one, or its step by up to the timing band. An honest H200 rerun
+        // of the 1.3B batch-size baseline reached its target at step 240
+        // where the claim had 208 (4 evaluations later: docs/rules.md).
+        let evals = |last: u64| (1..=last / 8).map(|i| (8 * i, 0.1 * i as f64, 10.0 - 0.01 * i as f64)).collect::<Vec<_>>();
+        let reached = |last: u64| {
+            let mut x = with_curve(r.clone(), evals(last));
+            x.entries[0].metrics.as_mut().unwrap().steps_to_target = Some(last);
+            x
+        };
+        assert!(compare(&reached(208), &reached(240), &s, &Tolerance::GPU).reproduced());
+        let c = compare(&reached(208), &reached(320), &s, &Tolerance::GPU);
+        let figures: Vec<&str> = c.differences.iter().map(|d| d.figure.as_str()).collect();
+        assert_eq!(figures, ["the number of eval loss points", "the target"], "{:?}", c.differences);
+        assert!(c.differences[1].allowed.ends_with("the target's step within 33%"), "{}", c.differences[1]);
+
         let mut failed = r.clone();
         failed.entries[0].status = EntryStatus::Failed { error: "out of memory".into(), kind: None };
         let c = compare(&r, &failed, &s, &Tolerance::CPU);
@@ -719,6 +776,52 @@ mod tests {
         let released = crate::suite::standard::released(&r.suite.text).expect("a released suite");
         let s = Suite::parse(std::path::Path::new(released.file), released.text.to_owned()).unwrap();
         (r, s)
+    }
+
+    /// The GPU tolerance against the runs it was calibrated on: three
+    /// bundles made on one H200 (results/h200/board-1gpu-e56d941: the
+    /// batch-size track's GPT 1.3B twice, the checkpointing track's GPT-2
+    /// 124M once), each rerun twice by the operator. Under the tolerance
+    /// before them, 4 of the 6 reruns of the 1.3B bundles were NOT
+    /// reproduced (their signed records say so); every pair of the three
+    /// honest runs of each reproduces now, while the claim made 40% faster
+    /// does not.
+    #[test]
+    fn honest_h200_runs_of_the_gpu_tracks_reproduce_each_other() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h200/board-1gpu-e56d941");
+        for name in ["every-n", "memory-growth", "step-up"] {
+            let claim = RunResult::read(&root.join(format!("claims/{name}.bundle/result.json"))).unwrap();
+            let released = crate::suite::standard::released(&claim.suite.text).expect("a released suite");
+            let suite = Suite::parse(std::path::Path::new(released.file), released.text.to_owned()).unwrap();
+            let mut runs = vec![claim];
+            for round in ["round1", "round2"] {
+                let dir = root.join("reproductions").join(round);
+                let rerun = std::fs::read_dir(&dir)
+                    .unwrap()
+                    .flatten()
+                    .map(|e| e.path())
+                    .find(|p| {
+                        p.file_name().unwrap().to_string_lossy().starts_with(&format!("{name}.bundle-"))
+                            && p.to_string_lossy().ends_with(".rerun.json")
+                    })
+                    .unwrap();
+                runs.push(RunResult::read(&rerun).unwrap());
+            }
+            for (i, a) in runs.iter().enumerate() {
+                for b in &runs[i + 1..] {
+                    let c = compare(a, b, &suite, &Tolerance::GPU);
+                    assert!(c.reproduced(), "{name}: {:?}", c.differences);
+                    assert!(c.evaluations_compared > 100, "{name}: {}", c.evaluations_compared);
+                }
+            }
+            let mut faster = runs[0].clone();
+            for e in faster.entries.iter_mut().filter(|e| e.strategy.starts_with("submission-")) {
+                let m = e.metrics.as_mut().unwrap();
+                m.time_to_target_s = m.time_to_target_s.map(|t| t * 0.6);
+            }
+            let c = compare(&faster, &runs[1], &suite, &Tolerance::GPU);
+            assert!(c.differences.iter().any(|d| d.figure.contains("time to target")), "{name}: {:?}", c.differences);
+        }
     }
 
     #[test]
