@@ -573,6 +573,7 @@ pub mod testing {
             metrics: Some(Metrics { steps: 2, tokens_per_s, loss_curve: vec![(1, 0.1, 2.0)], ..Default::default() }),
             histograms: [("step".to_owned(), crate::histogram::encode(&h))].into(),
         });
+        r.complete = true;
         r
     }
 }

@@ -131,6 +131,13 @@ pub fn load(paths: &[PathBuf], inspect: Inspect) -> Result<Loaded> {
 /// file that is no result at all, a bench output, is merely skipped).
 fn add_result(path: &Path, read: Result<RunResult, results::ResultsError>, l: &mut Loaded) {
     let why = match read {
+        Ok(r) if !r.complete => {
+            l.notes.push(crate::escape::terminal(&format!(
+                "note: skipped {}: its run did not finish (`complete` is false), and the tables compare only finished runs; `harness run --resume` finishes it",
+                path.display()
+            )));
+            return;
+        }
         Ok(r) => match undecodable(&r) {
             None => {
                 l.sources.push(path.display().to_string());
@@ -298,5 +305,23 @@ mod tests {
         assert_eq!(l.results.len(), 1);
         assert!(l.notes.join("\n").contains(&refused), "{:?}", l.notes);
         assert!(load(&[dir.join("none.json")], &no_plugins).is_err());
+    }
+
+    /// Issue 60: the per-workload tables "pull in a failed raw result". A
+    /// run that did not finish is left out of them, saying why and what to
+    /// do; the finished one beside it is reported.
+    #[test]
+    fn an_unfinished_run_is_left_out_of_the_tables_saying_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let mut cut = testing::result("s", None, 50.0);
+        cut.complete = false;
+        std::fs::write(dir.join("a.json"), serde_json::to_vec(&testing::result("s", None, 100.0)).unwrap()).unwrap();
+        std::fs::write(dir.join("b.json"), serde_json::to_vec(&cut).unwrap()).unwrap();
+        let l = load(&[dir.to_owned()], &no_plugins).unwrap();
+        assert_eq!(l.sources, [dir.join("a.json").display().to_string()], "{:?}", l.notes);
+        let notes = l.notes.join("\n");
+        assert!(notes.contains(&format!("note: skipped {}: its run did not finish", dir.join("b.json").display())), "{notes}");
+        assert!(notes.contains("`harness run --resume` finishes it"), "{notes}");
     }
 }

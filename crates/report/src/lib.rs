@@ -2,9 +2,10 @@
 //! scores across result files: the leaderboard (`harness report`, Markdown and
 //! a self-contained HTML page with SVG plots) and `harness compare`.
 //!
-//! Entries are grouped by (suite, workload, strategy, device); the repeats of
-//! a group are summarised with [`stats`] and every metric is compared with the
-//! group of the suite's baseline strategy on the same workload and device.
+//! Entries are grouped by (run, suite, workload, strategy, device, track);
+//! the repeats of a group are summarised with [`stats`], every metric is
+//! compared with the group of the baseline strategy of the same run,
+//! paired by repeat, and rows are ranked against their own run's only.
 //!
 //! [`submission`] makes and checks submission bundles (`harness submit`,
 //! `harness verify`); [`inputs`] reads what `harness report` is given
@@ -285,14 +286,18 @@ pub struct Group {
     /// (a strategy in two tracks has a group in each); None for suites
     /// without tracks.
     pub track: Option<String>,
-    /// The run it came from, for the runs of submissions ([`run_label`]):
-    /// a submission is compared with its own run's baseline, so the
-    /// groups of different runs are never pooled. None for other result
-    /// files, whose repeats pool across files.
+    /// The run it came from ([`run_label`]): a row is compared with its
+    /// own run's baseline and ranked against its own run's rows only, and
+    /// the groups of different runs are never pooled (two runs, days apart
+    /// or on two machines, differ by more than their repeats do). None only
+    /// in tests.
     pub run: Option<String>,
     /// (compressor, batch policy, checkpoint policy) names.
     pub parts: (String, String, String),
     pub runs: Vec<Metrics>,
+    /// Each run's repeat index, in the same order: a row and its baseline
+    /// are paired by repeat (the two share the repeat's seed).
+    pub repeats: Vec<u32>,
     /// Step histograms (base64) of the runs, in the same order.
     pub step_histograms: Vec<String>,
     /// Errors of repeats that failed.
@@ -318,6 +323,9 @@ pub struct Row {
     pub tied: bool,
     /// Engagement checks that failed.
     pub flags: Vec<String>,
+    /// Whether its board holds more than one run, so that its label names
+    /// the run.
+    pub show_run: bool,
 }
 
 impl Row {
@@ -339,7 +347,7 @@ impl Row {
         if g.baseline {
             notes.push("baseline".to_owned());
         }
-        if let Some(run) = g.run.as_ref().filter(|_| !g.strategy.contains("[submission-")) {
+        if let Some(run) = g.run.as_ref().filter(|_| self.show_run && !g.strategy.contains("[submission-")) {
             notes.push(run.clone());
         }
         if notes.is_empty() {
@@ -364,11 +372,14 @@ pub struct Board {
     pub rows: Vec<Row>,
 }
 
-/// What names a submission's run in the per-workload tables: "run of
-/// PLUGIN VERSION (SHA256 PREFIX), STARTED".
-pub fn run_label(r: &RunResult) -> Option<String> {
-    let p = r.submission.as_ref()?.entered.first()?;
-    Some(format!("run of {} {} ({}), {}", p.name, p.version, submissions::short(&p.sha256), r.started_at))
+/// What names a run in the per-workload tables: "run of PLUGIN VERSION
+/// (SHA256 PREFIX), STARTED" for a submission's, else "run of SUITE,
+/// STARTED".
+pub fn run_label(r: &RunResult) -> String {
+    match r.submission.as_ref().and_then(|s| s.entered.first()) {
+        Some(p) => format!("run of {} {} ({}), {}", p.name, p.version, submissions::short(&p.sha256), r.started_at),
+        None => format!("run of {}, {}", r.suite.name, r.started_at),
+    }
 }
 
 /// The tracks of `tracks` that `strategy` runs in on `workload`: as the
@@ -389,6 +400,18 @@ fn tracks_of(tracks: &[suite::Track], workload: &str, strategy: &str) -> Vec<Str
         .collect()
 }
 
+/// The tracks a submission's run entered its plugin in (as
+/// [`crate::submission::entered_tracks`], its submission strategies
+/// renamed after the plugin or not); None for other runs.
+fn entered_tracks(r: &RunResult) -> Option<Vec<String>> {
+    let sub = r.submission.as_ref()?;
+    let ran = |t: &String| {
+        let name = format!("submission-{t}");
+        r.plan.iter().any(|p| p.strategy.name == name || p.strategy.name.ends_with(&format!("[{name}]")))
+    };
+    Some(sub.tracks.iter().filter(|t| ran(t)).cloned().collect())
+}
+
 /// A result's suite version: the submission's record of it, else
 /// `[suite] version` in the suite's text; None for suites without one.
 pub fn suite_version(r: &RunResult) -> Option<String> {
@@ -398,20 +421,36 @@ pub fn suite_version(r: &RunResult) -> Option<String> {
     })
 }
 
-/// Groups every entry of the result files: one group per suite, suite
-/// version, workload, strategy, device and switches.
+/// Groups every entry of the result files: one group per run, suite,
+/// suite version, workload, strategy, device, switches and track. A run
+/// given twice (the same result, re-serialised the same: in two bundles
+/// that differ by a log line, say) counts once; a submission's run adds
+/// only the tracks it was entered in (the baselines of the others ran, but
+/// nothing was compared with them).
 pub fn groups(results: &[RunResult]) -> Vec<Group> {
     type Key = (String, Option<String>, String, String, String, String, Option<String>, Option<String>);
     let mut map: BTreeMap<Key, Group> = BTreeMap::new();
+    let mut seen = std::collections::BTreeSet::new();
     for r in results {
+        if !seen.insert(crate::submission::sha256_hex(&serde_json::to_vec(r).expect("results serialise"))) {
+            continue;
+        }
         let version = suite_version(r);
         let switches = if r.switches.is_empty() { String::new() } else { crate::switches::line(&r.switches) };
         let tracks = suite::Suite::parse(std::path::Path::new(&r.suite.path), r.suite.text.clone()).map_or(Vec::new(), |s| s.spec.tracks);
-        let run = run_label(r);
+        let entered = entered_tracks(r);
+        let run = Some(run_label(r));
         for e in &r.entries {
             let strategy = r.plan.iter().find(|p| p.id == e.id).map(|p| p.strategy.clone());
-            let mut in_tracks: Vec<Option<String>> = tracks_of(&tracks, &e.workload, &e.strategy).into_iter().map(Some).collect();
+            let mut in_tracks: Vec<Option<String>> = tracks_of(&tracks, &e.workload, &e.strategy)
+                .into_iter()
+                .filter(|t| entered.as_ref().is_none_or(|entered| entered.contains(t)))
+                .map(Some)
+                .collect();
             if in_tracks.is_empty() {
+                if entered.is_some() {
+                    continue;
+                }
                 in_tracks.push(None);
             }
             for track in in_tracks {
@@ -439,12 +478,14 @@ pub fn groups(results: &[RunResult]) -> Vec<Group> {
                         .as_ref()
                         .map_or_else(Default::default, |s| (s.compressor.clone(), s.batch_policy.clone(), s.checkpoint.clone())),
                     runs: Vec::new(),
+                    repeats: Vec::new(),
                     step_histograms: Vec::new(),
                     failures: Vec::new(),
                 });
                 match (&e.status, &e.metrics) {
                     (EntryStatus::Ok, Some(m)) => {
                         g.runs.push(m.clone());
+                        g.repeats.push(e.repeat);
                         g.step_histograms.push(e.histograms.get("step").cloned().unwrap_or_default());
                     }
                     (EntryStatus::Failed { error, .. }, _) => g.failures.push(error.clone()),
@@ -469,6 +510,9 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
         .into_iter()
         .map(|((suite, version, workload, device, switches, track), gs)| {
             let mut rows: Vec<Row> = gs.into_iter().map(score).collect();
+            let first_run = rows.first().map(|r| r.group.run.clone());
+            let show_run = rows.iter().any(|r| Some(&r.group.run) != first_run.as_ref());
+            rows.iter_mut().for_each(|r| r.show_run = show_run);
             compare_with_baselines(&mut rows);
             flag_mixed_graphs(&mut rows);
             rank(&mut rows);
@@ -478,31 +522,27 @@ pub fn boards(results: &[RunResult]) -> Vec<Board> {
 }
 
 /// Each row against its baseline: the board's baseline row of the same
-/// run (a submission's own run; for other result files, the pooled
-/// baseline), else the board's first baseline. Sets the verdicts and the
-/// engagement flags.
+/// run, paired by repeat (each repeat's value over the baseline's of the
+/// same repeat; the olympic mean of those ratios, called higher or lower
+/// only when their bootstrap 95% interval excludes 1: the statistic of the
+/// Submissions tables). A row whose run has no baseline on the board is
+/// compared with nothing. Sets the verdicts and the engagement flags.
 fn compare_with_baselines(rows: &mut [Row]) {
-    let baselines: Vec<(usize, Option<String>)> =
-        rows.iter().enumerate().filter(|(_, r)| r.group.baseline).map(|(i, r)| (i, r.group.run.clone())).collect();
-    let base_of = |run: &Option<String>| baselines.iter().find(|(_, r)| r == run).or(baselines.first()).map(|(i, _)| *i);
-    let picks: Vec<Option<usize>> = rows.iter().map(|r| base_of(&r.group.run)).collect();
-    let snapshot: Vec<(PerMetric<Summary>, (String, String, String))> =
-        rows.iter().map(|r| (r.summaries.clone(), r.group.parts.clone())).collect();
+    let base_of: Vec<Option<usize>> =
+        rows.iter().map(|r| rows.iter().position(|b| b.group.baseline && b.group.run == r.group.run)).collect();
+    let snapshot: Vec<(Group, PerMetric<Summary>)> = rows.iter().map(|r| (r.group.clone(), r.summaries.clone())).collect();
     for (i, row) in rows.iter_mut().enumerate() {
-        let Some(b) = picks[i] else {
+        let Some(b) = base_of[i] else {
             row.verdicts = PerMetric::new();
             row.flags = engagement(&row.group, &Default::default(), None, None);
             continue;
         };
-        let (base_sums, base_parts) = &snapshot[b];
-        row.verdicts = row
-            .summaries
-            .iter()
-            .filter_map(|(m, c)| match base_sums.get(m) {
-                Some(bs) if i != b && bs.olympic_mean != 0.0 => Some((*m, (c.olympic_mean / bs.olympic_mean, stats::compare(c, bs)))),
-                _ => None,
-            })
-            .collect();
+        let (base, base_sums) = &snapshot[b];
+        row.verdicts = if i == b {
+            PerMetric::new()
+        } else {
+            row.summaries.keys().filter_map(|m| Some((*m, paired(&row.group, base, *m)?))).collect()
+        };
         // A group that missed the target in any repeat has no
         // time-to-target score, so nothing to compare either.
         if row.has_target && row.reached.0 < row.reached.1 {
@@ -510,8 +550,27 @@ fn compare_with_baselines(rows: &mut [Row]) {
         }
         let bytes = row.summaries.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
         let base_bytes = base_sums.get(&Metric::BytesPerStep).map(|s| s.olympic_mean);
-        row.flags = engagement(&row.group, base_parts, bytes, base_bytes);
+        row.flags = engagement(&row.group, &base.parts, bytes, base_bytes);
     }
+}
+
+/// `metric` of `g` over the baseline's, repeat by repeat: the ratios'
+/// olympic mean and the call of their interval against 1; none without a
+/// repeat in both.
+fn paired(g: &Group, base: &Group, metric: Metric) -> Option<(f64, Verdict)> {
+    let of = |g: &Group| -> BTreeMap<u32, f64> {
+        g.repeats.iter().zip(&g.runs).filter_map(|(k, m)| Some((*k, metric.value(m).filter(|x| x.is_finite())?))).collect()
+    };
+    let b = of(base);
+    let xs: Vec<f64> = of(g).into_iter().filter_map(|(k, x)| Some(x / b.get(&k).filter(|y| **y != 0.0)?)).collect();
+    let s = Summary::of(&xs)?;
+    let verdict = match s.ci95.filter(|_| s.n >= 2) {
+        None => Verdict::TooFewRepeats,
+        Some((lo, _)) if lo > 1.0 => Verdict::Higher,
+        Some((_, hi)) if hi < 1.0 => Verdict::Lower,
+        Some(_) => Verdict::NotSignificant,
+    };
+    Some((s.olympic_mean, verdict))
 }
 
 fn score(group: Group) -> Row {
@@ -524,21 +583,28 @@ fn score(group: Group) -> Row {
         .collect();
     let has_target = group.runs.iter().any(|m| m.target_loss.is_some() || m.target_accuracy.is_some());
     let reached = (group.runs.iter().filter(|m| m.time_to_target_s.is_some()).count(), group.runs.len() + group.failures.len());
-    Row { group, summaries, verdicts: PerMetric::new(), reached, has_target, rank: None, tied: false, flags: Vec::new() }
+    Row { group, summaries, verdicts: PerMetric::new(), reached, has_target, rank: None, tied: false, flags: Vec::new(), show_run: false }
 }
 
-/// Time to target first: only groups whose every repeat reached the target
-/// get a rank, ordered by their olympic-mean time. When the workload sets no
-/// target, groups are ranked by goodput if failures were injected or
-/// checkpoints written (what checkpoint policies exist for), else by
-/// tokens/s. Others are listed unranked. A row's rank is 1 + the rows
-/// better than it beyond doubt (95% intervals apart; a metric of one
-/// repeat is its own interval): rows nothing separates share a rank.
+/// Ranks each run's rows among themselves (rows of different runs are
+/// never ranked against each other: what was not measured side by side
+/// is not compared). Time to target first: only groups whose every repeat
+/// reached the target get a rank, ordered by their olympic-mean time. When
+/// the workload sets no target, groups are ranked by goodput if failures
+/// were injected or checkpoints written (what checkpoint policies exist
+/// for), else by tokens/s. A group with a failed repeat, and others, are
+/// listed unranked. A row's rank is 1 + the rows of its run better than it
+/// beyond doubt (95% intervals apart; a metric of one repeat is its own
+/// interval): rows nothing separates share a rank. The runs are listed in
+/// the order given, each run's rows together.
 fn rank(rows: &mut [Row]) {
     let any_target = rows.iter().any(|r| r.has_target);
     let by_goodput = !any_target && rows.iter().any(|r| r.summaries.contains_key(&Metric::Goodput));
     // The metric, lower is better: (mean, interval).
     let key = |r: &Row| -> Option<(f64, (f64, f64))> {
+        if !r.group.failures.is_empty() {
+            return None;
+        }
         let (metric, sign) = if any_target {
             if !(r.reached.0 == r.reached.1 && r.reached.1 > 0) {
                 return None;
@@ -554,21 +620,38 @@ fn rank(rows: &mut [Row]) {
         let (lo, hi) = if sign < 0.0 { (-hi, -lo) } else { (lo, hi) };
         Some((sign * s.olympic_mean, (lo, hi)))
     };
-    rows.sort_by(|a, b| match (key(a), key(b)) {
-        (Some(x), Some(y)) => x.0.total_cmp(&y.0),
-        (Some(_), None) => std::cmp::Ordering::Less,
-        (None, Some(_)) => std::cmp::Ordering::Greater,
-        (None, None) => a.group.strategy.cmp(&b.group.strategy),
-    });
-    let keys: Vec<_> = rows.iter().map(key).collect();
-    for (i, r) in rows.iter_mut().enumerate() {
-        r.rank = keys[i].map(|(_, (lo, _))| 1 + keys[..i].iter().flatten().filter(|(_, (_, hi))| *hi < lo).count());
+    let mut runs: Vec<Option<String>> = Vec::new();
+    for r in rows.iter() {
+        if !runs.contains(&r.group.run) {
+            runs.push(r.group.run.clone());
+        }
     }
-    // Stable: a row is never listed below one it ranks above.
-    rows.sort_by_key(|r| r.rank.unwrap_or(usize::MAX));
-    let ranks: Vec<Option<usize>> = rows.iter().map(|r| r.rank).collect();
+    let run_of = |r: &Row| runs.iter().position(|x| *x == r.group.run).unwrap_or(0);
+    rows.sort_by(|a, b| {
+        run_of(a).cmp(&run_of(b)).then_with(|| match (key(a), key(b)) {
+            (Some(x), Some(y)) => x.0.total_cmp(&y.0),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => a.group.strategy.cmp(&b.group.strategy),
+        })
+    });
+    let keys: Vec<_> = rows.iter().map(|r| (run_of(r), key(r))).collect();
+    for (i, r) in rows.iter_mut().enumerate() {
+        let (run, k) = keys[i];
+        r.rank = k.map(|(_, (lo, _))| {
+            1 + keys[..i].iter().filter(|(other, _)| *other == run).filter_map(|(_, k)| *k).filter(|(_, (_, hi))| *hi < lo).count()
+        });
+    }
+    // Stable: within a run, a row is never listed below one it ranks above.
+    let order: Vec<(usize, usize)> = rows.iter().map(|r| (run_of(r), r.rank.unwrap_or(usize::MAX))).collect();
+    let mut idx: Vec<usize> = (0..rows.len()).collect();
+    idx.sort_by_key(|&i| order[i]);
+    let sorted: Vec<Row> = idx.iter().map(|&i| rows[i].clone()).collect();
+    rows.clone_from_slice(&sorted);
+    let ranks: Vec<(usize, Option<usize>)> = rows.iter().map(|r| (run_of(r), r.rank)).collect();
     for r in rows.iter_mut() {
-        r.tied = r.rank.is_some() && ranks.iter().filter(|k| **k == r.rank).count() > 1;
+        let me = (run_of(r), r.rank);
+        r.tied = r.rank.is_some() && ranks.iter().filter(|k| **k == me).count() > 1;
     }
 }
 
@@ -650,9 +733,10 @@ pub fn suite_heading(b: &Board) -> String {
 pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
     let mut out = String::from("# Leaderboard\n\n");
     out.push_str("Generated by `harness report` from the result files below; do not edit by hand.\n");
-    out.push_str("Values are olympic means over repeats with bootstrap 95% intervals; a difference from the baseline is called\n");
-    out.push_str("(higher / lower) only when the two intervals do not overlap, otherwise it is n.s. (not significant). Each row is\n");
-    out.push_str("compared with its track's baseline of the same run; rows whose intervals overlap share a rank (=1).\n\n");
+    out.push_str("Values are olympic means over repeats with bootstrap 95% intervals. Only what was measured side by side is\n");
+    out.push_str("compared: each row with its track's baseline of the same run, paired by repeat (the ratios' olympic mean, called\n");
+    out.push_str("higher / lower only when their interval excludes 1, otherwise n.s.), and ranked against the rows of its run only\n");
+    out.push_str("(rows whose intervals overlap share a rank, =1). Runs are never pooled; each run's rows are listed together.\n\n");
     for s in sources {
         out.push_str(&format!("- {}\n", md_code(s)));
     }
@@ -792,6 +876,7 @@ mod tests {
                 run: None,
                 parts: Default::default(),
                 runs,
+                repeats: vec![0, 1, 2],
                 step_histograms: vec![],
                 failures: vec![],
             })
@@ -822,6 +907,7 @@ mod tests {
                 run: None,
                 parts: Default::default(),
                 runs,
+                repeats: vec![0],
                 step_histograms: vec![],
                 failures: vec![],
             };
@@ -848,13 +934,15 @@ mod tests {
             result("own", None, 7.0),
         ];
         let boards = boards(&results);
+        // Each row's repeats, row by row: two runs of one version are two
+        // rows, never pooled either.
         let runs = |v: Option<&str>| {
             let b = boards.iter().find(|b| b.suite == "std" && b.version.as_deref() == v).expect("a board per version");
-            b.rows[0].group.runs.iter().map(|m| m.tokens_per_s).collect::<Vec<_>>()
+            b.rows.iter().map(|r| r.group.runs.iter().map(|m| m.tokens_per_s).collect::<Vec<_>>()).collect::<Vec<_>>()
         };
         assert_eq!(boards.len(), 3);
-        assert_eq!(runs(Some("1.0")), [10.0]);
-        assert_eq!(runs(Some("1.1")), [30.0, 50.0]);
+        assert_eq!(runs(Some("1.0")), [[10.0]]);
+        assert_eq!(runs(Some("1.1")), [[30.0], [50.0]]);
         let md = leaderboard_markdown(&boards, &[]);
         assert!(md.contains("## Suite `std` version 1.0\n") && md.contains("## Suite `std` version 1.1\n"), "{md}");
         assert!(md.contains("## Suite `own`\n"), "{md}");
@@ -868,9 +956,10 @@ mod tests {
         let results = [result("s", None, 10.0), switched.clone(), result("s", None, 20.0)];
         let boards = boards(&results);
         assert_eq!(boards.len(), 2);
-        let runs = |b: &Board| b.rows[0].group.runs.iter().map(|m| m.tokens_per_s).collect::<Vec<_>>();
+        let runs = |b: &Board| b.rows.iter().flat_map(|r| r.group.runs.iter().map(|m| m.tokens_per_s)).collect::<Vec<_>>();
         assert_eq!((boards[0].switches.as_str(), runs(&boards[0])), ("", vec![10.0, 20.0]));
         assert_eq!((boards[1].switches.as_str(), runs(&boards[1])), ("HARNESS_FUSED_MLP=0", vec![30.0]));
+        assert_eq!(boards[0].rows.len(), 2, "two runs are two rows");
         let md = leaderboard_markdown(&boards, &[]);
         assert_eq!(md.matches("switches: `HARNESS_FUSED_MLP=0`").count(), 1, "{md}");
         let html = html::page(&boards, &[], &[], &[]);

@@ -312,3 +312,39 @@ fn rows_apart_by_less_than_the_classs_run_to_run_noise_share_a_rank() {
         assert_eq!(row("slow").rank, Some(3), "{}", b.track);
     }
 }
+
+/// Issue 60, item 7: the per-workload tables "rank the baselines of tracks
+/// a submission never entered (`| 1 | no-checkpoints (baseline; run of
+/// signsgd-mv ...)`)", rank absolute times across runs and days, and give
+/// `0.846x n.s.` where the Submissions table gives `0.663 [0.658, 0.846]`
+/// for the same comparison. The fixtures' runs trained every track's
+/// baseline: only the tracks each entered its plugin in are tabled, each
+/// run's rows are ranked among themselves and listed together, and each
+/// comparison is the Submissions table's statistic, to the digit.
+#[test]
+fn per_workload_tables_hold_the_entered_tracks_rank_within_each_run_and_agree_with_the_submissions_table() {
+    let bundles = fixtures();
+    let results: Vec<RunResult> = bundles.iter().map(|v| v.bundle.result.clone()).collect();
+    let boards = crate::boards(&results);
+    let tracks: BTreeSet<Option<&str>> = boards.iter().map(|b| b.track.as_deref()).collect();
+    assert_eq!(tracks, [Some("compression"), Some("compression-100mbps")].into(), "no batch-size or checkpointing table");
+    let subs = super::boards(&bundles, &vouched(&bundles));
+    for b in &boards {
+        let runs: Vec<&str> = b.rows.iter().map(|r| r.group.run.as_deref().unwrap()).collect();
+        let mut listed = runs.clone();
+        listed.dedup();
+        assert_eq!(listed.len(), 3, "each run's rows together: {runs:?}");
+        for run in &listed {
+            let ranks: Vec<Option<usize>> = b.rows.iter().filter(|r| r.group.run.as_deref() == Some(run)).map(|r| r.rank).collect();
+            assert_eq!(ranks, [Some(1), Some(2)], "{run}: ranked within its run");
+        }
+        let sub = subs.iter().find(|s| Some(s.track.as_str()) == b.track.as_deref()).unwrap();
+        let w = sub.workloads.iter().position(|w| *w == b.workload).unwrap();
+        for row in b.rows.iter().filter(|r| !r.group.baseline) {
+            let (ratio, _) = row.verdicts[&Metric::TimeToTarget];
+            let plugin = row.group.run.as_deref().unwrap().trim_start_matches("run of ").split(' ').next().unwrap();
+            let cell = sub.rows.iter().find(|r| r.plugin == plugin).unwrap().ratios[w].as_ref().unwrap();
+            assert_eq!(ratio, cell.olympic_mean, "{plugin} on {} {:?}", b.workload, b.track);
+        }
+    }
+}
