@@ -21,10 +21,10 @@ use anyhow::Result;
 use harness_format::files;
 use serde::Serialize;
 
-use crate::results::{self, RunResult};
 use crate::submission::verify::{self, Inspect};
 use crate::submission::{sha256_hex, Bundle, Manifest, MANIFEST, RESULT};
 use crate::submissions::{self, Files, Verified};
+use harness_format::results::{self, RunResult};
 
 /// What `harness report` read.
 pub struct Loaded {
@@ -160,7 +160,7 @@ fn add_result(path: &Path, read: Result<RunResult, results::ResultsError>, l: &m
 fn undecodable(r: &RunResult) -> Option<String> {
     r.entries.iter().find_map(|e| {
         e.histograms.iter().find_map(|(key, h)| {
-            crate::measure::decode(h).err().map(|err| format!("entry {}'s `{key}` histogram does not decode: {err}", e.id))
+            harness_format::histogram::decode(h).err().map(|err| format!("entry {}'s `{key}` histogram does not decode: {err}", e.id))
         })
     })
 }
@@ -257,7 +257,7 @@ fn rename_submission_strategies(r: &mut RunResult) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::results::testing;
+    use harness_format::results::testing;
 
     /// Issue 61's bomb: the first 9 bytes of a V2 histogram (its cookie,
     /// its payload length set to 0xFFFFFFF0, the first byte of its
@@ -265,7 +265,7 @@ mod tests {
     /// first 12 of an honest histogram's text.
     const BOMB_HEAD: &str = "HISTE/////AA";
 
-    fn no_plugins(_: &[u8]) -> anyhow::Result<crate::plugin::Manifest> {
+    fn no_plugins(_: &[u8]) -> anyhow::Result<harness_format::plugin::Manifest> {
         unreachable!("no bundle is given")
     }
 

@@ -29,15 +29,14 @@ pub mod submissions;
 #[cfg(test)]
 mod test_support;
 
-pub(crate) use harness_format::{fmt, histogram as measure, machine, plugin, results, suite, switches};
-
 use std::collections::BTreeMap;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 
 use crate::escape::{md, md_code};
-use crate::fmt::{human, printable};
-use crate::results::{EntryStatus, Metrics, RunResult};
+use harness_format::fmt::{human, printable};
+use harness_format::results::{EntryStatus, Metrics, RunResult};
+use harness_format::suite;
 pub use metric::{Better, Metric, PerMetric};
 use stats::{Summary, Verdict};
 
@@ -114,7 +113,7 @@ pub fn summary_table(r: &RunResult) -> String {
     }
     let mut out = t.to_string();
     if !r.switches.is_empty() {
-        out.push_str(&format!("\nswitches: {} (not the default work)", crate::switches::line(&r.switches)));
+        out.push_str(&format!("\nswitches: {} (not the default work)", harness_format::switches::line(&r.switches)));
     }
     for (strategy, line) in nccl_by_strategy(r.entries.iter().filter_map(|e| Some((e.strategy.as_str(), e.metrics.as_ref()?)))) {
         out.push_str(&format!("\n{strategy}: {line}"));
@@ -135,7 +134,7 @@ pub fn summary_table(r: &RunResult) -> String {
 /// The mean time of a call into the entry's plugins, in microseconds
 /// (every hook of every plugin it ran, as the host's meter timed them);
 /// None when it ran none or made no call.
-pub fn plugin_call_us(m: &crate::results::Metrics) -> Option<f64> {
+pub fn plugin_call_us(m: &harness_format::results::Metrics) -> Option<f64> {
     let (calls, ms) = m
         .plugins
         .iter()
@@ -146,7 +145,7 @@ pub fn plugin_call_us(m: &crate::results::Metrics) -> Option<f64> {
 
 /// What checkpoints and failures cost an entry, one line; none when it
 /// took no checkpoint and had no failure.
-pub fn resilience_line(r: &crate::results::ResilienceRecord) -> Option<String> {
+pub fn resilience_line(r: &harness_format::results::ResilienceRecord) -> Option<String> {
     if r.checkpoints.is_empty() && r.failures.is_empty() {
         return None;
     }
@@ -157,7 +156,7 @@ pub fn resilience_line(r: &crate::results::ResilienceRecord) -> Option<String> {
         let stalls: Vec<f64> = r.checkpoints.iter().map(|c| c.cost_s).collect();
         let mode = r.checkpoint_mode.as_deref().unwrap_or("sync");
         let mut p = format!("{n} checkpoint{} ({mode}): stall {} each", if n == 1 { "" } else { "s" }, seconds(mean(&stalls)));
-        let persisted: Vec<&crate::results::CheckpointRecord> = r.checkpoints.iter().filter(|c| c.persist_s.is_some()).collect();
+        let persisted: Vec<&harness_format::results::CheckpointRecord> = r.checkpoints.iter().filter(|c| c.persist_s.is_some()).collect();
         if mode == "async" {
             if !persisted.is_empty() {
                 let secs: Vec<f64> = persisted.iter().filter_map(|c| c.persist_s).collect();
@@ -200,7 +199,7 @@ fn seconds(s: f64) -> String {
 }
 
 /// What NCCL ran with, one line: version, transports, settings.
-pub fn nccl_line(n: &crate::results::NcclRecord) -> String {
+pub fn nccl_line(n: &harness_format::results::NcclRecord) -> String {
     let mut parts = vec![format!("NCCL {}", n.version.as_deref().unwrap_or("(version unknown)"))];
     parts.push(if n.transports.is_empty() {
         format!("transports unknown ({})", n.note.as_deref().unwrap_or("no connection lines"))
@@ -278,7 +277,7 @@ pub struct Group {
     pub strategy: String,
     pub device: String,
     /// The run's recorded `HARNESS_*` switches as one line
-    /// (`crate::switches::line`), empty for a default run: runs with
+    /// (`harness_format::switches::line`), empty for a default run: runs with
     /// different switches measured different work, never pooled.
     pub switches: String,
     pub baseline: bool,
@@ -436,7 +435,7 @@ pub fn groups(results: &[RunResult]) -> Vec<Group> {
             continue;
         }
         let version = suite_version(r);
-        let switches = if r.switches.is_empty() { String::new() } else { crate::switches::line(&r.switches) };
+        let switches = if r.switches.is_empty() { String::new() } else { harness_format::switches::line(&r.switches) };
         let tracks = suite::Suite::parse(std::path::Path::new(&r.suite.path), r.suite.text.clone()).map_or(Vec::new(), |s| s.spec.tracks);
         let entered = entered_tracks(r);
         let run = Some(run_label(r));
@@ -857,7 +856,7 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::results::NcclRecord;
+    use harness_format::results::NcclRecord;
 
     #[test]
     fn without_a_target_checkpoint_policies_rank_by_goodput_not_tokens_per_second() {
@@ -926,7 +925,7 @@ mod tests {
 
     #[test]
     fn results_of_different_suite_versions_are_never_pooled() {
-        use crate::results::testing::result;
+        use harness_format::results::testing::result;
         let results = [
             result("std", Some("1.0"), 10.0),
             result("std", Some("1.1"), 30.0),
@@ -950,7 +949,7 @@ mod tests {
 
     #[test]
     fn runs_with_switches_are_never_pooled_with_default_runs_and_say_so() {
-        use crate::results::testing::result;
+        use harness_format::results::testing::result;
         let mut switched = result("s", None, 30.0);
         switched.switches = [("HARNESS_FUSED_MLP".to_owned(), "0".to_owned())].into();
         let results = [result("s", None, 10.0), switched.clone(), result("s", None, 20.0)];
@@ -972,7 +971,7 @@ mod tests {
 
     #[test]
     fn compare_shows_what_the_result_files_chose_without_sending_it_to_the_terminal() {
-        use crate::results::testing::result;
+        use harness_format::results::testing::result;
         let mut a = result("s", None, 10.0);
         let b = result("s", None, 20.0);
         for e in &mut a.entries {
@@ -981,7 +980,7 @@ mod tests {
         }
         a.switches = [("HARNESS_X".to_owned(), "\u{1b}[2J".to_owned())].into();
         let text = compare_table(&[a], &[b]);
-        assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+        assert!(!text.chars().any(|c| harness_format::fmt::unseen(c) && c != '\n'), "{text:?}");
         assert!(text.contains(r"A: base\u{1b}]0;title\u{7}"), "{text}");
         assert!(text.contains(r"on cpu\u{202e} vs cpu"), "{text}");
         assert!(text.contains(r"switches: A HARNESS_X=\u{1b}[2J; B none"), "{text}");
@@ -989,10 +988,10 @@ mod tests {
 
     #[test]
     fn the_summary_shows_what_a_plugin_call_cost_when_plugins_ran() {
-        use crate::results::testing::result;
+        use harness_format::results::testing::result;
         let built_in = result("s", None, 10.0);
         assert!(!summary_table(&built_in).contains("plugin µs/call"));
-        let record = |calls: u64, mean_ms: f64| -> crate::plugin::PluginRecord {
+        let record = |calls: u64, mean_ms: f64| -> harness_format::plugin::PluginRecord {
             serde_json::from_value(serde_json::json!({
                 "slot": "compressor", "name": "topk", "version": "0.1.0", "kind": "compressor", "transport": "wasm",
                 "abi": "0.3.0", "sha256": "ab", "path": "topk.wasm", "calls": calls, "host_ops": 0, "read_bytes": 0,
@@ -1040,7 +1039,7 @@ mod tests {
 
     #[test]
     fn a_switches_line_cannot_leave_its_code_span() {
-        use crate::results::testing::result;
+        use harness_format::results::testing::result;
         let mut r = result("s", None, 10.0);
         r.switches = [("X".to_owned(), "`|\r\n| 1 | <script>".to_owned())].into();
         let md = leaderboard_markdown(&boards(&[r]), &[]);

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::stats::Summary;
-use crate::results::Metrics;
+use harness_format::results::Metrics;
 
 /// A metric's direction: which way is better.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

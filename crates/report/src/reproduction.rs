@@ -26,12 +26,12 @@ use std::collections::BTreeMap;
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
-use crate::fmt::printable;
-use crate::machine::Fingerprint;
 use crate::metric::Metric;
-use crate::results::{EntryStatus, Metrics, RunResult};
 use crate::stats::median;
-use crate::suite::Suite;
+use harness_format::fmt::printable;
+use harness_format::machine::Fingerprint;
+use harness_format::results::{EntryStatus, Metrics, RunResult};
+use harness_format::suite::Suite;
 
 /// Version of the reproduction record.
 ///
@@ -233,16 +233,17 @@ pub fn compare(claimed: &RunResult, reproduced: &RunResult, suite: &Suite, tol: 
     // kernels were held to the class's level (docs/rules.md, "The CPU
     // class").
     let class = claimed.submission.as_ref().and_then(|s| s.hardware_class.as_deref());
-    if class == Some(crate::machine::CPU_CLASS)
-        && (built.cpu_kernels != rebuilt.cpu_kernels || crate::machine::cpu_class_problem(rebuilt).is_some())
+    if class == Some(harness_format::machine::CPU_CLASS)
+        && (built.cpu_kernels != rebuilt.cpu_kernels || harness_format::machine::cpu_class_problem(rebuilt).is_some())
     {
-        let show = |m: &crate::machine::Fingerprint| m.cpu_kernels.as_ref().map_or("none recorded".to_owned(), |k| format!("{k:?}"));
+        let show =
+            |m: &harness_format::machine::Fingerprint| m.cpu_kernels.as_ref().map_or("none recorded".to_owned(), |k| format!("{k:?}"));
         c.differences.push(Difference {
             at: "the rerun".into(),
             figure: "libtorch's CPU kernels (`machine.cpu_kernels`)".into(),
             claimed: show(built),
             reproduced: show(rebuilt),
-            allowed: format!("the CPU class's: {}", crate::machine::pin_line()),
+            allowed: format!("the CPU class's: {}", harness_format::machine::pin_line()),
         });
     }
     let by_id: BTreeMap<&str, _> = reproduced.entries.iter().map(|e| (e.id.as_str(), e)).collect();
@@ -687,7 +688,7 @@ pub fn render(r: &Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::results::testing;
+    use harness_format::results::testing;
 
     fn with_curve(mut r: RunResult, curve: Vec<(u64, f64, f64)>) -> RunResult {
         for e in &mut r.entries {
@@ -773,7 +774,7 @@ mod tests {
     fn h100_bundle() -> (RunResult, Suite) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h100/submissions/1.2/compression-topk.bundle");
         let r = RunResult::read(&dir.join("result.json")).unwrap();
-        let released = crate::suite::standard::released(&r.suite.text).expect("a released suite");
+        let released = harness_format::suite::standard::released(&r.suite.text).expect("a released suite");
         let s = Suite::parse(std::path::Path::new(released.file), released.text.to_owned()).unwrap();
         (r, s)
     }
@@ -791,7 +792,7 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../results/h200/board-1gpu-e56d941");
         for name in ["every-n", "memory-growth", "step-up"] {
             let claim = RunResult::read(&root.join(format!("claims/{name}.bundle/result.json"))).unwrap();
-            let released = crate::suite::standard::released(&claim.suite.text).expect("a released suite");
+            let released = harness_format::suite::standard::released(&claim.suite.text).expect("a released suite");
             let suite = Suite::parse(std::path::Path::new(released.file), released.text.to_owned()).unwrap();
             let mut runs = vec![claim];
             for round in ["round1", "round2"] {
@@ -910,7 +911,7 @@ mod tests {
             reproduced: false,
         };
         let text = render(&record);
-        assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+        assert!(!text.chars().any(|c| harness_format::fmt::unseen(c) && c != '\n'), "{text:?}");
         assert!(text.contains(r"failed: out of memory\u{1b}[2J"), "{text}");
         assert!(text.contains(r"b\u{1b}]0;title\u{7}.bundle: NOT reproduced"), "{text}");
     }

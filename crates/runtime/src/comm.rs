@@ -23,7 +23,7 @@ use hdrhistogram::Histogram;
 use tch::{Kind, Tensor};
 
 use crate::measure;
-use crate::torch_ext::nbytes;
+use harness_kernels::torch_ext::nbytes;
 
 /// The words of [`CommError::Aborted`]'s message that say another rank
 /// ended the collective.
@@ -1234,7 +1234,7 @@ pub mod nccl {
         // SAFETY: as the caller promises.
         check(unsafe { (l.reduce_scatter)(t.data_ptr(), out.data_ptr(), out.numel(), dt, op, comm, side) }, "reduce_scatter")?;
         match scale {
-            Some(s) => crate::kernels::scale_on(side, out, s),
+            Some(s) => harness_kernels::kernels::scale_on(side, out, s),
             None => Ok(()),
         }
     }
@@ -1361,7 +1361,7 @@ pub mod nccl {
         /// contiguous, or a channels-last convolution weight, whose layout
         /// every rank shares), on CUDA.
         fn dtype_of(&self, t: &Tensor, op: &'static str) -> Result<c_int, CommError> {
-            if !crate::torch_ext::is_dense(t) || !t.device().is_cuda() {
+            if !harness_kernels::torch_ext::is_dense(t) || !t.device().is_cuda() {
                 // Refused before NCCL sees it: the communicator stays usable.
                 let reason = "NCCL needs a dense CUDA tensor (contiguous or channels-last)".to_owned();
                 return Err(CommError::Invalid { op, seq: self.stats.collectives, rank: self.rank, reason });
@@ -1585,17 +1585,17 @@ pub mod nccl {
             // measured collective (see `Link::emulated`).
             let after = self.link.as_ref().is_some_and(|(l, _)| l.ranks_share_nodes(self.n));
             if let (Some((_, at)), false) = (&self.link, after) {
-                crate::kernels::stamp(at).map_err(|e| self.fail(name, e))?;
+                harness_kernels::kernels::stamp(at).map_err(|e| self.fail(name, e))?;
             }
             check(issue(l, self.comm), name).map_err(|e| self.fail(name, e))?;
             let mid = if let Some((link, at)) = &self.link {
                 let (link, at) = (*link, at.shallow_clone());
                 let mid = self.mark(null, name)?;
                 if after {
-                    crate::kernels::stamp(&at).map_err(|e| self.fail(name, e))?;
+                    harness_kernels::kernels::stamp(&at).map_err(|e| self.fail(name, e))?;
                 }
                 let wait = link.inter_node_time(op, bytes, self.n);
-                crate::kernels::spin_until(&at, wait.as_nanos() as u64).map_err(|e| self.fail(name, e))?;
+                harness_kernels::kernels::spin_until(&at, wait.as_nanos() as u64).map_err(|e| self.fail(name, e))?;
                 Some(mid)
             } else {
                 None
@@ -1622,7 +1622,7 @@ pub mod nccl {
             let name = "reduce_scatter";
             let dt = self.dtype_of(t, name)?;
             let (numel, count) = (t.numel(), out.numel());
-            if numel != count * self.n || out.kind() != t.kind() || !crate::torch_ext::is_dense(out) {
+            if numel != count * self.n || out.kind() != t.kind() || !harness_kernels::torch_ext::is_dense(out) {
                 let reason = format!("{numel} elements do not split over {} ranks into {count} of {:?}", self.n, out.kind());
                 return Err(CommError::Invalid { op: name, seq: self.stats.collectives, rank: self.rank, reason });
             }
@@ -1640,7 +1640,7 @@ pub mod nccl {
         fn symmetric_scratch(&mut self, numel: i64, kind: Kind) -> Result<bool, CommError> {
             let name = "symmetric_scratch";
             let l = lib().map_err(|e| self.fail(name, e))?;
-            if l.all_to_all.is_none() || kind != Kind::Float || crate::kernels::mean_chunks_unavailable().is_some() {
+            if l.all_to_all.is_none() || kind != Kind::Float || harness_kernels::kernels::mean_chunks_unavailable().is_some() {
                 return Ok(false);
             }
             self.scratch = self.symmetric_alloc(numel, kind, name)?;
@@ -1682,7 +1682,7 @@ pub mod nccl {
                 unsafe { arrived.wait_on(averaging) }.map_err(|e| self.fail("reduce_scatter", e))?;
                 self.spare.push(arrived);
                 let out = t.narrow(0, (self.rank * count) as i64, count as i64);
-                crate::kernels::mean_chunks_on(averaging as *mut c_void, &received, &out, self.n)
+                harness_kernels::kernels::mean_chunks_on(averaging as *mut c_void, &received, &out, self.n)
                     .map_err(|e| self.fail("reduce_scatter", e))?;
                 let averaged = self.mark(averaging, "reduce_scatter")?;
                 self.deferred = Some(Deferred { averaged, base, mine, count, dt, bytes });

@@ -11,12 +11,12 @@ use std::path::{Path, PathBuf};
 
 use tch::Device;
 
-use crate::suite::DeviceKind;
+use harness_format::suite::DeviceKind;
 
 /// Loads libtorch's CUDA library once; returns whether CUDA is usable
-/// ([`crate::torch_ext::cuda_available`]).
+/// ([`harness_kernels::torch_ext::cuda_available`]).
 pub fn init_cuda() -> bool {
-    crate::torch_ext::cuda_available()
+    harness_kernels::torch_ext::cuda_available()
 }
 
 /// Errors choosing a device.

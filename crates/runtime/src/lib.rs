@@ -9,6 +9,3 @@
 pub mod comm;
 pub mod device;
 pub mod measure;
-
-pub(crate) use harness_format::suite;
-pub(crate) use harness_kernels::{kernels, torch_ext};

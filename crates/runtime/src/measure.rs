@@ -99,7 +99,7 @@ pub struct PhaseTimer {
     host: BTreeMap<Phase, Duration>,
     open: Option<(Phase, Instant, Option<cuda::Event>)>,
     /// The open phase as a range of the trace, when one is recorded.
-    range: Option<crate::torch_ext::Range>,
+    range: Option<harness_kernels::torch_ext::Range>,
     spare: Vec<cuda::Event>,
     pub histograms: BTreeMap<Phase, Histogram<u64>>,
     /// On CUDA: host time spent issuing each device phase. A host time close
@@ -156,7 +156,7 @@ impl PhaseTimer {
         } else {
             None
         };
-        self.range = crate::torch_ext::Range::open(|| format!("harness: {}", phase.name()));
+        self.range = harness_kernels::torch_ext::Range::open(|| format!("harness: {}", phase.name()));
         self.open = Some((phase, Instant::now(), ev));
         Ok(())
     }

@@ -7,7 +7,3 @@
 
 pub mod plugin;
 pub mod strategy;
-
-pub(crate) use harness_format::{error, exit, files, suite, switches};
-pub(crate) use harness_kernels::torch_ext;
-pub(crate) use harness_runtime::{comm, measure};

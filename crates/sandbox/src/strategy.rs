@@ -49,7 +49,7 @@ pub struct BatchDecision {
     pub lr_scale: f64,
 }
 
-pub use crate::comm::{Collective, SingleRank};
+pub use harness_runtime::comm::{Collective, SingleRank};
 
 /// Reduces gradients across ranks, leaving the average in place.
 pub trait Compressor {

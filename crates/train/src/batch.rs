@@ -5,8 +5,8 @@
 use anyhow::Result;
 
 use super::checkpoint::{Position, MAX_LR_SCALE};
-use crate::results::OomRecord;
-use crate::strategy::{BatchDecision, BatchPolicy, StepTelemetry};
+use harness_format::results::OomRecord;
+use harness_sandbox::strategy::{BatchDecision, BatchPolicy, StepTelemetry};
 
 /// The batch the next step trains with.
 pub struct Batch {

@@ -146,7 +146,7 @@ pub struct Snapshot {
     pub plugins: Vec<(String, Vec<u8>)>,
     /// On CUDA, the event after the copies into this snapshot's buffers,
     /// which were queued without waiting: readers wait for it first.
-    pub ready: Option<crate::torch_ext::Event>,
+    pub ready: Option<harness_kernels::torch_ext::Event>,
 }
 
 /// A copy on the host that later steps cannot change.
@@ -170,7 +170,7 @@ impl Snapshot {
 
     /// Bytes of tensor data held.
     pub fn bytes(&self) -> u64 {
-        let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| crate::torch_ext::nbytes(t)).sum::<u64>();
+        let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| harness_kernels::torch_ext::nbytes(t)).sum::<u64>();
         t(&self.model) + t(&self.state) + self.plugins.iter().map(|(_, b)| b.len() as u64).sum::<u64>()
     }
 
@@ -994,7 +994,7 @@ fn safetensors_header(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     let mut entries = Vec::new();
     let mut at = 0u64;
     for (name, t) in tensors {
-        let n = crate::torch_ext::nbytes(t);
+        let n = harness_kernels::torch_ext::nbytes(t);
         entries.push((name.clone(), dtype_name(t.kind())?, t.size(), [at, at + n]));
         at += n;
     }

@@ -19,9 +19,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::comm::{Collective, CommPtr};
-use crate::strategy::Compressor;
-use crate::torch_ext;
+use harness_kernels::torch_ext;
+use harness_runtime::comm::{Collective, CommPtr};
+use harness_sandbox::strategy::Compressor;
 
 impl Drop for DataParallel {
     fn drop(&mut self) {
@@ -287,13 +287,13 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
         if o.reserve > 0 && !st.reserved {
             // The rest of the pass's matmuls run beside the collectives.
             st.reserved = true;
-            if let Err(e) = crate::blaslt::reserve_sms(o.reserve) {
+            if let Err(e) = harness_kernels::blaslt::reserve_sms(o.reserve) {
                 st.error = Some(e.to_string());
                 return;
             }
         }
         if let Some(seconds) = &o.modelled {
-            crate::blaslt::reserve_beside(seconds[b]);
+            harness_kernels::blaslt::reserve_beside(seconds[b]);
         }
         // SAFETY: see CommPtr.
         // The autograd thread uses it only while the owning thread is
@@ -371,7 +371,7 @@ pub struct DataParallel {
     /// ZeRO's prefetch: the gather of the bucket the forward pass reads
     /// first, started before the rest of the update
     /// ([`DataParallel::start_lead_gather`]).
-    lead: Option<Option<crate::comm::Gathered>>,
+    lead: Option<Option<harness_runtime::comm::Gathered>>,
     /// ZeRO-1's gradient buffers are the collective's symmetric memory,
     /// each reduce-scattered in place ([`DataParallel::use_symmetric_zero_grads`]).
     zero_sym: bool,
@@ -735,10 +735,10 @@ impl DataParallel {
             error: None,
         };
         let sharded = self.stage.sharded();
-        let reserve = if self.device.is_cuda() { crate::switches::get().sm_reserve } else { 0 };
+        let reserve = if self.device.is_cuda() { harness_format::switches::get().sm_reserve } else { 0 };
         let reserve = u32::try_from(reserve).map_err(|_| anyhow::anyhow!("HARNESS_SM_RESERVE={reserve} is more SMs than a GPU has"))?;
         // A ring all-reduce sends and receives 2 (n - 1) / n of the bucket.
-        let gbs = crate::switches::get().sm_reserve_gbs;
+        let gbs = harness_format::switches::get().sm_reserve_gbs;
         let ring = 2.0 * (self.world as f64 - 1.0) / self.world as f64;
         let modelled =
             (reserve > 0 && gbs > 0).then(|| self.bucket_bytes().iter().map(|&b| ring * b as f64 / (gbs as f64 * 1e9)).collect());
@@ -799,7 +799,7 @@ impl DataParallel {
             st.comm = None;
             if std::mem::take(&mut st.reserved) {
                 // Cannot fail: the device's SM count was read when reserving.
-                let _ = crate::blaslt::reserve_sms(0);
+                let _ = harness_kernels::blaslt::reserve_sms(0);
             }
         }
     }
@@ -1004,7 +1004,7 @@ impl DataParallel {
             let Some((flat, _)) = &b.grad else { anyhow::bail!("a gradient buffer is missing before the reduction") };
             if !self.stage.sharded() {
                 let mut out = flat.shallow_clone();
-                compressor.reduce(&mut out, comm, &crate::strategy::BucketCtx { step, index, count })?;
+                compressor.reduce(&mut out, comm, &harness_sandbox::strategy::BucketCtx { step, index, count })?;
                 // A compressor may hand back a new tensor instead of writing
                 // in place; the parameters' gradients are views of `flat`.
                 if out.data_ptr() != flat.data_ptr() {
@@ -1209,7 +1209,7 @@ impl DataParallel {
     /// forward pass reads first first (the buckets follow the backward
     /// pass's order), and hands them to [`crate::gate`].
     fn start_gathers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<()> {
-        let mut gathers: Vec<Option<crate::comm::Gathered>> = self.buckets.iter().map(|_| None).collect();
+        let mut gathers: Vec<Option<harness_runtime::comm::Gathered>> = self.buckets.iter().map(|_| None).collect();
         let lead = self.lead.take();
         let started = if lead.is_some() { self.buckets.len() - 1 } else { self.buckets.len() };
         if let (Some(g), Some(slot)) = (lead, gathers.last_mut()) {
@@ -1342,7 +1342,7 @@ pub fn ready_order(n: usize, created: &[usize]) -> Vec<usize> {
 /// states alike, and autograd copies gradients of another layout).
 fn slot(flat: &Tensor, off: i64, p: &Tensor) -> Tensor {
     let (size, stride) = (p.size(), p.stride());
-    if crate::torch_ext::is_dense_layout(&size, &stride) {
+    if harness_kernels::torch_ext::is_dense_layout(&size, &stride) {
         flat.as_strided(size.as_slice(), stride.as_slice(), off)
     } else {
         flat.narrow(0, off, p.numel() as i64).view(size.as_slice())
@@ -1355,8 +1355,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::comm::InProcessGroup;
-    use crate::strategy::AllReduce;
+    use harness_runtime::comm::InProcessGroup;
+    use harness_sandbox::strategy::AllReduce;
 
     /// Parameters of odd sizes (so that ZeRO pads) with values depending on
     /// `seed` (not from libtorch's generator, which tests share).
@@ -1466,7 +1466,7 @@ mod tests {
 
     #[test]
     fn gradients_and_zero_parameters_keep_a_channels_last_layout() {
-        use crate::torch_ext::is_dense_layout as dense;
+        use harness_kernels::torch_ext::is_dense_layout as dense;
         assert!(dense(&[2, 3, 4, 5], &[60, 1, 15, 3]) && dense(&[7, 1], &[1, 1]) && !dense(&[4, 4], &[8, 1]));
         let conv = || {
             let w = (Tensor::arange(2 * 3 * 2 * 2, tch::kind::FLOAT_CPU) * 0.1).sin().view([2, 3, 2, 2]);
@@ -1530,7 +1530,7 @@ mod tests {
     }
 
     /// Runs `f` on two thread ranks with fresh parameters each.
-    fn two_ranks<T: Send + 'static>(f: impl Fn(usize, &mut crate::comm::InProcessComm) -> T + Send + Sync + 'static) -> Vec<T> {
+    fn two_ranks<T: Send + 'static>(f: impl Fn(usize, &mut harness_runtime::comm::InProcessComm) -> T + Send + Sync + 'static) -> Vec<T> {
         let g = InProcessGroup::new(2, Duration::from_secs(10));
         let f = Arc::new(f);
         let hs: Vec<_> = (0..2)
@@ -1586,7 +1586,12 @@ mod tests {
     /// (r + 1 + step) x the loss's, parameter 3 getting none, the reduction
     /// started from the hooks where the overlap is on: after each step, the
     /// gradients the optimizer reads and the gradient bytes held.
-    fn two_steps(dp: &mut DataParallel, ps: &[Tensor], rank: usize, comm: &mut crate::comm::InProcessComm) -> Vec<(Vec<Vec<f32>>, u64)> {
+    fn two_steps(
+        dp: &mut DataParallel,
+        ps: &[Tensor],
+        rank: usize,
+        comm: &mut harness_runtime::comm::InProcessComm,
+    ) -> Vec<(Vec<Vec<f32>>, u64)> {
         let mut out = Vec::new();
         for step in 0..2u64 {
             dp.begin_step().unwrap();
@@ -1772,7 +1777,13 @@ mod tests {
                 let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
                 let s = comm.stats();
                 let ops = |op| s.ops.get(&op).map_or(0, |o| o.collectives);
-                (steps, padded, ops(crate::comm::Op::AllReduce), ops(crate::comm::Op::ReduceScatter), ops(crate::comm::Op::AllGather))
+                (
+                    steps,
+                    padded,
+                    ops(harness_runtime::comm::Op::AllReduce),
+                    ops(harness_runtime::comm::Op::ReduceScatter),
+                    ops(harness_runtime::comm::Op::AllGather),
+                )
             })
         };
         let plain = run(false);
@@ -1995,7 +2006,12 @@ mod tests {
     fn a_compressor_that_returns_a_new_tensor_still_reaches_the_gradients() {
         struct Sevens;
         impl Compressor for Sevens {
-            fn reduce(&mut self, bucket: &mut Tensor, _comm: &mut dyn Collective, _ctx: &crate::strategy::BucketCtx) -> anyhow::Result<()> {
+            fn reduce(
+                &mut self,
+                bucket: &mut Tensor,
+                _comm: &mut dyn Collective,
+                _ctx: &harness_sandbox::strategy::BucketCtx,
+            ) -> anyhow::Result<()> {
                 *bucket = bucket.ones_like() * 7.0;
                 Ok(())
             }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use tch::Tensor;
 
-use crate::comm::Gathered;
+use harness_runtime::comm::Gathered;
 
 /// The buckets whose gathers are in flight, and where each parameter lies.
 struct Gate {

@@ -38,11 +38,6 @@ mod stale;
 pub mod tiers;
 pub mod training;
 
-pub(crate) use harness_format::{error, results, suite, switches};
-pub(crate) use harness_kernels::{blaslt, kernels, torch_ext};
-pub(crate) use harness_runtime::{comm, device, measure};
-pub(crate) use harness_sandbox::{plugin, strategy};
-
 use std::collections::BTreeMap;
 
 use anyhow::Context;
@@ -51,12 +46,12 @@ use std::time::Duration;
 
 use tch::Device;
 
-use crate::comm::{any_rank, Collective};
-use crate::error::EntryError;
-use crate::results::Metrics;
-use crate::strategy::BatchDecision;
-use crate::suite::{PlanEntry, Workload};
 use batch::Batch;
+use harness_format::error::EntryError;
+use harness_format::results::Metrics;
+use harness_format::suite::{PlanEntry, Workload};
+use harness_runtime::comm::{any_rank, Collective};
+use harness_sandbox::strategy::BatchDecision;
 use optim::learning_rate;
 use replicas::ReplicaCheck;
 use resilience::Resilience;
@@ -94,7 +89,7 @@ pub struct EntryContext<'a> {
     /// [`dp::DataParallel::auto_bucket_bytes`]).
     pub bucket_bytes: Option<u64>,
     /// The suite's plugins.
-    pub plugins: &'a crate::plugin::PluginSet,
+    pub plugins: &'a harness_sandbox::plugin::PluginSet,
     /// Where this entry's checkpoints go (removed when the entry succeeds).
     pub checkpoint_dir: std::path::PathBuf,
     /// `harness run --resume`: go on from the newest checkpoint an
@@ -131,16 +126,18 @@ pub fn run_entry(
 
 /// What kind of failure an error of the loop is.
 fn classify(e: anyhow::Error) -> EntryError {
-    let message = crate::error::without_backtrace(&format!("{e:#}"));
+    let message = harness_format::error::without_backtrace(&format!("{e:#}"));
     // First: a collective aborted because another rank failed is an echo of
     // that rank's error, even inside a plugin's call (whose error reaches
     // here as the plugin's message: the sandbox flattens what the guest
     // saw into text, so the echo is recognised by the collective's words).
-    let aborted = e.chain().any(|c| matches!(c.downcast_ref::<crate::comm::CommError>(), Some(crate::comm::CommError::Aborted { .. })));
-    if aborted || message.contains(crate::comm::ABORTED_BY_PEER) {
+    let aborted = e
+        .chain()
+        .any(|c| matches!(c.downcast_ref::<harness_runtime::comm::CommError>(), Some(harness_runtime::comm::CommError::Aborted { .. })));
+    if aborted || message.contains(harness_runtime::comm::ABORTED_BY_PEER) {
         return EntryError::RankLost { message };
     }
-    if let Some(p) = e.chain().find_map(|c| c.downcast_ref::<crate::plugin::PluginFailure>()) {
+    if let Some(p) = e.chain().find_map(|c| c.downcast_ref::<harness_sandbox::plugin::PluginFailure>()) {
         return EntryError::Plugin { plugin: p.plugin.clone(), message };
     }
     if let Some(d) = e.downcast_ref::<replicas::Diverged>() {
@@ -151,8 +148,8 @@ fn classify(e: anyhow::Error) -> EntryError {
     }
     if e.chain().any(|c| {
         matches!(
-            c.downcast_ref::<crate::comm::CommError>(),
-            Some(crate::comm::CommError::Aborted { .. } | crate::comm::CommError::Timeout { .. })
+            c.downcast_ref::<harness_runtime::comm::CommError>(),
+            Some(harness_runtime::comm::CommError::Aborted { .. } | harness_runtime::comm::CommError::Timeout { .. })
         )
     }) {
         return EntryError::RankLost { message };
@@ -213,7 +210,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
 
         // The policies decide the next batch and the checkpoints; a
         // failure may strike.
-        meter.timer.start(crate::measure::Phase::Strategy)?;
+        meter.timer.start(harness_runtime::measure::Phase::Strategy)?;
         let telemetry = meter.telemetry(done, now, &batch, t.world, out.grad_stats)?;
         batch.after_step(t.strategies.batch.as_mut(), &telemetry)?;
         let decision = safe.decide(t.strategies.checkpoint.as_mut(), &telemetry, now, comm, t.device)?;
@@ -315,14 +312,14 @@ struct StepTrace {
 impl StepTrace {
     fn new(ctx: &EntryContext<'_>, rank: usize) -> StepTrace {
         let last = ctx.workload.steps.map_or(u64::MAX, |s| s.saturating_sub(1));
-        let switches = crate::switches::get();
+        let switches = harness_format::switches::get();
         let file = ctx.trace.as_deref().filter(|_| rank == 0 || switches.trace_all_ranks).map(|f| rank_trace_file(f, rank));
         StepTrace { file, step: ctx.warmup_steps.min(last), left: switches.trace_steps.max(1), on: false }
     }
 
     fn before(&mut self, step: u64, device: Device) -> anyhow::Result<()> {
         if self.file.is_some() && !self.on && step == self.step {
-            crate::torch_ext::profiler_start(device.is_cuda())?;
+            harness_kernels::torch_ext::profiler_start(device.is_cuda())?;
             self.on = true;
         }
         Ok(())
@@ -341,7 +338,7 @@ impl StepTrace {
         let file = self.file.take().expect("a trace file while tracing");
         std::fs::create_dir_all(file.parent().expect("a trace file in a folder"))
             .with_context(|| format!("creating {}", file.display()))?;
-        crate::torch_ext::profiler_stop(&file).with_context(|| format!("writing the trace {}", file.display()))?;
+        harness_kernels::torch_ext::profiler_stop(&file).with_context(|| format!("writing the trace {}", file.display()))?;
         Ok(())
     }
 }
@@ -351,7 +348,7 @@ impl Drop for StepTrace {
     /// so the next entry can start it again.
     fn drop(&mut self) {
         if self.on {
-            let _ = crate::torch_ext::profiler_stop(self.file.as_deref().unwrap_or(Path::new("/dev/null")));
+            let _ = harness_kernels::torch_ext::profiler_stop(self.file.as_deref().unwrap_or(Path::new("/dev/null")));
         }
     }
 }
@@ -414,7 +411,7 @@ fn target_loss(w: &Workload, floor: Option<f64>) -> Option<f64> {
 /// `HARNESS_REPLICA_CHECK_FORCE=1` the fingerprint is taken on one rank too,
 /// to measure its cost.
 fn replica_check(warmup_steps: u64) -> ReplicaCheck {
-    let s = crate::switches::get();
+    let s = harness_format::switches::get();
     ReplicaCheck::new(s.replica_check_every, warmup_steps, s.replica_check_force)
 }
 

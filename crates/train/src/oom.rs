@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 
-use crate::error::is_oom_message;
+use harness_format::error::is_oom_message;
 
 /// Whether `e` (any link of its chain) is an out-of-memory error.
 pub fn is_oom_error(e: &anyhow::Error) -> bool {

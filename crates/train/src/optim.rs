@@ -3,9 +3,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::kernels;
-use crate::suite::{Decay, OptimizerSpec, ScheduleSpec};
-use crate::torch_ext::{self, AdamWStep, Lr};
+use harness_format::suite::{Decay, OptimizerSpec, ScheduleSpec};
+use harness_kernels::kernels;
+use harness_kernels::torch_ext::{self, AdamWStep, Lr};
 
 /// An optimizer over a fixed list of parameters.
 pub enum Optimizer {
@@ -77,7 +77,7 @@ impl Optimizer {
     /// Bytes of optimizer state held now (AdamW: both moments and the step
     /// counts; SGD: the momentum buffers, created at the first step).
     pub fn state_bytes(&self) -> u64 {
-        let bytes = crate::torch_ext::nbytes;
+        let bytes = harness_kernels::torch_ext::nbytes;
         match self {
             Optimizer::AdamW { exp_avg, exp_avg_sq, steps, .. } => exp_avg.iter().chain(exp_avg_sq).chain(steps).map(bytes).sum(),
             Optimizer::Sgd { bufs, .. } => bufs.iter().flatten().map(bytes).sum(),

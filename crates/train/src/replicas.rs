@@ -17,12 +17,12 @@
 use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
-use crate::comm::Collective;
-use crate::torch_ext;
 use crate::training::Pending;
+use harness_kernels::torch_ext;
+use harness_runtime::comm::Collective;
 
 /// Steps between checks when the suite does not say.
-pub const DEFAULT_EVERY: u64 = crate::switches::Switches::DEFAULT.replica_check_every;
+pub const DEFAULT_EVERY: u64 = harness_format::switches::Switches::DEFAULT.replica_check_every;
 
 /// Replicas that no longer agree.
 #[derive(Debug, thiserror::Error)]
@@ -138,8 +138,8 @@ impl ReplicaCheck {
 /// else the shim's. Both give the same number, so ranks agree whichever
 /// path each takes.
 fn hashes(params: &[Tensor]) -> Result<Tensor> {
-    if params.first().is_some_and(|p| p.device().is_cuda()) && crate::kernels::available() {
-        return crate::kernels::word_hashes(params);
+    if params.first().is_some_and(|p| p.device().is_cuda()) && harness_kernels::kernels::available() {
+        return harness_kernels::kernels::word_hashes(params);
     }
     Ok(torch_ext::param_hashes(params)?)
 }
@@ -161,7 +161,7 @@ fn diverged(mine: &Tensor, reference: &Tensor, names: &[String], step: u64, rank
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::InProcessGroup;
+    use harness_runtime::comm::InProcessGroup;
     use std::time::Duration;
 
     /// A replica's parameters: a weight and a bias of mixed signs.
@@ -205,7 +205,9 @@ mod tests {
 
     /// Runs `f(rank, collective, names)` on two thread ranks (parameters
     /// `w` and `b`): rank 0 must succeed; returns rank 1's error.
-    fn rank_one_fails(f: impl Fn(usize, &mut crate::comm::InProcessComm, &[String]) -> Result<()> + Send + Sync + 'static) -> String {
+    fn rank_one_fails(
+        f: impl Fn(usize, &mut harness_runtime::comm::InProcessComm, &[String]) -> Result<()> + Send + Sync + 'static,
+    ) -> String {
         let names = vec!["w".to_owned(), "b".to_owned()];
         let g = InProcessGroup::new(2, Duration::from_secs(10));
         let f = std::sync::Arc::new(f);

@@ -19,12 +19,12 @@ use super::checkpoint::{
 use super::optim::{LossScaler, Optimizer};
 use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
 use super::EntryContext;
-use crate::comm::{ranks_agree, Collective};
-use crate::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
-use crate::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry, Strategies};
-use crate::suite::FaultSpec;
-use crate::torch_ext;
 use crate::training::Training;
+use harness_format::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
+use harness_format::suite::FaultSpec;
+use harness_kernels::torch_ext;
+use harness_runtime::comm::{ranks_agree, Collective};
+use harness_sandbox::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry, Strategies};
 
 /// Checkpoints and injected failures of one entry on one rank. A failure
 /// before the first checkpoint goes back to the start, kept in host memory.
@@ -644,12 +644,12 @@ impl Resilience {
         mut self,
         ctx: &EntryContext<'_>,
         rank: usize,
-        comm: &mut dyn crate::comm::Collective,
+        comm: &mut dyn harness_runtime::comm::Collective,
         device: tch::Device,
     ) -> Result<Option<ResilienceRecord>> {
         drop(self.tiers.take());
         if self.store.is_some() {
-            crate::comm::ranks_agree(comm, true, device)?;
+            harness_runtime::comm::ranks_agree(comm, true, device)?;
             if rank == 0 {
                 let _ = std::fs::remove_dir_all(&ctx.checkpoint_dir);
             }
@@ -688,7 +688,7 @@ fn run_and_accept(ctx: &EntryContext<'_>, t: &mut Training) -> Result<(RunIdenti
     };
     let bounds = match t.strategies.batch.plugin_mut() {
         None => Bounds::fixed(w.batch, w.grad_accum, w.steps),
-        Some(_) => Bounds::plugin(&ctx.entry.strategy.batch_policy, crate::plugin::MAX_BATCH, w.steps),
+        Some(_) => Bounds::plugin(&ctx.entry.strategy.batch_policy, harness_sandbox::plugin::MAX_BATCH, w.steps),
     };
     Ok((run, Accept { layout: layout(t)?, bounds }))
 }
@@ -1056,7 +1056,7 @@ impl TrainState<'_> {
         Ok(())
     }
 
-    fn plugins(&mut self) -> Vec<(&'static str, &mut crate::plugin::Plugin)> {
+    fn plugins(&mut self) -> Vec<(&'static str, &mut harness_sandbox::plugin::Plugin)> {
         let s = &mut *self.strategies;
         [("compressor", s.compressor.plugin_mut()), ("batch", s.batch.plugin_mut()), ("checkpoint", s.checkpoint.plugin_mut())]
             .into_iter()

@@ -21,7 +21,7 @@ use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
 use super::checkpoint::{Cancelled, Position, Snapshot, Store};
-use crate::torch_ext;
+use harness_kernels::torch_ext;
 
 /// A snapshot shared between the training thread (the memory tier,
 /// restores) and the writer.

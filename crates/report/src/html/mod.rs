@@ -18,7 +18,7 @@ use std::fmt::Write;
 use super::submissions::{SubBoard, Verified};
 use super::{Board, Metric, Row};
 use crate::escape::html as esc;
-use crate::measure;
+use harness_format::histogram;
 use plots::{svg_open, Frame};
 
 /// Series colours (Tableau 10); tests look for the first ones on screen.
@@ -121,8 +121,8 @@ fn latency_curves(id: &str, rows: &[Row]) -> String {
     let series: Vec<Vec<(f64, f64)>> = rows
         .iter()
         .map(|r| {
-            let mut merged = measure::new_histogram();
-            for h in r.group.step_histograms.iter().filter_map(|s| measure::decode(s).ok()) {
+            let mut merged = histogram::new_histogram();
+            for h in r.group.step_histograms.iter().filter_map(|s| histogram::decode(s).ok()) {
                 let _ = merged.add(&h);
             }
             if merged.is_empty() {

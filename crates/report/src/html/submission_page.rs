@@ -8,8 +8,8 @@
 use std::fmt::Write;
 
 use super::{esc, STYLE};
-use crate::results::{EntryStatus, RunResult};
 use crate::submissions::{self, SubBoard, Verified};
+use harness_format::results::{EntryStatus, RunResult};
 
 /// The page of a ranked bundle, with its rows on `subs` (the board's
 /// sections numbered as [`super::tracks::anchor`] numbers them).

@@ -10,9 +10,9 @@ use std::fmt::Write;
 use super::plots::{self, Curve};
 use super::{code_spans, esc};
 use crate::escape::Markup;
-use crate::results::{EntryStatus, RunResult};
 use crate::submissions::{self, SubBoard, Verified};
 use crate::Board;
+use harness_format::results::{EntryStatus, RunResult};
 
 /// How to read a track's board, one paragraph.
 pub const HOW_TO_READ: &str = "How to read this: a dot is a submission's time to target ÷ the baseline's in the same run \
@@ -219,7 +219,7 @@ fn workload_curves(id: &str, b: &SubBoard, workload: &str, bundles: &[Verified])
 
 /// The metrics of `strategy`'s first finished repeat on `workload`, and
 /// whether the workload's target is an accuracy.
-fn first_repeat<'a>(r: &'a RunResult, workload: &str, strategy: &str) -> Option<(&'a crate::results::Metrics, bool)> {
+fn first_repeat<'a>(r: &'a RunResult, workload: &str, strategy: &str) -> Option<(&'a harness_format::results::Metrics, bool)> {
     let e = r
         .entries
         .iter()

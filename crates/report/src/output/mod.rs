@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use crate::inputs::Loaded;
-use crate::results::write_atomic;
 use crate::submissions;
 use crate::{html, Board};
+use harness_format::results::write_atomic;
 
 /// What [`write()`] wrote.
 pub struct Written {

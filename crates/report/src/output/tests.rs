@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 
 use super::*;
 use crate::inputs::{self, load};
-use crate::plugin::{Kind, Manifest as PluginManifest, Transport};
-use crate::results::{EntryStatus, NcclRecord};
 use crate::submission::{sha256_hex, MANIFEST, RESULT};
 use crate::test_support::copy_dir;
+use harness_format::plugin::{Kind, Manifest as PluginManifest, Transport};
+use harness_format::results::{EntryStatus, NcclRecord};
 
 /// Forges a rank-1 row, runs a script, links out, and reorders what follows.
 const FORGE: &str = "x\r\n| 1 | forged | 9.99 |\n<script>alert(1)</script>`](javascript:alert(2))\u{202e}|";
@@ -40,10 +40,10 @@ fn inspector(bundles: &[PathBuf]) -> impl Fn(&[u8]) -> anyhow::Result<PluginMani
         .collect();
     // Of bundles that name one artifact differently, the first given (in
     // name order) says what it is.
-    let mut named: std::collections::HashMap<String, crate::results::EnteredPlugin> = std::collections::HashMap::new();
+    let mut named: std::collections::HashMap<String, harness_format::results::EnteredPlugin> = std::collections::HashMap::new();
     for p in dirs
         .iter()
-        .filter_map(|b| crate::results::RunResult::read(&b.join(RESULT)).ok())
+        .filter_map(|b| harness_format::results::RunResult::read(&b.join(RESULT)).ok())
         .filter_map(|r| r.submission.and_then(|s| s.entered.into_iter().next()))
     {
         named.entry(p.sha256.clone()).or_insert(p);
@@ -361,7 +361,7 @@ fn an_unverified_bundle_is_in_no_table_and_listed_apart_with_its_reasons() {
 
 #[test]
 fn every_string_of_a_result_file_is_escaped_in_both_outputs() {
-    let mut r = crate::results::testing::result("s", None, 100.0);
+    let mut r = harness_format::results::testing::result("s", None, 100.0);
     r.suite.name = FORGE.into();
     r.suite.text = format!("[suite]\nversion = {}\n", toml::Value::String(FORGE.into()));
     assert_eq!(crate::suite_version(&r).as_deref(), Some(FORGE));
@@ -478,12 +478,12 @@ fn one_run_in_bundles_with_bytes_added_is_one_row_with_its_repeats_once() {
     r["resubmitted"] = true.into();
     put(&dir.join("field.bundle"), RESULT, &serde_json::to_vec_pretty(&r).unwrap());
 
-    let inspect = |bytes: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
-        Ok(crate::plugin::Manifest {
+    let inspect = |bytes: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
+        Ok(harness_format::plugin::Manifest {
             name: "topk".into(),
             version: "0.1.0".into(),
-            kind: crate::plugin::Kind::Compressor,
-            transport: crate::plugin::Transport::Wasm,
+            kind: harness_format::plugin::Kind::Compressor,
+            transport: harness_format::plugin::Transport::Wasm,
             abi: "0.1.1".into(),
             sha256: sha256_hex(bytes),
             path: PathBuf::new(),

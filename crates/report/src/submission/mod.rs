@@ -15,7 +15,7 @@ use harness_format::files as caps;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::results::{self, RunResult};
+use harness_format::results::{self, RunResult};
 
 /// Version of the bundle format (`MANIFEST.json`).
 ///
@@ -116,7 +116,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
     if out.exists() {
         bail!("{} already exists\nhint: remove it, or choose another folder with --out", out.display());
     }
-    let log = opts.log.clone().unwrap_or_else(|| crate::results::log_path(result));
+    let log = opts.log.clone().unwrap_or_else(|| harness_format::results::log_path(result));
     let log_text = match caps::read_capped(&log, caps::LOG_MAX_BYTES) {
         Ok(t) => Some(t),
         Err(caps::FileError::Io { error, .. }) if opts.log.is_none() && error.kind() == std::io::ErrorKind::NotFound => None,
@@ -188,7 +188,7 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
             name: run.suite.name.clone(),
             version: sub.suite_version.clone(),
             sha256: sha256_hex(run.suite.text.as_bytes()),
-            released_as: crate::suite::standard::released(&run.suite.text).map(|r| r.file.to_owned()),
+            released_as: harness_format::suite::standard::released(&run.suite.text).map(|r| r.file.to_owned()),
         },
         hardware_class: sub.hardware_class.clone(),
         gpus: sub.gpus,

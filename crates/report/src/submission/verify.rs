@@ -51,11 +51,11 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::{files, sha256_hex, Manifest, BUNDLE_FORMAT, LOG, MACHINE, MANIFEST, RESULT, SUITE};
-use crate::fmt::{printable, printable_path};
-use crate::plugin::{head_hex, ArtifactFormat};
-use crate::results::{EntryStatus, RunResult, Submission};
-use crate::suite::standard::{self, Entry, Released};
-use crate::suite::Suite;
+use harness_format::fmt::{printable, printable_path};
+use harness_format::plugin::{head_hex, ArtifactFormat};
+use harness_format::results::{EntryStatus, RunResult, Submission};
+use harness_format::suite::standard::{self, Entry, Released};
+use harness_format::suite::Suite;
 
 /// One broken rule: what is wrong, and what to do about it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -100,7 +100,7 @@ const RESUBMIT: &str = "run `harness submit` again on the original result file";
 /// the one the run loaded; `harness` passes `plugin::inspect_component`,
 /// which instantiates it in the wasm sandbox with its memory and time
 /// limits.
-pub type Inspect<'a> = &'a dyn Fn(&[u8]) -> anyhow::Result<crate::plugin::Manifest>;
+pub type Inspect<'a> = &'a dyn Fn(&[u8]) -> anyhow::Result<harness_format::plugin::Manifest>;
 
 /// The bundle's files as they were read (within the caps), by their path
 /// in the manifest.
@@ -383,7 +383,7 @@ fn check_plugins(contents: &Contents, m: &Manifest, sub: &Submission, inspect: I
 fn check_artifact(
     contents: &Contents,
     m: &Manifest,
-    p: &crate::results::EnteredPlugin,
+    p: &harness_format::results::EnteredPlugin,
     inspect: Inspect,
     v: &mut Verdict,
 ) -> Option<ArtifactFormat> {
@@ -474,11 +474,11 @@ fn check_artifact(
 fn check_plugin_records(sub: &Submission, formats: &[Option<ArtifactFormat>], r: &RunResult, v: &mut Verdict) {
     for (p, format) in sub.entered.iter().zip(formats) {
         let transport = match format {
-            Some(ArtifactFormat::Component) => Some(crate::plugin::Transport::Wasm),
-            Some(f) if f.is_native() => Some(crate::plugin::Transport::Native),
+            Some(ArtifactFormat::Component) => Some(harness_format::plugin::Transport::Wasm),
+            Some(f) if f.is_native() => Some(harness_format::plugin::Transport::Native),
             _ => None,
         };
-        if let Some(t) = transport.filter(|t| (*t == crate::plugin::Transport::Wasm) != (p.transport == "wasm")) {
+        if let Some(t) = transport.filter(|t| (*t == harness_format::plugin::Transport::Wasm) != (p.transport == "wasm")) {
             v.add(
                 "labels",
                 format!("the result labels the entered plugin's transport `{}`; its bytes make it `{}`", p.transport, transport_name(t)),
@@ -525,10 +525,10 @@ fn check_plugin_records(sub: &Submission, formats: &[Option<ArtifactFormat>], r:
     }
 }
 
-fn transport_name(t: crate::plugin::Transport) -> &'static str {
+fn transport_name(t: harness_format::plugin::Transport) -> &'static str {
     match t {
-        crate::plugin::Transport::Wasm => "wasm",
-        crate::plugin::Transport::Native => "native",
+        harness_format::plugin::Transport::Wasm => "wasm",
+        harness_format::plugin::Transport::Native => "native",
     }
 }
 
@@ -560,7 +560,7 @@ fn check_plan(released: &Suite, sub: &Submission, r: &RunResult, v: &mut Verdict
         );
     }
     let want = suite.plan().entries;
-    let got: BTreeMap<&str, &crate::suite::PlanEntry> = r.plan.iter().map(|p| (p.id.as_str(), p)).collect();
+    let got: BTreeMap<&str, &harness_format::suite::PlanEntry> = r.plan.iter().map(|p| (p.id.as_str(), p)).collect();
     let want_ids: BTreeSet<&str> = want.iter().map(|p| p.id.as_str()).collect();
     let lacking: Vec<&str> = want.iter().map(|p| p.id.as_str()).filter(|id| !got.contains_key(id)).collect();
     let extra: Vec<&str> = r.plan.iter().map(|p| p.id.as_str()).filter(|id| !want_ids.contains(id)).collect();
@@ -650,7 +650,7 @@ fn check_steps(suite: &Suite, r: &RunResult, v: &mut Verdict) {
             v.add("histograms", format!("{} has no step histogram", e.id), RESUBMIT);
             continue;
         };
-        let h = match crate::measure::decode(encoded) {
+        let h = match harness_format::histogram::decode(encoded) {
             Ok(h) => h,
             Err(err) => {
                 v.add("histograms", format!("{}'s step histogram does not decode: {err}", e.id), RESUBMIT);

@@ -17,10 +17,10 @@ use super::stats::Summary;
 use super::Metric;
 use crate::escape::{self, md, md_code, Markup};
 use crate::reproduction::{Reproduced, Tolerance};
-use crate::results::{EnteredPlugin, EntryResult, EntryStatus, RunResult};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
-use crate::suite::Suite;
+use harness_format::results::{EnteredPlugin, EntryResult, EntryStatus, RunResult};
+use harness_format::suite::Suite;
 
 /// The profile's range: a submission more than this many times slower than
 /// the best on a workload scores nothing there (AlgoPerf's τ_max).

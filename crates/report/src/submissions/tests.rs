@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 
 use super::*;
 use crate::reproduction::Reproduced;
-use crate::results::{EntryResult, EntryStatus, Metrics, RunResult, Submission};
 use crate::submission::verify::Verdict;
 use crate::submission::{Bundle, Manifest, SuiteRef};
-use crate::suite::standard::Entry;
+use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult, Submission};
+use harness_format::suite::standard::Entry;
 
 const SUITE: &str = include_str!("../../../../suites/cpu-standard.toml");
 
@@ -24,11 +24,11 @@ fn seconds(machine: f64, factor: f64, repeat: u32, noise: f64) -> f64 {
 /// A verified bundle of a run that entered `plugin`, whose submission
 /// takes `factor[track]` of its own baseline's time on every workload.
 fn bundle(plugin: &str, machine: f64, factor: &dyn Fn(&str) -> f64, noise: f64, folder: &str) -> Verified {
-    let mut suite = crate::suite::Suite::parse(Path::new("suites/cpu-standard.toml"), SUITE.to_owned()).unwrap();
+    let mut suite = harness_format::suite::Suite::parse(Path::new("suites/cpu-standard.toml"), SUITE.to_owned()).unwrap();
     let entry = Entry { kind: "compressor".into(), path: PathBuf::from("p.wasm"), config: None };
     let (tracks, _) = suite.select(None, Some(&entry)).unwrap();
     assert_eq!(tracks.len(), 4, "without --track every track runs");
-    let fp = crate::results::testing::machine();
+    let fp = harness_format::results::testing::machine();
     let mut r = RunResult::new(&suite, fp);
     r.started_at = format!("2026-12-01T00:00:0{}Z", folder.len() % 10);
     let sha = format!("{folder:0<64}");
@@ -38,7 +38,7 @@ fn bundle(plugin: &str, machine: f64, factor: &dyn Fn(&str) -> f64, noise: f64, 
         released_suite: true,
         tracks: tracks.clone(),
         gpus: 1,
-        entered: vec![crate::results::EnteredPlugin {
+        entered: vec![harness_format::results::EnteredPlugin {
             kind: "compressor".into(),
             name: plugin.into(),
             version: "0.1.0".into(),

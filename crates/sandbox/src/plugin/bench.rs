@@ -20,10 +20,10 @@ use anyhow::Result;
 use tch::{Device, Kind as TKind, Tensor};
 
 use super::{Kind, Plugin, PluginSet, Transport};
-use crate::comm::SingleRank;
-use crate::measure::{self, LatencySummary};
 use crate::strategy::{BatchDecision, BatchPolicy, BucketCtx, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry};
-use crate::suite::PluginSpec;
+use harness_format::suite::PluginSpec;
+use harness_runtime::comm::SingleRank;
+use harness_runtime::measure::{self, LatencySummary};
 
 /// One artifact's figures.
 #[derive(Debug, Clone)]

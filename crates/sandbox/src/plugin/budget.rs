@@ -364,7 +364,7 @@ mod tests {
     #[test]
     fn estimates_bound_the_measured_time_of_every_op() {
         use super::super::ops::HostSide;
-        use crate::comm::SingleRank;
+        use harness_runtime::comm::SingleRank;
         /// How much longer than its estimate an op may take (machines under
         /// load included); and what any op may take besides (fixed costs).
         const FACTOR: f64 = 8.0;
@@ -374,7 +374,7 @@ mod tests {
         let mut h = HostSide::new("timed", CPU, 2 << 30);
         let mut comm = SingleRank::default();
         // SAFETY: cleared at the end of the test while `comm` is borrowed.
-        h.set_comm(Some(unsafe { crate::comm::CommPtr::new(&mut comm) }));
+        h.set_comm(Some(unsafe { harness_runtime::comm::CommPtr::new(&mut comm) }));
         let r = rate(CPU);
         const N: i64 = 1 << 21;
         let f32s = |h: &mut HostSide, n: i64| h.insert(Tensor::randn([n], (Kind::Float, CPU))).unwrap();

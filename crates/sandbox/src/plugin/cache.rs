@@ -40,7 +40,7 @@ use wasmtime::Engine;
 
 /// Where the cache lives, or None when it is turned off.
 pub fn dir() -> Option<PathBuf> {
-    if !crate::switches::get().compile_cache {
+    if !harness_format::switches::get().compile_cache {
         return None;
     }
     let base = std::env::var_os("HARNESS_CACHE")
@@ -149,7 +149,7 @@ fn component_sealed(engine: &Engine, bytes: &[u8], cache: Option<(&Path, &Key)>)
     let key = key(engine, &artifact);
     let (code, sum) = (dir.join(format!("{key}.cwasm")), dir.join(format!("{key}.sha256")));
     let mut source = Source::Compiled;
-    if let (Ok(c), Ok(s)) = (crate::files::read_regular(&code, MAX_ENTRY_BYTES), crate::files::read_regular(&sum, 4096)) {
+    if let (Ok(c), Ok(s)) = (harness_format::files::read_regular(&code, MAX_ENTRY_BYTES), harness_format::files::read_regular(&sum, 4096)) {
         if sealed_by(secret, &key, &artifact, &c, &s) {
             // SAFETY: deserializing runs the bytes as machine code, so they
             // must be what `Component::serialize` wrote for this artifact
@@ -179,7 +179,7 @@ fn component_sealed(engine: &Engine, bytes: &[u8], cache: Option<(&Path, &Key)>)
 
 /// The cache's bound on compiled code, bytes.
 fn limit_bytes() -> u64 {
-    let mb = crate::switches::get().compile_cache_mb;
+    let mb = harness_format::switches::get().compile_cache_mb;
     mb << 20
 }
 

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, 
 use std::sync::{Once, OnceLock};
 use std::time::{Duration, Instant};
 
-pub use crate::exit::PLUGIN_ENDED_PROCESS;
+pub use harness_format::exit::PLUGIN_ENDED_PROCESS;
 
 static ARMED: AtomicBool = AtomicBool::new(false);
 

@@ -35,12 +35,12 @@ use hdrhistogram::Histogram;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
-use crate::comm::Collective;
-use crate::measure::{self, LatencySummary};
 use crate::strategy::{
     BatchDecision, BatchPolicy, BucketCtx, CheckpointDecision, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry,
 };
-use crate::suite::PluginSpec;
+use harness_format::suite::PluginSpec;
+use harness_runtime::comm::Collective;
+use harness_runtime::measure::{self, LatencySummary};
 use ops::{CommPtr, HostSide};
 
 pub use harness_format::plugin::{Kind, Manifest, PluginRecord, PluginReport, Transport};
@@ -290,7 +290,7 @@ impl Plugin {
             Transport::Native => Some(exit_guard::CallScope::enter(&self.who, what)),
             Transport::Wasm => None,
         };
-        let range = crate::torch_ext::Range::open(|| format!("plugin {}: {what}", self.suite_name));
+        let range = harness_kernels::torch_ext::Range::open(|| format!("plugin {}: {what}", self.suite_name));
         let t0 = measure::mark();
         let r = f(&mut self.inst);
         drop(scope);
@@ -300,9 +300,11 @@ impl Plugin {
         match r {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(msg)) => Err(self.failure(format!("{} returned an error from `{what}`: {}", self.who(), log::clean(&msg, 2000)))),
-            Err(e) => {
-                Err(self.failure(format!("{} failed in `{what}`: {}", self.who(), crate::error::without_backtrace(&format!("{e:#}")))))
-            }
+            Err(e) => Err(self.failure(format!(
+                "{} failed in `{what}`: {}",
+                self.who(),
+                harness_format::error::without_backtrace(&format!("{e:#}"))
+            ))),
         }
     }
 
@@ -331,10 +333,10 @@ impl Plugin {
 
     /// The plugin's name in messages: the suite's name for it, or, for a
     /// plugin entered with `--plugin` (which the suite knows only as
-    /// [`ENTERED_PLUGIN`](crate::suite::standard::ENTERED_PLUGIN)), its own
+    /// [`ENTERED_PLUGIN`](harness_format::suite::standard::ENTERED_PLUGIN)), its own
     /// name and version from its manifest.
     fn name(&self) -> String {
-        if self.suite_name == crate::suite::standard::ENTERED_PLUGIN {
+        if self.suite_name == harness_format::suite::standard::ENTERED_PLUGIN {
             format!("{} {}", self.manifest.name, self.manifest.version)
         } else {
             self.suite_name.clone()

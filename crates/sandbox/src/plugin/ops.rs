@@ -13,9 +13,9 @@ use harness_sdk::abi::Op;
 use tch::{Device, Kind, Tensor};
 
 use super::budget;
-use crate::comm::Collective;
-pub use crate::comm::CommPtr;
-use crate::torch_ext::{self, RandKind};
+use harness_kernels::torch_ext::{self, RandKind};
+use harness_runtime::comm::Collective;
+pub use harness_runtime::comm::CommPtr;
 
 /// Element types in the order of the WIT `dtype` enum.
 pub const KINDS: [Kind; 8] = [Kind::Float, Kind::Half, Kind::BFloat16, Kind::Double, Kind::Int64, Kind::Int, Kind::Uint8, Kind::Bool];
@@ -223,7 +223,7 @@ impl HostSide {
             .and_then(|()| self.exec_inner(op, ids, floats, ints, data))
             // libtorch's errors carry a C++ backtrace of dozens of frames:
             // the plugin (and its author) get the message.
-            .map_err(|e| anyhow!(crate::error::without_backtrace(&format!("{e:#}"))))
+            .map_err(|e| anyhow!(harness_format::error::without_backtrace(&format!("{e:#}"))))
             .with_context(|| format!("host op `{}`", op.wit_name()))
     }
 
@@ -563,7 +563,7 @@ impl HostSide {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::SingleRank;
+    use harness_runtime::comm::SingleRank;
 
     fn host() -> HostSide {
         HostSide::new("test", Device::Cpu, 1 << 30)

@@ -8,7 +8,7 @@ use tch::Device;
 
 use super::{Kind, Plugin, PluginBatch, PluginCheckpoint, PluginCompressor, PluginReport, PluginSet};
 use crate::strategy::{AllReduce, BatchPolicy, CheckpointPolicy, Compressor, FixedBatch, NoCheckpoint, Strategies};
-use crate::suite::Strategy;
+use harness_format::suite::Strategy;
 
 impl Strategies {
     /// Instantiates the strategies a suite entry names: built-in ones, or

@@ -290,7 +290,7 @@ impl DeviceImages {
     /// The next `n` images (`n x C x H x W`, f32, normalised; on CUDA with
     /// channels-last strides, as the vision models take them there) and
     /// their labels.
-    pub fn next(&mut self, n: usize) -> Result<(tch::Tensor, tch::Tensor), crate::torch_ext::TorchError> {
+    pub fn next(&mut self, n: usize) -> Result<(tch::Tensor, tch::Tensor), harness_kernels::torch_ext::TorchError> {
         use tch::{Kind, Tensor};
         let start = self.next;
         let draws: Vec<Draw> = (start..start + n as u64).map(|i| self.source.draw(&mut super::sample_rng(self.seed, i))).collect();
@@ -335,8 +335,9 @@ impl DeviceImages {
         let (rows_in, cols_in) = (shown.as_ref().map(|s| &s.0), shown.as_ref().map(|s| &s.1));
         let img = img.gather(1, &cell(&rows, rows_in).view([b, side, 1, 1]).expand([b, side, g + 1, c], false), false);
         let mut img = img.gather(2, &cell(&cols, cols_in).view([b, 1, side, 1]).expand([b, side, side, c], false), false);
-        let noise_seed = crate::suite::mix_seed(self.seed, "device images", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let noise = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
+        let noise_seed = harness_format::suite::mix_seed(self.seed, "device images", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let noise =
+            harness_kernels::torch_ext::rand_seeded(harness_kernels::torch_ext::RandKind::Normal, &[b, side, side, c], noise_seed, dev)?;
         let scale = (s.noise / f64::from(self.source.norm.1)) as f32;
         let scale = match &shown {
             Some((r_in, c_in)) => {
@@ -378,7 +379,7 @@ pub fn crop_flip(px: &[f32], channels: usize, size: usize, pad: usize, dy: usize
     out
 }
 
-pub use crate::suite::floor::label_noise_entropy;
+pub use harness_format::suite::floor::label_noise_entropy;
 
 #[cfg(test)]
 mod tests {

@@ -27,8 +27,8 @@ use tch::{Device, Kind, Tensor};
 pub mod images;
 pub mod pairs;
 
-use crate::suite::floor::{markov_entropy_rate, MarkovTransitions, DEFAULT_DATA_SEED};
-use crate::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
+use harness_format::suite::floor::{markov_entropy_rate, MarkovTransitions, DEFAULT_DATA_SEED};
+use harness_format::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
 use images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
 pub use pairs::Translation;
 
@@ -88,7 +88,7 @@ impl MarkovChain {
     }
 
     /// Entropy rate in nats: the lowest expected next-token loss (the
-    /// data's floor, [`crate::suite::DataSpec::loss_floor`]).
+    /// data's floor, [`harness_format::suite::DataSpec::loss_floor`]).
     pub fn entropy_rate(&self) -> f64 {
         markov_entropy_rate(self.k, &self.probs, &self.stationary)
     }
@@ -345,7 +345,7 @@ impl Collator {
                 // would also open a context on GPU 0 (PyTorch's pin-memory
                 // thread sets its device for the same reason). Without it,
                 // batches go unpinned and uploads copy synchronously.
-                let pinned = cuda.is_some_and(|i| crate::device::make_current(i).is_ok());
+                let pinned = cuda.is_some_and(|i| harness_runtime::device::make_current(i).is_ok());
                 // Ends when the requests' sender or the batches' receiver goes.
                 while let Ok(n) = rx.recv() {
                     let mut px = Vec::with_capacity(n * (shape[0] * shape[1] * shape[2]) as usize);
@@ -360,7 +360,7 @@ impl Collator {
                     let y = Tensor::from_slice(&labels);
                     // Pinned memory can run out; the upload then copies
                     // synchronously.
-                    let pin = |t: Tensor| if pinned { crate::torch_ext::pin_memory(&t).unwrap_or(t) } else { t };
+                    let pin = |t: Tensor| if pinned { harness_kernels::torch_ext::pin_memory(&t).unwrap_or(t) } else { t };
                     if tx.send((pin(x), pin(y))).is_err() {
                         break;
                     }
@@ -748,11 +748,16 @@ struct DeviceGaussian {
 impl DeviceGaussian {
     /// The next `n` samples' inputs (`[n, t, dim]`) and target noise
     /// draws (`[n]`).
-    fn next(&mut self, n: usize) -> Result<(Tensor, Tensor), crate::torch_ext::TorchError> {
+    fn next(&mut self, n: usize) -> Result<(Tensor, Tensor), harness_kernels::torch_ext::TorchError> {
         let (start, b) = (self.next, n as i64);
         self.next += n as u64;
-        let seed = crate::suite::mix_seed(self.seed, "device regression", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let all = crate::torch_ext::rand_seeded(crate::torch_ext::RandKind::Normal, &[b * (self.t * self.dim + 1)], seed, self.device)?;
+        let seed = harness_format::suite::mix_seed(self.seed, "device regression", 0) ^ start.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let all = harness_kernels::torch_ext::rand_seeded(
+            harness_kernels::torch_ext::RandKind::Normal,
+            &[b * (self.t * self.dim + 1)],
+            seed,
+            self.device,
+        )?;
         let x = all.narrow(0, 0, b * self.t * self.dim).view([b, self.t, self.dim]);
         Ok((x, all.narrow(0, b * self.t * self.dim, b)))
     }
@@ -819,7 +824,7 @@ fn check_split(file: &TokenFile, range: (usize, usize), t: usize, vocab: u32) ->
 pub(crate) fn upload(t: Tensor, device: Device) -> Tensor {
     match device {
         Device::Cpu => t,
-        d => match crate::torch_ext::pin_memory(&t) {
+        d => match harness_kernels::torch_ext::pin_memory(&t) {
             Ok(p) => p.to_device_(d, t.kind(), true, false),
             // Pinned memory can run out; a synchronous copy still works.
             Err(_) => t.to_device(d),

@@ -89,15 +89,15 @@ impl Translation {
     }
 
     /// The best reachable mean cross-entropy per target token (nats),
-    /// [`crate::suite::floor::translation_floor`].
+    /// [`harness_format::suite::floor::translation_floor`].
     pub fn floor(&self) -> f64 {
-        crate::suite::floor::translation_floor(self.vocab, self.noise)
+        harness_format::suite::floor::translation_floor(self.vocab, self.noise)
     }
 
     /// The best reachable top-1 accuracy per target token: the dictionary's
     /// word is right with probability `q`.
     pub fn best_accuracy(&self) -> f64 {
-        crate::suite::floor::translation_best_accuracy(self.vocab, self.noise)
+        harness_format::suite::floor::translation_best_accuracy(self.vocab, self.noise)
     }
 }
 

@@ -16,11 +16,11 @@
 
 use tch::{Kind, Tensor};
 
-use crate::kernels::{self, Norm};
-use crate::torch_ext::{self, CustomOp};
+use harness_kernels::kernels::{self, Norm};
+use harness_kernels::torch_ext::{self, CustomOp};
 
 /// A max pooling's window ([`max_pool`]).
-pub use crate::kernels::Pool;
+pub use harness_kernels::kernels::Pool;
 
 /// LayerNorm's epsilon (as `nn.LayerNorm`).
 pub const EPS: f64 = 1e-5;
@@ -32,7 +32,7 @@ pub const RMS_EPS: f64 = 1e-6;
 /// CUDA too (a diagnostic: it tells a kernel's error from the fused layers'
 /// own maths, e.g. the bias added in fp32).
 fn reference_forced() -> bool {
-    crate::switches::get().fused_reference
+    harness_format::switches::get().fused_reference
 }
 
 /// Which code computes the fused layers' maths.
@@ -299,7 +299,7 @@ pub fn add_norm(x: &Tensor, f: Option<&Tensor>, fb: Option<&Tensor>, w: &Tensor,
 /// of this device (else a caller keeps libtorch's layers).
 /// `HARNESS_FUSED_RMS_NORM=0` keeps libtorch's (a diagnostic).
 pub fn rms_cuda_fits(c: i64, device: tch::Device) -> bool {
-    crate::switches::get().fused_rms_norm && cuda_fits(c, device)
+    harness_format::switches::get().fused_rms_norm && cuda_fits(c, device)
 }
 
 /// `(x + f, rms_norm(x + f))` over the last dimension with weight `w`
@@ -325,7 +325,7 @@ pub fn post_norm_cuda_fits(c: i64, device: tch::Device) -> bool {
 
 /// Whether `HARNESS_FUSED_POST_NORM=0` leaves post-norm layers to libtorch.
 pub fn post_norm_on() -> bool {
-    crate::switches::get().fused_post_norm
+    harness_format::switches::get().fused_post_norm
 }
 
 /// `LayerNorm(x + f + fb)` over the last dimension in fp32: a post-norm
@@ -602,7 +602,7 @@ pub fn qkv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, shape: (i64, i64, i64)) -
 /// outputs on this device. `HARNESS_FUSED_QKV=0` keeps a linear layer and
 /// autograd's split (a diagnostic).
 pub fn qkv_cuda_fits(c: i64, device: tch::Device) -> bool {
-    crate::switches::get().fused_qkv && device.is_cuda() && kernels::available() && !reference_forced() && c % 24 == 0
+    harness_format::switches::get().fused_qkv && device.is_cuda() && kernels::available() && !reference_forced() && c % 24 == 0
 }
 
 /// [`qkv`]'s autograd node on `engine`.
@@ -688,7 +688,7 @@ struct Mlp {
     hidden: std::sync::Mutex<Option<(Tensor, Tensor)>>,
 }
 
-pub use crate::blaslt::Act;
+pub use harness_kernels::blaslt::Act;
 
 impl CustomOp for Mlp {
     fn forward(&self, inputs: &[Tensor]) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
@@ -696,7 +696,7 @@ impl CustomOp for Mlp {
         let h = aligned_rows(h);
         let (w1h, w2h) = (cast(self.engine, w1)?, cast(self.engine, w2)?);
         let (pre, m) = match self.engine {
-            Engine::Cuda => crate::blaslt::act_forward(self.act, &h, &w1h, b1)?,
+            Engine::Cuda => harness_kernels::blaslt::act_forward(self.act, &h, &w1h, b1)?,
             Engine::Reference => {
                 let b = b1.to_kind(Kind::BFloat16).to_kind(Kind::Float);
                 let acc = h.to_kind(Kind::Float).mm(&w1h.to_kind(Kind::Float).tr()) + b;
@@ -725,7 +725,7 @@ impl CustomOp for Mlp {
         let (dpre, db1) = match self.engine {
             Engine::Cuda => match self.act {
                 Act::Gelu => {
-                    let dpre = crate::blaslt::dgelu_backward(&dy, w2h, &pre)?;
+                    let dpre = harness_kernels::blaslt::dgelu_backward(&dy, w2h, &pre)?;
                     let sums = Sums::Partials(kernels::column_sums_bf16(&dpre)?);
                     (dpre, sums)
                 }
@@ -842,12 +842,12 @@ impl Drop for WeightCasts {
     }
 }
 
-/// Whether bf16 operands go to [`crate::blaslt`]'s matmuls (algorithms
+/// Whether bf16 operands go to [`harness_kernels::blaslt`]'s matmuls (algorithms
 /// timed per problem) rather than libtorch's: on CUDA where they are
 /// available, for contiguous 16-byte aligned operands.
 fn lt(engine: Engine, ts: &[&Tensor]) -> bool {
     engine == Engine::Cuda
-        && crate::blaslt::matmuls_available()
+        && harness_kernels::blaslt::matmuls_available()
         && ts.iter().all(|t| t.kind() == Kind::BFloat16 && t.is_contiguous())
         && aligned(ts)
 }
@@ -857,7 +857,7 @@ fn lt(engine: Engine, ts: &[&Tensor]) -> bool {
 /// autocast's addmm does.
 fn matmul(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> anyhow::Result<Tensor> {
     if lt(engine, &[x, w]) {
-        return crate::blaslt::linear(x, w, b);
+        return harness_kernels::blaslt::linear(x, w, b);
     }
     Ok(match b {
         Some(b) => b.to_kind(Kind::BFloat16).f_addmm(x, &w.tr())?,
@@ -868,7 +868,7 @@ fn matmul(engine: Engine, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> anyhow:
 /// `dy w` in bf16: the input's gradient of [`matmul`].
 fn input_grad(engine: Engine, dy: &Tensor, w: &Tensor) -> anyhow::Result<Tensor> {
     if lt(engine, &[dy, w]) {
-        return crate::blaslt::input_grad(dy, w);
+        return harness_kernels::blaslt::input_grad(dy, w);
     }
     Ok(dy.f_mm(w)?)
 }
@@ -877,7 +877,7 @@ fn input_grad(engine: Engine, dy: &Tensor, w: &Tensor) -> anyhow::Result<Tensor>
 /// products, fp32 sums).
 fn weight_grad(engine: Engine, dy: &Tensor, x: &Tensor) -> anyhow::Result<Tensor> {
     if lt(engine, &[dy, x]) {
-        return crate::blaslt::weight_grad(dy, x);
+        return harness_kernels::blaslt::weight_grad(dy, x);
     }
     Ok(match engine {
         Engine::Cuda => dy.tr().f_mm_dtype(x, Kind::Float)?,
@@ -897,7 +897,7 @@ fn weight_grad_into_buffer(engine: Engine, dy: &Tensor, x: &Tensor, w: &Tensor) 
         if lt(engine, &[dy, x]) && aligned(&[&b]) {
             // The step's first gradient for the buffer: beta = 0.
             let add = !crate::stale::take(&b);
-            crate::blaslt::weight_grad_into(dy, x, &b, add)?;
+            harness_kernels::blaslt::weight_grad_into(dy, x, &b, add)?;
             return Ok(None);
         }
     }
@@ -933,11 +933,11 @@ fn store(b: &Tensor, g: &Tensor, first: bool) -> anyhow::Result<()> {
 /// and cuBLASLt has algorithms for its two epilogues. `HARNESS_FUSED_MLP=0`
 /// keeps the separate layers (a diagnostic).
 pub fn mlp_cuda_fits(act: Act, device: tch::Device, n: i64, c: i64, f: i64, c2: i64) -> bool {
-    crate::switches::get().fused_mlp
+    harness_format::switches::get().fused_mlp
         && device.is_cuda()
         && kernels::available()
         && !reference_forced()
-        && crate::blaslt::mlp_fits(act, n, c, f, c2)
+        && harness_kernels::blaslt::mlp_fits(act, n, c, f, c2)
 }
 
 /// `act(h w1^T + b1) w2^T` (GELU's tanh approximation, or ReLU; the second
@@ -946,7 +946,7 @@ pub fn mlp_cuda_fits(act: Act, device: tch::Device, n: i64, c: i64, f: i64, c2: 
 /// bias `b1` `[f]`: one autograd node whose first matmul adds the bias and
 /// applies the activation in its epilogue (keeping what its derivative
 /// needs), and whose backward pass gets the derivative from the epilogue of
-/// the matmul that makes the hidden layer's gradient ([`crate::blaslt`]) and
+/// the matmul that makes the hidden layer's gradient ([`harness_kernels::blaslt`]) and
 /// the bias's gradient from the column-sum kernel. The weights' gradients
 /// come out of their matmuls in fp32, into their buffers where they have
 /// them. Only on CUDA where [`mlp_cuda_fits`].
@@ -1087,7 +1087,7 @@ fn aligned(ts: &[&Tensor]) -> bool {
 /// device (else a caller keeps libtorch's embeddings).
 /// `HARNESS_FUSED_EMBED=0` keeps libtorch's (a diagnostic).
 pub fn embed_cuda_fits(c: i64, device: tch::Device) -> bool {
-    crate::switches::get().fused_embed && device.is_cuda() && kernels::embed_fits(c)
+    harness_format::switches::get().fused_embed && device.is_cuda() && kernels::embed_fits(c)
 }
 
 /// `wte[idx] + wpe[..t]` for int64 tokens `idx` `[b, t]`: fp32 `[b, t, c]`
@@ -1293,7 +1293,7 @@ pub fn is_channels_last(x: &Tensor) -> bool {
 /// `HARNESS_FUSED_BN=0` keeps libtorch's layers (a diagnostic).
 pub fn batch_norm_cuda_fits(x: &Tensor) -> bool {
     let size = x.size();
-    crate::switches::get().fused_bn
+    harness_format::switches::get().fused_bn
         && size.len() == 4
         && x.device().is_cuda()
         && x.kind() == Kind::BFloat16
@@ -1324,7 +1324,7 @@ pub fn batch_norm_act(x: &Tensor, bn: &BatchNormParams, res: Option<&Tensor>, re
 /// `HARNESS_FUSED_POOL=0` keeps libtorch's (a diagnostic).
 pub fn max_pool_cuda_fits(x: &Tensor, pool: Pool) -> bool {
     let size = x.size();
-    crate::switches::get().fused_pool
+    harness_format::switches::get().fused_pool
         && size.len() == 4
         && x.device().is_cuda()
         && x.kind() == Kind::BFloat16
@@ -1960,7 +1960,7 @@ mod tests {
 
     #[test]
     fn cuda_max_pool_matches_libtorch() {
-        if !crate::device::init_cuda() {
+        if !harness_runtime::device::init_cuda() {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             return;
         }
@@ -2006,7 +2006,7 @@ mod tests {
 
     #[test]
     fn cuda_weight_gradient_added_by_the_matmul() {
-        if !crate::device::init_cuda() {
+        if !harness_runtime::device::init_cuda() {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             return;
         }
@@ -2020,22 +2020,22 @@ mod tests {
                 let bf = |s: [i64; 2]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
                 (bf([n, o]), bf([n, k]), Tensor::randn([o, k], (Kind::Float, dev)))
             };
-            let want = &into + crate::blaslt::weight_grad(&dy, &x).unwrap();
+            let want = &into + harness_kernels::blaslt::weight_grad(&dy, &x).unwrap();
             let got = into.copy();
-            crate::blaslt::weight_grad_into(&dy, &x, &got, true).unwrap();
+            harness_kernels::blaslt::weight_grad_into(&dy, &x, &got, true).unwrap();
             let err = (&want - &got).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
             assert!(err < 1e-6, "weight gradient added by the matmul [{n}, {o}, {k}]: relative error {err}");
             // A step's first write (beta = 0) never reads the buffer: NaNs
             // there are overwritten with the matmul's sums, bit for bit.
             let stale = Tensor::full([o, k], f64::NAN, (Kind::Float, dev));
-            crate::blaslt::weight_grad_into(&dy, &x, &stale, false).unwrap();
-            assert!(stale.equal(&crate::blaslt::weight_grad(&dy, &x).unwrap()), "the first write [{n}, {o}, {k}] differs");
+            harness_kernels::blaslt::weight_grad_into(&dy, &x, &stale, false).unwrap();
+            assert!(stale.equal(&harness_kernels::blaslt::weight_grad(&dy, &x).unwrap()), "the first write [{n}, {o}, {k}] differs");
         }
     }
 
     #[test]
     fn cuda_kernels_match_the_reference() {
-        if !crate::device::init_cuda() {
+        if !harness_runtime::device::init_cuda() {
             eprintln!("skipped: no CUDA device (this test runs on the GPU machines)");
             return;
         }
@@ -2174,7 +2174,7 @@ mod tests {
         for (act, shape) in
             [(Act::Gelu, (512, 768, 3072)), (Act::Gelu, (40, 64, 256)), (Act::Relu, (512, 512, 2048)), (Act::Relu, (40, 64, 256))]
         {
-            if !crate::blaslt::mlp_fits(act, 2 * shape.0, shape.1, shape.2, shape.1) {
+            if !harness_kernels::blaslt::mlp_fits(act, 2 * shape.0, shape.1, shape.2, shape.1) {
                 eprintln!("cuBLASLt has no {act:?} epilogues for {shape:?}: the fused MLP is not used there");
                 continue;
             }
@@ -2192,7 +2192,7 @@ mod tests {
             let h = Tensor::ones([n, c], (Kind::BFloat16, dev));
             let w = (Tensor::linspace(-2.0, -3.0, f, (Kind::Float, dev)) / c as f64).unsqueeze(1).expand([f, c], false).contiguous();
             let b = Tensor::zeros([f], (Kind::Float, dev));
-            let (pre, m) = crate::blaslt::act_forward(Act::Gelu, &h, &w.to_kind(Kind::BFloat16), &b).unwrap();
+            let (pre, m) = harness_kernels::blaslt::act_forward(Act::Gelu, &h, &w.to_kind(Kind::BFloat16), &b).unwrap();
             let x = pre.to_kind(Kind::Float);
             let m = m.to_kind(Kind::Float);
             let tanh = (&m - x.gelu("tanh")).abs().max().double_value(&[]);

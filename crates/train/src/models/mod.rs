@@ -17,9 +17,9 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-pub use crate::suite::ModelConfig;
-use crate::suite::{ModelKind, Recompute};
-use crate::torch_ext;
+pub use harness_format::suite::ModelConfig;
+use harness_format::suite::{ModelKind, Recompute};
+use harness_kernels::torch_ext;
 pub mod fused;
 pub mod layers;
 pub mod t5;
@@ -254,7 +254,7 @@ impl Model {
             Net::Vision(v) => v.is_transformer(),
             _ => false,
         };
-        self.fused && with_norms && crate::kernels::layer_norm_fits(self.cfg.d_model)
+        self.fused && with_norms && harness_kernels::kernels::layer_norm_fits(self.cfg.d_model)
     }
 
     /// The resolved configuration.
@@ -341,7 +341,7 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suite::{ModelSpec, Recompute};
+    use harness_format::suite::{ModelSpec, Recompute};
 
     /// Gradients of a tiny GPT's loss, and how many layer runs went
     /// through recomputation.

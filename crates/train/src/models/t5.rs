@@ -345,7 +345,7 @@ impl Norms {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::torch_ext;
+    use harness_kernels::torch_ext;
 
     #[test]
     fn buckets_are_t5s() {

@@ -37,7 +37,7 @@ use tch::Tensor;
 
 use super::fused;
 use super::layers::{Branch, Norm};
-use crate::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
+use harness_format::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
 
 /// A `vision` network: a ResNet, or a Vision Transformer for the ViT presets.
 pub enum Vision {
@@ -342,7 +342,7 @@ impl ResNet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suite::{resnet_macs, ModelKind, ModelSpec};
+    use harness_format::suite::{resnet_macs, ModelKind, ModelSpec};
     use tch::{Device, Kind};
 
     fn config(preset: &str, classes: u32, image: [i64; 2]) -> ModelConfig {
@@ -368,7 +368,7 @@ mod tests {
     fn resnets_have_torchvisions_parameter_counts_and_multiply_adds() {
         // Initialisation draws from libtorch's global generator: take turns
         // with the tests that seed it and compare what they draw.
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         // torchvision's resnet18 has 11,689,512 parameters, resnet50
         // 25,557,032; fvcore counts 1.814 and 4.089 GMACs in their
         // convolutions and classifier at 224 x 224, 1000 classes.
@@ -388,7 +388,7 @@ mod tests {
     fn logits_have_one_row_per_image_and_batch_norm_statistics_move_only_in_training() {
         // Initialisation draws from libtorch's global generator: take turns
         // with the tests that seed it and compare what they draw.
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let cfg = config("tiny", 10, [3, 32]);
         let vs = nn::VarStore::new(Device::Cpu);
         let net = ResNet::new(&vs.root(), &cfg);
@@ -410,7 +410,7 @@ mod tests {
     fn vit_b16_has_torchvisions_parameter_count_and_tiny_vits_classify() {
         // Initialisation draws from libtorch's global generator: take turns
         // with the tests that seed it and compare what they draw.
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         // torchvision's vit_b_16: 86,567,656 parameters at 1000 classes.
         let vs = nn::VarStore::new(Device::Cpu);
         let _net = Vision::new(&vs.root(), &config("vit-b16", 1000, [3, 224]));
@@ -442,7 +442,7 @@ mod tests {
     fn channels_last_keeps_values_and_sets_nhwc_strides() {
         // Initialisation draws from libtorch's global generator: take turns
         // with the tests that seed it and compare what they draw.
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let x = Tensor::randn([2, 3, 5, 7], (Kind::Float, Device::Cpu));
         let y = channels_last(&x);
         assert!(y.equal(&x));

@@ -32,10 +32,10 @@ use tch::{Kind, Tensor};
 use super::Training;
 use super::{Stepped, Trained};
 use crate::batch::Batch;
-use crate::comm::Collective;
 use crate::data;
-use crate::measure::{Phase, PhaseTimer};
-use crate::torch_ext::{CudaGraph, Lr};
+use harness_kernels::torch_ext::{CudaGraph, Lr};
+use harness_runtime::comm::Collective;
+use harness_runtime::measure::{Phase, PhaseTimer};
 
 /// Where an entry's step graph stands.
 pub enum StepGraph {
@@ -82,7 +82,7 @@ impl Drop for Captured {
         for t in [&mut self.input, &mut self.target, &mut self.lr, &mut self.loss] {
             *t = Tensor::new();
         }
-        let _ = crate::torch_ext::cuda_empty_cache();
+        let _ = harness_kernels::torch_ext::cuda_empty_cache();
     }
 }
 
@@ -128,7 +128,7 @@ impl Eligibility {
             (self.emulated_memory_limit, "it emulates a memory limit"),
             (self.recompute, "it recomputes activations"),
             (!self.family_checked, "its model family is not checked under capture (gpt, encoder, mlp and vision are)"),
-            (!crate::torch_ext::has_cuda_graphs(), "this build's libtorch shim has no CUDA graphs"),
+            (!harness_kernels::torch_ext::has_cuda_graphs(), "this build's libtorch shim has no CUDA graphs"),
         ];
         reasons.into_iter().find_map(|(applies, why)| applies.then_some(why))
     }
@@ -223,7 +223,7 @@ impl Training {
         if let Err(e) = captured {
             self.warnings.push(format!(
                 "capturing the training step as a CUDA graph failed at step {step} ({}); the entry's steps run eagerly",
-                crate::error::without_backtrace(&format!("{e:#}"))
+                harness_format::error::without_backtrace(&format!("{e:#}"))
             ));
             self.graph = StepGraph::Off;
             return self.eager_step(comm, batch, timer, step, lr, Some(&fed));
@@ -262,10 +262,10 @@ impl Training {
 /// the device; warm-up steps only). `HARNESS_GRAPH_DEBUG=1` prints the
 /// allocator's figures at each such point.
 fn release_cache(device: tch::Device, when: &str) -> Result<()> {
-    crate::torch_ext::cuda_empty_cache()?;
-    if crate::switches::get().graph_debug {
+    harness_kernels::torch_ext::cuda_empty_cache()?;
+    if harness_format::switches::get().graph_debug {
         let tch::Device::Cuda(dev) = device else { return Ok(()) };
-        let m = crate::torch_ext::cuda_memory(dev)?;
+        let m = harness_kernels::torch_ext::cuda_memory(dev)?;
         let gib = |b: i64| b as f64 / (1u64 << 30) as f64;
         eprintln!(
             "harness: CUDA graph, {when}: allocated {:.2} GiB (peak {:.2}), reserved {:.2} GiB (peak {:.2})",
@@ -294,7 +294,7 @@ mod tests {
             recompute: false,
             family_checked: true,
         };
-        let built_with_graphs = crate::torch_ext::has_cuda_graphs();
+        let built_with_graphs = harness_kernels::torch_ext::has_cuda_graphs();
         assert_eq!(ok.why_not().is_none(), built_with_graphs);
         let cases = [
             (Eligibility { cuda: false, ..ok }, "CPU"),

@@ -14,12 +14,12 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::data::{self, Data};
 use crate::dp::DataParallel;
-use crate::measure;
 use crate::models::{Model, ModelConfig};
 use crate::oom::OomGuard;
 use crate::optim::{LossScaler, Optimizer};
-use crate::strategy::Strategies;
-use crate::suite::Precision;
+use harness_format::suite::Precision;
+use harness_runtime::measure;
+use harness_sandbox::strategy::Strategies;
 use setup::AutocastGuard;
 
 /// Everything that trains in one entry on one rank.

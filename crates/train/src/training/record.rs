@@ -12,13 +12,13 @@ use tch::Device;
 use super::Trained;
 use super::{Evaluation, Pending, Training};
 use crate::batch::Batch;
-use crate::comm::{Collective, CommStats};
-use crate::measure::{self, LatencySummary, PhaseTimer};
-use crate::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord, ResilienceRecord};
-use crate::strategy::StepTelemetry;
-use crate::suite::Recompute;
-use crate::torch_ext;
 use crate::{EntryContext, EntryOutput};
+use harness_format::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord, ResilienceRecord};
+use harness_format::suite::Recompute;
+use harness_kernels::torch_ext;
+use harness_runtime::comm::{Collective, CommStats};
+use harness_runtime::measure::{self, LatencySummary, PhaseTimer};
+use harness_sandbox::strategy::StepTelemetry;
 
 /// The training loss became NaN or infinite.
 #[derive(Debug, thiserror::Error)]
@@ -402,12 +402,16 @@ fn memory_record(m: &Meter, outside: i64) -> Result<MemoryRecord> {
 /// Every histogram of the entry, encoded (step, phases, host phases,
 /// collectives, plugin calls), the plugins' records and the strategies'
 /// runtime (built-in, wasm, or native).
-fn histograms(t: &mut Training, m: &Meter, cs: &CommStats) -> (BTreeMap<String, String>, Vec<crate::plugin::PluginRecord>, String) {
+fn histograms(
+    t: &mut Training,
+    m: &Meter,
+    cs: &CommStats,
+) -> (BTreeMap<String, String>, Vec<harness_sandbox::plugin::PluginRecord>, String) {
     let mut histograms = BTreeMap::new();
     let reports = t.strategies.plugin_reports();
     let runtime = match reports.iter().map(|r| r.0.manifest.transport).collect::<std::collections::BTreeSet<_>>() {
         t if t.is_empty() => "built-in".to_owned(),
-        t if t.contains(&crate::plugin::Transport::Native) => "native (unsandboxed)".to_owned(),
+        t if t.contains(&harness_sandbox::plugin::Transport::Native) => "native (unsandboxed)".to_owned(),
         _ => "wasm".to_owned(),
     };
     let mut plugin_records = Vec::new();

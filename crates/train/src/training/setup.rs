@@ -6,17 +6,17 @@ use anyhow::Result;
 use tch::{nn, Device, Kind, Tensor};
 
 use super::{Evaluation, Training};
-use crate::comm::Collective;
 use crate::data::Data;
 use crate::dp::{self, DataParallel};
-use crate::kernels;
 use crate::models::{self as model, Model, ModelConfig};
 use crate::oom::OomGuard;
 use crate::optim::{LossScaler, Optimizer};
-use crate::strategy::Strategies;
-use crate::suite::{Kernels, ModelKind, Precision, Recompute};
-use crate::torch_ext::{self, AutocastDevice};
 use crate::EntryContext;
+use harness_format::suite::{Kernels, ModelKind, Precision, Recompute};
+use harness_kernels::kernels;
+use harness_kernels::torch_ext::{self, AutocastDevice};
+use harness_runtime::comm::Collective;
+use harness_sandbox::strategy::Strategies;
 
 /// Turns autocast off again when an entry ends, however it ends.
 pub struct AutocastGuard {
@@ -28,7 +28,7 @@ pub struct AutocastGuard {
 impl AutocastGuard {
     fn set(device: Device, precision: Precision) -> Result<AutocastGuard> {
         let ac = if device.is_cuda() { AutocastDevice::Cuda } else { AutocastDevice::Cpu };
-        let pause_backward = !crate::switches::get().autocast_backward;
+        let pause_backward = !harness_format::switches::get().autocast_backward;
         let kind = match precision {
             Precision::Fp32 => return Ok(AutocastGuard { device: None, pause_backward }),
             Precision::Bf16 => Kind::BFloat16,
@@ -93,14 +93,14 @@ impl Drop for AutocastGuard {
 /// GPT-2 124M 0.4 to 1.5% better than the all-reduce of autograd's
 /// gradients, for the flat buffers' memory through the forward pass
 /// (docs/benchmarks.md, "Data-parallel levers, fifth round").
-fn copy_engine_gather_applies(ctx: &EntryContext<'_>, device: Device, world: usize, switches: &crate::switches::Switches) -> bool {
+fn copy_engine_gather_applies(ctx: &EntryContext<'_>, device: Device, world: usize, switches: &harness_format::switches::Switches) -> bool {
     switches.local_grads && ctx.entry.strategy.zero == 0 && copy_engines_between_ranks(ctx, device, world)
 }
 
 /// Whether the ranks may gather through NCCL's symmetric memory on the
 /// copy engines: CUDA GPUs that all reach each other's memory, ranks that
 /// harness started on one host with NCCL's zero-CTA policy, and a strategy
-/// that may ([`crate::suite::Strategy::copy_engine_gather_candidate`]).
+/// that may ([`harness_format::suite::Strategy::copy_engine_gather_candidate`]).
 /// Elsewhere (e.g. ranks on several hosts) NCCL's symmetric windows are
 /// not asked for.
 fn copy_engines_between_ranks(ctx: &EntryContext<'_>, device: Device, world: usize) -> bool {
@@ -108,7 +108,7 @@ fn copy_engines_between_ranks(ctx: &EntryContext<'_>, device: Device, world: usi
         && device.is_cuda()
         && ctx.entry.strategy.copy_engine_gather_candidate()
         && std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2")
-        && crate::device::peer_access_everywhere()
+        && harness_runtime::device::peer_access_everywhere()
 }
 
 impl Training {
@@ -123,11 +123,11 @@ impl Training {
         let device = ctx.device;
         // The encoder reads vectors of its own width.
         let mut cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
-        if let crate::suite::DataSpec::Images { channels, image_size, .. } = &w.data {
+        if let harness_format::suite::DataSpec::Images { channels, image_size, .. } = &w.data {
             cfg.image = Some([i64::from(*channels), i64::from(*image_size)]);
         }
         let (rank, world) = (comm.rank(), comm.world_size());
-        let data_seed = if rank == 0 { ctx.entry.seed } else { crate::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
+        let data_seed = if rank == 0 { ctx.entry.seed } else { harness_format::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
         let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
         let (vs, mut model, names, params, buffers) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
         if world > 1 {
@@ -152,7 +152,7 @@ impl Training {
         // memory where that applies (set up before the optimizer takes views
         // of the buffers; on the CPU's thread ranks too, where it is plain
         // memory), else on the SMs from the buffers as they are.
-        let prefetch = dp.sharded() && world > 1 && comm.supports_async() && crate::switches::get().zero_prefetch;
+        let prefetch = dp.sharded() && world > 1 && comm.supports_async() && harness_format::switches::get().zero_prefetch;
         if prefetch {
             if !device.is_cuda() || copy_engines_between_ranks(ctx, device, world) {
                 dp.use_symmetric_params(comm)?;
@@ -176,7 +176,7 @@ impl Training {
         // The built-in reduction over NCCL (the all-reduce, or ZeRO's
         // reduce-scatter) overlaps with the backward pass (HARNESS_OVERLAP=0
         // turns that off, to measure what it buys).
-        let switches = crate::switches::get();
+        let switches = harness_format::switches::get();
         let overlap_allowed = switches.overlap && !grad_stats && !oom.agree;
         let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
         // Several ranks average each bucket as a reduce-scatter and an
@@ -204,7 +204,7 @@ impl Training {
             dp.use_stale_buffers()?;
         }
         // The strategy's `reduce_dtype`: the average in bf16.
-        if ctx.entry.strategy.reduce_dtype == crate::suite::ReduceDtype::Bf16 {
+        if ctx.entry.strategy.reduce_dtype == harness_format::suite::ReduceDtype::Bf16 {
             dp.reduce_in(Kind::BFloat16)?;
         }
         // cuDNN's convolution algorithms: timed per input shape, or its
@@ -362,7 +362,7 @@ impl Training {
 /// (`HARNESS_READY_ORDER=0`: the parameters' names' order), and the last
 /// `HARNESS_TAIL_BUCKETS` buckets smaller.
 fn bucket_plan(vs: &nn::VarStore, params: &[Tensor], bucket_bytes: Option<u64>) -> dp::BucketPlan {
-    let switches = crate::switches::get();
+    let switches = harness_format::switches::get();
     let order = if switches.ready_order {
         let created: Vec<usize> = vs
             .trainable_variables()
@@ -424,26 +424,26 @@ mod tests {
     /// `input` as its own target) finishes its parameters' gradients, as
     /// indices into the parameters of [`init_model`], and its bucket plan
     /// at about a fifth of the gradients a bucket.
-    fn arrivals(spec: &crate::suite::ModelSpec, vocab: u32, input: &Tensor) -> (Vec<usize>, dp::BucketPlan, Vec<Tensor>) {
+    fn arrivals(spec: &harness_format::suite::ModelSpec, vocab: u32, input: &Tensor) -> (Vec<usize>, dp::BucketPlan, Vec<Tensor>) {
         unsafe extern "C" fn arrived(ctx: *mut std::ffi::c_void, idx: i64) {
             // SAFETY: ctx is the mutex below, alive while the hooks are set.
             let v = unsafe { &*(ctx as *const std::sync::Mutex<Vec<usize>>) };
             v.lock().unwrap().push(idx as usize);
         }
         let cfg = ModelConfig::resolve(spec, vocab, input.size()[1] as u32).unwrap();
-        let (vs, model, _, params, _) = init_model(&cfg, crate::suite::Recompute::None, 3, Device::Cpu);
-        let total: u64 = params.iter().map(crate::torch_ext::nbytes).sum();
+        let (vs, model, _, params, _) = init_model(&cfg, harness_format::suite::Recompute::None, 3, Device::Cpu);
+        let total: u64 = params.iter().map(harness_kernels::torch_ext::nbytes).sum();
         let plan = bucket_plan(&vs, &params, Some(total / 5));
         let seen = std::sync::Mutex::new(Vec::new());
         let ctx = &seen as *const _ as *mut std::ffi::c_void;
         for (i, p) in params.iter().enumerate() {
             // SAFETY: `seen` outlives the hooks, removed below.
-            unsafe { crate::torch_ext::set_grad_ready_hook(p, Some(arrived), ctx, i as i64).unwrap() };
+            unsafe { harness_kernels::torch_ext::set_grad_ready_hook(p, Some(arrived), ctx, i as i64).unwrap() };
         }
         model.loss(input, input, true).backward();
         for p in &params {
             // SAFETY: removing the hook.
-            unsafe { crate::torch_ext::set_grad_ready_hook(p, None, std::ptr::null_mut(), 0).unwrap() };
+            unsafe { harness_kernels::torch_ext::set_grad_ready_hook(p, None, std::ptr::null_mut(), 0).unwrap() };
         }
         (seen.into_inner().unwrap(), plan, params)
     }
@@ -461,8 +461,8 @@ mod tests {
         // Twelve layers: by name, layer 10 would come between 1 and 2, and
         // the position table beside the final norm (a bucket that waits for
         // the end of the pass); the tied token table is finished last.
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
-        let spec = crate::suite::ModelSpec {
+        let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let spec = harness_format::suite::ModelSpec {
             kind: ModelKind::Gpt,
             preset: Some("tiny".into()),
             n_layer: Some(12),
@@ -474,7 +474,7 @@ mod tests {
         let input = Tensor::randint(64, [2, 8], (Kind::Int64, Device::Cpu));
         let (arrived, plan, params) = arrivals(&spec, 64, &input);
         assert_eq!(arrived.len(), params.len(), "one arrival per parameter");
-        assert!(crate::switches::get().ready_order, "the test needs HARNESS_READY_ORDER unset or 1");
+        assert!(harness_format::switches::get().ready_order, "the test needs HARNESS_READY_ORDER unset or 1");
         let buckets = dp::buckets_of(&params, &plan.order, plan.max_bytes, plan.tail);
         assert!(buckets.len() >= 5, "{} buckets", buckets.len());
         assert!(complete_in_order(&buckets, &arrived), "buckets {buckets:?}, arrivals {arrived:?}");
@@ -484,7 +484,7 @@ mod tests {
         // The tied token table's gradient is finished last, and is last in
         // the order; the last bucket is the smallest.
         assert_eq!(arrived.last(), plan.order.last());
-        let bytes = |b: &Vec<usize>| b.iter().map(|&i| crate::torch_ext::nbytes(&params[i])).sum::<u64>();
+        let bytes = |b: &Vec<usize>| b.iter().map(|&i| harness_kernels::torch_ext::nbytes(&params[i])).sum::<u64>();
         assert!(buckets.iter().all(|b| bytes(b) >= bytes(buckets.last().unwrap())));
     }
 

@@ -11,13 +11,13 @@ use tch::Tensor;
 use super::Pending;
 use super::{Stepped, Trained, Training};
 use crate::batch::Batch;
-use crate::comm::{any_rank, Collective};
 use crate::data;
 use crate::dp;
-use crate::kernels;
-use crate::measure::{Phase, PhaseTimer};
 use crate::models as model;
-use crate::torch_ext::{self, Lr};
+use harness_kernels::kernels;
+use harness_kernels::torch_ext::{self, Lr};
+use harness_runtime::comm::{any_rank, Collective};
+use harness_runtime::measure::{Phase, PhaseTimer};
 
 impl Training {
     /// Trains one step of `batch` at learning rate `lr`; `step` counts from 0.
@@ -82,7 +82,7 @@ impl Training {
         // The fused layers' weights cast to bf16 once for all the passes
         // (HARNESS_FUSED_CASTS=0 leaves each layer to cast its own, a
         // diagnostic).
-        let casts = self.model.uses_fused_kernels() && crate::switches::get().fused_casts;
+        let casts = self.model.uses_fused_kernels() && harness_format::switches::get().fused_casts;
         // ZeRO's prefetch: the last update's parameters are still being
         // gathered; the forward pass's layers wait for their own buckets
         // (GPT), other models for all of them here.
@@ -233,7 +233,7 @@ impl Training {
             // plugin's output: each rank then reads all of its own, which a
             // hostile compressor may have left different from the others'.
             let checks_plugin = matches!(check, OutputCheck::ByNorm(_));
-            let shared = crate::switches::get().shared_norm && !checks_plugin;
+            let shared = harness_format::switches::get().shared_norm && !checks_plugin;
             let share = if shared { self.dp.norm_share()? } else { None };
             let spread = if sharded { Some(grads.as_slice()) } else { share.as_deref() };
             let norm = spread.map(|parts| dp::global_norm(parts, comm, self.device)).transpose()?;

@@ -30,10 +30,10 @@
 use std::collections::BTreeMap;
 
 use super::{close, Suite, Verdict};
-use crate::measure::LatencySummary;
-use crate::results::{EntryResult, EntryStatus, Metrics, RunResult};
-use crate::suite::{DataSpec, ModelConfig, ModelKind, PlanEntry, Workload};
+use harness_format::histogram::LatencySummary;
 use harness_format::link::Op;
+use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult};
+use harness_format::suite::{DataSpec, ModelConfig, ModelKind, PlanEntry, Workload};
 
 const TODO: &str = "submit the result of the run as it was written: verify works these figures out again from the records they come from";
 
@@ -116,7 +116,7 @@ fn redone(m: &Metrics) -> bool {
 }
 
 fn decode(e: &EntryResult, key: &str) -> Option<hdrhistogram::Histogram<u64>> {
-    e.histograms.get(key).and_then(|h| crate::measure::decode(h).ok())
+    e.histograms.get(key).and_then(|h| harness_format::histogram::decode(h).ok())
 }
 
 /// Seconds of all the values of a nanosecond histogram.

@@ -9,8 +9,8 @@
 use std::path::Path;
 
 use super::{list, Manifest, Released, Submission, Suite, Verdict, RESUBMIT};
-use crate::results::RunResult;
 use harness_format::machine::{cpu_class_problem, Fingerprint, CPU_CLASS};
+use harness_format::results::RunResult;
 
 const EDITED: &str = "submit the result of the run as it was written: labels are worked out from the released suite, not read";
 
@@ -72,7 +72,7 @@ fn shown(x: Option<&str>) -> String {
 /// `suite`'s class records as its device (host/src/launch.rs,
 /// `device_name`): `cpu`, `cuda (<GPU>)`, or `<N> x cuda (<GPU>)`.
 fn device_name(suite: &Suite, machine: &Fingerprint, gpus: u32) -> Option<String> {
-    if suite.spec.suite.device == crate::suite::DeviceKind::Cpu {
+    if suite.spec.suite.device == harness_format::suite::DeviceKind::Cpu {
         return Some("cpu".into());
     }
     let gpu = machine.gpus.first()?;
@@ -169,12 +169,12 @@ mod tests {
         let dir = tmp.path().join("cpu.bundle");
         let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         copy_dir(&repo.join("results/cpu/submissions/1.2/compression-topk.bundle"), &dir);
-        let inspect = |bytes: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
-            Ok(crate::plugin::Manifest {
+        let inspect = |bytes: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
+            Ok(harness_format::plugin::Manifest {
                 name: "topk".into(),
                 version: "0.1.0".into(),
-                kind: crate::plugin::Kind::Compressor,
-                transport: crate::plugin::Transport::Wasm,
+                kind: harness_format::plugin::Kind::Compressor,
+                transport: harness_format::plugin::Transport::Wasm,
                 abi: "0.1.1".into(),
                 sha256: sha256_hex(bytes),
                 path: Default::default(),
@@ -208,7 +208,7 @@ mod tests {
             text.contains("libtorch's CPU kernels were not held to the CPU class's level (`machine.cpu_kernels`: ATen `avx512`"),
             "{text}"
         );
-        let pinned = serde_json::to_value(crate::machine::CpuKernels::pinned()).unwrap();
+        let pinned = serde_json::to_value(harness_format::machine::CpuKernels::pinned()).unwrap();
         let (verified, text) = with_kernels(Some(pinned));
         assert!(verified, "the same bundle with the class's kernels verifies:\n{text}");
     }

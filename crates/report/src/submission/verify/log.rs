@@ -27,7 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{list, Verdict, LOG};
-use crate::results::{EntryResult, EntryStatus, RunResult};
+use harness_format::results::{EntryResult, EntryStatus, RunResult};
 
 const TODO: &str = "submit the result with the log its run wrote (<result>.log), neither edited";
 

@@ -14,15 +14,15 @@ fn repo() -> PathBuf {
 /// An inspector that loads nothing: it is handed a component's bytes only
 /// (it fails the test otherwise) and says the component is the plugin the
 /// bundle's result names, as the sandbox would for the real artifact.
-fn inspect_as(name: &str, version: &str) -> impl Fn(&[u8]) -> anyhow::Result<crate::plugin::Manifest> {
+fn inspect_as(name: &str, version: &str) -> impl Fn(&[u8]) -> anyhow::Result<harness_format::plugin::Manifest> {
     let (name, version) = (name.to_owned(), version.to_owned());
     move |bytes: &[u8]| {
         assert_eq!(ArtifactFormat::of(bytes), ArtifactFormat::Component, "verify handed the inspector something that is no component");
-        Ok(crate::plugin::Manifest {
+        Ok(harness_format::plugin::Manifest {
             name: name.clone(),
             version: version.clone(),
-            kind: crate::plugin::Kind::Compressor,
-            transport: crate::plugin::Transport::Wasm,
+            kind: harness_format::plugin::Kind::Compressor,
+            transport: harness_format::plugin::Transport::Wasm,
             abi: "0.1.1".into(),
             sha256: sha256_hex(bytes),
             path: PathBuf::new(),
@@ -47,7 +47,7 @@ fn every_bundle_in_the_repository_verifies() {
                 let p = &r.submission.as_ref().unwrap().entered[0];
                 let kind = p.kind.clone();
                 let (name, version) = (p.name.clone(), p.version.clone());
-                let inspect = move |bytes: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
+                let inspect = move |bytes: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
                     let mut m = inspect_as(&name, &version)(bytes)?;
                     m.kind = serde_json::from_value(serde_json::Value::String(kind.clone()))?;
                     Ok(m)
@@ -395,7 +395,7 @@ fn another_plugins_artifact_with_manifest_and_result_to_match_is_refused() {
     );
 }
 
-const COMPONENT_HEADER: [u8; 8] = crate::plugin::COMPONENT_MAGIC;
+const COMPONENT_HEADER: [u8; 8] = harness_format::plugin::COMPONENT_MAGIC;
 
 #[test]
 fn a_native_library_labelled_wasm_is_refused_and_never_loaded() {
@@ -411,7 +411,7 @@ fn a_native_library_labelled_wasm_is_refused_and_never_loaded() {
     })
     .rehash();
     let calls = std::cell::Cell::new(0);
-    let inspect = |_: &[u8]| -> anyhow::Result<crate::plugin::Manifest> {
+    let inspect = |_: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
         calls.set(calls.get() + 1);
         anyhow::bail!("verify must not hand a native library to the inspector")
     };
@@ -633,7 +633,7 @@ fn reasons_quote_what_the_bundle_chose_without_sending_it_to_the_terminal() {
         notes: vec!["a \u{202e}note".into()],
     };
     let text = render(Path::new("x\u{1b}]0;t\u{7}.bundle"), &v);
-    assert!(!text.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{text:?}");
+    assert!(!text.chars().any(|c| harness_format::fmt::unseen(c) && c != '\n'), "{text:?}");
     assert!(text.contains(r"`w\u{1b}[2J` is not a workload"), "{text}");
     assert!(text.contains(r"x\u{1b}]0;t\u{7}.bundle: NOT verified"), "{text}");
 }
