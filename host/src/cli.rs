@@ -1129,6 +1129,9 @@ fn env_text(f: &device::Fingerprint) -> String {
     ));
     line(format!("libtorch  {}{}", na(&f.libtorch), device::libtorch_dir().map(|d| format!(" at {}", d.display())).unwrap_or_default()));
     line(format!("nccl      {}", na(&f.nccl)));
+    if !f.environment.is_empty() {
+        line(format!("env       {}", f.environment.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")));
+    }
     out
 }
 
@@ -1221,12 +1224,20 @@ mod tests {
             harness_version: "0".into(),
             git_revision: "r".into(),
             cpu_kernels: None,
+            environment: [("OMP_NUM_THREADS".to_owned(), "4\u{1b}[2J".to_owned())].into(),
         };
         let shown = printable(&env_text(&f)).into_owned();
         assert!(!shown.chars().any(crate::fmt::withheld), "{shown:?}");
-        for part in [r"node\u{1b}]0;owned\u{7}", r"cpu \u{202e}x", r"H100\u{1b}[2J", r"2.28\u{9b}", "cuda      not found"] {
+        for part in [
+            r"node\u{1b}]0;owned\u{7}",
+            r"cpu \u{202e}x",
+            r"H100\u{1b}[2J",
+            r"2.28\u{9b}",
+            "cuda      not found",
+            r"env       OMP_NUM_THREADS=4\u{1b}[2J",
+        ] {
             assert!(shown.contains(part), "{part} in {shown}");
         }
-        assert_eq!(shown.lines().count(), 8, "{shown}");
+        assert_eq!(shown.lines().count(), 9, "{shown}");
     }
 }

@@ -25,6 +25,7 @@ fn machine() -> Fingerprint {
         harness_version: "0".into(),
         git_revision: "r".into(),
         cpu_kernels: None,
+        environment: Default::default(),
     }
 }
 

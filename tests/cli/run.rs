@@ -183,6 +183,20 @@ fn env_reports_the_libtorch_it_runs_on() {
     assert!(f.cpu_cores >= 1);
     let o = run_ok(harness(&repo_root()).arg("env"));
     assert!(String::from_utf8_lossy(&o.stdout).contains("libtorch  2.11"));
+    // Issue 62: CUDA_DEVICE_MAX_CONNECTIONS and the CPU thread counts
+    // change the work without being switches: the fingerprint (and with it
+    // every result) records them when set.
+    let o = run_ok(
+        harness(&repo_root())
+            .args(["env", "--json"])
+            .env("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+            .env("OMP_NUM_THREADS", "1")
+            .env_remove("MKL_NUM_THREADS"),
+    );
+    let f: harness::device::Fingerprint = serde_json::from_slice(&o.stdout).unwrap();
+    let want: std::collections::BTreeMap<String, String> =
+        [("CUDA_DEVICE_MAX_CONNECTIONS".into(), "8".into()), ("OMP_NUM_THREADS".into(), "1".into())].into();
+    assert_eq!(f.environment, want);
 }
 
 #[test]

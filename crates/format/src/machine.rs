@@ -38,6 +38,23 @@ pub struct Fingerprint {
     /// written before it was recorded, and on other architectures.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_kernels: Option<CpuKernels>,
+    /// The variables of [`WORK_ENV`] the run saw set: they change the
+    /// measured work without being switches. Empty in files written before
+    /// they were recorded.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub environment: std::collections::BTreeMap<String, String>,
+}
+
+/// Variables of the environment that change the measured work and are not
+/// `HARNESS_*` switches, recorded in the fingerprint when set:
+/// `CUDA_DEVICE_MAX_CONNECTIONS` (the hardware queues the GPU's streams
+/// share, measured at 3% of 4-GPU scaling: docs/benchmarks.md) and the
+/// CPU thread counts of libtorch's OpenMP and MKL.
+pub const WORK_ENV: [&str; 3] = ["CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"];
+
+/// The variables of [`WORK_ENV`] set in this process's environment.
+pub fn work_env() -> std::collections::BTreeMap<String, String> {
+    WORK_ENV.iter().filter_map(|k| Some(((*k).to_owned(), std::env::var(k).ok()?))).collect()
 }
 
 /// The hardware class (`[suite.hardware] class`) of the CPU standard suite:
@@ -156,6 +173,7 @@ pub mod testing {
             harness_version: "0".into(),
             git_revision: "r".into(),
             cpu_kernels: Some(CpuKernels::pinned()),
+            environment: Default::default(),
         }
     }
 }

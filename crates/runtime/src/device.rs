@@ -120,6 +120,7 @@ pub fn fingerprint(harness_version: &str, git_revision: &str) -> Fingerprint {
         harness_version: harness_version.into(),
         git_revision: git_revision.into(),
         cpu_kernels: cpu_kernels(),
+        environment: harness_format::machine::work_env(),
     }
 }
 
