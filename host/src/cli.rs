@@ -375,6 +375,14 @@ fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry
 /// which knows the machine).
 fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission>, String> {
     if let Some(n) = args.gpus {
+        if let Some(h) = suite.spec.suite.hardware.as_ref().filter(|h| !h.gpus.is_empty() && !h.gpus.contains(&n)) {
+            let unit = if h.class == harness_format::machine::CPU_CLASS { "ranks" } else { "GPUs" };
+            return Err(format!(
+                "--gpus {n}: {} is run on {:?} {unit} (its divisions, `[suite.hardware] gpus`); pass one of them",
+                suite.path.display(),
+                h.gpus
+            ));
+        }
         suite.spec.suite.world_size = n;
     }
     let entry = entered_plugin(args)?;
@@ -410,7 +418,8 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
         });
     }
     let (tracks, strategies) = suite.select(args.track.as_deref(), entry.as_ref())?;
-    suite.validate().map_err(|e| e.to_string())?;
+    // The caller says "error: " once.
+    suite.validate().map_err(|e| e.to_string().trim_start_matches("error: ").to_owned())?;
     if tracks.is_empty() {
         return Ok(None);
     }

@@ -413,3 +413,21 @@ fn the_installed_wrapper_adds_no_empty_library_path_entry() {
         assert_eq!(path.ends_with(":/opt/lib"), caller == Some("/opt/lib"), "{path}");
     }
 }
+
+/// Issue 63: `harness plugin inspect src/lib.rs` said "invalid ELF
+/// header"; it says what the file is and what a plugin is. A native
+/// library named without a slash is the file in the folder, not one
+/// searched for on the library path.
+#[test]
+fn inspect_names_a_file_that_is_no_plugin_and_loads_a_bare_name_from_the_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "lib.rs", "// not a plugin\n");
+    let out = harness(dir.path()).args(["plugin", "inspect", "lib.rs"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("lib.rs is neither a WebAssembly component nor a known native library (it starts with 2f 2f 20"), "{err}");
+    assert!(err.contains("a plugin is a WebAssembly component") && !err.contains("ELF header"), "{err}");
+    std::fs::copy(artifact("libtopk.so"), dir.path().join("libtopk.so")).unwrap();
+    let out = run_ok(harness(dir.path()).args(["plugin", "inspect", "libtopk.so"]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("name = \"topk\""), "{}", String::from_utf8_lossy(&out.stdout));
+}

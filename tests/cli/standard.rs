@@ -169,3 +169,17 @@ fn a_cpu_class_run_holds_libtorchs_cpu_kernels_to_the_class_level_and_its_finger
     let err = held("suites/cpu.toml");
     assert!(!err.contains("overridden") && err.contains("r.json already exists"), "suites outside the CPU class are not held: {err}");
 }
+
+/// Issue 63: `--gpus 4` on a suite of the 2-GPU division printed `error:
+/// error: ...:33:8: world_size 4 is not one of the divisions [2]`. It says
+/// once which divisions the suite has, before anything trains.
+#[test]
+fn gpus_outside_the_suites_divisions_are_refused_once_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = harness(dir.path()).arg("run").arg(repo_root().join("suites/cpu-standard.toml")).args(["--gpus", "4"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(harness::cli::exit::INVALID_SUITE), "{err}");
+    assert!(err.starts_with("error: --gpus 4: ") && !err.contains("error: error"), "{err}");
+    assert!(err.contains("is run on [2] ranks (its divisions, `[suite.hardware] gpus`)"), "{err}");
+    assert!(!dir.path().join("results").exists(), "nothing ran");
+}

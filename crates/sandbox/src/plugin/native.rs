@@ -29,6 +29,25 @@ pub struct Artifact {
 /// Opens `path` and checks `harness_abi_version` before touching any other
 /// symbol.
 pub fn load(path: &Path) -> Result<Artifact> {
+    // A file that is no shared library (a source file, a `.rlib`) is named
+    // for what it is, not by the loader's "invalid ELF header".
+    let mut head = [0u8; 8];
+    let n = std::io::Read::read(&mut std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?, &mut head)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let format = harness_format::plugin::ArtifactFormat::of(&head[..n]);
+    if format != harness_format::plugin::ArtifactFormat::Elf {
+        bail!(
+            "{} is {} (it starts with {}): a plugin is a WebAssembly component (`cargo build --release --target wasm32-wasip2` -> \
+             target/wasm32-wasip2/release/<crate>.wasm) or a native library of this machine (`cargo build --release` -> \
+             target/release/lib<crate>.so)",
+            path.display(),
+            format.describe(),
+            harness_format::plugin::head_hex(&head[..n], 8)
+        );
+    }
+    // A name without a slash would be searched for on the library path
+    // (`libc.so.6`): the file named is the one loaded.
+    let path = &if path.components().count() == 1 { Path::new(".").join(path) } else { path.to_owned() };
     let loading = super::exit_guard::CallScope::loading(path);
     // SAFETY: loading runs the library's initialisers: native plugins are
     // trusted code by definition (docs/plugin-sdk.md), and labelled unsandboxed.
