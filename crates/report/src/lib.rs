@@ -789,6 +789,18 @@ pub fn leaderboard_markdown(boards: &[Board], sources: &[String]) -> String {
     out
 }
 
+/// How far two honest runs of the same work differ in time on these
+/// devices: the CPU class's band if either ran on the CPU, else the GPU
+/// classes' ([`crate::reproduction::Tolerance`]).
+fn run_to_run_band(a: &str, b: &str) -> f64 {
+    let gpu = |d: &str| d.starts_with("cuda");
+    if gpu(a) && gpu(b) {
+        crate::reproduction::Tolerance::GPU.time_band
+    } else {
+        crate::reproduction::Tolerance::CPU.time_band
+    }
+}
+
 /// `harness compare`: every group of `a` next to the matching group of `b`
 /// (same workload, and the same strategy when both have it).
 pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
@@ -804,6 +816,10 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
         });
         let Some(y) = y else { continue };
         let (rx, ry) = (score(x.clone()), score(y.clone()));
+        // Two runs differ by more than the repeats inside either do: a
+        // timing difference between runs is called only beyond the
+        // class's run-to-run band (docs/rules.md, "Reproduction").
+        let band = (x.run != y.run).then(|| run_to_run_band(&x.device, &y.device));
         // The result files chose the names: for a terminal, escaped.
         let p = |s: &str| printable(s).into_owned();
         let mut t = Table::new();
@@ -827,13 +843,17 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             let (ratio, verdict) = match (sa, sb) {
                 (Some(p), Some(q)) if p.olympic_mean != 0.0 => {
                     let v = stats::compare(q, p);
+                    let r = q.olympic_mean / p.olympic_mean;
                     let word = match (v, metric.better()) {
-                        (Verdict::Higher, Better::Higher) | (Verdict::Lower, Better::Lower) => "B better (significant)",
-                        (Verdict::Higher, Better::Lower) | (Verdict::Lower, Better::Higher) => "B worse (significant)",
-                        (Verdict::NotSignificant, _) => "not significant",
-                        (Verdict::TooFewRepeats, _) => "too few repeats",
+                        (Verdict::Higher | Verdict::Lower, _) if band.is_some_and(|b| metric.is_timing() && r.max(1.0 / r) - 1.0 <= b) => {
+                            format!("within run-to-run noise (±{:.0}%)", 100.0 * band.unwrap_or_default())
+                        }
+                        (Verdict::Higher, Better::Higher) | (Verdict::Lower, Better::Lower) => "B better (significant)".into(),
+                        (Verdict::Higher, Better::Lower) | (Verdict::Lower, Better::Higher) => "B worse (significant)".into(),
+                        (Verdict::NotSignificant, _) => "not significant".into(),
+                        (Verdict::TooFewRepeats, _) => "too few repeats".into(),
                     };
-                    (format!("{:.3}", q.olympic_mean / p.olympic_mean), word.to_owned())
+                    (format!("{r:.3}"), word)
                 }
                 _ => ("-".into(), "-".into()),
             };
@@ -841,6 +861,13 @@ pub fn compare_table(a: &[RunResult], b: &[RunResult]) -> String {
             t.add_row([metric.name().to_owned(), metric.format_summary(sa), med(sa), metric.format_summary(sb), med(sb), ratio, verdict]);
         }
         out.push_str(&format!("{} / {} on {} vs {}\n", p(&x.suite), p(&x.workload), p(&x.device), p(&y.device)));
+        if let Some(b) = band {
+            out.push_str(&format!(
+                "A and B are two runs: a timing difference is called only beyond the run-to-run band of {} (±{:.0}%, docs/rules.md)\n",
+                if b == crate::reproduction::CPU_TIME_BAND { "the CPU" } else { "GPUs" },
+                100.0 * b
+            ));
+        }
         if !x.switches.is_empty() || !y.switches.is_empty() {
             let say = |s: &String| if s.is_empty() { "none".to_owned() } else { p(s) };
             out.push_str(&format!("switches: A {}; B {}\n", say(&x.switches), say(&y.switches)));
@@ -984,6 +1011,43 @@ mod tests {
         assert!(text.contains(r"A: base\u{1b}]0;title\u{7}"), "{text}");
         assert!(text.contains(r"on cpu\u{202e} vs cpu"), "{text}");
         assert!(text.contains(r"switches: A HARNESS_X=\u{1b}[2J; B none"), "{text}");
+    }
+
+    /// Issue 60: `harness compare` of two runs of one suite 14 minutes
+    /// apart called the unchanged baseline's 2x throughput difference "B
+    /// better (significant)": three repeats inside one run do not see the
+    /// variance between runs. Between two runs a timing difference is
+    /// called only beyond the class's run-to-run band; inside one run the
+    /// intervals decide, as before.
+    #[test]
+    fn compare_calls_a_timing_difference_between_two_runs_only_beyond_the_run_to_run_band() {
+        use harness_format::results::testing::result;
+        let run = |started: &str, tokens_per_s: f64| {
+            let mut r = result("s", None, tokens_per_s);
+            r.started_at = started.into();
+            let first = r.entries[0].clone();
+            r.entries = (0..3u32)
+                .map(|k| {
+                    let mut e = first.clone();
+                    e.repeat = k;
+                    e.id = format!("w/baseline/r{k}");
+                    e.metrics.as_mut().unwrap().tokens_per_s = tokens_per_s * (1.0 + 0.01 * f64::from(k));
+                    e
+                })
+                .collect();
+            r
+        };
+        let row = |text: &str| text.lines().find(|l| l.contains("tokens/s")).unwrap_or_default().to_owned();
+        let twice = compare_table(&[run("t1", 1000.0)], &[run("t2", 2000.0)]);
+        assert!(row(&twice).contains("within run-to-run noise (±130%)"), "{twice}");
+        assert!(
+            twice.contains("A and B are two runs: a timing difference is called only beyond the run-to-run band of the CPU (±130%"),
+            "{twice}"
+        );
+        let far = compare_table(&[run("t1", 1000.0)], &[run("t2", 2500.0)]);
+        assert!(row(&far).contains("B better (significant)"), "{far}");
+        let one_run = compare_table(&[run("t1", 1000.0)], &[run("t1", 2000.0)]);
+        assert!(row(&one_run).contains("B better (significant)") && !one_run.contains("two runs"), "{one_run}");
     }
 
     #[test]

@@ -96,6 +96,22 @@ impl Metric {
         }
     }
 
+    /// Whether it is a figure of time (durations, rates and what is made
+    /// of them), which differs between two honest runs by the class's
+    /// run-to-run band; memory, bytes and accuracy do not.
+    pub fn is_timing(self) -> bool {
+        matches!(
+            self,
+            Metric::TimeToTarget
+                | Metric::TokensPerS
+                | Metric::StepP50
+                | Metric::StepP99
+                | Metric::StepP999
+                | Metric::Mfu
+                | Metric::Goodput
+        )
+    }
+
     /// Which way is better.
     pub fn better(self) -> Better {
         match self {
