@@ -105,6 +105,17 @@ impl Suite {
         if let Some(e) = entry {
             let of_kind: Vec<&Track> = kept.iter().filter(|t| t.kind == e.kind).collect();
             if of_kind.is_empty() {
+                // Tracks of its kind that this run has too few GPUs for: say
+                // how many they need, not that no track takes the plugin.
+                let fewer: Vec<&Track> = spec.tracks.iter().filter(|t| t.kind == e.kind && t.min_gpus > gpus).collect();
+                if let Some(need) = fewer.iter().map(|t| t.min_gpus).min().filter(|_| track.is_none()) {
+                    let names: Vec<String> = fewer.iter().map(|t| format!("`{}`", t.name)).collect();
+                    return Err(format!(
+                        "the {} tracks ({}) need {need} GPUs (ranks) or more, and this run has {gpus}\nhint: pass --gpus {need}",
+                        e.kind,
+                        names.join(", ")
+                    ));
+                }
                 let have: Vec<String> = kept.iter().map(|t| format!("`{}` takes {} plugins", t.name, t.kind)).collect();
                 return Err(format!("the plugin is a {}, and no track selected here takes one ({})", e.kind, have.join("; ")));
             }
@@ -228,5 +239,19 @@ mod tests {
         let mut s = Suite::parse(Path::new(r.file), r.text.to_owned()).unwrap();
         let err = s.select(Some("checkpointing"), Some(&e)).unwrap_err();
         assert!(err.contains("the plugin is a batch-policy"), "{err}");
+    }
+
+    /// Issue 63: a compressor entered in a GPU suite without `--gpus` (one
+    /// GPU) was told that no track takes one; the compression tracks need
+    /// two GPUs, and the error says so.
+    #[test]
+    fn a_compressor_on_one_gpu_is_told_how_many_gpus_the_compression_tracks_need() {
+        let r = RELEASED.iter().find(|r| r.file.ends_with("h200.toml")).expect("the H200 suite is released");
+        let mut s = Suite::parse(Path::new(r.file), r.text.to_owned()).unwrap();
+        assert_eq!(s.spec.suite.world_size, 1);
+        let e = Entry { kind: "compressor".into(), path: "x.wasm".into(), config: None };
+        let err = s.select(None, Some(&e)).unwrap_err();
+        assert!(err.starts_with("the compressor tracks (`compression`, `compression-10gbps`, `compression-25gbps`) need 2 GPUs (ranks) or more, and this run has 1"), "{err}");
+        assert!(err.ends_with("hint: pass --gpus 2"), "{err}");
     }
 }
