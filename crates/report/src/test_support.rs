@@ -1,6 +1,11 @@
-//! What the crate's tests share: copying a bundle folder to forge it.
+//! What the crate's tests share: copying a bundle folder to forge it, and
+//! an inspector that stands in for the sandbox.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use harness_format::plugin::ArtifactFormat;
+
+use crate::submission::sha256_hex;
 
 /// Copies the folder `from` (a bundle: files and subfolders) to `to`.
 pub fn copy_dir(from: &Path, to: &Path) {
@@ -12,5 +17,24 @@ pub fn copy_dir(from: &Path, to: &Path) {
         } else {
             std::fs::copy(e.path(), dst).unwrap();
         }
+    }
+}
+
+/// An inspector that loads nothing: it is handed a component's bytes only
+/// (it fails the test otherwise) and says the component is the plugin the
+/// bundle's result names, as the sandbox would for the real artifact.
+pub fn inspect_as(name: &str, version: &str) -> impl Fn(&[u8]) -> anyhow::Result<harness_format::plugin::Manifest> {
+    let (name, version) = (name.to_owned(), version.to_owned());
+    move |bytes: &[u8]| {
+        assert_eq!(ArtifactFormat::of(bytes), ArtifactFormat::Component, "verify handed the inspector something that is no component");
+        Ok(harness_format::plugin::Manifest {
+            name: name.clone(),
+            version: version.clone(),
+            kind: harness_format::plugin::Kind::Compressor,
+            transport: harness_format::plugin::Transport::Wasm,
+            abi: "0.1.1".into(),
+            sha256: sha256_hex(bytes),
+            path: PathBuf::new(),
+        })
     }
 }

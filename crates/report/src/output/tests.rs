@@ -478,17 +478,7 @@ fn one_run_in_bundles_with_bytes_added_is_one_row_with_its_repeats_once() {
     r["resubmitted"] = true.into();
     put(&dir.join("field.bundle"), RESULT, &serde_json::to_vec_pretty(&r).unwrap());
 
-    let inspect = |bytes: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
-        Ok(harness_format::plugin::Manifest {
-            name: "topk".into(),
-            version: "0.1.0".into(),
-            kind: harness_format::plugin::Kind::Compressor,
-            transport: harness_format::plugin::Transport::Wasm,
-            abi: "0.1.1".into(),
-            sha256: sha256_hex(bytes),
-            path: PathBuf::new(),
-        })
-    };
+    let inspect = crate::test_support::inspect_as("topk", "0.1.0");
     let loaded = crate::inputs::load(std::slice::from_ref(&dir), &inspect).unwrap();
     let verified: Vec<String> = loaded
         .bundles

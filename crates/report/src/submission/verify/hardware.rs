@@ -169,17 +169,7 @@ mod tests {
         let dir = tmp.path().join("cpu.bundle");
         let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         copy_dir(&repo.join("results/cpu/submissions/1.2/compression-topk.bundle"), &dir);
-        let inspect = |bytes: &[u8]| -> anyhow::Result<harness_format::plugin::Manifest> {
-            Ok(harness_format::plugin::Manifest {
-                name: "topk".into(),
-                version: "0.1.0".into(),
-                kind: harness_format::plugin::Kind::Compressor,
-                transport: harness_format::plugin::Transport::Wasm,
-                abi: "0.1.1".into(),
-                sha256: sha256_hex(bytes),
-                path: Default::default(),
-            })
-        };
+        let inspect = crate::test_support::inspect_as("topk", "0.1.0");
         let with_kernels = |kernels: Option<serde_json::Value>| {
             let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(RESULT)).unwrap()).unwrap();
             match kernels {

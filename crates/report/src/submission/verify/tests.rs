@@ -11,24 +11,7 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// An inspector that loads nothing: it is handed a component's bytes only
-/// (it fails the test otherwise) and says the component is the plugin the
-/// bundle's result names, as the sandbox would for the real artifact.
-fn inspect_as(name: &str, version: &str) -> impl Fn(&[u8]) -> anyhow::Result<harness_format::plugin::Manifest> {
-    let (name, version) = (name.to_owned(), version.to_owned());
-    move |bytes: &[u8]| {
-        assert_eq!(ArtifactFormat::of(bytes), ArtifactFormat::Component, "verify handed the inspector something that is no component");
-        Ok(harness_format::plugin::Manifest {
-            name: name.clone(),
-            version: version.clone(),
-            kind: harness_format::plugin::Kind::Compressor,
-            transport: harness_format::plugin::Transport::Wasm,
-            abi: "0.1.1".into(),
-            sha256: sha256_hex(bytes),
-            path: PathBuf::new(),
-        })
-    }
-}
+use crate::test_support::inspect_as;
 
 #[test]
 fn every_bundle_in_the_repository_verifies() {
