@@ -14,10 +14,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use sha2::{Digest, Sha256};
 
 use crate::repo_root;
-use crate::submit::{copy_dir, text};
+use crate::submit::{copy_dir, rehash, text};
 
 /// A committed bundle that verifies as it is (its component is inspected
 /// in the sandbox), and its result's first entry.
@@ -77,19 +76,6 @@ fn bombed_result(raw: &str) -> String {
     let step = entry["histograms"]["step"].as_str().unwrap();
     assert_eq!(raw.matches(step).count(), 1, "the step histogram appears once");
     raw.replacen(step, &bomb(step), 1)
-}
-
-/// Makes the bundle's manifest list its files' sizes and hashes as they
-/// now are, as anyone who edits a bundle can.
-fn rehash(bundle: &Path) {
-    let path = bundle.join("MANIFEST.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    for f in m["files"].as_array_mut().unwrap() {
-        let bytes = std::fs::read(bundle.join(f["path"].as_str().unwrap())).unwrap();
-        f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
-        f["bytes"] = bytes.len().into();
-    }
-    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
 }
 
 #[test]

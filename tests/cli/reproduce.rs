@@ -7,7 +7,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::submit::{copy_dir, honest_run, text};
+use crate::submit::{copy_dir, honest_run, rehash, text};
 use crate::{harness, run_ok};
 
 /// Edits a bundle's result.json and writes the manifest's hashes and sizes
@@ -16,17 +16,8 @@ fn forge(bundle: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = bundle.join("result.json");
     let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     edit(&mut r);
-    let bytes = serde_json::to_vec_pretty(&r).unwrap();
-    std::fs::write(&path, &bytes).unwrap();
-    let mpath = bundle.join("MANIFEST.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
-    for f in m["files"].as_array_mut().unwrap() {
-        if f["path"] == "result.json" {
-            f["sha256"] = hex::encode(Sha256::digest(&bytes)).into();
-            f["bytes"] = bytes.len().into();
-        }
-    }
-    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+    rehash(bundle);
 }
 
 #[test]

@@ -220,7 +220,7 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
 
 /// Makes the bundle's manifest list its files' sizes and hashes as they
 /// now are: what anyone who edits a bundle does.
-fn rehash(bundle: &Path) {
+pub fn rehash(bundle: &Path) {
     edit_json(&bundle.join("MANIFEST.json"), |m| {
         for f in m["files"].as_array_mut().unwrap() {
             let bytes = std::fs::read(bundle.join(f["path"].as_str().unwrap())).unwrap();
