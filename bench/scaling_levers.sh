@@ -3,8 +3,7 @@
 # GPT PRESET bf16 on 1 GPU (autograd's own gradients, then the gradient
 # buckets with HARNESS_LOCAL_GRADS=0) and on N GPUs (DDP as shipped; with the
 # all-reduce after the backward pass, HARNESS_OVERLAP=0; with the flat
-# gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; averaging in bf16; the
-# collectives' stream at CUDA's greatest priority; with NCCL's protocol or
+# gradient buffers, HARNESS_LOCAL_GRADS=0; ZeRO-2; averaging in bf16; with NCCL's protocol or
 # channel count set; with larger buckets), then one traced run whose step
 # bench/trace_summary.py breaks down. Prints a table last (with the phases'
 # medians in ms: forward, backward, the wait after it, the optimizer).
@@ -16,26 +15,24 @@
 #   the host's GPUs do side by side, the most a data-parallel step could
 #   scale; its rows give each GPU's tokens/s over one-long's) one-buckets ddp (harness's default) local
 #   (HARNESS_CE_GATHER=0: autograd's own gradients all-reduced) flat zero1 zero2 no-overlap
-#   bf16 (reduce_dtype = "bf16") prio (HARNESS_COMM_PRIORITY=1) bf16-prio
-#   zero2-prio net (nccl_transport = "network") net-bf16 simple ch8 ch32
+#   bf16 (reduce_dtype = "bf16") net (nccl_transport = "network") net-bf16 simple ch8 ch32
 #   bucketN (bucket_mb = N, e.g. bucket25, PyTorch DDP's; the others leave
 #   the size to harness) bf16-bN zero2-bN flat-bN (the same at N MiB
-#   buckets) smN (HARNESS_SM_RESERVE=N, e.g. sm16 sm24 sm32) smN-gG (with
-#   HARNESS_SM_RESERVE_GBS=G: only beside the modelled all-reduces) ce
+#   buckets) ce
 #   (HARNESS_CE_GATHER=1: symmetric flat buffers, the all-gather half on the
 #   copy engines) ce-bN, ce-ctasN (ce with NCCL_MAX_CTAS=N: the reduce-scatter on N SMs), split (the same reduce-scatter and all-gather with
-#   NCCL_CTA_POLICY=0, both on SMs) cer (ce and HARNESS_CE_REDUCE=1: the
-#   reduce-scatter as an all-to-all on the copy engines and an averaging
-#   kernel) cer-bN trace-ce trace-cer flat-z ce-z cer-z zero2-z (flat, ce, cer, zero2 with
+#   NCCL_CTA_POLICY=0, both on SMs) trace-ce flat-z ce-z zero2-z (flat, ce, zero2 with
 #   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
-#   (NCCL_MAX_CTAS=N) ctasN-smM (both) ctaeff (NCCL_CTA_POLICY=1, efficiency)
+#   (NCCL_MAX_CTAS=N) ctaeff (NCCL_CTA_POLICY=1, efficiency)
 #   ll128 (NCCL_PROTO=LL128) byname (HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0:
 #   the buckets in the parameters' names' order (filled from the end), none smaller at the end, about as
 #   before 2026-11-27) byname-tail (names' order, smaller last buckets) tailN
-#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-zero1 trace-zero2 trace-smN trace-smN-gG; the traces'
+#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-zero1 trace-zero2; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 #   Any variant takes more environment as VARIANT+VAR=VALUE[+VAR=VALUE...],
-#   e.g. cer+HARNESS_READY_ORDER=0.
+#   e.g. ce+HARNESS_READY_ORDER=0. The variants of the levers that left
+#   harness (prio, smN, smN-gG, cer) are gone with them
+#   (results/retired-levers/).
 # ROUNDS=N (default 1) runs the variants N times, interleaved (round r > 1 as
 # VARIANT@r), divides by the median of the `one` runs and prints each
 # variant's median scaling and range last. With one-g1 .. one-g(N-1) among
@@ -101,12 +98,9 @@ for v in $variants; do
     ce-ctas[0-9]*) suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ce-ctas} }" >/dev/null
       run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     ce-b[0-9]*) suite "$name" "$n" "${v#ce-b}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
-    cer) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     flat-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_LOCAL_GRADS=0 HARNESS_UNZEROED_GRADS=0 ;;
     ce-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_UNZEROED_GRADS=0 ;;
     zero2-z) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_UNZEROED_GRADS=0 ;;
-    cer-z) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 HARNESS_UNZEROED_GRADS=0 ;;
-    cer-b[0-9]*) suite "$name" "$n" "${v#cer-b}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
     split) suite "$name" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     zero1) suite "$name" "$n" auto zero1 'zero = 1' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
@@ -117,9 +111,6 @@ for v in $variants; do
     simple) suite "$name" "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ch32) suite "$name" "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bf16) suite "$name" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    prio) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    bf16-prio) suite "$name" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
-    zero2-prio) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_COMM_PRIORITY=1 ;;
     net) suite "$name" "$n" auto ddp-net 'nccl_transport = "network"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     net-bf16) suite "$name" "$n" auto ddp-net-bf16 $'nccl_transport = "network"\nreduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     no-overlap) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_OVERLAP=0 ;;
@@ -127,25 +118,15 @@ for v in $variants; do
     bucket[0-9]*) suite "$name" "$n" "${v#bucket}" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bf16-b[0-9]*) suite "$name" "$n" "${v#bf16-b}" ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     zero2-b[0-9]*) suite "$name" "$n" "${v#zero2-b}" zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    sm[0-9]*-g[0-9]*) suite "$name" "$n" auto >/dev/null
-      r=${v%-g*}; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${r#sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
-    sm[0-9]*) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#sm}" ;;
-    ctas[0-9]*-sm[0-9]*) c=${v%-sm*}; c=${c#ctas}
-      suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = $c }" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_SM_RESERVE="${v#*-sm}" ;;
     ctas[0-9]*) suite "$name" "$n" auto "ddp-$v" "nccl = { NCCL_MAX_CTAS = ${v#ctas} }" >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ctaeff) suite "$name" "$n" auto ddp-ctaeff 'nccl = { NCCL_CTA_POLICY = 1 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ll128) suite "$name" "$n" auto ddp-ll128 'nccl = { NCCL_PROTO = "LL128" }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    trace|trace-one|trace-sm[0-9]*|trace-ce|trace-cer|trace-zero[12])
+    trace|trace-one|trace-ce|trace-zero[12])
       case "$v" in
         trace-zero[12]) suite "$name" "$n" auto "zero${v#trace-zero}" "zero = ${v#trace-zero}" >/dev/null
           TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
         trace-ce) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 ;;
-        trace-cer) suite "$name" "$n" auto >/dev/null
-          TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_CE_GATHER=1 HARNESS_CE_REDUCE=1 ;;
         trace-one) suite "$name" 1 auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES=0 HARNESS_TRACE_STEPS=3 ;;
-        trace-sm*-g*) suite "$name" "$n" auto >/dev/null; r=${v%-g*}
-          TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${r#trace-sm}" HARNESS_SM_RESERVE_GBS="${v#*-g}" ;;
-        trace-sm*) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 HARNESS_SM_RESERVE="${v#trace-sm}" ;;
         *) suite "$name" "$n" auto >/dev/null; TRACE=1 run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TRACE_STEPS=3 ;;
       esac
       for f in "$dir/$name.trace"/*.json; do

@@ -390,9 +390,8 @@ pub struct RankRecord {
 
 /// Memory high-water marks. The device figures include what harness holds
 /// beside the caching allocator for the whole entry (the gradient buffers
-/// in NCCL's symmetric memory where the copy engines gather them
-/// (`HARNESS_CE_GATHER`), and the
-/// all-to-all's receive buffer under `HARNESS_CE_REDUCE=1`).
+/// in NCCL's symmetric memory where the copy engines gather them,
+/// `HARNESS_CE_GATHER`, and ZeRO's parameters there).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct MemoryRecord {
     /// Peak resident set of the process during the entry.

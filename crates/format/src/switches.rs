@@ -134,10 +134,16 @@ macro_rules! switches {
                                 value: raw,
                                 accepted: <$ty as Value>::ACCEPTED,
                                 default: Value::show(&s.$field),
+                                retired: None,
                             }),
                         }
                     }
                 )*
+                for (name, why) in RETIRED {
+                    if let Some(raw) = var(name).filter(|v| !v.trim().is_empty()) {
+                        malformed.push(Malformed { var: name, value: raw, accepted: "", default: String::new(), retired: Some(why) });
+                    }
+                }
                 if malformed.is_empty() {
                     Ok(s)
                 } else {
@@ -220,23 +226,6 @@ switches! {
     /// all-reduce, or ZeRO's reduce-scatter) overlaps with the backward
     /// pass; 0 reduces after it.
     overlap: bool = true, "HARNESS_OVERLAP", Recorded;
-    /// `HARNESS_COMM_PRIORITY` (default 0): 1 runs the collectives that
-    /// overlap the backward pass on a stream of CUDA's greatest priority,
-    /// so that their blocks go before the computation's; 0 gives it the
-    /// default priority, the computation's.
-    comm_priority: bool = false, "HARNESS_COMM_PRIORITY", Recorded;
-    /// `HARNESS_SM_RESERVE` (default 0): SMs that the backward pass's
-    /// cuBLASLt matmuls leave to the collectives overlapping it (cuBLASLt's
-    /// SM count target is the device's SMs less these), from the launch of
-    /// the first bucket's reduction to the end of the pass; 0 lets the
-    /// matmuls target every SM.
-    sm_reserve: u64 = 0, "HARNESS_SM_RESERVE", Recorded;
-    /// `HARNESS_SM_RESERVE_GBS` (default 0): with `HARNESS_SM_RESERVE`, the
-    /// SMs are left only to the matmuls that the host's model places beside
-    /// a running collective, each bucket's all-reduce moving its ring
-    /// traffic at this many GB/s; 0 leaves them to every matmul from the
-    /// first bucket's launch to the end of the pass.
-    sm_reserve_gbs: u64 = 0, "HARNESS_SM_RESERVE_GBS", Recorded;
     /// `HARNESS_LOCAL_GRADS` (default 1): with the plain average, at one
     /// rank or at several with the overlap on, autograd's own gradients
     /// (several ranks average each bucket's gradients in place as one NCCL
@@ -254,12 +243,6 @@ switches! {
     /// symmetric memory is to be had (else flat buffers, all-reduced); 0:
     /// never.
     ce_gather: Option<bool> = None, "HARNESS_CE_GATHER", Recorded;
-    /// `HARNESS_CE_REDUCE` (default 0): with `HARNESS_CE_GATHER` in effect, 1 moves
-    /// the reduce-scatter off the SMs too: each bucket's chunks go to their
-    /// ranks by an all-to-all (NCCL 2.28's `ncclAlltoAll`, on the copy
-    /// engines under the zero CTA policy) and one kernel averages this
-    /// rank's chunk; fp32 buckets only.
-    ce_reduce: bool = false, "HARNESS_CE_REDUCE", Recorded;
     /// `HARNESS_SYM_SCATTER` (default 1): where the copy engines' all-gather
     /// averages the buckets (`HARNESS_CE_GATHER`, the reduce-scatter on the
     /// SMs), each fp32 bucket's reduce-scatter sums (NCCL 2.27 and later run
@@ -343,6 +326,32 @@ switches! {
     bless: bool = false, "HARNESS_BLESS", Operational;
 }
 
+/// Switches that levers had until they left the product, each with why:
+/// a run that sets one is refused rather than measured without the lever
+/// it names. Their code is kept as patches beside their measurements.
+pub const RETIRED: [(&str, &str); 4] = [
+    (
+        "HARNESS_COMM_PRIORITY",
+        "it left harness on 2026-11-29 (the collectives' stream at CUDA's greatest priority bought nothing in two \
+         measured rounds; results/retired-levers/ keeps its code as a patch)",
+    ),
+    (
+        "HARNESS_SM_RESERVE",
+        "it left harness on 2026-11-29 (SMs reserved for NCCL slowed the matmuls more than they gained, two measured \
+         rounds; results/retired-levers/ keeps its code as a patch)",
+    ),
+    (
+        "HARNESS_SM_RESERVE_GBS",
+        "it left harness on 2026-11-29 with HARNESS_SM_RESERVE (no gain; results/retired-levers/ keeps \
+         its code as a patch)",
+    ),
+    (
+        "HARNESS_CE_REDUCE",
+        "it left harness on 2026-11-29 (the reduce-scatter as an all-to-all on the copy engines was no better in two \
+         measured rounds; results/retired-levers/ keeps its code as a patch)",
+    ),
+];
+
 impl Default for Switches {
     fn default() -> Switches {
         Switches::DEFAULT
@@ -380,10 +389,15 @@ pub struct Malformed {
     pub value: String,
     pub accepted: &'static str,
     pub default: String,
+    /// A switch that left harness ([`RETIRED`]): why, and where its code is.
+    pub retired: Option<&'static str>,
 }
 
 impl fmt::Display for Malformed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(why) = self.retired {
+            return write!(f, "{}={:?} is no longer a switch: {why}", self.var, self.value);
+        }
         write!(f, "{}={:?} is not a value it takes: it takes {} (default {})", self.var, self.value, self.accepted, self.default)
     }
 }
@@ -491,6 +505,20 @@ mod tests {
         assert_eq!(vars, [("HARNESS_CUDA_GRAPH", "auto"), ("HARNESS_TRACE_STEPS", "-1")]);
         assert!(e.to_string().contains("HARNESS_TRACE_STEPS=\"-1\" is not a value it takes: it takes a whole number"), "{e}");
         assert!(e.to_string().contains("or unset to leave it to the suite (default unset)"), "{e}");
+    }
+
+    #[test]
+    fn a_retired_switch_is_refused_with_where_its_code_went() {
+        let e = parse(&[("HARNESS_CE_REDUCE", "1"), ("HARNESS_OVERLAP", "1")]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("HARNESS_CE_REDUCE=\"1\" is no longer a switch: it left harness"), "{msg}");
+        assert!(msg.contains("results/retired-levers/"), "{msg}");
+        for (name, _) in RETIRED {
+            assert!(parse(&[(name, "0")]).is_err(), "{name} set to 0 is refused too");
+            assert!(Switches::DEFAULT.settings().iter().all(|s| s.var != name), "{name} is both a switch and retired");
+        }
+        // Unset or empty, they are no matter.
+        assert!(parse(&[("HARNESS_SM_RESERVE", " ")]).is_ok());
     }
 
     #[test]

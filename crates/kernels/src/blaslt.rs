@@ -27,7 +27,6 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::cublaslt::sys;
@@ -102,8 +101,6 @@ struct Problem {
     trans_b: bool,
     epilogue: Epilogue,
     f32_out: bool,
-    /// cuBLASLt's SM count target (0: the device's SMs), see [`reserve_sms`].
-    sms: i32,
 }
 
 type Status = sys::cublasStatus_t;
@@ -282,10 +279,6 @@ fn describe(api: &'static Api, p: &Problem, bias: *const c_void, aux: *const c_v
             set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
             set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
         }
-        if p.sms > 0 {
-            // int32: the SMs the heuristic sizes the kernel for.
-            set(&desc, A::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &p.sms)?;
-        }
     }
     let bf = sys::cudaDataType::CUDA_R_16BF;
     let out = if p.f32_out { sys::cudaDataType::CUDA_R_32F } else { bf };
@@ -460,19 +453,19 @@ fn act_problem(act: Act, n: u64, c: u64, f: u64) -> Problem {
 /// w as [k, o] col-major, transposed) B (x as [k, n])`.
 fn linear_problem(n: u64, k: u64, o: u64, bias: bool) -> Problem {
     let epilogue = if bias { Epilogue::Bias } else { Epilogue::Plain };
-    Problem { m: o, n, k, trans_a: true, trans_b: false, epilogue, f32_out: false, sms: 0 }
+    Problem { m: o, n, k, trans_a: true, trans_b: false, epilogue, f32_out: false }
 }
 
 /// Row-major `dx = dy w` (dy `[n, o]`, w `[o, k]`): `D [k, n] = A (w as
 /// [k, o] col-major) B (dy as [o, n])`.
 fn input_grad_problem(n: u64, o: u64, k: u64) -> Problem {
-    Problem { m: k, n, k: o, trans_a: false, trans_b: false, epilogue: Epilogue::Plain, f32_out: false, sms: 0 }
+    Problem { m: k, n, k: o, trans_a: false, trans_b: false, epilogue: Epilogue::Plain, f32_out: false }
 }
 
 /// Row-major `dw = dy^T x` in fp32 (dy `[n, o]`, x `[n, k]`): `D [k, o] = A
 /// (x as [k, n] col-major) op(B = dy as [o, n], transposed)`.
 fn weight_grad_problem(n: u64, o: u64, k: u64) -> Problem {
-    Problem { m: k, n: o, k: n, trans_a: false, trans_b: true, epilogue: Epilogue::Plain, f32_out: true, sms: 0 }
+    Problem { m: k, n: o, k: n, trans_a: false, trans_b: true, epilogue: Epilogue::Plain, f32_out: true }
 }
 
 /// Row-major `dpre = (dout w2) * gelu'(pre)` (dout `[n, c2]`, w2 `[c2, f]`):
@@ -481,97 +474,10 @@ fn dgelu_problem(n: u64, c2: u64, f: u64) -> Problem {
     Problem { epilogue: Epilogue::DGelu, ..input_grad_problem(n, c2, f) }
 }
 
-/// The SM count target of the matmuls queued now (0: every SM).
-static SM_TARGET: AtomicI32 = AtomicI32::new(0);
-
-/// Makes the matmuls queued from now on leave `reserve` of the current
-/// device's SMs to work that runs beside them (e.g. the collectives that
-/// overlap a backward pass; 0 gives them every SM again): they are
-/// launched with the SMs left as their SM count target
-/// (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`), so that a persistent kernel's
-/// grid need not wait for the SMs the other work holds. The algorithms
-/// stay those chosen for every SM: those cuBLASLt's heuristic picks for
-/// fewer SMs ran slower beside NCCL on H200s (separate epilogue kernels,
-/// split reductions).
-pub fn reserve_sms(reserve: u32) -> anyhow::Result<()> {
-    static SMS: OnceLock<Result<i32, String>> = OnceLock::new();
-    let target = if reserve == 0 {
-        0
-    } else {
-        let sms = SMS.get_or_init(|| {
-            let mut dev: dsys::CUdevice = 0;
-            // SAFETY: writes the current context's device into dev.
-            unsafe { dsys::cuCtxGetDevice(&mut dev) }.result().map_err(|e| format!("no CUDA context: {e:?}"))?;
-            // SAFETY: dev is the current context's device; reads one attribute.
-            unsafe { drv::device::get_attribute(dev, dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }
-                .map_err(|e| format!("{e:?}"))
-        });
-        let sms = sms.clone().map_err(anyhow::Error::msg)?;
-        anyhow::ensure!((reserve as i64) < sms as i64, "cannot reserve {reserve} of the device's {sms} SMs");
-        sms - reserve as i32
-    };
-    SM_TARGET.store(target, Ordering::Relaxed);
-    if target == 0 {
-        *WINDOW.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    }
-    Ok(())
-}
-
-/// The host's model of when collectives run beside the matmuls, on a clock
-/// of modelled device time that the matmuls queued since the first
-/// collective advance (an estimate: the kernels between them are not
-/// counted, which the rate's efficiency stands for).
-struct Window {
-    /// Modelled device time of the matmuls queued so far, seconds.
-    clock: f64,
-    /// When the collectives queued so far end, on that clock.
-    busy_until: f64,
-}
-
-/// Some once [`reserve_beside`] was called since the last
-/// [`reserve_sms`]`(0)`.
-static WINDOW: Mutex<Option<Window>> = Mutex::new(None);
-
-/// A matmul's modelled time: its flops at 4096 bf16 flops per clock per SM
-/// (Hopper's dense rate) at 1.8 GHz on 132 SMs, at 60% of that.
-fn modelled_seconds(p: &Problem) -> f64 {
-    2.0 * p.m as f64 * p.n as f64 * p.k as f64 / (4096.0 * 1.8e9 * 132.0 * 0.6)
-}
-
-/// With [`reserve_sms`] on: leaves the SMs only to the matmuls that the
-/// host's model places beside a collective, rather than to every matmul
-/// queued from now on; `seconds` is the device time of a collective queued
-/// now (after those already queued, on one stream). A matmul queued while
-/// the modelled collectives run is launched with the SM target, the others
-/// with every SM.
-pub fn reserve_beside(seconds: f64) {
-    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
-    let w = w.get_or_insert(Window { clock: 0.0, busy_until: 0.0 });
-    w.busy_until = w.busy_until.max(w.clock) + seconds;
-}
-
-/// The SM target for `p` queued now, advancing the model's clock.
-fn sm_target_for(p: &Problem) -> i32 {
-    let target = SM_TARGET.load(Ordering::Relaxed);
-    if target == 0 {
-        return 0;
-    }
-    let mut w = WINDOW.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(w) = w.as_mut() else { return target };
-    let beside = w.clock < w.busy_until;
-    w.clock += modelled_seconds(p);
-    if beside {
-        target
-    } else {
-        0
-    }
-}
-
 /// Runs `p` on libtorch's current stream: `d = a b` (op's applied), or
 /// with `add` `d += a b` (fp32 sums, one rounding). Its algorithm is the
-/// one chosen for every SM, timed into `d` (into a scratch copy with
-/// `add`); under an SM target ([`reserve_sms`]) it is launched with the
-/// target in its descriptor.
+/// fastest of cuBLASLt's candidates, timed into `d` (into a scratch copy
+/// with `add`).
 fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, aux: Option<&Tensor>, add: bool) -> anyhow::Result<()> {
     let l = library().map_err(anyhow::Error::msg)?;
     let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.data_ptr());
@@ -596,20 +502,6 @@ fn run(p: Problem, a: &Tensor, b: &Tensor, d: &Tensor, bias: Option<&Tensor>, au
         }
     };
     let algo = algo.ok_or_else(|| anyhow::anyhow!("cuBLASLt has no algorithm for {p:?}"))?;
-    let sms = sm_target_for(&p);
-    if sms > 0 {
-        let targeted = describe(l.api, &Problem { sms, ..p }, ptr(bias), ptr(aux)).map_err(anyhow::Error::msg)?;
-        // SAFETY: as below; the targeted descriptor differs only in its SM count.
-        match unsafe { launch(&l, &targeted.0, &layouts, &algo, ptrs, stream, beta) } {
-            Ok(()) => return Ok(()),
-            Err(e) => {
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| {
-                    eprintln!("harness: cuBLASLt refused an SM count target of {sms} for {p:?} ({e}); those matmuls use every SM")
-                });
-            }
-        }
-    }
     // SAFETY: the descriptors describe the tensors' checked shapes (bf16,
     // contiguous, column-major views of the row-major tensors); the bias
     // and aux pointers set in `desc` are `bias` and `aux`, live for the
@@ -724,28 +616,6 @@ pub fn weight_grad_into(dy: &Tensor, x: &Tensor, into: &Tensor, add: bool) -> an
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    #[test]
-    fn the_sm_target_goes_to_the_matmuls_modelled_beside_a_collective() {
-        // Needs no GPU: the host's model only (the target is set directly,
-        // as reserve_sms sets it from the device's SM count).
-        let p = weight_grad_problem(4096, 4096, 4096);
-        let t = modelled_seconds(&p);
-        SM_TARGET.store(108, Ordering::Relaxed);
-        // Without a modelled collective, every matmul gets the target.
-        assert_eq!([sm_target_for(&p), sm_target_for(&p)], [108, 108]);
-        reserve_beside(2.5 * t);
-        let got: Vec<i32> = (0..4).map(|_| sm_target_for(&p)).collect();
-        assert_eq!(got, [108, 108, 108, 0], "the collective of 2.5 matmuls' time covers the first three");
-        // Queued after the first has ended: it starts at the model's clock.
-        reserve_beside(t);
-        assert_eq!([sm_target_for(&p), sm_target_for(&p)], [108, 0]);
-        SM_TARGET.store(0, Ordering::Relaxed);
-        *WINDOW.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        assert_eq!(sm_target_for(&p), 0, "no target: every SM");
-    }
-
     #[test]
     fn the_entry_points_come_from_libtorchs_cublaslt() {
         // Needs no GPU: the symbols of the libcublasLt that a CUDA build of

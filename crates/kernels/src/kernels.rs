@@ -965,43 +965,6 @@ pub fn cast_bf16_list(ws: &[Tensor]) -> anyhow::Result<Vec<Tensor>> {
     ws.iter().zip(outs).map(|(w, o)| o.map_or_else(|| cast_bf16(w), Ok)).collect()
 }
 
-/// Why [`mean_chunks_on`] cannot be used, if it cannot (no CUDA context,
-/// or NVRTC missing).
-pub fn mean_chunks_unavailable() -> Option<String> {
-    comm_loaded().err()
-}
-
-/// The averaging half of a reduce-scatter done as an all-to-all: `out`
-/// (this rank's chunk, dense fp32 on CUDA) becomes the mean of the `n`
-/// chunks of `received` (n x out's elements, dense fp32, rank order),
-/// summed in rank order, on `stream` (a live `CUstream`, such as the
-/// collectives' side stream, that orders the kernel after the all-to-all
-/// that fills `received`; the caller keeps both tensors' memory until it
-/// has run).
-pub fn mean_chunks_on(stream: *mut c_void, received: &Tensor, out: &Tensor, n: usize) -> anyhow::Result<()> {
-    let k = comm_loaded().map_err(|e| anyhow::anyhow!("the collectives' kernels are unavailable: {e}"))?;
-    let chunk = out.numel() as i64;
-    anyhow::ensure!(
-        received.kind() == Kind::Float && out.kind() == Kind::Float && received.is_contiguous() && out.is_contiguous(),
-        "mean_chunks takes dense fp32 tensors"
-    );
-    anyhow::ensure!(
-        n >= 1 && received.numel() as i64 >= chunk * n as i64,
-        "{n} chunks of {chunk} elements do not fit {}",
-        received.numel()
-    );
-    if chunk == 0 {
-        return Ok(());
-    }
-    let blocks = u32::try_from(((chunk + 2047) / 2048).clamp(1, i64::from(k.sms)))?;
-    let (n_i, scale) = (i32::try_from(n)?, 1.0f32 / n as f32);
-    // SAFETY: the parameters match mean_chunks_f32's signature (n x chunk
-    // floats read from received, chunk written to out, both checked above);
-    // the caller's stream orders the kernel and keeps the memory (see above).
-    unsafe { launch_on(stream as _, k.mean_chunks_f32, Grid::line(blocks, 512), params![received, out, chunk, n_i, scale]) }?;
-    Ok(())
-}
-
 /// `x` (dense fp32 on CUDA) multiplied by `scale` in place, on `stream`
 /// (a live `CUstream` that orders the kernel after whatever writes `x`;
 /// the caller keeps `x`'s memory until it has run): a reduce-scatter's sum
@@ -1154,7 +1117,6 @@ mod tests {
         let ptx = launch::compile(9, 0).unwrap();
         assert!(ptx.contains(".entry ce_bf16"), "{ptx}");
         let comm = launch::compile_program(launch::COMM_SOURCE, 9, 0, Vec::new()).unwrap();
-        assert!(comm.contains(".entry mean_chunks_f32") && comm.contains("ld.global.nc.v4.f32"), "{comm}");
         assert!(comm.contains(".entry scale_f32"), "{comm}");
         assert!(ptx.contains(".entry spin_until") && ptx.contains("globaltimer"), "{ptx}");
         for k in [
@@ -1192,28 +1154,6 @@ mod tests {
             assert!(ptx.contains(&format!(".entry {k}")), "{k} missing");
         }
         assert!(ptx.contains("tanh.approx.f32"), "Hopper gets the hardware tanh");
-    }
-
-    /// The all-to-all reduce-scatter's averaging kernel gives libtorch's
-    /// mean of the chunks, on the vectorised path (chunks of a multiple of
-    /// 4 elements) and the scalar one, and writes nothing past its chunk.
-    #[test]
-    fn cuda_mean_of_chunks_matches_libtorch() {
-        if !cuda() {
-            return;
-        }
-        let _turn = crate::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
-        let dev = tch::Device::Cuda(0);
-        let stream = crate::torch_ext::current_cuda_stream().unwrap();
-        for (n, c) in [(4usize, 1i64 << 20), (4, 1_000_003), (2, 8), (8, 12_345)] {
-            let received = Tensor::randn([n as i64 * c], (Kind::Float, dev));
-            let out = Tensor::full([c + 4], 7.0, (Kind::Float, dev));
-            mean_chunks_on(stream, &received, &out.narrow(0, 0, c), n).unwrap();
-            let want = received.view([n as i64, c]).sum_dim_intlist(0, false, Kind::Float) / n as f64;
-            let err = (out.narrow(0, 0, c) - &want).abs().max().double_value(&[]);
-            assert!(err < 1e-6, "{n} chunks of {c}: max error {err}");
-            assert_eq!(Vec::<f32>::try_from(&out.narrow(0, c, 4)).unwrap(), vec![7.0; 4], "{n} chunks of {c}: wrote past the chunk");
-        }
     }
 
     /// The reduce-scatter's division: each element times the factor, on

@@ -254,27 +254,12 @@ pub trait Collective {
         let _ = (numel, kind);
         Ok(None)
     }
-    /// A receive buffer of `numel` elements of `kind` in symmetric memory
-    /// for [`Collective::all_reduce_split_avg_async`] on buffers of up to
-    /// `numel` elements, whose reduce-scatter then also leaves the SMs: an
-    /// all-to-all of the chunks (NCCL 2.28's `ncclAlltoAll`, on the copy
-    /// engines under the zero CTA policy) into this buffer, then one kernel
-    /// that averages this rank's chunk. Every rank calls it alike, after
-    /// its [`Collective::symmetric_zeros`]. Returns whether it applies
-    /// (false where there is no such all-to-all, or for a kind other than
-    /// fp32).
-    fn symmetric_scratch(&mut self, numel: i64, kind: Kind) -> Result<bool, CommError> {
-        let _ = (numel, kind);
-        Ok(false)
-    }
     /// Starts averaging `t` (numel divisible by world_size) over ranks, in
     /// place, as a reduce-scatter (averaging) and an all-gather, with the
     /// same ordering as [`Collective::all_reduce_sum_async`]. In a buffer of
     /// [`Collective::symmetric_zeros`] NCCL runs the all-gather on the copy
     /// engines when its CTA policy is zero (`NCCL_CTA_POLICY=2`), leaving
-    /// the SMs to the computation, and with a [`Collective::symmetric_scratch`]
-    /// the reduce-scatter too, but for its averaging kernel. Only where
-    /// `supports_async`.
+    /// the SMs to the computation. Only where `supports_async`.
     fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
         let _ = t;
         Err(CommError::Aborted { op: "all_reduce", seq: 0, rank: self.rank(), reason: "no asynchronous collectives here".into() })
@@ -1142,8 +1127,6 @@ pub mod nccl {
         error_string: unsafe extern "C" fn(c_int) -> *const c_char,
         /// Symmetric memory (NCCL 2.27 and later), absent before.
         symmetric: Option<Symmetric>,
-        /// ncclAlltoAll (NCCL 2.28 and later), absent before.
-        all_to_all: Option<unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, CommT, *mut c_void) -> c_int>,
     }
 
     /// ncclMemAlloc, ncclMemFree, ncclCommWindowRegister and
@@ -1182,7 +1165,6 @@ pub mod nccl {
                 })();
                 Ok(Lib {
                     symmetric,
-                    all_to_all: lib.get(b"ncclAlltoAll").ok().map(|f| *f),
                     get_unique_id: sym!(b"ncclGetUniqueId"),
                     init_rank: sym!(b"ncclCommInitRank"),
                     all_reduce: sym!(b"ncclAllReduce"),
@@ -1281,31 +1263,9 @@ pub mod nccl {
         side: Option<cudarc::driver::sys::CUstream>,
         /// True when collectives were queued on `side` since the last wait.
         side_busy: bool,
-        /// The buffers of `symmetric_zeros` and `symmetric_scratch`, with
-        /// their windows.
+        /// The buffers of `symmetric_zeros`, with their windows.
         windows: Vec<(*mut c_void, WindowT, usize)>,
-        /// The all-to-all's receive buffer of `symmetric_scratch`.
-        scratch: Option<Tensor>,
-        /// The bucket whose all-to-all was issued last, not yet gathered.
-        deferred: Option<Deferred>,
-        /// The stream of the all-to-all reduce-scatter's averages, at
-        /// CUDA's greatest priority, once used.
-        averaging: Option<cudarc::driver::sys::CUstream>,
         device: tch::Device,
-    }
-
-    /// A bucket of the all-to-all reduce-scatter whose all-gather waits
-    /// for the next bucket (see [`NcclComm::finish_deferred`]).
-    struct Deferred {
-        /// Recorded on the averaging stream after the bucket's average.
-        averaged: Event,
-        /// The bucket's start, this rank's chunk in it, the chunk's
-        /// elements, NCCL's type and the bucket's bytes, for the all-gather.
-        base: *mut c_void,
-        mine: *mut c_void,
-        count: usize,
-        dt: c_int,
-        bytes: u64,
     }
 
     // SAFETY: the stream handle is used by one thread at a time (the owner,
@@ -1333,9 +1293,6 @@ pub mod nccl {
                 side: None,
                 side_busy: false,
                 windows: Vec::new(),
-                scratch: None,
-                deferred: None,
-                averaging: None,
                 device,
             })
         }
@@ -1410,39 +1367,6 @@ pub mod nccl {
             // SAFETY: null or our live side stream.
             unsafe { e.record_on(stream) }.map_err(|e| self.fail(op, e))?;
             Ok(e)
-        }
-
-        /// Starts the deferred bucket's all-gather, if there is one, once its
-        /// average is done (on the side stream, which then also waits for
-        /// the compute stream as it is now); returns whether there was one.
-        /// Issued at the next bucket's hook, the gather finds the average
-        /// long done, and the compute stream never waits for a collective
-        /// before the end of the backward pass.
-        fn finish_deferred(&mut self) -> Result<bool, CommError> {
-            let Some(d) = self.deferred.take() else { return Ok(false) };
-            let side = self.side.ok_or_else(|| self.fail("all_gather", "no side stream for a deferred all-gather"))?;
-            // SAFETY: `side` is our live stream; `averaged` is a live event.
-            unsafe { d.averaged.wait_on(side) }.map_err(|e| self.fail("all_gather", e))?;
-            // The wait took the event's state now: it can be recorded again.
-            self.spare.push(d.averaged);
-            let (base, mine, count, dt) = (d.base, d.mine, d.count, d.dt);
-            self.on_side_after(Op::AllGather, d.bytes, "all_gather", true, |l, comm, side| {
-                // SAFETY: this rank's averaged chunk gathered into the
-                // bucket, in place, on our side stream after the average
-                // (the wait above).
-                check(unsafe { (l.all_gather)(mine, base, count, dt, comm, side) }, "all_gather")
-            })?;
-            Ok(true)
-        }
-
-        /// The averaging stream (see `averaging`), made on first use.
-        fn averaging_stream(&mut self) -> Result<cudarc::driver::sys::CUstream, CommError> {
-            if let Some(s) = self.averaging {
-                return Ok(s);
-            }
-            let s = greatest_priority_stream().map_err(|e| self.fail("reduce_scatter", e))?;
-            self.averaging = Some(s);
-            Ok(s)
         }
 
         /// A zeroed buffer of NCCL's memory registered as a symmetric window
@@ -1544,12 +1468,8 @@ pub mod nccl {
             let side = match self.side {
                 Some(s) => s,
                 None => {
-                    let s = if harness_format::switches::get().comm_priority {
-                        greatest_priority_stream()
-                    } else {
-                        cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
-                    };
-                    let s = s.map_err(|e| self.fail(name, e))?;
+                    let s = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
+                        .map_err(|e| self.fail(name, e))?;
                     self.side = Some(s);
                     s
                 }
@@ -1637,15 +1557,6 @@ pub mod nccl {
         fn symmetric_zeros(&mut self, numel: i64, kind: Kind) -> Result<Option<Tensor>, CommError> {
             self.symmetric_alloc(numel, kind, "symmetric_zeros")
         }
-        fn symmetric_scratch(&mut self, numel: i64, kind: Kind) -> Result<bool, CommError> {
-            let name = "symmetric_scratch";
-            let l = lib().map_err(|e| self.fail(name, e))?;
-            if l.all_to_all.is_none() || kind != Kind::Float || harness_kernels::kernels::mean_chunks_unavailable().is_some() {
-                return Ok(false);
-            }
-            self.scratch = self.symmetric_alloc(numel, kind, name)?;
-            Ok(self.scratch.is_some())
-        }
         fn all_reduce_split_avg_async(&mut self, t: &Tensor) -> Result<(), CommError> {
             let dt = self.dtype_of(t, "all_reduce")?;
             let count = self.chunk_of(t.numel(), "all_reduce")?;
@@ -1653,42 +1564,6 @@ pub mod nccl {
             // SAFETY: this rank's chunk lies inside t (rank < n).
             let mine = unsafe { (base as *mut u8).add(self.rank * count * t.kind().elt_size_in_bytes()) } as *mut c_void;
             let bytes = nbytes(t);
-            let received = self.scratch.as_ref().filter(|r| r.numel() >= t.numel() && t.kind() == Kind::Float);
-            if let Some(received) = received.map(|r| r.narrow(0, 0, t.numel() as i64)) {
-                // The reduce-scatter off the SMs but for the averaging: each
-                // rank's copy of each chunk goes to that chunk's rank (copy
-                // engines). The bucket before is gathered first (its
-                // gather's wait for the compute stream covers this bucket's
-                // gradients too); this one's gather waits for the next
-                // bucket or for `wait_async` (see `finish_deferred`).
-                let waited = self.finish_deferred()?;
-                let rp = received.data_ptr();
-                self.on_side_after(Op::ReduceScatter, bytes, "reduce_scatter", !waited, |l, comm, side| {
-                    let all_to_all = l.all_to_all.ok_or_else(|| anyhow::anyhow!("NCCL lacks ncclAlltoAll"))?;
-                    // SAFETY: `count` elements to each rank from t (n x
-                    // count) into the scratch buffer (at least n x count),
-                    // both windows at offset 0 on every rank, live device
-                    // memory kept until after `wait_async`, on our side stream.
-                    check(unsafe { all_to_all(base, rp, count, dt, comm, side) }, "ncclAlltoAll")
-                })?;
-                // The average, on a stream of its own at the greatest
-                // priority: its blocks take SMs as the backward pass's
-                // kernels free them, and nothing waits for it but the
-                // gather (and the next all-to-all, which reuses `received`).
-                let side = self.side.ok_or_else(|| self.fail("reduce_scatter", "no side stream after the all-to-all"))?;
-                let arrived = self.mark(side, "reduce_scatter")?;
-                let averaging = self.averaging_stream()?;
-                // SAFETY: `averaging` is our live stream; `arrived` a live event.
-                unsafe { arrived.wait_on(averaging) }.map_err(|e| self.fail("reduce_scatter", e))?;
-                self.spare.push(arrived);
-                let out = t.narrow(0, (self.rank * count) as i64, count as i64);
-                harness_kernels::kernels::mean_chunks_on(averaging as *mut c_void, &received, &out, self.n)
-                    .map_err(|e| self.fail("reduce_scatter", e))?;
-                let averaged = self.mark(averaging, "reduce_scatter")?;
-                self.deferred = Some(Deferred { averaged, base, mine, count, dt, bytes });
-                return Ok(());
-            }
-            self.finish_deferred()?;
             let chunk = t.narrow(0, (self.rank * count) as i64, count as i64);
             let scale = self.sum_scale(t, &chunk);
             self.on_side(Op::ReduceScatter, bytes, "reduce_scatter", |l, comm, side| {
@@ -1706,7 +1581,6 @@ pub mod nccl {
             })
         }
         fn wait_async(&mut self) -> Result<(), CommError> {
-            self.finish_deferred()?;
             if let (Some(side), true) = (self.side, self.side_busy) {
                 // SAFETY: `side` is our live stream; null is the legacy stream.
                 let done = Event::new().and_then(|e| unsafe { e.record_on(side) }.map(|_| e)).map_err(|e| self.fail("all_reduce", e))?;
@@ -1871,12 +1745,6 @@ pub mod nccl {
         }
     }
 
-    /// A new non-blocking stream at CUDA's greatest priority.
-    fn greatest_priority_stream() -> Result<cudarc::driver::sys::CUstream, cudarc::driver::DriverError> {
-        use cudarc::driver::result::stream;
-        stream::get_priority_range().and_then(|(_, greatest)| stream::create_with_priority(stream::StreamKind::NonBlocking, greatest))
-    }
-
     impl Drop for NcclComm {
         fn drop(&mut self) {
             if let (Ok(Lib { symmetric: Some(sym), .. }), false) = (lib(), self.windows.is_empty()) {
@@ -1896,7 +1764,7 @@ pub mod nccl {
                 // SAFETY: the communicator is owned and destroyed once.
                 unsafe { (l.destroy)(self.comm) };
             }
-            for s in [self.side.take(), self.averaging.take()].into_iter().flatten() {
+            if let Some(s) = self.side.take() {
                 // SAFETY: our stream, destroyed once; work on it completes first.
                 let _ = unsafe { cudarc::driver::result::stream::destroy(s) };
             }

@@ -154,13 +154,6 @@ struct Segment {
 struct Overlap {
     /// ZeRO: reduce-scatters instead of all-reduces.
     sharded: bool,
-    /// SMs the backward pass's matmuls leave to the collectives from the
-    /// first bucket's launch on (`HARNESS_SM_RESERVE`; 0 off the GPU).
-    reserve: u32,
-    /// With `reserve`: each bucket's all-reduce as device seconds in the
-    /// host's model of the collectives beside the matmuls
-    /// (`HARNESS_SM_RESERVE_GBS`; none: the whole rest of the pass).
-    modelled: Option<Vec<f64>>,
     bucket_of: Vec<usize>,
     sizes: Vec<usize>,
     /// Each bucket's parameters (their gradients are the group).
@@ -188,9 +181,6 @@ struct OverlapState {
     reduce_kind: Option<Kind>,
     casts: Vec<(Tensor, Tensor)>,
     launched: Vec<bool>,
-    /// Whether the matmuls were told to leave SMs to the collectives
-    /// (`Overlap::reserve`), until the pass ends.
-    reserved: bool,
     /// The flat buffers are in symmetric memory and averaged as a
     /// reduce-scatter and an all-gather ([`DataParallel::use_symmetric_buffers`]).
     split: bool,
@@ -284,17 +274,6 @@ unsafe extern "C" fn grad_ready(ctx: *mut std::ffi::c_void, idx: i64) {
     st.remaining[b] = st.remaining[b].saturating_sub(1);
     if st.remaining[b] == 0 && !st.launched[b] && st.error.is_none() {
         st.launched[b] = true;
-        if o.reserve > 0 && !st.reserved {
-            // The rest of the pass's matmuls run beside the collectives.
-            st.reserved = true;
-            if let Err(e) = harness_kernels::blaslt::reserve_sms(o.reserve) {
-                st.error = Some(e.to_string());
-                return;
-            }
-        }
-        if let Some(seconds) = &o.modelled {
-            harness_kernels::blaslt::reserve_beside(seconds[b]);
-        }
         // SAFETY: see CommPtr.
         // The autograd thread uses it only while the owning thread is
         // blocked in `backward` and does not touch the collective.
@@ -359,7 +338,6 @@ pub struct DataParallel {
     /// Autograd's own gradients, no buffers ([`DataParallel::use_local_grads`]).
     local: bool,
     /// Bytes of the all-to-all's receive buffer ([`DataParallel::use_copy_engine_reduce`]).
-    scratch_bytes: u64,
     /// [`DataParallel::use_stale_buffers`].
     stale_bufs: Option<StaleBuffers>,
     /// ZeRO: the parameters are gathered beside the next forward pass
@@ -434,7 +412,6 @@ impl DataParallel {
             buckets,
             segments: Vec::new(),
             local: false,
-            scratch_bytes: 0,
             stale_bufs: None,
             prefetch: false,
             symmetric_param_bytes: 0,
@@ -601,24 +578,6 @@ impl DataParallel {
         Ok(Some(flats))
     }
 
-    /// `HARNESS_CE_REDUCE`: after [`DataParallel::use_symmetric_buffers`],
-    /// a receive buffer as large as the largest bucket, so that each
-    /// bucket's reduce-scatter runs as an all-to-all on the copy engines
-    /// and an averaging kernel (see [`Collective::symmetric_scratch`]).
-    /// Every rank calls it. Returns whether it applies.
-    pub fn use_copy_engine_reduce(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
-        let Some(largest) = self.buckets.iter().max_by_key(|b| b.padded).filter(|_| self.split_buffers()) else { return Ok(false) };
-        if self.buckets.iter().any(|b| b.kind != largest.kind) {
-            return Ok(false);
-        }
-        let (numel, kind) = (largest.padded, largest.kind);
-        let applies = comm.symmetric_scratch(numel, kind)?;
-        if applies {
-            self.scratch_bytes = numel as u64 * kind.elt_size_in_bytes() as u64;
-        }
-        Ok(applies)
-    }
-
     /// `HARNESS_UNZEROED_GRADS`: with the overlap on and flat buffers (not
     /// autograd's own gradients), a step's start leaves a bucket's buffer as
     /// it is, unzeroed (ZeRO-2: allocated without zeroing), where in the
@@ -729,23 +688,15 @@ impl DataParallel {
             reduce_kind: None,
             casts: Vec::new(),
             launched: vec![false; n],
-            reserved: false,
             split: false,
             stale: false,
             error: None,
         };
         let sharded = self.stage.sharded();
-        let reserve = if self.device.is_cuda() { harness_format::switches::get().sm_reserve } else { 0 };
-        let reserve = u32::try_from(reserve).map_err(|_| anyhow::anyhow!("HARNESS_SM_RESERVE={reserve} is more SMs than a GPU has"))?;
-        // A ring all-reduce sends and receives 2 (n - 1) / n of the bucket.
-        let gbs = harness_format::switches::get().sm_reserve_gbs;
-        let ring = 2.0 * (self.world as f64 - 1.0) / self.world as f64;
-        let modelled =
-            (reserve > 0 && gbs > 0).then(|| self.bucket_bytes().iter().map(|&b| ring * b as f64 / (gbs as f64 * 1e9)).collect());
         let params = self.params.iter().map(Tensor::shallow_clone).collect();
         let by_autograd = self.params.iter().map(|_| std::sync::atomic::AtomicBool::new(false)).collect();
         let state = std::sync::Mutex::new(state);
-        let o = Box::new(Overlap { sharded, reserve, modelled, bucket_of, sizes, members, params, by_autograd, state });
+        let o = Box::new(Overlap { sharded, bucket_of, sizes, members, params, by_autograd, state });
         let ctx = &*o as *const Overlap as *mut std::ffi::c_void;
         for (i, p) in self.params.iter().enumerate() {
             // SAFETY: ctx points into the box kept in self.overlap; the hooks
@@ -791,16 +742,10 @@ impl DataParallel {
         st.error = None;
     }
 
-    /// After each backward pass: no more hooks into the collective, and
-    /// the matmuls have every SM again.
+    /// After each backward pass: no more hooks into the collective.
     pub fn disarm_overlap(&mut self) {
         if let Some(o) = &self.overlap {
-            let mut st = o.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.comm = None;
-            if std::mem::take(&mut st.reserved) {
-                // Cannot fail: the device's SM count was read when reserving.
-                let _ = harness_kernels::blaslt::reserve_sms(0);
-            }
+            o.state.lock().unwrap_or_else(|e| e.into_inner()).comm = None;
         }
     }
 
@@ -1253,7 +1198,7 @@ impl DataParallel {
             return self.symmetric_param_bytes;
         }
         let buffers: u64 = self.buckets.iter().map(|b| b.grad.as_ref().map_or(0, |g| torch_ext::nbytes(&g.0))).sum();
-        buffers + self.scratch_bytes + self.symmetric_param_bytes
+        buffers + self.symmetric_param_bytes
     }
 
     /// Bytes of each bucket's gradients (padding excluded).
@@ -1770,9 +1715,6 @@ mod tests {
                 if split {
                     assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap());
                 }
-                // HARNESS_CE_REDUCE needs the split buffers and an all-to-all
-                // on copy engines, which thread ranks lack: it stays off.
-                assert!(!dp.use_copy_engine_reduce(comm).unwrap());
                 let padded: Vec<i64> = dp.buckets.iter().map(|b| b.padded).collect();
                 let steps: Vec<_> = two_steps(&mut dp, &ps, rank, comm).into_iter().map(|s| s.0).collect();
                 let s = comm.stats();

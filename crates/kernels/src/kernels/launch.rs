@@ -230,7 +230,6 @@ fn function(module: sys::CUmodule, name: &str) -> Result<sys::CUfunction, String
 /// (whose PTX moves with any edit of its text, see [`SOURCE`]) stays as it is.
 pub(super) struct CommKernels {
     _module: sys::CUmodule,
-    pub(super) mean_chunks_f32: Kernel,
     pub(super) scale_f32: Kernel,
     /// Streaming multiprocessors of the device (grid sizes).
     pub(super) sms: u32,
@@ -249,7 +248,6 @@ pub(super) fn comm_loaded() -> Result<&'static CommKernels, String> {
         let module = load(&compile_program(COMM_SOURCE, major, minor, Vec::new())?)?;
         Ok(CommKernels {
             _module: module,
-            mean_chunks_f32: Kernel { f: function(module, "mean_chunks_f32")?, waits: false },
             scale_f32: Kernel { f: function(module, "scale_f32")?, waits: false },
             sms: attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         })

@@ -191,7 +191,6 @@ impl Training {
         let symmetric = wanted && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
         let local_allowed = switches.local_grads && !symmetric && !forced;
         tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
-        let ce_reduce = switches.ce_reduce && symmetric && dp.use_copy_engine_reduce(comm)?;
         // ZeRO-1's gradient buffers in symmetric memory, reduce-scattered in
         // place by NCCL's symmetric kernel (HARNESS_SYM_SCATTER; plain memory
         // on the CPU's thread ranks, so that the path runs there too).
@@ -226,13 +225,6 @@ impl Training {
             warnings.push(
                 "HARNESS_CE_GATHER=1: the gradients stay in plain flat buffers, all-reduced (it needs the overlapped built-in \
                  all-reduce without ZeRO, and NCCL 2.27 or later with symmetric memory)"
-                    .to_owned(),
-            );
-        }
-        if switches.ce_reduce && world > 1 && !ce_reduce {
-            warnings.push(
-                "HARNESS_CE_REDUCE=1: the reduce-scatter stays on the SMs (it needs the copy engines' all-gather in effect, fp32 \
-                 gradients, NCCL 2.28 or later with ncclAlltoAll, and harness's CUDA kernels)"
                     .to_owned(),
             );
         }
