@@ -218,6 +218,11 @@ pub trait Collective {
     fn supports_async(&self) -> bool {
         false
     }
+    /// What the collective can do, for the data-parallel plan: read before
+    /// any buffer is laid out, the same on every rank.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { overlap: self.supports_async(), symmetric_memory: false, copy_engines: false }
+    }
     /// Starts summing `t` over ranks, in place, once the work queued so far
     /// has produced it, without holding up the work queued after it; the
     /// result is there for work queued after [`Collective::wait_async`].
@@ -358,6 +363,21 @@ pub fn any_rank(comm: &mut dyn Collective, flag: bool, device: tch::Device) -> R
 /// True on every rank when `ok` is true on every rank (a barrier too).
 pub fn ranks_agree(comm: &mut dyn Collective, ok: bool, device: tch::Device) -> Result<bool, CommError> {
     Ok(!any_rank(comm, !ok, device)?)
+}
+
+/// What a collective can do ([`Collective::capabilities`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// Collectives beside the computation ([`Collective::supports_async`]).
+    pub overlap: bool,
+    /// Buffers in memory that every rank allocates alike
+    /// ([`Collective::symmetric_zeros`] gives them).
+    pub symmetric_memory: bool,
+    /// Gathers between such buffers run on the copy engines, leaving the SMs
+    /// to the computation: NCCL's zero-CTA policy (`NCCL_CTA_POLICY=2` when
+    /// the communicator was made, which harness sets for the ranks it
+    /// starts) with GPUs that all reach each other's memory.
+    pub copy_engines: bool,
 }
 
 /// One rank alone: collectives are the identity and move nothing.
@@ -593,6 +613,12 @@ impl Collective for InProcessComm {
     /// tested, on CPU too).
     fn supports_async(&self) -> bool {
         true
+    }
+
+    /// Plain memory stands for symmetric memory (so that those paths run,
+    /// and are tested, on CPU too); there are no copy engines.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { overlap: true, symmetric_memory: true, copy_engines: false }
     }
 
     fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
@@ -1095,7 +1121,7 @@ pub mod nccl {
 
     use tch::{Kind, Tensor};
 
-    use super::{nbytes, Collective, CommError, CommStats, Op};
+    use super::{nbytes, Capabilities, Collective, CommError, CommStats, Op};
     use crate::measure::cuda::Event;
 
     /// ncclUniqueId: 128 opaque bytes.
@@ -1265,6 +1291,10 @@ pub mod nccl {
         side_busy: bool,
         /// The buffers of `symmetric_zeros`, with their windows.
         windows: Vec<(*mut c_void, WindowT, usize)>,
+        /// NCCL's zero-CTA policy (`NCCL_CTA_POLICY=2`, which NCCL reads when
+        /// the communicator is made) on GPUs that all reach each other's
+        /// memory: gathers between windows run on the copy engines.
+        zero_cta: bool,
         device: tch::Device,
     }
 
@@ -1293,6 +1323,7 @@ pub mod nccl {
                 side: None,
                 side_busy: false,
                 windows: Vec::new(),
+                zero_cta: std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2") && crate::device::peer_access_everywhere(),
                 device,
             })
         }
@@ -1531,6 +1562,10 @@ pub mod nccl {
         fn supports_async(&self) -> bool {
             // Link emulation stretches collectives on the legacy stream.
             self.link.is_none()
+        }
+        fn capabilities(&self) -> Capabilities {
+            let symmetric_memory = self.device.is_cuda() && lib().is_ok_and(|l| l.symmetric.is_some());
+            Capabilities { overlap: self.supports_async(), symmetric_memory, copy_engines: symmetric_memory && self.zero_cta }
         }
         fn all_reduce_sum_async(&mut self, t: &Tensor) -> Result<(), CommError> {
             self.side_all_reduce(std::slice::from_ref(t), RED_SUM)

@@ -80,37 +80,6 @@ impl Drop for AutocastGuard {
     }
 }
 
-/// Whether several ranks' default average is the reduce-scatter beside the
-/// backward pass with the all-gather on the copy engines
-/// (`HARNESS_CE_GATHER` unset): CUDA GPUs that all reach each other's
-/// memory, ranks that harness started on one host (they get NCCL's
-/// zero-CTA policy, `NCCL_CTA_POLICY=2`, which the copy engines' gathers
-/// need; ranks started by torchrun or srun do not), NCCL's own transport
-/// without an emulated link, the average in fp32, no ZeRO, and autograd's
-/// gradients not asked for by `HARNESS_LOCAL_GRADS`. Where the collective
-/// has no symmetric memory (NCCL before 2.27) the ranks keep autograd's
-/// gradients as before. On 4 x H100 it scaled GPT 1.3B 1.8 to 2.8% and
-/// GPT-2 124M 0.4 to 1.5% better than the all-reduce of autograd's
-/// gradients, for the flat buffers' memory through the forward pass
-/// (docs/benchmarks.md, "Data-parallel levers, fifth round").
-fn copy_engine_gather_applies(ctx: &EntryContext<'_>, device: Device, world: usize, switches: &harness_format::switches::Switches) -> bool {
-    switches.local_grads && ctx.entry.strategy.zero == 0 && copy_engines_between_ranks(ctx, device, world)
-}
-
-/// Whether the ranks may gather through NCCL's symmetric memory on the
-/// copy engines: CUDA GPUs that all reach each other's memory, ranks that
-/// harness started on one host with NCCL's zero-CTA policy, and a strategy
-/// that may ([`harness_format::suite::Strategy::copy_engine_gather_candidate`]).
-/// Elsewhere (e.g. ranks on several hosts) NCCL's symmetric windows are
-/// not asked for.
-fn copy_engines_between_ranks(ctx: &EntryContext<'_>, device: Device, world: usize) -> bool {
-    world > 1
-        && device.is_cuda()
-        && ctx.entry.strategy.copy_engine_gather_candidate()
-        && std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2")
-        && harness_runtime::device::peer_access_everywhere()
-}
-
 impl Training {
     /// Sets up an entry on this rank: every rank's model starts from rank
     /// 0's parameters; each rank draws its own samples.
@@ -139,73 +108,40 @@ impl Training {
             })?;
         }
         let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
-        // Gradients live in flat buckets (views into one buffer per bucket,
-        // DDP's gradient_as_bucket_view), handed to the compressor as they
-        // are, on one rank too: the compressor's cost is part of the
-        // strategy, and the built-in all-reduce returns at once with one
-        // rank. Optionally sharded (ZeRO).
-        let stage = dp::ZeroStage::from_level(ctx.entry.strategy.zero)?;
-        let plan = bucket_plan(&vs, &params, ctx.bucket_bytes);
-        let mut dp = tch::no_grad(|| DataParallel::new(&params, &plan, stage, rank, world))?;
-        // ZeRO's parameters gathered beside the next forward pass
-        // (HARNESS_ZERO_PREFETCH), on the copy engines from NCCL's symmetric
-        // memory where that applies (set up before the optimizer takes views
-        // of the buffers; on the CPU's thread ranks too, where it is plain
-        // memory), else on the SMs from the buffers as they are.
-        let prefetch = dp.sharded() && world > 1 && comm.supports_async() && harness_format::switches::get().zero_prefetch;
-        if prefetch {
-            if !device.is_cuda() || copy_engines_between_ranks(ctx, device, world) {
-                dp.use_symmetric_params(comm)?;
-            }
-            dp.prefetch_params(true);
-        }
-        let (targets, decay) = dp.update_targets(&params);
-        let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
-        let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
         let mut strategies =
             Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
+        let oom =
+            OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
+        let switches = harness_format::switches::get();
+        // The data-parallel path (dp::plan): gradients in flat buckets
+        // (views into one buffer per bucket, DDP's gradient_as_bucket_view)
+        // handed to the compressor as they are, on one rank too (the
+        // compressor's cost is part of the strategy); autograd's own
+        // gradients with the built-in average; optionally sharded (ZeRO).
         // A batch policy that asks for them (`wants-gradient-stats`, asked
         // once here) gets gradient statistics (the two-batch-size estimate
         // of the gradient noise scale needs the local and the averaged
-        // gradient's squared norms): they need the local gradient before the
-        // all-reduce, so they turn the overlap off, and cost a norm pass and
-        // a read-back a step.
-        let grad_stats = strategies.batch.wants_gradient_stats()? && !dp.sharded();
-        let oom =
-            OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
-        // The built-in reduction over NCCL (the all-reduce, or ZeRO's
-        // reduce-scatter) overlaps with the backward pass (HARNESS_OVERLAP=0
-        // turns that off, to measure what it buys).
-        let switches = harness_format::switches::get();
-        let overlap_allowed = switches.overlap && !grad_stats && !oom.agree;
-        let overlapped = overlap_allowed && strategies.compressor.is_plain_average() && dp.enable_overlap(comm)?;
-        // Several ranks average each bucket as a reduce-scatter and an
-        // all-gather on the copy engines, from flat buffers in NCCL's
-        // symmetric memory, where that applies (HARNESS_CE_GATHER: unset
-        // where [`copy_engine_gather_applies`], 1 wherever it can run, 0
-        // never); else autograd's own gradients (HARNESS_LOCAL_GRADS=0
-        // keeps the buckets, to measure the change). HARNESS_CE_GATHER=1
-        // keeps the buckets where the symmetric memory is not to be had.
-        let forced = switches.ce_gather == Some(true) && world > 1;
-        let wanted = forced || (switches.ce_gather.is_none() && copy_engine_gather_applies(ctx, device, world, switches));
-        let symmetric = wanted && overlapped && tch::no_grad(|| dp.use_symmetric_buffers(comm))?;
-        let local_allowed = switches.local_grads && !symmetric && !forced;
-        tch::no_grad(|| -> anyhow::Result<bool> { Ok(local_allowed && dp.use_local_grads(strategies.compressor.is_plain_average())?) })?;
-        // ZeRO-1's gradient buffers in symmetric memory, reduce-scattered in
-        // place by NCCL's symmetric kernel (HARNESS_SYM_SCATTER; plain memory
-        // on the CPU's thread ranks, so that the path runs there too).
-        if switches.sym_scatter && overlapped && (!device.is_cuda() || copy_engines_between_ranks(ctx, device, world)) {
-            tch::no_grad(|| dp.use_symmetric_zero_grads(comm))?;
-        }
-        // Flat buffers that the fused layers write whole are not zeroed at
-        // each step's start (HARNESS_UNZEROED_GRADS=0 zeroes them).
-        if switches.unzeroed_grads && overlapped {
-            dp.use_stale_buffers()?;
-        }
-        // The strategy's `reduce_dtype`: the average in bf16.
-        if ctx.entry.strategy.reduce_dtype == harness_format::suite::ReduceDtype::Bf16 {
-            dp.reduce_in(Kind::BFloat16)?;
-        }
+        // gradient's squared norms), which turns the overlap off and costs a
+        // norm pass and a read-back a step.
+        let ask = dp::plan::Ask {
+            world,
+            cuda: device.is_cuda(),
+            zero: dp::ZeroStage::from_level(ctx.entry.strategy.zero)?,
+            plain_average: strategies.compressor.is_plain_average(),
+            reduce_bf16: ctx.entry.strategy.reduce_dtype == harness_format::suite::ReduceDtype::Bf16,
+            ce_candidate: ctx.entry.strategy.copy_engine_gather_candidate(),
+            grad_stats: strategies.batch.wants_gradient_stats()?,
+            oom_agree: oom.agree,
+            comm: comm.capabilities(),
+            levers: dp::plan::Levers::of(switches),
+        };
+        let dp_plan = dp::plan::DpPlan::new(&ask)?;
+        let buckets = bucket_plan(&vs, &params, ctx.bucket_bytes);
+        let dp = DataParallel::new(&params, &buckets, &dp_plan, comm)?;
+        let (grad_stats, overlapped) = (dp_plan.grad_stats, dp_plan.overlapped(world));
+        let (targets, decay) = dp.update_targets(&params);
+        let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
+        let scaler = (w.precision == Precision::Fp16).then(|| LossScaler::new(device));
         // cuDNN's convolution algorithms: timed per input shape, or its
         // heuristics' choice (a process-wide libtorch setting, set for
         // every entry).
@@ -221,13 +157,7 @@ impl Training {
             data.images_in(Kind::BFloat16);
         }
         let (fused, mut warnings) = fused_kernels(device, w.precision, w.kernels);
-        if forced && !symmetric {
-            warnings.push(
-                "HARNESS_CE_GATHER=1: the gradients stay in plain flat buffers, all-reduced (it needs the overlapped built-in \
-                 all-reduce without ZeRO, and NCCL 2.27 or later with symmetric memory)"
-                    .to_owned(),
-            );
-        }
+        warnings.extend(dp_plan.warnings);
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
         // The fused cross-entropy serves the token models (gpt, mlp).

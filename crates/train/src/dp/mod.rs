@@ -17,6 +17,8 @@
 //! parameters; with several, a rank's shard is one contiguous piece per
 //! bucket, so that the reduce-scatter of a bucket delivers exactly it.
 
+pub mod plan;
+
 use tch::{Device, Kind, Tensor};
 
 use harness_kernels::torch_ext;
@@ -376,7 +378,56 @@ impl DataParallel {
     /// Buckets over `params` as `plan` lays them out (the same on every
     /// rank, after the initial broadcast), with flat gradient buffers;
     /// under ZeRO the parameters are moved into flat buffers too.
-    pub fn new(params: &[Tensor], plan: &BucketPlan, stage: ZeroStage, rank: usize, world: usize) -> anyhow::Result<DataParallel> {
+    /// Lays out the buckets of `buckets` and takes the gradient path of
+    /// `plan`, in the order every rank follows alike (each allocation in
+    /// symmetric memory is a collective call): ZeRO's symmetric parameter
+    /// buffers and their prefetch, the overlap's hooks, then the gradients'
+    /// home (symmetric buffers, autograd's own, or ZeRO-1's symmetric
+    /// buffers), then the unzeroed buffers. A part of the plan that does
+    /// not apply (a collective without what its capabilities said) is an
+    /// error.
+    pub fn new(params: &[Tensor], buckets: &BucketPlan, plan: &plan::DpPlan, comm: &mut dyn Collective) -> anyhow::Result<DataParallel> {
+        use plan::Gradients;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let took = |what: &str, applied: bool| {
+            anyhow::ensure!(applied, "the data-parallel plan's {what} did not apply ({plan:?})");
+            Ok(())
+        };
+        tch::no_grad(|| {
+            let mut dp = DataParallel::lay_out(params, buckets, plan.stage(), rank, world)?;
+            if let Gradients::Sharded { prefetch: Some(p), .. } = plan.gradients {
+                if p.symmetric {
+                    took("symmetric parameter buffers", dp.use_symmetric_params(comm)?)?;
+                }
+                dp.prefetch_params(true);
+            }
+            if plan.overlapped(world) {
+                took("overlap", dp.enable_overlap(comm)?)?;
+            }
+            match plan.gradients {
+                Gradients::Split => took("symmetric gradient buffers", dp.use_symmetric_buffers(comm)?)?,
+                Gradients::Local { reduce_bf16 } => {
+                    took("autograd's own gradients", dp.use_local_grads(true)?)?;
+                    if reduce_bf16 {
+                        dp.reduce_in(Kind::BFloat16)?;
+                    }
+                }
+                Gradients::Sharded { symmetric_grads: true, .. } => {
+                    took("ZeRO-1's symmetric gradient buffers", dp.use_symmetric_zero_grads(comm)?)?
+                }
+                Gradients::Flat { .. } | Gradients::Sharded { .. } => {}
+            }
+            if plan.unzeroed {
+                took("unzeroed buffers", dp.use_stale_buffers()?)?;
+            }
+            Ok(dp)
+        })
+    }
+
+    /// The buckets of `plan` (and under ZeRO the flat parameter buffers),
+    /// every gradient a view of its bucket's buffer: the flat path after
+    /// the backward pass, which [`DataParallel::new`] then changes.
+    fn lay_out(params: &[Tensor], plan: &BucketPlan, stage: ZeroStage, rank: usize, world: usize) -> anyhow::Result<DataParallel> {
         anyhow::ensure!(rank < world, "rank {rank} is not in a world of {world}");
         anyhow::ensure!(world >= 2 || !stage.sharded(), "ZeRO needs world >= 2");
         let mut sorted = plan.order.clone();
@@ -498,7 +549,7 @@ impl DataParallel {
     /// peak), and no zeroing or accumulating pass runs; several ranks
     /// average each bucket's gradients in place (see [`Overlap`]). Returns
     /// whether it applies.
-    pub fn use_local_grads(&mut self, plain_average: bool) -> anyhow::Result<bool> {
+    fn use_local_grads(&mut self, plain_average: bool) -> anyhow::Result<bool> {
         if self.stage.sharded() || !plain_average || (self.world > 1) != self.overlap.is_some() {
             return Ok(false);
         }
@@ -518,7 +569,7 @@ impl DataParallel {
     /// [`Collective::all_reduce_split_avg_async`]). Every rank calls it.
     /// Returns whether it applies (false, and nothing changed, where the
     /// collective has no symmetric memory).
-    pub fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+    fn use_symmetric_buffers(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         if !self.overlap.as_ref().is_some_and(|o| !o.sharded && !self.local) || !self.attach_symmetric_grads(comm)? {
             return Ok(false);
         }
@@ -535,7 +586,7 @@ impl DataParallel {
     /// the sum, divided behind it). Every rank calls it alike, before the
     /// arrival hooks of [`DataParallel::use_stale_buffers`]. Returns whether
     /// it applies (not ZeRO-2, whose buffers are released every step).
-    pub fn use_symmetric_zero_grads(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+    fn use_symmetric_zero_grads(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         if self.stage != ZeroStage::One || self.local || self.zero_sym || self.overlap.is_none() {
             return Ok(false);
         }
@@ -592,7 +643,7 @@ impl DataParallel {
     /// stale buffer first, and its bucket is zeroed from the next step on.
     /// A gradient that nothing wrote in a step is zeroed before its bucket
     /// is reduced. Returns whether it applies.
-    pub fn use_stale_buffers(&mut self) -> anyhow::Result<bool> {
+    fn use_stale_buffers(&mut self) -> anyhow::Result<bool> {
         let Some(o) = self.overlap.as_ref().filter(|_| !self.local && self.stale_bufs.is_none()) else { return Ok(false) };
         let ctx = &**o as *const Overlap as *mut std::ffi::c_void;
         let mut hooks = Vec::with_capacity(self.params.len());
@@ -637,7 +688,7 @@ impl DataParallel {
     /// which only the overlapped average of autograd's own gradients does:
     /// an error where it is off with more than one rank (one rank reduces
     /// nothing).
-    pub fn reduce_in(&mut self, kind: Kind) -> anyhow::Result<()> {
+    fn reduce_in(&mut self, kind: Kind) -> anyhow::Result<()> {
         if self.world == 1 {
             return Ok(());
         }
@@ -667,7 +718,7 @@ impl DataParallel {
     /// Turns on the overlap of the gradients' reduction (all-reduces, or
     /// under ZeRO reduce-scatters) with the backward pass; returns whether
     /// it is on (more than one rank, a collective that supports it).
-    pub fn enable_overlap(&mut self, comm: &dyn Collective) -> anyhow::Result<bool> {
+    fn enable_overlap(&mut self, comm: &dyn Collective) -> anyhow::Result<bool> {
         if self.world < 2 || !comm.supports_async() || self.overlap.is_some() {
             return Ok(self.overlap.is_some());
         }
@@ -1093,7 +1144,7 @@ impl DataParallel {
     /// of them ([`DataParallel::update_targets`]). Every rank calls it.
     /// Returns whether it applies (false, and nothing changed, where the
     /// collective has no symmetric memory).
-    pub fn use_symmetric_params(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
+    fn use_symmetric_params(&mut self, comm: &mut dyn Collective) -> anyhow::Result<bool> {
         if !self.stage.sharded() {
             return Ok(false);
         }
@@ -1125,7 +1176,7 @@ impl DataParallel {
     /// the next step's start they left the device idle for 1 ms of GPT-2
     /// 124M's 31 ms step in traced steps on 4 H200s; untraced, the two
     /// places measured alike.)
-    pub fn prefetch_params(&mut self, on: bool) {
+    fn prefetch_params(&mut self, on: bool) {
         self.prefetch = on && self.stage.sharded();
     }
 
@@ -1368,7 +1419,7 @@ mod tests {
 
         // Same parameters, gradients as views of flat buckets of at most 44 bytes.
         let ps = params(1);
-        let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap();
+        let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap();
         assert_eq!(dp.bucket_bytes(), [60, 28 + 16, 36]);
         for step in 0..2 {
             dp.begin_step().unwrap();
@@ -1389,9 +1440,12 @@ mod tests {
         let want = autograd_reference();
         // Two ranks, ZeRO or a compressor keep the buffers.
         let ps = params(1);
-        assert!(!DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
-        assert!(!DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap().use_local_grads(false).unwrap());
-        let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap();
+        assert!(!DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 2).unwrap().use_local_grads(true).unwrap());
+        assert!(!DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1)
+            .unwrap()
+            .use_local_grads(false)
+            .unwrap());
+        let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap();
         assert!(dp.use_local_grads(true).unwrap());
         assert_eq!(dp.gradient_bytes(), 0, "the buffers stayed");
         for step in 0..2 {
@@ -1422,7 +1476,7 @@ mod tests {
         for stage in [ZeroStage::None, ZeroStage::Two] {
             let ps = vec![conv(), Tensor::ones([5], tch::kind::FLOAT_CPU).set_requires_grad(true)];
             let strides = ps[0].stride();
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 1 << 20), stage, 0, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 1 << 20), stage, 0, 2).unwrap();
             assert_eq!(ps[0].stride(), strides, "{stage:?} changed the parameter's layout");
             assert_eq!(ps[0].grad().stride(), strides, "{stage:?}: the gradient's layout is not the parameter's");
             dp.begin_step().unwrap();
@@ -1442,7 +1496,7 @@ mod tests {
         let mut sizes = Vec::new();
         for rank in 0..world {
             let ps = params(2);
-            let dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, world).unwrap();
+            let dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, world).unwrap();
             // Buffers padded to a multiple of the ranks: 15 -> 15, 11 -> 12, 9 -> 9.
             assert_eq!(dp.buckets.iter().map(|b| b.padded).collect::<Vec<_>>(), [15, 12, 9]);
             // The parameters kept their values and now live in the flat buffers.
@@ -1492,7 +1546,7 @@ mod tests {
         for stage in [ZeroStage::One, ZeroStage::Two] {
             let out = two_ranks(move |rank, comm| {
                 let ps = params(3);
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
                 let full = dp.gradient_bytes();
                 dp.begin_step().unwrap();
                 dp.before_backward(&ps).unwrap();
@@ -1562,7 +1616,7 @@ mod tests {
         let run = |local: bool| {
             two_ranks(move |rank, comm| {
                 let ps = params(5);
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 // Else the flat buffers, which HARNESS_LOCAL_GRADS=0 keeps.
                 if local {
@@ -1622,7 +1676,7 @@ mod tests {
                 let ps = params(5);
                 let plan =
                     if reordered { BucketPlan { order: vec![3, 1, 0, 2], max_bytes: 100, tail: 1 } } else { BucketPlan::in_order(&ps, 44) };
-                let mut dp = DataParallel::new(&ps, &plan, ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &plan, ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 match path {
                     1 => assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap()),
@@ -1642,7 +1696,7 @@ mod tests {
             assert_eq!(after[0].1, [36, 88, 16]);
         }
         let ps = params(5);
-        let e = DataParallel::new(&ps, &BucketPlan { order: vec![0, 1, 1, 3], max_bytes: 44, tail: 0 }, ZeroStage::None, 0, 2)
+        let e = DataParallel::lay_out(&ps, &BucketPlan { order: vec![0, 1, 1, 3], max_bytes: 44, tail: 0 }, ZeroStage::None, 0, 2)
             .err()
             .expect("a parameter twice is refused");
         assert!(e.to_string().contains("each of the 4 parameters once"), "{e}");
@@ -1654,7 +1708,7 @@ mod tests {
         // otherwise refuses it: the same plan, the same digest; another, another.
         let layout = |plan: BucketPlan, stage| {
             let ps = params(5);
-            DataParallel::new(&ps, &plan, stage, 0, 2).unwrap().shard_layout()
+            DataParallel::lay_out(&ps, &plan, stage, 0, 2).unwrap().shard_layout()
         };
         let reordered = || BucketPlan { order: vec![3, 1, 0, 2], max_bytes: 100, tail: 1 };
         let a = layout(BucketPlan::in_order(&params(5), 44), ZeroStage::One);
@@ -1674,7 +1728,7 @@ mod tests {
         for path in 0..3u8 {
             let got = two_ranks(move |rank, comm| {
                 let ps = params(5);
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 match path {
                     1 => assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap()),
@@ -1698,8 +1752,8 @@ mod tests {
         }
         // Under ZeRO the shard is the share, and one rank reads everything.
         let ps = params(5);
-        assert!(DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, 0, 2).unwrap().norm_share().unwrap().is_none());
-        assert!(DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap().norm_share().unwrap().is_none());
+        assert!(DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, 0, 2).unwrap().norm_share().unwrap().is_none());
+        assert!(DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, 0, 1).unwrap().norm_share().unwrap().is_none());
     }
 
     #[test]
@@ -1710,7 +1764,7 @@ mod tests {
         let run = |split: bool| {
             two_ranks(move |rank, comm| {
                 let ps = params(5);
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 if split {
                     assert!(tch::no_grad(|| dp.use_symmetric_buffers(comm)).unwrap());
@@ -1767,7 +1821,7 @@ mod tests {
                 let v = Tensor::from_slice(&[0.5f32, -1.5, 2.0]).set_requires_grad(true);
                 let ps = vec![w.shallow_clone(), b.shallow_clone(), u.shallow_clone(), v.shallow_clone()];
                 // Buckets: [w, b, u] (72 bytes), [v].
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 72), stage, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 72), stage, rank, 2).unwrap();
                 assert!(dp.enable_overlap(comm).unwrap());
                 if unzeroed {
                     assert!(dp.use_stale_buffers().unwrap());
@@ -1830,7 +1884,7 @@ mod tests {
     fn a_bf16_reduction_averages_in_bf16_and_only_where_it_can() {
         let out = two_ranks(|rank, comm| {
             let ps = params(7);
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::None, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             assert!(tch::no_grad(|| dp.use_local_grads(true)).unwrap());
             dp.reduce_in(Kind::BFloat16).unwrap();
@@ -1854,7 +1908,7 @@ mod tests {
         // Where the flat buffers or ZeRO reduce, it is refused by name.
         let refused = two_ranks(|rank, comm| {
             let ps = params(7);
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             dp.reduce_in(Kind::BFloat16).unwrap_err().to_string()
         });
@@ -1871,7 +1925,7 @@ mod tests {
             let run = move |overlap: bool| {
                 two_ranks(move |rank, comm| {
                     let ps = params(6);
-                    let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
+                    let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), stage, rank, 2).unwrap();
                     if overlap {
                         assert!(dp.enable_overlap(comm).unwrap());
                     }
@@ -1891,7 +1945,7 @@ mod tests {
         let run = |symmetric: bool| {
             two_ranks(move |rank, comm| {
                 let ps = params(6);
-                let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
+                let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::One, rank, 2).unwrap();
                 assert!(!tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap(), "it needs the overlap");
                 assert!(dp.enable_overlap(comm).unwrap());
                 if symmetric {
@@ -1908,7 +1962,7 @@ mod tests {
         }
         let refused = two_ranks(|rank, comm| {
             let ps = params(6);
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             tch::no_grad(|| dp.use_symmetric_zero_grads(comm)).unwrap()
         });
@@ -1923,7 +1977,7 @@ mod tests {
         // the update, the forward pass and the next allocation).
         let held = two_ranks(|rank, comm| {
             let ps = params(6);
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 44), ZeroStage::Two, rank, 2).unwrap();
             assert!(dp.enable_overlap(comm).unwrap());
             let mut held = Vec::new();
             for step in 0..2 {
@@ -1960,7 +2014,7 @@ mod tests {
         }
         let out = two_ranks(|rank, comm| {
             let ps = params(4);
-            let mut dp = DataParallel::new(&ps, &BucketPlan::in_order(&ps, 1 << 20), ZeroStage::None, rank, 2).unwrap();
+            let mut dp = DataParallel::lay_out(&ps, &BucketPlan::in_order(&ps, 1 << 20), ZeroStage::None, rank, 2).unwrap();
             dp.begin_step().unwrap();
             dp.before_backward(&ps).unwrap();
             loss(&ps, 1.0).backward();
