@@ -1025,10 +1025,11 @@ fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
         Stage::Done(_) => bar.inc(1),
     });
     bar.finish_and_clear();
-    let rows = rows?;
-    // The table names the artifacts by their paths.
+    // The table names the artifacts by their paths, and those that failed
+    // with their errors.
     print!("{}", printable(&bench::table(&rows)));
-    let floor = bench::clock_floor(rows.iter().map(|r| r.calls).max().unwrap_or(bench::AUTO_MIN_CALLS));
+    let calls = rows.iter().filter_map(|r| r.timed.as_ref().ok()).map(|t| t.calls).max();
+    let floor = bench::clock_floor(calls.unwrap_or(bench::AUTO_MIN_CALLS));
     println!(
         "p50..mean: the host's own per-call meter, which reads p50 {:.0} ns, p99 {:.0} ns around nothing here. \
          back to back: the whole cost to the host per call, the meter included.{}",
@@ -1036,6 +1037,11 @@ fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
         floor.p99_ms * 1e6,
         if evict_mb > 0 { format!(" Each metered call followed a write through {evict_mb} MiB (cold caches).") } else { String::new() }
     );
+    let failed = rows.iter().filter(|r| r.timed.is_err()).count();
+    if failed > 0 {
+        eprintln!("error: {failed} of {} artifacts failed (the FAILED lines under the table say why)", rows.len());
+        return Ok(exit::ARTIFACT_FAILED);
+    }
     Ok(exit::OK)
 }
 

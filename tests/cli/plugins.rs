@@ -6,6 +6,7 @@
 //! The artifacts come from `scripts/build-plugins.sh` (run by `./x test`).
 
 use crate::{artifact, entry, exclusive, harness, installed_harness, losses, repo_root, results, run_ok, write};
+use harness::cli::exit;
 
 const WORKLOAD: &str = r#"
 [[workload]]
@@ -245,28 +246,108 @@ fn plugin_new_in_c_makes_a_library_that_builds_with_make_and_trains_like_the_bas
     );
 }
 
+/// For a language with exceptions, what the test adds to the generated
+/// source (in the same build, so that no second one costs minutes): the
+/// file, (text, text to insert after it) pairs and code to append, with
+/// which `compressor_config = { bad_k = true }` makes `compress` raise from
+/// a function of the plugin's own; and what the entry's error must hold.
+struct Raises {
+    file: &'static str,
+    insert_after: &'static [(&'static str, &'static str)],
+    append: &'static str,
+    wants: &'static [&'static str],
+}
+
+fn raises(lang: &str) -> Option<Raises> {
+    match lang {
+        "python" => Some(Raises {
+            file: "app.py",
+            insert_after: &[
+                ("    def configure(self, config: str) -> None:\n", "        global BAD_K\n"),
+                (
+                    "            raise Err(f\"{{name}}: the configuration is not TOML: {e}\")\n",
+                    "        BAD_K = keys.pop(\"bad_k\", False)\n",
+                ),
+                ("    def compress(self, bucket, info) -> None:\n", "        if BAD_K:\n            check_k()\n"),
+            ],
+            append: "\n\nBAD_K = False\n\n\ndef check_k():\n    raise ValueError(\"bad k\")\n",
+            // The type, the message, and the plugin's own line that raised
+            // it, not componentize-py's panic.
+            wants: &["it raised ValueError: bad k (at app.py line {last}, in check_k)", "Traceback (most recent call last):"],
+        }),
+        "js" => Some(Raises {
+            file: "app.js",
+            insert_after: &[
+                ("  configure(config) {\n", "    badK = config.trim() === 'bad_k = true';\n    if (badK) return;\n"),
+                ("  compress(bucket, info) {\n", "    if (badK) checkK();\n"),
+            ],
+            append: "\nlet badK = false;\n\nfunction checkK() {\n  throw new RangeError('bad k');\n}\n",
+            wants: &["returned an error from `compress`: RangeError: bad k (at checkK@app.js:{last}:"],
+        }),
+        _ => None,
+    }
+}
+
 /// A third party's plugin in another language, from an empty folder with
 /// the installed `harness`: scaffolded, built by its own script (the
 /// toolchain installed once into the cache), loaded into the
 /// sandbox, and on two ranks it trains exactly as the Rust `allreduce`
 /// plugin and the built-in all-reduce do; a configuration it does not take
-/// is refused before anything trains, with the plugin's own message.
+/// is refused before anything trains, with the plugin's own message. In a
+/// language with exceptions, one raised by the plugin fails its entry with
+/// the exception's type, message and the plugin's own line.
 fn scaffolded_component_trains_like_the_rust_allreduce(lang: &str, name: &str) {
     let _alone = exclusive();
     let dir = tempfile::tempdir().unwrap();
     run_ok(installed_harness(dir.path()).args(["plugin", "new", "compressor", name, "--lang", lang]));
     let folder = dir.path().join(name);
+    let raises = raises(lang);
+    // The line of the source that raises.
+    let mut raise_line = 0;
+    if let Some(r) = &raises {
+        let path = folder.join(r.file);
+        let mut src = std::fs::read_to_string(&path).unwrap();
+        for (at, insert) in r.insert_after {
+            let at = at.replace("{{name}}", name);
+            let i = src.find(&at).unwrap_or_else(|| panic!("{}: no {at:?} in\n{src}", r.file)) + at.len();
+            src.insert_str(i, insert);
+        }
+        src += r.append;
+        raise_line = 1 + src.lines().position(|l| l.contains("bad k")).unwrap();
+        std::fs::write(&path, src).unwrap();
+    }
     let build = std::process::Command::new("./build.sh").current_dir(&folder).output().expect("bash runs build.sh");
     assert!(build.status.success(), "the generated {lang} plugin does not build:\n{}", String::from_utf8_lossy(&build.stderr));
-    let suite = std::fs::read_to_string(folder.join("suite.toml")).unwrap()
+    let mut suite = std::fs::read_to_string(folder.join("suite.toml")).unwrap()
         + &format!(
             "\n[[plugin]]\nname = \"rust-avg\"\npath = \"{}\"\n\n[[strategy]]\nname = \"rust\"\ncompressor = \"rust-avg\"\n",
             artifact("allreduce.wasm").display()
         );
+    if raises.is_some() {
+        suite += &format!("\n[[strategy]]\nname = \"raises\"\ncompressor = \"{name}\"\ncompressor_config = {{ bad_k = true }}\n");
+    }
     std::fs::write(folder.join("with-rust.toml"), suite).unwrap();
     let out_path = dir.path().join("r.json");
-    run_ok(installed_harness(&folder).args(["run", "with-rust.toml", "--out"]).arg(&out_path).arg("-q"));
+    let out = installed_harness(&folder).args(["run", "with-rust.toml", "--out"]).arg(&out_path).arg("-q").output().unwrap();
+    // Exit 1 where an entry raised on purpose.
+    let code = if raises.is_some() { exit::ENTRY_FAILED } else { exit::OK };
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let r = results(&out_path);
+    if let Some(raises) = &raises {
+        let e = entry(&r, "mlp-tiny/raises/r0");
+        assert_eq!(e["status"], "failed", "{e}");
+        let msg = e["error"].as_str().unwrap();
+        for want in raises.wants {
+            let want = want.replace("{last}", &raise_line.to_string());
+            assert!(msg.contains(&want), "{lang}: {msg:?} lacks {want:?}");
+        }
+    }
     let losses = |id: &str| losses(&r, id);
     for k in 0..3 {
         let id = format!("mlp-tiny/with-{name}/r{k}");
@@ -324,6 +405,42 @@ fn plugin_bench_times_a_hook_of_every_kind() {
         assert_eq!(nums[0], 2000.0);
         assert!(nums[1..].iter().all(|&n| n > 0.0), "{row}");
     }
+}
+
+/// Each artifact is timed on its own: one that fails a call (a checkpoint
+/// policy that deletes a checkpoint twice) or cannot be loaded (another
+/// ABI version) gets a row and a line with its file name and error, the
+/// good ones before and after it are timed, and the exit code says so.
+#[test]
+fn plugin_bench_reports_every_artifact_and_each_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = harness(dir.path())
+        .args(["plugin", "bench", "--calls", "200"])
+        .arg(artifact("fixed.wasm"))
+        .arg(artifact("hostile-checkpoint.wasm"))
+        .arg(artifact("libbad-abi.so"))
+        .arg(artifact("allreduce.wasm"))
+        .output()
+        .unwrap();
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(harness::cli::exit::ARTIFACT_FAILED), "{text}\n{err}");
+    for hook in ["batch-sizing.next", "gradient-compression.compress"] {
+        let row = text.lines().find(|l| l.contains(hook)).unwrap_or_else(|| panic!("no {hook} row in\n{text}"));
+        let nums: Vec<f64> = row.split(['│', '┆']).filter_map(|c| c.trim().parse().ok()).collect();
+        assert_eq!(nums[0], 200.0, "{row}");
+    }
+    for file in ["hostile-checkpoint.wasm", "libbad-abi.so"] {
+        assert!(text.lines().any(|l| l.contains(file) && l.contains("FAILED")), "no row for {file} in\n{text}");
+    }
+    let failed = |file: &str| {
+        text.lines().find(|l| l.starts_with(&format!("FAILED {file}: "))).unwrap_or_else(|| panic!("no line for {file} in\n{text}"))
+    };
+    let line = failed("hostile-checkpoint.wasm");
+    assert!(line.contains("plugin `hostile-checkpoint.wasm`") && line.contains("delete the checkpoint of step 10 twice"), "{line}");
+    let line = failed("libbad-abi.so");
+    assert!(line.contains("plugin `libbad-abi.so`") && line.contains("ABI version 999"), "{line}");
+    assert!(!text.contains("`bench`"), "{text}");
+    assert!(err.contains("2 of 4 artifacts failed"), "{err}");
 }
 
 /// Without `--calls`, each artifact is timed on as many calls as take

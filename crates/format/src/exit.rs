@@ -10,6 +10,10 @@ pub const NOT_VERIFIED: i32 = 1;
 /// `harness reproduce`: a bundle does not verify, or its rerun differs from
 /// its claim beyond the tolerance (each difference is printed).
 pub const NOT_REPRODUCED: i32 = 1;
+/// `harness plugin bench`: at least one artifact could not be timed (it
+/// failed to load, or failed or panicked in a call); the others were, and
+/// the table shows every one.
+pub const ARTIFACT_FAILED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
 /// The command line asks for what harness does not do: clap's own usage

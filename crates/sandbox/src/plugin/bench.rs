@@ -25,10 +25,16 @@ use harness_format::suite::PluginSpec;
 use harness_runtime::comm::SingleRank;
 use harness_runtime::measure::{self, LatencySummary};
 
-/// One artifact's figures.
+/// One artifact's figures, or why it has none.
 #[derive(Debug, Clone)]
 pub struct Row {
     pub path: PathBuf,
+    pub timed: Result<Timed, String>,
+}
+
+/// The figures of an artifact whose hook was timed.
+#[derive(Debug, Clone)]
+pub struct Timed {
     pub kind: Kind,
     pub transport: Transport,
     pub hook: &'static str,
@@ -39,17 +45,14 @@ pub struct Row {
     pub loop_mean_ns: Option<f64>,
 }
 
-fn spec(path: &Path) -> PluginSpec {
-    PluginSpec {
-        name: "bench".into(),
-        path: path.to_owned(),
-        sha256: None,
-        version: None,
-        kind: None,
-        memory_mb: 64,
-        deadline_ms: 10_000,
-        tensor_mb: 64,
-    }
+/// The name the bench gives the artifact at `path` (errors name the
+/// plugin by it): its file name.
+fn name(path: &Path) -> String {
+    path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+fn spec(path: &Path, name: String) -> PluginSpec {
+    PluginSpec { name, path: path.to_owned(), sha256: None, version: None, kind: None, memory_mb: 64, deadline_ms: 10_000, tensor_mb: 64 }
 }
 
 /// Writes through a buffer before each metered call (`--evict-mb`): the
@@ -164,59 +167,80 @@ fn time_hook<P>(
 
 /// Times hook calls into each artifact, each metered call after a write
 /// through `evict_mb` MiB when that is not 0; `stage` hears what it is
-/// doing.
-pub fn run(paths: &[PathBuf], calls: Calls, evict_mb: usize, stage: &mut dyn FnMut(Stage<'_>)) -> Result<Vec<Row>> {
+/// doing. Each artifact is timed on its own: one that cannot be loaded,
+/// fails a call or panics gets a row with its error, and the others are
+/// timed all the same.
+pub fn run(paths: &[PathBuf], calls: Calls, evict_mb: usize, stage: &mut dyn FnMut(Stage<'_>)) -> Vec<Row> {
     let mut evict = (evict_mb > 0).then(|| Evict(vec![0u64; evict_mb << 17]));
     let mut rows = Vec::new();
     for path in paths {
         stage(Stage::Loading(path));
         let timing = &mut |n: u64| stage(Stage::Timing(path, n));
-        let abs = std::fs::canonicalize(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let set = PluginSet::new(&[spec(&abs)], Path::new("/"));
-        let m = set.check_all().remove(0).map_err(anyhow::Error::msg)?;
-        let telemetry = |i: u64| StepTelemetry { step: i + 1, micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
-        let (hook, (latency, loop_mean_ns, calls)) = match m.kind {
-            Kind::BatchPolicy => {
-                let mut p = super::PluginBatch { plugin: set.instance("bench", "batch_policy", Kind::BatchPolicy, None, Device::Cpu)? };
-                p.initial(BatchDecision { micro_batch: 8, accum_steps: 1, lr_scale: 1.0 })?;
-                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.next(&telemetry(i)).map(drop), timing)?;
-                ("batch-sizing.next", timed)
-            }
-            Kind::Compressor => {
-                let plugin = set.instance("bench", "compressor", Kind::Compressor, None, Device::Cpu)?;
-                let mut p = super::PluginCompressor::new(plugin, false);
-                let mut comm = SingleRank::default();
-                let mut bucket = Tensor::ones([1], (TKind::Float, Device::Cpu));
-                let timed = time_hook(
-                    &mut p,
-                    |p| &mut p.plugin,
-                    calls,
-                    &mut evict,
-                    |p, i| p.reduce(&mut bucket, &mut comm, &BucketCtx { step: i, index: 0, count: 1 }),
-                    timing,
-                )?;
-                ("gradient-compression.compress", timed)
-            }
-            Kind::CheckpointPolicy => {
-                // The plugin's own configuration is unknown here: it is
-                // configured with none, and one that needs keys says so.
-                let plugin = set.instance("bench", "checkpoint", Kind::CheckpointPolicy, None, Device::Cpu)?;
-                let mut p = super::PluginCheckpoint { plugin };
-                let h = CheckpointHistory {
-                    last_cost_s: Some(1.0),
-                    saved: vec![10, 20, 30],
-                    failures: vec![15],
-                    since_last_s: 5.0,
-                    ..Default::default()
-                };
-                let timed = time_hook(&mut p, |p| &mut p.plugin, calls, &mut evict, |p, i| p.decide(&telemetry(i), &h).map(drop), timing)?;
-                ("checkpointing.decide", timed)
-            }
-        };
-        rows.push(Row { path: path.clone(), kind: m.kind, transport: m.transport, hook, calls, latency, loop_mean_ns });
+        // A panic of the host's own while timing (a native plugin's is
+        // caught at its C boundary) fails this artifact, not the bench.
+        let timed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| time_artifact(path, calls, &mut evict, timing)))
+            .unwrap_or_else(|p| {
+                let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+                Err(anyhow::anyhow!("harness panicked timing it: {}", msg.unwrap_or("(no message)")))
+            });
+        rows.push(Row { path: path.clone(), timed: timed.map_err(|e| first_line(&format!("{e:#}"))) });
         stage(Stage::Done(path));
     }
-    Ok(rows)
+    rows
+}
+
+/// The line of an artifact's error that the bench shows: the first that
+/// is not empty (what follows quotes the plugin's stderr, or a backtrace).
+fn first_line(error: &str) -> String {
+    error.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
+}
+
+/// Loads the artifact at `path` and times its hook.
+fn time_artifact(path: &Path, calls: Calls, evict: &mut Option<Evict>, timing: &mut dyn FnMut(u64)) -> Result<Timed> {
+    let abs = std::fs::canonicalize(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let name = name(path);
+    let set = PluginSet::new(&[spec(&abs, name.clone())], Path::new("/"));
+    let m = set.check_all().remove(0).map_err(anyhow::Error::msg)?;
+    let telemetry = |i: u64| StepTelemetry { step: i + 1, micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
+    let (hook, (latency, loop_mean_ns, calls)) = match m.kind {
+        Kind::BatchPolicy => {
+            let mut p = super::PluginBatch { plugin: set.instance(&name, "batch_policy", Kind::BatchPolicy, None, Device::Cpu)? };
+            p.initial(BatchDecision { micro_batch: 8, accum_steps: 1, lr_scale: 1.0 })?;
+            let timed = time_hook(&mut p, |p| &mut p.plugin, calls, evict, |p, i| p.next(&telemetry(i)).map(drop), timing)?;
+            ("batch-sizing.next", timed)
+        }
+        Kind::Compressor => {
+            let plugin = set.instance(&name, "compressor", Kind::Compressor, None, Device::Cpu)?;
+            let mut p = super::PluginCompressor::new(plugin, false);
+            let mut comm = SingleRank::default();
+            let mut bucket = Tensor::ones([1], (TKind::Float, Device::Cpu));
+            let timed = time_hook(
+                &mut p,
+                |p| &mut p.plugin,
+                calls,
+                evict,
+                |p, i| p.reduce(&mut bucket, &mut comm, &BucketCtx { step: i, index: 0, count: 1 }),
+                timing,
+            )?;
+            ("gradient-compression.compress", timed)
+        }
+        Kind::CheckpointPolicy => {
+            // The plugin's own configuration is unknown here: it is
+            // configured with none, and one that needs keys says so.
+            let plugin = set.instance(&name, "checkpoint", Kind::CheckpointPolicy, None, Device::Cpu)?;
+            let mut p = super::PluginCheckpoint { plugin };
+            let h = CheckpointHistory {
+                last_cost_s: Some(1.0),
+                saved: vec![10, 20, 30],
+                failures: vec![15],
+                since_last_s: 5.0,
+                ..Default::default()
+            };
+            let timed = time_hook(&mut p, |p| &mut p.plugin, calls, evict, |p, i| p.decide(&telemetry(i), &h).map(drop), timing)?;
+            ("checkpointing.decide", timed)
+        }
+    };
+    Ok(Timed { kind: m.kind, transport: m.transport, hook, calls, latency, loop_mean_ns })
 }
 
 /// What the meter reads around nothing: a pair of [`measure::clock`] reads
@@ -230,15 +254,27 @@ pub fn clock_floor(calls: u64) -> LatencySummary {
     LatencySummary::of(&hist)
 }
 
-/// The table `harness plugin bench` prints.
+/// The table `harness plugin bench` prints: a row per artifact (one that
+/// failed marked so), then a line per artifact that failed, naming it by
+/// its file name, with the first line of its error.
 pub fn table(rows: &[Row]) -> String {
     let mut t = comfy_table::Table::new();
     t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
     t.set_header(["artifact", "transport", "hook", "calls", "p50 ns", "p90 ns", "p99 ns", "mean ns", "back to back ns"]);
-    for r in rows {
+    let mut failed = String::new();
+    for row in rows {
+        let artifact = row.path.display().to_string();
+        let r = match &row.timed {
+            Ok(r) => r,
+            Err(e) => {
+                failed += &format!("FAILED {}: {e}\n", name(&row.path));
+                t.add_row([artifact.as_str(), "-", "FAILED (below)", "-", "-", "-", "-", "-", "-"]);
+                continue;
+            }
+        };
         let ns = |ms: f64| format!("{:.0}", ms * 1e6);
         t.add_row([
-            r.path.display().to_string(),
+            artifact,
             match r.transport {
                 Transport::Wasm => "wasm".into(),
                 Transport::Native => "native".into(),
@@ -252,5 +288,5 @@ pub fn table(rows: &[Row]) -> String {
             r.loop_mean_ns.map_or("-".into(), |n| format!("{n:.0}")),
         ]);
     }
-    format!("{t}\n")
+    format!("{t}\n{failed}")
 }
