@@ -183,3 +183,50 @@ fn gpus_outside_the_suites_divisions_are_refused_once_naming_them() {
     assert!(err.contains("is run on [2] ranks (its divisions, `[suite.hardware] gpus`)"), "{err}");
     assert!(!dir.path().join("results").exists(), "nothing ran");
 }
+
+/// A batch policy entered on the 2 thread ranks of the CPU batch-size track
+/// with the given `--plugin-config`: the run's exit status and result.
+fn batch_track(dir: &std::path::Path, config: &str) -> (std::process::Output, serde_json::Value) {
+    let out = dir.join(format!("{}.json", config.replace('=', "-")));
+    let run = harness(dir)
+        .arg("run")
+        .arg(repo_root().join("suites/cpu-standard.toml"))
+        .args(["--track", "batch-size", "--plugin"])
+        .arg(format!("batch-policy={}", artifact("libmisbehave-batch.so").display()))
+        .args(["--plugin-config", config, "--out"])
+        .arg(&out)
+        .arg("-q")
+        .output()
+        .unwrap();
+    let r = results(&out);
+    (run, r)
+}
+
+#[test]
+fn a_loss_driven_batch_policy_agrees_across_ranks_and_a_divergent_one_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    // Told each rank's own loss, this policy doubled its micro-batch at
+    // different steps on the two ranks, and an all-reduce found tensors of
+    // different sizes (1 of 3 repeats failed so before the telemetry was
+    // reduced). Told the ranks' mean loss, every repeat trains, and grows.
+    let (run, r) = batch_track(dir.path(), "mode=loss");
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    for rep in 0..3 {
+        let e = crate::entry(&r, &format!("mlp-memory-bound/submission-batch-size/r{rep}"));
+        assert_eq!(e["status"], "ok", "{e}");
+        let changes = e["metrics"]["batch_changes"].as_array().unwrap();
+        assert!(changes.len() > 1, "the loss-driven policy changed its batch: {changes:?}");
+    }
+    // A policy that decides from its rank's own state fails its entry
+    // before the first step, naming itself and each rank's decision.
+    let (run, r) = batch_track(dir.path(), "mode=diverge");
+    assert_eq!(run.status.code(), Some(1), "{}", String::from_utf8_lossy(&run.stderr));
+    for rep in 0..3 {
+        let e = crate::entry(&r, &format!("mlp-memory-bound/submission-batch-size/r{rep}"));
+        let error = e["error"].to_string();
+        assert!(error.contains("the batch policy `submission` decided differently on the ranks before the first step"), "{error}");
+        assert!(error.contains("rank 0: micro-batch ") && error.contains("rank 1: micro-batch "), "{error}");
+    }
+    // The baseline is untouched.
+    assert_eq!(crate::entry(&r, "mlp-memory-bound/fixed/r0")["status"], "ok");
+}

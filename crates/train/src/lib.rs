@@ -168,6 +168,10 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     let mut t = Training::new(ctx, comm)?;
     let configured = BatchDecision { micro_batch: w.batch, accum_steps: w.grad_accum, lr_scale: 1.0 };
     let mut batch = Batch::initial(t.strategies.batch.as_mut(), configured, ctx.memory_total_bytes, t.world)?;
+    // The ranks' policies decide from the same telemetry, and their
+    // decisions are compared before each step runs.
+    let agreement = batch::Agreement::new(&ctx.entry.strategy.batch_policy, t.strategies.batch.as_mut(), t.world, t.device);
+    agreement.check("before the first step", batch.decision(), comm)?;
     // Before the training clock starts: the snapshot buffers (pinned host
     // memory) take a while to allocate.
     let mut safe = Resilience::open(ctx, &mut t, &batch)?;
@@ -197,6 +201,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
             Stepped::OutOfMemory { emulated } => {
                 // Retried with a smaller micro-batch: the policy's, else half.
                 let oom = batch.after_oom(t.strategies.batch.as_mut(), step, emulated)?;
+                agreement.check(&format!("for the retry of step {} after it ran out of memory", step + 1), batch.decision(), comm)?;
                 safe.record.out_of_memory.push(oom);
                 meter.retry_step();
                 continue;
@@ -211,8 +216,9 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         // The policies decide the next batch and the checkpoints; a
         // failure may strike.
         meter.timer.start(harness_runtime::measure::Phase::Strategy)?;
-        let telemetry = meter.telemetry(done, now, &batch, t.world, out.grad_stats)?;
+        let telemetry = agreement.telemetry(meter.telemetry(done, now, &batch, t.world, out.grad_stats)?, comm)?;
         batch.after_step(t.strategies.batch.as_mut(), &telemetry)?;
+        agreement.check(&format!("after step {done}"), batch.decision(), comm)?;
         let decision = safe.decide(t.strategies.checkpoint.as_mut(), &telemetry, now, comm, t.device)?;
         meter.timer.stop()?;
         meter.timer.end_step()?;

@@ -5,11 +5,23 @@
 //! - `huge`: micro-batch `u32::MAX`;
 //! - `nan-lr`: learning-rate scale NaN;
 //! - `grow`: a legitimate policy that doubles the micro-batch every `every`
-//!   steps (default 5) up to `max` (default 64), to test batch changes.
+//!   steps (default 5) up to `max` (default 64), to test batch changes;
+//! - `loss`: a loss-driven policy: it doubles the micro-batch (up to `max`)
+//!   each time the telemetry's loss falls below 99% of the lowest loss it
+//!   has seen when it last doubled. Its decisions hang on the loss's exact
+//!   value: ranks told their own losses would part ways;
+//! - `diverge`: deliberately divergent: each instance in the process adds
+//!   its number (0, 1, ...: a counter the library's instances share, so
+//!   thread ranks of a native build differ) to the configured micro-batch.
+
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use harness_sdk::{Batch, BatchPolicy, Config, Error, Plugin, Telemetry};
 
-const MODES: [&str; 5] = ["ok", "zero", "huge", "nan-lr", "grow"];
+const MODES: [&str; 7] = ["ok", "zero", "huge", "nan-lr", "grow", "loss", "diverge"];
+
+/// Instances made so far in this process (`diverge`).
+static INSTANCES: AtomicU32 = AtomicU32::new(0);
 
 /// See the crate docs.
 pub struct MisbehaveBatch {
@@ -17,6 +29,11 @@ pub struct MisbehaveBatch {
     every: u64,
     max: u32,
     configured: Option<Batch>,
+    /// `loss`: the doublings so far and the loss that must be beaten.
+    doublings: u32,
+    bar: f64,
+    /// `diverge`: this instance's number.
+    instance: u32,
 }
 
 impl Plugin for MisbehaveBatch {
@@ -34,7 +51,8 @@ impl Plugin for MisbehaveBatch {
         if every == 0 || max == 0 {
             return Err(Error::new("`every` and `max` must be at least 1"));
         }
-        Ok(MisbehaveBatch { mode, every, max, configured: None })
+        let instance = INSTANCES.fetch_add(1, Ordering::Relaxed);
+        Ok(MisbehaveBatch { mode, every, max, configured: None, doublings: 0, bar: f64::INFINITY, instance })
     }
 }
 
@@ -50,6 +68,11 @@ impl MisbehaveBatch {
                 let grown = u64::from(base.micro_batch) << doublings;
                 Batch { micro_batch: grown.min(u64::from(self.max)).max(1) as u32, ..base }
             }
+            "loss" => {
+                let grown = u64::from(base.micro_batch) << self.doublings.min(31);
+                Batch { micro_batch: grown.min(u64::from(self.max)).max(1) as u32, ..base }
+            }
+            "diverge" => Batch { micro_batch: base.micro_batch.saturating_add(self.instance), ..base },
             _ => base,
         }
     }
@@ -62,6 +85,14 @@ impl BatchPolicy for MisbehaveBatch {
     }
 
     fn next(&mut self, t: &Telemetry) -> Result<Batch, Error> {
+        if self.mode == "loss" && t.loss.is_finite() {
+            if t.loss < self.bar * 0.99 && self.bar.is_finite() {
+                self.doublings += 1;
+                self.bar = t.loss;
+            } else if !self.bar.is_finite() {
+                self.bar = t.loss;
+            }
+        }
         Ok(self.decide(t.step))
     }
 }
