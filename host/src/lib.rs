@@ -38,6 +38,32 @@ pub mod scaffold;
 pub mod supervise;
 
 pub use harness_kernels::{blaslt, kernels, torch_ext};
+
+/// The kernels' options from the switches: what the binary passes to
+/// `harness-kernels` (which reads no environment) at start-up, before any
+/// kernel runs (`harness_kernels::configure`).
+pub fn kernel_options(s: &harness_format::switches::Switches) -> harness_kernels::Options {
+    harness_kernels::Options { lt_matmuls: s.lt_matmuls, pdl: s.pdl, ln_warp: s.ln_warp, ln_bwd_warp: s.ln_bwd_warp }
+}
 pub use harness_runtime::{comm, measure};
 pub use harness_sandbox::{plugin, strategy};
 pub use harness_train as train;
+
+#[cfg(test)]
+mod tests {
+    use harness_format::switches::Switches;
+
+    #[test]
+    fn each_kernel_switch_reaches_its_own_option() {
+        assert_eq!(super::kernel_options(&Switches::DEFAULT), harness_kernels::Options::DEFAULT);
+        let off = |var: &str| {
+            let s = Switches::from_vars(|k| (k == var).then(|| "0".to_owned())).unwrap();
+            super::kernel_options(&s)
+        };
+        let all = harness_kernels::Options::DEFAULT;
+        assert_eq!(off("HARNESS_LT_MATMULS"), harness_kernels::Options { lt_matmuls: false, ..all });
+        assert_eq!(off("HARNESS_PDL"), harness_kernels::Options { pdl: false, ..all });
+        assert_eq!(off("HARNESS_LN_WARP"), harness_kernels::Options { ln_warp: false, ..all });
+        assert_eq!(off("HARNESS_LN_BWD_WARP"), harness_kernels::Options { ln_bwd_warp: false, ..all });
+    }
+}

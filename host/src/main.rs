@@ -10,9 +10,14 @@ fn main() {
     let cli = harness::cli::Cli::parse();
     // The HARNESS_* switches, parsed once before any work: a malformed one
     // is refused, not ignored.
-    if let Err(e) = harness::switches::init() {
-        eprintln!("error: {}", harness::fmt::printable(&e.to_string()));
-        std::process::exit(harness::exit::INVALID_SWITCH);
+    match harness::switches::init() {
+        Ok(s) => {
+            let _ = harness_kernels::configure(harness::kernel_options(s));
+        }
+        Err(e) => {
+            eprintln!("error: {}", harness::fmt::printable(&e.to_string()));
+            std::process::exit(harness::exit::INVALID_SWITCH);
+        }
     }
     let code = match harness::cli::main(cli) {
         Ok(code) => code,

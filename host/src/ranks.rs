@@ -128,7 +128,7 @@ pub fn nccl_join(
         }
         id
     };
-    NcclComm::new(id, rank, world, link, device)
+    NcclComm::new(id, rank, world, link, device, crate::switches::get().sym_scatter)
 }
 
 /// Watches a rank's progress during a multi-GPU entry. Each rank publishes

@@ -557,7 +557,7 @@ pub fn dgelu_backward(dout: &Tensor, w2: &Tensor, pre: &Tensor) -> anyhow::Resul
 /// (a diagnostic).
 pub fn matmuls_available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| harness_format::switches::get().lt_matmuls && api().is_ok())
+    *ON.get_or_init(|| crate::options().lt_matmuls && api().is_ok())
 }
 
 /// `y = x w^T + bf16(b)` (bf16 `[n, o]`) for bf16 `x` `[n, k]` and `w` `[o,

@@ -92,7 +92,7 @@ pub fn layer_norm_fits(c: i64) -> bool {
 
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
 fn ln_warp() -> bool {
-    harness_format::switches::get().ln_warp
+    crate::options().ln_warp
 }
 
 /// Threads per block of the warp-per-row LayerNorm backward.
@@ -107,7 +107,7 @@ fn ln_bwd_warp_smem(c: i64) -> u32 {
 /// Whether [`add_layer_norm_backward`] takes a warp per row of 128, 256,
 /// .. 1024 channels (`HARNESS_LN_BWD_WARP=0` keeps a block per row).
 fn ln_bwd_warp() -> bool {
-    harness_format::switches::get().ln_bwd_warp
+    crate::options().ln_bwd_warp
 }
 
 /// The normalisation of [`add_layer_norm`].

@@ -1291,6 +1291,8 @@ pub mod nccl {
         side_busy: bool,
         /// The buffers of `symmetric_zeros`, with their windows.
         windows: Vec<(*mut c_void, WindowT, usize)>,
+        /// A reduce-scatter between windows sums (see `sum_scale`).
+        sum_in_windows: bool,
         /// NCCL's zero-CTA policy (`NCCL_CTA_POLICY=2`, which NCCL reads when
         /// the communicator is made) on GPUs that all reach each other's
         /// memory: gathers between windows run on the copy engines.
@@ -1306,7 +1308,17 @@ pub mod nccl {
         /// Joins the communicator `id` as `rank` of `n` (blocks until all join).
         /// With a `link`, every training collective is stretched on the device
         /// timeline to what the link's ring model predicts (see `kernels::spin_until`).
-        pub fn new(id: UniqueId, rank: usize, n: usize, link: Option<super::Link>, device: tch::Device) -> anyhow::Result<NcclComm> {
+        /// `sum_in_windows` (`HARNESS_SYM_SCATTER`): an fp32 reduce-scatter
+        /// between symmetric windows sums, and a kernel divides, see
+        /// `sum_scale`.
+        pub fn new(
+            id: UniqueId,
+            rank: usize,
+            n: usize,
+            link: Option<super::Link>,
+            device: tch::Device,
+            sum_in_windows: bool,
+        ) -> anyhow::Result<NcclComm> {
             let l = lib().map_err(anyhow::Error::msg)?;
             let mut comm: CommT = std::ptr::null_mut();
             // SAFETY: comm receives a communicator handle; id is by value.
@@ -1323,6 +1335,7 @@ pub mod nccl {
                 side: None,
                 side_busy: false,
                 windows: Vec::new(),
+                sum_in_windows,
                 zero_cta: std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2") && crate::device::peer_access_everywhere(),
                 device,
             })
@@ -1441,7 +1454,7 @@ pub mod nccl {
         /// symmetric kernel, which loads the peers' chunks directly, and its
         /// average as the ring kernels); None: NCCL's average.
         fn sum_scale(&self, t: &Tensor, out: &Tensor) -> Option<f32> {
-            let on = harness_format::switches::get().sym_scatter && t.kind() == Kind::Float;
+            let on = self.sum_in_windows && t.kind() == Kind::Float;
             (on && self.in_window(t) && self.in_window(out)).then(|| 1.0 / self.n as f32)
         }
 

@@ -452,7 +452,7 @@ fn stream() -> anyhow::Result<sys::CUstream> {
 /// diagnostic).
 fn dependent_launches() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && harness_format::switches::get().pdl)
+    *ON.get_or_init(|| loaded().is_ok_and(|k| k.major >= 9) && crate::options().pdl)
 }
 
 #[cfg(test)]
