@@ -84,6 +84,19 @@ fn a_third_party_plugin_goes_from_run_to_a_verified_ranked_bundle_and_broken_bun
     for f in ["result.json", "suite.toml", "machine.json", "run.log"] {
         assert!(bundle.join(f).is_file(), "{f} is bundled");
     }
+    // The bundle is public: the submitter's host name and folders stay
+    // home (the result file on the submitter's machine keeps them).
+    let local = String::from_utf8(std::fs::read(dir.join("r.json")).unwrap()).unwrap();
+    let plugin_path = plugin.canonicalize().unwrap().display().to_string();
+    assert!(local.contains(&plugin_path), "the local result names the artifact it loaded");
+    let public = String::from_utf8(std::fs::read(bundle.join("result.json")).unwrap()).unwrap();
+    assert!(!public.contains(&plugin_path) && !public.contains(&dir.display().to_string()), "a folder of the submitter's in the bundle");
+    let r: serde_json::Value = serde_json::from_str(&public).unwrap();
+    assert_eq!(r["submission"]["entered"][0]["path"], p["file"], "the artifact is named by its file in the bundle");
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    for m in [&r["machine"], &serde_json::from_slice(&std::fs::read(bundle.join("machine.json")).unwrap()).unwrap()] {
+        assert_eq!(m["hostname"], "", "the host's name in the bundle ({})", hostname.trim());
+    }
     let out = run_ok(harness(dir).args(["verify", "r.bundle"]));
     assert!(text(&out).contains("verified"));
     // A bundle is not written twice over.

@@ -92,6 +92,37 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
+/// The result as a bundle publishes it, and its machine fingerprint:
+/// without the submitter's host name (emptied) and with each entered
+/// plugin's path on the submitter's machine (`paths`: from, to) replaced by
+/// its file in the bundle, in `submission.entered` and in the entries'
+/// plugin figures. Nothing else changes; `verify` reads both as it reads
+/// any result.
+fn public_result(raw: &[u8], run: &RunResult, paths: &[(String, String)]) -> Result<(Vec<u8>, harness_format::machine::Fingerprint)> {
+    let mut v: serde_json::Value = serde_json::from_slice(raw).context("the result file is not JSON")?;
+    let public = |s: &mut serde_json::Value| {
+        if let Some((_, to)) = paths.iter().find(|(from, _)| s.as_str() == Some(from.as_str())) {
+            *s = serde_json::Value::String(to.clone());
+        }
+    };
+    if let Some(h) = v.pointer_mut("/machine/hostname") {
+        *h = serde_json::Value::String(String::new());
+    }
+    if let Some(entered) = v.pointer_mut("/submission/entered").and_then(|e| e.as_array_mut()) {
+        entered.iter_mut().filter_map(|p| p.get_mut("path")).for_each(public);
+    }
+    if let Some(entries) = v.get_mut("entries").and_then(|e| e.as_array_mut()) {
+        for e in entries {
+            if let Some(ps) = e.pointer_mut("/metrics/plugins").and_then(|p| p.as_array_mut()) {
+                ps.iter_mut().filter_map(|p| p.get_mut("path")).for_each(public);
+            }
+        }
+    }
+    let mut machine = run.machine.clone();
+    machine.hostname.clear();
+    Ok(((serde_json::to_string_pretty(&v)? + "\n").into_bytes(), machine))
+}
+
 /// Where `harness submit` puts the bundle of `result` by default.
 pub fn default_bundle_path(result: &Path) -> PathBuf {
     result.with_extension("bundle")
@@ -126,6 +157,9 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
     // before anything is written.
     let mut artifacts = Vec::new();
     let mut plugins = Vec::new();
+    // The submitter's folders stay home: each artifact's path becomes its
+    // file in the bundle (its file name with --no-artifacts).
+    let mut public_paths = Vec::new();
     for p in &sub.entered {
         let mut file = None;
         if !opts.no_artifacts {
@@ -149,6 +183,10 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
             artifacts.push((rel.clone(), bytes));
             file = Some(rel);
         }
+        let public = file
+            .clone()
+            .unwrap_or_else(|| Path::new(&p.path).file_name().map_or_else(|| "plugin".to_owned(), |n| n.to_string_lossy().into_owned()));
+        public_paths.push((p.path.clone(), public));
         plugins.push(PluginRef {
             kind: p.kind.clone(),
             name: p.name.clone(),
@@ -171,9 +209,10 @@ pub fn submit(result: &Path, opts: &SubmitOptions) -> Result<PathBuf> {
         files.push(FileRef { path: rel.to_owned(), sha256: sha256_hex(bytes), bytes: bytes.len() as u64 });
         Ok(())
     };
-    put(RESULT, &raw)?;
+    let (public_raw, machine) = public_result(&raw, &run, &public_paths)?;
+    put(RESULT, &public_raw)?;
     put(SUITE, run.suite.text.as_bytes())?;
-    put(MACHINE, serde_json::to_string_pretty(&run.machine)?.as_bytes())?;
+    put(MACHINE, serde_json::to_string_pretty(&machine)?.as_bytes())?;
     if let Some(t) = &log_text {
         put(LOG, t)?;
     }
