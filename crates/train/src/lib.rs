@@ -243,7 +243,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
         }
         safe.delete(&decision.delete, t.rank)?;
         if replicas.due(done, t.world) {
-            replicas.start(&t.params, &t.names, comm, done, compressor)?;
+            replicas.start(t.current_params()?, &t.names, comm, done, compressor)?;
         }
 
         meter.end_step(recording);
@@ -277,7 +277,7 @@ fn train(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn F
     // The training clock stops before the last replica check: it checks
     // the training, it is not part of it.
     let train_time = meter.close(&t, step)?;
-    replicas.check(&t.params, &t.names, comm, step, compressor)?;
+    replicas.check(t.current_params()?, &t.names, comm, step, compressor)?;
     t.strategies.compressor.finish()?;
     let batch_changes = std::mem::take(&mut batch.changes);
     // (The training's collectives, before the ranks meet to remove the

@@ -16,15 +16,14 @@ use super::batch::Batch;
 use super::checkpoint::{
     host_copy, Accept, Bounds, Layout, Position, RunIdentity, Snapshot, Store, TensorSpec, PLUGIN_STATE_BASE, PLUGIN_STATE_PER_PARAMETER,
 };
-use super::optim::{LossScaler, Optimizer};
 use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
 use super::EntryContext;
-use crate::training::Training;
+use crate::training::{TrainState, Training};
 use harness_format::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
 use harness_format::suite::FaultSpec;
 use harness_kernels::torch_ext;
 use harness_runtime::comm::{ranks_agree, Collective};
-use harness_sandbox::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry, Strategies};
+use harness_sandbox::strategy::{CheckpointHistory, CheckpointPolicy, StepTelemetry};
 
 /// Checkpoints and injected failures of one entry on one rank. A failure
 /// before the first checkpoint goes back to the start, kept in host memory.
@@ -126,7 +125,7 @@ impl Resilience {
             (Some(store), true) => {
                 // Every rank keeps the parameters in memory, for its own
                 // restores; rank 0 alone writes them to disk.
-                let (model, state) = state(t).sources(true);
+                let (model, state) = t.state()?.sources(true);
                 let pool = Pool::allocate(&model, &state, t.device)?;
                 record.snapshot_memory_bytes = Some(pool.bytes());
                 Some(Tiers {
@@ -150,7 +149,7 @@ impl Resilience {
         let initial = match clock {
             Some(_) => {
                 let at = batch.position(0, t.data.position());
-                Some(state(t).capture(at, true)?)
+                Some(t.state()?.capture(at, true)?)
             }
             None => None,
         };
@@ -534,7 +533,7 @@ impl Resilience {
             tiers.memory = None;
         }
         let (i, set) = tiers.pool.free().context("no free snapshot buffers")?;
-        state(t).capture_into(set, at, true)?;
+        t.state()?.capture_into(set, at, true)?;
         let snap = tiers.pool.share(i);
         tiers.memory = Some(snap.clone());
         let stall = t0.elapsed().as_secs_f64();
@@ -581,7 +580,7 @@ impl Resilience {
         synchronize();
         let (rank, device) = (t.rank, t.device);
         let at = batch.position(done, t.data.position());
-        let written = state(t).capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
+        let written = t.state()?.capture(at, rank == 0).and_then(|snap| store.write_part(&snap));
         // Every rank's part is durable before rank 0 makes it a checkpoint.
         let all_ok = ranks_agree(comm, written.is_ok(), device)?;
         let bytes = written.with_context(|| format!("writing the checkpoint of step {done}"))?;
@@ -676,7 +675,7 @@ fn median(xs: &VecDeque<f64>) -> Option<f64> {
 fn run_and_accept(ctx: &EntryContext<'_>, t: &mut Training) -> Result<(RunIdentity, Accept)> {
     let w = ctx.workload;
     let plugins: BTreeMap<String, String> =
-        state(t).plugins().into_iter().map(|(slot, p)| (slot.to_owned(), p.manifest.sha256.clone())).collect();
+        t.state()?.plugins().into_iter().map(|(slot, p)| (slot.to_owned(), p.manifest.sha256.clone())).collect();
     let run = RunIdentity {
         suite_sha256: ctx.suite_sha256.to_owned(),
         entry: ctx.entry.id.clone(),
@@ -700,8 +699,9 @@ fn run_and_accept(ctx: &EntryContext<'_>, t: &mut Training) -> Result<(RunIdenti
 /// [`PLUGIN_STATE_BASE`] plus [`PLUGIN_STATE_PER_PARAMETER`] bytes per
 /// parameter.
 fn layout(t: &mut Training) -> Result<Layout> {
-    let n_params: u64 = t.params.iter().map(|p| p.numel() as u64).sum();
-    let model = t.names.iter().zip(&t.params).map(|(n, p)| TensorSpec::of(n.clone(), p)).collect();
+    let params = t.current_params()?;
+    let n_params: u64 = params.iter().map(|p| p.numel() as u64).sum();
+    let model = t.names.iter().zip(params).map(|(n, p)| TensorSpec::of(n.clone(), p)).collect();
     let mut specs: Vec<TensorSpec> = t.buffers.iter().map(|(n, b)| TensorSpec::of(format!("buffer/{n}"), b)).collect();
     specs.extend(t.optimizer.state_specs().into_iter().map(|(n, kind, shape, optional)| TensorSpec {
         name: format!("optimizer/{n}"),
@@ -716,7 +716,7 @@ fn layout(t: &mut Training) -> Result<Layout> {
     if t.device.is_cuda() {
         specs.push(TensorSpec::of("rng/device", &torch_ext::rng_state(t.device)?));
     }
-    let plugins = state(t).plugins().into_iter().map(|(slot, _)| slot.to_owned()).collect();
+    let plugins = t.state()?.plugins().into_iter().map(|(slot, _)| slot.to_owned()).collect();
     let cap = PLUGIN_STATE_BASE.saturating_add(PLUGIN_STATE_PER_PARAMETER.saturating_mul(n_params));
     Ok(Layout { model, state: specs, plugins, plugin_state_cap: cap })
 }
@@ -734,23 +734,10 @@ fn finite(snap: &Snapshot, dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// The training state a snapshot is taken of and restored into.
-fn state(t: &mut Training) -> TrainState<'_> {
-    TrainState {
-        names: &t.names,
-        params: &t.params,
-        buffers: &t.buffers,
-        optimizer: &mut t.optimizer,
-        scaler: t.scaler.as_mut(),
-        strategies: &mut t.strategies,
-        device: t.device,
-    }
-}
-
 /// Puts `snap` back: the training state, the data stream's position and
 /// the batch in force.
 fn restore(t: &mut Training, batch: &mut Batch, snap: &Snapshot) -> Result<()> {
-    state(t).restore(snap)?;
+    t.state()?.restore(snap)?;
     t.data.seek(snap.position.data_position);
     batch.restore(&snap.position);
     t.forget_in_flight();
@@ -931,19 +918,6 @@ pub struct FaultBudgetExhausted {
 
 /// Tensors by name.
 type Named = Vec<(String, Tensor)>;
-
-/// What a snapshot is taken of and restored into.
-pub struct TrainState<'a> {
-    pub names: &'a [String],
-    pub params: &'a [Tensor],
-    /// Untrained model state (batch norm's running statistics): each
-    /// rank's own, so it goes with the rank's state, not rank 0's model.
-    pub buffers: &'a [(String, Tensor)],
-    pub optimizer: &'a mut Optimizer,
-    pub scaler: Option<&'a mut LossScaler>,
-    pub strategies: &'a mut Strategies,
-    pub device: Device,
-}
 
 impl TrainState<'_> {
     /// The tensors a snapshot copies, where they live: the parameters

@@ -29,8 +29,11 @@ pub struct Training {
     _vs: nn::VarStore,
     pub model: Model,
     /// Parameter names and tensors, sorted by name (the same on every rank).
+    /// Outside a step the tensors are read through
+    /// [`Training::current_params`] or [`Training::state`], which wait for
+    /// ZeRO's gathers in flight.
     pub names: Vec<String>,
-    pub params: Vec<Tensor>,
+    params: Vec<Tensor>,
     /// Variables that are state but not trained (batch norm's running
     /// statistics), by name: out of the gradient buckets and the optimizer,
     /// in each rank's checkpoint state.
@@ -70,6 +73,45 @@ pub struct Training {
     pub(super) graph: graph::StepGraph,
     /// Steps that ran as a replay of the captured graph.
     pub graph_replays: u64,
+}
+
+/// What a snapshot is taken of and restored into ([`Training::state`];
+/// `crate::resilience` takes and restores it).
+pub struct TrainState<'a> {
+    pub names: &'a [String],
+    pub params: &'a [Tensor],
+    /// Untrained model state (batch norm's running statistics): each
+    /// rank's own, so it goes with the rank's state, not rank 0's model.
+    pub buffers: &'a [(String, Tensor)],
+    pub optimizer: &'a mut Optimizer,
+    pub scaler: Option<&'a mut LossScaler>,
+    pub strategies: &'a mut Strategies,
+    pub device: Device,
+}
+
+impl Training {
+    /// The parameters once every gather in flight has written them (ZeRO's
+    /// prefetch, [`crate::gate`]): what anything that reads them between
+    /// steps takes. A step's own reads wait per layer.
+    pub fn current_params(&self) -> Result<&[Tensor]> {
+        self.dp.params_current()?;
+        Ok(&self.params)
+    }
+
+    /// The training state a snapshot is taken of and restored into, once
+    /// every gather in flight has written the parameters.
+    pub fn state(&mut self) -> Result<TrainState<'_>> {
+        self.dp.params_current()?;
+        Ok(TrainState {
+            names: &self.names,
+            params: &self.params,
+            buffers: &self.buffers,
+            optimizer: &mut self.optimizer,
+            scaler: self.scaler.as_mut(),
+            strategies: &mut self.strategies,
+            device: self.device,
+        })
+    }
 }
 
 /// What an evaluation measured.
