@@ -100,6 +100,13 @@ pub enum PluginCommand {
     /// Measure the host -> plugin hook round trip of artifacts: the host's
     /// own per-call meter (p50/p90/p99/mean) and calls back to back.
     Bench(PluginBenchArgs),
+    /// Test a plugin artifact as a run would use it, in seconds: a
+    /// compressor on synthetic gradient buckets on simulated CPU ranks
+    /// (determinism, agreement across ranks, round-trip error, bytes on the
+    /// wire, state save/load, config errors), a batch or checkpoint policy
+    /// on synthetic telemetry (determinism, state save/load, config
+    /// errors). Prints a pass/fail table; exits 1 if any check fails.
+    Test(PluginTestArgs),
 }
 
 /// Arguments of `harness run`.
@@ -343,6 +350,39 @@ pub struct PluginBenchArgs {
     pub evict_mb: usize,
 }
 
+/// Arguments of `harness plugin test`.
+#[derive(Debug, Args)]
+pub struct PluginTestArgs {
+    /// A `.wasm` component or a native library (any kind).
+    pub path: PathBuf,
+    /// A configuration key of the plugin, KEY=VALUE (VALUE as TOML: 0.01,
+    /// true, "text"; bare words are strings). Repeatable.
+    #[arg(long = "plugin-config", value_name = "KEY=VALUE")]
+    pub plugin_config: Vec<String>,
+    /// Simulated ranks (threads over the in-process collective), 1 to 16.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=crate::plugin::test_kit::MAX_RANKS as i64))]
+    pub ranks: u32,
+    /// Print the report as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--plugin-config KEY=VALUE...` as a plugin's configuration table: each
+/// VALUE parsed as TOML, or taken as a string when it is not TOML.
+fn plugin_config(pairs: &[String]) -> Result<toml::Table, String> {
+    let mut config = toml::Table::new();
+    for kv in pairs {
+        let (k, v) = kv.split_once('=').ok_or_else(|| format!("--plugin-config {kv}: expected KEY=VALUE"))?;
+        let value = format!("v = {v}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(v.to_owned()));
+        config.insert(k.trim().to_owned(), value);
+    }
+    Ok(config)
+}
+
 /// `--plugin KIND=PATH` and `--plugin-config KEY=VALUE...` as an entry.
 fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry>, String> {
     let Some(p) = &args.plugin else {
@@ -355,16 +395,7 @@ fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry
     if !crate::suite::TRACK_KINDS.contains(&kind) {
         return Err(format!("--plugin {p}: unknown kind `{kind}` (one of: {})", crate::suite::TRACK_KINDS.join(", ")));
     }
-    let mut config = toml::Table::new();
-    for kv in &args.plugin_config {
-        let (k, v) = kv.split_once('=').ok_or_else(|| format!("--plugin-config {kv}: expected KEY=VALUE"))?;
-        let value = format!("v = {v}")
-            .parse::<toml::Table>()
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(v.to_owned()));
-        config.insert(k.trim().to_owned(), value);
-    }
+    let config = plugin_config(&args.plugin_config)?;
     let path = std::path::absolute(path).map_err(|e| format!("--plugin {p}: {e}"))?;
     Ok(Some(crate::suite::standard::Entry { kind: kind.to_owned(), path, config: (!config.is_empty()).then_some(config) }))
 }
@@ -506,6 +537,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
         Command::Plugin(PluginCommand::New(args)) => plugin_new(args),
         Command::Plugin(PluginCommand::Inspect(args)) => plugin_inspect(args),
         Command::Plugin(PluginCommand::Bench(args)) => plugin_bench(args),
+        Command::Plugin(PluginCommand::Test(args)) => plugin_test(args),
         Command::Env(args) => env(args),
     }
 }
@@ -1041,6 +1073,32 @@ fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
     if failed > 0 {
         eprintln!("error: {failed} of {} artifacts failed (the FAILED lines under the table say why)", rows.len());
         return Ok(exit::ARTIFACT_FAILED);
+    }
+    Ok(exit::OK)
+}
+
+/// `harness plugin test`: runs the test kit on the artifact and prints its
+/// table (or its report as JSON); [`exit::PLUGIN_TEST_FAILED`] if a check
+/// failed.
+fn plugin_test(args: PluginTestArgs) -> anyhow::Result<i32> {
+    use crate::plugin::test_kit;
+    let config = match plugin_config(&args.plugin_config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {}", printable(&e));
+            return Ok(exit::USAGE);
+        }
+    };
+    let report = test_kit::run(&args.path, &config, args.ranks as usize);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", printable(&test_kit::table(&report)));
+    }
+    let failed = report.checks.iter().filter(|c| c.status == test_kit::Status::Fail).count();
+    if failed > 0 {
+        eprintln!("error: {failed} of {} checks failed (the FAILED lines say what was seen)", report.checks.len());
+        return Ok(exit::PLUGIN_TEST_FAILED);
     }
     Ok(exit::OK)
 }

@@ -456,6 +456,70 @@ fn plugin_bench_by_default_fits_the_calls_to_the_hook() {
     assert!((100..200_000).contains(&calls), "{calls} calls: {row}");
 }
 
+/// `harness plugin test` on a reference compressor: every check passes on
+/// two thread ranks, and topk's bytes on the wire are reported against an
+/// fp32 all-reduce (ratio 0.1 sends k = 6554 values and i32 indices of a
+/// 65536-element bucket: 0.2 of the all-reduce's bytes).
+#[test]
+fn plugin_test_passes_a_reference_compressor() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(harness(dir.path()).args(["plugin", "test", "--plugin-config", "ratio=0.1"]).arg(artifact("topk.wasm")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cells = |l: &str| l.split(['│', '┆']).map(|c| c.trim().to_owned()).filter(|c| !c.is_empty()).collect::<Vec<_>>();
+    for check in [
+        "determinism",
+        "ranks agree",
+        "round-trip error",
+        "bytes on the wire",
+        "state save/load",
+        "config: unknown key",
+        "config: bad value",
+    ] {
+        let row = text
+            .lines()
+            .find(|l| cells(l).first().map(String::as_str) == Some(check))
+            .unwrap_or_else(|| panic!("no {check} row in\n{text}"));
+        assert_eq!(cells(row)[1], "pass", "{row}\n{text}");
+    }
+    let bucket = text.lines().find(|l| cells(l).first().map(String::as_str) == Some("65536")).unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(cells(bucket)[2..], ["52432", "262144", "0.2000"], "{bucket}");
+    assert!(!text.contains("FAILED"), "{text}");
+}
+
+/// A compressor whose ranks drift apart (the hostile fixture's `diverge`:
+/// each rank adds its rank to the average) fails the agreement check,
+/// which names the bucket and both ranks' values; the other checks pass,
+/// the exit code is 1, and `--json` says the same.
+#[test]
+fn plugin_test_names_the_check_a_compressor_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let test = |json: bool| {
+        let mut c = harness(dir.path());
+        c.args(["plugin", "test", "--plugin-config", "mode=diverge"]).arg(artifact("hostile.wasm"));
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        let (text, err) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+        assert_eq!(out.status.code(), Some(exit::PLUGIN_TEST_FAILED), "{text}\n{err}");
+        assert!(err.contains("1 of 7 checks failed"), "{err}");
+        text
+    };
+    let text = test(false);
+    let failed: Vec<&str> = text.lines().filter(|l| l.starts_with("FAILED ")).collect();
+    assert_eq!(failed.len(), 1, "{text}");
+    assert!(
+        failed[0].starts_with("FAILED ranks agree: step 0, bucket 0 (1 element): rank 0 and rank 1 hold different buckets")
+            && failed[0].contains("rank 1 "),
+        "{text}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&test(true)).unwrap();
+    assert_eq!(report["passed"], false);
+    let checks = report["checks"].as_array().unwrap();
+    let failing: Vec<&str> = checks.iter().filter(|c| c["status"] == "fail").filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(failing, ["ranks agree"], "{report}");
+}
+
 /// `harness validate` configures every plugin as the suite does, so a
 /// misspelt key is reported at its line, not when the entry runs.
 #[test]

@@ -14,6 +14,10 @@ pub const NOT_REPRODUCED: i32 = 1;
 /// failed to load, or failed or panicked in a call); the others were, and
 /// the table shows every one.
 pub const ARTIFACT_FAILED: i32 = 1;
+/// `harness plugin test`: at least one check failed (or the artifact could
+/// not be loaded, or refused the configuration given); the FAILED lines
+/// under the table say what was seen.
+pub const PLUGIN_TEST_FAILED: i32 = 1;
 /// The suite file is invalid (`harness validate` says why).
 pub const INVALID_SUITE: i32 = 2;
 /// The command line asks for what harness does not do: clap's own usage

@@ -20,6 +20,7 @@ pub mod log;
 pub mod native;
 pub mod ops;
 mod strategies;
+pub mod test_kit;
 pub mod wasm;
 
 use std::any::Any;
