@@ -38,19 +38,22 @@ fn template(kind: &str) -> Result<Template> {
 /// folder (`harness-sdk/`): the plugin builds from its own folder, against
 /// the SDK and contract of the harness that made it, with no path into a
 /// harness checkout. (A test checks that every file of sdk/src is here.)
-const SDK_FILES: [(&str, &str); 14] = [
+const SDK_FILES: [(&str, &str); 17] = [
     ("src/lib.rs", include_str!("../../sdk/src/lib.rs")),
     ("src/abi.rs", include_str!("../../sdk/src/abi.rs")),
     ("src/collective.rs", include_str!("../../sdk/src/collective.rs")),
     ("src/config.rs", include_str!("../../sdk/src/config.rs")),
+    ("src/contract.rs", include_str!("../../sdk/src/contract.rs")),
     ("src/error.rs", include_str!("../../sdk/src/error.rs")),
     ("src/log.rs", include_str!("../../sdk/src/log.rs")),
     ("src/native.rs", include_str!("../../sdk/src/native.rs")),
+    ("src/native_backend.rs", include_str!("../../sdk/src/native_backend.rs")),
     ("src/native_glue.rs", include_str!("../../sdk/src/native_glue.rs")),
     ("src/tensor.rs", include_str!("../../sdk/src/tensor.rs")),
     ("src/types.rs", include_str!("../../sdk/src/types.rs")),
     ("src/wasm.rs", include_str!("../../sdk/src/wasm.rs")),
     ("src/wasm_backend.rs", include_str!("../../sdk/src/wasm_backend.rs")),
+    ("src/wasm_glue.rs", include_str!("../../sdk/src/wasm_glue.rs")),
     ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
     ("Cargo.toml", include_str!("../../sdk/Cargo.toml")),
 ];

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 
 #[cfg(not(target_arch = "wasm32"))]
-use crate::native::backend;
+use crate::native_backend as backend;
 #[cfg(target_arch = "wasm32")]
 use crate::wasm_backend as backend;
 use crate::Tensor;

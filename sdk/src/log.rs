@@ -3,7 +3,7 @@
 //! Logging is a host call: keep it out of per-bucket hot paths.
 
 #[cfg(not(target_arch = "wasm32"))]
-use crate::native::backend;
+use crate::native_backend as backend;
 #[cfg(target_arch = "wasm32")]
 use crate::wasm_backend as backend;
 

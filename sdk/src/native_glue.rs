@@ -11,8 +11,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::abi::{Host, ABI_VERSION, STATUS_ERROR, STATUS_OK, STATUS_PANIC};
-use crate::native::backend::{Raw, RawComm};
-use crate::native::EnterHost;
+use crate::native_backend::{EnterHost, Raw, RawComm};
 use crate::{BatchPolicy, CheckpointHistory, CheckpointPolicy, Collective, Compressor, Config, Error, Plugin, Telemetry, Tensor};
 
 pub use crate::abi::{Batch, BucketInfo, CheckpointHistory as RawHistory, Decision as RawDecision, Info, Sink, StepTelemetry};

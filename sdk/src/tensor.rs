@@ -13,60 +13,10 @@ use std::fmt;
 use std::marker::PhantomData;
 
 #[cfg(not(target_arch = "wasm32"))]
-use crate::native::backend;
+use crate::native_backend as backend;
+pub use crate::types::{Device, Dtype};
 #[cfg(target_arch = "wasm32")]
 use crate::wasm_backend as backend;
-
-/// Element types of host tensors (WIT `dtype`; the order is the native ABI's
-/// dtype index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// 32-bit float.
-    F32,
-    /// 16-bit float.
-    F16,
-    /// bfloat16.
-    Bf16,
-    /// 64-bit float.
-    F64,
-    /// 64-bit signed integer.
-    I64,
-    /// 32-bit signed integer.
-    I32,
-    /// 8-bit unsigned integer.
-    U8,
-    /// Boolean.
-    Bool,
-}
-
-impl Dtype {
-    /// Every dtype, in index order.
-    pub const ALL: [Dtype; 8] = [Dtype::F32, Dtype::F16, Dtype::Bf16, Dtype::F64, Dtype::I64, Dtype::I32, Dtype::U8, Dtype::Bool];
-
-    /// The index in the native ABI (`HARNESS_DTYPE_*`, [`crate::abi::DTYPES`]).
-    pub fn index(self) -> u32 {
-        self as u32
-    }
-
-    /// The dtype with this native ABI index.
-    pub fn from_index(index: u32) -> Option<Dtype> {
-        Dtype::ALL.get(index as usize).copied()
-    }
-
-    /// Its name in [`crate::abi::DTYPES`] (`"f32"`, ..., `"bool"`).
-    pub fn name(self) -> &'static str {
-        crate::abi::DTYPES[self as usize]
-    }
-}
-
-/// Where a tensor lives (WIT `device-kind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Device {
-    /// Host memory.
-    Cpu,
-    /// A CUDA device.
-    Cuda,
-}
 
 /// A tensor owned by the host.
 ///

@@ -4,8 +4,7 @@
 use std::mem::ManuallyDrop;
 
 use crate::__wasm::compressor::harness::strategy::{collective, log as wit_log, tensor as wit, types};
-use crate::types::Level;
-use crate::{Device, Dtype};
+use crate::types::{Device, Dtype, Level};
 
 /// The generated resource handle; dropped only when the facade owns it.
 pub struct Raw(pub ManuallyDrop<wit::Tensor>);

@@ -25,7 +25,10 @@ use std::ffi::c_void;
 
 use tch::{Kind, Tensor};
 
-use launch::{comm_loaded, launch, launch_on, loaded, params, require, Grid, Loaded};
+use launch::{
+    comm_loaded, launch, launch_on, ln_bwd_warp_smem, loaded, params, require, AdamList, CastList, Grid, Loaded, ADAM_CHUNK, ADAM_MAX,
+    CAST_CHUNK, LN_BWD_THREADS,
+};
 
 /// Why the fused kernels cannot be used, if they cannot.
 pub fn unavailable_reason() -> Option<String> {
@@ -93,15 +96,6 @@ pub fn layer_norm_fits(c: i64) -> bool {
 /// Whether [`add_layer_norm`] takes a warp per row of up to 1024 channels.
 fn ln_warp() -> bool {
     crate::options().ln_warp
-}
-
-/// Threads per block of the warp-per-row LayerNorm backward.
-const LN_BWD_THREADS: u32 = 128;
-
-/// Its shared memory per block for rows of `c` channels: a [3, c] fp32 set
-/// per warp (48 KiB, the default limit, at 1024 channels).
-fn ln_bwd_warp_smem(c: i64) -> u32 {
-    (LN_BWD_THREADS / 32) * 3 * c as u32 * 4
 }
 
 /// Whether [`add_layer_norm_backward`] takes a warp per row of 128, 256,
@@ -772,24 +766,6 @@ impl Partials {
     }
 }
 
-/// Tensors per launch of the AdamW kernel (its `ADAM_MAX`, passed to NVRTC).
-const ADAM_MAX: usize = 48;
-/// Elements per block of the AdamW kernel (its `ADAM_CHUNK`, passed to NVRTC).
-const ADAM_CHUNK: i64 = 8192;
-
-/// The AdamW kernel's tensor list, laid out as its `AdamList`.
-#[repr(C)]
-struct AdamList {
-    p: [*mut c_void; ADAM_MAX],
-    g: [*mut c_void; ADAM_MAX],
-    m: [*mut c_void; ADAM_MAX],
-    v: [*mut c_void; ADAM_MAX],
-    step: [*mut c_void; ADAM_MAX],
-    n: [i64; ADAM_MAX],
-    first_block: [i32; ADAM_MAX + 1],
-    count: i32,
-}
-
 /// A list kernel's `first_block` for tensors of `ns` elements (at most
 /// [`ADAM_MAX`]), `chunk` elements per block: each tensor's first block,
 /// closed by the total, which comes back too.
@@ -916,19 +892,6 @@ pub fn cast_bf16(w: &Tensor) -> anyhow::Result<Tensor> {
     // fresh bf16 tensor from the allocator), then n; both outlive the call.
     unsafe { launch(k.cast_bf16, Grid::line(vector_blocks(k, n), 256), params![w, &out, n])? };
     Ok(out)
-}
-
-/// Elements per block of the list cast (its `CAST_CHUNK`, passed to NVRTC).
-const CAST_CHUNK: i64 = 16384;
-
-/// [`cast_bf16_list`]'s argument, laid out as the kernel's `CastList`.
-#[repr(C)]
-struct CastList {
-    w: [*mut c_void; ADAM_MAX],
-    out: [*mut c_void; ADAM_MAX],
-    n: [i64; ADAM_MAX],
-    first_block: [i32; ADAM_MAX + 1],
-    count: i32,
 }
 
 /// Each of `ws` (fp32) as bf16, as [`cast_bf16`] casts one: those the

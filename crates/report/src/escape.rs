@@ -103,6 +103,23 @@ impl Markup {
     }
 }
 
+/// `s`, a sentence that quotes names in backticks, as HTML: each piece
+/// escaped, the quoted ones in `<code>` (a backtick left unpaired stays a
+/// backtick). The tags are this function's own, so always balanced.
+pub fn code_spans(s: &str) -> String {
+    let pieces: Vec<&str> = s.split('`').collect();
+    if pieces.len() % 2 == 0 {
+        return html(s);
+    }
+    pieces.iter().enumerate().map(|(i, p)| if i % 2 == 1 { format!("<code>{}</code>", html(p)) } else { html(p) }).collect()
+}
+
+/// The first 12 characters of a hash (whole characters, whatever the
+/// string holds).
+pub fn short(sha: &str) -> &str {
+    sha.char_indices().nth(12).map_or(sha, |(i, _)| &sha[..i])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ use crate::escape::{md, md_code};
 use harness_format::fmt::{human, printable};
 use harness_format::results::{EntryStatus, Metrics, RunResult};
 use harness_format::suite;
-pub use metric::{Better, Metric, PerMetric};
+pub use metric::{bytes, Better, Metric, PerMetric};
 use stats::{Summary, Verdict};
 
 /// A table of every entry: throughput, latency, MFU, memory, loss, target.
@@ -250,22 +250,6 @@ fn opt(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.4}"))
 }
 
-/// 1536 -> "1.5 KiB".
-pub fn bytes(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", units[i])
-    }
-}
-
 /// One strategy on one workload: every repeat found in the result files.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -376,7 +360,7 @@ pub struct Board {
 /// STARTED".
 pub fn run_label(r: &RunResult) -> String {
     match r.submission.as_ref().and_then(|s| s.entered.first()) {
-        Some(p) => format!("run of {} {} ({}), {}", p.name, p.version, submissions::short(&p.sha256), r.started_at),
+        Some(p) => format!("run of {} {} ({}), {}", p.name, p.version, escape::short(&p.sha256), r.started_at),
         None => format!("run of {}, {}", r.suite.name, r.started_at),
     }
 }

@@ -144,7 +144,7 @@ impl Metric {
         match self {
             Metric::TokensPerS => sig4(x),
             Metric::Mfu => format!("{:.1}%", 100.0 * x),
-            Metric::PeakMemory | Metric::BytesPerStep => super::bytes(x.max(0.0) as u64),
+            Metric::PeakMemory | Metric::BytesPerStep => bytes(x.max(0.0) as u64),
             Metric::TimeToTarget => format!("{x:.2}"),
             Metric::StepP50 | Metric::StepP99 | Metric::StepP999 | Metric::Goodput | Metric::EvalAccuracy => format!("{x:.3}"),
         }
@@ -179,6 +179,22 @@ fn sig4(x: f64) -> String {
         3
     };
     format!("{v:.decimals$}{unit}")
+}
+
+/// 1536 -> "1.5 KiB".
+pub fn bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
 }
 
 #[cfg(test)]

@@ -40,6 +40,9 @@ pub struct BucketCtx {
     pub count: usize,
 }
 
+/// A checkpoint policy plugin's answer: snapshot, persist, steps to delete.
+pub type CheckpointAnswer = (bool, bool, Vec<u64>);
+
 /// A batch decision (the WIT `batch`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BatchDecision {

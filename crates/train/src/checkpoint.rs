@@ -51,14 +51,16 @@
 
 mod accept;
 pub mod confined;
+mod snapshot;
 
 pub(crate) use accept::refused;
-use accept::FileLayout;
+use accept::{dtype_name, header_json, FileLayout};
 pub use accept::{
     Accept, Bounds, Layout, LrScale, Refused, RunIdentity, TensorSpec, MAX_COUNT, MAX_LR_SCALE, PLUGIN_STATE_BASE,
     PLUGIN_STATE_PER_PARAMETER,
 };
 use confined::Dir;
+pub use snapshot::{Position, Snapshot};
 
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
@@ -101,52 +103,7 @@ fn user_key() -> Result<Key> {
 /// In unit tests, a key of the tests' own, never the user's.
 #[cfg(test)]
 fn user_key() -> Result<Key> {
-    Ok(tests::key())
-}
-
-/// Where a checkpoint puts the training loop.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Position {
-    /// Optimizer steps completed.
-    pub step: u64,
-    /// Training samples each rank's data stream has handed out.
-    pub data_position: u64,
-    /// The batch the next step runs with.
-    pub micro_batch: u32,
-    pub accum_steps: u32,
-    /// Written as the shortest decimal text that reads back to the same
-    /// bits (a JSON number need not).
-    #[serde(with = "exact_f64")]
-    pub lr_scale: f64,
-}
-
-/// An `f64` as text that parses back to the same value, bit for bit.
-mod exact_f64 {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&v.to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        let text = String::deserialize(d)?;
-        text.parse().map_err(|_| serde::de::Error::custom(format!("`{text}` is not a number")))
-    }
-}
-
-/// One rank's part of a checkpoint, in host memory.
-pub struct Snapshot {
-    pub position: Position,
-    /// Parameters by name (rank 0's part only; empty on other ranks).
-    pub model: Vec<(String, Tensor)>,
-    /// This rank's own state by name: `optimizer/...`, `scaler/...`, `rng`.
-    pub state: Vec<(String, Tensor)>,
-    /// Plugin states by slot (`compressor`, `batch`, `checkpoint`).
-    pub plugins: Vec<(String, Vec<u8>)>,
-    /// On CUDA, the event after the copies into this snapshot's buffers,
-    /// which were queued without waiting: readers wait for it first.
-    pub ready: Option<harness_kernels::torch_ext::Event>,
+    Ok(Key::from_bytes([0x5e; 32]))
 }
 
 /// A copy on the host that later steps cannot change.
@@ -156,32 +113,6 @@ pub fn host_copy(t: &Tensor) -> Tensor {
         t.copy()
     } else {
         t.to_device(Device::Cpu)
-    }
-}
-
-impl Snapshot {
-    /// Waits until the copies into this snapshot have landed.
-    pub fn wait_ready(&self) -> Result<()> {
-        if let Some(e) = &self.ready {
-            e.synchronize()?;
-        }
-        Ok(())
-    }
-
-    /// Bytes of tensor data held.
-    pub fn bytes(&self) -> u64 {
-        let t = |v: &Vec<(String, Tensor)>| v.iter().map(|(_, t)| harness_kernels::torch_ext::nbytes(t)).sum::<u64>();
-        t(&self.model) + t(&self.state) + self.plugins.iter().map(|(_, b)| b.len() as u64).sum::<u64>()
-    }
-
-    /// This rank's state tensor `name`, moved to `device`.
-    pub fn take_state(&self, name: &str, device: Device) -> Option<Tensor> {
-        self.state.iter().find(|(n, _)| n == name).map(|(_, t)| t.to_device(device))
-    }
-
-    /// The saved state of plugin slot `slot`.
-    pub fn plugin(&self, slot: &str) -> Option<&[u8]> {
-        self.plugins.iter().find(|(s, _)| s == slot).map(|(_, b)| b.as_slice())
     }
 }
 
@@ -928,23 +859,6 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// The safetensors dtype of a tensor kind.
-fn dtype_name(kind: Kind) -> Result<&'static str> {
-    Ok(match kind {
-        Kind::Float => "F32",
-        Kind::Double => "F64",
-        Kind::Half => "F16",
-        Kind::BFloat16 => "BF16",
-        Kind::Int64 => "I64",
-        Kind::Int => "I32",
-        Kind::Int16 => "I16",
-        Kind::Int8 => "I8",
-        Kind::Uint8 => "U8",
-        Kind::Bool => "BOOL",
-        k => bail!("a checkpoint cannot hold {k:?} tensors"),
-    })
-}
-
 fn kind_of(dtype: safetensors::Dtype) -> Result<Kind> {
     use safetensors::Dtype as D;
     Ok(match dtype {
@@ -972,20 +886,6 @@ fn host_bytes(t: &Tensor) -> &[u8] {
     // SAFETY: a contiguous CPU tensor's data is `n` initialised bytes at
     // data_ptr, alive as long as `t` is (the borrow ties them).
     unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, n) }
-}
-
-/// The JSON header of a safetensors file holding `entries` (name, dtype,
-/// shape, data offsets), padded to 8 bytes.
-fn header_json(entries: &[(String, &str, Vec<i64>, [u64; 2])]) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    for (name, dtype, shape, at) in entries {
-        header.insert(name.clone(), serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": at }));
-    }
-    let mut json = serde_json::to_vec(&header).expect("a header serialises");
-    while json.len() % 8 != 0 {
-        json.push(b' ');
-    }
-    json
 }
 
 /// The safetensors layout of `tensors`: the 8-byte header length, the JSON
@@ -1465,7 +1365,7 @@ mod tests {
 
     /// The key the stores of these tests seal with.
     pub(super) fn key() -> Key {
-        Key::from_bytes([0x5e; 32])
+        super::user_key().expect("the tests' key")
     }
 
     fn snap(step: u64, v: f32) -> Snapshot {

@@ -17,7 +17,7 @@ use super::checkpoint::{
     host_copy, Accept, Bounds, Layout, Position, RunIdentity, Snapshot, Store, TensorSpec, PLUGIN_STATE_BASE, PLUGIN_STATE_PER_PARAMETER,
 };
 use super::tiers::{copy_into, Persisted, Pool, Report, Shared, Writer};
-use super::EntryContext;
+use crate::entry::EntryContext;
 use crate::training::{TrainState, Training};
 use harness_format::results::{CheckpointRecord, FailureRecord, ResilienceRecord};
 use harness_format::suite::FaultSpec;

@@ -9,7 +9,45 @@ use std::sync::OnceLock;
 use cudarc::driver::{result, sys};
 use tch::Tensor;
 
-use super::{ln_bwd_warp_smem, AdamList, CastList, ADAM_CHUNK, ADAM_MAX, CAST_CHUNK, LN_BWD_THREADS};
+/// Threads per block of the warp-per-row LayerNorm backward.
+pub(super) const LN_BWD_THREADS: u32 = 128;
+
+/// Its shared memory per block for rows of `c` channels: a [3, c] fp32 set
+/// per warp (48 KiB, the default limit, at 1024 channels).
+pub(super) fn ln_bwd_warp_smem(c: i64) -> u32 {
+    (LN_BWD_THREADS / 32) * 3 * c as u32 * 4
+}
+
+/// Tensors per launch of the AdamW kernel (its `ADAM_MAX`, passed to NVRTC).
+pub(super) const ADAM_MAX: usize = 48;
+/// Elements per block of the AdamW kernel (its `ADAM_CHUNK`, passed to NVRTC).
+pub(super) const ADAM_CHUNK: i64 = 8192;
+
+/// The AdamW kernel's tensor list, laid out as its `AdamList`.
+#[repr(C)]
+pub(super) struct AdamList {
+    pub(super) p: [*mut c_void; ADAM_MAX],
+    pub(super) g: [*mut c_void; ADAM_MAX],
+    pub(super) m: [*mut c_void; ADAM_MAX],
+    pub(super) v: [*mut c_void; ADAM_MAX],
+    pub(super) step: [*mut c_void; ADAM_MAX],
+    pub(super) n: [i64; ADAM_MAX],
+    pub(super) first_block: [i32; ADAM_MAX + 1],
+    pub(super) count: i32,
+}
+
+/// Elements per block of the list cast (its `CAST_CHUNK`, passed to NVRTC).
+pub(super) const CAST_CHUNK: i64 = 16384;
+
+/// [`super::cast_bf16_list`]'s argument, laid out as the kernel's `CastList`.
+#[repr(C)]
+pub(super) struct CastList {
+    pub(super) w: [*mut c_void; ADAM_MAX],
+    pub(super) out: [*mut c_void; ADAM_MAX],
+    pub(super) n: [i64; ADAM_MAX],
+    pub(super) first_block: [i32; ADAM_MAX + 1],
+    pub(super) count: i32,
+}
 
 /// The program NVRTC compiles: the files of `cuda/`, one op or family of
 /// ops each, in this order and as they are, nothing between them (a file

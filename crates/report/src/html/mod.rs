@@ -17,12 +17,9 @@ use std::fmt::Write;
 
 use super::submissions::{SubBoard, Verified};
 use super::{Board, Metric, Row};
-use crate::escape::html as esc;
+use crate::escape::{code_spans, html as esc};
 use harness_format::histogram;
-use plots::{svg_open, Frame};
-
-/// Series colours (Tableau 10); tests look for the first ones on screen.
-pub const PALETTE: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+use plots::{svg_open, Frame, PALETTE};
 
 fn legend(rows: &[Row]) -> String {
     let mut out = String::from(r#"<div class="legend">"#);
@@ -202,17 +199,6 @@ table.facts th{width:11em}table.facts code{white-space:pre-wrap}nav ul{columns:2
 const SCRIPT: &str = "document.querySelectorAll('.key').forEach(function(k){var s=k.dataset.series;var sec=k.closest('section');\
 k.addEventListener('mouseenter',function(){sec.querySelectorAll('.plot [class^=s]').forEach(function(e){if(e.getAttribute('class')!=='s'+s)e.classList.add('dim');});});\
 k.addEventListener('mouseleave',function(){sec.querySelectorAll('.dim').forEach(function(e){e.classList.remove('dim');});});});";
-
-/// `s`, a sentence that quotes names in backticks, as HTML: each piece
-/// escaped, the quoted ones in `<code>` (a backtick left unpaired stays a
-/// backtick). The tags are this function's own, so always balanced.
-pub fn code_spans(s: &str) -> String {
-    let pieces: Vec<&str> = s.split('`').collect();
-    if pieces.len() % 2 == 0 {
-        return esc(s);
-    }
-    pieces.iter().enumerate().map(|(i, p)| if i % 2 == 1 { format!("<code>{}</code>", esc(p)) } else { esc(p) }).collect()
-}
 
 /// The whole page: the submission boards of `subs` and the bundles listed
 /// apart (when bundles were given), then a section per board.

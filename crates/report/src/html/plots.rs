@@ -7,8 +7,8 @@
 use std::fmt::Write;
 
 use super::ticks::{self, Axis};
-use super::PALETTE;
 use crate::escape::html as esc;
+use crate::escape::short;
 use crate::submissions::{self, SubBoard};
 
 /// A plot area mapping data coordinates to SVG pixels, with its axes.
@@ -94,6 +94,9 @@ pub(super) fn svg_open(id: &str, f: &Frame, title: &str) -> String {
     )
 }
 
+/// Series colours (Tableau 10); tests look for the first ones on screen.
+pub const PALETTE: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+
 /// The colour of a submission board's row: the baseline grey, the others
 /// the palette in row order (ranked rows only).
 pub(super) fn row_colour(b: &SubBoard, i: usize) -> &'static str {
@@ -150,7 +153,7 @@ pub(super) fn forest(id: &str, b: &SubBoard) -> String {
             let _ =
                 write!(out, r##"<rect x="0" y="{:.1}" width="{w}" height="{row_h}" fill="#000" fill-opacity="0.035"/>"##, y - row_h / 2.0);
         }
-        let name = format!("{} {} {} ({})", submissions::rank_cell(r), r.plugin, r.version, submissions::short(&r.sha256));
+        let name = format!("{} {} {} ({})", submissions::rank_cell(r), r.plugin, r.version, short(&r.sha256));
         let _ = write!(
             out,
             r##"<text x="{:.1}" y="{:.1}" text-anchor="end" font-size="12" fill="{}">{}<title>{}</title></text>"##,

@@ -7,9 +7,9 @@
 
 use std::fmt::Write;
 
+use super::esc;
 use super::plots::{self, Curve};
-use super::{code_spans, esc};
-use crate::escape::Markup;
+use crate::escape::{code_spans, short, Markup};
 use crate::submissions::{self, SubBoard, Verified};
 use crate::Board;
 use harness_format::results::{EntryStatus, RunResult};
@@ -158,7 +158,7 @@ fn table(b: &SubBoard, boards: &[Board]) -> String {
             "<tr{class}><td>{}</td><td>{swatch}{plugin}</td><td><code title=\"{}\">{}</code></td>",
             esc(&submissions::rank_cell(r)),
             esc(&r.sha256),
-            esc(submissions::short(&r.sha256))
+            esc(short(&r.sha256))
         );
         for (s, n) in r.ratios.iter().zip(&r.reached) {
             let cell = submissions::ratio_cell(s, *n, !r.reference);

@@ -10,7 +10,12 @@ use std::path::{Component, Path, PathBuf};
 
 use harness_format::files as caps;
 
-use super::{LOG, MACHINE, MANIFEST, RESULT, SUITE};
+/// The files of a bundle, relative to its folder.
+pub const MANIFEST: &str = "MANIFEST.json";
+pub const RESULT: &str = "result.json";
+pub const SUITE: &str = "suite.toml";
+pub const MACHINE: &str = "machine.json";
+pub const LOG: &str = "run.log";
 
 /// Most bytes `MANIFEST.json` may have.
 pub const MANIFEST_CAP: u64 = caps::MANIFEST_MAX_BYTES;

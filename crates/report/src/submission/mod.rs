@@ -15,6 +15,7 @@ use harness_format::files as caps;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub use files::{LOG, MACHINE, MANIFEST, RESULT, SUITE};
 use harness_format::results::{self, RunResult};
 
 /// Version of the bundle format (`MANIFEST.json`).
@@ -22,13 +23,6 @@ use harness_format::results::{self, RunResult};
 /// Changelog:
 /// - 1: first version.
 pub const BUNDLE_FORMAT: u32 = 1;
-
-/// The files of a bundle, relative to its folder.
-pub const MANIFEST: &str = "MANIFEST.json";
-pub const RESULT: &str = "result.json";
-pub const SUITE: &str = "suite.toml";
-pub const MACHINE: &str = "machine.json";
-pub const LOG: &str = "run.log";
 
 /// `MANIFEST.json`: what the bundle holds, each file with its hash.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use super::stats::Summary;
 use super::Metric;
-use crate::escape::{self, md, md_code, Markup};
+use crate::escape::{self, md, md_code, short, Markup};
 use crate::reproduction::{Reproduced, Tolerance};
 use crate::submission::verify::Verdict;
 use crate::submission::Bundle;
@@ -105,12 +105,6 @@ impl Files {
 /// that two parties' plugins are never pooled.
 pub fn strategy_name(plugin: &EnteredPlugin, strategy: &str) -> String {
     format!("{} {} ({}) [{strategy}]", plugin.name, plugin.version, short(&plugin.sha256))
-}
-
-/// The first 12 characters of a hash (whole characters, whatever the
-/// string holds).
-pub fn short(sha: &str) -> &str {
-    sha.char_indices().nth(12).map_or(sha, |(i, _)| &sha[..i])
 }
 
 /// One board: a track of one suite version on one hardware class and GPU

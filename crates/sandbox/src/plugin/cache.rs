@@ -235,6 +235,18 @@ mod tests {
     /// The smallest component: the preamble of the component binary format.
     const EMPTY_COMPONENT: &[u8] = b"\0asm\x0d\0\x01\0";
 
+    /// An engine configured as the sandbox's (epochs, the component
+    /// model), without its epoch thread: these tests only compile.
+    fn engine() -> &'static wasmtime::Engine {
+        static ENGINE: std::sync::OnceLock<wasmtime::Engine> = std::sync::OnceLock::new();
+        ENGINE.get_or_init(|| {
+            let mut cfg = wasmtime::Config::new();
+            cfg.epoch_interruption(true);
+            cfg.wasm_component_model(true);
+            wasmtime::Engine::new(&cfg).expect("a wasmtime engine")
+        })
+    }
+
     /// A cache folder and a state folder holding the user's key (never the
     /// real ones).
     struct Cache {
@@ -257,7 +269,7 @@ mod tests {
 
         /// How `bytes` is obtained through this cache.
         fn load(&self, bytes: &[u8]) -> Source {
-            component_sealed(super::super::wasm::engine(), bytes, Some((&self.path(), &self.key))).unwrap().1
+            component_sealed(engine(), bytes, Some((&self.path(), &self.key))).unwrap().1
         }
     }
 
@@ -279,7 +291,7 @@ mod tests {
         std::fs::write(&code, &c[..c.len() / 2]).unwrap();
         assert_eq!(cache.load(EMPTY_COMPONENT), Source::Recompiled);
         // Without a cache folder nothing is stored.
-        assert_eq!(component_sealed(super::super::wasm::engine(), EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
+        assert_eq!(component_sealed(engine(), EMPTY_COMPONENT, None).unwrap().1, Source::Compiled);
         // The cache holds entries only: no key.
         for e in std::fs::read_dir(cache.path()).unwrap() {
             let p = e.unwrap().path();

@@ -71,6 +71,14 @@ pub fn clean(s: &str, max: usize) -> String {
     out
 }
 
+/// Writes a plugin's log line to stderr, within its instance's budget
+/// ([`LogBudget`]: escaped, cut, rate-limited).
+pub fn log_line(budget: &LogBudget, plugin: &str, level: u32, msg: &str) {
+    if let Some(line) = budget.admit(plugin, level, msg) {
+        eprintln!("{line}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

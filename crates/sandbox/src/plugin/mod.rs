@@ -46,13 +46,7 @@ use ops::{CommPtr, HostSide};
 
 pub use harness_format::plugin::{Kind, Manifest, PluginRecord, PluginReport, Transport};
 
-/// Writes a plugin's log line to stderr, within its instance's budget
-/// ([`log::LogBudget`]: escaped, cut, rate-limited).
-pub fn log_line(budget: &log::LogBudget, plugin: &str, level: u32, msg: &str) {
-    if let Some(line) = budget.admit(plugin, level, msg) {
-        eprintln!("{line}");
-    }
-}
+pub use log::log_line;
 
 enum Artifact {
     Wasm(wasm::Artifact),
@@ -579,8 +573,7 @@ impl BatchPolicy for PluginBatch {
     }
 }
 
-/// A checkpoint policy's answer: snapshot, persist, steps to delete.
-pub type CheckpointAnswer = (bool, bool, Vec<u64>);
+pub use crate::strategy::CheckpointAnswer;
 
 /// A checkpoint-policy plugin behind the host's [`CheckpointPolicy`] trait.
 pub struct PluginCheckpoint {

@@ -688,4 +688,117 @@ mod tests {
         assert_eq!(ws, 1.0);
         assert_eq!(vals(&h, g), vec![1.0, 2.0]);
     }
+
+    /// Every op of the table, sized to take milliseconds to tens of
+    /// milliseconds on a CPU, timed (the best of three) against its
+    /// estimate: no op may take many times the time it is priced at, or a
+    /// plugin could run for that many times its deadline. Tensors of 8 MiB
+    /// at most, a few at a time.
+    #[test]
+    fn estimates_bound_the_measured_time_of_every_op() {
+        use super::super::budget::{cost, rate, time};
+        use harness_runtime::comm::SingleRank;
+        use std::time::{Duration, Instant};
+        /// How much longer than its estimate an op may take (machines under
+        /// load included); and what any op may take besides (fixed costs).
+        const FACTOR: f64 = 8.0;
+        const SLACK: Duration = Duration::from_millis(3);
+        const CPU: tch::Device = tch::Device::Cpu;
+        let _guard = tch::no_grad_guard();
+        let mut h = HostSide::new("timed", CPU, 2 << 30);
+        let mut comm = SingleRank::default();
+        // SAFETY: cleared at the end of the test while `comm` is borrowed.
+        h.set_comm(Some(unsafe { harness_runtime::comm::CommPtr::new(&mut comm) }));
+        let r = rate(CPU);
+        const N: i64 = 1 << 21;
+        let f32s = |h: &mut HostSide, n: i64| h.insert(Tensor::randn([n], (Kind::Float, CPU))).unwrap();
+        let a = f32s(&mut h, N);
+        let b = f32s(&mut h, N);
+        let m = h.insert(Tensor::randn([1024, 2048], (Kind::Float, CPU))).unwrap();
+        let view = h.exec(Op::Narrow, &[m], &[], &[1, 0, 1024], &[]).unwrap().ids[0];
+        let idx = h.insert(Tensor::randint(N, [1 << 19], (Kind::Int64, CPU))).unwrap();
+        let src = f32s(&mut h, 1 << 19);
+        let small = f32s(&mut h, 1 << 18);
+        let packed = h.insert(Tensor::randint(256, [N / 8], (Kind::Uint8, CPU))).unwrap();
+        let bytes = h.insert(Tensor::randint(256, [N / 2], (Kind::Uint8, CPU))).unwrap();
+        let sq = |h: &mut HostSide, n: i64, k: Kind| h.insert(Tensor::ones([n, n], (k, CPU))).unwrap();
+        let (mf, mh, ml) = (sq(&mut h, 384, Kind::Float), sq(&mut h, 256, Kind::Half), sq(&mut h, 256, Kind::Int64));
+        let tall = h.insert(Tensor::randn([1 << 15, 16], (Kind::Float, CPU))).unwrap();
+        let data = vec![0.5f32; N as usize];
+        use Op::*;
+        /// An op with its tensors, floats, integers and data.
+        type Call<'a> = (Op, Vec<u32>, Vec<f64>, Vec<i64>, &'a [f32]);
+        #[rustfmt::skip]
+        let calls: Vec<Call> = vec![
+            (Shape, vec![a], vec![], vec![], &[]), (Numel, vec![a], vec![], vec![], &[]),
+            (Dtype, vec![a], vec![], vec![], &[]), (Op::Device, vec![a], vec![], vec![], &[]),
+            (Assign, vec![a, b], vec![], vec![], &[]), (Duplicate, vec![a], vec![], vec![], &[]),
+            (Add, vec![a, b], vec![], vec![], &[]), (Sub, vec![a, b], vec![], vec![], &[]),
+            (Mul, vec![a, b], vec![], vec![], &[]), (Div, vec![a, b], vec![], vec![], &[]),
+            (AddScalar, vec![a], vec![2.0], vec![], &[]), (MulScalar, vec![a], vec![2.0], vec![], &[]),
+            (AddScalar, vec![packed], vec![2.0], vec![], &[]),
+            (Abs, vec![a], vec![], vec![], &[]), (Sign, vec![a], vec![], vec![], &[]),
+            (Floor, vec![a], vec![], vec![], &[]), (Sqrt, vec![a], vec![], vec![], &[]),
+            (LessThan, vec![a, b], vec![], vec![], &[]), (Cast, vec![a], vec![], vec![1], &[]),
+            (Cast, vec![a], vec![], vec![4], &[]), (Reshape, vec![view], vec![], vec![-1], &[]),
+            (Transpose, vec![m], vec![], vec![0, 1], &[]), (Narrow, vec![a], vec![], vec![0, 0, 5], &[]),
+            (Topk, vec![small], vec![], vec![10], &[]), (Topk, vec![small], vec![], vec![1 << 17], &[]),
+            (Gather, vec![a, idx], vec![], vec![], &[]), (ScatterAdd, vec![a, idx, src], vec![], vec![], &[]),
+            (Sum, vec![a], vec![], vec![], &[]), (Norm, vec![a], vec![], vec![], &[]),
+            (MeanAbs, vec![a], vec![], vec![], &[]), (Matmul, vec![mf, mf], vec![], vec![], &[]),
+            (Matmul, vec![mh, mh], vec![], vec![], &[]), (Matmul, vec![ml, ml], vec![], vec![], &[]),
+            (Orthonormalize, vec![tall], vec![], vec![], &[]), (PackSigns, vec![a], vec![], vec![], &[]),
+            (UnpackSigns, vec![packed], vec![], vec![N], &[]), (UnpackSigns, vec![packed], vec![], vec![0], &[]),
+            (ReadF32, vec![a], vec![], vec![], &[]), (ReadF32, vec![bytes], vec![], vec![], &[]),
+            (ReadF32, vec![view], vec![], vec![], &[]),
+            (Zeros, vec![a], vec![], vec![0, N], &[]), (RandUniform, vec![a], vec![], vec![1, N], &[]),
+            (RandNormal, vec![a], vec![], vec![1, N], &[]), (RandIndices, vec![a], vec![], vec![N / 2, 10, 1], &[]),
+            (FromF32, vec![a], vec![], vec![N], &data), (Rank, vec![], vec![], vec![], &[]),
+            (WorldSize, vec![], vec![], vec![], &[]), (AllReduceSum, vec![a], vec![], vec![], &[]),
+            (Broadcast, vec![a], vec![], vec![0], &[]), (AllGather, vec![a], vec![], vec![], &[]),
+            (ReduceScatterSum, vec![a], vec![], vec![], &[]), (DataPtr, vec![a], vec![], vec![], &[]),
+            (CudaStream, vec![], vec![], vec![], &[]),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        let mut worst = (0.0f64, String::new());
+        for (op, ids, floats, ints, data) in &calls {
+            seen.insert(*op as u32);
+            let inputs: Vec<Tensor> = ids.iter().map(|&i| h.get(i).unwrap().shallow_clone()).collect();
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let estimate = time(&cost(*op, &refs, ints, data.len(), 1).unwrap(), r);
+            // The best of three runs; again, twice at most, when that is
+            // over the bound (tests running beside this one on a loaded
+            // machine can stall a run many times over; an op priced too
+            // low is over it every time).
+            let mut best = Duration::MAX;
+            for attempt in 0..3 {
+                for _ in 0..3 {
+                    let t0 = Instant::now();
+                    let out = h.exec(*op, ids, floats, ints, data).unwrap_or_else(|e| panic!("{op:?}: {e:#}"));
+                    best = best.min(t0.elapsed());
+                    out.ids.iter().for_each(|&i| h.remove(i));
+                }
+                if best.as_secs_f64() <= FACTOR * estimate.as_secs_f64() + SLACK.as_secs_f64() || attempt == 2 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let what =
+                format!("{op:?} on {:?} {ints:?}: measured {best:?}, estimated {estimate:?}", refs.first().map(|t| (t.kind(), t.size())));
+            eprintln!("{what}");
+            let ratio = best.as_secs_f64() / estimate.as_secs_f64().max(1e-9);
+            if best > SLACK && ratio > worst.0 {
+                worst = (ratio, what.clone());
+            }
+            assert!(
+                best.as_secs_f64() <= FACTOR * estimate.as_secs_f64() + SLACK.as_secs_f64(),
+                "{what}: more than {FACTOR} times its estimate"
+            );
+        }
+        h.set_comm(None);
+        eprintln!("the worst ratio of measured to estimated time: {:.2} ({})", worst.0, worst.1);
+        // The whole table was timed.
+        let missing: Vec<Op> = Op::ALL.iter().copied().filter(|op| !seen.contains(&(*op as u32))).collect();
+        assert!(missing.is_empty(), "ops not timed: {missing:?}");
+    }
 }

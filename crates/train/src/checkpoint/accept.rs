@@ -4,7 +4,9 @@
 //! dtypes and shapes, hence the files' sizes), and the range of every field
 //! of its manifest ([`Bounds`]). The folder is read as a hostile one:
 //! anything else is refused ([`Refused`]), naming the checkpoint folder and
-//! the field.
+//! the field. The files' sizes follow from the safetensors header
+//! ([`dtype_name`], [`header_json`]), which the writer makes with the same
+//! two functions.
 
 use std::collections::BTreeMap;
 use std::fmt::Display;
@@ -14,7 +16,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::{header_json, Position, Snapshot};
+use super::snapshot::{Position, Snapshot};
 
 /// The largest `lr_scale` a batch policy may ask for, and a checkpoint
 /// hold: `lr_scale` follows the batch relative to a start batch
@@ -236,7 +238,7 @@ impl FileLayout<'_> {
         let total = self.max_data();
         let at = [total, total];
         let mut entries: Vec<(String, &str, Vec<i64>, [u64; 2])> =
-            self.specs.iter().map(|s| (s.name.clone(), super::dtype_name(s.kind).unwrap_or("F64"), s.shape.clone(), at)).collect();
+            self.specs.iter().map(|s| (s.name.clone(), dtype_name(s.kind).unwrap_or("F64"), s.shape.clone(), at)).collect();
         let cap = i64::try_from(self.plugin_cap).unwrap_or(i64::MAX);
         entries.extend(self.plugins.iter().map(|p| (format!("plugin/{p}"), "U8", vec![cap], at)));
         (8 + header_json(&entries).len() as u64).saturating_add(total)
@@ -251,7 +253,7 @@ impl FileLayout<'_> {
         let mut at = 0;
         let mut entries = Vec::new();
         for s in self.specs {
-            entries.push((s.name.clone(), super::dtype_name(s.kind).ok()?, s.shape.clone(), [at, at + s.bytes()]));
+            entries.push((s.name.clone(), dtype_name(s.kind).ok()?, s.shape.clone(), [at, at + s.bytes()]));
             at += s.bytes();
         }
         Some(8 + header_json(&entries).len() as u64 + at)
@@ -406,4 +408,35 @@ impl Bounds {
 pub struct Accept {
     pub layout: Layout,
     pub bounds: Bounds,
+}
+
+/// The safetensors dtype of a tensor kind.
+pub(super) fn dtype_name(kind: Kind) -> Result<&'static str> {
+    Ok(match kind {
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        k => anyhow::bail!("a checkpoint cannot hold {k:?} tensors"),
+    })
+}
+
+/// The JSON header of a safetensors file holding `entries` (name, dtype,
+/// shape, data offsets), padded to 8 bytes.
+pub(super) fn header_json(entries: &[(String, &str, Vec<i64>, [u64; 2])]) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    for (name, dtype, shape, at) in entries {
+        header.insert(name.clone(), serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": at }));
+    }
+    let mut json = serde_json::to_vec(&header).expect("a header serialises");
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    json
 }

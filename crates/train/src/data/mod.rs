@@ -26,11 +26,13 @@ use tch::{Device, Kind, Tensor};
 
 pub mod images;
 pub mod pairs;
+mod sample;
 
 use harness_format::suite::floor::{markov_entropy_rate, MarkovTransitions, DEFAULT_DATA_SEED};
 use harness_format::suite::{DataSpec, Pipeline, DEFAULT_BIN_VOCAB};
 use images::{DeviceImages, ImageSample, ImageSource, ImageSpec};
 pub use pairs::Translation;
+use sample::{sample_rng, upload};
 
 /// Magic number of llm.c token files.
 pub const LLMC_MAGIC: i32 = 20240520;
@@ -259,13 +261,6 @@ struct Prefetch {
     /// Index of the next sample to hand out.
     next: u64,
     workers: Vec<std::thread::JoinHandle<()>>,
-}
-
-/// The generator of sample `i` of the stream seeded `seed`.
-pub(crate) fn sample_rng(seed: u64, i: u64) -> ChaCha8Rng {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(i);
-    rng
 }
 
 impl Prefetch {
@@ -817,19 +812,6 @@ fn check_split(file: &TokenFile, range: (usize, usize), t: usize, vocab: u32) ->
         }
     }
     Ok(())
-}
-
-/// Host-to-device copy through pinned memory, asynchronous on CUDA so the
-/// host can prepare the next batch while the device trains.
-pub(crate) fn upload(t: Tensor, device: Device) -> Tensor {
-    match device {
-        Device::Cpu => t,
-        d => match harness_kernels::torch_ext::pin_memory(&t) {
-            Ok(p) => p.to_device_(d, t.kind(), true, false),
-            // Pinned memory can run out; a synchronous copy still works.
-            Err(_) => t.to_device(d),
-        },
-    }
 }
 
 /// A standard normal sample (Box-Muller).

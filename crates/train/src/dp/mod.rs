@@ -27,6 +27,7 @@ use harness_kernels::torch_ext;
 use harness_runtime::comm::Collective;
 use harness_sandbox::strategy::Compressor;
 use overlap::{reducible_grads, start_average, Overlap, StaleBuffers};
+pub use plan::ZeroStage;
 
 impl Drop for DataParallel {
     fn drop(&mut self) {
@@ -42,46 +43,6 @@ impl Drop for DataParallel {
                 let _ = unsafe { torch_ext::set_grad_ready_hook(p, None, std::ptr::null_mut(), 0) };
             }
         }
-    }
-}
-
-/// How the optimizer state and gradients are partitioned over the ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ZeroStage {
-    /// Plain DDP: every rank holds everything; gradients are all-reduced by the compressor.
-    None,
-    /// ZeRO-1: optimizer state is sharded. The full gradient buffers stay
-    /// allocated for the whole run, as in DDP.
-    One,
-    /// ZeRO-2: optimizer state and reduced gradients are sharded: the full
-    /// gradient buffers are released right after their reduce-scatter and
-    /// allocated again before the next step's first backward pass.
-    ///
-    /// With the overlap on, each bucket is reduce-scattered from the
-    /// gradient hooks as soon as its gradients are complete, beside the rest
-    /// of the backward pass; the buffers are released after the pass, behind
-    /// the wait for those collectives. So the full local gradient still
-    /// exists from the first backward pass of a step to the end of the last,
-    /// and the peak of the backward pass is the same as with stage 1. What
-    /// stage 2 saves over stage 1 is the full gradient buffers during the
-    /// optimizer step, the parameter all-gather, evaluation and the next
-    /// step's forward pass.
-    Two,
-}
-
-impl ZeroStage {
-    /// The stage of a suite's `zero` key (0, 1 or 2).
-    pub fn from_level(level: u8) -> anyhow::Result<ZeroStage> {
-        Ok(match level {
-            0 => ZeroStage::None,
-            1 => ZeroStage::One,
-            2 => ZeroStage::Two,
-            other => anyhow::bail!("ZeRO stage {other} does not exist (0, 1 or 2)"),
-        })
-    }
-
-    fn sharded(self) -> bool {
-        self != ZeroStage::None
     }
 }
 

@@ -12,7 +12,7 @@ use tch::Device;
 use super::Trained;
 use super::{Evaluation, Pending, Training};
 use crate::batch::Batch;
-use crate::{EntryContext, EntryOutput};
+use crate::entry::{EntryContext, EntryOutput};
 use harness_format::results::{CollectiveOpRecord, MemoryRecord, Metrics, RankRecord, ResilienceRecord};
 use harness_format::suite::Recompute;
 use harness_kernels::torch_ext;

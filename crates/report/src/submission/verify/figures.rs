@@ -29,7 +29,8 @@
 
 use std::collections::BTreeMap;
 
-use super::{close, Suite, Verdict};
+use super::verdict::close;
+use super::{Suite, Verdict};
 use harness_format::histogram::LatencySummary;
 use harness_format::link::Op;
 use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult};

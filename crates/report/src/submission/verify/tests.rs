@@ -620,3 +620,45 @@ fn reasons_quote_what_the_bundle_chose_without_sending_it_to_the_terminal() {
     assert!(text.contains(r"`w\u{1b}[2J` is not a workload"), "{text}");
     assert!(text.contains(r"x\u{1b}]0;t\u{7}.bundle: NOT verified"), "{text}");
 }
+
+/// Issue 60: a CPU-class bundle made with libtorch's kernels at the
+/// CPU's own level (AVX-512 here) verified, and its rerun on an
+/// AVX2-only CPU differed in 6 evaluations. The reference `topk`
+/// bundle of the CPU class, its fingerprint without `cpu_kernels` (as
+/// harness wrote it before it held them) and then with them pinned,
+/// the manifest rehashed each time as a forger would.
+#[test]
+fn a_cpu_class_bundle_whose_fingerprint_lacks_the_pinned_kernels_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cpu.bundle");
+    copy_dir(&repo().join("results/cpu/submissions/1.2/compression-topk.bundle"), &dir);
+    let inspect = crate::test_support::inspect_as("topk", "0.1.0");
+    let with_kernels = |kernels: Option<serde_json::Value>| {
+        let mut r: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(RESULT)).unwrap()).unwrap();
+        match kernels {
+            Some(k) => r["machine"]["cpu_kernels"] = k,
+            None => _ = r["machine"].as_object_mut().unwrap().remove("cpu_kernels"),
+        }
+        std::fs::write(dir.join(RESULT), serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+        std::fs::write(dir.join(MACHINE), serde_json::to_vec_pretty(&r["machine"]).unwrap()).unwrap();
+        let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(MANIFEST)).unwrap()).unwrap();
+        for f in m["files"].as_array_mut().unwrap() {
+            let bytes = std::fs::read(dir.join(f["path"].as_str().unwrap())).unwrap();
+            f["sha256"] = sha256_hex(&bytes).into();
+            f["bytes"] = bytes.len().into();
+        }
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let v = verify(&dir, &inspect);
+        (v.verified(), render(&dir, &v))
+    };
+    let (verified, text) = with_kernels(None);
+    assert!(!verified, "{text}");
+    assert!(text.contains("violation [hardware]: the fingerprint records no CPU kernels (`machine.cpu_kernels`"), "{text}");
+    let avx512 = serde_json::json!({ "aten": "avx512", "variables": {}, "avx2_fma": true });
+    let (verified, text) = with_kernels(Some(avx512));
+    assert!(!verified, "{text}");
+    assert!(text.contains("libtorch's CPU kernels were not held to the CPU class's level (`machine.cpu_kernels`: ATen `avx512`"), "{text}");
+    let pinned = serde_json::to_value(harness_format::machine::CpuKernels::pinned()).unwrap();
+    let (verified, text) = with_kernels(Some(pinned));
+    assert!(verified, "the same bundle with the class's kernels verifies:\n{text}");
+}

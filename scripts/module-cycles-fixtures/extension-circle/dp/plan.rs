@@ -1,0 +1,6 @@
+pub enum Stage {
+    One,
+}
+pub fn size() -> usize {
+    super::padded(2)
+}

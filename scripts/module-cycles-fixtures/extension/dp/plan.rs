@@ -1,0 +1,3 @@
+pub enum Stage {
+    One,
+}

@@ -1,0 +1,3 @@
+pub fn f() -> crate::Handle {
+    crate::open()
+}

@@ -1,0 +1,9 @@
+pub fn g() {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn t() {
+        super::super::c::h()
+    }
+}

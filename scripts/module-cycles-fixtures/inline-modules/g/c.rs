@@ -1,0 +1,3 @@
+pub fn h() {
+    super::b::g()
+}

@@ -1,0 +1,2 @@
+mod b;
+mod c;

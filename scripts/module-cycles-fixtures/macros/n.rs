@@ -1,0 +1,3 @@
+pub fn work() {
+    crate::m::helper()
+}

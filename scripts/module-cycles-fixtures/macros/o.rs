@@ -1,0 +1,6 @@
+pub fn x() {
+    println!("{}", crate::p::val());
+}
+pub fn y() -> bool {
+    true
+}

@@ -1,0 +1,4 @@
+pub fn val() -> u8 {
+    assert!(crate::o::y());
+    1
+}

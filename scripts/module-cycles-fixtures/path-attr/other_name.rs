@@ -1,0 +1,3 @@
+pub fn r() {
+    crate::plain::p()
+}

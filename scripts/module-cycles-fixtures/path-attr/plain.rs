@@ -1,0 +1,4 @@
+pub fn p() {}
+pub fn q() {
+    super::renamed::r()
+}

@@ -1,0 +1,4 @@
+pub struct Delta;
+pub fn h() {
+    crate::d::k()
+}

@@ -1,0 +1,4 @@
+use crate::Delta;
+pub fn k() {
+    let _ = Delta;
+}

@@ -1,0 +1,3 @@
+pub fn g() -> u8 {
+    super::SHARED
+}

@@ -1,0 +1,1 @@
+pub fn uses_only(_: &crate::Context) {}
