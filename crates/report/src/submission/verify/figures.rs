@@ -31,10 +31,33 @@ use std::collections::BTreeMap;
 
 use super::verdict::close;
 use super::{Suite, Verdict};
+#[cfg(test)]
+use crate::metric::Metric;
 use harness_format::histogram::LatencySummary;
 use harness_format::link::Op;
 use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult};
 use harness_format::suite::{DataSpec, ModelConfig, ModelKind, PlanEntry, Workload};
+
+/// The records rule 9 works each metric of the boards out again from. An
+/// exhaustive match: with a new [`Metric`] the tests (which `./x test`
+/// builds) do not compile until it says here where its figure comes from,
+/// and the test
+/// `every_metric_forged_alone_is_refused_by_rule_9` forges each one alone,
+/// so that a metric whose check was forgotten fails it (one that no record
+/// bounds would have to say so here, and the test with it).
+#[cfg(test)]
+pub(super) fn worked_out_from(m: Metric) -> &'static str {
+    match m {
+        Metric::TimeToTarget => "the first evaluation at the target on the eval curve",
+        Metric::TokensPerS => "the batches in force x seq_len x ranks over the step histogram's time",
+        Metric::StepP50 | Metric::StepP99 | Metric::StepP999 => "the step histogram",
+        Metric::Mfu => "the suite's model's FLOPs per token and the throughput",
+        Metric::BytesPerStep => "the per-collective records",
+        Metric::Goodput => "the steps and the train time",
+        Metric::EvalAccuracy => "the accuracy curve's last point",
+        Metric::PeakMemory => "rank 0's memory record, which the entry's peak is taken from",
+    }
+}
 
 const TODO: &str = "submit the result of the run as it was written: verify works these figures out again from the records they come from";
 

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use super::*;
+use crate::metric::Metric;
 use crate::test_support::copy_dir;
 
 fn repo() -> PathBuf {
@@ -61,9 +62,14 @@ struct Forge {
 
 impl Forge {
     fn new() -> Forge {
+        Forge::of(REAL)
+    }
+
+    /// A copy of the bundle `bundle` (a path in the repository).
+    fn of(bundle: &str) -> Forge {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("forged.bundle");
-        copy_dir(&repo().join(REAL), &dir);
+        copy_dir(&repo().join(bundle), &dir);
         Forge { _tmp: tmp, dir }
     }
 
@@ -661,4 +667,53 @@ fn a_cpu_class_bundle_whose_fingerprint_lacks_the_pinned_kernels_is_refused() {
     let pinned = serde_json::to_value(harness_format::machine::CpuKernels::pinned()).unwrap();
     let (verified, text) = with_kernels(Some(pinned));
     assert!(verified, "the same bundle with the class's kernels verifies:\n{text}");
+}
+
+/// The field of a submission entry that holds `m`'s figure, and a bundle
+/// whose entries record it (goodput: a checkpointing run's).
+fn recorded_at(m: Metric) -> (&'static str, &'static str) {
+    const CHECKPOINTING: &str = "results/cpu/submissions/1.2/checkpointing-every-n.bundle";
+    match m {
+        Metric::TimeToTarget => (REAL, "/metrics/time_to_target_s"),
+        Metric::TokensPerS => (REAL, "/metrics/tokens_per_s"),
+        Metric::StepP50 => (REAL, "/metrics/step/p50_ms"),
+        Metric::StepP99 => (REAL, "/metrics/step/p99_ms"),
+        Metric::StepP999 => (REAL, "/metrics/step/p999_ms"),
+        Metric::Mfu => (REAL, "/metrics/mfu"),
+        Metric::PeakMemory => (REAL, "/metrics/memory/peak_device_allocated_bytes"),
+        Metric::BytesPerStep => (REAL, "/metrics/bytes_on_wire"),
+        Metric::Goodput => (CHECKPOINTING, "/metrics/goodput_steps_per_s"),
+        Metric::EvalAccuracy => (REAL, "/metrics/final_eval_accuracy"),
+    }
+}
+
+/// Issue 62: "A new metric must also be added to `verify/figures.rs`, or
+/// bundle verification silently weakens." Each metric the boards show,
+/// forged alone (x 1.5 in every submission entry that records it, the
+/// manifest rehashed), is refused by rule 9 itself.
+#[test]
+fn every_metric_forged_alone_is_refused_by_rule_9() {
+    for m in Metric::ALL {
+        let (bundle, at) = recorded_at(m);
+        let f = Forge::of(bundle);
+        let mut forged = 0;
+        f.result(|r| {
+            for e in submission_entries(r) {
+                if let Some(x) = e.pointer_mut(at).filter(|x| x.is_number()) {
+                    let v = x.as_f64().unwrap() * 1.5;
+                    *x = if x.is_u64() { serde_json::Value::from(v as u64) } else { serde_json::Value::from(v) };
+                    forged += 1;
+                }
+            }
+        })
+        .rehash();
+        assert!(forged > 0, "{m:?}: {bundle} records no {at} to forge");
+        let v = f.verify();
+        let from = figures::worked_out_from(m);
+        assert!(
+            v.violations.iter().any(|x| x.rule == "figures"),
+            "{m:?} ({at}) forged alone is not refused by rule 9, which says it works it out from {from}:\n{}",
+            render(&f.dir, &v)
+        );
+    }
 }
