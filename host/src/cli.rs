@@ -305,7 +305,7 @@ pub struct CheckpointReadArgs {
 #[derive(Debug, Args)]
 pub struct PluginNewArgs {
     /// compressor, batch-policy or checkpoint-policy.
-    #[arg(value_parser = ["compressor", "batch-policy", "checkpoint-policy"])]
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(crate::suite::TRACK_KINDS))]
     pub kind: String,
     /// The plugin's name (a folder of that name is created).
     pub name: String,

@@ -19,6 +19,9 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Every kind, in the order docs and messages list them.
+    pub const ALL: [Kind; 3] = [Kind::Compressor, Kind::BatchPolicy, Kind::CheckpointPolicy];
+
     /// The WIT world name.
     pub fn name(self) -> &'static str {
         match self {
@@ -155,6 +158,12 @@ pub fn head_hex(bytes: &[u8], n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_strategy_kinds_are_the_plugin_kinds_names() {
+        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names, crate::suite::TRACK_KINDS);
+    }
 
     #[test]
     fn artifacts_are_told_apart_by_their_first_bytes() {

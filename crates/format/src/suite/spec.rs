@@ -852,8 +852,10 @@ impl Strategy {
     }
 }
 
-/// The strategy kinds a `[[track]]` can take submissions of (the plugin
-/// kinds' names).
+/// The strategy kinds: what a `[[plugin]]` table's `kind`, a `[[track]]`,
+/// `--plugin KIND=PATH` and `harness plugin new KIND` take; the plugin
+/// kinds' names (`crate::plugin::Kind::ALL`, a test checks), the one list
+/// that validation, the standard suites and the command line read.
 pub const TRACK_KINDS: &[&str] = &["compressor", "batch-policy", "checkpoint-policy"];
 
 /// Built-in strategy names (`[[plugin]]` names extend these).

@@ -763,12 +763,8 @@ impl Checker<'_> {
                 );
             }
             if let Some(k) = &p.kind {
-                if !["compressor", "batch-policy", "checkpoint-policy"].contains(&k.as_str()) {
-                    self.err(
-                        &at("kind"),
-                        format!("unknown plugin kind `{k}`"),
-                        Some("one of: compressor, batch-policy, checkpoint-policy".into()),
-                    );
+                if !TRACK_KINDS.contains(&k.as_str()) {
+                    self.err(&at("kind"), format!("unknown plugin kind `{k}`"), Some(format!("one of: {}", TRACK_KINDS.join(", "))));
                 }
             }
             if let Some(h) = &p.sha256 {
