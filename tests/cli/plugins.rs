@@ -484,6 +484,12 @@ fn plugin_test_passes_a_reference_compressor() {
     let bucket = text.lines().find(|l| cells(l).first().map(String::as_str) == Some("65536")).unwrap_or_else(|| panic!("{text}"));
     assert_eq!(cells(bucket)[2..], ["52432", "262144", "0.2000"], "{bucket}");
     assert!(!text.contains("FAILED"), "{text}");
+    // The third party's sign-vote (error feedback) saves its residuals: the
+    // kit found it did not (resumed steps differed), and now it passes.
+    let out = run_ok(harness(dir.path()).args(["plugin", "test"]).arg(artifact("sign-vote.wasm")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| cells(l).first().map(String::as_str) == Some("state save/load")).unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(cells(row)[1], "pass", "{text}");
 }
 
 /// A compressor whose ranks drift apart (the hostile fixture's `diverge`:

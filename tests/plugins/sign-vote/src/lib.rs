@@ -12,6 +12,9 @@ use harness_sdk::{tensor, BucketInfo, Collective, Compressor, Config, Error, Plu
 pub struct SignVote {
     /// Per bucket: what the sent signs left out, added back next step.
     residual: HashMap<u32, Tensor>,
+    /// Residuals loaded from a checkpoint, made tensors on the bucket's
+    /// device at the bucket's next call.
+    loaded: HashMap<u32, Vec<f32>>,
     error_feedback: bool,
 }
 
@@ -21,7 +24,38 @@ impl Plugin for SignVote {
 
     fn configure(config: &Config) -> Result<Self, Error> {
         config.check_keys(&["error_feedback"])?;
-        Ok(SignVote { residual: HashMap::new(), error_feedback: config.get_or("error_feedback", true)? })
+        Ok(SignVote { residual: HashMap::new(), loaded: HashMap::new(), error_feedback: config.get_or("error_feedback", true)? })
+    }
+
+    /// The residuals, so that a run resumed from a checkpoint adds back
+    /// what the uninterrupted run would: per bucket, its index and element
+    /// count (little-endian u32, u64) and its f32 values.
+    fn state_save(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut all: Vec<(u32, Vec<f32>)> = self.residual.iter().map(|(&i, r)| (i, r.read_f32())).collect();
+        all.extend(self.loaded.iter().map(|(&i, v)| (i, v.clone())));
+        all.sort_by_key(|(i, _)| *i);
+        for (i, values) in all {
+            out.extend(i.to_le_bytes());
+            out.extend((values.len() as u64).to_le_bytes());
+            values.iter().for_each(|v| out.extend(v.to_le_bytes()));
+        }
+        out
+    }
+
+    fn state_load(&mut self, mut state: &[u8]) -> Result<(), Error> {
+        self.residual.clear();
+        self.loaded.clear();
+        while !state.is_empty() {
+            let (head, rest) = state.split_at_checked(12).ok_or("sign-vote: a truncated residual in the saved state")?;
+            let index = u32::from_le_bytes(head[..4].try_into().unwrap());
+            let n = usize::try_from(u64::from_le_bytes(head[4..].try_into().unwrap())).map_err(|_| "sign-vote: a residual too large")?;
+            let bytes = n.checked_mul(4).filter(|&b| b <= rest.len()).ok_or("sign-vote: a truncated residual in the saved state")?;
+            let values = rest[..bytes].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            self.loaded.insert(index, values);
+            state = &rest[bytes..];
+        }
+        Ok(())
     }
 }
 
@@ -30,6 +64,9 @@ impl Compressor for SignVote {
         let n = bucket.numel();
         let world = u64::from(comm.world_size());
         let flat = bucket.reshape(&[-1]);
+        if let Some(values) = self.loaded.remove(&info.index) {
+            self.residual.insert(info.index, tensor::from_f32(&values, &[values.len() as u64], bucket));
+        }
         let acc = match self.residual.remove(&info.index) {
             Some(r) if r.numel() == n => flat.add(&r),
             _ => flat.duplicate(),
