@@ -45,12 +45,6 @@ pub struct Timed {
     pub loop_mean_ns: Option<f64>,
 }
 
-/// The name the bench gives the artifact at `path` (errors name the
-/// plugin by it): its file name.
-fn name(path: &Path) -> String {
-    path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
-}
-
 fn spec(path: &Path, name: String) -> PluginSpec {
     PluginSpec { name, path: path.to_owned(), sha256: None, version: None, kind: None, memory_mb: 64, deadline_ms: 10_000, tensor_mb: 64 }
 }
@@ -183,22 +177,16 @@ pub fn run(paths: &[PathBuf], calls: Calls, evict_mb: usize, stage: &mut dyn FnM
                 let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
                 Err(anyhow::anyhow!("harness panicked timing it: {}", msg.unwrap_or("(no message)")))
             });
-        rows.push(Row { path: path.clone(), timed: timed.map_err(|e| first_line(&format!("{e:#}"))) });
+        rows.push(Row { path: path.clone(), timed: timed.map_err(|e| super::first_line(&format!("{e:#}"))) });
         stage(Stage::Done(path));
     }
     rows
 }
 
-/// The line of an artifact's error that the bench shows: the first that
-/// is not empty (what follows quotes the plugin's stderr, or a backtrace).
-fn first_line(error: &str) -> String {
-    error.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
-}
-
 /// Loads the artifact at `path` and times its hook.
 fn time_artifact(path: &Path, calls: Calls, evict: &mut Option<Evict>, timing: &mut dyn FnMut(u64)) -> Result<Timed> {
     let abs = std::fs::canonicalize(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let name = name(path);
+    let name = super::artifact_name(path);
     let set = PluginSet::new(&[spec(&abs, name.clone())], Path::new("/"));
     let m = set.check_all().remove(0).map_err(anyhow::Error::msg)?;
     let telemetry = |i: u64| StepTelemetry { step: i + 1, micro_batch: 8, accum_steps: 1, world_size: 1, ..Default::default() };
@@ -267,7 +255,7 @@ pub fn table(rows: &[Row]) -> String {
         let r = match &row.timed {
             Ok(r) => r,
             Err(e) => {
-                failed += &format!("FAILED {}: {e}\n", name(&row.path));
+                failed += &format!("FAILED {}: {e}\n", super::artifact_name(&row.path));
                 t.add_row([artifact.as_str(), "-", "FAILED (below)", "-", "-", "-", "-", "-", "-"]);
                 continue;
             }

@@ -48,6 +48,18 @@ pub use harness_format::plugin::{Kind, Manifest, PluginRecord, PluginReport, Tra
 
 pub use log::log_line;
 
+/// The name of an artifact that no suite names (`plugin bench`, `plugin
+/// test`; errors name the plugin by it): its file name.
+fn artifact_name(path: &Path) -> String {
+    path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// The line of an error that a table shows: the first that is not empty
+/// (what follows quotes the plugin's stderr, or a backtrace).
+fn first_line(error: &str) -> String {
+    error.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
+}
+
 enum Artifact {
     Wasm(wasm::Artifact),
     Native(native::Artifact),

@@ -142,7 +142,7 @@ pub fn run(path: &Path, config: &toml::Table, ranks: usize) -> Report {
         buckets: Vec::new(),
         passed: false,
     };
-    let name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let name = super::artifact_name(path);
     let loaded = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display())).and_then(|abs| {
         let set = PluginSet::new(&[spec(&abs, &name)], Path::new("/"));
         let m = set.check_all().remove(0)?;
@@ -151,7 +151,7 @@ pub fn run(path: &Path, config: &toml::Table, ranks: usize) -> Report {
     let (set, manifest) = match loaded {
         Ok(l) => l,
         Err(e) => {
-            report.checks.push(Check::fail("load", first_line(&e)));
+            report.checks.push(Check::fail("load", super::first_line(&e)));
             return report;
         }
     };
@@ -184,12 +184,6 @@ fn spec(path: &Path, name: &str) -> PluginSpec {
     s
 }
 
-/// The first line of an error that is not empty (what follows quotes the
-/// plugin's stderr, or a backtrace).
-fn first_line(error: &str) -> String {
-    error.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
-}
-
 /// What a plugin's failed call said.
 enum Said {
     /// It returned an error: its own message.
@@ -211,7 +205,7 @@ impl Said {
 /// [`super::Plugin::call`] writes before the plugin's message) or why it
 /// failed.
 fn said(e: &anyhow::Error, call: &str) -> Said {
-    let msg = first_line(&format!("{e:#}"));
+    let msg = super::first_line(&format!("{e:#}"));
     if let Some((_, m)) = msg.split_once(&format!(" returned an error from `{call}`: ")) {
         return Said::Refused(m.to_owned());
     }
@@ -275,7 +269,7 @@ impl Kit {
     /// `e`'s message, the plugin named "it" (the table names it once, on
     /// top), first line only.
     fn message(&self, e: &str) -> String {
-        first_line(e).replace(&self.who, "it")
+        super::first_line(e).replace(&self.who, "it")
     }
 
     /// Saves each rank's state after [`COMPRESSOR_SAVE_AFTER`] steps, loads
