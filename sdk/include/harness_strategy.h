@@ -1,11 +1,13 @@
 /*
  * harness_strategy.h: the native plugin ABI of harness, the C mirror of the
- * WIT contract harness:strategy@0.1.0 (sdk/wit/strategy.wit).
+ * WIT contract harness:strategy@0.2.0 (sdk/wit/strategy.wit).
  *
  * A native plugin is a shared library exporting the functions declared at
  * the end of this file. The host calls harness_abi_version() before any other
- * symbol and refuses a library whose version differs from its own, naming
- * both. Native plugins are trusted code: they run unsandboxed in the host
+ * symbol and refuses a library whose version it does not speak, naming
+ * both. Hosts of ABI version 2 (contract 0.2) load libraries of version 1
+ * (contract 0.1) as before: the same declarations without
+ * harness_compress_setup, and the host's table says version 1 to them. Native plugins are trusted code: they run unsandboxed in the host
  * process and results label them "native (unsandboxed)".
  *
  * Tensors are uint64_t handles owned by the host; 0 is no tensor. Every host
@@ -52,8 +54,8 @@
 extern "C" {
 #endif
 
-/* major << 16 | minor of the contract (0.1). */
-#define HARNESS_ABI_VERSION 1
+/* major << 16 | minor of the contract (0.2). */
+#define HARNESS_ABI_VERSION 2
 
 /* Status codes of plugin exports and of harness_host.op. */
 #define HARNESS_STATUS_OK 0
@@ -161,6 +163,26 @@ typedef struct harness_bucket_info {
     uint32_t count;
 } harness_bucket_info;
 
+/* Since ABI 2: one parameter's gradient in a bucket. Pointers are valid
+ * during harness_compress_setup only: copy what you keep. */
+typedef struct harness_param_slot {
+    const uint8_t *name; /* e.g. "h.3.attn.qkv.weight" (UTF-8, not NUL-terminated) */
+    size_t name_len;
+    const uint64_t *shape;
+    size_t ndim;
+    uint64_t offset; /* of its first element in the bucket, in elements */
+    uint64_t numel;
+    uint32_t dtype;  /* HARNESS_DTYPE_* */
+    uint8_t weight;  /* 1: a weight matrix (two or more dimensions) */
+} harness_param_slot;
+
+/* Since ABI 2: what a bucket holds, its parameters by ascending offset. */
+typedef struct harness_bucket_layout {
+    uint64_t numel;
+    const harness_param_slot *params;
+    size_t n_params;
+} harness_bucket_layout;
+
 typedef struct harness_batch {
     uint32_t micro_batch;
     uint32_t accum_steps;
@@ -246,6 +268,10 @@ int32_t harness_plugin_state_load(void *self, const uint8_t *data, size_t len);
 
 /* Exported by the plugin of the matching kind. */
 int32_t harness_compress(void *self, uint64_t bucket, const harness_bucket_info *info);
+/* Since ABI 2, required of a compressor: the layout of its n buckets
+ * (indexed by harness_bucket_info.index), once, after configure and before
+ * harness_plugin_state_load and the first harness_compress. */
+int32_t harness_compress_setup(void *self, const harness_bucket_layout *buckets, size_t n);
 int32_t harness_batch_initial(void *self, const harness_batch *configured, harness_batch *out);
 int32_t harness_batch_next(void *self, const harness_step_telemetry *t, harness_batch *out);
 /* Optional (a library without it is taken to answer 0). Sets *out to 1 when

@@ -4,7 +4,9 @@
 //! C and C++ authors (a test checks the two agree). A native plugin is a
 //! shared library that exports the `harness_*` functions below; the host
 //! calls `harness_abi_version` before any other symbol and refuses a library
-//! whose version differs from [`ABI_VERSION`].
+//! whose version is neither [`ABI_VERSION`] nor [`ABI_VERSION_0_1`] (a
+//! library of contract 0.1 loads as it did: its compressor is not told the
+//! buckets' layout).
 //!
 //! Tensors are `u64` handles owned by the host. Every host call goes through
 //! one function, [`Host::op`], with an [`Op`] code: the codes map one to one
@@ -18,8 +20,12 @@
 use std::ffi::c_void;
 
 /// The ABI version: `major << 16 | minor` of the contract
-/// (`harness:strategy@0.1.1` is 0.1).
-pub const ABI_VERSION: u32 = 1;
+/// (`harness:strategy@0.2.0` is 0.2, version 2).
+pub const ABI_VERSION: u32 = 2;
+
+/// The ABI version of contract 0.1, which hosts still load: the same
+/// symbols, without `harness_compress_setup`.
+pub const ABI_VERSION_0_1: u32 = 1;
 
 /// Success.
 pub const STATUS_OK: i32 = 0;
@@ -336,6 +342,41 @@ pub struct BucketInfo {
     pub count: u32,
 }
 
+/// The WIT `param-slot` (since ABI 2, contract 0.2): one parameter's
+/// gradient in a bucket. Pointers are valid during the call only.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ParamSlot {
+    /// The parameter's name (UTF-8, not NUL-terminated).
+    pub name: *const u8,
+    /// Bytes of `name`.
+    pub name_len: usize,
+    /// Its dimensions.
+    pub shape: *const u64,
+    /// Number of dimensions.
+    pub ndim: usize,
+    /// Offset of its first element in the bucket (elements).
+    pub offset: u64,
+    /// Its number of elements.
+    pub numel: u64,
+    /// Element type: an index into [`DTYPES`].
+    pub dtype: u32,
+    /// 1 for a weight matrix (two or more dimensions), else 0.
+    pub weight: u8,
+}
+
+/// The WIT `bucket-layout` (since ABI 2).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct BucketLayout {
+    /// Elements of the bucket.
+    pub numel: u64,
+    /// Its parameters, by ascending offset.
+    pub params: *const ParamSlot,
+    /// Number of `params`.
+    pub n_params: usize,
+}
+
 /// The WIT `batch`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -452,6 +493,8 @@ pub mod symbols {
     pub const STATE_SAVE: &[u8] = b"harness_plugin_state_save\0";
     pub const STATE_LOAD: &[u8] = b"harness_plugin_state_load\0";
     pub const COMPRESS: &[u8] = b"harness_compress\0";
+    /// Since ABI 2: required of a compressor of that version.
+    pub const COMPRESS_SETUP: &[u8] = b"harness_compress_setup\0";
     pub const BATCH_INITIAL: &[u8] = b"harness_batch_initial\0";
     pub const BATCH_NEXT: &[u8] = b"harness_batch_next\0";
     /// Optional: a batch policy without it does not want gradient
@@ -477,6 +520,8 @@ pub mod exports {
     pub type StateSave = unsafe extern "C" fn(this: *mut c_void, sink: Sink, sink_ctx: *mut c_void) -> i32;
     pub type StateLoad = unsafe extern "C" fn(this: *mut c_void, data: *const u8, len: usize) -> i32;
     pub type Compress = unsafe extern "C" fn(this: *mut c_void, bucket: u64, info: *const BucketInfo) -> i32;
+    /// The layout of every bucket, `n` of them (since ABI 2).
+    pub type CompressSetup = unsafe extern "C" fn(this: *mut c_void, buckets: *const BucketLayout, n: usize) -> i32;
     pub type BatchInitial = unsafe extern "C" fn(this: *mut c_void, configured: *const Batch, out: *mut Batch) -> i32;
     pub type BatchNext = unsafe extern "C" fn(this: *mut c_void, t: *const StepTelemetry, out: *mut Batch) -> i32;
     /// Sets `*out` to 1 when the policy wants gradient statistics, else 0.

@@ -2,12 +2,13 @@
 //! implements ([`Compressor`], [`BatchPolicy`], [`CheckpointPolicy`]), and
 //! the contract's version.
 
-use crate::{Batch, BucketInfo, CheckpointHistory, Collective, Config, Decision, Error, Telemetry, Tensor};
+use crate::{Batch, BucketInfo, BucketLayout, CheckpointHistory, Collective, Config, Decision, Error, Telemetry, Tensor};
 
 /// Version of the plugin contract this SDK speaks (semver): the WIT package
-/// `harness:strategy@0.1.1`, native ABI version [`crate::abi::ABI_VERSION`].
-/// Hosts load plugins of any earlier 0.1 contract.
-pub const CONTRACT_VERSION: &str = "0.1.1";
+/// `harness:strategy@0.2.0`, native ABI version [`crate::abi::ABI_VERSION`].
+/// Hosts of 0.2 also load plugins built against contract 0.1 (`sdk/wit-0.1`,
+/// ABI version [`crate::abi::ABI_VERSION_0_1`]).
+pub const CONTRACT_VERSION: &str = "0.2.0";
 
 /// What every plugin is: a name, a version, made from its configuration,
 /// with a state saved in checkpoints.
@@ -41,6 +42,17 @@ pub trait Plugin: Sized + 'static {
 
 /// Gradient compression: called per gradient bucket, every step.
 pub trait Compressor: Plugin {
+    /// The layout of every bucket (indexed by [`BucketInfo::index`]): the
+    /// parameters each holds, with their names, shapes and offsets. Called
+    /// once per entry and rank, after `configure` and before
+    /// [`Plugin::state_load`] and the first `compress`; the layout holds for
+    /// the whole entry. An error rejects the entry. Default: ignores it (a
+    /// compressor that treats each bucket as a flat run of floats).
+    fn setup(&mut self, buckets: &[BucketLayout]) -> Result<(), Error> {
+        let _ = buckets;
+        Ok(())
+    }
+
     /// Reduces one bucket (the flattened gradients of consecutive
     /// parameters) across ranks and leaves the average in `bucket`, in place,
     /// through [`Tensor::assign`] or in-place collectives.

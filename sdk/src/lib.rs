@@ -30,7 +30,7 @@
 //! ```
 //!
 //! `cargo build --target wasm32-wasip2 --release` gives the component
-//! (`harness:strategy@0.1.1`, world `compressor`, see `sdk/wit`);
+//! (`harness:strategy@0.2.0`, world `compressor`, see `sdk/wit`);
 //! `cargo build --release` gives the native library (the C ABI of
 //! [`abi`] and `sdk/include/harness_strategy.h`). The code is the same: on
 //! wasm32 the facade ([`Tensor`], [`Collective`], [`log`]) calls the
@@ -74,7 +74,7 @@ pub use config::Config;
 pub use contract::{BatchPolicy, CheckpointPolicy, Compressor, Plugin, CONTRACT_VERSION};
 pub use error::Error;
 pub use tensor::{Device, Dtype, Tensor};
-pub use types::{Batch, BucketInfo, CheckpointHistory, Decision, Telemetry};
+pub use types::{Batch, BucketInfo, BucketLayout, CheckpointHistory, Decision, ParamSlot, Telemetry};
 
 /// Exports a plugin type: `harness_sdk::export!(MyType as compressor);`
 /// (or `as batch_policy`, `as checkpoint_policy`). Use it once per crate.
@@ -117,7 +117,8 @@ macro_rules! __export_wasm {
 /// On native targets this emits the `harness_*` symbols of [`abi::symbols`]
 /// (`extern "C"`, unmangled): `harness_abi_version`, `harness_plugin_kind`,
 /// `_create`, `_destroy`, `_info`, `_configure`, `_last_error`,
-/// `_state_save`, `_state_load`, and the kind's own (`harness_compress`,
+/// `_state_save`, `_state_load`, and the kind's own (`harness_compress` +
+/// `harness_compress_setup`,
 /// `harness_batch_initial` + `harness_batch_next` +
 /// `harness_batch_wants_gradient_stats`, or `harness_checkpoint_decide`). Panics are caught and returned as
 /// [`abi::STATUS_PANIC`]; keep `panic = "unwind"` (the default) in the
@@ -141,6 +142,20 @@ macro_rules! export {
             unsafe { $crate::__native::compress::<$ty>(this, bucket, info) }
         }
         const _: $crate::abi::exports::Compress = harness_compress;
+
+        /// Native plugin export (see `harness_strategy.h`).
+        ///
+        /// # Safety
+        /// Called by the host as the C ABI says.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn harness_compress_setup(
+            this: *mut ::core::ffi::c_void,
+            buckets: *const $crate::abi::BucketLayout,
+            n: usize,
+        ) -> i32 {
+            unsafe { $crate::__native::compress_setup::<$ty>(this, buckets, n) }
+        }
+        const _: $crate::abi::exports::CompressSetup = harness_compress_setup;
     };
     ($ty:ty as batch_policy) => {
         $crate::__export_native_common!($ty, $crate::abi::KIND_BATCH_POLICY);

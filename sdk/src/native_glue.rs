@@ -237,6 +237,38 @@ pub unsafe fn compress<T: Compressor>(this: *mut c_void, bucket: u64, info: *con
     }
 }
 
+/// `harness_compress_setup`.
+///
+/// # Safety
+/// `this` is a live instance; `buckets` points to `n` layouts whose
+/// pointers are valid for the call.
+pub unsafe fn compress_setup<T: Compressor>(this: *mut c_void, buckets: *const crate::abi::BucketLayout, n: usize) -> i32 {
+    // SAFETY: per the contract above.
+    unsafe {
+        call::<T>(this, |plugin, _host| {
+            let layouts = slice(buckets, n, "the bucket layouts")?;
+            let mut out = Vec::with_capacity(n);
+            for b in layouts {
+                let mut params = Vec::with_capacity(b.n_params);
+                for p in slice(b.params, b.n_params, "a bucket's parameters")? {
+                    let name = slice(p.name, p.name_len, "a parameter's name")?;
+                    params.push(crate::ParamSlot {
+                        name: String::from_utf8_lossy(name).into_owned(),
+                        shape: slice(p.shape, p.ndim, "a parameter's shape")?.to_vec(),
+                        offset: p.offset,
+                        numel: p.numel,
+                        dtype: crate::Dtype::from_index(p.dtype)
+                            .ok_or_else(|| Error::new(format!("dtype index {} is not in 0..8", p.dtype)))?,
+                        weight: p.weight != 0,
+                    });
+                }
+                out.push(crate::BucketLayout { numel: b.numel, params });
+            }
+            configured(plugin)?.setup(&out)
+        })
+    }
+}
+
 fn batch_from(b: &Batch) -> crate::Batch {
     crate::Batch { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale }
 }

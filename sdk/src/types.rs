@@ -52,6 +52,45 @@ pub enum Device {
     Cuda,
 }
 
+/// One parameter's gradient in a bucket (WIT `param-slot`, contract 0.2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamSlot {
+    /// The parameter's name in the model, e.g. `h.3.attn.qkv.weight`.
+    pub name: String,
+    /// Its dimensions.
+    pub shape: Vec<u64>,
+    /// Offset of its first element in the bucket (elements).
+    pub offset: u64,
+    /// Its number of elements: the product of `shape`.
+    pub numel: u64,
+    /// Element type of its gradient (the bucket's).
+    pub dtype: Dtype,
+    /// A weight matrix: two or more dimensions (a convolution's kernel
+    /// counts, as `shape[0]` rows by the rest); false for biases, norms'
+    /// gains and other 1-D tensors.
+    pub weight: bool,
+}
+
+impl ParamSlot {
+    /// The matrix PowerSGD views it as: `shape[0]` rows by the rest
+    /// (`[numel, 1]` for a 1-D tensor).
+    pub fn matrix(&self) -> (u64, u64) {
+        let rows = self.shape.first().copied().unwrap_or(1).max(1);
+        (rows, self.numel / rows)
+    }
+}
+
+/// What a gradient bucket holds (WIT `bucket-layout`): given once, to
+/// [`crate::Compressor::setup`], and indexed by [`BucketInfo::index`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BucketLayout {
+    /// Elements of the bucket (the tensor `compress` gets is 1-D of this
+    /// many). Elements that belong to no parameter are zero.
+    pub numel: u64,
+    /// Its parameters, by ascending offset.
+    pub params: Vec<ParamSlot>,
+}
+
 /// Where a gradient bucket sits in the step (WIT `bucket-info`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BucketInfo {

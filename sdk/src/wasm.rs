@@ -16,8 +16,8 @@
 pub mod plugin {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-plugin@0.1.1;
-            world plugin { export harness:strategy/plugin@0.1.1; }
+            package harness:sdk-plugin@0.2.0;
+            world plugin { export harness:strategy/plugin@0.2.0; }
         ",
         path: "wit",
         world: "plugin",
@@ -31,12 +31,12 @@ pub mod plugin {
 pub mod compressor {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-compressor@0.1.1;
+            package harness:sdk-compressor@0.2.0;
             world compressor {
-                import harness:strategy/tensor@0.1.1;
-                import harness:strategy/collective@0.1.1;
-                import harness:strategy/log@0.1.1;
-                export harness:strategy/gradient-compression@0.1.1;
+                import harness:strategy/tensor@0.2.0;
+                import harness:strategy/collective@0.2.0;
+                import harness:strategy/log@0.2.0;
+                export harness:strategy/gradient-compression@0.2.0;
             }
         ",
         path: "wit",
@@ -51,10 +51,10 @@ pub mod compressor {
 pub mod batch_policy {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-batch-policy@0.1.1;
+            package harness:sdk-batch-policy@0.2.0;
             world batch-policy {
-                import harness:strategy/log@0.1.1;
-                export harness:strategy/batch-sizing@0.1.1;
+                import harness:strategy/log@0.2.0;
+                export harness:strategy/batch-sizing@0.2.0;
             }
         ",
         path: "wit",
@@ -63,8 +63,8 @@ pub mod batch_policy {
         default_bindings_module: "harness_sdk::__wasm::batch_policy",
         export_macro_name: "export_batch_policy",
         with: {
-            "harness:strategy/types@0.1.1": crate::__wasm::compressor::harness::strategy::types,
-            "harness:strategy/log@0.1.1": crate::__wasm::compressor::harness::strategy::log,
+            "harness:strategy/types@0.2.0": crate::__wasm::compressor::harness::strategy::types,
+            "harness:strategy/log@0.2.0": crate::__wasm::compressor::harness::strategy::log,
         },
     });
 }
@@ -72,10 +72,10 @@ pub mod batch_policy {
 pub mod checkpoint_policy {
     wit_bindgen::generate!({
         inline: "
-            package harness:sdk-checkpoint-policy@0.1.1;
+            package harness:sdk-checkpoint-policy@0.2.0;
             world checkpoint-policy {
-                import harness:strategy/log@0.1.1;
-                export harness:strategy/tiered-checkpointing@0.1.1;
+                import harness:strategy/log@0.2.0;
+                export harness:strategy/tiered-checkpointing@0.2.0;
             }
         ",
         path: "wit",
@@ -84,8 +84,8 @@ pub mod checkpoint_policy {
         default_bindings_module: "harness_sdk::__wasm::checkpoint_policy",
         export_macro_name: "export_checkpoint_policy",
         with: {
-            "harness:strategy/types@0.1.1": crate::__wasm::compressor::harness::strategy::types,
-            "harness:strategy/log@0.1.1": crate::__wasm::compressor::harness::strategy::log,
+            "harness:strategy/types@0.2.0": crate::__wasm::compressor::harness::strategy::types,
+            "harness:strategy/log@0.2.0": crate::__wasm::compressor::harness::strategy::log,
         },
     });
 }

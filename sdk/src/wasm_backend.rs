@@ -36,7 +36,7 @@ fn to_wit(d: Dtype) -> types::Dtype {
     }
 }
 
-fn from_wit(d: types::Dtype) -> Dtype {
+pub(crate) fn from_wit(d: types::Dtype) -> Dtype {
     match d {
         types::Dtype::F32 => Dtype::F32,
         types::Dtype::F16 => Dtype::F16,

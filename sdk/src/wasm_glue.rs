@@ -49,6 +49,27 @@ impl<T: Plugin> plugin::Guest for Adapter<T> {
 }
 
 impl<T: Compressor> gradient_compression::Guest for Adapter<T> {
+    fn setup(buckets: Vec<gradient_compression::BucketLayout>) -> Result<(), String> {
+        let layouts: Vec<crate::BucketLayout> = buckets
+            .into_iter()
+            .map(|b| crate::BucketLayout {
+                numel: b.numel,
+                params: b
+                    .params
+                    .into_iter()
+                    .map(|p| crate::ParamSlot {
+                        name: p.name,
+                        shape: p.shape,
+                        offset: p.offset,
+                        numel: p.numel,
+                        dtype: crate::wasm_backend::from_wit(p.dtype),
+                        weight: p.weight,
+                    })
+                    .collect(),
+            })
+            .collect();
+        with::<T, _>(|p| p.setup(&layouts))
+    }
     fn compress(bucket: &wit_tensor::Tensor, info: gradient_compression::BucketInfo) -> Result<(), String> {
         let bucket = Tensor::borrowed(Raw::lent(bucket));
         let info = crate::BucketInfo { step: info.step, index: info.index, count: info.count };

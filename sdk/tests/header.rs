@@ -82,6 +82,7 @@ fn every_symbol_is_declared() {
         abi::symbols::STATE_SAVE,
         abi::symbols::STATE_LOAD,
         abi::symbols::COMPRESS,
+        abi::symbols::COMPRESS_SETUP,
         abi::symbols::BATCH_INITIAL,
         abi::symbols::BATCH_NEXT,
         abi::symbols::BATCH_WANTS_GRADIENT_STATS,
@@ -121,6 +122,8 @@ fn struct_layouts_agree_with_the_c_compiler() {
         (harness_op_result, abi::OpResult, [tensors, scalar, ints, n_ints, data, n_data, ptr]),
         (harness_host, abi::Host, [abi_version, ctx, op, drop_tensor, last_error, log]),
         (harness_bucket_info, abi::BucketInfo, [step, index, count]),
+        (harness_param_slot, abi::ParamSlot, [name, name_len, shape, ndim, offset, numel, dtype, weight]),
+        (harness_bucket_layout, abi::BucketLayout, [numel, params, n_params]),
         (harness_batch, abi::Batch, [micro_batch, accum_steps, lr_scale]),
         (
             harness_step_telemetry,

@@ -60,10 +60,7 @@ impl Policy {
 
     fn initial(&mut self, micro_batch: u32, accum_steps: u32) -> BatchDecision {
         let r = match self {
-            Policy::Wasm(w) => w
-                .batch_initial(wasm::wit_batch::Batch { micro_batch, accum_steps, lr_scale: 1.0 })
-                .unwrap()
-                .map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale }),
+            Policy::Wasm(w) => w.batch_initial(BatchDecision { micro_batch, accum_steps, lr_scale: 1.0 }).unwrap(),
             Policy::Native(n) => n.batch_initial(abi::Batch { micro_batch, accum_steps, lr_scale: 1.0 }).unwrap().map(|b| BatchDecision {
                 micro_batch: b.micro_batch,
                 accum_steps: b.accum_steps,
@@ -75,11 +72,7 @@ impl Policy {
 
     fn next(&mut self, t: &StepTelemetry) -> BatchDecision {
         let r = match self {
-            Policy::Wasm(w) => w.batch_next(&telemetry_wit(t)).unwrap().map(|b| BatchDecision {
-                micro_batch: b.micro_batch,
-                accum_steps: b.accum_steps,
-                lr_scale: b.lr_scale,
-            }),
+            Policy::Wasm(w) => w.batch_next(t).unwrap(),
             Policy::Native(n) => n.batch_next(&telemetry_abi(t)).unwrap().map(|b| BatchDecision {
                 micro_batch: b.micro_batch,
                 accum_steps: b.accum_steps,
@@ -112,24 +105,6 @@ fn checked(b: BatchDecision) -> BatchDecision {
     assert!((1..=harness::plugin::MAX_BATCH).contains(&b.accum_steps), "accum steps {} out of range", b.accum_steps);
     assert!(b.lr_scale.is_finite() && b.lr_scale > 0.0, "lr_scale {}", b.lr_scale);
     b
-}
-
-fn telemetry_wit(t: &StepTelemetry) -> wasm::wit_types::StepTelemetry {
-    wasm::wit_types::StepTelemetry {
-        step: t.step,
-        loss: t.loss,
-        step_time_s: t.step_time_s,
-        elapsed_s: t.elapsed_s,
-        memory_used_bytes: t.memory_used_bytes,
-        memory_total_bytes: t.memory_total_bytes,
-        tokens_per_s: t.tokens_per_s,
-        micro_batch: t.micro_batch,
-        accum_steps: t.accum_steps,
-        world_size: t.world_size,
-        grad_sq_norm: t.grad_sq_norm,
-        local_grad_sq_norm: t.local_grad_sq_norm,
-        out_of_memory: t.out_of_memory,
-    }
 }
 
 fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {

@@ -4,6 +4,7 @@
 mod batch_policies;
 mod checkpoints;
 mod compressors;
+mod contract_0_1;
 mod errors;
 mod hostile_files;
 mod hostile_paths;

@@ -72,7 +72,10 @@ fn misbehaving_plugins_fail_their_own_entry_and_the_run_goes_on() {
             "native-panic",
             vec!["compressor plugin `bad-native` (native, ".into(), "`compress`: ".into(), "it panicked: mode `panic`".into()],
         ),
-        ("abi", vec!["plugin `old-abi`".into(), "ABI version 999".into(), "harness speaks version 1".into()]),
+        (
+            "abi",
+            vec!["plugin `old-abi`".into(), "ABI version 999".into(), "harness speaks version 2 (0.2) and loads version 1 (0.1)".into()],
+        ),
         ("batch-zero", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "micro-batch 0 x 1".into()]),
         ("batch-nan-lr", vec!["batch-policy plugin `batchy`".into(), "from `initial`".into(), "lr-scale NaN".into()]),
     ];
@@ -138,9 +141,10 @@ fn a_wasm_all_reduce_plugin_trains_exactly_like_the_built_in_one() {
         assert_eq!(p["slot"], "compressor");
         assert_eq!(p["name"], "allreduce");
         let calls = p["calls"].as_u64().unwrap();
-        // configure + one compress per bucket per step.
+        // configure, setup (the buckets' layout) + one compress per bucket
+        // per step.
         let buckets = 1;
-        assert_eq!(calls, 1 + 12 * buckets, "{id}: {p}");
+        assert_eq!(calls, 2 + 12 * buckets, "{id}: {p}");
         assert!(p["call"]["p50_ms"].as_f64().unwrap() > 0.0);
         assert!(e["histograms"]["plugin.compressor"].is_string());
     }
@@ -157,7 +161,7 @@ fn inspect_prints_a_pinnable_manifest_and_pins_are_enforced() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let sha = harness::plugin::sha256_file(&wasm).unwrap();
     assert!(text.contains(&format!("sha256 = \"{sha}\"")) && text.contains("kind = \"compressor\""), "{text}");
-    assert!(text.contains("harness:strategy@0.1.1"), "{text}");
+    assert!(text.contains("harness:strategy@0.2.0"), "{text}");
     // A pin that does not match fails validation and names both hashes.
     let pinned = format!(
         "[suite]\nname = \"pin\"\ndevice = \"cpu\"\nworld_size = 2\n{WORKLOAD}\n[[plugin]]\nname = \"avg\"\npath = \"{}\"\nsha256 = \"{}\"\n\
@@ -543,7 +547,7 @@ fn validate_configures_each_plugin_and_points_at_a_bad_config() {
     let out = run_ok(harness(dir.path()).arg("validate").arg(&good));
     // The suite's name for the plugin, then what the artifact says it is and how it runs.
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(said.contains("plugin `topk`: topk ") && said.contains("(compressor, wasm, contract 0.1.1) from "), "{said}");
+    assert!(said.contains("plugin `topk`: topk ") && said.contains("(compressor, wasm, contract 0.2.0) from "), "{said}");
     let text = suite("{ ratoi = 0.2 }");
     let bad = write(dir.path(), "bad.toml", &text);
     let out = harness(dir.path()).arg("validate").arg(&bad).output().unwrap();

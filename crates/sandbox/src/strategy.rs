@@ -40,6 +40,50 @@ pub struct BucketCtx {
     pub count: usize,
 }
 
+/// One parameter's gradient in a bucket (the WIT `param-slot`, contract 0.2).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSlot {
+    /// The parameter's name in the model.
+    pub name: String,
+    pub shape: Vec<u64>,
+    /// Offset of its first element in the bucket (elements).
+    pub offset: u64,
+    pub numel: u64,
+    /// Element type of the bucket.
+    pub dtype: tch::Kind,
+    /// Two or more dimensions: a weight matrix.
+    pub weight: bool,
+}
+
+/// What a gradient bucket holds (the WIT `bucket-layout`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BucketLayout {
+    /// Elements of the bucket.
+    pub numel: u64,
+    /// Its parameters, by ascending offset.
+    pub params: Vec<ParamSlot>,
+}
+
+impl BucketLayout {
+    /// A bucket of `params` (name, shape) laid out back to back, of `dtype`.
+    pub fn packed<'a>(params: impl IntoIterator<Item = (&'a str, &'a [i64])>, dtype: tch::Kind) -> BucketLayout {
+        let mut layout = BucketLayout::default();
+        for (name, shape) in params {
+            let numel = shape.iter().product::<i64>().max(0) as u64;
+            layout.params.push(ParamSlot {
+                name: name.to_owned(),
+                shape: shape.iter().map(|&d| d.max(0) as u64).collect(),
+                offset: layout.numel,
+                numel,
+                dtype,
+                weight: shape.len() >= 2,
+            });
+            layout.numel += numel;
+        }
+        layout
+    }
+}
+
 /// A checkpoint policy plugin's answer: snapshot, persist, steps to delete.
 pub type CheckpointAnswer = (bool, bool, Vec<u64>);
 
@@ -56,6 +100,11 @@ pub use harness_runtime::comm::{Collective, SingleRank};
 
 /// Reduces gradients across ranks, leaving the average in place.
 pub trait Compressor {
+    /// Tells the compressor what its buckets hold, once, before the first
+    /// `reduce` (and before a state is loaded into it).
+    fn setup(&mut self, _buckets: &[BucketLayout]) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// Reduces one bucket: the flattened gradients of consecutive parameters.
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> anyhow::Result<()>;
     /// True for the plain all-reduce average, which the data-parallel code

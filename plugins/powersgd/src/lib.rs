@@ -1,58 +1,65 @@
-//! `powersgd`: rank-r PowerSGD with error feedback and warm start (Vogels,
-//! Karimireddy and Jaggi 2019, Algorithm 1 with the error feedback of
-//! their Algorithm 2; the same steps as PyTorch's `powerSGD_hook`).
+//! `powersgd`: rank-r PowerSGD with error feedback and warm start, per
+//! weight matrix (Vogels, Karimireddy and Jaggi 2019, Algorithm 1 with the
+//! error feedback of their Algorithm 2), the steps of PyTorch's
+//! `powerSGD_hook`.
 //!
-//! Matrix shape: a bucket of `n` elements is viewed as a row-major matrix of
-//! `rows = ceil(sqrt(n))` by `cols = ceil(n / rows)`, zero-padded to `rows *
-//! cols` (fewer than `rows` zeros). Square-ish matrices minimise `rows +
-//! cols`, hence the bytes, for a given `n`; a bucket holds many parameters,
-//! so the layers' own shapes are not available anyway. The padding is
-//! placed with a scatter-add through the index `0..n`, built once per bucket
-//! (the contract has no concatenation) and dropped again with `narrow`.
+//! The bucket's layout (contract 0.2's `setup`) says which parameters it
+//! holds. Each weight whose low-rank form is worth it is compressed as a
+//! matrix of its own: `shape[0]` rows by the rest (a convolution's kernel
+//! too), at rank `r = min(rank, rows, cols)`, when `(rows + cols) r *
+//! min_compression < rows cols` (the hook's `min_compression_rate` test).
+//! Every other tensor (biases, norms' gains, small or square-ish weights)
+//! travels uncompressed: packed into one buffer and all-reduced.
 //!
-//! Per bucket, with `M` the padded matrix of `bucket + residual` on this
-//! rank and `Q` (cols x r) the previous step's factor (a standard normal
-//! draw from the seed and bucket index at the first step, the same on
-//! every rank):
+//! Per bucket, with `A = bucket + residual` on this rank (error feedback on
+//! the whole bucket, as the hook's), `M_i` each compressed weight's slice of
+//! `A` as a matrix and `Q_i` (cols x r) its previous step's factor (a
+//! standard normal draw from the seed, the bucket and the parameter's index
+//! at the first step, the same on every rank):
 //!
-//! 1. `P = M Q`; all-reduce `P` (the sum: orthonormalisation ignores scale);
-//! 2. `P = orthonormalize(P)` (reduced QR);
-//! 3. `Q = M^T P`; all-reduce `Q`, divided by the world size: the mean of the
-//!    ranks' `M_w^T P`;
-//! 4. output `P Q^T` (= `P P^T mean(M_w)`, the mean's projection on span P),
-//!    assigned to the bucket;
-//! 5. `residual = M - P Q^T` (this rank's input minus the decompressed
-//!    aggregate, as in the paper and the hook); `Q` is kept for the next
-//!    step (warm start).
+//! 1. the uncompressed tensors of `A`, packed, all-reduced and divided by the
+//!    world size, into their places in the bucket;
+//! 2. `P_i = M_i Q_i`, packed into one buffer, all-reduced (the sum:
+//!    orthonormalisation ignores scale); `P_i = orthonormalize(P_i)`
+//!    (reduced QR);
+//! 3. `Q_i = M_i^T P_i`, packed, all-reduced and divided by the world size;
+//! 4. `P_i Q_i^T` into the weight's place in the bucket;
+//! 5. `residual = A - bucket` (this rank's input minus the aggregate, for
+//!    the uncompressed tensors too, as the hook does); `Q_i` kept for the
+//!    next step (warm start).
+//!
+//! Before `start_step` every bucket is all-reduced in full, without error
+//! feedback (the hook's `start_powerSGD_iter`, whose default there is 1000).
 //!
 //! ```toml
-//! compressor_config = { rank = 4, seed = 0, min_compression = 2.0 }
-//! # rank: r >= 1, default 4 (capped at min(rows, cols));
-//! # seed: of the first Q, default 0;
-//! # min_compression: optional; a bucket whose compression factor
-//! #   n / ((rows + cols) * r) is below it is all-reduced in fp32 instead.
+//! compressor_config = { rank = 4, seed = 0, min_compression = 2.0, start_step = 0 }
+//! # rank: r >= 1, default 4 (capped at min(rows, cols) per matrix);
+//! # seed: of the first Qs, default 0;
+//! # min_compression: > 0, default 2 (the hook's): a weight is compressed
+//! #   when (rows + cols) r * min_compression < rows * cols;
+//! # start_step: steps all-reduced in full first, default 0.
 //! ```
 //!
-//! Bytes on the wire: all-reduces of `rows * r` and `cols * r` f32 per
-//! bucket: `2 (w - 1) / w * 4 (rows + cols) r` bytes sent per rank,
-//! `(rows + cols) r / n` of an fp32 all-reduce.
+//! Bytes on the wire per bucket: three all-reduces, of the uncompressed
+//! elements, of `sum rows_i r_i` and of `sum cols_i r_i` f32 (each all-reduce
+//! of B bytes sends `2 (w - 1) / w B` per rank).
 //!
-//! State: per bucket, the residual and `Q`.
+//! State: per bucket, the residual and each compressed weight's `Q`.
 
 #[path = "../../shared/state.rs"]
 mod state;
 
-use harness_sdk::{tensor, BucketInfo, Collective, Compressor, Config, Dtype, Error, Plugin, Tensor};
+use harness_sdk::{tensor, BucketInfo, BucketLayout, Collective, Compressor, Config, Dtype, Error, Plugin, Tensor};
 use state::BucketState;
 
 /// The plugin: one instance per rank.
 pub struct PowerSgd {
     rank: u64,
     seed: u64,
-    min_compression: Option<f64>,
+    min_compression: f64,
+    start_step: u64,
+    layouts: Vec<BucketLayout>,
     state: BucketState,
-    /// Per bucket index: `0..n` as i64 (not saved: rebuilt on demand).
-    arange: Vec<Option<Tensor>>,
 }
 
 impl Plugin for PowerSgd {
@@ -60,18 +67,23 @@ impl Plugin for PowerSgd {
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn configure(config: &Config) -> Result<Self, Error> {
-        config.check_keys(&["rank", "seed", "min_compression"])?;
+        config.check_keys(&["rank", "seed", "min_compression", "start_step"])?;
         let rank: u64 = config.get_or("rank", 4)?;
         if rank == 0 {
             return Err(Error::new("rank must be at least 1"));
         }
-        let min_compression: Option<f64> = config.get("min_compression")?;
-        if let Some(m) = min_compression {
-            if !(m.is_finite() && m > 0.0) {
-                return Err(Error::new(format!("min_compression must be finite and > 0, not {m}")));
-            }
+        let min_compression: f64 = config.get_or("min_compression", 2.0)?;
+        if !(min_compression.is_finite() && min_compression > 0.0) {
+            return Err(Error::new(format!("min_compression must be finite and > 0, not {min_compression}")));
         }
-        Ok(PowerSgd { rank, seed: config.get_or("seed", 0u64)?, min_compression, state: BucketState::default(), arange: Vec::new() })
+        Ok(PowerSgd {
+            rank,
+            seed: config.get_or("seed", 0u64)?,
+            min_compression,
+            start_step: config.get_or("start_step", 0u64)?,
+            layouts: Vec::new(),
+            state: BucketState::default(),
+        })
     }
 
     fn state_save(&self) -> Vec<u8> {
@@ -84,71 +96,139 @@ impl Plugin for PowerSgd {
     }
 }
 
-/// The matrix a bucket of `n` elements is viewed as: `rows` the smallest
-/// integer with `rows^2 >= n` (the float square root, corrected), `cols =
-/// ceil(n / rows)`.
-pub fn matrix_shape(n: u64) -> (u64, u64) {
-    let mut rows = (n as f64).sqrt().ceil() as u64;
-    while rows > 1 && (rows - 1) * (rows - 1) >= n {
-        rows -= 1;
-    }
-    while rows * rows < n {
-        rows += 1;
-    }
-    let rows = rows.max(1);
-    (rows, n.div_ceil(rows).max(1))
+/// How one parameter of a bucket travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// Uncompressed: `numel` elements at `offset`.
+    Plain { offset: u64, numel: u64 },
+    /// A `rows x cols` matrix at `offset`, at rank `r`; `param` is its index
+    /// in the bucket (its `Q`'s name in the state).
+    Matrix { param: usize, offset: u64, rows: u64, cols: u64, r: u64 },
+}
+
+/// How each parameter of `layout` travels, at rank `rank` with the hook's
+/// `min_compression` test.
+pub fn plan(layout: &BucketLayout, rank: u64, min_compression: f64) -> Vec<Slot> {
+    layout
+        .params
+        .iter()
+        .enumerate()
+        .map(|(param, p)| {
+            let (rows, cols) = p.matrix();
+            let r = rank.min(rows).min(cols);
+            if p.weight && (((rows + cols) * r) as f64) * min_compression < (rows * cols) as f64 {
+                Slot::Matrix { param, offset: p.offset, rows, cols, r }
+            } else {
+                Slot::Plain { offset: p.offset, numel: p.numel }
+            }
+        })
+        .collect()
 }
 
 impl Compressor for PowerSgd {
+    fn setup(&mut self, buckets: &[BucketLayout]) -> Result<(), Error> {
+        self.layouts = buckets.to_vec();
+        Ok(())
+    }
+
     fn compress(&mut self, bucket: &Tensor, comm: &Collective, info: BucketInfo) -> Result<(), Error> {
         let n = bucket.numel();
-        let world = f64::from(comm.world_size());
-        let shape: Vec<i64> = bucket.shape().iter().map(|&d| d as i64).collect();
-        let (rows, cols) = matrix_shape(n);
-        let r = self.rank.min(rows).min(cols);
-        if let Some(min) = self.min_compression {
-            if (n as f64) / (((rows + cols) * r) as f64) < min {
-                comm.all_reduce_sum(bucket);
-                bucket.assign(&bucket.mul_scalar(1.0 / world));
-                return Ok(());
+        let scale = 1.0 / f64::from(comm.world_size());
+        let layout = self.layouts.get(info.index as usize).ok_or_else(|| {
+            Error::new(format!("bucket {} has no layout ({} were set up): the host did not call setup", info.index, self.layouts.len()))
+        })?;
+        if layout.numel != n {
+            return Err(format!("bucket {} has {n} elements, its layout {}", info.index, layout.numel).into());
+        }
+        let flat = bucket.reshape(&[-1]);
+        if info.step < self.start_step {
+            comm.all_reduce_sum(bucket);
+            bucket.assign(&bucket.mul_scalar(scale));
+            return Ok(());
+        }
+        // A cast to the bucket's own dtype is the bucket itself: `acc` is a
+        // copy either way, read after the bucket is overwritten.
+        let input = flat.cast(Dtype::F32);
+        let acc = match self.state.take(info.index, "residual", bucket) {
+            Some(e) if e.numel() == n => input.add(&e),
+            Some(e) => return Err(format!("bucket {} has {n} elements, its saved residual {}", info.index, e.numel()).into()),
+            None => input.duplicate(),
+        };
+        let slots = plan(layout, self.rank, self.min_compression);
+        // 1. The uncompressed tensors, in one all-reduce.
+        let plain: Vec<(u64, u64)> =
+            slots.iter().filter_map(|s| if let Slot::Plain { offset, numel } = *s { Some((offset, numel)) } else { None }).collect();
+        let plain_total: u64 = plain.iter().map(|p| p.1).sum();
+        if plain_total > 0 {
+            let buf = tensor::zeros(&[plain_total], Dtype::F32, bucket);
+            let mut at = 0;
+            for &(offset, numel) in &plain {
+                buf.narrow(0, at, numel).assign(&acc.narrow(0, offset, numel));
+                at += numel;
+            }
+            comm.all_reduce_sum(&buf);
+            let mean = buf.mul_scalar(scale);
+            let mut at = 0;
+            for &(offset, numel) in &plain {
+                flat.narrow(0, offset, numel).assign(&mean.narrow(0, at, numel));
+                at += numel;
             }
         }
-        let flat = bucket.reshape(&[-1]).cast(Dtype::F32);
-        let acc = match self.state.take(info.index, "residual", bucket) {
-            Some(e) if e.numel() == n => flat.add(&e),
-            Some(e) => return Err(format!("bucket {} has {n} elements, its saved residual {}", info.index, e.numel()).into()),
-            None => flat.duplicate(),
-        };
-        let padded = if rows * cols == n {
-            acc.duplicate()
-        } else {
-            let i = info.index as usize;
-            if self.arange.len() <= i {
-                self.arange.resize_with(i + 1, || None);
+        // 2.-4. The weight matrices, their Ps in one all-reduce, their Qs in another.
+        let matrices: Vec<(usize, u64, u64, u64, u64)> = slots
+            .iter()
+            .filter_map(|s| match *s {
+                Slot::Matrix { param, offset, rows, cols, r } => Some((param, offset, rows, cols, r)),
+                Slot::Plain { .. } => None,
+            })
+            .collect();
+        if !matrices.is_empty() {
+            let dims = |rows: u64, cols: u64| [rows as i64, cols as i64];
+            let ms: Vec<Tensor> =
+                matrices.iter().map(|&(_, offset, rows, cols, _)| acc.narrow(0, offset, rows * cols).reshape(&dims(rows, cols))).collect();
+            let p_total: u64 = matrices.iter().map(|m| m.2 * m.4).sum();
+            let q_total: u64 = matrices.iter().map(|m| m.3 * m.4).sum();
+            let pbuf = tensor::zeros(&[p_total], Dtype::F32, bucket);
+            let mut at = 0;
+            for (m, &(param, _, rows, cols, r)) in ms.iter().zip(&matrices) {
+                let name = format!("q{param}");
+                let q = match self.state.take(info.index, &name, bucket) {
+                    Some(q) if q.shape() == [cols, r] => q,
+                    Some(q) => {
+                        return Err(format!(
+                            "bucket {} parameter {param}: saved Q has shape {:?}, expected [{cols}, {r}]",
+                            info.index,
+                            q.shape()
+                        )
+                        .into())
+                    }
+                    None => tensor::rand_normal(&[cols, r], state::mix(&[self.seed, u64::from(info.index), param as u64]), bucket),
+                };
+                pbuf.narrow(0, at, rows * r).reshape(&dims(rows, r)).assign(&m.matmul(&q));
+                at += rows * r;
             }
-            let idx = self.arange[i].get_or_insert_with(|| {
-                // perm[j] at position perm[j]: 0..n.
-                let perm = tensor::rand_indices(n, n, 0, bucket);
-                tensor::zeros(&[n], Dtype::I64, bucket).scatter_add(&perm, &perm)
-            });
-            tensor::zeros(&[rows * cols], Dtype::F32, bucket).scatter_add(idx, &acc)
-        };
-        let m = padded.reshape(&[rows as i64, cols as i64]);
-        let q = match self.state.take(info.index, "q", bucket) {
-            Some(q) if q.shape() == [cols, r] => q,
-            Some(q) => return Err(format!("bucket {}: saved Q has shape {:?}, expected [{cols}, {r}]", info.index, q.shape()).into()),
-            None => tensor::rand_normal(&[cols, r], state::mix(&[self.seed, u64::from(info.index)]), bucket),
-        };
-        let p = m.matmul(&q);
-        comm.all_reduce_sum(&p);
-        let p = p.orthonormalize();
-        let q = m.transpose(0, 1).matmul(&p);
-        comm.all_reduce_sum(&q);
-        let q = q.mul_scalar(1.0 / world);
-        let approx = p.matmul(&q.transpose(0, 1)).reshape(&[-1]).narrow(0, 0, n);
-        self.state.put(info.index, "residual", acc.sub(&approx));
-        self.state.put(info.index, "q", q);
-        bucket.assign(&approx.reshape(&shape));
+            comm.all_reduce_sum(&pbuf);
+            let qbuf = tensor::zeros(&[q_total], Dtype::F32, bucket);
+            let mut ps = Vec::with_capacity(matrices.len());
+            let (mut at_p, mut at_q) = (0, 0);
+            for (m, &(_, _, rows, cols, r)) in ms.iter().zip(&matrices) {
+                let p = pbuf.narrow(0, at_p, rows * r).reshape(&dims(rows, r)).orthonormalize();
+                qbuf.narrow(0, at_q, cols * r).reshape(&dims(cols, r)).assign(&m.transpose(0, 1).matmul(&p));
+                ps.push(p);
+                (at_p, at_q) = (at_p + rows * r, at_q + cols * r);
+            }
+            comm.all_reduce_sum(&qbuf);
+            let qbuf = qbuf.mul_scalar(scale);
+            let mut at = 0;
+            for (p, &(param, offset, rows, cols, r)) in ps.iter().zip(&matrices) {
+                let q = qbuf.narrow(0, at, cols * r).reshape(&dims(cols, r));
+                flat.narrow(0, offset, rows * cols).reshape(&dims(rows, cols)).assign(&p.matmul(&q.transpose(0, 1)));
+                self.state.put(info.index, &format!("q{param}"), q);
+                at += cols * r;
+            }
+        }
+        // 5. What this rank's input lost, for the next step.
+        self.state.put(info.index, "residual", acc.sub(&flat.cast(Dtype::F32)));
         Ok(())
     }
 }

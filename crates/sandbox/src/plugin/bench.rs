@@ -200,6 +200,7 @@ fn time_artifact(path: &Path, calls: Calls, evict: &mut Option<Evict>, timing: &
         Kind::Compressor => {
             let plugin = set.instance(&name, "compressor", Kind::Compressor, None, Device::Cpu)?;
             let mut p = super::PluginCompressor::new(plugin, false);
+            p.setup(&[crate::strategy::BucketLayout::packed([("bias", &[1i64][..])], TKind::Float)])?;
             let mut comm = SingleRank::default();
             let mut bucket = Tensor::ones([1], (TKind::Float, Device::Cpu));
             let timed = time_hook(

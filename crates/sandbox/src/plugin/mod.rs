@@ -37,7 +37,7 @@ use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
 use crate::strategy::{
-    BatchDecision, BatchPolicy, BucketCtx, CheckpointDecision, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry,
+    BatchDecision, BatchPolicy, BucketCtx, BucketLayout, CheckpointDecision, CheckpointHistory, CheckpointPolicy, Compressor, StepTelemetry,
 };
 use harness_format::suite::PluginSpec;
 use harness_runtime::comm::Collective;
@@ -102,8 +102,8 @@ fn open(path: &Path) -> Result<(Artifact, Manifest)> {
         (Artifact::Wasm(a), k, Transport::Wasm, c)
     } else {
         let a = native::load(path)?;
-        let k = a.kind;
-        (Artifact::Native(a), k, Transport::Native, abi::ABI_VERSION.to_string())
+        let (k, v) = (a.kind, a.abi);
+        (Artifact::Native(a), k, Transport::Native, v.to_string())
     };
     // Name and version come from a throwaway instance.
     let mut probe = instantiate(&artifact, HostSide::new("probe", Device::Cpu, 1 << 20), 64 << 20, Duration::from_secs(10))?;
@@ -391,24 +391,6 @@ impl Plugin {
     }
 }
 
-fn telemetry_wit(t: &StepTelemetry) -> wasm::wit_types::StepTelemetry {
-    wasm::wit_types::StepTelemetry {
-        step: t.step,
-        loss: t.loss,
-        step_time_s: t.step_time_s,
-        elapsed_s: t.elapsed_s,
-        memory_used_bytes: t.memory_used_bytes,
-        memory_total_bytes: t.memory_total_bytes,
-        tokens_per_s: t.tokens_per_s,
-        micro_batch: t.micro_batch,
-        accum_steps: t.accum_steps,
-        world_size: t.world_size,
-        grad_sq_norm: t.grad_sq_norm,
-        local_grad_sq_norm: t.local_grad_sq_norm,
-        out_of_memory: t.out_of_memory,
-    }
-}
-
 fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
     abi::StepTelemetry {
         step: t.step,
@@ -459,6 +441,17 @@ impl PluginCompressor {
 }
 
 impl Compressor for PluginCompressor {
+    fn setup(&mut self, buckets: &[BucketLayout]) -> Result<()> {
+        for (i, b) in buckets.iter().enumerate() {
+            let end = b.params.iter().map(|p| p.offset + p.numel).max().unwrap_or(0);
+            anyhow::ensure!(end <= b.numel, "bucket {i}'s layout runs past its {} elements", b.numel);
+        }
+        self.plugin.call("setup", |i| match i {
+            Inst::Wasm(w) => w.setup(buckets),
+            Inst::Native(n) => n.setup(buckets),
+        })
+    }
+
     fn reduce(&mut self, bucket: &mut Tensor, comm: &mut dyn Collective, ctx: &BucketCtx) -> Result<()> {
         let shape = bucket.size();
         let kind = bucket.kind();
@@ -467,10 +460,9 @@ impl Compressor for PluginCompressor {
         // SAFETY: cleared below, before `comm`'s borrow ends; the plugin runs
         // on this thread.
         host.set_comm(Some(unsafe { CommPtr::new(comm) }));
-        let info = (ctx.step, ctx.index as u32, ctx.count as u32);
         let r = self.plugin.call("compress", |i| match i {
-            Inst::Wasm(w) => w.compress(id, wasm::wit_compress::BucketInfo { step: info.0, index: info.1, count: info.2 }),
-            Inst::Native(n) => n.compress(id, abi::BucketInfo { step: info.0, index: info.1, count: info.2 }),
+            Inst::Wasm(w) => w.compress(id, ctx),
+            Inst::Native(n) => n.compress(id, abi::BucketInfo { step: ctx.step, index: ctx.index as u32, count: ctx.count as u32 }),
         });
         let host = self.plugin.inst.host();
         host.set_comm(None);
@@ -551,9 +543,7 @@ impl BatchPolicy for PluginBatch {
     fn initial(&mut self, configured: BatchDecision) -> Result<BatchDecision> {
         let c = configured;
         let b = self.plugin.call("initial", |i| match i {
-            Inst::Wasm(w) => w
-                .batch_initial(wasm::wit_batch::Batch { micro_batch: c.micro_batch, accum_steps: c.accum_steps, lr_scale: c.lr_scale })
-                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+            Inst::Wasm(w) => w.batch_initial(c),
             Inst::Native(n) => n
                 .batch_initial(abi::Batch { micro_batch: c.micro_batch, accum_steps: c.accum_steps, lr_scale: c.lr_scale })
                 .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
@@ -563,9 +553,7 @@ impl BatchPolicy for PluginBatch {
 
     fn next(&mut self, t: &StepTelemetry) -> Result<BatchDecision> {
         let b = self.plugin.call("next", |i| match i {
-            Inst::Wasm(w) => w
-                .batch_next(&telemetry_wit(t))
-                .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
+            Inst::Wasm(w) => w.batch_next(t),
             Inst::Native(n) => n
                 .batch_next(&telemetry_abi(t))
                 .map(|r| r.map(|b| BatchDecision { micro_batch: b.micro_batch, accum_steps: b.accum_steps, lr_scale: b.lr_scale })),
@@ -595,7 +583,7 @@ pub struct PluginCheckpoint {
 impl CheckpointPolicy for PluginCheckpoint {
     fn decide(&mut self, t: &StepTelemetry, h: &CheckpointHistory) -> Result<CheckpointDecision> {
         let (save, persist, delete) = self.plugin.call("decide", |i| match i {
-            Inst::Wasm(w) => w.checkpoint_decide(&telemetry_wit(t), h),
+            Inst::Wasm(w) => w.checkpoint_decide(t, h),
             Inst::Native(n) => n.checkpoint_decide(&telemetry_abi(t), h),
         })?;
         if let Some(d) = delete.iter().find(|d| !h.saved.contains(d)) {

@@ -24,6 +24,8 @@ use crate::strategy::CheckpointHistory;
 pub struct Artifact {
     lib: Arc<Library>,
     pub kind: PluginKind,
+    /// The ABI version it speaks: [`abi::ABI_VERSION`] or [`abi::ABI_VERSION_0_1`].
+    pub abi: u32,
 }
 
 /// Opens `path` and checks `harness_abi_version` before touching any other
@@ -63,14 +65,17 @@ pub fn load(path: &Path) -> Result<Artifact> {
             .map_err(|_| anyhow!("it does not export `harness_abi_version`: not a harness plugin (build it with harness-sdk's export!)"))?;
         f()
     };
-    if version != abi::ABI_VERSION {
+    if version != abi::ABI_VERSION && version != abi::ABI_VERSION_0_1 {
         bail!(
-            "it speaks plugin ABI version {version} ({}.{}), and this harness speaks version {} ({}.{}); rebuild the plugin against a matching harness-sdk",
+            "it speaks plugin ABI version {version} ({}.{}), and this harness speaks version {} ({}.{}) and loads version {} ({}.{}); rebuild the plugin against a matching harness-sdk",
             version >> 16,
             version & 0xffff,
             abi::ABI_VERSION,
             abi::ABI_VERSION >> 16,
-            abi::ABI_VERSION & 0xffff
+            abi::ABI_VERSION & 0xffff,
+            abi::ABI_VERSION_0_1,
+            abi::ABI_VERSION_0_1 >> 16,
+            abi::ABI_VERSION_0_1 & 0xffff,
         );
     }
     // SAFETY: as above; checked version.
@@ -81,7 +86,13 @@ pub fn load(path: &Path) -> Result<Artifact> {
         abi::KIND_CHECKPOINT_POLICY => PluginKind::CheckpointPolicy,
         k => bail!("it says it is of kind {k}, which is none of 1 (compressor), 2 (batch policy), 3 (checkpoint policy)"),
     };
-    Ok(Artifact { lib: Arc::new(lib), kind })
+    if kind == PluginKind::Compressor && version >= abi::ABI_VERSION {
+        // SAFETY: as above; only looked up.
+        if unsafe { lib.get::<x::CompressSetup>(symbols::COMPRESS_SETUP) }.is_err() {
+            bail!("it speaks ABI version {version} and does not export `harness_compress_setup`, which a compressor of that version must");
+        }
+    }
+    Ok(Artifact { lib: Arc::new(lib), kind, abi: version })
 }
 
 /// What the host lends one instance; the plugin gets a pointer to it.
@@ -185,6 +196,7 @@ struct Fns {
     state_save: Option<x::StateSave>,
     state_load: Option<x::StateLoad>,
     compress: Option<x::Compress>,
+    compress_setup: Option<x::CompressSetup>,
     batch_initial: Option<x::BatchInitial>,
     batch_next: Option<x::BatchNext>,
     batch_wants_gradient_stats: Option<x::BatchWantsGradientStats>,
@@ -211,7 +223,7 @@ impl Instance {
     pub fn new(a: &Artifact, host: HostSide) -> Result<Instance> {
         let ctx = Box::into_raw(Box::new(Ctx { host, last_error: String::new(), ints: Vec::new(), data: Vec::new() }));
         let table = Box::new(abi::Host {
-            abi_version: abi::ABI_VERSION,
+            abi_version: a.abi,
             ctx: ctx as *mut c_void,
             op: host_op,
             drop_tensor: host_drop,
@@ -236,6 +248,7 @@ impl Instance {
             state_save: inst.sym(symbols::STATE_SAVE).ok(),
             state_load: inst.sym(symbols::STATE_LOAD).ok(),
             compress: inst.sym(symbols::COMPRESS).ok(),
+            compress_setup: if a.abi >= abi::ABI_VERSION { inst.sym(symbols::COMPRESS_SETUP).ok() } else { None },
             batch_initial: inst.sym(symbols::BATCH_INITIAL).ok(),
             batch_next: inst.sym(symbols::BATCH_NEXT).ok(),
             batch_wants_gradient_stats: inst.sym(symbols::BATCH_WANTS_GRADIENT_STATS).ok(),
@@ -340,6 +353,40 @@ impl Instance {
         let f = Self::need(self.fns.compress, symbols::COMPRESS)?;
         // SAFETY: info outlives the call.
         let code = unsafe { f(self.this, bucket as u64, &info) };
+        self.status(code)
+    }
+
+    /// `harness_compress_setup` (ABI 2; a library of ABI 1 is told nothing).
+    pub fn setup(&mut self, buckets: &[crate::strategy::BucketLayout]) -> Result<Result<(), String>> {
+        let Some(f) = self.fns.compress_setup else { return Ok(Ok(())) };
+        let dtypes: Vec<Vec<u32>> = buckets
+            .iter()
+            .map(|b| b.params.iter().map(|p| super::ops::dtype_index(p.dtype).map(|i| i as u32)).collect::<Result<_>>())
+            .collect::<Result<_>>()?;
+        let slots: Vec<Vec<abi::ParamSlot>> = buckets
+            .iter()
+            .zip(&dtypes)
+            .map(|(b, d)| {
+                b.params
+                    .iter()
+                    .zip(d)
+                    .map(|(p, &dtype)| abi::ParamSlot {
+                        name: p.name.as_ptr(),
+                        name_len: p.name.len(),
+                        shape: p.shape.as_ptr(),
+                        ndim: p.shape.len(),
+                        offset: p.offset,
+                        numel: p.numel,
+                        dtype,
+                        weight: p.weight as u8,
+                    })
+                    .collect()
+            })
+            .collect();
+        let layouts: Vec<abi::BucketLayout> =
+            buckets.iter().zip(&slots).map(|(b, s)| abi::BucketLayout { numel: b.numel, params: s.as_ptr(), n_params: s.len() }).collect();
+        // SAFETY: the layouts, slots, names and shapes outlive the call.
+        let code = unsafe { f(self.this, layouts.as_ptr(), layouts.len()) };
         self.status(code)
     }
 

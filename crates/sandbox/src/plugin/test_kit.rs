@@ -37,6 +37,22 @@ use harness_runtime::comm::{Collective, InProcessComm, InProcessGroup, Op, ABORT
 /// The compressor's buckets, elements each: odd sizes, one element, and
 /// one of 256 KiB.
 pub const BUCKET_SIZES: [i64; 4] = [1, 7, 1000, 65536];
+/// What the buckets hold (contract 0.2's `setup`): per bucket, its
+/// parameters' names and shapes, back to back, [`BUCKET_SIZES`] elements in
+/// all: a bias, a norm's gain, one weight matrix, and two weight matrices
+/// with a bias.
+pub const BUCKET_PARAMS: [&[(&str, &[i64])]; 4] = [
+    &[("head.bias", &[1])],
+    &[("norm.weight", &[7])],
+    &[("proj.weight", &[25, 40])],
+    &[("mlp.fc.weight", &[128, 384]), ("mlp.proj.weight", &[120, 128]), ("mlp.proj.bias", &[1024])],
+];
+
+/// The buckets' layouts, from [`BUCKET_PARAMS`].
+pub fn bucket_layouts() -> Vec<crate::strategy::BucketLayout> {
+    BUCKET_PARAMS.iter().map(|ps| crate::strategy::BucketLayout::packed(ps.iter().map(|&(n, s)| (n, s)), tch::Kind::Float)).collect()
+}
+
 /// Steps a compressor runs, each over every bucket.
 pub const COMPRESSOR_STEPS: u64 = 4;
 /// The state round trip saves after this many steps of a compressor.
@@ -359,6 +375,7 @@ impl Kit {
     ) -> Result<RankRun> {
         let rank = comm.rank();
         let mut p = PluginCompressor::new(self.configure(&self.config)?, false);
+        p.setup(&bucket_layouts())?;
         if let Some(state) = load {
             p.plugin.state_load(state)?;
         }
@@ -1014,6 +1031,18 @@ mod tests {
         let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / x.len() as f64;
         let var = x.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / x.len() as f64;
         assert!(mean.abs() < 0.02 && (var - 1.25).abs() < 0.05, "mean {mean}, variance {var}");
+    }
+
+    #[test]
+    fn the_layouts_fill_the_buckets() {
+        let layouts = bucket_layouts();
+        for (l, &n) in layouts.iter().zip(&BUCKET_SIZES) {
+            assert_eq!(l.numel, n as u64);
+            assert_eq!(l.params.iter().map(|p| p.numel).sum::<u64>(), n as u64);
+        }
+        let last = &layouts[3].params;
+        assert_eq!((last[1].offset, last[1].shape.as_slice(), last[1].weight), (49152, &[120u64, 128][..], true));
+        assert!(!last[2].weight && layouts[2].params[0].weight);
     }
 
     #[test]

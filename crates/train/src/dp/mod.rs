@@ -25,7 +25,7 @@ use tch::{Device, Kind, Tensor};
 
 use harness_kernels::torch_ext;
 use harness_runtime::comm::Collective;
-use harness_sandbox::strategy::Compressor;
+use harness_sandbox::strategy::{BucketLayout, Compressor, ParamSlot};
 use overlap::{reducible_grads, start_average, Overlap, StaleBuffers};
 pub use plan::ZeroStage;
 
@@ -648,6 +648,34 @@ impl DataParallel {
             flats.collect::<Option<Vec<_>>>().ok_or_else(|| anyhow::anyhow!("a gradient buffer is missing"))?
         };
         Ok(Some(whole.iter().map(piece).filter(|p| p.numel() > 0).collect()))
+    }
+
+    /// What each bucket holds, in the order the compressor gets them: its
+    /// parameters' names (`names`, indexed as `params`), shapes and
+    /// offsets (the WIT `bucket-layout`).
+    pub fn layouts(&self, names: &[String], params: &[Tensor]) -> Vec<BucketLayout> {
+        self.buckets
+            .iter()
+            .map(|b| BucketLayout {
+                numel: b.padded as u64,
+                params: b
+                    .params
+                    .iter()
+                    .zip(&b.offsets)
+                    .map(|(&i, &off)| {
+                        let shape: Vec<u64> = params[i].size().iter().map(|&d| d as u64).collect();
+                        ParamSlot {
+                            name: names[i].clone(),
+                            numel: shape.iter().product(),
+                            weight: shape.len() >= 2,
+                            shape,
+                            offset: off as u64,
+                            dtype: b.kind,
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     /// Whether optimizer state and gradients are sharded (ZeRO).

@@ -138,6 +138,9 @@ impl Training {
         let dp_plan = dp::plan::DpPlan::new(&ask)?;
         let buckets = bucket_plan(&vs, &params, ctx.bucket_bytes);
         let dp = DataParallel::new(&params, &buckets, &dp_plan, comm)?;
+        // The compressor learns what its buckets hold before any state is
+        // loaded into it (contract 0.2's `setup`).
+        strategies.compressor.setup(&dp.layouts(&names, &params))?;
         let (grad_stats, overlapped) = (dp_plan.grad_stats, dp_plan.overlapped(world));
         let (targets, decay) = dp.update_targets(&params);
         let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
