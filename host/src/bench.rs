@@ -94,12 +94,19 @@ pub fn allreduce(
     if env.rank != 0 {
         return Ok(Allreduce::Ran(None));
     }
-    Ok(Allreduce::Ran(Some(serde_json::json!({
-        "world_size": env.world,
-        "stream": if side { "side" } else { "legacy" },
-        "timed": !untimed,
-        "buckets": { "count": buckets.len(), "bytes": bytes, "ms_per_step": dt * 1e3, "algbw_gbs": alg, "busbw_gbs": alg * 2.0 * (n - 1.0) / n },
-    }))))
+    let record = harness_format::bench::AllreduceBench {
+        world_size: env.world as u32,
+        stream: Some(if side { "side" } else { "legacy" }.into()),
+        timed: Some(!untimed),
+        buckets: harness_format::bench::BenchBuckets {
+            count: buckets.len() as u64,
+            bytes,
+            ms_per_step: dt * 1e3,
+            algbw_gbs: alg,
+            busbw_gbs: alg * 2.0 * (n - 1.0) / n,
+        },
+    };
+    Ok(Allreduce::Ran(Some(serde_json::to_value(record)?)))
 }
 
 /// `harness bench checkpoint-read`: a checkpoint of `gb` GB (a model file

@@ -64,6 +64,11 @@ pub enum Command {
     Keygen(KeygenArgs),
     /// Compare two result files side by side, with ratios and significance.
     Compare(CompareArgs),
+    /// Project strategies on larger clusters with a model calibrated on
+    /// result files and all-reduce benches (a projection, not a
+    /// measurement: docs/projection.md); --check predicts the measured
+    /// multi-GPU entries and prints the error.
+    Project(ProjectArgs),
     /// Benchmarks of harness's own building blocks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -252,6 +257,34 @@ pub struct CompareArgs {
     pub a: PathBuf,
     /// The candidate (B).
     pub b: PathBuf,
+}
+
+/// Arguments of `harness project`.
+#[derive(Debug, Args)]
+pub struct ProjectArgs {
+    /// Result files: one-GPU entries give the step's compute, multi-GPU
+    /// entries the gradient buckets and each strategy's collectives and
+    /// costs.
+    #[arg(required = true)]
+    pub results: Vec<PathBuf>,
+    /// A cluster, `NODESxGPUS[:key=value,...]`, e.g.
+    /// `1-128x8:nvlink=measured,net=100Gbps` (a range of nodes: every power
+    /// of two in it); repeatable. Keys: nvlink, nvlink_lat, net, net_lat,
+    /// algo (docs/projection.md).
+    #[arg(long)]
+    pub cluster: Vec<String>,
+    /// A `harness bench allreduce` record (`PATH`, or `network=PATH` for
+    /// one run over NCCL's network transport); repeatable.
+    #[arg(long)]
+    pub bench: Vec<String>,
+    /// The compute slowdown beside collectives, instead of the one fitted
+    /// on the overlapped entries of the results.
+    #[arg(long)]
+    pub slowdown: Option<f64>,
+    /// Predict every measured multi-GPU entry of the results from data
+    /// that excluded it, and print the error.
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// Arguments of `harness env`.
@@ -532,6 +565,7 @@ pub fn main(cli: Cli) -> anyhow::Result<i32> {
         Command::Reproduce(args) => reproduce(args),
         Command::Keygen(args) => keygen(args),
         Command::Compare(args) => compare(args),
+        Command::Project(args) => project(args),
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
         Command::Bench(BenchCommand::CheckpointRead(args)) => bench_checkpoint_read(args),
         Command::Plugin(PluginCommand::New(args)) => plugin_new(args),
@@ -979,6 +1013,28 @@ fn compare(args: CompareArgs) -> anyhow::Result<i32> {
     let ra = results::RunResult::read(&args.a)?;
     let rb = results::RunResult::read(&args.b)?;
     print!("{}", report::compare_table(&[ra], &[rb]));
+    Ok(exit::OK)
+}
+
+/// `harness project`: the model's projection, or with --check its error
+/// on the measured entries.
+fn project(args: ProjectArgs) -> anyhow::Result<i32> {
+    use report::project;
+    let sources = args.results.iter().map(|p| project::Source::read(p)).collect::<anyhow::Result<Vec<_>>>()?;
+    let benches = args.bench.iter().map(|b| project::calibrate::Bench::read(b)).collect::<anyhow::Result<Vec<_>>>()?;
+    if args.check {
+        let c = project::check(&sources, &benches);
+        anyhow::ensure!(!c.rows.is_empty(), "nothing to check: {}", c.skipped.join("; "));
+        print!("{}", project::render::check(&c));
+        return Ok(exit::OK);
+    }
+    anyhow::ensure!(!args.cluster.is_empty(), "give at least one --cluster (e.g. `1-16x8:net=100Gbps`), or --check");
+    let mut clusters = Vec::new();
+    for c in &args.cluster {
+        clusters.extend(project::Cluster::parse(c)?);
+    }
+    let p = project::project(&sources, &benches, &clusters, args.slowdown)?;
+    print!("{}", project::render::projection(&p));
     Ok(exit::OK)
 }
 

@@ -235,3 +235,26 @@ fn html_report_renders_in_chromium_with_plots() {
         assert!(n > 2000, "series colour {hex} covers only {n} pixels");
     }
 }
+
+#[test]
+fn project_checks_the_committed_runs_and_refuses_a_bad_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = repo_root();
+    let r = |p: &str| root.join(p).display().to_string();
+    let o = run_ok(harness(dir.path()).args([
+        "project",
+        "--check",
+        &r("results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-1.json"),
+        &r("results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-2.json"),
+        "--bench",
+        &r("results/h200x4/scaling-625ab31/busbw/harness-busbw-gpt2-124m-2.json"),
+    ]));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("PROJECTION"), "{out}");
+    // DDP is predicted; ZeRO-2 has no other entry to take its costs from.
+    assert!(out.contains("1 of 1 entries within 10%"), "{out}");
+    assert!(out.contains("zero2/r0: no other entry of strategy zero2"), "{out}");
+    let o = harness(dir.path()).args(["project", &r("results/h200x2/harness-1gpu.json"), "--cluster", "2x4"]).output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("more than one node needs `net=`"));
+}

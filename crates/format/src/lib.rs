@@ -18,6 +18,7 @@
 //!   text made safe for a terminal) and [`secrets`]
 //!   (the user's keys, kept outside the folders they seal).
 
+pub mod bench;
 pub mod error;
 pub mod exit;
 pub mod files;

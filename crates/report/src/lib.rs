@@ -22,6 +22,7 @@ pub mod html;
 pub mod inputs;
 pub mod metric;
 pub mod output;
+pub mod project;
 pub mod reproduction;
 pub mod stats;
 pub mod submission;

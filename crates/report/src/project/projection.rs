@@ -1,0 +1,161 @@
+//! `harness project`: each workload's strategies projected on clusters,
+//! calibrated on the given result files and bench records.
+
+use super::calibrate::{entry_cluster, plain, same_work, Bench, Compute, Profile, Source};
+use super::check::slowdowns;
+use super::cluster::Cluster;
+use super::model::{break_even, predict, Prediction, Slowdown};
+
+/// One strategy of one workload on one cluster.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub workload: String,
+    pub strategy: String,
+    pub cluster: Cluster,
+    pub prediction: Prediction,
+}
+
+/// A compressor's break-even bandwidth against the all-reduce on a cluster.
+#[derive(Debug, Clone)]
+pub struct BreakEven {
+    pub workload: String,
+    pub strategy: String,
+    pub cluster: Cluster,
+    /// See [`break_even`].
+    pub gbps: Result<Option<f64>, ()>,
+}
+
+/// A projection, with what it was calibrated on.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    pub rows: Vec<Row>,
+    pub break_even: Vec<BreakEven>,
+    pub slowdown: Slowdown,
+    /// How many entries the slowdown was fitted on.
+    pub slowdown_fits: usize,
+    /// The measured bandwidth inside a node, Gbit/s, and its bench.
+    pub intra: Option<(f64, String)>,
+    /// One line per workload: its one-GPU step and where its inputs came from.
+    pub calibration: Vec<String>,
+    pub skipped: Vec<String>,
+}
+
+/// One workload: its one-GPU compute and the strategies measured on it.
+struct Workload {
+    name: String,
+    compute: Compute,
+    profiles: Vec<Profile>,
+}
+
+fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<String>) {
+    let mut out: Vec<(Workload, harness_format::results::Metrics)> = Vec::new();
+    let mut skipped = Vec::new();
+    for src in sources {
+        for (e, m) in src.ok() {
+            if m.world_size != 1 || out.iter().any(|(_, w)| same_work(w, m)) {
+                continue;
+            }
+            if let Some(compute) = Compute::of(src, e, m) {
+                out.push((Workload { name: e.workload.clone(), compute, profiles: Vec::new() }, m.clone()));
+            }
+        }
+    }
+    for src in sources {
+        for (e, m) in src.ok() {
+            let Some(s) = src.strategy(e) else { continue };
+            if m.world_size < 2 {
+                continue;
+            }
+            let Some((w, _)) = out.iter_mut().find(|(_, one)| same_work(one, m)) else {
+                skipped.push(format!("{}: no one-GPU entry of the same work", src.name(e)));
+                continue;
+            };
+            // One all-reduce per workload; each other strategy once, first
+            // where it ran on the machine's own links.
+            let key = if plain(s) { "allreduce".to_string() } else { s.name.clone() };
+            if let Some(i) = w.profiles.iter().position(|p| p.name == key) {
+                if !(w.profiles[i].from.ends_with(" (link)") && s.link.is_none()) {
+                    continue;
+                }
+                w.profiles.remove(i);
+            }
+            let Some(ran_on) = entry_cluster(benches, src, e, m) else {
+                skipped.push(format!("{}: no all-reduce bench at its world size and transport", src.name(e)));
+                continue;
+            };
+            if let Some(mut p) = Profile::of(src, e, m, &ran_on) {
+                p.name = key;
+                if s.link.is_some() {
+                    p.from.push_str(" (link)");
+                }
+                w.profiles.push(p);
+            }
+        }
+    }
+    let mut ws: Vec<Workload> = out.into_iter().map(|(w, _)| w).collect();
+    for w in &mut ws {
+        w.profiles.sort_by_key(|p| !p.plain);
+    }
+    (ws, skipped)
+}
+
+/// Projects every workload with a one-GPU entry and a multi-GPU one in
+/// `sources` on each cluster. `slowdown` overrides the calibrated one.
+pub fn project(sources: &[Source], benches: &[Bench], clusters: &[Cluster], slowdown: Option<f64>) -> anyhow::Result<Projection> {
+    let (ws, mut skipped) = workloads(sources, benches);
+    anyhow::ensure!(
+        ws.iter().any(|w| !w.profiles.is_empty()),
+        "nothing to project: the inputs need a one-GPU entry and a multi-GPU entry (for the gradient buckets) of the same work"
+    );
+    let fits = slowdowns(sources, benches);
+    let slowdown = match slowdown {
+        Some(s) => Slowdown { lo: s, mid: s, hi: s },
+        None => Slowdown::of(&fits),
+    };
+    let intra = benches.iter().filter(|b| !b.network).max_by_key(|b| b.world()).map(|b| (b.gbps(), b.path.display().to_string()));
+    if clusters.iter().any(|c| c.intra_gbps.is_none()) && intra.is_none() {
+        anyhow::bail!(
+            "a cluster takes the measured bandwidth inside a node (`nvlink=measured`, the default), and no --bench record was given"
+        );
+    }
+    let mut rows = Vec::new();
+    let mut be = Vec::new();
+    let mut calibration = Vec::new();
+    for w in &ws {
+        if w.profiles.is_empty() {
+            skipped.push(format!("{}: no multi-GPU entry to take the gradient buckets from", w.name));
+            continue;
+        }
+        calibration.push(format!(
+            "{}: one-GPU step {:.2} ms (forward {:.2}, backward {:.2}, optimizer {:.2}) from {}; strategies from {}",
+            w.name,
+            w.compute.step * 1e3,
+            w.compute.forward * 1e3,
+            w.compute.backward * 1e3,
+            w.compute.optimizer * 1e3,
+            w.compute.from,
+            w.profiles.iter().map(|p| p.from.as_str()).collect::<Vec<_>>().join(", ")
+        ));
+        for c in clusters {
+            let c = c.with_measured_intra(intra.as_ref().map_or(0.0, |i| i.0));
+            for p in &w.profiles {
+                rows.push(Row {
+                    workload: w.name.clone(),
+                    strategy: p.name.clone(),
+                    cluster: c.clone(),
+                    prediction: predict(&w.compute, p, &c, slowdown, p.plain),
+                });
+            }
+            let Some(ar) = w.profiles.iter().find(|p| p.plain) else { continue };
+            for q in w.profiles.iter().filter(|q| !q.plain && q.zero == 0) {
+                be.push(BreakEven {
+                    workload: w.name.clone(),
+                    strategy: q.name.clone(),
+                    cluster: c.clone(),
+                    gbps: break_even(&w.compute, ar, q, &c, slowdown.mid),
+                });
+            }
+        }
+    }
+    Ok(Projection { rows, break_even: be, slowdown, slowdown_fits: fits.len(), intra, calibration, skipped })
+}

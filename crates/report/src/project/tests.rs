@@ -1,0 +1,225 @@
+//! The model against committed GPU results (results/, read in place), and
+//! its parts against hand-worked figures.
+
+use std::path::{Path, PathBuf};
+
+use harness_format::link::{Link, Op};
+
+use super::calibrate::{Bench, Source};
+use super::check::check;
+use super::cluster::{Algo, Cluster};
+use super::projection::project;
+use super::render;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn sources(paths: &[&str]) -> Vec<Source> {
+    paths.iter().map(|p| Source::read(&root().join(p)).unwrap()).collect()
+}
+
+fn benches(args: &[&str]) -> Vec<Bench> {
+    args.iter()
+        .map(|a| match a.split_once('=') {
+            Some((k, p)) => Bench::read(&format!("{k}={}", root().join(p).display())).unwrap(),
+            None => Bench::read(&root().join(a).display().to_string()).unwrap(),
+        })
+        .collect()
+}
+
+/// Every result file the check reads: H200 runs of 1, 2 and 4 GPUs.
+const RESULTS: &[&str] = &[
+    "results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-1.json",
+    "results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-2.json",
+    "results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-4.json",
+    "results/h200x4/scaling-625ab31/scaling-1.3b/harness-1.json",
+    "results/h200x4/scaling-625ab31/scaling-1.3b/harness-2.json",
+    "results/h200x4/scaling-625ab31/scaling-1.3b/harness-4.json",
+    "results/h200x2/harness-1gpu.json",
+    "results/h200x2/gpu2-compressors.json",
+    "results/h200x2/gpu2-compressors-10gbps.json",
+    "results/h200x2/gpu2-zero.json",
+    "results/h200x2/link.json",
+    "results/h200x2/nccl/gpu2-nccl.json",
+    "results/h200x4/claims-b592d86/gpu1-claims.json",
+    "results/h200x4/claims-b592d86/gpu4-claims.json",
+];
+
+const BENCHES: &[&str] = &[
+    "results/h200x4/scaling-625ab31/busbw/harness-busbw-gpt2-124m-2.json",
+    "results/h200x4/scaling-625ab31/busbw/harness-busbw-gpt2-124m-4.json",
+    "results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-2.json",
+    "results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-4.json",
+    "results/h200x2/busbw/harness-busbw-1.json",
+    "results/h200x4/harness-busbw4.json",
+    "network=results/h200x2/nccl/busbw-network.json",
+];
+
+/// The model against every measured configuration of the committed H200
+/// runs: each predicted from data that excluded it. The bound is the
+/// issue's 10%, for all but the entries docs/projection.md names: the
+/// encoder on 4 GPUs (its ranks' input pipelines share the host's CPU,
+/// which the model does not see) and NCCL's network transport (two repeats
+/// of the same run 12% apart).
+#[test]
+fn check_predicts_the_committed_runs_within_ten_percent() {
+    let c = check(&sources(RESULTS), &benches(BENCHES));
+    println!("{}", render::check(&c));
+    assert!(c.rows.len() >= 38, "rows: {}", c.rows.len());
+    let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/");
+    for r in &c.rows {
+        assert!(r.measured > 0.0 && r.predicted.tokens_per_s > 0.0);
+        assert!(r.predicted.tokens_lo <= r.predicted.tokens_per_s && r.predicted.tokens_per_s <= r.predicted.tokens_hi, "{}", r.target);
+        if !known(&r.target) {
+            assert!(
+                r.error.abs() <= 0.10,
+                "{}: predicted {:.0} tokens/s, measured {:.0} ({:+.1}%)",
+                r.target,
+                r.predicted.tokens_per_s,
+                r.measured,
+                100.0 * r.error
+            );
+        }
+        // Never its own measurement: a strategy's costs come from another entry.
+        if !r.profile_from.ends_with("(bucket sizes)") {
+            assert!(!r.profile_from.starts_with(&r.target), "{} calibrated on itself", r.target);
+        }
+        assert_ne!(r.compute_from, r.target);
+    }
+    // Every kind of configuration the issue names is in the check.
+    for kind in ["ddp/", "zero2/", "fp16/", "powersgd-r4/", "topk-5pct/", "/network/", "link-10gbps", "link20/"] {
+        assert!(c.rows.iter().any(|r| r.target.contains(kind)), "no {kind} entry checked");
+    }
+    for w in [2, 4] {
+        assert!(c.rows.iter().any(|r| r.world == w), "no {w}-GPU entry");
+    }
+    let within = c.rows.iter().filter(|r| r.error.abs() <= 0.10).count();
+    assert!(within + 3 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
+}
+
+/// Without a bench at an entry's world size the check says so and skips it,
+/// rather than predicting from nothing.
+#[test]
+fn check_skips_entries_it_has_no_calibration_for() {
+    let s = sources(&[
+        "results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-1.json",
+        "results/h200x4/scaling-625ab31/scaling-gpt2-124m/harness-4.json",
+    ]);
+    let c = check(&s, &benches(&["results/h200x4/scaling-625ab31/busbw/harness-busbw-gpt2-124m-2.json"]));
+    assert!(c.rows.is_empty());
+    assert!(c.skipped.iter().any(|x| x.contains("no nvlink all-reduce bench at 4 GPUs")), "{:?}", c.skipped);
+    let c = check(&s[1..], &benches(&["results/h200x4/scaling-625ab31/busbw/harness-busbw-gpt2-124m-4.json"]));
+    assert!(c.skipped.iter().any(|x| x.contains("no one-GPU entry")), "{:?}", c.skipped);
+}
+
+/// The cluster string: shapes, units, ranges and what it refuses.
+#[test]
+fn cluster_strings_parse_and_refuse() {
+    let c = Cluster::parse("64x8:nvlink=450GBps,net=100Gbps,net_lat=2us,algo=ring").unwrap();
+    assert_eq!(c.len(), 1);
+    let c = &c[0];
+    assert_eq!((c.nodes, c.gpus_per_node, c.world()), (64, 8, 512));
+    assert_eq!(c.intra_gbps, Some(3600.0));
+    assert_eq!((c.net_gbps, c.net_latency_us, c.algo), (100.0, 2.0, Algo::Ring));
+    let r = Cluster::parse("1-128x8:net=25Gbps").unwrap();
+    assert_eq!(r.iter().map(|c| c.world()).collect::<Vec<_>>(), vec![8, 16, 32, 64, 128, 256, 512, 1024]);
+    assert_eq!(r[0].intra_gbps, None, "nvlink defaults to the measured bandwidth");
+    assert_eq!(Cluster::parse("1x4").unwrap()[0].world(), 4);
+    for bad in ["8", "2x4", "2x4:net=100", "2x4:net=100Mbps", "1x8:foo=1", "4-2x8:net=1Gbps", "1x0", "1x8:algo=star", "1x8:nvlink_lat=3"] {
+        assert!(Cluster::parse(bad).is_err(), "{bad} parsed");
+    }
+    let e = Cluster::parse("2x4").unwrap_err().to_string();
+    assert!(e.contains("net="), "{e}");
+}
+
+/// Collective times against hand-worked alpha-beta figures and the
+/// emulation's own ring (`Link`).
+#[test]
+fn collective_times_follow_ring_tree_and_hierarchy() {
+    let gb = 1e9;
+    // One node of 4: a ring all-reduce moves 2(n-1)/n of the buffer.
+    let one = &Cluster::parse("1x4:nvlink=100GBps").unwrap()[0];
+    let t = one.time(Op::AllReduce, gb);
+    assert!((t - 1.5 * gb / 100e9).abs() < 1e-9, "{t}");
+    // Flat nodes of one GPU: exactly what the link emulation times.
+    let flat = &Cluster::parse("4x1:net=10Gbps,net_lat=10us,algo=ring").unwrap()[0];
+    let link = Link::flat(10.0, 10.0);
+    for op in Op::ALL {
+        assert!((flat.time(op, gb) - link.time(op, gb as u64, 4).as_secs_f64()).abs() < 1e-9);
+    }
+    // Hierarchical: inside, between, inside.
+    let h = &Cluster::parse("2x4:nvlink=100GBps,net=100Gbps,net_lat=0us,algo=ring").unwrap()[0];
+    let want = 0.75 * gb / 100e9 + 1.0 * gb * 8.0 / 100e9 + 0.75 * gb / 100e9;
+    assert!((h.time(Op::AllReduce, gb) - want).abs() < 1e-9);
+    // An all-gather's gathered size is the caller's; between 64 nodes the
+    // tree's latency beats the ring's on a small message.
+    let ring = &Cluster::parse("64x1:net=100Gbps,net_lat=10us,algo=ring").unwrap()[0];
+    let tree = Cluster { algo: Algo::Tree, ..ring.clone() };
+    let auto = Cluster { algo: Algo::Auto, ..ring.clone() };
+    assert!(tree.time(Op::AllReduce, 1e3) < ring.time(Op::AllReduce, 1e3));
+    assert!(ring.time(Op::AllReduce, 1e9) < tree.time(Op::AllReduce, 1e9));
+    assert_eq!(auto.time(Op::AllReduce, 1e3), tree.time(Op::AllReduce, 1e3));
+}
+
+/// A projection of the committed runs: labelled, all-reduce scaling falls
+/// with slower networks, top-k's all-gather grows with the world, and the
+/// break-even bandwidths are where the steps cross.
+#[test]
+fn projection_scales_and_finds_break_even() {
+    let s = sources(&["results/h200x2/harness-1gpu.json", "results/h200x2/gpu2-compressors.json"]);
+    let b = benches(&["results/h200x2/busbw/harness-busbw-1.json"]);
+    let mut clusters = Cluster::parse("1x2").unwrap();
+    clusters.extend(Cluster::parse("1-128x8:net=25Gbps").unwrap());
+    clusters.extend(Cluster::parse("1-128x8:net=400Gbps").unwrap());
+    let p = project(&s, &b, &clusters, Some(1.0)).unwrap();
+    let text = render::projection(&p);
+    assert!(text.starts_with(render::LABEL), "{text}");
+    let row = |strategy: &str, world: usize, net: f64| {
+        p.rows
+            .iter()
+            .find(|r| r.strategy == strategy && r.cluster.world() == world && (r.cluster.nodes == 1 || r.cluster.net_gbps == net))
+            .unwrap_or_else(|| panic!("no {strategy} at {world} over {net}"))
+            .prediction
+    };
+    // Weak scaling: the all-reduce's efficiency falls with size and with a
+    // slower network.
+    let (a, b25) = (row("allreduce", 64, 400.0), row("allreduce", 64, 25.0));
+    assert!(b25.efficiency < a.efficiency && a.efficiency <= 1.0);
+    assert!(row("allreduce", 1024, 25.0).efficiency <= row("allreduce", 16, 25.0).efficiency);
+    // top-k's all-gather grows with the world: its exposed time does too.
+    assert!(row("topk-5pct", 1024, 400.0).parts.exposed > 4.0 * row("topk-5pct", 16, 400.0).parts.exposed);
+    // On two GPUs of NVLink, as measured, the all-reduce beats every compressor.
+    for r in p.rows.iter().filter(|r| r.cluster.world() == 2 && r.strategy != "allreduce") {
+        assert!(r.prediction.step > row("allreduce", 2, 0.0).step, "{}", r.strategy);
+    }
+    // Break-even: just below it the compressor is faster, just above slower.
+    let be = p.break_even.iter().find(|x| x.strategy == "fp16" && x.cluster.world() == 64 && x.cluster.net_gbps == 25.0).unwrap();
+    let g = be.gbps.unwrap().expect("fp16 halves the bytes: it wins on a slow enough link");
+    assert!(g > 0.01 && g < 1e5, "{g}");
+    for (net, fp16_faster) in [(g * 0.8, true), (g * 1.25, false)] {
+        let c = Cluster::parse(&format!("8x8:net={net}Gbps")).unwrap();
+        let q = project(&s, &b, &c, Some(1.0)).unwrap();
+        let step = |name: &str| q.rows.iter().find(|r| r.strategy == name).unwrap().prediction.step;
+        assert_eq!(step("fp16") < step("allreduce"), fp16_faster, "at {net} Gbps");
+    }
+    println!("{text}");
+    assert!(g > 0.01 && g < 1e5, "{g}");
+}
+
+/// ZeRO's all-gather moves the whole bucket at any world size; a
+/// compressor's gathers a share from every rank and grows with it.
+#[test]
+fn all_gather_grows_for_compressors_not_for_zero() {
+    use super::calibrate::{Profile, Use};
+    let use_ = Use { op: Op::AllGather, per_step: 1.0, bytes: 1000.0 };
+    let mut p = Profile::all_reduce("x", &[1000], "test".into());
+    p.plain = false;
+    p.world = 2;
+    p.zero = 0;
+    assert_eq!(p.bytes_at(&use_, 8), 4000.0);
+    p.zero = 2;
+    assert_eq!(p.bytes_at(&use_, 8), 1000.0);
+    let rs = Use { op: Op::ReduceScatter, ..use_ };
+    assert_eq!(p.bytes_at(&rs, 8), 1000.0);
+}
