@@ -315,6 +315,34 @@ fn topk_and_randomk_with_ratio_one_are_the_mean() {
     }
 }
 
+/// Layer-wise top-k: a tensor of small gradients beside one of large ones
+/// keeps its share of the picks (k per tensor), where a top-k over the
+/// bucket sends none of it; at ratio 1 both are the mean.
+#[test]
+fn topk_per_layer_sends_each_tensors_share() {
+    let layout = [laid(&[("big.weight", &[30, 30]), ("small.bias", &[100])])];
+    let input = |r: usize| -> Vec<f32> {
+        let mut x: Vec<f32> = grad(900, r, 0).iter().map(|v| 10.0 * v).collect();
+        x.extend(grad(100, r + 7, 0).iter().map(|v| 0.01 * v));
+        x
+    };
+    for world in [1, 2] {
+        let inputs: Vec<Vec<f32>> = (0..world).map(input).collect();
+        let nonzero = |o: &[f32]| o.iter().filter(|v| **v != 0.0).count();
+        let run = |config: &str| on_ranks_laid(world, "topk.wasm", config, &layout, |r, rank| rank.reduce(&inputs[r], 0, 0));
+        let flat = run("ratio = 0.1");
+        let layers = run("ratio = 0.1\nper_layer = true");
+        assert_same_on_all_ranks("topk per layer", &layers);
+        assert_eq!(nonzero(&flat[0][900..]), 0, "a top-k over the bucket picks only the large tensor");
+        // Each rank sends 10 of the small tensor's entries (90 of the big one's).
+        let small = nonzero(&layers[0][900..]);
+        assert!((10..=10 * world).contains(&small), "{world} ranks: {small} of the small tensor's entries arrived");
+        assert!(nonzero(&layers[0][..900]) >= 90, "the big tensor keeps its 90 a rank");
+        let mean_out = run("ratio = 1.0\nper_layer = true");
+        assert!(max_abs_diff(&mean_out[0], &mean(&inputs)) <= 1e-5, "ratio 1 per layer is the mean");
+    }
+}
+
 /// Error feedback loses nothing: over T steps, the outputs plus the mean of
 /// the final residuals add up to the mean inputs (the sum telescopes:
 /// `out_t = mean(acc_t) - mean(residual_t)` and `acc_t = g_t +
@@ -671,6 +699,8 @@ fn expected_ratio(strategy: &str, n: u64) -> f64 {
     let sent = match strategy {
         "fp16" | "bf16" => 2.0 * n as f64,
         "topk-5pct" => 8.0 * k,
+        // k per tensor, ceil(0.05 n_t) each.
+        "topk-5pct-layers" => 8.0 * MLP_TINY.iter().map(|p| (0.05 * p.iter().product::<u64>() as f64).ceil()).sum::<f64>(),
         "randomk-5pct" => 4.0 * k,
         "powersgd-r4" => 4.0 * powersgd_floats(MLP_TINY, 4, n),
         "qsgd-256" => n as f64 + signs + 4.0 * MLP_TINY.len() as f64,
@@ -772,5 +802,5 @@ fn the_compressors_suite_trains_with_every_method_and_saves_the_bytes_it_claims(
             assert!((got - want).abs() <= 0.05 * want, "{id}: bytes on the wire {got:.5} of the baseline's, the method implies {want:.5}");
         }
     }
-    assert_eq!(entries.len(), 8);
+    assert_eq!(entries.len(), 9);
 }

@@ -5,7 +5,7 @@
 //! [`calibrate`] reads what the model stands on from result files and
 //! `harness bench allreduce` records; [`cluster`] parses a cluster and times
 //! one collective on it; [`model`] puts a step together; [`projection`]
-//! projects every workload's strategies on clusters; [`check`] predicts the
+//! projects every workload's strategies on clusters; [`check()`] predicts the
 //! measured multi-GPU entries from data that excluded them; [`render`]
 //! prints both.
 

@@ -1,7 +1,7 @@
 //! The contract's imports (`types`, `tensor`, `collective`, `log`) as host
 //! functions, for each contract version the host loads: the same functions,
-//! generated once per version's bindings by [`imports!`]. Every one of them
-//! runs a host op of [`HostSide`].
+//! generated once per version's bindings by `imports!`. Every one of them
+//! runs a host op of `HostSide` (`ops.rs`).
 
 use harness_sdk::abi::Op;
 use wasmtime::component::Resource;
