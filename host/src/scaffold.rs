@@ -119,23 +119,55 @@ const C_WASM_COMPRESSOR: [(&str, &str); 4] = [
     ("README.md", include_str!("../../sdk/templates/c-wasm-compressor/README.md.tmpl")),
 ];
 
-/// The Python template (compressors): the source, the contract's WIT
-/// package copied next to it, and a build script that runs componentize-py.
+/// The Python templates, one per kind: the source, the contract's WIT
+/// package copied next to it, and a build script that runs componentize-py
+/// (`{{world}}`: the kind's world).
+const PY_BUILD: (&str, &str) = ("build.sh", include_str!("../../sdk/templates/py-compressor/build.sh.tmpl"));
 const PY_COMPRESSOR: [(&str, &str); 4] = [
     ("app.py", include_str!("../../sdk/templates/py-compressor/app.py.tmpl")),
     ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
-    ("build.sh", include_str!("../../sdk/templates/py-compressor/build.sh.tmpl")),
+    PY_BUILD,
     ("README.md", include_str!("../../sdk/templates/py-compressor/README.md.tmpl")),
 ];
+const PY_BATCH_POLICY: [(&str, &str); 4] = [
+    ("app.py", include_str!("../../sdk/templates/py-batch-policy/app.py.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    PY_BUILD,
+    ("README.md", include_str!("../../sdk/templates/py-batch-policy/README.md.tmpl")),
+];
+const PY_CHECKPOINT_POLICY: [(&str, &str); 4] = [
+    ("app.py", include_str!("../../sdk/templates/py-checkpoint-policy/app.py.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    PY_BUILD,
+    ("README.md", include_str!("../../sdk/templates/py-checkpoint-policy/README.md.tmpl")),
+];
 
-/// The JavaScript template (compressors): the source, the contract's WIT
+/// The JavaScript templates, one per kind: the source, the contract's WIT
 /// package, and a build script that runs componentize-js.
+const JS_BUILD: [(&str, &str); 2] = [
+    ("build.mjs", include_str!("../../sdk/templates/js-compressor/build.mjs.tmpl")),
+    ("build.sh", include_str!("../../sdk/templates/js-compressor/build.sh.tmpl")),
+];
 const JS_COMPRESSOR: [(&str, &str); 5] = [
     ("app.js", include_str!("../../sdk/templates/js-compressor/app.js.tmpl")),
     ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
-    ("build.mjs", include_str!("../../sdk/templates/js-compressor/build.mjs.tmpl")),
-    ("build.sh", include_str!("../../sdk/templates/js-compressor/build.sh.tmpl")),
+    JS_BUILD[0],
+    JS_BUILD[1],
     ("README.md", include_str!("../../sdk/templates/js-compressor/README.md.tmpl")),
+];
+const JS_BATCH_POLICY: [(&str, &str); 5] = [
+    ("app.js", include_str!("../../sdk/templates/js-batch-policy/app.js.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    JS_BUILD[0],
+    JS_BUILD[1],
+    ("README.md", include_str!("../../sdk/templates/js-batch-policy/README.md.tmpl")),
+];
+const JS_CHECKPOINT_POLICY: [(&str, &str); 5] = [
+    ("app.js", include_str!("../../sdk/templates/js-checkpoint-policy/app.js.tmpl")),
+    ("wit/strategy.wit", include_str!("../../sdk/wit/strategy.wit")),
+    JS_BUILD[0],
+    JS_BUILD[1],
+    ("README.md", include_str!("../../sdk/templates/js-checkpoint-policy/README.md.tmpl")),
 ];
 
 /// A small CPU suite that runs the generated plugin against the built-in
@@ -208,12 +240,13 @@ pub struct Usage(pub String);
 /// folder or the one at `sdk`; "c": a native library, compressors
 /// only; "c-wasm": C built into a component by wit-bindgen, a clang for
 /// wasm32-wasi and wasm-tools, compressors only; "python" / "js": a
-/// component built by componentize-py / componentize-js, compressors
-/// only); returns its folder.
+/// component built by componentize-py / componentize-js, of any kind);
+/// returns its folder.
 pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str) -> Result<PathBuf> {
     if !valid_name(name) {
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
     }
+    let t = template(kind)?;
     let root = dir.join(name);
     // A link there, dangling or not, is something there too.
     if std::fs::symlink_metadata(&root).is_ok() {
@@ -221,29 +254,47 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
     }
     match lang {
         "rust" => {}
-        "c" | "c-wasm" | "python" | "js" if kind == "compressor" => {
-            let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match lang {
-                "c" => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
-                "c-wasm" => (&C_WASM_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/gen\n/results\n"),
-                "python" => (&PY_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n/__pycache__\n"),
-                _ => (&JS_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/results\n"),
+        "c" | "c-wasm" | "python" | "js" if kind == "compressor" || matches!(lang, "python" | "js") => {
+            let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match (lang, kind) {
+                ("c", _) => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
+                ("c-wasm", _) => (&C_WASM_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/gen\n/results\n"),
+                ("python", k) => (
+                    match k {
+                        "compressor" => &PY_COMPRESSOR,
+                        "batch-policy" => &PY_BATCH_POLICY,
+                        _ => &PY_CHECKPOINT_POLICY,
+                    },
+                    format!("{name}.wasm"),
+                    "./build.sh",
+                    "/*.wasm\n/results\n/__pycache__\n",
+                ),
+                (_, k) => (
+                    match k {
+                        "compressor" => &JS_COMPRESSOR,
+                        "batch-policy" => &JS_BATCH_POLICY,
+                        _ => &JS_CHECKPOINT_POLICY,
+                    },
+                    format!("{name}.wasm"),
+                    "./build.sh",
+                    "/*.wasm\n/results\n",
+                ),
             };
-            let mut files: Vec<(&str, String)> = template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name))).collect();
+            let mut files: Vec<(&str, String)> =
+                template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name).replace("{{world}}", kind))).collect();
             files.push(("suite.toml", suite(kind, name, &artifact, build)));
             files.push((".gitignore", ignore.to_owned()));
             write_files(&root, files)?;
             return Ok(root);
         }
-        "c" | "c-wasm" | "python" | "js" => {
+        "c" | "c-wasm" => {
             return Err(Usage(format!(
-                "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust){}",
+                "the {lang} template is a compressor; for a {kind}, start from `harness plugin new {kind} {name}` (Rust, Python or JavaScript){}",
                 if lang == "c" { " or from sdk/include/harness_strategy.h" } else { " or from sdk/wit/strategy.wit" }
             ))
             .into())
         }
         other => return Err(Usage(format!("no template in `{other}` (rust, c, c-wasm, python, js)")).into()),
     }
-    let t = template(kind)?;
     // The SDK: vendored into the folder, or the crate at `--sdk PATH`.
     let sdk_path = match sdk {
         Some(sdk) => std::fs::canonicalize(sdk)

@@ -119,7 +119,7 @@ fn a_misspelt_plugin_config_key_is_refused_before_anything_trains_naming_the_plu
         .unwrap();
     assert_eq!(run.status.code(), Some(2), "the usage code");
     let err = String::from_utf8_lossy(&run.stderr);
-    assert!(err.contains("--plugin-config") && err.contains("unknown config key `ratoi` (known: ratio)"), "{err}");
+    assert!(err.contains("--plugin-config") && err.contains("unknown config key `ratoi` (known: ratio, per_layer)"), "{err}");
     assert!(err.contains("plugin `topk "), "named by its own name: {err}");
     assert!(!err.contains("`submission"), "not by the suite's name for it: {err}");
     assert_eq!(err.matches("unknown config key").count(), 1, "once, however many tracks: {err}");
