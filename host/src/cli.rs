@@ -274,9 +274,26 @@ pub struct ProjectArgs {
     #[arg(long)]
     pub cluster: Vec<String>,
     /// A `harness bench allreduce` record (`PATH`, or `network=PATH` for
-    /// one run over NCCL's network transport); repeatable.
+    /// one run over NCCL's network transport), or where no bench ran on a
+    /// machine `FILE#ENTRY`: the all-reduce bandwidth that entry measured
+    /// in training; repeatable.
     #[arg(long)]
     pub bench: Vec<String>,
+    /// Project only these strategies (by name; `allreduce` is the plain
+    /// all-reduce whatever its entry's name); repeatable or comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub strategy: Vec<String>,
+    /// Also print the projection in short: tokens/s per strategy and
+    /// network against the number of GPUs, and the break-even bandwidths.
+    #[arg(long)]
+    pub summary: bool,
+    /// Write the plot (tokens/s against GPUs, one line per strategy and
+    /// network) as a standalone SVG.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Write a page with the plot and the tables.
+    #[arg(long)]
+    pub html: Option<PathBuf>,
     /// The compute slowdown beside collectives, instead of the one fitted
     /// on the overlapped entries of the results.
     #[arg(long)]
@@ -1033,8 +1050,21 @@ fn project(args: ProjectArgs) -> anyhow::Result<i32> {
     for c in &args.cluster {
         clusters.extend(project::Cluster::parse(c)?);
     }
-    let p = project::project(&sources, &benches, &clusters, args.slowdown)?;
-    print!("{}", project::render::projection(&p));
+    let p = project::project(&sources, &benches, &clusters, args.slowdown, &args.strategy)?;
+    let mut text = project::render::projection(&p);
+    if args.summary {
+        text.push('\n');
+        text.push_str(&project::render::summary(&p));
+    }
+    print!("{text}");
+    let plots = project::render::plots(&p);
+    if let Some(path) = &args.svg {
+        std::fs::write(path, report::html::projection::stack(&plots)).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.html {
+        let page = report::html::projection::page(project::render::LABEL, &plots, &text);
+        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(exit::OK)
 }
 

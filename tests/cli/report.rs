@@ -258,3 +258,55 @@ fn project_checks_the_committed_runs_and_refuses_a_bad_cluster() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("more than one node needs `net=`"));
 }
+
+/// docs/claims.md's T5-large on 8 GPUs and 2 x 4 over 10 and 20 Gbps,
+/// calibrated on the two-H100 runs (the bandwidth their DDP entry measured
+/// in training): labelled, with its plot as SVG and as a page; and
+/// `harness report` of a suite with a `[projection]` section puts the
+/// projection in a section of its own, never on the board.
+#[test]
+fn project_writes_the_t5_projection_with_its_plot_and_report_shows_a_suites() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = repo_root();
+    let r = |p: &str| root.join(p).display().to_string();
+    let (one, two) = (r("results/h100/families-vs-pytorch-c9e4397/t5/harness-1.json"), r("results/h100x2/claims1-t5-b9d3b69/claims1.json"));
+    let o = run_ok(harness(dir.path()).args([
+        "project",
+        &one,
+        &two,
+        "--bench",
+        &format!("{two}#t5-large-bf16/ddp/r0"),
+        "--cluster",
+        "1x8",
+        "--cluster",
+        "2x4:net=10Gbps",
+        "--cluster",
+        "2x4:net=20Gbps",
+        "--summary",
+        "--svg",
+        "t5.svg",
+        "--html",
+        "t5.html",
+    ]));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("PROJECTION") && out.contains("(in training)") && out.contains("8 GPUs"), "{out}");
+    let svg = std::fs::read_to_string(dir.path().join("t5.svg")).unwrap();
+    assert!(svg.starts_with("<svg xmlns") && svg.contains("PROJECTION") && svg.matches("<polyline").count() == 3, "{svg}");
+    let page = std::fs::read_to_string(dir.path().join("t5.html")).unwrap();
+    assert!(page.contains("PROJECTION") && page.contains("<svg") && page.contains("t5-large-bf16"));
+
+    // The same as a suite's [projection], through `harness report`.
+    let mut result: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&two).unwrap()).unwrap();
+    let text = result["suite"]["text"].as_str().unwrap().to_owned();
+    result["suite"]["text"] = format!("{text}\n[projection]\nclusters = [\"1x8\", \"2x4:net=10Gbps\"]\n").into();
+    result["suite"]["sha256"] = "with-projection".into();
+    std::fs::write(dir.path().join("claims1.json"), result.to_string()).unwrap();
+    std::fs::copy(&one, dir.path().join("t5-1.json")).unwrap();
+    run_ok(harness(dir.path()).args(["report", "claims1.json", "t5-1.json", "--out-dir", "out"]));
+    let md = std::fs::read_to_string(dir.path().join("out/LEADERBOARD.md")).unwrap();
+    let (board, projection) = md.split_once("## Projections (not measurements)").expect("a projection section");
+    assert!(!board.contains("PROJECTION"), "the board holds measured rows only");
+    assert!(projection.contains("PROJECTION") && projection.contains("10 Gbps"), "{projection}");
+    let html = std::fs::read_to_string(dir.path().join("out/index.html")).unwrap();
+    assert!(html.contains("id=\"projections\"") && html.contains("PROJECTION (a calibrated model"));
+}

@@ -31,8 +31,8 @@ pub use model::{resnet_macs, resnet_stages, ModelConfig, PRESETS, SMALL_IMAGE, V
 pub use plan::{mix_seed, Plan, PlanEntry};
 pub use spec::{
     DataSpec, Decay, DeviceKind, FaultSpec, Kernels, ModelKind, ModelSpec, NcclTransport, OptimizerSpec, Order, Pipeline, PluginSpec,
-    Precision, Recompute, RecomputeSpec, ReduceDtype, ScheduleSpec, Strategy, SuiteMeta, SuiteSpec, Track, Workload, BATCH_POLICIES,
-    CHECKPOINT_POLICIES, COMPRESSORS, DEFAULT_BIN_VOCAB, NCCL_RESERVED, TRACK_KINDS,
+    Precision, ProjectionSpec, Recompute, RecomputeSpec, ReduceDtype, ScheduleSpec, Strategy, SuiteMeta, SuiteSpec, Track, Workload,
+    BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, DEFAULT_BIN_VOCAB, NCCL_RESERVED, TRACK_KINDS,
 };
 pub use validate::{Suite, SuiteError, SuiteErrors};
 

@@ -24,6 +24,22 @@ pub struct SuiteSpec {
     /// reference strategies a submission of each strategy kind runs with.
     #[serde(rename = "track", default)]
     pub tracks: Vec<Track>,
+    /// Clusters `harness report` projects the suite's strategies on
+    /// (`[projection]`; docs/projection.md): a model's answer, shown apart
+    /// from the measured rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub projection: Option<ProjectionSpec>,
+}
+
+/// The `[projection]` table: the clusters to project on, in the form of
+/// `harness project --cluster` (`NODESxGPUS[:key=value,...]`), and the
+/// strategies to project (all when left out).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProjectionSpec {
+    pub clusters: Vec<String>,
+    #[serde(default)]
+    pub strategies: Vec<String>,
 }
 
 /// One `[[track]]` of a standard suite: a strategy kind that submissions

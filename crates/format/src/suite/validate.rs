@@ -14,8 +14,8 @@ use sha2::{Digest, Sha256};
 use super::limits::MAX_NAME_LEN;
 use super::model::ModelConfig;
 use super::spec::{
-    DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, Recompute, Strategy, SuiteMeta, SuiteSpec, Workload,
-    BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
+    DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, PluginSpec, Precision, ProjectionSpec, Recompute, Strategy, SuiteMeta,
+    SuiteSpec, Workload, BATCH_POLICIES, CHECKPOINT_POLICIES, COMPRESSORS, NCCL_RESERVED, TRACK_KINDS,
 };
 use crate::fmt::{printable, withheld_in_lines};
 
@@ -239,6 +239,9 @@ impl Suite {
         c.plugins(&s.plugins);
         c.strategies(s, &names);
         c.tracks(s, &names);
+        if let Some(p) = &s.projection {
+            c.projection(p, s);
+        }
         if c.errors.is_empty() {
             Ok(())
         } else {
@@ -247,8 +250,57 @@ impl Suite {
     }
 }
 
+/// The most cluster strings (and strategies) a `[projection]` may name: a
+/// report of others' result files must not be made to project without end.
+pub const MAX_PROJECTION_CLUSTERS: usize = 64;
+
 /// The checks, one section of the file per method.
 impl Checker<'_> {
+    /// `[projection]`: at least one cluster, each of the shape
+    /// `NODESxGPUS` or `A-BxGPUS` before its keys (the keys are read by
+    /// `harness report`, which says what is wrong with them), and
+    /// strategies the suite has (`allreduce` names the plain all-reduce).
+    fn projection(&mut self, p: &ProjectionSpec, s: &SuiteSpec) {
+        if p.clusters.is_empty() {
+            self.err(
+                &[Key("projection"), Key("clusters")],
+                "`[projection]` needs at least one cluster",
+                Some("e.g. clusters = [\"1-128x8:net=100Gbps\", \"2x4:net=10Gbps\"] (docs/projection.md)".into()),
+            );
+        }
+        if p.clusters.len() > MAX_PROJECTION_CLUSTERS || p.strategies.len() > MAX_PROJECTION_CLUSTERS {
+            self.err(
+                &[Key("projection")],
+                format!("`[projection]` names more than {MAX_PROJECTION_CLUSTERS} clusters or strategies"),
+                Some("a range of nodes (`1-128x8:net=100Gbps`) names a cluster per power of two in one string".into()),
+            );
+        }
+        let number =
+            |x: &str| !x.is_empty() && x.len() <= 5 && x.bytes().all(|b| b.is_ascii_digit()) && x.parse::<u32>().is_ok_and(|n| n > 0);
+        for (i, c) in p.clusters.iter().enumerate() {
+            let shape = c.split_once(':').map_or(c.as_str(), |(a, _)| a);
+            let ok = shape.split_once('x').is_some_and(|(nodes, g)| {
+                number(g) && nodes.split_once('-').map_or_else(|| number(nodes), |(a, b)| number(a) && number(b))
+            });
+            if !ok {
+                self.err(
+                    &[Key("projection"), Key("clusters"), Index(i)],
+                    format!("cluster `{}` is not NODESxGPUS[:key=value,...]", c.escape_debug()),
+                    Some("e.g. \"64x8:net=100Gbps\" or \"1-128x8:net=400Gbps\" (docs/projection.md)".into()),
+                );
+            }
+        }
+        for (i, name) in p.strategies.iter().enumerate() {
+            if name != "allreduce" && !s.strategies.iter().any(|t| &t.name == name) {
+                self.err(
+                    &[Key("projection"), Key("strategies"), Index(i)],
+                    format!("strategy `{}` is not one of the suite's", name.escape_debug()),
+                    Some("name a [[strategy]] of the suite, or `allreduce` for the plain all-reduce".into()),
+                );
+            }
+        }
+    }
+
     /// The `[suite]` table.
     fn meta(&mut self, meta: &SuiteMeta) {
         if meta.name.trim().is_empty() {
@@ -1088,6 +1140,33 @@ name = "b"
         assert_eq!((f.max_restarts(), f.max_time_lost_ratio()), (7, 2.5));
         let f = FaultSpec::default();
         assert_eq!((f.max_restarts(), f.max_time_lost_ratio()), (1000, 10.0));
+    }
+
+    /// `[projection]`: clusters of the `harness project` shape, strategies
+    /// of the suite; each mistake at its line.
+    #[test]
+    fn a_projection_section_names_clusters_and_the_suites_strategies() {
+        let ok =
+            format!("{OK}\n[projection]\nclusters = [\"1-128x8:net=100Gbps\", \"2x4:net=10Gbps\"]\nstrategies = [\"allreduce\", \"b\"]\n");
+        let s = parse(&ok).unwrap();
+        let p = s.spec.projection.as_ref().unwrap();
+        assert_eq!(p.clusters.len(), 2);
+        assert_eq!(p.strategies, ["allreduce", "b"]);
+        assert!(parse(OK).unwrap().spec.projection.is_none());
+        for (from, to, says) in [
+            ("\"2x4:net=10Gbps\"", "\"2by4\"", "cluster `2by4` is not NODESxGPUS"),
+            ("\"1-128x8:net=100Gbps\", \"2x4:net=10Gbps\"", "", "needs at least one cluster"),
+            ("\"allreduce\", \"b\"", "\"c\"", "strategy `c` is not one of the suite's"),
+        ] {
+            let e = parse(&ok.replace(from, to)).expect_err(says);
+            assert_eq!(e.0.len(), 1, "{e}");
+            assert!(e.0[0].message.contains(says), "{e}");
+            assert!(e.0[0].line_col().is_some_and(|(l, _)| l >= 23), "{e}");
+        }
+        assert!(parse(&format!("{OK}\n[projection]\nclusters = [\"1x8\"]\nnodes = 2\n")).is_err());
+        let many = vec!["\"1x8\""; MAX_PROJECTION_CLUSTERS + 1].join(", ");
+        let e = parse(&format!("{OK}\n[projection]\nclusters = [{many}]\n")).unwrap_err();
+        assert!(e.0[0].message.contains("more than 64"), "{e}");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! ([`crate::submissions::Files`]), and back to the board.
 
 mod plots;
+pub mod projection;
 pub mod submission_page;
 mod ticks;
 mod tracks;
@@ -203,6 +204,18 @@ k.addEventListener('mouseleave',function(){sec.querySelectorAll('.dim').forEach(
 /// The whole page: the submission boards of `subs` and the bundles listed
 /// apart (when bundles were given), then a section per board.
 pub fn page(boards: &[Board], subs: &[SubBoard], bundles: &[Verified], sources: &[String]) -> String {
+    page_with(boards, subs, bundles, sources, &[])
+}
+
+/// [`page`], with the suites' projections in a section of their own after
+/// the boards ([`projection::section`]).
+pub fn page_with(
+    boards: &[Board],
+    subs: &[SubBoard],
+    bundles: &[Verified],
+    sources: &[String],
+    projections: &[crate::project::suite::SuiteProjection],
+) -> String {
     let mut out = String::new();
     let _ = write!(
         out,
@@ -221,6 +234,7 @@ pub fn page(boards: &[Board], subs: &[SubBoard], bundles: &[Verified], sources: 
     for (bi, b) in boards.iter().enumerate() {
         out.push_str(&workload_board(bi, b));
     }
+    out.push_str(&projection::section(projections));
     let _ = writeln!(out, "<script>{SCRIPT}</script></body></html>");
     out
 }

@@ -41,15 +41,28 @@ impl Frame {
     /// Axes, grid, ticks and labels; `fx` formats x ticks (else the x
     /// axis's own labels).
     pub fn axes(&self, out: &mut String, xlabel: &str, ylabel: &str, fx: Option<&dyn Fn(f64) -> String>) {
+        self.axes_with(out, xlabel, ylabel, fx, None)
+    }
+    /// [`Frame::axes`], with `fy` formatting the y ticks too (a log axis
+    /// drawn in log space labels its ticks with the values).
+    pub fn axes_with(
+        &self,
+        out: &mut String,
+        xlabel: &str,
+        ylabel: &str,
+        fx: Option<&dyn Fn(f64) -> String>,
+        fy: Option<&dyn Fn(f64) -> String>,
+    ) {
         let (x0, y0, x1, y1) = (self.left, self.h - self.bottom, self.w - self.right, TOP);
         for &t in &self.y.ticks {
             let py = self.py(t);
+            let label = fy.map_or_else(|| self.y.label(t), |f| f(t));
             let _ = write!(
                 out,
                 r##"<line x1="{x0}" x2="{x1}" y1="{py:.1}" y2="{py:.1}" stroke="#ececec"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">{}</text>"##,
                 x0 - 5.0,
                 py + 4.0,
-                esc(&self.y.label(t))
+                esc(&label)
             );
         }
         for &t in &self.x.ticks {

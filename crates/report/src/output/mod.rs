@@ -41,7 +41,11 @@ pub fn write(out_dir: &Path, loaded: &Loaded, operator: &[crate::reproduction::R
         md.push('\n');
         md.push_str(&submissions::markdown(&subs, &loaded.bundles));
     }
-    let page = html::page(&boards, &subs, &loaded.bundles, &loaded.sources);
+    // Projections (a suite's `[projection]`): a section of their own,
+    // never rows of a board.
+    let projections = crate::project::suite::of_results(&loaded.results, &loaded.sources);
+    md.push_str(&crate::project::suite::markdown(&projections));
+    let page = html::page_with(&boards, &subs, &loaded.bundles, &loaded.sources, &projections);
     let (md_path, html_path) = (out_dir.join("LEADERBOARD.md"), out_dir.join("index.html"));
     write_atomic(&md_path, md.as_bytes())?;
     write_atomic(&html_path, page.as_bytes())?;

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use harness_format::bench::AllreduceBench;
+use harness_format::bench::{AllreduceBench, BenchBuckets};
 use harness_format::histogram;
 use harness_format::link::Op;
 use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult};
@@ -41,22 +41,35 @@ impl Source {
         format!("{}#{}", self.path.file_name().map_or("?".into(), |f| f.to_string_lossy()), e.id)
     }
 
+    /// The machine's first GPU, by name.
+    pub fn gpu(&self) -> Option<String> {
+        self.result.machine.gpus.first().map(|g| g.name.clone())
+    }
+
     pub fn revision(&self) -> &str {
         &self.result.machine.git_revision
     }
 }
 
 /// A `harness bench allreduce` record, and whether it ran over NCCL's
-/// network transport (the record does not say: the caller does).
+/// network transport (the record does not say: the caller does); or, where
+/// no bench ran on a machine, the all-reduce bus bandwidth one entry of a
+/// result file measured in training (`FILE#ENTRY`).
 #[derive(Debug, Clone)]
 pub struct Bench {
     pub path: PathBuf,
     pub network: bool,
     pub record: AllreduceBench,
+    /// The entry it was read from, for a bandwidth measured in training.
+    pub entry: Option<String>,
+    /// That entry's GPU: a bandwidth measured in training calibrates
+    /// entries of the same GPU only (a bench record does not name its
+    /// machine: give one machine's records per call).
+    pub gpu: Option<String>,
 }
 
 impl Bench {
-    /// Reads `PATH` or `network=PATH`.
+    /// Reads `PATH`, `network=PATH`, or `FILE#ENTRY` (`network=` too).
     pub fn read(arg: &str) -> anyhow::Result<Bench> {
         let (network, path) = match arg.split_once('=') {
             Some(("network", p)) => (true, p),
@@ -64,10 +77,68 @@ impl Bench {
             Some((k, _)) => anyhow::bail!("bench `{arg}`: `{k}=` is not `network=` or `nvlink=`"),
             None => (false, arg),
         };
+        if let Some((file, entry)) = path.split_once('#') {
+            return Bench::in_run(Path::new(file), entry, network);
+        }
         let path = PathBuf::from(path);
         let record = AllreduceBench::read(&path)?;
         anyhow::ensure!(record.buckets.busbw_gbs > 0.0, "{}: bus bandwidth is not positive", path.display());
-        Ok(Bench { path, network, record })
+        Ok(Bench { path, network, record, entry: None, gpu: None })
+    }
+
+    /// The all-reduce bus bandwidth that entry `id` of the result file at
+    /// `path` measured in training: the mean all-reduce beside the backward
+    /// pass (waits for the other ranks included), so it is lower than a
+    /// bench's; the slowdown fitted on the same entry then absorbs less. An
+    /// entry over an emulated link has no bandwidth of the machine's own.
+    pub fn in_run(path: &Path, id: &str, network: bool) -> anyhow::Result<Bench> {
+        let src = Source::read(path)?;
+        let Some((e, m)) = src.ok().find(|(e, _)| e.id == id) else {
+            anyhow::bail!("{}: no finished entry `{id}` (the form is FILE#ENTRY)", path.display())
+        };
+        Bench::of_entry(&src, e, m, network)
+    }
+
+    /// [`Bench::in_run`] of an entry already read.
+    pub fn of_entry(src: &Source, e: &EntryResult, m: &Metrics, network: bool) -> anyhow::Result<Bench> {
+        let (path, id) = (src.path.as_path(), e.id.as_str());
+        let s = src.strategy(e);
+        anyhow::ensure!(s.is_some_and(|s| s.link.is_none()), "{}#{id}: ran over an emulated link, not the machine's own", path.display());
+        anyhow::ensure!(m.world_size >= 2, "{}#{id}: ran on one GPU: no collective", path.display());
+        let Some(r) = m.collective_ops.get(Op::AllReduce.name()) else { anyhow::bail!("{}#{id}: recorded no all-reduce", path.display()) };
+        let busbw = r.busbw_gbs.unwrap_or(0.0);
+        anyhow::ensure!(busbw > 0.0 && r.collectives > 0, "{}#{id}: recorded no all-reduce bandwidth", path.display());
+        let n = m.world_size as f64;
+        let steps = m.steps.max(1) as f64;
+        let bytes = r.bytes as f64 / steps;
+        let algbw = busbw * n / (2.0 * (n - 1.0));
+        let record = AllreduceBench {
+            world_size: m.world_size,
+            stream: None,
+            timed: Some(true),
+            buckets: BenchBuckets {
+                count: (r.collectives as f64 / steps).round() as u64,
+                bytes: bytes.round() as u64,
+                ms_per_step: bytes / (algbw * 1e9) * 1e3,
+                algbw_gbs: algbw,
+                busbw_gbs: busbw,
+            },
+        };
+        Ok(Bench {
+            path: path.to_owned(),
+            network: network || s.is_some_and(self::network),
+            record,
+            entry: Some(id.to_owned()),
+            gpu: src.gpu(),
+        })
+    }
+
+    /// Where the bandwidth came from: the file, or `file#entry (in training)`.
+    pub fn name(&self) -> String {
+        match &self.entry {
+            Some(e) => format!("{}#{e} (in training)", self.path.display()),
+            None => self.path.display().to_string(),
+        }
     }
 
     /// The bus bandwidth as a link's Gbit/s: a ring all-reduce of S bytes
@@ -78,6 +149,11 @@ impl Bench {
 
     pub fn world(&self) -> usize {
         self.record.world_size as usize
+    }
+
+    /// Whether it was measured by entry `e` of `src` itself.
+    pub fn is_of(&self, src: &Source, e: &EntryResult) -> bool {
+        self.entry.as_deref() == Some(e.id.as_str()) && self.path == src.path
     }
 }
 
@@ -282,9 +358,22 @@ pub fn network(s: &Strategy) -> bool {
 /// The bench for an entry of `src` on `n` GPUs (over the network transport
 /// or not) whose buckets hold `bytes`: the same world size and transport,
 /// the same buckets and folder first.
-pub fn pick_bench<'a>(benches: &'a [Bench], src: &Source, n: usize, net: bool, bytes: u64) -> Option<&'a Bench> {
+/// A bandwidth an entry measured in training is never its own calibration
+/// under `--check` (`except`).
+pub fn pick_bench<'a>(
+    benches: &'a [Bench],
+    src: &Source,
+    n: usize,
+    net: bool,
+    bytes: u64,
+    except: Option<&EntryResult>,
+) -> Option<&'a Bench> {
     let dir = src.path.parent();
-    benches.iter().filter(|b| b.world() == n && b.network == net).min_by_key(|b| (b.record.buckets.bytes != bytes, b.path.parent() != dir))
+    benches
+        .iter()
+        .filter(|b| b.world() == n && b.network == net && !except.is_some_and(|e| b.is_of(src, e)))
+        .filter(|b| b.gpu.is_none() || b.gpu == src.gpu())
+        .min_by_key(|b| (b.entry.is_some(), b.record.buckets.bytes != bytes, b.path.parent() != dir))
 }
 
 /// The cluster an entry of strategy `s` ran on, `n` GPUs of a machine
@@ -315,6 +404,6 @@ pub fn run_cluster(s: &Strategy, n: usize, intra_gbps: f64) -> (Cluster, String)
 pub fn entry_cluster(benches: &[Bench], src: &Source, e: &EntryResult, m: &Metrics) -> Option<Cluster> {
     let s = src.strategy(e)?;
     let n = m.world_size as usize;
-    let bench = pick_bench(benches, src, n, network(s), m.bucket_bytes.iter().sum())?;
+    let bench = pick_bench(benches, src, n, network(s), m.bucket_bytes.iter().sum(), None)?;
     Some(run_cluster(s, n, bench.gbps()).0)
 }

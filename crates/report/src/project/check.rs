@@ -69,8 +69,10 @@ fn pick_compute(sources: &[Source], src: &Source, m: &harness_format::results::M
     found.into_iter().next().map(|(_, c)| c)
 }
 
-/// Plans every multi-GPU entry of `sources`, or says why not.
-fn plans<'a>(sources: &[Source], benches: &'a [Bench]) -> (Vec<Plan<'a>>, Vec<String>) {
+/// Plans every multi-GPU entry of `sources`, or says why not. `own`: an
+/// entry may take the bandwidth it measured in training itself (a
+/// projection's calibration; never under `--check`).
+fn plans<'a>(sources: &[Source], benches: &'a [Bench], own: bool) -> (Vec<Plan<'a>>, Vec<String>) {
     let (mut plans, mut skipped) = (Vec::new(), Vec::new());
     for src in sources {
         for (e, m) in src.ok() {
@@ -83,7 +85,7 @@ fn plans<'a>(sources: &[Source], benches: &'a [Bench]) -> (Vec<Plan<'a>>, Vec<St
             };
             let net = network(strategy);
             let bytes: u64 = m.bucket_bytes.iter().sum();
-            let Some(bench) = pick_bench(benches, src, n, net, bytes) else {
+            let Some(bench) = pick_bench(benches, src, n, net, bytes, (!own).then_some(e)) else {
                 let kind = if net { "network" } else { "nvlink" };
                 skipped.push(format!("{target}: no {kind} all-reduce bench at {n} GPUs"));
                 continue;
@@ -157,12 +159,12 @@ fn implied_slowdown(p: &Plan) -> Option<f64> {
 /// The slowdowns the overlapped multi-GPU entries of `sources` imply, for
 /// a projection's calibration.
 pub fn slowdowns(sources: &[Source], benches: &[Bench]) -> Vec<f64> {
-    plans(sources, benches).0.iter().filter_map(implied_slowdown).collect()
+    plans(sources, benches, true).0.iter().filter_map(implied_slowdown).collect()
 }
 
 /// Predicts every multi-GPU entry of `sources` from data that excluded it.
 pub fn check(sources: &[Source], benches: &[Bench]) -> Check {
-    let (plans, skipped) = plans(sources, benches);
+    let (plans, skipped) = plans(sources, benches, false);
     let implied: Vec<Option<f64>> = plans.iter().map(implied_slowdown).collect();
     let rows = plans
         .iter()
@@ -180,7 +182,7 @@ pub fn check(sources: &[Source], benches: &[Bench]) -> Check {
                 error: (predicted.tokens_per_s - p.measured) / p.measured,
                 predicted,
                 compute_from: p.compute.from.clone(),
-                bench_from: p.bench.path.display().to_string(),
+                bench_from: p.bench.name(),
                 profile_from: p.profile.from.clone(),
                 slowdown,
             }

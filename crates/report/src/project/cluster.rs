@@ -247,7 +247,7 @@ impl Cluster {
 }
 
 /// A number without trailing zeros: 100, 12.5.
-fn trim(x: f64) -> String {
+pub(crate) fn trim(x: f64) -> String {
     let s = format!("{x:.1}");
     s.strip_suffix(".0").map(str::to_string).unwrap_or(s)
 }

@@ -7,7 +7,7 @@
 //! one collective on it; [`model`] puts a step together; [`projection`]
 //! projects every workload's strategies on clusters; [`check()`] predicts the
 //! measured multi-GPU entries from data that excluded them; [`render`]
-//! prints both.
+//! prints both; [`suite`] projects a suite's `[projection]` in the report.
 
 pub mod calibrate;
 pub mod check;
@@ -15,6 +15,7 @@ pub mod cluster;
 pub mod model;
 pub mod projection;
 pub mod render;
+pub mod suite;
 #[cfg(test)]
 mod tests;
 

@@ -33,8 +33,9 @@ pub struct Projection {
     pub slowdown: Slowdown,
     /// How many entries the slowdown was fitted on.
     pub slowdown_fits: usize,
-    /// The measured bandwidth inside a node, Gbit/s, and its bench.
-    pub intra: Option<(f64, String)>,
+    /// Per workload: the measured bandwidth inside a node, Gbit/s, and
+    /// where it came from.
+    pub intra: Vec<(String, f64, String)>,
     /// One line per workload: its one-GPU step and where its inputs came from.
     pub calibration: Vec<String>,
     pub skipped: Vec<String>,
@@ -99,32 +100,63 @@ fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<Strin
     (ws, skipped)
 }
 
+/// The bench a workload's clusters take the bandwidth inside a node from
+/// (`nvlink=measured`): a bench record before a bandwidth measured in
+/// training, of the workload's own buckets, at the largest world size.
+fn intra_bench<'a>(benches: &'a [Bench], w: &Workload) -> Option<&'a Bench> {
+    let bytes: u64 = w.profiles.first().map_or(0, |p| p.buckets.iter().sum());
+    benches.iter().filter(|b| !b.network).max_by_key(|b| (b.entry.is_none(), b.record.buckets.bytes == bytes, b.world()))
+}
+
 /// Projects every workload with a one-GPU entry and a multi-GPU one in
-/// `sources` on each cluster. `slowdown` overrides the calibrated one.
-pub fn project(sources: &[Source], benches: &[Bench], clusters: &[Cluster], slowdown: Option<f64>) -> anyhow::Result<Projection> {
-    let (ws, mut skipped) = workloads(sources, benches);
+/// `sources` on each cluster. `slowdown` overrides the calibrated one;
+/// `only`, when not empty, names the strategies to project (`allreduce`
+/// for the plain all-reduce whatever its name).
+pub fn project(
+    sources: &[Source],
+    benches: &[Bench],
+    clusters: &[Cluster],
+    slowdown: Option<f64>,
+    only: &[String],
+) -> anyhow::Result<Projection> {
+    let (mut ws, mut skipped) = workloads(sources, benches);
+    if !only.is_empty() {
+        for name in only {
+            if !ws.iter().any(|w| w.profiles.iter().any(|p| &p.name == name)) {
+                skipped.push(format!("strategy {name}: measured on no workload of the inputs"));
+            }
+        }
+        for w in &mut ws {
+            w.profiles.retain(|p| only.contains(&p.name));
+        }
+    }
     anyhow::ensure!(
         ws.iter().any(|w| !w.profiles.is_empty()),
-        "nothing to project: the inputs need a one-GPU entry and a multi-GPU entry (for the gradient buckets) of the same work"
+        "nothing to project: the inputs need a one-GPU entry and a multi-GPU entry (for the gradient buckets) of the same work{}",
+        if only.is_empty() { "" } else { ", of the strategies named" }
     );
     let fits = slowdowns(sources, benches);
     let slowdown = match slowdown {
         Some(s) => Slowdown { lo: s, mid: s, hi: s },
         None => Slowdown::of(&fits),
     };
-    let intra = benches.iter().filter(|b| !b.network).max_by_key(|b| b.world()).map(|b| (b.gbps(), b.path.display().to_string()));
-    if clusters.iter().any(|c| c.intra_gbps.is_none()) && intra.is_none() {
-        anyhow::bail!(
-            "a cluster takes the measured bandwidth inside a node (`nvlink=measured`, the default), and no --bench record was given"
-        );
-    }
     let mut rows = Vec::new();
     let mut be = Vec::new();
     let mut calibration = Vec::new();
+    let mut intra = Vec::new();
     for w in &ws {
         if w.profiles.is_empty() {
             skipped.push(format!("{}: no multi-GPU entry to take the gradient buckets from", w.name));
             continue;
+        }
+        let bench = intra_bench(benches, w);
+        if clusters.iter().any(|c| c.intra_gbps.is_none()) && bench.is_none() {
+            anyhow::bail!(
+                "a cluster takes the measured bandwidth inside a node (`nvlink=measured`, the default), and no --bench record was given"
+            );
+        }
+        if let Some(b) = bench {
+            intra.push((w.name.clone(), b.gbps(), b.name()));
         }
         calibration.push(format!(
             "{}: one-GPU step {:.2} ms (forward {:.2}, backward {:.2}, optimizer {:.2}) from {}; strategies from {}",
@@ -137,7 +169,7 @@ pub fn project(sources: &[Source], benches: &[Bench], clusters: &[Cluster], slow
             w.profiles.iter().map(|p| p.from.as_str()).collect::<Vec<_>>().join(", ")
         ));
         for c in clusters {
-            let c = c.with_measured_intra(intra.as_ref().map_or(0.0, |i| i.0));
+            let c = c.with_measured_intra(bench.map_or(0.0, |b| b.gbps()));
             for p in &w.profiles {
                 rows.push(Row {
                     workload: w.name.clone(),

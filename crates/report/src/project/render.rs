@@ -4,7 +4,9 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use harness_format::fmt::{human, printable};
 
 use super::check::Check;
-use super::projection::Projection;
+use super::cluster::{trim, Cluster};
+use super::projection::{BreakEven, Projection, Row};
+use crate::html::projection::Series;
 
 /// The heading every projection carries.
 pub const LABEL: &str = "PROJECTION: a calibrated model's prediction, not a measurement (docs/projection.md)";
@@ -26,20 +28,28 @@ fn pct(x: f64) -> String {
     format!("{:+.1}%", 100.0 * x)
 }
 
+/// What a projection was calibrated on, one line each.
+pub fn calibration(p: &Projection) -> String {
+    let mut out = String::new();
+    for line in &p.calibration {
+        out.push_str(&format!("calibration: {}\n", shown(line)));
+    }
+    for (w, g, from) in &p.intra {
+        out.push_str(&format!("calibration: {}: bus bandwidth inside a node {:.1} GB/s measured by {}\n", shown(w), g / 8.0, shown(from)));
+    }
+    out.push_str(&format!(
+        "calibration: compute slowdown beside collectives {:.2} (range {:.2} to {:.2}, from {} overlapped entries)\n",
+        p.slowdown.mid, p.slowdown.lo, p.slowdown.hi, p.slowdown_fits
+    ));
+    out
+}
+
 /// The projection's tables: step, throughput and scaling per strategy and
 /// cluster; each compressor's break-even bandwidth.
 pub fn projection(p: &Projection) -> String {
     let mut out = format!("{LABEL}\n\n");
-    for line in &p.calibration {
-        out.push_str(&format!("calibration: {}\n", shown(line)));
-    }
-    if let Some((g, from)) = &p.intra {
-        out.push_str(&format!("calibration: bus bandwidth inside a node {:.1} GB/s measured by {}\n", g / 8.0, shown(from)));
-    }
-    out.push_str(&format!(
-        "calibration: compute slowdown beside collectives {:.2} (range {:.2} to {:.2}, from {} overlapped entries)\n\n",
-        p.slowdown.mid, p.slowdown.lo, p.slowdown.hi, p.slowdown_fits
-    ));
+    out.push_str(&calibration(p));
+    out.push('\n');
     let mut t =
         table(vec!["workload", "strategy", "GPUs", "cluster", "step ms [interval]", "tokens/s [interval]", "scaling", "exposed comm ms"]);
     for r in &p.rows {
@@ -116,4 +126,136 @@ pub fn check(c: &Check) -> String {
         out.push_str(&format!("skipped: {}\n", shown(s)));
     }
     out
+}
+
+/// The network a row ran on, for the summary and the plot: each node's
+/// link to the others, or `one node` where none was given.
+fn network(c: &Cluster) -> String {
+    if c.net_gbps > 0.0 {
+        format!("{} Gbps", trim(c.net_gbps))
+    } else {
+        "one node".into()
+    }
+}
+
+/// Distinct values in first-seen order.
+fn distinct<T: PartialEq + Clone>(xs: impl Iterator<Item = T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for x in xs {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+fn workloads(p: &Projection) -> Vec<String> {
+    distinct(p.rows.iter().map(|r| r.workload.clone()))
+}
+
+/// The projection in short, per workload: tokens/s on all GPUs and the
+/// scaling efficiency, one row per strategy and network, one column per
+/// number of GPUs; then each compressor's break-even bandwidth per number
+/// of GPUs.
+pub fn summary(p: &Projection) -> String {
+    let mut out = String::new();
+    for w in workloads(p) {
+        let rows: Vec<&Row> = p.rows.iter().filter(|r| r.workload == w).collect();
+        let mut sizes = distinct(rows.iter().map(|r| r.prediction.world));
+        sizes.sort();
+        let mut header = vec!["strategy".to_string(), "network".to_string()];
+        header.extend(sizes.iter().map(|n| format!("{n} GPUs")));
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED);
+        t.set_header(header);
+        for s in distinct(rows.iter().map(|r| r.strategy.clone())) {
+            for net in distinct(rows.iter().filter(|r| r.strategy == s).map(|r| network(&r.cluster))) {
+                let mut line = vec![shown(&s), net.clone()];
+                for &n in &sizes {
+                    let cell = rows.iter().find(|r| r.strategy == s && network(&r.cluster) == net && r.prediction.world == n);
+                    line.push(
+                        cell.map_or("-".into(), |r| {
+                            format!("{} ({:.0}%)", human(r.prediction.tokens_per_s), 100.0 * r.prediction.efficiency)
+                        }),
+                    );
+                }
+                t.add_row(line);
+            }
+        }
+        out.push_str(&format!("{LABEL}\n{}: tokens/s on all GPUs (scaling efficiency against one GPU)\n", shown(&w)));
+        out.push_str(&t.to_string());
+        out.push('\n');
+        let be: Vec<&BreakEven> = p.break_even.iter().filter(|b| b.workload == w).collect();
+        if be.is_empty() {
+            out.push_str(&format!("{}: no compressor measured on this workload in the inputs: no break-even bandwidth\n", shown(&w)));
+            continue;
+        }
+        let mut bsizes = distinct(be.iter().map(|b| b.cluster.world()));
+        bsizes.sort();
+        let mut header = vec!["compressor".to_string()];
+        header.extend(bsizes.iter().map(|n| format!("{n} GPUs")));
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED);
+        t.set_header(header);
+        for s in distinct(be.iter().map(|b| b.strategy.clone())) {
+            let mut line = vec![shown(&s)];
+            for &n in &bsizes {
+                // The break-even varies the limiting link: the same on
+                // every network of one size (the first is shown).
+                let cell = be.iter().find(|b| b.strategy == s && b.cluster.world() == n);
+                line.push(cell.map_or("-".into(), |b| match b.gbps {
+                    Ok(Some(g)) => format!("{} Gbps", sig(g)),
+                    Ok(None) => "never".into(),
+                    Err(()) => "always".into(),
+                }));
+            }
+            t.add_row(line);
+        }
+        out.push_str(&format!(
+            "{}: break-even bandwidth, below which the compressor is faster than the all-reduce (the link between nodes; on one node, inside it)\n",
+            shown(&w)
+        ));
+        out.push_str(&t.to_string());
+        out.push('\n');
+    }
+    out
+}
+
+/// Three significant digits.
+fn sig(x: f64) -> String {
+    let d = (2 - x.abs().log10().floor() as i32).max(0) as usize;
+    format!("{x:.d$}")
+}
+
+/// The plot's series of one workload: a line per strategy (colour) and
+/// network (dash).
+pub fn series(p: &Projection, workload: &str) -> Vec<Series> {
+    let rows: Vec<&Row> = p.rows.iter().filter(|r| r.workload == workload).collect();
+    let strategies = distinct(rows.iter().map(|r| r.strategy.clone()));
+    let nets = distinct(rows.iter().map(|r| network(&r.cluster)));
+    let mut out = Vec::new();
+    for (si, s) in strategies.iter().enumerate() {
+        for (ni, net) in nets.iter().enumerate() {
+            let mut points: Vec<(f64, f64, f64, f64)> = rows
+                .iter()
+                .filter(|r| &r.strategy == s && &network(&r.cluster) == net)
+                .map(|r| (r.prediction.world as f64, r.prediction.tokens_per_s, r.prediction.tokens_lo, r.prediction.tokens_hi))
+                .collect();
+            if points.is_empty() {
+                continue;
+            }
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            out.push(Series { name: format!("{s}, {net}"), colour: si, dash: ni, points });
+        }
+    }
+    out
+}
+
+/// One plot per workload (standalone SVGs).
+pub fn plots(p: &Projection) -> Vec<String> {
+    workloads(p)
+        .iter()
+        .enumerate()
+        .map(|(i, w)| crate::html::projection::plot(&format!("projection-{i}"), &format!("{w}, tokens/s against GPUs"), &series(p, w)))
+        .collect()
 }

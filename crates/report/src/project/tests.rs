@@ -172,7 +172,7 @@ fn projection_scales_and_finds_break_even() {
     let mut clusters = Cluster::parse("1x2").unwrap();
     clusters.extend(Cluster::parse("1-128x8:net=25Gbps").unwrap());
     clusters.extend(Cluster::parse("1-128x8:net=400Gbps").unwrap());
-    let p = project(&s, &b, &clusters, Some(1.0)).unwrap();
+    let p = project(&s, &b, &clusters, Some(1.0), &[]).unwrap();
     let text = render::projection(&p);
     assert!(text.starts_with(render::LABEL), "{text}");
     let row = |strategy: &str, world: usize, net: f64| {
@@ -199,7 +199,7 @@ fn projection_scales_and_finds_break_even() {
     assert!(g > 0.01 && g < 1e5, "{g}");
     for (net, fp16_faster) in [(g * 0.8, true), (g * 1.25, false)] {
         let c = Cluster::parse(&format!("8x8:net={net}Gbps")).unwrap();
-        let q = project(&s, &b, &c, Some(1.0)).unwrap();
+        let q = project(&s, &b, &c, Some(1.0), &[]).unwrap();
         let step = |name: &str| q.rows.iter().find(|r| r.strategy == name).unwrap().prediction.step;
         assert_eq!(step("fp16") < step("allreduce"), fp16_faster, "at {net} Gbps");
     }
@@ -222,4 +222,110 @@ fn all_gather_grows_for_compressors_not_for_zero() {
     assert_eq!(p.bytes_at(&use_, 8), 1000.0);
     let rs = Use { op: Op::ReduceScatter, ..use_ };
     assert_eq!(p.bytes_at(&rs, 8), 1000.0);
+}
+
+/// The T5-large runs of docs/claims.md on two H100s, where no bench ran:
+/// the bandwidth the DDP entry measured in training calibrates the others
+/// and the projection, never that entry's own check; the emulated links are
+/// predicted from the one-GPU run of the same host.
+const T5: &[&str] = &["results/h100/families-vs-pytorch-c9e4397/t5/harness-1.json", "results/h100x2/claims1-t5-b9d3b69/claims1.json"];
+const T5_DDP: &str = "results/h100x2/claims1-t5-b9d3b69/claims1.json#t5-large-bf16/ddp/r0";
+
+#[test]
+fn t5_is_checked_and_projected_from_a_bandwidth_measured_in_training() {
+    let s = sources(T5);
+    let b = benches(&[T5_DDP]);
+    assert_eq!(b[0].world(), 2);
+    assert!(b[0].gbps() > 0.0 && b[0].name().ends_with("(in training)"));
+    let c = check(&s, &b);
+    assert!(c.skipped.iter().any(|x| x.contains("ddp/r0: no nvlink all-reduce bench")), "{:?}", c.skipped);
+    assert_eq!(c.rows.len(), 2, "{}", render::check(&c));
+    for r in &c.rows {
+        assert!(r.target.contains("link"), "{}", r.target);
+        assert!(r.error.abs() <= 0.10, "{}: {:+.1}%", r.target, 100.0 * r.error);
+    }
+    let mut clusters = Cluster::parse("1x8").unwrap();
+    clusters.extend(Cluster::parse("2x4:net=10Gbps").unwrap());
+    clusters.extend(Cluster::parse("2x4:net=20Gbps").unwrap());
+    let p = project(&s, &b, &clusters, None, &[]).unwrap();
+    assert_eq!(p.rows.len(), 3);
+    assert_eq!(p.slowdown_fits, 1, "the DDP entry fits the slowdown");
+    let at = |net: f64| p.rows.iter().find(|r| r.cluster.net_gbps == net).unwrap().prediction;
+    let (one_node, g20, g10) = (at(0.0), at(20.0), at(10.0));
+    assert!(one_node.tokens_per_s > g20.tokens_per_s && g20.tokens_per_s > g10.tokens_per_s);
+    // 2 x 4 over 10 Gbps: each step's 2.95 GB of gradients cross the
+    // nodes' link, more than the whole step of one GPU.
+    assert!(g10.parts.exposed > one_node.step, "{:?}", g10.parts);
+    assert!(render::projection(&p).contains("(in training)"));
+    let summary = render::summary(&p);
+    assert!(summary.starts_with(render::LABEL) && summary.contains("8 GPUs") && summary.contains("no compressor measured"), "{summary}");
+}
+
+/// A bandwidth measured in training needs an entry that ran on the
+/// machine's own links.
+#[test]
+fn a_bandwidth_in_training_refuses_what_it_cannot_use() {
+    let file = root().join("results/h100x2/claims1-t5-b9d3b69/claims1.json");
+    let e = Bench::read(&format!("{}#t5-large-bf16/link20/r0", file.display())).unwrap_err().to_string();
+    assert!(e.contains("emulated link"), "{e}");
+    let e = Bench::read(&format!("{}#nothing", file.display())).unwrap_err().to_string();
+    assert!(e.contains("no finished entry `nothing`"), "{e}");
+    let one = root().join("results/h100/families-vs-pytorch-c9e4397/t5/harness-1.json");
+    let e = Bench::read(&format!("{}#t5-large-bf16/allreduce/r0", one.display())).unwrap_err().to_string();
+    assert!(e.contains("one GPU"), "{e}");
+}
+
+/// The short tables and the plot: one column per size, one line per
+/// strategy and network, the compressors' break-even per size, and
+/// `--strategy` keeps only what it names.
+#[test]
+fn summary_and_plot_of_a_projection() {
+    let s = sources(&["results/h200x2/harness-1gpu.json", "results/h200x2/gpu2-compressors.json"]);
+    let b = benches(&["results/h200x2/busbw/harness-busbw-1.json"]);
+    let mut clusters = Cluster::parse("1-4x8:net=25Gbps").unwrap();
+    clusters.extend(Cluster::parse("1-4x8:net=400Gbps").unwrap());
+    let only: Vec<String> = ["allreduce", "fp16", "topk-5pct"].map(String::from).to_vec();
+    let p = project(&s, &b, &clusters, Some(1.0), &only).unwrap();
+    assert!(p.rows.iter().all(|r| only.contains(&r.strategy)));
+    assert_eq!(p.rows.len(), 3 * 3 * 2);
+    let text = render::summary(&p);
+    for h in ["8 GPUs", "16 GPUs", "32 GPUs", "25 Gbps", "400 Gbps", "break-even", "topk-5pct"] {
+        assert!(text.contains(h), "no {h}: {text}");
+    }
+    assert!(!text.contains("powersgd"));
+    let plots = render::plots(&p);
+    assert_eq!(plots.len(), 1);
+    assert!(plots[0].contains(crate::html::projection::TITLE));
+    assert_eq!(plots[0].matches("<polyline").count(), 3 * 2);
+    let e = project(&s, &b, &clusters, Some(1.0), &["nothing".to_string()]).unwrap_err().to_string();
+    assert!(e.contains("of the strategies named"), "{e}");
+}
+
+/// A suite's `[projection]` in the report: projected from the results the
+/// report reads, the bandwidth from the suite's own DDP entry, in a section
+/// of its own (Markdown and HTML), labelled, with its plot; a suite
+/// without the section gets none, and a bad cluster says why.
+#[test]
+fn a_suites_projection_section_is_reported_apart_from_the_boards() {
+    let s = sources(T5);
+    let mut results: Vec<_> = s.iter().map(|x| x.result.clone()).collect();
+    let names: Vec<String> = T5.iter().map(|p| p.to_string()).collect();
+    assert!(super::suite::of_results(&results, &names).is_empty(), "no [projection]: no projection");
+    let plain_text = results[1].suite.text.clone();
+    results[1].suite.text = format!("{plain_text}\n[projection]\nclusters = [\"1x8\", \"2x4:net=10Gbps\", \"2x4:net=20Gbps\"]\n");
+    results[1].suite.sha256 = "with-projection".into();
+    let ps = super::suite::of_results(&results, &names);
+    assert_eq!(ps.len(), 1);
+    let p = &ps[0];
+    assert_eq!(p.suite, results[1].suite.name);
+    assert!(p.text.contains("(in training)") && p.text.contains("8 GPUs") && p.text.contains("10 Gbps"), "{}", p.text);
+    assert_eq!(p.plots.len(), 1);
+    assert_eq!(p.plots[0].matches("<polyline").count(), 3, "one line per network");
+    let md = super::suite::markdown(&ps);
+    assert!(md.contains("## Projections (not measurements)") && md.contains(render::LABEL), "{md}");
+    let html = crate::html::projection::section(&ps);
+    assert!(html.contains("id=\"projections\"") && html.contains(crate::html::projection::TITLE));
+    results[1].suite.text = format!("{plain_text}\n[projection]\nclusters = [\"2x4:fast=yes\"]\n");
+    let ps = super::suite::of_results(&results, &names);
+    assert!(ps[0].text.contains("unknown key `fast`") && ps[0].plots.is_empty(), "{}", ps[0].text);
 }
