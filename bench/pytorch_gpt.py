@@ -70,13 +70,19 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--powersgd-rank", type=int, default=0,
+                    help="DDP with PyTorch's powerSGD_hook at this rank (0: the plain all-reduce)")
+    ap.add_argument("--powersgd-start", type=int, default=2,
+                    help="the hook's start_powerSGD_iter (it must be > 1 with error feedback)")
     run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
     # Under torchrun: DDP over NCCL, one process per GPU (as harness's ranks).
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
+    # DDP on one GPU too when a comm hook is asked for (the hook is the work).
+    use_ddp = world > 1 or a.powersgd_rank > 0
+    if use_ddp:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group("nccl")
     dev = "cuda"
@@ -87,7 +93,14 @@ def main():
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25) if world > 1 else model
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25) if use_ddp else model
+    if a.powersgd_rank > 0:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        # The hook's defaults otherwise: min_compression_rate 2, error
+        # feedback and warm start on, orthogonalisation epsilon 0.
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=a.powersgd_rank,
+                                   start_powerSGD_iter=a.powersgd_start)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
     step_fn = compiled(ddp, a)
     data = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq + 1), device=dev)
 
@@ -107,7 +120,7 @@ def main():
     tps = tokens / dt
     flops_per_token = 6 * n_params + 12 * layers * d * a.seq
     out = {
-        "impl": impl_name(a, f"-ddp{world}" if world > 1 else ""),
+        "impl": impl_name(a, (f"-ddp{world}" if use_ddp else "") + (f"-powersgd{a.powersgd_rank}" if a.powersgd_rank else "")),
         "world_size": world,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
         "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
@@ -119,7 +132,7 @@ def main():
     if rank != 0:
         torch.distributed.destroy_process_group()
         return
-    if world > 1:
+    if use_ddp:
         # The other ranks leave the group too: no early exit here.
         write(out, a.json)
         torch.distributed.destroy_process_group()
