@@ -252,7 +252,7 @@ fn project_checks_the_committed_runs_and_refuses_a_bad_cluster() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.starts_with("PROJECTION"), "{out}");
     // DDP is predicted; ZeRO-2 has no other entry to take its costs from.
-    assert!(out.contains("1 of 1 entries within 10%"), "{out}");
+    assert!(out.contains("1 of 1 predictions within 10%"), "{out}");
     assert!(out.contains("zero2/r0: no other entry of strategy zero2"), "{out}");
     let o = harness(dir.path()).args(["project", &r("results/h200x2/harness-1gpu.json"), "--cluster", "2x4"]).output().unwrap();
     assert!(!o.status.success());

@@ -158,11 +158,34 @@ impl Bench {
 }
 
 /// Whether two entries did the same work on each rank: the same resolved
-/// model, precision, and micro-batch with its accumulation at the start.
+/// model, precision, micro-batch with its accumulation at the start, and
+/// kernels (harness's fused cross-entropy and LayerNorm, which change the
+/// step's compute, not its gradients).
 pub fn same_work(a: &Metrics, b: &Metrics) -> bool {
-    a.model == b.model
-        && a.precision == b.precision
+    same_gradients(a, b)
         && a.batch_changes.first().map(|c| (c.1, c.2)) == b.batch_changes.first().map(|c| (c.1, c.2))
+        && a.fused_cross_entropy == b.fused_cross_entropy
+        && a.fused_layer_norm == b.fused_layer_norm
+}
+
+/// Whether two entries' gradients are the same: the same resolved model
+/// and precision (whatever the batch or the kernels).
+pub fn same_gradients(a: &Metrics, b: &Metrics) -> bool {
+    a.model == b.model && a.precision == b.precision
+}
+
+/// The compressor artifact an entry ran (its sha256), if it recorded one.
+fn compressor_sha(m: &Metrics) -> Option<&str> {
+    m.plugins.iter().find(|p| p.slot == "compressor").map(|p| p.manifest.sha256.as_str())
+}
+
+/// Whether two entries ran the same compressor artifact, where both
+/// recorded one.
+pub fn same_artifact(a: &Metrics, b: &Metrics) -> bool {
+    match (compressor_sha(a), compressor_sha(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => true,
+    }
 }
 
 /// Tokens of one step on all ranks.
@@ -244,6 +267,49 @@ pub struct Use {
     pub bytes: f64,
 }
 
+/// A compressor's own cost, from an entry that ran it on one GPU: there its
+/// plugin runs on every bucket and its collectives are no-ops, so the
+/// `communicate` phase is the compressor's work alone (and the host's
+/// around it), with no collective.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwnCost {
+    /// `file#entry` it came from.
+    pub from: String,
+    /// Seconds per step of the `communicate` phase.
+    pub seconds: f64,
+    /// Buckets per step: the plugin's calls over the timed steps (one call
+    /// per bucket and step, and a few outside them), if it recorded any.
+    pub buckets: Option<usize>,
+}
+
+impl OwnCost {
+    /// From a one-GPU entry of a strategy other than the plain all-reduce
+    /// (no ZeRO: a compressor).
+    pub fn of(src: &Source, e: &EntryResult, m: &Metrics) -> Option<OwnCost> {
+        let s = src.strategy(e)?;
+        if m.world_size != 1 || plain(s) || s.zero != 0 || !m.phases.contains_key("communicate") {
+            return None;
+        }
+        let buckets = m.plugins.iter().find(|p| p.slot == "compressor").map(|p| (p.calls / m.steps.max(1)) as usize).filter(|&b| b > 0);
+        Some(OwnCost { from: src.name(e), seconds: phase(m, "communicate"), buckets })
+    }
+}
+
+/// Whether a compressor's messages are, bucket by bucket, a fixed share of
+/// the bucket's bytes, whatever the bucket and the model: fp16 sends each
+/// bucket's values in half precision, top-k at a fixed ratio the largest
+/// `ratio` of them with their indices. Then the messages of one workload
+/// scale to another's gradients. Not PowerSGD (its factors follow the
+/// matrices' shapes and its rank), nor a compressor this does not know.
+pub fn scales_with_bucket_bytes(s: &Strategy) -> Option<&'static str> {
+    let ratio = s.compressor_config.as_ref().and_then(|c| c.get("ratio")).is_some();
+    match s.compressor.as_str() {
+        "fp16" => Some("each bucket's values in half precision"),
+        "topk" if ratio => Some("each bucket's largest `ratio` of values with their indices"),
+        _ => None,
+    }
+}
+
 /// A strategy as the model runs it: its gradient buckets, the collectives
 /// it issues per step, and what its communicate phase costs beside them.
 #[derive(Debug, Clone, PartialEq)]
@@ -312,17 +378,7 @@ impl Profile {
         if plain(s) {
             return Some(Profile::all_reduce(&s.name, &m.bucket_bytes, src.name(e)));
         }
-        if m.collective_ops.is_empty() {
-            return None;
-        }
-        let steps = m.steps.max(1) as f64;
-        let mut uses = Vec::new();
-        for op in Op::ALL {
-            let Some(r) = m.collective_ops.get(op.name()) else { continue };
-            if r.collectives > 0 {
-                uses.push(Use { op, per_step: r.collectives as f64 / steps, bytes: r.bytes as f64 / r.collectives as f64 });
-            }
-        }
+        let uses = uses(m)?;
         let in_collectives: f64 = uses.iter().map(|u| u.per_step * ran_on.time(u.op, u.bytes)).sum();
         Some(Profile {
             name: s.name.clone(),
@@ -338,6 +394,60 @@ impl Profile {
         })
     }
 
+    /// From a multi-GPU entry's collectives (their kinds, counts and sizes:
+    /// the method's messages, structure like its buckets, not a timing) and
+    /// the compressor's own cost measured on one GPU: nothing of the
+    /// entry's time is used.
+    pub fn of_one_gpu(src: &Source, e: &EntryResult, m: &Metrics, cost: &OwnCost) -> Option<Profile> {
+        let s = src.strategy(e)?;
+        let n = m.world_size as usize;
+        if n < 2 || plain(s) || s.zero != 0 || m.bucket_bytes.is_empty() {
+            return None;
+        }
+        Some(Profile {
+            name: s.name.clone(),
+            compressor: s.compressor.clone(),
+            zero: 0,
+            from: format!("{} (own cost, 1 GPU) + {} (collective sizes)", cost.from, src.name(e)),
+            world: n,
+            buckets: m.bucket_bytes.clone(),
+            plain: false,
+            uses: uses(m)?,
+            overhead: cost.seconds,
+            optimizer: phase(m, "optimizer"),
+        })
+    }
+
+    /// This compressor's messages scaled to gradients of `bytes` in
+    /// `buckets` buckets, each collective kind keeping its count per bucket
+    /// and its share of a bucket's bytes (true where
+    /// [`scales_with_bucket_bytes`] says so), with the own cost `cost`
+    /// measured on those gradients.
+    pub fn scaled(&self, bytes: u64, buckets: usize, cost: &OwnCost) -> Profile {
+        let (src_bytes, src_buckets) = (self.buckets.iter().sum::<u64>().max(1) as f64, self.buckets.len().max(1) as f64);
+        let uses = self
+            .uses
+            .iter()
+            .map(|u| {
+                let per_step = u.per_step / src_buckets * buckets as f64;
+                let share = u.per_step * u.bytes / src_bytes;
+                Use { op: u.op, per_step, bytes: share * bytes as f64 / per_step.max(1e-12) }
+            })
+            .collect();
+        let count = buckets.max(1) as u64;
+        let mut sizes = vec![bytes / count; count as usize];
+        if let Some(last) = sizes.last_mut() {
+            *last += bytes % count;
+        }
+        Profile {
+            from: format!("{} (own cost, 1 GPU) + {} (messages scaled per bucket)", cost.from, self.from),
+            buckets: sizes,
+            uses,
+            overhead: cost.seconds,
+            ..self.clone()
+        }
+    }
+
     /// The size of one collective of `u` at world size `n`: a compressor's
     /// all-gather gathers a fixed share from every rank, so it grows with
     /// the world; ZeRO's all-gather of the parameters, an all-reduce or a
@@ -348,6 +458,20 @@ impl Profile {
             _ => u.bytes,
         }
     }
+}
+
+/// An entry's collectives per step, per kind, with their mean nccl-tests
+/// size; none if it recorded none.
+fn uses(m: &Metrics) -> Option<Vec<Use>> {
+    let steps = m.steps.max(1) as f64;
+    let mut uses = Vec::new();
+    for op in Op::ALL {
+        let Some(r) = m.collective_ops.get(op.name()) else { continue };
+        if r.collectives > 0 {
+            uses.push(Use { op, per_step: r.collectives as f64 / steps, bytes: r.bytes as f64 / r.collectives as f64 });
+        }
+    }
+    (!uses.is_empty()).then_some(uses)
 }
 
 /// Whether a strategy reduced over NCCL's network transport.

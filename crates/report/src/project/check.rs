@@ -6,10 +6,35 @@
 //! overlapped entries), and the error against what was measured.
 
 use super::calibrate::{
-    entry_cluster, measured_step, network, pick_bench, plain, run_cluster, same_strategy, same_work, Bench, Compute, Profile, Source,
+    entry_cluster, measured_step, network, pick_bench, plain, run_cluster, same_artifact, same_gradients, same_strategy, same_work, Bench,
+    Compute, OwnCost, Profile, Source,
 };
 use super::cluster::Cluster;
 use super::model::{predict, step, Prediction, Slowdown};
+
+/// What a checked entry's strategy was calibrated on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Basis {
+    /// The plain all-reduce: its buckets' sizes (structure) alone.
+    Buckets,
+    /// Another multi-GPU entry of the same strategy: its costs beside its
+    /// collectives.
+    OtherEntry,
+    /// A compressor's own cost from a one-GPU entry of it, and the sizes of
+    /// the checked entry's own collectives (structure, not timing).
+    OneGpu,
+}
+
+impl Basis {
+    /// The short label the check's table prints.
+    pub fn label(self) -> &'static str {
+        match self {
+            Basis::Buckets => "buckets",
+            Basis::OtherEntry => "other multi-GPU entry",
+            Basis::OneGpu => "1-GPU cost + sizes",
+        }
+    }
+}
 
 /// One checked entry.
 #[derive(Debug, Clone)]
@@ -29,6 +54,8 @@ pub struct CheckRow {
     pub compute_from: String,
     pub bench_from: String,
     pub profile_from: String,
+    /// What the strategy's costs were calibrated on.
+    pub basis: Basis,
     pub slowdown: Slowdown,
 }
 
@@ -49,6 +76,7 @@ struct Plan<'a> {
     compute: Compute,
     bench: &'a Bench,
     profile: Profile,
+    basis: Basis,
     cluster: Cluster,
     overlap: bool,
 }
@@ -90,30 +118,38 @@ fn plans<'a>(sources: &[Source], benches: &'a [Bench], own: bool) -> (Vec<Plan<'
                 skipped.push(format!("{target}: no {kind} all-reduce bench at {n} GPUs"));
                 continue;
             };
-            let profile = if plain(strategy) {
+            let mut profiles = Vec::new();
+            if plain(strategy) {
                 // The bucket layout is the configuration (model and bucket
                 // size), not a timing.
-                Some(Profile::all_reduce(&strategy.name, &m.bucket_bytes, format!("{target} (bucket sizes)")))
+                profiles.push((Profile::all_reduce(&strategy.name, &m.bucket_bytes, format!("{target} (bucket sizes)")), Basis::Buckets));
             } else {
-                held_out(sources, benches, src, e, m, strategy)
-            };
-            let Some(profile) = profile else {
-                skipped.push(format!("{target}: no other entry of strategy {} to take its costs from", strategy.name));
-                continue;
-            };
+                match held_out(sources, benches, src, e, m, strategy) {
+                    Some(p) => profiles.push((p, Basis::OtherEntry)),
+                    None => skipped.push(format!("{target}: no other entry of strategy {} to take its costs from", strategy.name)),
+                }
+                // Beside it, the compressor's own cost from one GPU and the
+                // sizes of this entry's collectives.
+                if let Some(p) = one_gpu_cost(sources, m, strategy).and_then(|c| Profile::of_one_gpu(src, e, m, &c)) {
+                    profiles.push((p, Basis::OneGpu));
+                }
+            }
             let (cluster, setting) = run_cluster(strategy, n, bench.gbps());
-            plans.push(Plan {
-                target,
-                strategy: strategy.name.clone(),
-                setting,
-                measured_step: measured_step(m),
-                measured: m.tokens_per_s,
-                compute,
-                bench,
-                profile,
-                cluster,
-                overlap: m.overlapped_reduction,
-            });
+            for (profile, basis) in profiles {
+                plans.push(Plan {
+                    target: target.clone(),
+                    strategy: strategy.name.clone(),
+                    setting: setting.clone(),
+                    measured_step: measured_step(m),
+                    measured: m.tokens_per_s,
+                    compute: compute.clone(),
+                    bench,
+                    profile,
+                    basis,
+                    cluster: cluster.clone(),
+                    overlap: m.overlapped_reduction,
+                });
+            }
         }
     }
     (plans, skipped)
@@ -144,6 +180,18 @@ fn held_out(
     }
     found.sort_by_key(|(same_file, _)| *same_file);
     found.into_iter().next().map(|(_, p)| p)
+}
+
+/// A compressor's own cost from a one-GPU entry of the same strategy (the
+/// same compressor, configuration and artifact) on the same gradients.
+pub fn one_gpu_cost(sources: &[Source], m: &harness_format::results::Metrics, s: &harness_format::suite::Strategy) -> Option<OwnCost> {
+    sources.iter().find_map(|other| {
+        other.ok().find_map(|(oe, om)| {
+            let os = other.strategy(oe)?;
+            let same = om.world_size == 1 && same_gradients(om, m) && same_strategy(os, s) && os.name == s.name && same_artifact(om, m);
+            same.then(|| OwnCost::of(other, oe, om)).flatten()
+        })
+    })
 }
 
 /// The slowdown each overlapped plan's measurement implies: the step it
@@ -184,6 +232,7 @@ pub fn check(sources: &[Source], benches: &[Bench]) -> Check {
                 compute_from: p.compute.from.clone(),
                 bench_from: p.bench.name(),
                 profile_from: p.profile.from.clone(),
+                basis: p.basis,
                 slowdown,
             }
         })

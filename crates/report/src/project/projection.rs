@@ -1,7 +1,10 @@
 //! `harness project`: each workload's strategies projected on clusters,
 //! calibrated on the given result files and bench records.
 
-use super::calibrate::{entry_cluster, plain, same_work, Bench, Compute, Profile, Source};
+use super::calibrate::{
+    entry_cluster, plain, same_artifact, same_gradients, same_strategy, same_work, scales_with_bucket_bytes, Bench, Compute, OwnCost,
+    Profile, Source,
+};
 use super::check::slowdowns;
 use super::cluster::Cluster;
 use super::model::{break_even, predict, Prediction, Slowdown};
@@ -46,6 +49,8 @@ struct Workload {
     name: String,
     compute: Compute,
     profiles: Vec<Profile>,
+    /// What the projection says of how it was calibrated beyond its inputs.
+    notes: Vec<String>,
 }
 
 fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<String>) {
@@ -53,11 +58,14 @@ fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<Strin
     let mut skipped = Vec::new();
     for src in sources {
         for (e, m) in src.ok() {
-            if m.world_size != 1 || out.iter().any(|(_, w)| same_work(w, m)) {
+            // The step's compute from the plain all-reduce on one GPU (a
+            // compressor's one-GPU entry gives its own cost, below).
+            let plain_one = src.strategy(e).is_none_or(plain);
+            if m.world_size != 1 || !plain_one || out.iter().any(|(_, w)| same_work(w, m)) {
                 continue;
             }
             if let Some(compute) = Compute::of(src, e, m) {
-                out.push((Workload { name: e.workload.clone(), compute, profiles: Vec::new() }, m.clone()));
+                out.push((Workload { name: e.workload.clone(), compute, profiles: Vec::new(), notes: Vec::new() }, m.clone()));
             }
         }
     }
@@ -93,11 +101,84 @@ fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<Strin
             }
         }
     }
+    for (w, one) in &mut out {
+        if !w.profiles.is_empty() {
+            from_one_gpu(sources, benches, w, one, &mut skipped);
+        }
+    }
     let mut ws: Vec<Workload> = out.into_iter().map(|(w, _)| w).collect();
     for w in &mut ws {
         w.profiles.sort_by_key(|p| !p.plain);
     }
     (ws, skipped)
+}
+
+/// The compressors that ran on one GPU on a workload's gradients and on no
+/// multi-GPU entry of it: its own cost from that one-GPU entry, its
+/// messages from a multi-GPU entry of the same compressor (configuration
+/// and artifact) on another workload, scaled per bucket to this one's
+/// gradients, where the method's payload is a fixed share of a bucket's
+/// bytes; otherwise left out, with why.
+fn from_one_gpu(
+    sources: &[Source],
+    benches: &[Bench],
+    w: &mut Workload,
+    one: &harness_format::results::Metrics,
+    skipped: &mut Vec<String>,
+) {
+    let bytes: u64 = w.profiles.iter().find(|p| p.plain).or(w.profiles.first()).map_or(0, |p| p.buckets.iter().sum());
+    for src in sources {
+        for (e, m) in src.ok() {
+            let Some(s) = src.strategy(e) else { continue };
+            if m.world_size != 1 || !same_gradients(m, one) || w.profiles.iter().any(|p| p.name == s.name) {
+                continue;
+            }
+            let Some(cost) = OwnCost::of(src, e, m) else { continue };
+            let what = format!("{}: {} (own cost on one GPU from {})", w.name, s.name, cost.from);
+            // Every multi-GPU entry of the same compressor, on any workload.
+            let elsewhere: Vec<(&Source, &harness_format::results::EntryResult, &harness_format::results::Metrics)> = sources
+                .iter()
+                .flat_map(|o| o.ok().map(move |(oe, om)| (o, oe, om)))
+                .filter(|(o, oe, om)| {
+                    om.world_size >= 2 && o.strategy(oe).is_some_and(|os| same_strategy(os, s) && os.name == s.name) && same_artifact(om, m)
+                })
+                .collect();
+            let Some(&(o, oe, om)) = elsewhere.first() else {
+                let shape = if scales_with_bucket_bytes(s).is_none() {
+                    " (and they are not a fixed share of a bucket's bytes: no other compressor's would stand for them)"
+                } else {
+                    ""
+                };
+                skipped.push(format!("{what}: no multi-GPU entry of it, on any workload, recorded its messages{shape}: left out"));
+                continue;
+            };
+            let Some(why) = scales_with_bucket_bytes(s) else {
+                skipped.push(format!(
+                    "{what}: its messages were recorded only on another workload ({}), and they are not a fixed share of a bucket's bytes: left out",
+                    o.name(oe)
+                ));
+                continue;
+            };
+            let Some(ran_on) = entry_cluster(benches, o, oe, om) else {
+                skipped.push(format!("{what}: no all-reduce bench for {}: left out", o.name(oe)));
+                continue;
+            };
+            // As many buckets as the plugin was called on a step where its
+            // cost was measured.
+            let buckets = cost.buckets.unwrap_or(w.profiles[0].buckets.len());
+            let Some(measured) = Profile::of(o, oe, om, &ran_on) else { continue };
+            let mut p = measured.scaled(bytes, buckets, &cost);
+            p.name = s.name.clone();
+            w.notes.push(format!(
+                "{}: {} scaled its messages from {} per bucket to {buckets} buckets of {:.2} GB a step ({why}: payload proportional to the bucket's bytes)",
+                w.name,
+                s.name,
+                o.name(oe),
+                bytes as f64 / 1e9
+            ));
+            w.profiles.push(p);
+        }
+    }
 }
 
 /// The bench a workload's clusters take the bandwidth inside a node from
@@ -146,7 +227,10 @@ pub fn project(
     let mut intra = Vec::new();
     for w in &ws {
         if w.profiles.is_empty() {
-            skipped.push(format!("{}: no multi-GPU entry to take the gradient buckets from", w.name));
+            skipped.push(format!(
+                "{} (one GPU: {}): no multi-GPU entry of the same work (model, precision, batch, kernels) to take the gradient buckets from",
+                w.name, w.compute.from
+            ));
             continue;
         }
         let bench = intra_bench(benches, w);
@@ -168,6 +252,7 @@ pub fn project(
             w.compute.from,
             w.profiles.iter().map(|p| p.from.as_str()).collect::<Vec<_>>().join(", ")
         ));
+        calibration.extend(w.notes.iter().cloned());
         for c in clusters {
             let c = c.with_measured_intra(bench.map_or(0.0, |b| b.gbps()));
             for p in &w.profiles {

@@ -3,7 +3,7 @@
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use harness_format::fmt::{human, printable};
 
-use super::check::Check;
+use super::check::{Basis, Check};
 use super::cluster::{trim, Cluster};
 use super::projection::{BreakEven, Projection, Row};
 use crate::html::projection::Series;
@@ -90,8 +90,17 @@ pub fn projection(p: &Projection) -> String {
 /// The check's table, and its summary: how many within 10%.
 pub fn check(c: &Check) -> String {
     let mut out = format!("{LABEL}: --check, measured entries predicted from data that excluded them\n\n");
-    let mut t =
-        table(vec!["entry", "GPUs", "link", "measured tok/s", "predicted tok/s [interval]", "error", "slowdown", "strategy costs from"]);
+    let mut t = table(vec![
+        "entry",
+        "GPUs",
+        "link",
+        "measured tok/s",
+        "predicted tok/s [interval]",
+        "error",
+        "slowdown",
+        "calibrated on",
+        "strategy costs from",
+    ]);
     for r in &c.rows {
         let x = &r.predicted;
         t.add_row(vec![
@@ -102,6 +111,7 @@ pub fn check(c: &Check) -> String {
             format!("{} [{}, {}]", human(x.tokens_per_s), human(x.tokens_lo), human(x.tokens_hi)),
             pct(r.error),
             format!("{:.2}", r.slowdown.mid),
+            r.basis.label().to_string(),
             shown(&r.profile_from),
         ]);
     }
@@ -110,10 +120,24 @@ pub fn check(c: &Check) -> String {
     let within = c.rows.iter().filter(|r| r.error.abs() <= 0.10).count();
     let worst = c.rows.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
     out.push_str(&format!(
-        "{within} of {} entries within 10% of the measured throughput; largest error {:.1}%\n",
+        "{within} of {} predictions within 10% of the measured throughput; largest error {:.1}%\n",
         c.rows.len(),
         100.0 * worst
     ));
+    for basis in [Basis::Buckets, Basis::OtherEntry, Basis::OneGpu] {
+        let rows: Vec<_> = c.rows.iter().filter(|r| r.basis == basis).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let within = rows.iter().filter(|r| r.error.abs() <= 0.10).count();
+        let worst = rows.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
+        out.push_str(&format!(
+            "  calibrated on {}: {within} of {} within 10%; largest error {:.1}%\n",
+            basis.label(),
+            rows.len(),
+            100.0 * worst
+        ));
+    }
     let mut computes: Vec<&str> = c.rows.iter().map(|r| r.compute_from.as_str()).collect();
     computes.sort();
     computes.dedup();

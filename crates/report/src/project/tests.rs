@@ -44,6 +44,8 @@ const RESULTS: &[&str] = &[
     "results/h200x2/nccl/gpu2-nccl.json",
     "results/h200x4/claims-b592d86/gpu1-claims.json",
     "results/h200x4/claims-b592d86/gpu4-claims.json",
+    "results/h200/compressors-1gpu-2de43bd/gpu1-compressors.json",
+    "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
 ];
 
 const BENCHES: &[&str] = &[
@@ -61,12 +63,15 @@ const BENCHES: &[&str] = &[
 /// issue's 10%, for all but the entries docs/projection.md names: the
 /// encoder on 4 GPUs (its ranks' input pipelines share the host's CPU,
 /// which the model does not see) and NCCL's network transport (two repeats
-/// of the same run 12% apart).
+/// of the same run 12% apart). Each 2-GPU compressor entry is predicted
+/// twice, from another 2-GPU entry of it and from its own cost on one GPU
+/// with the sizes of its collectives: both within 10%.
 #[test]
 fn check_predicts_the_committed_runs_within_ten_percent() {
+    use super::check::Basis;
     let c = check(&sources(RESULTS), &benches(BENCHES));
     println!("{}", render::check(&c));
-    assert!(c.rows.len() >= 38, "rows: {}", c.rows.len());
+    assert!(c.rows.len() >= 52, "rows: {}", c.rows.len());
     let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/");
     for r in &c.rows {
         assert!(r.measured > 0.0 && r.predicted.tokens_per_s > 0.0);
@@ -96,6 +101,111 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
     }
     let within = c.rows.iter().filter(|r| r.error.abs() <= 0.10).count();
     assert!(within + 3 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
+    // Each compressor of both 2-GPU runs (NVLink and emulated 10 Gbps) from
+    // its one-GPU cost: the cost from the one-GPU run, nothing timed of the
+    // entry itself but its collectives' sizes.
+    for file in ["gpu2-compressors.json#", "gpu2-compressors-10gbps.json#"] {
+        for s in ["fp16", "topk-5pct", "randomk-5pct", "powersgd-r4", "qsgd-256", "onebit"] {
+            let target = format!("{file}gpt2-124m-bf16/{s}/r0");
+            let rows: Vec<_> = c.rows.iter().filter(|r| r.target == target).collect();
+            assert_eq!(rows.iter().map(|r| r.basis).collect::<Vec<_>>(), [Basis::OtherEntry, Basis::OneGpu], "{target}");
+            let one = rows[1];
+            assert!(
+                one.profile_from
+                    .starts_with(&format!("gpu1-compressors.json#gpt2-124m-bf16/{s}/r0 (own cost, 1 GPU) + {target} (collective sizes)")),
+                "{}",
+                one.profile_from
+            );
+            assert!(one.error.abs() <= 0.10, "{target} from its one-GPU cost: {:+.1}%", 100.0 * one.error);
+        }
+    }
+    assert!(render::check(&c).contains("calibrated on 1-GPU cost + sizes: 12 of 12 within 10%"));
+}
+
+/// A compressor on one GPU gives its own cost; its messages come from a
+/// multi-GPU entry of the same compressor, on another workload only where
+/// the method's payload is a fixed share of a bucket's bytes (scaled per
+/// bucket, and said so); otherwise it is left out, with why.
+#[test]
+fn compressors_of_the_13b_from_their_one_gpu_costs() {
+    use super::calibrate::scales_with_bucket_bytes;
+    use harness_format::link::Op;
+    let files = [
+        "results/h200x2/gpu2-compressors.json",
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-1.json",
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-2.json",
+        "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
+    ];
+    let b = benches(&["results/h200x2/busbw/harness-busbw-1.json", "results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-2.json"]);
+    let clusters = Cluster::parse("1-2x8:net=100Gbps").unwrap();
+    let p = project(&sources(&files), &b, &clusters, Some(1.0), &[]).unwrap();
+    let text = render::projection(&p);
+    let of = |s: &str| p.rows.iter().filter(|r| r.workload == "gpt-1.3b-bf16" && r.strategy == s).count();
+    assert_eq!((of("allreduce"), of("fp16"), of("topk-5pct"), of("powersgd-r4-layers")), (2, 2, 2, 0), "{text}");
+    for s in ["fp16", "topk-5pct"] {
+        assert!(
+            text.contains(&format!("gpt-1.3b-bf16: {s} scaled its messages from gpu2-compressors.json#gpt2-124m-bf16/{s}/r0 per bucket")),
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("powersgd-r4-layers (own cost on one GPU from gpu1-1.3b-compressors.json") && text.contains("left out"),
+        "{text}"
+    );
+    assert!(!p.break_even.iter().any(|x| x.strategy == "powersgd-r4-layers"));
+    // fp16's all-reduces carry half the 1.3B's gradient bytes a step, one a
+    // bucket, as many buckets as the plugin was called on a step.
+    let two = &sources(&files[2..3])[0];
+    let grads: f64 = two.ok().next().unwrap().1.bucket_bytes.iter().sum::<u64>() as f64;
+    let fp16 = p.rows.iter().find(|r| r.workload == "gpt-1.3b-bf16" && r.strategy == "fp16").unwrap();
+    assert!(fp16.prediction.parts.collectives > 0.0);
+    // The method's rule: fp16 and top-k at a ratio scale with a bucket's
+    // bytes; PowerSGD and a top-k without a ratio do not.
+    let one = sources(&files[3..4]);
+    let strategy = |name: &str| one[0].result.plan.iter().find(|x| x.strategy.name == name).unwrap().strategy.clone();
+    assert!(scales_with_bucket_bytes(&strategy("fp16")).is_some() && scales_with_bucket_bytes(&strategy("topk-5pct")).is_some());
+    assert!(scales_with_bucket_bytes(&strategy("powersgd-r4-layers")).is_none());
+    let mut no_ratio = strategy("topk-5pct");
+    no_ratio.compressor_config = None;
+    assert!(scales_with_bucket_bytes(&no_ratio).is_none());
+    let src = &sources(&files[0..1])[0];
+    let (e, m) = src.ok().find(|(e, _)| e.id.contains("/fp16/")).unwrap();
+    let ran_on = super::calibrate::entry_cluster(&b, src, e, m).unwrap();
+    let measured = super::calibrate::Profile::of(src, e, m, &ran_on).unwrap();
+    let cost = super::calibrate::OwnCost { from: "x".into(), seconds: 0.0, buckets: Some(27) };
+    let scaled = measured.scaled(grads as u64, 27, &cost);
+    let u = scaled.uses.iter().find(|u| u.op == Op::AllReduce).unwrap();
+    assert_eq!(u.per_step, 27.0);
+    assert!((u.per_step * u.bytes / grads - 0.5).abs() < 1e-9, "{}", u.per_step * u.bytes / grads);
+    assert_eq!(scaled.buckets.iter().sum::<u64>(), grads as u64);
+}
+
+/// PowerSGD's one-GPU cost with its messages only on another workload: not
+/// scaled (its factors follow the matrices' shapes), left out, with why.
+#[test]
+fn a_compressor_whose_messages_do_not_scale_is_left_out() {
+    let mut s = sources(&[
+        "results/h200x2/gpu2-compressors.json",
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-1.json",
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-2.json",
+        "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
+    ]);
+    // The per-matrix entry relabelled as the flat PowerSGD of the 2-GPU run
+    // (the same strategy and artifact).
+    let (flat, sha) = {
+        let (e, m) = s[0].ok().find(|(e, _)| e.id.contains("/powersgd-r4/")).unwrap();
+        (s[0].strategy(e).unwrap().clone(), m.plugins[0].manifest.sha256.clone())
+    };
+    let one = &mut s[3].result;
+    one.plan.iter_mut().filter(|x| x.strategy.name == "powersgd-r4-layers").for_each(|x| x.strategy = flat.clone());
+    for e in one.entries.iter_mut().filter(|e| e.id.contains("powersgd-r4-layers")) {
+        e.metrics.as_mut().unwrap().plugins[0].manifest.sha256 = sha.clone();
+    }
+    let b = benches(&["results/h200x2/busbw/harness-busbw-1.json", "results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-2.json"]);
+    let p = project(&s, &b, &Cluster::parse("2x8:net=100Gbps").unwrap(), Some(1.0), &[]).unwrap();
+    assert!(!p.rows.iter().any(|r| r.workload == "gpt-1.3b-bf16" && r.strategy == "powersgd-r4"));
+    let text = render::projection(&p);
+    assert!(text.contains("not a fixed share of a bucket's bytes: left out"), "{text}");
 }
 
 /// Without a bench at an entry's world size the check says so and skips it,
