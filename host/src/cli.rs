@@ -1057,7 +1057,7 @@ fn project(args: ProjectArgs) -> anyhow::Result<i32> {
         text.push_str(&project::render::summary(&p));
     }
     print!("{text}");
-    let plots = project::render::plots(&p);
+    let plots = report::html::projection::plots(&p);
     if let Some(path) = &args.svg {
         std::fs::write(path, report::html::projection::stack(&plots)).with_context(|| format!("writing {}", path.display()))?;
     }

@@ -15,17 +15,17 @@ use harness_format::fmt::human;
 /// What every projection plot's title starts with.
 pub const TITLE: &str = "PROJECTION (a calibrated model, not a measurement)";
 
-/// One line of the plot.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Series {
-    /// The legend's text: strategy and network.
-    pub name: String,
-    /// Palette index (the strategy).
-    pub colour: usize,
-    /// Dash pattern index (the network): 0 solid, then dashed, dotted.
-    pub dash: usize,
-    /// (GPUs, tokens/s, low end, high end), ascending in GPUs.
-    pub points: Vec<(f64, f64, f64, f64)>,
+pub use crate::project::render::Series;
+
+/// One plot per workload of a projection (standalone SVGs), titled
+/// [`TITLE`].
+pub fn plots(p: &crate::project::Projection) -> Vec<String> {
+    series_of(&crate::project::render::workload_series(p))
+}
+
+/// One plot per workload, from each workload's series.
+pub fn series_of(workloads: &[(String, Vec<Series>)]) -> Vec<String> {
+    workloads.iter().enumerate().map(|(i, (w, s))| plot(&format!("projection-{i}"), &format!("{w}, tokens/s against GPUs"), s)).collect()
 }
 
 const DASHES: &[&str] = &["", "7 4", "2 3", "10 3 2 3", "1 5"];
@@ -160,7 +160,7 @@ pub fn section(ps: &[crate::project::suite::SuiteProjection]) -> String {
     );
     for p in ps {
         let _ = write!(out, "<h3>{}</h3><div class=\"figs\">", esc(&p.suite));
-        for svg in &p.plots {
+        for svg in series_of(&p.series) {
             let _ = write!(out, "<figure>{svg}</figure>");
         }
         let _ = write!(out, "</div><pre>{}</pre>", esc(&p.text));
@@ -208,5 +208,21 @@ mod tests {
         }
         let stacked = stack(&[svg.clone(), svg]);
         assert!(stacked.contains(r#"<svg y="342" "#), "{}", &stacked[..200]);
+    }
+
+    /// A suite's projection in the report: its own labelled section, a plot
+    /// per workload drawn from its series, the text escaped.
+    #[test]
+    fn a_suites_projection_is_a_labelled_section_with_its_plots() {
+        assert_eq!(section(&[]), "");
+        let p = crate::project::suite::SuiteProjection {
+            suite: "s <1>".into(),
+            text: "calibration <x>".into(),
+            series: vec![("gpt2".into(), series())],
+        };
+        let html = section(&[p]);
+        assert!(html.contains("id=\"projections\"") && html.contains(TITLE) && html.contains(&esc(crate::project::render::LABEL)));
+        assert!(html.contains("s &lt;1&gt;") && html.contains("calibration &lt;x&gt;"), "{html}");
+        assert_eq!(html.matches("<polyline").count(), 2);
     }
 }

@@ -6,7 +6,6 @@ use harness_format::fmt::{human, printable};
 use super::check::{Basis, Check};
 use super::cluster::{trim, Cluster};
 use super::projection::{BreakEven, Projection, Row};
-use crate::html::projection::Series;
 
 /// The heading every projection carries.
 pub const LABEL: &str = "PROJECTION: a calibrated model's prediction, not a measurement (docs/projection.md)";
@@ -251,6 +250,19 @@ fn sig(x: f64) -> String {
     format!("{x:.d$}")
 }
 
+/// One line of a projection's plot (drawn by `crate::html::projection`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Series {
+    /// The legend's text: strategy and network.
+    pub name: String,
+    /// Palette index (the strategy).
+    pub colour: usize,
+    /// Dash pattern index (the network): 0 solid, then dashed, dotted.
+    pub dash: usize,
+    /// (GPUs, tokens/s, low end, high end), ascending in GPUs.
+    pub points: Vec<(f64, f64, f64, f64)>,
+}
+
 /// The plot's series of one workload: a line per strategy (colour) and
 /// network (dash).
 pub fn series(p: &Projection, workload: &str) -> Vec<Series> {
@@ -275,11 +287,7 @@ pub fn series(p: &Projection, workload: &str) -> Vec<Series> {
     out
 }
 
-/// One plot per workload (standalone SVGs).
-pub fn plots(p: &Projection) -> Vec<String> {
-    workloads(p)
-        .iter()
-        .enumerate()
-        .map(|(i, w)| crate::html::projection::plot(&format!("projection-{i}"), &format!("{w}, tokens/s against GPUs"), &series(p, w)))
-        .collect()
+/// Each workload's series, in the order the rows name the workloads.
+pub fn workload_series(p: &Projection) -> Vec<(String, Vec<Series>)> {
+    workloads(p).into_iter().map(|w| (w.clone(), series(p, &w))).collect()
 }

@@ -26,8 +26,8 @@ pub struct SuiteProjection {
     pub suite: String,
     /// The calibration and the short tables, or the reason there are none.
     pub text: String,
-    /// One plot per workload (standalone SVG).
-    pub plots: Vec<String>,
+    /// Each workload's lines, for the report's plot.
+    pub series: Vec<(String, Vec<render::Series>)>,
 }
 
 /// The projections of every suite among `results` (read from `sources`,
@@ -47,7 +47,7 @@ pub fn of_results(results: &[RunResult], sources: &[String]) -> Vec<SuiteProject
         seen.push(r.suite.sha256.clone());
         let Ok(suite) = Suite::parse(Path::new(&r.suite.path), r.suite.text.clone()) else { continue };
         let Some(spec) = &suite.spec.projection else { continue };
-        let text = |t: String| SuiteProjection { suite: r.suite.name.clone(), text: t, plots: Vec::new() };
+        let text = |t: String| SuiteProjection { suite: r.suite.name.clone(), text: t, series: Vec::new() };
         let mut clusters = Vec::new();
         for c in &spec.clusters {
             match Cluster::parse(c) {
@@ -100,7 +100,7 @@ pub fn of_results(results: &[RunResult], sources: &[String]) -> Vec<SuiteProject
         out.push(SuiteProjection {
             suite: r.suite.name.clone(),
             text: format!("{}\n{}", render::calibration(&p), render::summary(&p)),
-            plots: render::plots(&p),
+            series: render::workload_series(&p),
         });
     }
     out

@@ -403,10 +403,9 @@ fn summary_and_plot_of_a_projection() {
         assert!(text.contains(h), "no {h}: {text}");
     }
     assert!(!text.contains("powersgd"));
-    let plots = render::plots(&p);
-    assert_eq!(plots.len(), 1);
-    assert!(plots[0].contains(crate::html::projection::TITLE));
-    assert_eq!(plots[0].matches("<polyline").count(), 3 * 2);
+    let series = render::workload_series(&p);
+    assert_eq!(series.len(), 1);
+    assert_eq!(series[0].1.len(), 3 * 2, "a line per strategy and network");
     let e = project(&s, &b, &clusters, Some(1.0), &["nothing".to_string()]).unwrap_err().to_string();
     assert!(e.contains("of the strategies named"), "{e}");
 }
@@ -429,13 +428,11 @@ fn a_suites_projection_section_is_reported_apart_from_the_boards() {
     let p = &ps[0];
     assert_eq!(p.suite, results[1].suite.name);
     assert!(p.text.contains("(in training)") && p.text.contains("8 GPUs") && p.text.contains("10 Gbps"), "{}", p.text);
-    assert_eq!(p.plots.len(), 1);
-    assert_eq!(p.plots[0].matches("<polyline").count(), 3, "one line per network");
+    assert_eq!(p.series.len(), 1);
+    assert_eq!(p.series[0].1.len(), 3, "one line per network");
     let md = super::suite::markdown(&ps);
     assert!(md.contains("## Projections (not measurements)") && md.contains(render::LABEL), "{md}");
-    let html = crate::html::projection::section(&ps);
-    assert!(html.contains("id=\"projections\"") && html.contains(crate::html::projection::TITLE));
     results[1].suite.text = format!("{plain_text}\n[projection]\nclusters = [\"2x4:fast=yes\"]\n");
     let ps = super::suite::of_results(&results, &names);
-    assert!(ps[0].text.contains("unknown key `fast`") && ps[0].plots.is_empty(), "{}", ps[0].text);
+    assert!(ps[0].text.contains("unknown key `fast`") && ps[0].series.is_empty(), "{}", ps[0].text);
 }
