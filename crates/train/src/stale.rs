@@ -9,8 +9,11 @@
 //! ([`mark`]); the step's first write to a view then overwrites it (a
 //! matmul with beta = 0, a copy, a kernel's assigning mode) and the later
 //! ones add, which gives the same values bit for bit as adding into zeros.
-//! Every writer asks [`take`] once before it writes; whatever is still
-//! marked when the gradient is needed is zeroed then (`crate::dp`).
+//! Every writer asks [`take`] once before it writes: the fused layers
+//! through their one way to a gradient buffer (`GradBuffer::claim` in
+//! `models/fused/grad.rs`), the data parallel code through [`settle`].
+//! Whatever is still marked when the gradient is needed is zeroed then
+//! (`crate::dp`).
 //!
 //! The views are keyed by their first element's address, which two live
 //! views of one step never share (empty ones are never marked).
@@ -35,7 +38,10 @@ pub fn mark<'a>(views: impl IntoIterator<Item = &'a Tensor>) {
 
 /// Whether `g` is marked stale, clearing the mark: true tells the caller,
 /// which is about to write `g`, to write over it rather than add into it.
-pub fn take(g: &Tensor) -> bool {
+/// Only a writer asks, just before it writes: a fused layer through its
+/// `GradBuffer` (`models/fused/grad.rs`), which a test of the sources
+/// keeps the only caller under `models/`.
+pub(crate) fn take(g: &Tensor) -> bool {
     let mut set = STALE.lock().unwrap_or_else(|e| e.into_inner());
     match (set.as_mut(), key(g)) {
         (Some(set), Some(k)) => set.remove(&k),
