@@ -530,7 +530,7 @@ fn qsgd_is_unbiased_and_deterministic_per_seed() {
 // Bytes on the wire
 
 /// The host's count of the bytes each rank sent for one `compress` call,
-/// against what the method implies. Ring accounting (comm.rs, nccl-tests
+/// against what the method implies. Ring accounting (comm/mod.rs, nccl-tests
 /// conventions): an all-reduce of B bytes sends 2(w-1)/w B per rank; an
 /// all-gather whose gathered buffer is B bytes sends (w-1)/w B.
 #[test]

@@ -1,11 +1,11 @@
 //! The bounds of [`crate::suite::limits`], checked at the key that breaks
 //! them: each error says the bound and, in its hint, why it is there.
 //! Values that break an older rule (zero, negative, not finite) get that
-//! rule's message in `validate.rs`; these checks add the upper bounds, the
-//! least values of the keys that measure something physical (a positive
-//! duration or peak can still be far too small to mean anything), the
-//! names that become paths, the plugin artifacts' files and the estimates
-//! of memory and plan size.
+//! rule's message in the other checks of `validate/`; these checks add the
+//! upper bounds, the least values of the keys that measure something
+//! physical (a positive duration or peak can still be far too small to
+//! mean anything), the names that become paths, the plugin artifacts'
+//! files and the estimates of memory and plan size.
 
 use std::collections::BTreeSet;
 use std::path::Path;
