@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::comm::Collective;
+use crate::device;
 use crate::ranks::{self, RankEnv};
-use crate::{device, results};
+use harness_format::results;
+use harness_runtime::comm::Collective;
 
 /// The gradient bucket sizes (bytes) of the first entry that has them.
 pub fn bucket_bytes(path: &Path) -> Result<Vec<u64>> {
@@ -120,7 +121,7 @@ pub fn allreduce(
 /// as many bytes in memory are hashed. The checkpoint is removed afterwards
 /// unless `keep`. Returns the table to print.
 pub fn checkpoint_read(dir: &Path, gb: f64, rounds: usize, keep: bool) -> Result<String> {
-    use crate::train::checkpoint::{self, Position, ReadMode, Snapshot, Store};
+    use harness_train::checkpoint::{self, Position, ReadMode, Snapshot, Store};
     anyhow::ensure!(gb > 0.0, "--gb must be positive");
     let mut t = comfy_table::Table::new();
     t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);

@@ -10,10 +10,9 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::fmt::{human, printable, printable_path};
-use crate::report;
-use crate::results::{EntryResult, EntryStatus, RunResult};
-use crate::train::Progress;
+use harness_format::fmt::{human, printable, printable_path};
+use harness_format::results::{EntryResult, EntryStatus, RunResult};
+use harness_train::Progress;
 
 /// What one run shows on the terminal. Progress goes to stderr, the summary
 /// to stdout. Quiet: no run line, progress bar or entry lines; warnings and
@@ -56,7 +55,7 @@ impl Console {
 
     /// The log file of the result file `out`.
     pub fn log_path(out: &Path) -> std::path::PathBuf {
-        crate::results::log_path(out)
+        harness_format::results::log_path(out)
     }
 
     fn log(&self, line: &str) {
@@ -97,7 +96,7 @@ impl Console {
 
     /// The run's opening line: what runs where, and the result file.
     pub fn run_started(&self, suite: &str, to_run: usize, planned: usize, device: &str, out: &Path) {
-        self.log(&format!("# {} harness {}", crate::results::now(), env!("CARGO_PKG_VERSION")));
+        self.log(&format!("# {} harness {}", harness_format::results::now(), env!("CARGO_PKG_VERSION")));
         self.say(&format!("harness: suite `{suite}` ({to_run} of {planned} entries to run) on {device} -> {}", out.display()));
     }
 
@@ -191,7 +190,7 @@ impl Console {
     /// table quotes the entries' names, which a result file that was
     /// resumed or a suite from elsewhere chose.
     pub fn summary(&self, result: &RunResult, out: &Path) {
-        println!("{}", printable(&report::summary_table(result)));
+        println!("{}", printable(&harness_report::summary_table(result)));
         println!("results: {}", printable_path(out));
     }
 }
@@ -270,7 +269,7 @@ mod tests {
         c.note("plugin `p\u{1b}]0;title\u{7}` said \u{202e}no");
         c.warning("\u{9b}2J");
         let log = std::fs::read_to_string(&path).unwrap();
-        assert!(!log.chars().any(|ch| crate::fmt::unseen(ch) && ch != '\n'), "{log:?}");
+        assert!(!log.chars().any(|ch| harness_format::fmt::unseen(ch) && ch != '\n'), "{log:?}");
         assert!(log.contains(r"harness: plugin `p\u{1b}]0;title\u{7}` said \u{202e}no"), "{log}");
         assert!(log.contains(r"warning: \u{9b}2J"), "{log}");
     }

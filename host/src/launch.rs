@@ -16,19 +16,19 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::comm::{Collective, InProcessGroup, Link, SingleRank};
 use crate::console::{last_panic, Console, QuietPanics};
 use crate::device::{self, GpuInfo};
-use crate::error::EntryError;
-use crate::exit;
-use crate::fmt::short;
-use crate::plugin::exit_guard::{self, Mark, Verdict};
-use crate::plugin::PluginSet;
 use crate::ranks::{nccl_join, NcclLog, RankEnv, Watchdog, ENTRIES_VAR};
 use crate::rendezvous;
-use crate::results::{EntryResult, EntryStatus, RankRecord, RunResult};
-use crate::suite::{Plan, PlanEntry, Precision, Suite, SuiteMeta};
-use crate::train::{self, EntryContext, EntryOutput, Progress};
+use harness_format::error::EntryError;
+use harness_format::exit;
+use harness_format::fmt::short;
+use harness_format::results::{EntryResult, EntryStatus, RankRecord, RunResult};
+use harness_format::suite::{Plan, PlanEntry, Precision, Suite, SuiteMeta};
+use harness_runtime::comm::{Collective, InProcessGroup, Link, SingleRank};
+use harness_sandbox::plugin::exit_guard::{self, Mark, Verdict};
+use harness_sandbox::plugin::PluginSet;
+use harness_train::{EntryContext, EntryOutput, Progress};
 
 /// How a run is asked for.
 pub struct RunOptions {
@@ -40,7 +40,7 @@ pub struct RunOptions {
     pub ranks: Option<RankEnv>,
     /// A standard-suite run: what was entered (its `unofficial` reasons are
     /// completed here, from the machine).
-    pub submission: Option<crate::results::Submission>,
+    pub submission: Option<harness_format::results::Submission>,
     /// A rank process's NCCL debug output ([`NcclLog::capture`]).
     pub nccl_log: Option<NcclLog>,
     /// `--trace`: record a trace of one step of every entry.
@@ -176,7 +176,7 @@ fn warn_of_emulated_bf16(suite: &Suite, todo: &[&PlanEntry], console: &Console) 
 pub const PROCESS_WARMUP_STEPS: u64 = 3;
 
 /// Why a rank process stops before the end of its entries: a rank was lost,
-/// and its communicator with it (exit code [`crate::exit::RANK_LOST`]).
+/// and its communicator with it (exit code [`harness_format::exit::RANK_LOST`]).
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct RanksLost(pub String);
@@ -210,7 +210,7 @@ fn prepare_device(meta: &SuiteMeta, ranks: Option<&RankEnv>) -> anyhow::Result<t
 /// rank that writes.
 fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console) -> anyhow::Result<RunResult> {
     let machine = device::fingerprint();
-    let switches = crate::switches::get().recorded();
+    let switches = harness_format::switches::get().recorded();
     if !(opts.resume && writes) {
         let mut r = RunResult::new(suite, machine);
         r.switches = switches;
@@ -237,8 +237,8 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
         anyhow::bail!(
             "{} was started with the switches {}, this process has {}; resume needs the same HARNESS_* switches\nhint: set them as they were, or run without --resume to start a new result file",
             opts.out.display(),
-            crate::switches::line(&r.switches),
-            crate::switches::line(&switches)
+            harness_format::switches::line(&r.switches),
+            harness_format::switches::line(&switches)
         );
     }
     if r.machine.hostname != machine.hostname || r.machine.gpus != machine.gpus {
@@ -254,7 +254,7 @@ fn open_result(suite: &Suite, opts: &RunOptions, writes: bool, console: &Console
 /// rank whose own differ (another host's environment) stops, since rank 0
 /// records only its own.
 fn agree_on_switches(store: &rendezvous::Client, rank: usize) -> anyhow::Result<()> {
-    let ours = crate::switches::get().recorded();
+    let ours = harness_format::switches::get().recorded();
     if rank == 0 {
         store.set("switches", &serde_json::to_vec(&ours)?)?;
         return Ok(());
@@ -263,8 +263,8 @@ fn agree_on_switches(store: &rendezvous::Client, rank: usize) -> anyhow::Result<
     anyhow::ensure!(
         theirs == ours,
         "rank {rank} runs with the switches {}, rank 0 with {}; every rank must run the same work\nhint: set the same HARNESS_* variables on every host",
-        crate::switches::line(&ours),
-        crate::switches::line(&theirs)
+        harness_format::switches::line(&ours),
+        harness_format::switches::line(&theirs)
     );
     Ok(())
 }
@@ -374,7 +374,7 @@ impl Run<'_> {
             }
             seen.push(entry.workload);
             let w = &self.suite.spec.workloads[entry.workload];
-            let short = crate::suite::Workload {
+            let short = harness_format::suite::Workload {
                 steps: Some(PROCESS_WARMUP_STEPS),
                 time_budget_s: None,
                 eval_every: 0,
@@ -387,8 +387,11 @@ impl Run<'_> {
                 faults: None,
                 ..w.clone()
             };
-            let plan =
-                PlanEntry { id: format!("warm-up/{}", w.name), strategy: crate::suite::Strategy::default_baseline(), ..(*entry).clone() };
+            let plan = PlanEntry {
+                id: format!("warm-up/{}", w.name),
+                strategy: harness_format::suite::Strategy::default_baseline(),
+                ..(*entry).clone()
+            };
             let scratch = std::env::temp_dir().join(format!("harness-warm-up-{}", std::process::id()));
             let ctx = EntryContext {
                 workload: &short,
@@ -398,7 +401,8 @@ impl Run<'_> {
                 trace: None,
                 ..self.context(entry)
             };
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(&ctx, &mut SingleRank::default(), &mut |_| {})));
+            let outcome =
+                std::panic::catch_unwind(AssertUnwindSafe(|| harness_train::run_entry(&ctx, &mut SingleRank::default(), &mut |_| {})));
             let _ = std::fs::remove_dir_all(&scratch);
             match outcome {
                 Ok(Ok(_)) => {}
@@ -549,7 +553,7 @@ fn entry_result(entry: &PlanEntry, workload: &str, device: &str, outcome: Result
 /// Runs one rank of an entry; errors and panics become the failure message,
 /// and the other ranks are released from their collectives.
 fn run_rank(ctx: &EntryContext<'_>, comm: &mut dyn Collective, progress: &mut dyn FnMut(&Progress)) -> Result<EntryOutput, EntryError> {
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| train::run_entry(ctx, comm, progress)));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| harness_train::run_entry(ctx, comm, progress)));
     let err = match outcome {
         Ok(Ok(out)) => return Ok(out),
         Ok(Err(e)) => e,
@@ -771,7 +775,7 @@ pub fn launch_local_ranks(
         // HARNESS_CE_GATHER=1, and by default for a group of entries that
         // all may take it (see Strategy::copy_engine_gather_candidate).
         let policy_set = std::env::var_os("NCCL_CTA_POLICY").is_some() || env.iter().any(|(k, _)| k == "NCCL_CTA_POLICY");
-        let ce = match crate::switches::get().ce_gather {
+        let ce = match harness_format::switches::get().ce_gather {
             Some(on) => on,
             None => group.iter().all(|e| e.strategy.copy_engine_gather_candidate()),
         };
@@ -889,5 +893,5 @@ fn done_ids(out: &std::path::Path) -> anyhow::Result<std::collections::BTreeSet<
     if !out.exists() {
         return Ok(Default::default());
     }
-    Ok(crate::results::RunResult::read(out)?.done_ids())
+    Ok(harness_format::results::RunResult::read(out)?.done_ids())
 }

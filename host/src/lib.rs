@@ -9,7 +9,9 @@
 //! `harness plugin new` ([`scaffold`]), `harness reproduce` ([`reproduce`]), the parent that supervises a run
 //! loading a native plugin ([`supervise`]) and the machine fingerprint of this
 //! build ([`device`]). Everything else comes from the workspace's crates,
-//! re-exported here under the names the modules use, bottom to top:
+//! which this crate's modules name by their own paths (`harness_format::suite`,
+//! never a local alias); they are re-exported here for the tests and other
+//! users of the library, bottom to top:
 //!
 //! - `harness-format`: [`suite`], [`results`], [`switches`], [`error`],
 //!   [`exit`], [`fmt`] (no libtorch, no wasmtime);

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::comm::nccl::{unique_id, NcclComm, UniqueId};
-use crate::comm::Link;
-use crate::error::EntryError;
+use harness_format::error::EntryError;
+use harness_runtime::comm::nccl::{unique_id, NcclComm, UniqueId};
+use harness_runtime::comm::Link;
 
-use crate::{device, exit, rendezvous};
+use crate::{device, rendezvous};
+use harness_format::exit;
 
 /// This process's place among ranks started by a launcher: torchrun's
 /// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
@@ -128,7 +129,7 @@ pub fn nccl_join(
         }
         id
     };
-    NcclComm::new(id, rank, world, link, device, crate::switches::get().sym_scatter)
+    NcclComm::new(id, rank, world, link, device, harness_format::switches::get().sym_scatter)
 }
 
 /// Watches a rank's progress during a multi-GPU entry. Each rank publishes
@@ -231,7 +232,7 @@ impl Watchdog {
                     published = now;
                     // "step" or "step\twhere": a plugin call this rank has been in for over a second.
                     let mut beat = st.step.load(SeqCst).to_string();
-                    if let Some((call, since)) = crate::plugin::exit_guard::call_in_progress().filter(|(_, d)| d.as_secs() >= 1) {
+                    if let Some((call, since)) = harness_sandbox::plugin::exit_guard::call_in_progress().filter(|(_, d)| d.as_secs() >= 1) {
                         beat.push_str(&format!("\tin {call} for {:.0} s", since.as_secs_f64()));
                     }
                     let _ = store.put(&beat_key(rank), beat.as_bytes());
@@ -245,7 +246,7 @@ impl Watchdog {
                 let idle = now.saturating_sub(st.last_ms.load(SeqCst));
                 if fired.is_none() && idle > timeout_ms {
                     let mine = st.step.load(SeqCst);
-                    let who = match crate::plugin::exit_guard::call_in_progress() {
+                    let who = match harness_sandbox::plugin::exit_guard::call_in_progress() {
                         Some((call, since)) => {
                             format!("it has been in {call} for {:.0} s, without entering the collective", since.as_secs_f64())
                         }
@@ -373,11 +374,11 @@ impl NcclLog {
 
     /// What NCCL printed since `mark`, as the entry's record: its version,
     /// the NCCL_* settings in this process's environment, the transports.
-    pub fn record(&self, mark: u64, nccl_version: Option<String>) -> crate::results::NcclRecord {
+    pub fn record(&self, mark: u64, nccl_version: Option<String>) -> harness_format::results::NcclRecord {
         // NCCL_VERSION is not a setting: container images export it as
         // the version of their NCCL package, which may not be the one loaded.
         let settings = std::env::vars()
-            .filter(|(k, _)| k.starts_with("NCCL_") && k != "NCCL_VERSION" && !crate::suite::NCCL_RESERVED.contains(&k.as_str()))
+            .filter(|(k, _)| k.starts_with("NCCL_") && k != "NCCL_VERSION" && !harness_format::suite::NCCL_RESERVED.contains(&k.as_str()))
             .collect();
         let text = self.path.as_ref().and_then(|p| read_from(p, mark).ok());
         let transports = text.as_deref().map(parse_nccl_output).unwrap_or_default().1;
@@ -389,7 +390,7 @@ impl NcclLog {
             (None, Some(_)) if transports.is_empty() => Some("NCCL printed no connections for this entry".to_owned()),
             _ => None,
         };
-        crate::results::NcclRecord { version: version.or(nccl_version), settings, transports, note }
+        harness_format::results::NcclRecord { version: version.or(nccl_version), settings, transports, note }
     }
 }
 

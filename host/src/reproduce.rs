@@ -1,6 +1,6 @@
 //! `harness reproduce BUNDLE...`: the operator trains each submission again
 //! from its bundle alone and compares the rerun with the claim
-//! ([`crate::report::reproduction`]), writing a record per bundle, signed when
+//! ([`harness_report::reproduction`]), writing a record per bundle, signed when
 //! given the operator's key.
 //!
 //! The rerun is `harness run` in a child process, of the harness's own copy
@@ -27,11 +27,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use crate::report::reproduction::{self, BundleId, Record, Tolerance};
-use crate::results::{self, RunResult};
-use crate::submission::{self, files, sha256_hex, Bundle, Manifest, MANIFEST, RESULT};
-use crate::suite::standard;
+use harness_format::results::{self, RunResult};
 use harness_format::secrets::Key;
+use harness_format::suite::standard;
+use harness_report::reproduction::{self, BundleId, Record, Tolerance};
+use harness_report::submission::{self, files, sha256_hex, Bundle, Manifest, MANIFEST, RESULT};
 
 /// A bundle as `harness reproduce` read it, once: the copy in
 /// `OUT/staged/` that it verifies, reruns and compares.
@@ -205,7 +205,7 @@ pub fn prepare(dir: &Path, bundle: &Bundle, opts: &Options) -> Result<Rerun> {
         if result.exists() {
             eprintln!(
                 "note: {} does not carry this operator's seal (planted, or cut short before it was sealed); training again",
-                crate::fmt::printable_path(&result)
+                harness_format::fmt::printable_path(&result)
             );
         }
         std::fs::remove_dir_all(&rerun).with_context(|| format!("cannot clear {}", rerun.display()))?;
@@ -262,7 +262,7 @@ pub fn record(staged: &Staged, bundle: &Bundle, rerun: &Rerun, opts: &Options) -
         bail!("{} enters {} plugins; a submission enters one", dir.display(), sub.entered.len())
     };
     let released = standard::released(&claimed.suite.text).context("the bundle's suite is not released")?;
-    let suite = crate::suite::Suite::parse(Path::new(released.file), released.text.to_owned())?;
+    let suite = harness_format::suite::Suite::parse(Path::new(released.file), released.text.to_owned())?;
     let tolerance = Tolerance::for_class(sub.hardware_class.as_deref());
     let mut comparison = reproduction::compare(claimed, &again, &suite, &tolerance);
     // The rerun must itself be official: the suite's hardware class and

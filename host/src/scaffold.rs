@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use crate::plugin::{Manifest, Transport};
+use harness_sandbox::plugin::{Manifest, Transport};
 
 struct Template {
     cargo: &'static str,
@@ -230,7 +230,7 @@ fn valid_name(name: &str) -> bool {
 
 /// A plugin that `harness plugin new` cannot make as asked (a kind the
 /// language's template does not make): a usage error, exit code
-/// [`crate::exit::USAGE`].
+/// [`harness_format::exit::USAGE`].
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct Usage(pub String);
@@ -338,7 +338,7 @@ pub fn manifest_toml(m: &Manifest) -> String {
     };
     format!(
         "# {transport}, {}\n[[plugin]]\nname = {}\npath = {}\nkind = {}\nversion = {}\nsha256 = {}\n",
-        crate::fmt::printable_line(&abi),
+        harness_format::fmt::printable_line(&abi),
         toml_string(&m.name),
         toml_string(&m.path.display().to_string()),
         toml_string(m.kind.name()),
@@ -348,7 +348,7 @@ pub fn manifest_toml(m: &Manifest) -> String {
 }
 
 /// `s` as a TOML basic string: `"` and `\` escaped, and every character
-/// that [`crate::fmt::unseen`] names (control and bidirectional
+/// that [`harness_format::fmt::unseen`] names (control and bidirectional
 /// characters) written as `\uXXXX`. (The `toml` crate's writer leaves C1
 /// controls and the bidirectional ones as they are.)
 fn toml_string(s: &str) -> String {
@@ -358,7 +358,7 @@ fn toml_string(s: &str) -> String {
         match c {
             '"' => out.push_str("\\\""),
             '\\' => out.push_str("\\\\"),
-            c if crate::fmt::unseen(c) => out.push_str(&format!("\\u{:04X}", c as u32)),
+            c if harness_format::fmt::unseen(c) => out.push_str(&format!("\\u{:04X}", c as u32)),
             c => out.push(c),
         }
     }
@@ -377,14 +377,14 @@ mod tests {
         let m = Manifest {
             name: "evil\u{1b}]0;owned\u{7}\u{202e}\"q\\\n".into(),
             version: "1.0\u{9b}2J\r".into(),
-            kind: crate::plugin::Kind::Compressor,
+            kind: harness_sandbox::plugin::Kind::Compressor,
             transport: Transport::Native,
             abi: "1\u{1b}[2J".into(),
             sha256: "ab".repeat(32),
             path: "/p/lib\u{7}x.so".into(),
         };
         let shown = manifest_toml(&m);
-        assert!(!shown.chars().any(|c| crate::fmt::unseen(c) && c != '\n'), "{shown:?}");
+        assert!(!shown.chars().any(|c| harness_format::fmt::unseen(c) && c != '\n'), "{shown:?}");
         assert!(shown.contains(r#"name = "evil\u001B]0;owned\u0007\u202E\"q\\\u000A""#), "{shown}");
         assert!(shown.contains(r#"version = "1.0\u009B2J\u000D""#), "{shown}");
         assert!(shown.starts_with("# native library (unsandboxed), native ABI 1\\u{1b}[2J\n"), "{shown}");

@@ -3,28 +3,28 @@
 //! native plugin is code in the child's process; it can end it by any
 //! route (`exit`, `_exit`, the `exit_group` system call, a thread of its
 //! own calling `exit`), with any status, 0 included. The child records in a
-//! shared page ([`crate::plugin::exit_guard::Mark`]) the native plugin
+//! shared page ([`harness_sandbox::plugin::exit_guard::Mark`]) the native plugin
 //! call in progress and whether it returned its exit code itself; a child
 //! that ended otherwise was ended by the plugin (or crashed), and the
 //! parent says which plugin and exits with
-//! [`crate::exit::PLUGIN_ENDED_PROCESS`]. The result file, rewritten by the
+//! [`harness_format::exit::PLUGIN_ENDED_PROCESS`]. The result file, rewritten by the
 //! child after every finished entry, keeps the entries finished before and
 //! stays `complete: false`. A child that finished its run (result file
 //! complete) and then died anyway (a plugin's thread or exit handler) ends
-//! the run with [`crate::exit::ENDED_AFTER_RUN`], never 0.
+//! the run with [`harness_format::exit::ENDED_AFTER_RUN`], never 0.
 
 use std::path::Path;
 use std::process::ExitStatus;
 
 use anyhow::Context;
 
-use crate::exit;
-use crate::plugin::exit_guard::{self, Mark, Verdict, MARK_VAR};
+use harness_format::exit;
+use harness_sandbox::plugin::exit_guard::{self, Mark, Verdict, MARK_VAR};
 
 /// Whether `harness run` of this suite needs a supervising parent: it loads
 /// a native library, and this process is not already supervised (the
 /// child) or a rank (whose launcher, torchrun or srun watch it).
-pub fn wanted(suite: &crate::suite::Suite) -> bool {
+pub fn wanted(suite: &harness_format::suite::Suite) -> bool {
     // The child (even one whose mark could not be mapped: it must never
     // start a child of its own).
     if std::env::var_os(MARK_VAR).is_some() {

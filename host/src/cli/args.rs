@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::suite::DEFAULT_SUITE;
+use harness_format::suite::DEFAULT_SUITE;
 
 /// `harness run`'s folder for result files.
 pub(super) const DEFAULT_RESULTS_DIR: &str = "results";
@@ -338,7 +338,7 @@ pub struct CheckpointReadArgs {
 #[derive(Debug, Args)]
 pub struct PluginNewArgs {
     /// compressor, batch-policy or checkpoint-policy.
-    #[arg(value_parser = clap::builder::PossibleValuesParser::new(crate::suite::TRACK_KINDS))]
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(harness_format::suite::TRACK_KINDS))]
     pub kind: String,
     /// The plugin's name (a folder of that name is created).
     pub name: String,
@@ -393,7 +393,7 @@ pub struct PluginTestArgs {
     #[arg(long = "plugin-config", value_name = "KEY=VALUE")]
     pub plugin_config: Vec<String>,
     /// Simulated ranks (threads over the in-process collective), 1 to 16.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=crate::plugin::test_kit::MAX_RANKS as i64))]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=harness_sandbox::plugin::test_kit::MAX_RANKS as i64))]
     pub ranks: u32,
     /// Print the report as JSON instead of the table.
     #[arg(long)]

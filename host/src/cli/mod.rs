@@ -24,7 +24,7 @@ pub use child::Child;
 
 /// The exit codes, also under this path for the integration tests
 /// (`harness::cli::exit`).
-pub use crate::exit;
+pub use harness_format::exit;
 
 use reporting::{compare, keygen, project, report, reproduce, submit, verify};
 use run::run;

@@ -5,23 +5,22 @@ use anyhow::Context;
 
 use super::args::{CompareArgs, KeygenArgs, ProjectArgs, ReportArgs, ReproduceArgs, RunArgs, SubmitArgs, VerifyArgs};
 use super::child::Child;
-use crate::exit;
-use crate::fmt::{printable, printable_path};
-use crate::report;
-use crate::results;
+use harness_format::exit;
+use harness_format::fmt::{printable, printable_path};
+use harness_format::results;
 
 /// `harness report`: scores result files and submission bundles, and writes
 /// LEADERBOARD.md, index.html and the bundles' copies to `--out-dir`
-/// (`report::inputs::load`, `report::output::write`).
+/// (`harness_report::inputs::load`, `harness_report::output::write`).
 pub(super) fn report(args: ReportArgs) -> anyhow::Result<i32> {
     let ReportArgs { results, out_dir, reproductions, public_key } = args;
-    let loaded = report::inputs::load(&results, &crate::plugin::inspect_component)?;
+    let loaded = harness_report::inputs::load(&results, &harness_sandbox::plugin::inspect_component)?;
     for n in &loaded.notes {
         eprintln!("{n}");
     }
     let operator = match &public_key {
         Some(key) => {
-            let (records, notes) = report::reproduction::load_signed(&reproductions, &crate::reproduce::public_key(key)?);
+            let (records, notes) = harness_report::reproduction::load_signed(&reproductions, &crate::reproduce::public_key(key)?);
             for n in &notes {
                 eprintln!("{n}");
             }
@@ -29,7 +28,7 @@ pub(super) fn report(args: ReportArgs) -> anyhow::Result<i32> {
         }
         None => Vec::new(),
     };
-    let written = report::output::write(&out_dir, &loaded, &operator)?;
+    let written = harness_report::output::write(&out_dir, &loaded, &operator)?;
     let verified = loaded.bundles.iter().filter(|b| b.verdict.verified()).count();
     let copies = loaded.bundles.iter().filter(|b| b.same_as.is_some()).count();
     println!(
@@ -39,8 +38,8 @@ pub(super) fn report(args: ReportArgs) -> anyhow::Result<i32> {
         if copies == 0 { String::new() } else { format!(", {copies} of them copies of another") },
         written.boards.len(),
         written.submission_boards,
-        report::escape::terminal(&written.leaderboard.display().to_string()),
-        report::escape::terminal(&written.page.display().to_string())
+        harness_report::escape::terminal(&written.leaderboard.display().to_string()),
+        harness_report::escape::terminal(&written.page.display().to_string())
     );
     if public_key.is_some() {
         let reproduced = operator.iter().filter(|o| o.record.reproduced).count();
@@ -55,11 +54,11 @@ pub(super) fn report(args: ReportArgs) -> anyhow::Result<i32> {
 /// bundle at once; a bundle that breaks a rule is [`exit::NOT_VERIFIED`].
 pub(super) fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
     let SubmitArgs { result, out, log, no_artifacts } = args;
-    let opts = crate::submission::SubmitOptions { out, log, no_artifacts };
-    let dir = crate::submission::submit(&result, &opts)?;
+    let opts = harness_report::submission::SubmitOptions { out, log, no_artifacts };
+    let dir = harness_report::submission::submit(&result, &opts)?;
     println!("bundle: {}", printable_path(&dir));
-    let verdict = crate::submission::verify::verify(&dir, &crate::plugin::inspect_component);
-    print!("{}", crate::submission::verify::render(&dir, &verdict));
+    let verdict = harness_report::submission::verify::verify(&dir, &harness_sandbox::plugin::inspect_component);
+    print!("{}", harness_report::submission::verify::render(&dir, &verdict));
     Ok(if verdict.verified() { exit::OK } else { exit::NOT_VERIFIED })
 }
 
@@ -68,8 +67,8 @@ pub(super) fn submit(args: SubmitArgs) -> anyhow::Result<i32> {
 pub(super) fn verify(args: VerifyArgs) -> anyhow::Result<i32> {
     let mut code = exit::OK;
     for b in &args.bundles {
-        let verdict = crate::submission::verify::verify(b, &crate::plugin::inspect_component);
-        print!("{}", crate::submission::verify::render(b, &verdict));
+        let verdict = harness_report::submission::verify::verify(b, &harness_sandbox::plugin::inspect_component);
+        print!("{}", harness_report::submission::verify::render(b, &verdict));
         if !verdict.verified() {
             code = exit::NOT_VERIFIED;
         }
@@ -115,7 +114,7 @@ pub(super) fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         let secret = harness_format::files::read_capped(k, harness_format::files::KEY_MAX_BYTES)
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .with_context(|| format!("cannot read the key {}", k.display()))?;
-        crate::report::reproduction::sign(b"", &secret).with_context(|| format!("{} is not a key `harness keygen` wrote", k.display()))?;
+        harness_report::reproduction::sign(b"", &secret).with_context(|| format!("{} is not a key `harness keygen` wrote", k.display()))?;
     }
     let opts = Options { out, key, fresh, quiet };
     let mut code = exit::OK;
@@ -125,21 +124,21 @@ pub(super) fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
         let staged = match rp::stage(dir, &opts.out) {
             Ok(s) => s,
             Err(e) => {
-                let verdict = crate::submission::verify::verify(dir, &crate::plugin::inspect_component);
-                print!("{}", crate::submission::verify::render(dir, &verdict));
+                let verdict = harness_report::submission::verify::verify(dir, &harness_sandbox::plugin::inspect_component);
+                print!("{}", harness_report::submission::verify::render(dir, &verdict));
                 println!("{}: not reproduced: {}", printable_path(dir), printable(&format!("{e:#}")));
                 code = exit::NOT_REPRODUCED;
                 continue;
             }
         };
-        let verdict = crate::submission::verify::verify(&staged.dir, &crate::plugin::inspect_component);
+        let verdict = harness_report::submission::verify::verify(&staged.dir, &harness_sandbox::plugin::inspect_component);
         if !verdict.verified() {
-            print!("{}", crate::submission::verify::render(dir, &verdict));
+            print!("{}", harness_report::submission::verify::render(dir, &verdict));
             println!("{}: not reproduced: the bundle does not verify", printable_path(dir));
             code = exit::NOT_REPRODUCED;
             continue;
         }
-        let bundle = crate::submission::Bundle::read(&staged.dir)?;
+        let bundle = harness_report::submission::Bundle::read(&staged.dir)?;
         let rerun = rp::prepare(&staged.dir, &bundle, &opts)?;
         if rerun.done {
             println!(
@@ -176,7 +175,7 @@ pub(super) fn reproduce(args: ReproduceArgs) -> anyhow::Result<i32> {
             }
         }
         let (record, path) = rp::record(&staged, &bundle, &rerun, &opts)?;
-        print!("{}", crate::report::reproduction::render(&record));
+        print!("{}", harness_report::reproduction::render(&record));
         println!("record: {}{}", printable_path(&path), if opts.key.is_some() { " (signed: .sig)" } else { "" });
         if !record.reproduced {
             code = exit::NOT_REPRODUCED;
@@ -198,14 +197,14 @@ pub(super) fn keygen(args: KeygenArgs) -> anyhow::Result<i32> {
 pub(super) fn compare(args: CompareArgs) -> anyhow::Result<i32> {
     let ra = results::RunResult::read(&args.a)?;
     let rb = results::RunResult::read(&args.b)?;
-    print!("{}", report::compare_table(&[ra], &[rb]));
+    print!("{}", harness_report::compare_table(&[ra], &[rb]));
     Ok(exit::OK)
 }
 
 /// `harness project`: the model's projection, or with --check its error
 /// on the measured entries.
 pub(super) fn project(args: ProjectArgs) -> anyhow::Result<i32> {
-    use report::project;
+    use harness_report::project;
     let sources = args.results.iter().map(|p| project::Source::read(p)).collect::<anyhow::Result<Vec<_>>>()?;
     let benches = args.bench.iter().map(|b| project::calibrate::Bench::read(b)).collect::<anyhow::Result<Vec<_>>>()?;
     if args.check {
@@ -226,12 +225,12 @@ pub(super) fn project(args: ProjectArgs) -> anyhow::Result<i32> {
         text.push_str(&project::render::summary(&p));
     }
     print!("{text}");
-    let plots = report::html::projection::plots(&p);
+    let plots = harness_report::html::projection::plots(&p);
     if let Some(path) = &args.svg {
-        std::fs::write(path, report::html::projection::stack(&plots)).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, harness_report::html::projection::stack(&plots)).with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.html {
-        let page = report::html::projection::page(project::render::LABEL, &plots, &text);
+        let page = harness_report::html::projection::page(project::render::LABEL, &plots, &text);
         std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(exit::OK)

@@ -10,12 +10,12 @@ use super::child::Child;
 use super::validate::{configure_all, Configure};
 use crate::console::Console;
 use crate::device;
-use crate::exit;
-use crate::fmt::printable;
 use crate::launch::{self, RunOptions};
 use crate::ranks::{self, RankEnv};
-use crate::results::{self, EntryStatus};
-use crate::suite::Suite;
+use harness_format::exit;
+use harness_format::fmt::printable;
+use harness_format::results::{self, EntryStatus};
+use harness_format::suite::Suite;
 
 /// `--plugin-config KEY=VALUE...` as a plugin's configuration table: each
 /// VALUE parsed as TOML, or taken as a string when it is not TOML.
@@ -34,7 +34,7 @@ pub(super) fn plugin_config(pairs: &[String]) -> Result<toml::Table, String> {
 }
 
 /// `--plugin KIND=PATH` and `--plugin-config KEY=VALUE...` as an entry.
-fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry>, String> {
+fn entered_plugin(args: &RunArgs) -> Result<Option<harness_format::suite::standard::Entry>, String> {
     let Some(p) = &args.plugin else {
         return match args.plugin_config.is_empty() {
             true => Ok(None),
@@ -42,12 +42,12 @@ fn entered_plugin(args: &RunArgs) -> Result<Option<crate::suite::standard::Entry
         };
     };
     let (kind, path) = p.split_once('=').ok_or_else(|| format!("--plugin {p}: expected KIND=PATH, e.g. compressor=my.wasm"))?;
-    if !crate::suite::TRACK_KINDS.contains(&kind) {
-        return Err(format!("--plugin {p}: unknown kind `{kind}` (one of: {})", crate::suite::TRACK_KINDS.join(", ")));
+    if !harness_format::suite::TRACK_KINDS.contains(&kind) {
+        return Err(format!("--plugin {p}: unknown kind `{kind}` (one of: {})", harness_format::suite::TRACK_KINDS.join(", ")));
     }
     let config = plugin_config(&args.plugin_config)?;
     let path = std::path::absolute(path).map_err(|e| format!("--plugin {p}: {e}"))?;
-    Ok(Some(crate::suite::standard::Entry { kind: kind.to_owned(), path, config: (!config.is_empty()).then_some(config) }))
+    Ok(Some(harness_format::suite::standard::Entry { kind: kind.to_owned(), path, config: (!config.is_empty()).then_some(config) }))
 }
 
 /// Applies `--gpus`, `--track` and `--plugin` to a standard suite and
@@ -69,7 +69,7 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     let entry = entered_plugin(args)?;
     let mut entered = Vec::new();
     if let Some(e) = &entry {
-        let m = crate::plugin::inspect(&e.path).map_err(|err| format!("--plugin {}: {err:#}", e.path.display()))?;
+        let m = harness_sandbox::plugin::inspect(&e.path).map_err(|err| format!("--plugin {}: {err:#}", e.path.display()))?;
         if m.kind.name() != e.kind {
             return Err(format!(
                 "--plugin {}: the plugin is a {}, not a {}\nhint: --plugin {}={}",
@@ -82,8 +82,8 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
         }
         let bytes = std::fs::metadata(&e.path).map(|md| md.len()).unwrap_or(0);
         let transport = match m.transport {
-            crate::plugin::Transport::Wasm => "wasm",
-            crate::plugin::Transport::Native => "native",
+            harness_sandbox::plugin::Transport::Wasm => "wasm",
+            harness_sandbox::plugin::Transport::Native => "native",
         };
         let config = e.config.as_ref().map(|c| toml::to_string(c).unwrap_or_default()).unwrap_or_default();
         entered.push(results::EnteredPlugin {
@@ -111,7 +111,7 @@ fn enter(suite: &mut Suite, args: &RunArgs) -> Result<Option<results::Submission
     Ok(Some(results::Submission {
         suite_version: meta.version.clone(),
         hardware_class: meta.hardware.as_ref().map(|h| h.class.clone()),
-        released_suite: crate::suite::standard::released(&suite.source).is_some(),
+        released_suite: harness_format::suite::standard::released(&suite.source).is_some(),
         tracks,
         gpus: meta.world_size,
         entered,
@@ -164,7 +164,7 @@ pub(super) fn run(args: RunArgs) -> anyhow::Result<i32> {
     let entered = submission.as_ref().and_then(|s| s.entered.first()).map(|p| p.strategies.clone()).unwrap_or_default();
     if rank_env.is_none() && !entered.is_empty() {
         let dir = suite.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let set = crate::plugin::PluginSet::new(&suite.spec.plugins, dir);
+        let set = harness_sandbox::plugin::PluginSet::new(&suite.spec.plugins, dir);
         let errors = configure_all(&suite, &set, Configure::Entered(&entered));
         if !errors.is_empty() {
             for e in &errors {
@@ -174,7 +174,11 @@ pub(super) fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
     }
     let world = suite.spec.suite.world_size as usize;
-    if world > 1 && rank_env.is_none() && suite.spec.suite.device != crate::suite::DeviceKind::Cpu && crate::device::gpu_count() > 0 {
+    if world > 1
+        && rank_env.is_none()
+        && suite.spec.suite.device != harness_format::suite::DeviceKind::Cpu
+        && crate::device::gpu_count() > 0
+    {
         return run_ranks(&args, &suite, &out, world);
     }
     if rank_env.is_none() && crate::supervise::wanted(&suite) {
@@ -256,9 +260,9 @@ fn run_here(suite: &Suite, opts: &RunOptions, quiet: bool) -> anyhow::Result<i32
     }
     // From here until the run returns, a plugin that ends the process
     // cannot make it look successful.
-    crate::plugin::exit_guard::arm(true);
+    harness_sandbox::plugin::exit_guard::arm(true);
     let result = launch::run_suite(suite, opts, &mut console);
-    crate::plugin::exit_guard::arm(false);
+    harness_sandbox::plugin::exit_guard::arm(false);
     let result = match result {
         Err(e) if e.is::<launch::RanksLost>() => {
             eprintln!("error: {}", printable(&format!("{e:#}")));

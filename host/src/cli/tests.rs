@@ -5,7 +5,7 @@ use clap::Parser;
 use super::tools::env_text;
 use super::*;
 use crate::device;
-use crate::fmt::printable;
+use harness_format::fmt::printable;
 
 /// `argv`, parsed as `harness`'s command line.
 fn parse(argv: Vec<OsString>) -> Command {
@@ -95,7 +95,7 @@ fn harness_env_shows_the_hosts_strings_escaped() {
         environment: [("OMP_NUM_THREADS".to_owned(), "4\u{1b}[2J".to_owned())].into(),
     };
     let shown = printable(&env_text(&f)).into_owned();
-    assert!(!shown.chars().any(crate::fmt::withheld), "{shown:?}");
+    assert!(!shown.chars().any(harness_format::fmt::withheld), "{shown:?}");
     for part in [
         r"node\u{1b}]0;owned\u{7}",
         r"cpu \u{202e}x",

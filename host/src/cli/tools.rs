@@ -6,11 +6,9 @@ use super::child::Child;
 use super::run::plugin_config;
 use crate::bench::Allreduce;
 use crate::device;
-use crate::exit;
-use crate::fmt::{printable, printable_path};
 use crate::ranks::RankEnv;
-use crate::report;
-
+use harness_format::exit;
+use harness_format::fmt::{printable, printable_path};
 /// `harness env`: the machine fingerprint, as a table or (`--json`) as
 /// result files carry it.
 pub(super) fn env(args: EnvArgs) -> anyhow::Result<i32> {
@@ -75,7 +73,7 @@ pub(super) fn plugin_new(args: PluginNewArgs) -> anyhow::Result<i32> {
 /// `[[plugin]]` table (its strings escaped as TOML, so nothing the
 /// artifact chose reaches the terminal raw).
 pub(super) fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
-    let m = crate::plugin::inspect(&args.path)?;
+    let m = harness_sandbox::plugin::inspect(&args.path)?;
     print!("{}", printable(&crate::scaffold::manifest_toml(&m)));
     Ok(exit::OK)
 }
@@ -83,7 +81,7 @@ pub(super) fn plugin_inspect(args: PluginInspectArgs) -> anyhow::Result<i32> {
 /// `harness plugin bench`: prints the table of hook round trips, and what
 /// the host's meter reads around nothing.
 pub(super) fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
-    use crate::plugin::bench::{self, Calls, Stage};
+    use harness_sandbox::plugin::bench::{self, Calls, Stage};
     let PluginBenchArgs { paths, calls, evict_mb } = args;
     let bar = indicatif::ProgressBar::new(paths.len() as u64);
     bar.set_style(
@@ -122,7 +120,7 @@ pub(super) fn plugin_bench(args: PluginBenchArgs) -> anyhow::Result<i32> {
 /// table (or its report as JSON); [`exit::PLUGIN_TEST_FAILED`] if a check
 /// failed.
 pub(super) fn plugin_test(args: PluginTestArgs) -> anyhow::Result<i32> {
-    use crate::plugin::test_kit;
+    use harness_sandbox::plugin::test_kit;
     let config = match plugin_config(&args.plugin_config) {
         Ok(c) => c,
         Err(e) => {
@@ -160,12 +158,12 @@ pub(super) fn env_text(f: &device::Fingerprint) -> String {
     };
     line(format!("harness   {} ({})", f.harness_version, f.git_revision));
     line(format!("host      {} ({})", f.hostname, f.os));
-    line(format!("cpu       {} ({} cores), {} memory", f.cpu, f.cpu_cores, report::bytes(f.memory_bytes)));
+    line(format!("cpu       {} ({} cores), {} memory", f.cpu, f.cpu_cores, harness_report::bytes(f.memory_bytes)));
     if f.gpus.is_empty() {
         line("gpus      none usable (training runs on CPU)".into());
     }
     for g in &f.gpus {
-        line(format!("gpu {}     {} ({}, compute {})", g.index, g.name, report::bytes(g.memory_bytes), g.compute_capability));
+        line(format!("gpu {}     {} ({}, compute {})", g.index, g.name, harness_report::bytes(g.memory_bytes), g.compute_capability));
     }
     line(format!("driver    {}", na(&f.driver)));
     line(format!(

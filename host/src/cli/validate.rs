@@ -3,9 +3,9 @@
 use std::path::Path;
 
 use super::args::ValidateArgs;
-use crate::exit;
-use crate::fmt::{counted, printable, printable_path};
-use crate::suite::Suite;
+use harness_format::exit;
+use harness_format::fmt::{counted, printable, printable_path};
+use harness_format::suite::Suite;
 
 /// Which strategies [`configure_all`] configures.
 pub(super) enum Configure<'a> {
@@ -21,8 +21,8 @@ pub(super) enum Configure<'a> {
 /// errors, each at the strategy's config key in the suite file, or, for a
 /// plugin entered with `--plugin`, at its `--plugin-config` keys, once
 /// however many tracks it runs in.
-pub(super) fn configure_all(s: &Suite, set: &crate::plugin::PluginSet, which: Configure<'_>) -> Vec<String> {
-    use crate::plugin::Kind;
+pub(super) fn configure_all(s: &Suite, set: &harness_sandbox::plugin::PluginSet, which: Configure<'_>) -> Vec<String> {
+    use harness_sandbox::plugin::Kind;
     let entered: &[String] = match which {
         Configure::All => &[],
         Configure::Entered(names) => names,
@@ -42,7 +42,7 @@ pub(super) fn configure_all(s: &Suite, set: &crate::plugin::PluginSet, which: Co
                 continue;
             }
             if let Err(e) = set.instance(name, key, kind, config, tch::Device::Cpu) {
-                let why = crate::error::without_backtrace(&format!("{e:#}"));
+                let why = harness_format::error::without_backtrace(&format!("{e:#}"));
                 let error = if entered.contains(&st.name) {
                     format!("error: --plugin-config: {why}\nhint: fix the --plugin-config keys; the plugin says what it accepts")
                 } else {
@@ -83,7 +83,7 @@ fn validate_one(suite: &Path) -> anyhow::Result<i32> {
         }
     };
     let dir = s.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let set = crate::plugin::PluginSet::new(&s.spec.plugins, dir);
+    let set = harness_sandbox::plugin::PluginSet::new(&s.spec.plugins, dir);
     if check_plugins(&s, &set) > 0 {
         return Ok(exit::INVALID_SUITE);
     }
@@ -109,14 +109,14 @@ fn validate_one(suite: &Path) -> anyhow::Result<i32> {
 
 /// Loads every plugin of the suite: prints what each is, or (to stderr) why
 /// it cannot be loaded. Returns how many could not.
-fn check_plugins(s: &Suite, set: &crate::plugin::PluginSet) -> usize {
+fn check_plugins(s: &Suite, set: &harness_sandbox::plugin::PluginSet) -> usize {
     let mut bad = 0;
     for (spec, r) in s.spec.plugins.iter().zip(set.check_all()) {
         match r {
             Ok(m) => {
                 let transport = match m.transport {
-                    crate::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
-                    crate::plugin::Transport::Native => "native, unsandboxed".to_owned(),
+                    harness_sandbox::plugin::Transport::Wasm => format!("wasm, contract {}", m.abi),
+                    harness_sandbox::plugin::Transport::Native => "native, unsandboxed".to_owned(),
                 };
                 // The artifact chose its name and version.
                 let line =
