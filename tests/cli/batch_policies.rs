@@ -73,7 +73,7 @@ impl Policy {
     fn next(&mut self, t: &StepTelemetry) -> BatchDecision {
         let r = match self {
             Policy::Wasm(w) => w.batch_next(t).unwrap(),
-            Policy::Native(n) => n.batch_next(&telemetry_abi(t)).unwrap().map(|b| BatchDecision {
+            Policy::Native(n) => n.batch_next(&harness::plugin::telemetry_abi(t)).unwrap().map(|b| BatchDecision {
                 micro_batch: b.micro_batch,
                 accum_steps: b.accum_steps,
                 lr_scale: b.lr_scale,
@@ -105,26 +105,6 @@ fn checked(b: BatchDecision) -> BatchDecision {
     assert!((1..=harness::plugin::MAX_BATCH).contains(&b.accum_steps), "accum steps {} out of range", b.accum_steps);
     assert!(b.lr_scale.is_finite() && b.lr_scale > 0.0, "lr_scale {}", b.lr_scale);
     b
-}
-
-fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
-    abi::StepTelemetry {
-        step: t.step,
-        loss: t.loss,
-        step_time_s: t.step_time_s,
-        elapsed_s: t.elapsed_s,
-        memory_used_bytes: t.memory_used_bytes,
-        memory_total_bytes: t.memory_total_bytes,
-        tokens_per_s: t.tokens_per_s,
-        micro_batch: t.micro_batch,
-        accum_steps: t.accum_steps,
-        world_size: t.world_size,
-        has_grad_sq_norm: t.grad_sq_norm.is_some() as u8,
-        has_local_grad_sq_norm: t.local_grad_sq_norm.is_some() as u8,
-        out_of_memory: t.out_of_memory as u8,
-        grad_sq_norm: t.grad_sq_norm.unwrap_or(0.0),
-        local_grad_sq_norm: t.local_grad_sq_norm.unwrap_or(0.0),
-    }
 }
 
 const GIB: u64 = 1 << 30;

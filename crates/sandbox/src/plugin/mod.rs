@@ -391,7 +391,9 @@ impl Plugin {
     }
 }
 
-fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
+/// The native ABI's `step-telemetry` (what a native policy's `next` and
+/// `decide` get).
+pub fn telemetry_abi(t: &StepTelemetry) -> abi::StepTelemetry {
     abi::StepTelemetry {
         step: t.step,
         loss: t.loss,
