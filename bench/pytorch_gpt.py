@@ -9,10 +9,19 @@ betas (0.9, 0.95), weight decay 0.1 on matrices, gradient clipping at 1.0.
 The timed loop never synchronises inside a step (the strongest eager
 baseline); tokens/s is counted after the warm-up steps.
 
+Data: uniform random tokens (throughput only: no model learns them), or with
+`--tokens FILE` random windows of an llm.c `.bin` token file, as harness's
+`kind = "bin"` data reads one (the last `--val-fraction` held out): then the
+losses after the same steps compare with harness's on the same file
+(bench/markov_tokens.py writes a learnable one), and the run also reports
+the mean training loss of the last 10 steps and the loss on `--eval-batches`
+held-out batches after training.
+
 Prints one JSON object (and writes it to --json).
 """
 import argparse, math, os
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,6 +73,26 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def token_windows(path, n, seq, val_fraction, held_out, seed):
+    """`n` random windows of `seq + 1` tokens from the training part of an
+    llm.c token file (from its held-out tail with `held_out`), as an int64
+    array of shape (n, seq + 1)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    if header[0] == 20240520:
+        if header[1] != 1:
+            raise SystemExit(f"{path}: llm.c header version {header[1]}; only 1 (u16 tokens) is read")
+        toks = np.frombuffer(raw, dtype="<u2", count=int(header[2]), offset=1024)
+    else:
+        toks = np.frombuffer(raw, dtype="<u2")
+    cut = int(len(toks) * (1.0 - val_fraction))
+    lo, hi = (cut, len(toks)) if held_out else (0, cut)
+    if hi - lo < seq + 1:
+        raise SystemExit(f"{path}: {hi - lo} tokens in the {'held-out' if held_out else 'training'} part, fewer than one window of {seq + 1}")
+    starts = np.random.default_rng(seed).integers(lo, hi - seq, size=n)
+    return np.stack([toks[s:s + seq + 1] for s in starts]).astype(np.int64)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="gpt2-124m", choices=PRESETS)
@@ -74,6 +103,9 @@ def main():
                     help="DDP with PyTorch's powerSGD_hook at this rank (0: the plain all-reduce)")
     ap.add_argument("--powersgd-start", type=int, default=2,
                     help="the hook's start_powerSGD_iter (it must be > 1 with error feedback)")
+    ap.add_argument("--tokens", help="train on random windows of this llm.c .bin token file (default: uniform random tokens)")
+    ap.add_argument("--val-fraction", type=float, default=0.05, help="the token file's held-out tail (harness's default)")
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches evaluated after training (with --tokens)")
     run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -102,7 +134,16 @@ def main():
                                    start_powerSGD_iter=a.powersgd_start)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     step_fn = compiled(ddp, a)
-    data = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq + 1), device=dev)
+    n_steps = a.warmup + a.steps
+    if a.tokens:
+        # Every step's windows gathered before the timed loop, each rank its own.
+        w = token_windows(a.tokens, n_steps * a.batch, a.seq, a.val_fraction, False, 1000 + rank)
+        if w.max() >= a.vocab:
+            raise SystemExit(f"{a.tokens} holds token {w.max()}, outside --vocab {a.vocab}")
+        data = torch.from_numpy(w).view(n_steps, a.batch, a.seq + 1).to(dev)
+    else:
+        data = torch.randint(0, a.vocab, (n_steps, a.batch, a.seq + 1), device=dev)
+    losses = []
 
     def step(i):
         x, y = data[i, :, :-1], data[i, :, 1:]
@@ -112,6 +153,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
         return loss
 
     warm_up(step, a.warmup, a.trace)
@@ -129,6 +171,14 @@ def main():
         **memory(),
         "final_loss": loss.item(),
     }
+    if a.tokens:
+        out["tokens_file"] = a.tokens
+        out["mean_loss_last_10"] = torch.stack(losses[-10:]).float().mean().item()
+        ev = torch.from_numpy(token_windows(a.tokens, a.eval_batches * a.batch, a.seq, a.val_fraction, True, 7)).to(dev)
+        model.eval()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out["eval_loss"] = torch.stack([model(b[:, :-1], b[:, 1:]) for b in ev.view(a.eval_batches, a.batch, a.seq + 1)]).float().mean().item()
+        model.train()
     if rank != 0:
         torch.distributed.destroy_process_group()
         return

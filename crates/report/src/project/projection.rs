@@ -101,6 +101,13 @@ fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<Strin
             }
         }
     }
+    // Only workloads with a multi-GPU entry give rows: those are told apart.
+    let rowed = || out.iter().filter(|(w, _)| !w.profiles.is_empty()).map(|(o, om)| (&o.name, om));
+    let labels: Vec<String> =
+        out.iter().map(|(w, m)| if w.profiles.is_empty() { w.name.clone() } else { work_label(&w.name, m, rowed()) }).collect();
+    for ((w, _), label) in out.iter_mut().zip(labels) {
+        w.name = label;
+    }
     for (w, one) in &mut out {
         if !w.profiles.is_empty() {
             from_one_gpu(sources, benches, w, one, &mut skipped);
@@ -111,6 +118,38 @@ fn workloads(sources: &[Source], benches: &[Bench]) -> (Vec<Workload>, Vec<Strin
         w.profiles.sort_by_key(|p| !p.plain);
     }
     (ws, skipped)
+}
+
+/// A workload's name in the output: its suite name, and where another
+/// workload of the same name did other work (an older build's kernels,
+/// another batch), what this one's work is, so that their rows never mix.
+fn work_label<'a>(
+    name: &str,
+    m: &harness_format::results::Metrics,
+    all: impl Iterator<Item = (&'a String, &'a harness_format::results::Metrics)>,
+) -> String {
+    let others: Vec<&harness_format::results::Metrics> =
+        all.filter(|(n, o)| n.as_str() == name && !same_work(o, m)).map(|(_, o)| o).collect();
+    if others.is_empty() {
+        return name.to_string();
+    }
+    let mut parts = Vec::new();
+    let batch = |x: &harness_format::results::Metrics| x.batch_changes.first().map(|c| (c.1, c.2));
+    if others.iter().any(|o| batch(o) != batch(m)) {
+        if let Some((b, acc)) = batch(m) {
+            parts.push(if acc > 1 { format!("batch {b}x{acc}") } else { format!("batch {b}") });
+        }
+    }
+    if others.iter().any(|o| o.fused_cross_entropy != m.fused_cross_entropy) {
+        parts.push(if m.fused_cross_entropy { "fused CE" } else { "unfused CE" }.to_string());
+    }
+    if others.iter().any(|o| o.fused_layer_norm != m.fused_layer_norm) {
+        parts.push(if m.fused_layer_norm { "fused LN" } else { "unfused LN" }.to_string());
+    }
+    if others.iter().any(|o| o.model != m.model || o.precision != m.precision) {
+        parts.push(format!("{} parameters", m.parameters));
+    }
+    format!("{name} ({})", parts.join(", "))
 }
 
 /// The compressors that ran on one GPU on a workload's gradients and on no

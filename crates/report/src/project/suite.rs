@@ -86,8 +86,11 @@ pub fn of_results(results: &[RunResult], sources: &[String]) -> Vec<SuiteProject
             }
         };
         let names: Vec<&str> = suite.spec.workloads.iter().map(|w| w.name.as_str()).collect();
-        p.rows.retain(|x| names.contains(&x.workload.as_str()));
-        p.break_even.retain(|x| names.contains(&x.workload.as_str()));
+        // A workload's rows carry its suite name, with what its work was
+        // in brackets where another of the name did other work.
+        let ours = |w: &str| names.iter().any(|n| w == *n || w.strip_prefix(n).is_some_and(|rest| rest.starts_with(" (")));
+        p.rows.retain(|x| ours(&x.workload));
+        p.break_even.retain(|x| ours(&x.workload));
         p.intra.retain(|x| names.contains(&x.0.as_str()));
         p.calibration.retain(|line| names.iter().any(|n| line.starts_with(&format!("{n}:"))));
         if p.rows.is_empty() {

