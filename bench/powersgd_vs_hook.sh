@@ -16,7 +16,9 @@
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 GPUS=${GPUS:-2}; R=${RANK_R:-4}; STEPS=${STEPS:-300}; ROUNDS=${ROUNDS:-2}
-python3 bench/markov_tokens.py "$PWD/$OUT/tokens.bin" > "$OUT/tokens.json"
+# The token file (80 MB) outside $OUT: only its description comes back.
+TOK=${TOKENS:-$(mktemp -d)/tokens.bin}
+python3 bench/markov_tokens.py "$TOK" > "$OUT/tokens.json"
 cat > "$OUT/powersgd.toml" <<TOML
 [suite]
 name = "powersgd-vs-hook"
@@ -28,7 +30,7 @@ world_size = $GPUS
 [[workload]]
 name = "gpt2-124m-bf16"
 model = { kind = "gpt", preset = "gpt2-124m" }
-data = { kind = "bin", train = "$PWD/$OUT/tokens.bin", vocab = 50304 }
+data = { kind = "bin", train = "$TOK", vocab = 50304 }
 batch = 16
 seq_len = 1024
 steps = $((STEPS + 10))
@@ -52,8 +54,8 @@ compressor_config = { rank = $R, start_step = 2 }
 TOML
 for round in $(seq 1 "$ROUNDS"); do
   "$BIN" run "$OUT/powersgd.toml" --out "$OUT/harness-$round.json" --quiet > "$OUT/harness-$round.txt" 2>&1 || { tail -20 "$OUT/harness-$round.txt"; exit 1; }
-  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$OUT/tokens.bin" --steps "$STEPS" --warmup 10 --json "$OUT/torch-allreduce-$round.json" > /dev/null
-  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$OUT/tokens.bin" --steps "$STEPS" --warmup 10 --powersgd-rank "$R" --json "$OUT/torch-powersgd-$round.json" > /dev/null
+  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$TOK" --steps "$STEPS" --warmup 10 --json "$OUT/torch-allreduce-$round.json" > /dev/null
+  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$TOK" --steps "$STEPS" --warmup 10 --powersgd-rank "$R" --json "$OUT/torch-powersgd-$round.json" > /dev/null
 done
 python3 - "$OUT" "$ROUNDS" "$R" <<'PY'
 import json, os, sys
