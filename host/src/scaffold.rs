@@ -58,29 +58,54 @@ const SDK_FILES: [(&str, &str); 17] = [
     ("Cargo.toml", include_str!("../../sdk/Cargo.toml")),
 ];
 
-/// Writes the SDK crate into `dir`, its manifest made standalone (the
-/// workspace's values filled in, no dev-dependencies).
+/// Writes the SDK crate into `dir`, its manifest made standalone
+/// ([`standalone_manifest`]).
 fn vendor_sdk(dir: &Path) -> Result<()> {
     write_files(
         dir,
         SDK_FILES.iter().map(|&(file, text)| {
-            let text = if file == "Cargo.toml" {
-                // rust-version first: "version.workspace" is part of it.
-                let manifest = text
-                    .replace("rust-version.workspace = true", "rust-version = \"1.85\"")
-                    .replace("version.workspace = true", &format!("version = \"{}\"", env!("CARGO_PKG_VERSION")))
-                    .replace("edition.workspace = true", "edition = \"2021\"")
-                    .replace("license.workspace = true", "license = \"Apache-2.0\"");
-                let manifest = manifest.split("[dev-dependencies]").next().unwrap_or(&manifest).trim_end().to_owned();
-                format!(
-                    "# Vendored by `harness plugin new` from harness {}: the plugin SDK at that version.\n{manifest}\n",
-                    env!("CARGO_PKG_VERSION")
-                )
-            } else {
-                text.to_owned()
-            };
+            let text = if file == "Cargo.toml" { standalone_manifest(text) } else { text.to_owned() };
             (file, text)
         }),
+    )
+}
+
+/// The tables of the SDK's manifest that a vendored copy drops: `[lints]`
+/// (`workspace = true`: the workspace's lints, and the plugin's folder is in
+/// no workspace) and the dev-dependencies (the SDK's tests are not vendored).
+/// A table of one of these names, a sub-table of it (`[lints.clippy]`) or a
+/// target's (`[target.'cfg(..)'.dev-dependencies]`) goes whole.
+const WORKSPACE_ONLY_TABLES: [&str; 2] = ["lints", "dev-dependencies"];
+
+/// The SDK's manifest as a crate outside the workspace builds it: the values
+/// it inherits from the workspace (`version.workspace = true`, ...) written
+/// out, and the [`WORKSPACE_ONLY_TABLES`] left out.
+fn standalone_manifest(text: &str) -> String {
+    // rust-version first: "version.workspace" is part of it.
+    let manifest = text
+        .replace("rust-version.workspace = true", "rust-version = \"1.85\"")
+        .replace("version.workspace = true", &format!("version = \"{}\"", env!("CARGO_PKG_VERSION")))
+        .replace("edition.workspace = true", "edition = \"2021\"")
+        .replace("license.workspace = true", "license = \"Apache-2.0\"");
+    let mut kept = String::new();
+    let mut keep = true;
+    for line in manifest.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with('[') && trimmed.ends_with(']') {
+            let table = trimmed.trim_matches(|c| c == '[' || c == ']').trim();
+            keep = !WORKSPACE_ONLY_TABLES
+                .iter()
+                .any(|t| table == *t || table.starts_with(&format!("{t}.")) || table.ends_with(&format!(".{t}")));
+        }
+        if keep {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    format!(
+        "# Vendored by `harness plugin new` from harness {}: the plugin SDK at that version.\n{}\n",
+        env!("CARGO_PKG_VERSION"),
+        kept.trim_end()
     )
 }
 
@@ -423,7 +448,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         vendor_sdk(d.path()).unwrap();
         let manifest = std::fs::read_to_string(d.path().join("Cargo.toml")).unwrap();
-        assert!(!manifest.contains("workspace") && !manifest.contains("dev-dependencies"), "{manifest}");
+        assert!(!manifest.contains("workspace") && !manifest.contains("dev-dependencies") && !manifest.contains("[lints"), "{manifest}");
+        assert!(manifest.contains("[dependencies]") && manifest.contains(".dependencies]\nwit-bindgen"), "{manifest}");
         assert!(
             manifest.contains("rust-version = \"1.85\"") && manifest.contains(&format!("\nversion = \"{}\"", env!("CARGO_PKG_VERSION"))),
             "{manifest}"

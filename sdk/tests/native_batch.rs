@@ -36,6 +36,9 @@ fn initial_defaults_to_the_configured_batch_and_next_sees_telemetry() {
     assert_eq!(harness_plugin_kind(), abi::KIND_BATCH_POLICY);
     let mut host = FakeHost::new(1);
     let table = host.table();
+    // SAFETY: the entry points get the live table of a host that outlives
+    // them, the handle `harness_plugin_create` returned until it is destroyed,
+    // and pointers to locals that outlive each call.
     unsafe {
         let this = harness_plugin_create(&table);
         let mut wants = 7u8;

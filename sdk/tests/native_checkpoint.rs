@@ -47,6 +47,10 @@ fn decide(config: &str, step: u64, saved: &[u64]) -> (i32, abi::Decision, Vec<u6
     let table = host.table();
     let failures = [3u64];
     let mut room = vec![0u64; saved.len()];
+    // SAFETY: the entry points get the live table of a host that outlives
+    // them, the handle `harness_plugin_create` returned until it is destroyed,
+    // and pointers to locals that outlive each call (`room` has a slot for
+    // every saved step the policy may delete).
     unsafe {
         let this = harness_plugin_create(&table);
         assert_eq!(harness_plugin_configure(this, config.as_ptr(), config.len()), abi::STATUS_OK);
@@ -77,6 +81,8 @@ fn the_tiered_entry_point_carries_the_tiers_both_ways() {
     let (failures, saved, in_memory) = ([3u64], [1u64, 2, 3], [7u64]);
     let mut room = vec![0u64; saved.len()];
     for (step, save, persist) in [(4u64, 1u8, 1u8), (2, 1, 0), (3, 0, 0)] {
+        // SAFETY: as in `decide`: a live table, the handle until it is
+        // destroyed, pointers to locals that outlive each call.
         unsafe {
             let this = harness_plugin_create(&table);
             assert_eq!(harness_plugin_configure(this, "".as_ptr(), 0), abi::STATUS_OK);

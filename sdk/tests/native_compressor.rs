@@ -89,6 +89,7 @@ impl Fixture {
         let host = Box::into_raw(FakeHost::new(world));
         // SAFETY: `host` lives until the fixture drops.
         let table = unsafe { (*host).table() };
+        // SAFETY: `table` is a live host table, read during the call only.
         let this = unsafe { harness_plugin_create(&table) };
         assert!(!this.is_null());
         Fixture { host, this }
@@ -96,17 +97,22 @@ impl Fixture {
     // The fake host sits behind a raw pointer that the plugin also uses.
     #[allow(clippy::mut_from_ref)]
     fn host(&self) -> &mut FakeHost {
+        // SAFETY: `host` lives until the fixture drops, and the plugin uses it
+        // only inside an entry point, never while the test holds this borrow.
         unsafe { &mut *self.host }
     }
     fn configure(&self, toml: &str) -> i32 {
+        // SAFETY: `this` is the fixture's live instance; `toml`'s bytes outlive the call.
         unsafe { harness_plugin_configure(self.this, toml.as_ptr(), toml.len()) }
     }
     fn compress(&self, bucket: u64, step: u64) -> i32 {
         let info = abi::BucketInfo { step, index: 0, count: 1 };
+        // SAFETY: `this` is the fixture's live instance; `info` outlives the call.
         unsafe { harness_compress(self.this, bucket, &info) }
     }
     fn last_error(&self) -> String {
         let mut len = 0;
+        // SAFETY: `this` is the fixture's live instance; `len` outlives the call.
         let ptr = unsafe { harness_plugin_last_error(self.this, &mut len) };
         message(ptr, len)
     }
@@ -114,6 +120,8 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
+        // SAFETY: the instance is destroyed once, here, and then the host it
+        // used, which `Box::into_raw` made in `new` and nothing else frees.
         unsafe {
             harness_plugin_destroy(self.this);
             drop(Box::from_raw(self.host));
@@ -127,6 +135,7 @@ fn identity() {
     assert_eq!(harness_plugin_kind(), abi::KIND_COMPRESSOR);
     let f = Fixture::new(1);
     let mut info = abi::Info { name: ptr::null(), name_len: 0, version: ptr::null(), version_len: 0 };
+    // SAFETY: `f.this` is a live instance; `info` outlives the call.
     unsafe { harness_plugin_info(f.this, &mut info) };
     assert_eq!(message(info.name, info.name_len), "test-compressor");
     assert_eq!(message(info.version, info.version_len), "1.2.3");
@@ -174,6 +183,7 @@ fn a_configure_error_is_status_error_with_its_message() {
     assert_eq!(f.configure("mode = 3"), abi::STATUS_ERROR);
     assert!(f.last_error().starts_with("config key `mode`"), "{}", f.last_error());
     let bad_utf8 = [0xffu8, 0xfe];
+    // SAFETY: `f.this` is a live instance; `bad_utf8`'s 2 bytes outlive the call.
     assert_eq!(unsafe { harness_plugin_configure(f.this, bad_utf8.as_ptr(), 2) }, abi::STATUS_ERROR);
     assert!(f.last_error().contains("not UTF-8"));
     // A later good configure works, and clears the message.
@@ -213,12 +223,16 @@ fn a_plugin_error_is_status_error() {
     let bucket = f.host().insert(vec![1.0]);
     assert_eq!(f.compress(bucket, 0), abi::STATUS_ERROR);
     assert_eq!(f.last_error(), "compress refused");
+    // SAFETY: `f.this` is a live instance; a null bucket info is what is tested.
     assert_eq!(unsafe { harness_compress(f.this, bucket, ptr::null()) }, abi::STATUS_ERROR);
     assert_eq!(f.last_error(), "the bucket info is null");
 }
 
 unsafe extern "C" fn collect(ctx: *mut c_void, data: *const u8, len: usize) {
+    // SAFETY: `ctx` is the `Vec<u8>` the test passed to `harness_plugin_state_save`,
+    // borrowed by nothing else during the call.
     let out = unsafe { &mut *(ctx as *mut Vec<u8>) };
+    // SAFETY: the plugin passes `len` bytes at `data`, alive for the call.
     out.extend_from_slice(unsafe { std::slice::from_raw_parts(data, len) });
 }
 
@@ -231,15 +245,19 @@ fn state_round_trips() {
         assert_eq!(f.compress(bucket, step), abi::STATUS_OK);
     }
     let mut saved = Vec::new();
+    // SAFETY: `f.this` is a live instance; `saved` outlives the call.
     assert_eq!(unsafe { harness_plugin_state_save(f.this, collect, &mut saved as *mut Vec<u8> as *mut c_void) }, abi::STATUS_OK);
     assert_eq!(saved, 3u64.to_le_bytes());
 
     let g = Fixture::new(2);
     assert_eq!(g.configure(""), abi::STATUS_OK);
+    // SAFETY: `g.this` is a live instance; `saved`'s bytes outlive the call.
     assert_eq!(unsafe { harness_plugin_state_load(g.this, saved.as_ptr(), saved.len()) }, abi::STATUS_OK);
     let mut again = Vec::new();
+    // SAFETY: `g.this` is a live instance; `again` outlives the call.
     assert_eq!(unsafe { harness_plugin_state_save(g.this, collect, &mut again as *mut Vec<u8> as *mut c_void) }, abi::STATUS_OK);
     assert_eq!(again, saved);
+    // SAFETY: `g.this` is a live instance; `saved` has (more than) 3 bytes.
     assert_eq!(unsafe { harness_plugin_state_load(g.this, saved.as_ptr(), 3) }, abi::STATUS_ERROR);
     assert_eq!(g.last_error(), "state has 3 bytes, not 8");
 }
@@ -255,6 +273,8 @@ fn destroy_releases_the_tensors_the_plugin_owns() {
     assert_eq!(f.configure("mode = \"keep\""), abi::STATUS_OK);
     assert_eq!(f.host().tensors.len(), 1);
     assert_eq!(f.compress(bucket, 1), abi::STATUS_OK);
+    // SAFETY: `f.this` is a live instance, destroyed once: the fixture is
+    // forgotten below, so its drop does not destroy it again.
     unsafe { harness_plugin_destroy(f.this) };
     assert_eq!(f.host().tensors.len(), 1, "destroy did not release the residual");
     std::mem::forget(f); // destroyed already; the fake host leaks, fine in a test
@@ -265,10 +285,13 @@ fn create_refuses_another_abi_version() {
     let mut host = FakeHost::new(1);
     let mut table = host.table();
     table.abi_version = 999;
+    // SAFETY: `table` is a live host table, read during the call only.
     let this = unsafe { harness_plugin_create(&table) };
     assert!(this.is_null());
     let mut len = 0;
+    // SAFETY: the null instance asks for the process's last error; `len` outlives the call.
     let msg = message(unsafe { harness_plugin_last_error(ptr::null_mut(), &mut len) }, len);
     assert!(msg.contains("999") && msg.contains(&abi::ABI_VERSION.to_string()), "{msg}");
+    // SAFETY: a null table is what is tested; the entry point refuses it.
     assert!(unsafe { harness_plugin_create(ptr::null()) }.is_null());
 }

@@ -534,7 +534,7 @@ char *hx_recompute(tensor x, hx_block_fn run, hx_block_drop drop, void *ctx, int
 }  // extern "C"
 
 // A differentiable operation whose forward and backward passes are Rust
-// callbacks (the fused kernels of kernels.rs): `fwd(ctx, in, n_in, out,
+// callbacks (the fused kernels of kernels/): `fwd(ctx, in, n_in, out,
 // &n_out, saved, &n_saved, err, len)` reads the inputs and sets up to
 // HX_OP_MAX outputs and tensors to keep for the backward pass; `bwd(ctx,
 // saved, n_saved, grads, n_grads, in_grads, n_in, err, len)` gets the

@@ -148,18 +148,29 @@ impl FakeHost {
     }
 }
 
+/// `n` elements at `p`, an empty slice when `n` is 0 (whatever `p` is).
+///
+/// # Safety
+/// Where `n` is not 0, `p` points at `n` initialised `T`s that live, unchanged,
+/// as long as the slice is used.
 unsafe fn slice<'a, T>(p: *const T, n: usize) -> &'a [T] {
     if n == 0 {
         &[]
     } else {
+        // SAFETY: `n` is not 0, and the caller vouches for `p`'s `n` elements.
         unsafe { std::slice::from_raw_parts(p, n) }
     }
 }
 
 unsafe extern "C" fn fake_op(ctx: *mut c_void, op: u32, args: *const OpArgs, out: *mut OpResult) -> i32 {
+    // SAFETY: `ctx` is the table's context, the `FakeHost` that made it
+    // ([`FakeHost::table`]), which outlives the plugin and is not otherwise
+    // borrowed while the plugin runs an op.
     let host = unsafe { &mut *(ctx as *mut FakeHost) };
     let result = match Op::from_code(op) {
         None => Err(format!("unknown op code {op}")),
+        // SAFETY: the SDK passes an `OpArgs` and an `OpResult` of its own,
+        // valid and unaliased for the call.
         Some(op) => host.run(op, unsafe { &*args }, unsafe { &mut *out }),
     };
     match result {
@@ -172,24 +183,31 @@ unsafe extern "C" fn fake_op(ctx: *mut c_void, op: u32, args: *const OpArgs, out
 }
 
 unsafe extern "C" fn fake_drop(ctx: *mut c_void, t: u64) {
+    // SAFETY: `ctx` is the `FakeHost` that made the table, as in `fake_op`.
     let host = unsafe { &mut *(ctx as *mut FakeHost) };
     assert!(host.tensors.remove(&t).is_some(), "dropped tensor {t} twice or never made");
     host.dropped.push(t);
 }
 
 unsafe extern "C" fn fake_last_error(ctx: *mut c_void, len: *mut usize) -> *const u8 {
+    // SAFETY: `ctx` is the `FakeHost` that made the table, as in `fake_op`.
     let host = unsafe { &*(ctx as *mut FakeHost) };
+    // SAFETY: the SDK passes a pointer to a `usize` of its own for the length.
     unsafe { *len = host.last_error.len() };
     host.last_error.as_ptr()
 }
 
 unsafe extern "C" fn fake_log(ctx: *mut c_void, level: u32, msg: *const u8, len: usize) {
+    // SAFETY: `ctx` is the `FakeHost` that made the table, as in `fake_op`.
     let host = unsafe { &mut *(ctx as *mut FakeHost) };
+    // SAFETY: the SDK passes its message's `len` bytes at `msg`, alive for the call.
     let msg = String::from_utf8(unsafe { slice(msg, len) }.to_vec()).unwrap();
     host.logs.push((level, msg));
 }
 
 /// The message `harness_plugin_last_error` returns.
 pub fn message(ptr: *const u8, len: usize) -> String {
+    // SAFETY: the caller passes what `harness_plugin_last_error` returned, the
+    // plugin's message (`len` bytes at `ptr`), which lives until its next call.
     String::from_utf8(unsafe { slice(ptr, len) }.to_vec()).unwrap()
 }
