@@ -11,8 +11,8 @@
 //! hold at the least) with [`MAX_MEMORY_BYTES`], so a suite refused by them
 //! could not have run anywhere.
 
-use super::model::{ModelConfig, SMALL_IMAGE};
-use super::spec::{DataSpec, ModelKind, Precision, Workload};
+use super::family::{image, ModelConfig};
+use super::spec::{DataSpec, Precision, Workload};
 
 /// Repeats of a suite: each runs every (workload, strategy) pair again.
 pub const MAX_REPEATS: u32 = 1000;
@@ -126,68 +126,24 @@ fn activation_bytes(precision: Precision) -> f64 {
     }
 }
 
-/// Tokens a ViT sees per image: its patches and the class token.
-fn vit_tokens(side: f64, patch: f64) -> f64 {
-    (side / patch).floor().powi(2) + 1.0
-}
-
-/// (channels, side) of the workload's images, if it trains on images.
-fn image(data: &DataSpec) -> Option<(f64, f64)> {
-    match data {
-        DataSpec::Images { channels, image_size, .. } => Some((f64::from(*channels), f64::from(*image_size))),
-        _ => None,
-    }
-}
-
 /// At least how many parameters the model of `cfg` has (its vocabulary,
 /// or classes, in `cfg.vocab`): every layer's attention projections and
 /// feed-forward matrices (4 d² + 2 d d_ff; T5's decoder layers add cross
 /// attention), the embeddings and output layers, and for a ResNet one 3x3
 /// convolution at the first stage's width per layer. Biases and norms are
-/// left out. In f64: no product of out-of-bound sizes overflows.
+/// left out. In f64: no product of out-of-bound sizes overflows. Each
+/// family counts its own ([`Family::params_at_least`](super::family::Family::params_at_least)).
 pub fn params_at_least(cfg: &ModelConfig, channels: f64) -> f64 {
-    let [l, d, ff, v] = [cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.vocab].map(|x| x as f64);
-    let block = 4.0 * d * d + 2.0 * d * ff;
-    match cfg.kind {
-        ModelKind::Gpt => l * block + (v + cfg.seq_len as f64) * d,
-        ModelKind::Encoder => l * block,
-        ModelKind::Mlp => v * d + d * ff + ff * v,
-        ModelKind::T5 => l * block + l * (block + 4.0 * d * d) + v * d,
-        ModelKind::Vision => match cfg.patch {
-            Some(p) => l * block + channels * (p * p) as f64 * d + v * d,
-            None => 9.0 * d * d * l + ff * v,
-        },
-    }
+    cfg.family().params_at_least(cfg, channels)
 }
 
 /// At least how many bytes one micro-batch's activations take in a step
 /// of workload `w` (model `cfg`): what the backward pass keeps per sample
 /// (each layer's output, or its input when recomputed; the logits), times
-/// the batch. For images, the input batch and the stem's output.
+/// the batch. For images, the input batch and the stem's output. Each
+/// family counts a sample's ([`Family::activations_at_least`](super::family::Family::activations_at_least)).
 pub fn step_activations_at_least(w: &Workload, cfg: &ModelConfig) -> f64 {
-    let [l, d, v] = [cfg.n_layer, cfg.d_model, cfg.vocab].map(|x| x as f64);
-    let t = f64::from(w.seq_len);
-    let e = activation_bytes(w.precision);
-    let per_sample = match cfg.kind {
-        ModelKind::Gpt => t * (l * d + v) * e,
-        ModelKind::Mlp => t * (d + v) * e,
-        // The fp32 inputs, then each layer's output.
-        ModelKind::Encoder => t * d * 4.0 + t * l * d * e,
-        ModelKind::T5 => t * (2.0 * l * d + v) * e,
-        ModelKind::Vision => {
-            let (c, s) = image(&w.data).unwrap_or((3.0, 32.0));
-            let input = c * s * s * 4.0;
-            match cfg.patch {
-                Some(p) => input + vit_tokens(s, p as f64) * l * d * e,
-                None => {
-                    // The stem: full resolution for small images, else a
-                    // 7x7 stride-2 convolution before the max-pool.
-                    let r = if s <= SMALL_IMAGE as f64 { s } else { ((s - 1.0) / 2.0).floor() + 1.0 };
-                    input + r * r * d * e
-                }
-            }
-        }
-    };
+    let per_sample = cfg.family().activations_at_least(cfg, w, activation_bytes(w.precision));
     per_sample * f64::from(w.batch)
 }
 
@@ -273,7 +229,7 @@ mod tests {
 
     #[test]
     fn the_estimates_of_the_presets_are_near_their_real_sizes() {
-        use crate::suite::spec::ModelSpec;
+        use crate::suite::spec::{ModelKind, ModelSpec};
         let cfg = |kind, preset: &str, vocab| {
             let spec =
                 ModelSpec { kind, preset: Some(preset.into()), n_layer: None, n_head: None, d_model: None, d_ff: None, dropout: None };

@@ -7,8 +7,11 @@
 //! documented in `docs/suite-format.md`.
 //!
 //! * `spec`: the serde types of the format and their defaults.
+//! * `family`: the model families, a file each, and their registry
+//!   ([`family::of`], [`FAMILIES`]): what validation, the bounds and the
+//!   training core ask about a family (presets, data, estimates, FLOPs).
 //! * `model`: [`ModelConfig`], a model's shape resolved from its table and
-//!   the [`PRESETS`] (configuration only; the training core builds it).
+//!   its family's presets (configuration only; the training core builds it).
 //! * `validate`: [`Suite`], loading, parsing and the checks, with their
 //!   messages and hints.
 //! * `limits`: the bounds of every numeric key and of names, with the
@@ -19,6 +22,7 @@
 //! * `standard`: the released standard suites, their tracks, and entering a
 //!   plugin into them.
 
+pub mod family;
 pub mod floor;
 pub mod limits;
 mod model;
@@ -27,7 +31,7 @@ mod spec;
 pub mod standard;
 mod validate;
 
-pub use model::{resnet_macs, resnet_stages, ModelConfig, PRESETS, SMALL_IMAGE, VIT_PATCH};
+pub use family::{resnet_macs, resnet_stages, DataKind, Family, ModelConfig, Preset, FAMILIES, SMALL_IMAGE, VIT_PATCH};
 pub use plan::{mix_seed, Plan, PlanEntry};
 pub use spec::{
     DataSpec, Decay, DeviceKind, FaultSpec, Kernels, ModelKind, ModelSpec, NcclTransport, OptimizerSpec, Order, Pipeline, PluginSpec,

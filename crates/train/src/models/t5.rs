@@ -22,7 +22,9 @@ use std::sync::Mutex;
 use tch::nn::{self, Init};
 use tch::{Device, Kind, Tensor};
 
+use super::family::{Family, Network, Output, Pass};
 use super::fused;
+use harness_format::suite::{ModelConfig, ModelKind};
 
 /// How a layer runs its matmuls: through [`fused::linear`], with the fused
 /// kernels or without.
@@ -237,12 +239,6 @@ impl T5 {
         }
     }
 
-    /// Runs the matmuls through [`fused::linear`]'s node on CUDA
-    /// (`kernels = "fused"` in bf16).
-    pub fn use_fused_kernels(&mut self, on: bool) {
-        self.fused = on;
-    }
-
     /// The bucket table of a shape, made on first use.
     fn table(&self, q: i64, k: i64, bidirectional: bool, device: Device) -> Tensor {
         let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
@@ -314,6 +310,45 @@ impl T5 {
         drop(x);
         let y = dropout(y, p, train) * (self.d_model as f64).powf(-0.5);
         w.linear(&y, &self.shared).view([b * t, -1])
+    }
+}
+
+impl Network for T5 {
+    /// Teacher forcing: the target is also the decoder's input.
+    fn output(&self, input: &Tensor, target: &Tensor, pass: &Pass) -> Output {
+        Output::Logits { logits: self.forward(input, target, pass.train), target: target.reshape([-1]) }
+    }
+
+    /// Runs the matmuls through [`fused::linear`]'s node on CUDA
+    /// (`kernels = "fused"` in bf16).
+    fn use_fused_kernels(&mut self, on: bool) {
+        self.fused = on;
+    }
+}
+
+/// The `t5` family.
+pub struct T5Family;
+
+impl Family for T5Family {
+    fn kind(&self) -> ModelKind {
+        ModelKind::T5
+    }
+
+    fn build(&self, p: &nn::Path, cfg: &ModelConfig) -> Box<dyn Network> {
+        Box::new(T5::new(p, cfg.vocab, cfg.d_model, cfg.d_ff, cfg.n_head, cfg.n_layer, cfg.dropout))
+    }
+
+    fn bf16_images(&self) -> bool {
+        false
+    }
+
+    fn fused_cross_entropy(&self) -> bool {
+        true
+    }
+
+    /// Not yet checked under capture.
+    fn graph_checked(&self) -> bool {
+        false
     }
 }
 

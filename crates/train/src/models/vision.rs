@@ -35,9 +35,10 @@
 use tch::nn::{self, Module, ModuleT};
 use tch::Tensor;
 
+use super::family::{Family, Network, Output, Pass};
 use super::fused;
 use super::layers::{Branch, Norm};
-use harness_format::suite::{resnet_stages, ModelConfig, SMALL_IMAGE};
+use harness_format::suite::{resnet_stages, ModelConfig, ModelKind, SMALL_IMAGE};
 
 /// A `vision` network: a ResNet, or a Vision Transformer for the ViT presets.
 pub enum Vision {
@@ -66,17 +67,56 @@ impl Vision {
     pub fn is_transformer(&self) -> bool {
         matches!(self, Vision::Vit(_))
     }
+}
+
+impl Network for Vision {
+    fn output(&self, input: &Tensor, target: &Tensor, pass: &Pass) -> Output {
+        Output::Logits { logits: self.forward(input, pass.train), target: target.shallow_clone() }
+    }
 
     /// A ViT's residual adds and LayerNorms through [`fused::add_norm`],
     /// its linear layers through [`fused::linear`], as the
     /// `gpt` family's; a ResNet's batch norms, with the ReLU and the
     /// residual add after them, through [`fused::batch_norm_act`] in
     /// training (bf16 on CUDA, `kernels = "fused"`).
-    pub fn use_fused_kernels(&mut self, on: bool) {
+    fn use_fused_kernels(&mut self, on: bool) {
         match self {
             Vision::Vit(n) => n.fused = on,
             Vision::ResNet(n) => n.fused = on,
         }
+    }
+
+    /// A ViT's.
+    fn fused_norms(&self) -> bool {
+        self.is_transformer()
+    }
+}
+
+/// The `vision` family.
+pub struct VisionFamily;
+
+impl Family for VisionFamily {
+    fn kind(&self) -> ModelKind {
+        ModelKind::Vision
+    }
+
+    fn build(&self, p: &nn::Path, cfg: &ModelConfig) -> Box<dyn Network> {
+        Box::new(Vision::new(p, cfg))
+    }
+
+    /// Its first layer (ResNet's stem, ViT's patches: convolutions) would
+    /// cast them under bf16 autocast.
+    fn bf16_images(&self) -> bool {
+        true
+    }
+
+    /// Its logits go through libtorch's cross-entropy.
+    fn fused_cross_entropy(&self) -> bool {
+        false
+    }
+
+    fn graph_checked(&self) -> bool {
+        true
     }
 }
 
@@ -105,7 +145,7 @@ pub struct Vit {
     head: nn::Linear,
     heads: i64,
     width: i64,
-    /// harness's fused kernels ([`Vision::use_fused_kernels`]).
+    /// harness's fused kernels ([`Network::use_fused_kernels`]).
     fused: bool,
 }
 
@@ -267,7 +307,7 @@ pub struct ResNet {
     pool: bool,
     blocks: Vec<Block>,
     fc: nn::Linear,
-    /// harness's fused kernels ([`Vision::use_fused_kernels`]).
+    /// harness's fused kernels ([`Network::use_fused_kernels`]).
     fused: bool,
 }
 

@@ -12,7 +12,7 @@ use crate::entry::EntryContext;
 use crate::models::{self as model, Model, ModelConfig};
 use crate::oom::OomGuard;
 use crate::optim::{LossScaler, Optimizer};
-use harness_format::suite::{Kernels, ModelKind, Precision, Recompute};
+use harness_format::suite::{Kernels, Precision, Recompute};
 use harness_kernels::kernels;
 use harness_kernels::torch_ext::{self, AutocastDevice};
 use harness_runtime::comm::Collective;
@@ -156,15 +156,16 @@ impl Training {
         // Images in bf16 where the model's first layer (ResNet's stem, ViT's
         // patches: convolutions) would cast them under bf16 autocast: the
         // same values, a smaller batch (HARNESS_BF16_IMAGES=0 keeps fp32).
-        if device.is_cuda() && w.precision == Precision::Bf16 && w.model.kind == ModelKind::Vision && switches.bf16_images {
+        let family = model::family(cfg.kind);
+        if device.is_cuda() && w.precision == Precision::Bf16 && family.bf16_images() && switches.bf16_images {
             data.images_in(Kind::BFloat16);
         }
         let (fused, mut warnings) = fused_kernels(device, w.precision, w.kernels);
         warnings.extend(dp_plan.warnings);
         // HARNESS_FUSED_CE=0 keeps libtorch's cross-entropy under the fused
         // kernels (a diagnostic, to tell the kernels' effects apart).
-        // The fused cross-entropy serves the token models (gpt, mlp).
-        let fused_ce = fused && !matches!(w.model.kind, ModelKind::Encoder | ModelKind::Vision) && switches.fused_ce;
+        // The fused cross-entropy serves the token models (gpt, mlp, t5).
+        let fused_ce = fused && family.fused_cross_entropy() && switches.fused_ce;
         model.use_fused_kernels(fused);
         // AdamW through harness's kernel with the fused kernels
         // (HARNESS_FUSED_ADAMW=0 keeps libtorch's, a diagnostic).
@@ -181,7 +182,7 @@ impl Training {
             grad_stats,
             emulated_memory_limit: oom.limit.is_some(),
             recompute: w.recompute()? != Recompute::None,
-            family_checked: matches!(w.model.kind, ModelKind::Gpt | ModelKind::Encoder | ModelKind::Mlp | ModelKind::Vision),
+            family_checked: family.graph_checked(),
         };
         let why_not = eligibility.why_not();
         if let (true, Some(why)) = (graph_allowed, why_not) {
@@ -239,7 +240,7 @@ impl Training {
 
     /// Whether the model classifies (its evaluations report accuracy).
     pub fn classifies(&self) -> bool {
-        self.cfg.kind == ModelKind::Vision
+        self.cfg.family().classifies()
     }
 
     /// Mean loss over the fixed eval set (no gradients, no dropout, batch
@@ -388,7 +389,7 @@ mod tests {
         // the end of the pass); the tied token table is finished last.
         let _turn = harness_kernels::torch_ext::GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let spec = harness_format::suite::ModelSpec {
-            kind: ModelKind::Gpt,
+            kind: harness_format::suite::ModelKind::Gpt,
             preset: Some("tiny".into()),
             n_layer: Some(12),
             n_head: None,

@@ -5,8 +5,9 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use super::{valid_name, Checker, Seg, NAME_HINT};
+use crate::suite::family::{self, DataKind, FAMILIES};
 use crate::suite::model::ModelConfig;
-use crate::suite::spec::{DataSpec, FaultSpec, ModelKind, OptimizerSpec, Pipeline, Precision, Recompute, SuiteMeta, Workload};
+use crate::suite::spec::{DataSpec, FaultSpec, OptimizerSpec, Pipeline, Precision, Recompute, SuiteMeta, Workload};
 use Seg::{Index, Key};
 
 impl Checker<'_> {
@@ -251,7 +252,7 @@ impl Checker<'_> {
             if w.target_loss.is_some() || w.target_above_floor.is_some() {
                 self.err(&at("target_accuracy"), "give a loss target or `target_accuracy`, not both", None);
             }
-            if w.model.kind != ModelKind::Vision {
+            if !family::of(w.model.kind).classifies() {
                 self.err(
                     &at("target_accuracy"),
                     "only classification workloads report accuracy",
@@ -278,28 +279,18 @@ impl Checker<'_> {
     }
 
     /// The model trains on the kind of data given: the encoder on
-    /// regression data, the token models on tokens.
+    /// regression data, the token models on tokens ([`family::DataFit`]).
+    /// The error is the model's family's, else the data's family's.
     fn model_fits_data(&mut self, i: usize, w: &Workload) {
         let data_at = [Key("workload"), Index(i), Key("data")];
-        match (&w.model.kind, &w.data) {
-            (ModelKind::Encoder, DataSpec::Regression { .. })
-            | (ModelKind::Vision, DataSpec::Images { .. })
-            | (ModelKind::T5, DataSpec::Pairs { .. }) => {}
-            (ModelKind::Encoder, _) => self.err(&data_at, "the encoder model trains on `kind = \"regression\"` data", None),
-            (ModelKind::Vision, _) => self.err(&data_at, "the vision model trains on `kind = \"images\"` data", None),
-            (ModelKind::T5, _) => self.err(&data_at, "the t5 model trains on sequence pairs: `kind = \"pairs\"` data", None),
-            (_, DataSpec::Images { .. }) => self.err(&data_at, "image data needs `model.kind = \"vision\"`", None),
-            (_, DataSpec::Pairs { .. }) => self.err(
-                &data_at,
-                "pairs data needs `model.kind = \"t5\"`",
-                Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
-            ),
-            (_, DataSpec::Regression { .. }) => self.err(
-                &data_at,
-                "regression data needs `model.kind = \"encoder\"`",
-                Some("gpt and mlp train on tokens: use `synthetic` or `bin` data".into()),
-            ),
-            _ => {}
+        let (fit, data) = (family::of(w.model.kind).data(), DataKind::from(&w.data));
+        if fit.kinds.contains(&data) {
+            return;
+        }
+        if let Some(message) = fit.other {
+            self.err(&data_at, message, None);
+        } else if let Some((message, hint)) = FAMILIES.iter().find(|f| f.data().kinds.contains(&data)).and_then(|f| f.data().claimed) {
+            self.err(&data_at, message, hint.map(String::from));
         }
     }
 
@@ -407,35 +398,27 @@ impl Checker<'_> {
     }
 
     /// The workload's `model` table: its sizes resolve (preset, explicit
-    /// sizes), and its dropout.
+    /// sizes), and its dropout; then its family's own checks, and whether
+    /// the family recomputes activations if asked to.
     fn model(&mut self, i: usize, w: &Workload) {
         let model_at = [Key("workload"), Index(i), Key("model")];
-        if let Err((msg, hint)) = ModelConfig::resolve(&w.model, 2, w.seq_len) {
-            self.err(&model_at, msg, hint);
-        }
+        let resolved = match ModelConfig::resolve(&w.model, 2, w.seq_len) {
+            Ok(cfg) => Some(cfg),
+            Err((msg, hint)) => {
+                self.err(&model_at, msg, hint);
+                None
+            }
+        };
         if let Some(d) = w.model.dropout {
             if !(0.0..1.0).contains(&d) {
                 self.err(&[Key("workload"), Index(i), Key("model"), Key("dropout")], "`dropout` must lie in [0, 1)", None);
             }
         }
-        if w.model.kind == ModelKind::Vision {
-            let patch = ModelConfig::resolve(&w.model, 2, 1).ok().and_then(|c| c.patch);
-            if let (Some(p), DataSpec::Images { image_size, .. }) = (patch, &w.data) {
-                if i64::from(*image_size) % p != 0 {
-                    self.err(
-                        &[Key("workload"), Index(i), Key("data"), Key("image_size")],
-                        format!("the Vision Transformer cuts images into {p} x {p} patches: `image_size` must be a multiple of {p}"),
-                        None,
-                    );
-                }
-            }
-            if w.seq_len != 1 {
-                self.err(
-                    &[Key("workload"), Index(i), Key("seq_len")],
-                    "a vision workload's sample is one image: `seq_len` must be 1",
-                    Some("tokens/s then counts images/s".into()),
-                );
-            }
+        let family = family::of(w.model.kind);
+        for unfit in family.check_workload(w, resolved.as_ref()) {
+            let mut at = vec![Key("workload"), Index(i)];
+            at.extend(unfit.at.iter().map(|k| Key(k)));
+            self.err(&at, unfit.message, unfit.hint);
         }
         if let Some(Err(msg)) = w.recompute.as_ref().map(|r| r.resolve()) {
             self.err(
@@ -443,20 +426,13 @@ impl Checker<'_> {
                 msg,
                 Some("recompute = \"all\" drops every layer's activations".into()),
             );
-        } else if w.recompute().is_ok_and(|r| r != Recompute::None) {
+        } else if w.recompute().is_ok_and(|r| r != Recompute::None) && !family.recomputes() {
             // The families whose layers are not wrapped for recomputation.
-            let family = match w.model.kind {
-                ModelKind::Vision => Some("vision"),
-                ModelKind::T5 => Some("t5"),
-                _ => None,
-            };
-            if let Some(family) = family {
-                self.err(
-                    &[Key("workload"), Index(i), Key("recompute")],
-                    format!("the {family} model does not recompute activations"),
-                    Some("leave `recompute` out, or set it to \"none\"".into()),
-                );
-            }
+            self.err(
+                &[Key("workload"), Index(i), Key("recompute")],
+                format!("the {} model does not recompute activations", family.name()),
+                Some("leave `recompute` out, or set it to \"none\"".into()),
+            );
         }
     }
 }

@@ -36,7 +36,7 @@ use crate::metric::Metric;
 use harness_format::histogram::LatencySummary;
 use harness_format::link::Op;
 use harness_format::results::{EntryResult, EntryStatus, Metrics, RunResult};
-use harness_format::suite::{DataSpec, ModelConfig, ModelKind, PlanEntry, Workload};
+use harness_format::suite::{DataSpec, ModelConfig, PlanEntry, Workload};
 
 /// The records rule 9 works each metric of the boards out again from. An
 /// exhaustive match: with a new [`Metric`] the tests (which `./x test`
@@ -385,7 +385,7 @@ fn data(w: &Workload, m: &Metrics, floor: Option<f64>, f: &mut Findings) {
         f.differs("the data's loss floor", show(m.loss_floor), &source, show(floor));
     }
     // Only classifiers record the best accuracy.
-    let classifies = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).is_ok_and(|c| c.kind == ModelKind::Vision);
+    let classifies = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).is_ok_and(|c| c.family().classifies());
     let best = w.data.best_accuracy().filter(|_| classifies);
     if !same(m.best_accuracy, best) {
         f.differs("the data's best accuracy", show(m.best_accuracy), &source, show(best));
