@@ -10,20 +10,25 @@
 # (bench/markov_tokens.py: a seeded Markov chain whose entropy rate is the
 # loss floor), random windows of its first 95%, and evaluate 8 batches of
 # its held-out tail after the last step, so the losses after the same steps
-# compare across the two. Needs $HARNESS_BIN (default .carry/harness), the
-# plugins in .carry/plugins and PyTorch 2.11. Writes under ${OUT:-bench-out};
-# prints a table last.
+# compare across the two. Round r runs at seed r on both sides (each side's
+# all-reduce and PowerSGD at the same seed): on this data GPT-2 124M's loss
+# after a few hundred steps depends on the seed on both sides
+# (results/h200/loss-vs-pytorch-2026-11-29/), so compare PowerSGD with its
+# own side's all-reduce round by round, and the sides over rounds. Needs
+# $HARNESS_BIN (default .carry/harness), the plugins in .carry/plugins and
+# PyTorch 2.11. Writes under ${OUT:-bench-out}; prints a table last.
 set -euo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 GPUS=${GPUS:-2}; R=${RANK_R:-4}; STEPS=${STEPS:-300}; ROUNDS=${ROUNDS:-2}
 # The token file (80 MB) outside $OUT: only its description comes back.
 TOK=${TOKENS:-$(mktemp -d)/tokens.bin}
 python3 bench/markov_tokens.py "$TOK" > "$OUT/tokens.json"
-cat > "$OUT/powersgd.toml" <<TOML
+for round in $(seq 1 "$ROUNDS"); do
+cat > "$OUT/powersgd-$round.toml" <<TOML
 [suite]
 name = "powersgd-vs-hook"
 device = "cuda"
-seed = 1
+seed = $round
 warmup_steps = 10
 world_size = $GPUS
 
@@ -52,10 +57,9 @@ name = "powersgd-r$R-layers"
 compressor = "powersgd"
 compressor_config = { rank = $R, start_step = 2 }
 TOML
-for round in $(seq 1 "$ROUNDS"); do
-  "$BIN" run "$OUT/powersgd.toml" --out "$OUT/harness-$round.json" --quiet > "$OUT/harness-$round.txt" 2>&1 || { tail -20 "$OUT/harness-$round.txt"; exit 1; }
-  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$TOK" --steps "$STEPS" --warmup 10 --json "$OUT/torch-allreduce-$round.json" > /dev/null
-  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --tokens "$TOK" --steps "$STEPS" --warmup 10 --powersgd-rank "$R" --json "$OUT/torch-powersgd-$round.json" > /dev/null
+  "$BIN" run "$OUT/powersgd-$round.toml" --out "$OUT/harness-$round.json" --quiet > "$OUT/harness-$round.txt" 2>&1 || { tail -20 "$OUT/harness-$round.txt"; exit 1; }
+  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --seed "$round" --tokens "$TOK" --steps "$STEPS" --warmup 10 --json "$OUT/torch-allreduce-$round.json" > /dev/null
+  torchrun --standalone --nproc_per_node="$GPUS" bench/pytorch_gpt.py --seed "$round" --tokens "$TOK" --steps "$STEPS" --warmup 10 --powersgd-rank "$R" --json "$OUT/torch-powersgd-$round.json" > /dev/null
 done
 python3 - "$OUT" "$ROUNDS" "$R" <<'PY'
 import json, os, sys

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchlib import compiled, finish, impl_name, memory, run_args, timed, warm_up, write
 
-PRESETS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
+PRESETS = {"tiny": (2, 4, 128), "small": (4, 4, 256), "gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "1.3b": (24, 16, 2048)}
 
 
 class Block(nn.Module):
@@ -103,12 +103,13 @@ def main():
                     help="DDP with PyTorch's powerSGD_hook at this rank (0: the plain all-reduce)")
     ap.add_argument("--powersgd-start", type=int, default=2,
                     help="the hook's start_powerSGD_iter (it must be > 1 with error feedback)")
+    ap.add_argument("--seed", type=int, default=0, help="the model's initialisation (torch.manual_seed)")
     ap.add_argument("--tokens", help="train on random windows of this llm.c .bin token file (default: uniform random tokens)")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="the token file's held-out tail (harness's default)")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches evaluated after training (with --tokens)")
     run_args(ap)
     a = ap.parse_args()
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     # Under torchrun: DDP over NCCL, one process per GPU (as harness's ranks).
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -137,7 +138,7 @@ def main():
     n_steps = a.warmup + a.steps
     if a.tokens:
         # Every step's windows gathered before the timed loop, each rank its own.
-        w = token_windows(a.tokens, n_steps * a.batch, a.seq, a.val_fraction, False, 1000 + rank)
+        w = token_windows(a.tokens, n_steps * a.batch, a.seq, a.val_fraction, False, 1000 * (a.seed + 1) + rank)
         if w.max() >= a.vocab:
             raise SystemExit(f"{a.tokens} holds token {w.max()}, outside --vocab {a.vocab}")
         data = torch.from_numpy(w).view(n_steps, a.batch, a.seq + 1).to(dev)
@@ -174,6 +175,8 @@ def main():
     if a.tokens:
         out["tokens_file"] = a.tokens
         out["mean_loss_last_10"] = torch.stack(losses[-10:]).float().mean().item()
+        curve = torch.stack(losses).float().tolist()
+        out["loss_curve"] = [[i, v] for i, v in enumerate(curve) if i % 10 == 0 or i == len(curve) - 1]
         ev = torch.from_numpy(token_windows(a.tokens, a.eval_batches * a.batch, a.seq, a.val_fraction, True, 7)).to(dev)
         model.eval()
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
