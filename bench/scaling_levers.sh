@@ -24,15 +24,12 @@
 #   NCCL_CTA_POLICY=0, both on SMs) trace-ce flat-z ce-z zero2-z (flat, ce, zero2 with
 #   HARNESS_UNZEROED_GRADS=0: every gradient buffer zeroed at a step's start) ctasN
 #   (NCCL_MAX_CTAS=N) ctaeff (NCCL_CTA_POLICY=1, efficiency)
-#   ll128 (NCCL_PROTO=LL128) byname (HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0:
-#   the buckets in the parameters' names' order (filled from the end), none smaller at the end, about as
-#   before 2026-11-27) byname-tail (names' order, smaller last buckets) tailN
-#   (HARNESS_TAIL_BUCKETS=N) zero2-byname trace trace-one (1 GPU) trace-zero1 trace-zero2; the traces'
+#   ll128 (NCCL_PROTO=LL128) trace trace-one (1 GPU) trace-zero1 trace-zero2; the traces'
 #   steps are broken down by bench/trace_summary.py and bench/dp_trace.py.
 #   Any variant takes more environment as VARIANT+VAR=VALUE[+VAR=VALUE...],
-#   e.g. ce+HARNESS_READY_ORDER=0. The variants of the levers that left
-#   harness (prio, smN, smN-gG, cer) are gone with them
-#   (results/retired-levers/).
+#   e.g. ce+NCCL_MAX_CTAS=8. The variants of the levers that left harness
+#   (prio, smN, smN-gG, cer; byname, byname-tail, tailN, zero2-byname) are
+#   gone with them (results/retired-levers/).
 # ROUNDS=N (default 1) runs the variants N times, interleaved (round r > 1 as
 # VARIANT@r), divides by the median of the `one` runs and prints each
 # variant's median scaling and range last. With one-g1 .. one-g(N-1) among
@@ -104,10 +101,6 @@ for v in $variants; do
     split) suite "$name" "$n" auto ddp-split 'nccl = { NCCL_CTA_POLICY = 0 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_CE_GATHER=1 ;;
     zero2) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     zero1) suite "$name" "$n" auto zero1 'zero = 1' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
-    byname) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
-    byname-tail) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 ;;
-    tail[0-9]*) suite "$name" "$n" auto >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_TAIL_BUCKETS="${v#tail}" ;;
-    zero2-byname) suite "$name" "$n" auto zero2 'zero = 2' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" HARNESS_READY_ORDER=0 HARNESS_TAIL_BUCKETS=0 ;;
     simple) suite "$name" "$n" auto ddp-simple 'nccl = { NCCL_PROTO = "Simple" }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     ch32) suite "$name" "$n" auto ddp-ch32 'nccl = { NCCL_MIN_NCHANNELS = 32, NCCL_MAX_NCHANNELS = 32 }' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;
     bf16) suite "$name" "$n" auto ddp-bf16 'reduce_dtype = "bf16"' >/dev/null; run "$name" CUDA_VISIBLE_DEVICES="$gpus" ;;

@@ -124,8 +124,8 @@ impl RunIdentity {
                 dir,
                 "run.shards",
                 format!(
-                    "is {}, this run's is {}: the ZeRO shards lie differently (the gradient buckets changed: bucket_mb, \
-                     HARNESS_READY_ORDER, HARNESS_TAIL_BUCKETS or harness's version), so its optimizer state would \
+                    "is {}, this run's is {}: the ZeRO shards lie differently (the gradient buckets changed: bucket_mb \
+                     or harness's version), so its optimizer state would \
                      land on other parameters",
                     digest(&theirs.shards),
                     digest(&self.shards)

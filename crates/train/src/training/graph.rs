@@ -132,6 +132,17 @@ impl Eligibility {
         ];
         reasons.into_iter().find_map(|(applies, why)| applies.then_some(why))
     }
+
+    /// The entry's step graph: captured when `allowed` (the workload's
+    /// `cuda_graph`, or `HARNESS_CUDA_GRAPH`) and eligible; allowed and
+    /// not eligible, eager with a warning that says why.
+    pub fn graph(self, allowed: bool, warnings: &mut Vec<String>) -> StepGraph {
+        let why_not = self.why_not();
+        if let (true, Some(why)) = (allowed, why_not) {
+            warnings.push(format!("cuda_graph: every step runs eagerly, since {why}"));
+        }
+        StepGraph::new(allowed && why_not.is_none())
+    }
 }
 
 impl Training {

@@ -90,57 +90,15 @@ impl Training {
         crate::gate::forget();
         let w = ctx.workload;
         let device = ctx.device;
-        // The encoder reads vectors of its own width.
-        let mut cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
-        if let harness_format::suite::DataSpec::Images { channels, image_size, .. } = &w.data {
-            cfg.image = Some([i64::from(*channels), i64::from(*image_size)]);
-        }
         let (rank, world) = (comm.rank(), comm.world_size());
-        let data_seed = if rank == 0 { ctx.entry.seed } else { harness_format::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
-        let mut data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, device)?;
-        let (vs, mut model, names, params, buffers) = init_model(&cfg, w.recompute()?, ctx.entry.seed, device);
-        if world > 1 {
-            tch::no_grad(|| -> Result<()> {
-                for p in params.iter().chain(buffers.iter().map(|b| &b.1)) {
-                    comm.broadcast(&mut p.shallow_clone(), 0)?;
-                }
-                Ok(())
-            })?;
-        }
+        let Replica { cfg, mut data, vs, mut model, names, params, buffers } = Replica::new(ctx, comm)?;
         let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
         let mut strategies =
             Strategies::build(&ctx.entry.strategy, w.batch, w.grad_accum, ctx.plugins, device, w.precision != Precision::Fp16)?;
         let oom =
             OomGuard::new(w.faults.as_ref().and_then(|f| f.oom_above_batch), ctx.plugins.has(&ctx.entry.strategy.batch_policy), world);
         let switches = harness_format::switches::get();
-        // The data-parallel path (dp::plan): gradients in flat buckets
-        // (views into one buffer per bucket, DDP's gradient_as_bucket_view)
-        // handed to the compressor as they are, on one rank too (the
-        // compressor's cost is part of the strategy); autograd's own
-        // gradients with the built-in average; optionally sharded (ZeRO).
-        // A batch policy that asks for them (`wants-gradient-stats`, asked
-        // once here) gets gradient statistics (the two-batch-size estimate
-        // of the gradient noise scale needs the local and the averaged
-        // gradient's squared norms), which turns the overlap off and costs a
-        // norm pass and a read-back a step.
-        let ask = dp::plan::Ask {
-            world,
-            cuda: device.is_cuda(),
-            zero: dp::ZeroStage::from_level(ctx.entry.strategy.zero)?,
-            plain_average: strategies.compressor.is_plain_average(),
-            reduce_bf16: ctx.entry.strategy.reduce_dtype == harness_format::suite::ReduceDtype::Bf16,
-            ce_candidate: ctx.entry.strategy.copy_engine_gather_candidate(),
-            grad_stats: strategies.batch.wants_gradient_stats()?,
-            oom_agree: oom.agree,
-            comm: comm.capabilities(),
-            levers: dp::plan::Levers::of(switches),
-        };
-        let dp_plan = dp::plan::DpPlan::new(&ask)?;
-        let buckets = bucket_plan(&vs, &params, ctx.bucket_bytes);
-        let dp = DataParallel::new(&params, &buckets, &dp_plan, comm)?;
-        // The compressor learns what its buckets hold before any state is
-        // loaded into it (contract 0.2's `setup`).
-        strategies.compressor.setup(&dp.layouts(&names, &params))?;
+        let (dp_plan, dp) = data_parallel(ctx, comm, &mut strategies, &oom, (&vs, &names, &params))?;
         let (grad_stats, overlapped) = (dp_plan.grad_stats, dp_plan.overlapped(world));
         let (targets, decay) = dp.update_targets(&params);
         let mut optimizer = Optimizer::with_decay(&w.optimizer, &targets, &decay);
@@ -173,8 +131,7 @@ impl Training {
         // The step as a CUDA graph where the workload asks for it
         // (`cuda_graph = true`); HARNESS_CUDA_GRAPH=1 or 0 overrides the
         // suite, to measure what graphs buy with the same suite.
-        let graph_allowed = switches.cuda_graph.unwrap_or(w.cuda_graph);
-        let eligibility = super::graph::Eligibility {
+        let graph = super::graph::Eligibility {
             cuda: device.is_cuda(),
             world,
             local_grads: dp.local(),
@@ -183,12 +140,8 @@ impl Training {
             emulated_memory_limit: oom.limit.is_some(),
             recompute: w.recompute()? != Recompute::None,
             family_checked: family.graph_checked(),
-        };
-        let why_not = eligibility.why_not();
-        if let (true, Some(why)) = (graph_allowed, why_not) {
-            warnings.push(format!("cuda_graph: every step runs eagerly, since {why}"));
         }
-        let graph = super::graph::StepGraph::new(graph_allowed && why_not.is_none());
+        .graph(switches.cuda_graph.unwrap_or(w.cuda_graph), &mut warnings);
         let eval_set = data.eval_set(w.eval_batches as usize, w.batch as usize);
         Ok(Training {
             cfg,
@@ -282,25 +235,102 @@ impl Training {
     }
 }
 
+/// An entry's model and data on this rank, as every rank starts it.
+struct Replica {
+    cfg: ModelConfig,
+    data: Data,
+    vs: nn::VarStore,
+    model: Model,
+    names: Vec<String>,
+    params: Vec<Tensor>,
+    buffers: Vec<(String, Tensor)>,
+}
+
+impl Replica {
+    /// The model resolved from the workload and initialised from the
+    /// entry's seed, its variables broadcast from rank 0 so every rank
+    /// starts from rank 0's; the data stream, each rank drawing its own
+    /// samples.
+    fn new(ctx: &EntryContext<'_>, comm: &mut dyn Collective) -> Result<Replica> {
+        let w = ctx.workload;
+        // The encoder reads vectors of its own width.
+        let mut cfg = ModelConfig::resolve(&w.model, w.data.vocab().unwrap_or(2), w.seq_len).map_err(|(m, _)| anyhow::anyhow!(m))?;
+        if let harness_format::suite::DataSpec::Images { channels, image_size, .. } = &w.data {
+            cfg.image = Some([i64::from(*channels), i64::from(*image_size)]);
+        }
+        let rank = comm.rank();
+        let data_seed = if rank == 0 { ctx.entry.seed } else { harness_format::suite::mix_seed(ctx.entry.seed, "rank", rank as u32) };
+        let data = Data::new(&w.data, ctx.suite_dir, w.seq_len as usize, cfg.d_model as usize, data_seed, ctx.device)?;
+        let (vs, model, names, params, buffers) = init_model(&cfg, w.recompute()?, ctx.entry.seed, ctx.device);
+        if comm.world_size() > 1 {
+            tch::no_grad(|| -> Result<()> {
+                for p in params.iter().chain(buffers.iter().map(|b| &b.1)) {
+                    comm.broadcast(&mut p.shallow_clone(), 0)?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(Replica { cfg, data, vs, model, names, params, buffers })
+    }
+}
+
+/// The data-parallel path (dp::plan): gradients in flat buckets (views
+/// into one buffer per bucket, DDP's gradient_as_bucket_view) handed to
+/// the compressor as they are, on one rank too (the compressor's cost is
+/// part of the strategy); autograd's own gradients with the built-in
+/// average; optionally sharded (ZeRO). A batch policy that asks for them
+/// (`wants-gradient-stats`, asked once here) gets gradient statistics (the
+/// two-batch-size estimate of the gradient noise scale needs the local and
+/// the averaged gradient's squared norms), which turns the overlap off and
+/// costs a norm pass and a read-back a step. The compressor learns what its
+/// buckets hold before any state is loaded into it (contract 0.2's
+/// `setup`).
+fn data_parallel(
+    ctx: &EntryContext<'_>,
+    comm: &mut dyn Collective,
+    strategies: &mut Strategies,
+    oom: &OomGuard,
+    (vs, names, params): (&nn::VarStore, &[String], &[Tensor]),
+) -> Result<(dp::plan::DpPlan, DataParallel)> {
+    let ask = dp::plan::Ask {
+        world: comm.world_size(),
+        cuda: ctx.device.is_cuda(),
+        zero: dp::ZeroStage::from_level(ctx.entry.strategy.zero)?,
+        plain_average: strategies.compressor.is_plain_average(),
+        reduce_bf16: ctx.entry.strategy.reduce_dtype == harness_format::suite::ReduceDtype::Bf16,
+        ce_candidate: ctx.entry.strategy.copy_engine_gather_candidate(),
+        grad_stats: strategies.batch.wants_gradient_stats()?,
+        oom_agree: oom.agree,
+        comm: comm.capabilities(),
+        levers: dp::plan::Levers::of(harness_format::switches::get()),
+    };
+    let plan = dp::plan::DpPlan::new(&ask)?;
+    let buckets = bucket_plan(vs, params, ctx.bucket_bytes);
+    let dp = DataParallel::new(params, &buckets, &plan, comm)?;
+    strategies.compressor.setup(&dp.layouts(names, params))?;
+    Ok((plan, dp))
+}
+
+/// How many of the last gradient buckets are smaller (a half, a quarter,
+/// an eighth of the bucket size), so that little is left to reduce after
+/// the backward pass. Fixed since its switch left (results/retired-levers/):
+/// whole last buckets measured within 1%, and the committed CPU bundles'
+/// compressors saw these layouts.
+const TAIL_BUCKETS: u32 = 3;
+
 /// The gradient buckets: at most `bucket_bytes` each (else
 /// [`DataParallel::auto_bucket_bytes`]), filled in the order the backward
-/// pass finishes the gradients, the reverse of the model's creation order
-/// (`HARNESS_READY_ORDER=0`: the parameters' names' order), and the last
-/// `HARNESS_TAIL_BUCKETS` buckets smaller.
+/// pass finishes the gradients, the reverse of the model's creation order,
+/// the last [`TAIL_BUCKETS`] smaller.
 fn bucket_plan(vs: &nn::VarStore, params: &[Tensor], bucket_bytes: Option<u64>) -> dp::BucketPlan {
-    let switches = harness_format::switches::get();
-    let order = if switches.ready_order {
-        let created: Vec<usize> = vs
-            .trainable_variables()
-            .iter()
-            .filter_map(|t| params.iter().position(|p| p.data_ptr() == t.data_ptr() && p.size() == t.size()))
-            .collect();
-        dp::ready_order(params.len(), &created)
-    } else {
-        (0..params.len()).collect()
-    };
+    let created: Vec<usize> = vs
+        .trainable_variables()
+        .iter()
+        .filter_map(|t| params.iter().position(|p| p.data_ptr() == t.data_ptr() && p.size() == t.size()))
+        .collect();
+    let order = dp::ready_order(params.len(), &created);
     let max_bytes = bucket_bytes.unwrap_or_else(|| DataParallel::auto_bucket_bytes(params));
-    dp::BucketPlan { order, max_bytes, tail: switches.tail_buckets.min(63) as u32 }
+    dp::BucketPlan { order, max_bytes, tail: TAIL_BUCKETS }
 }
 
 /// What [`init_model`] makes: the store, the model, the parameters' names
@@ -400,7 +430,6 @@ mod tests {
         let input = Tensor::randint(64, [2, 8], (Kind::Int64, Device::Cpu));
         let (arrived, plan, params) = arrivals(&spec, 64, &input);
         assert_eq!(arrived.len(), params.len(), "one arrival per parameter");
-        assert!(harness_format::switches::get().ready_order, "the test needs HARNESS_READY_ORDER unset or 1");
         let buckets = dp::buckets_of(&params, &plan.order, plan.max_bytes, plan.tail);
         assert!(buckets.len() >= 5, "{} buckets", buckets.len());
         assert!(complete_in_order(&buckets, &arrived), "buckets {buckets:?}, arrivals {arrived:?}");
