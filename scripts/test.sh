@@ -49,6 +49,10 @@ step "circles between modules"
 python3 scripts/module-cycles.py --self-test
 python3 scripts/module-cycles.py
 
+step "dependencies the code never names"
+python3 scripts/unused-deps.py --self-test
+python3 scripts/unused-deps.py
+
 # The HTML report is checked in headless Chromium (Debian's package).
 if ! command -v chromium >/dev/null 2>&1; then
   step "installing chromium for the HTML report test"
