@@ -333,6 +333,27 @@ pub struct Profile {
     pub overhead: f64,
     /// The optimizer phase at `world` (ZeRO shards it).
     pub optimizer: f64,
+    /// The steps its entry took to reach the suite's target, at its world
+    /// size, where it recorded them ([`ToTarget`]).
+    pub to_target: Option<ToTarget>,
+}
+
+/// Steps to the target measured at a world size: at that world size (the
+/// same batch per GPU, so the same global batch) a cluster's time to the
+/// target is those steps at its predicted step; at another, the global
+/// batch differs and with it the steps, which the model does not predict.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToTarget {
+    pub steps: u64,
+    pub world: usize,
+    /// `file#entry` it came from.
+    pub from: String,
+}
+
+impl ToTarget {
+    fn of(src: &Source, e: &EntryResult, m: &Metrics) -> Option<ToTarget> {
+        m.steps_to_target.map(|steps| ToTarget { steps, world: m.world_size as usize, from: src.name(e) })
+    }
 }
 
 /// The built-in all-reduce, no ZeRO.
@@ -360,6 +381,7 @@ impl Profile {
             uses: Vec::new(),
             overhead: 0.0,
             optimizer: 0.0,
+            to_target: None,
         }
     }
 
@@ -376,7 +398,7 @@ impl Profile {
             return None;
         }
         if plain(s) {
-            return Some(Profile::all_reduce(&s.name, &m.bucket_bytes, src.name(e)));
+            return Some(Profile { to_target: ToTarget::of(src, e, m), ..Profile::all_reduce(&s.name, &m.bucket_bytes, src.name(e)) });
         }
         let uses = uses(m)?;
         let in_collectives: f64 = uses.iter().map(|u| u.per_step * ran_on.time(u.op, u.bytes)).sum();
@@ -391,6 +413,7 @@ impl Profile {
             uses,
             overhead: (phase(m, "communicate") - in_collectives).max(0.0),
             optimizer: phase(m, "optimizer"),
+            to_target: ToTarget::of(src, e, m),
         })
     }
 
@@ -415,6 +438,7 @@ impl Profile {
             uses: uses(m)?,
             overhead: cost.seconds,
             optimizer: phase(m, "optimizer"),
+            to_target: ToTarget::of(src, e, m),
         })
     }
 
@@ -444,6 +468,8 @@ impl Profile {
             buckets: sizes,
             uses,
             overhead: cost.seconds,
+            // Another workload's steps say nothing of this one's.
+            to_target: None,
             ..self.clone()
         }
     }

@@ -16,6 +16,11 @@ pub struct Row {
     pub strategy: String,
     pub cluster: Cluster,
     pub prediction: Prediction,
+    /// Seconds of training to the suite's target on this cluster, where
+    /// the strategy's entry measured its steps to it at this world size
+    /// (`Profile::to_target`): (predicted, low, high), with where the
+    /// steps came from.
+    pub time_to_target: Option<((f64, f64, f64), String)>,
 }
 
 /// A compressor's break-even bandwidth against the all-reduce on a cluster.
@@ -295,12 +300,12 @@ pub fn project(
         for c in clusters {
             let c = c.with_measured_intra(bench.map_or(0.0, |b| b.gbps()));
             for p in &w.profiles {
-                rows.push(Row {
-                    workload: w.name.clone(),
-                    strategy: p.name.clone(),
-                    cluster: c.clone(),
-                    prediction: predict(&w.compute, p, &c, slowdown, p.plain),
+                let prediction = predict(&w.compute, p, &c, slowdown, p.plain);
+                let time_to_target = p.to_target.as_ref().filter(|t| t.world == c.world()).map(|t| {
+                    let steps = t.steps as f64;
+                    ((steps * prediction.step, steps * prediction.lo, steps * prediction.hi), format!("{} steps, {}", t.steps, t.from))
                 });
+                rows.push(Row { workload: w.name.clone(), strategy: p.name.clone(), cluster: c.clone(), prediction, time_to_target });
             }
             let Some(ar) = w.profiles.iter().find(|p| p.plain) else { continue };
             for q in w.profiles.iter().filter(|q| !q.plain && q.zero == 0) {

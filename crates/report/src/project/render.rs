@@ -66,6 +66,7 @@ pub fn projection(p: &Projection) -> String {
     }
     out.push_str(&t.to_string());
     out.push('\n');
+    out.push_str(&time_to_target(p));
     if !p.break_even.is_empty() {
         let mut t = table(vec!["workload", "compressor", "cluster", "faster than all-reduce when the limiting link is below"]);
         for b in &p.break_even {
@@ -83,6 +84,35 @@ pub fn projection(p: &Projection) -> String {
     for s in &p.skipped {
         out.push_str(&format!("skipped: {}\n", shown(s)));
     }
+    out
+}
+
+/// The rows with a time to the target: training time only (evaluations
+/// left out), at the world size whose steps to the target were measured;
+/// and a line saying where it is not projected.
+fn time_to_target(p: &Projection) -> String {
+    let rows: Vec<&Row> = p.rows.iter().filter(|r| r.time_to_target.is_some()).collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut t = table(vec!["workload", "strategy", "GPUs", "cluster", "time to target s [interval]", "steps to target measured by"]);
+    for r in &rows {
+        let Some(((mid, lo, hi), from)) = &r.time_to_target else { continue };
+        t.add_row(vec![
+            shown(&r.workload),
+            shown(&r.strategy),
+            r.prediction.world.to_string(),
+            r.cluster.label(),
+            format!("{mid:.1} [{lo:.1}, {hi:.1}]"),
+            shown(from),
+        ]);
+    }
+    let mut out = format!(
+        "\n{LABEL}: time to the target (training steps only), at the world size that measured its steps to it (the same global batch); \
+         at other sizes the global batch and the steps differ, which the model does not predict\n"
+    );
+    out.push_str(&t.to_string());
+    out.push('\n');
     out
 }
 
@@ -241,6 +271,7 @@ pub fn summary(p: &Projection) -> String {
         out.push_str(&t.to_string());
         out.push('\n');
     }
+    out.push_str(&time_to_target(p));
     out
 }
 

@@ -473,3 +473,42 @@ fn workloads_of_one_name_and_other_work_are_told_apart() {
     assert!(!text.contains("(fused LN): fp16 scaled its messages"), "{text}");
     assert!(text.contains("(unfused LN): fp16 scaled its messages from gpu2-1.3b-compressors.json"), "{text}");
 }
+
+/// Where a strategy's entry measured its steps to the target, the clusters
+/// of its world size (the same global batch) get a time to the target:
+/// those steps at the predicted step, with its interval; clusters of
+/// another size get none, and the output says why.
+#[test]
+fn time_to_target_only_at_the_world_size_that_measured_its_steps() {
+    let mut s = sources(&["results/h200x2/harness-1gpu.json", "results/h200x2/gpu2-compressors.json"]);
+    for e in s[1].result.entries.iter_mut() {
+        let m = e.metrics.as_mut().unwrap();
+        m.steps_to_target = match e.strategy.as_str() {
+            "allreduce" => Some(120),
+            "topk-5pct" => Some(150),
+            _ => None,
+        };
+    }
+    let b = benches(&["results/h200x2/busbw/harness-busbw-1.json"]);
+    let clusters = [Cluster::parse("2x1:net=10Gbps").unwrap(), Cluster::parse("1x4").unwrap()].concat();
+    let p = project(&s, &b, &clusters, Some(1.0), &[]).unwrap();
+    let row = |strategy: &str, world: usize| {
+        p.rows.iter().find(|r| r.workload == "gpt2-124m-bf16" && r.strategy == strategy && r.prediction.world == world).unwrap()
+    };
+    for (strategy, steps) in [("allreduce", 120.0), ("topk-5pct", 150.0)] {
+        let two = row(strategy, 2);
+        let ((mid, lo, hi), from) = two.time_to_target.clone().expect("world 2 measured its steps");
+        assert!((mid - steps * two.prediction.step).abs() < 1e-9);
+        assert!(lo <= mid && mid <= hi);
+        assert!(from.starts_with(&format!("{steps} steps, gpu2-compressors.json#gpt2-124m-bf16/{strategy}/r0")), "{from}");
+        assert!(row(strategy, 4).time_to_target.is_none(), "another global batch");
+    }
+    assert!(row("fp16", 2).time_to_target.is_none(), "fp16 recorded no steps to target");
+    let text = render::projection(&p);
+    assert!(text.contains("time to the target (training steps only)") && text.contains("the model does not predict"), "{text}");
+    // Without any steps to target, no such section.
+    let plain =
+        project(&sources(&["results/h200x2/harness-1gpu.json", "results/h200x2/gpu2-compressors.json"]), &b, &clusters, Some(1.0), &[])
+            .unwrap();
+    assert!(!render::projection(&plain).contains("time to the target"));
+}
