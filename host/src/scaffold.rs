@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
+use harness_format::plugin::Kind;
 use harness_sandbox::plugin::{Manifest, Transport};
 
 struct Template {
@@ -200,13 +201,13 @@ const JS_CHECKPOINT_POLICY: [(&str, &str); 5] = [
 /// three repeats each, scored by time to a target the baseline reaches at
 /// about half its steps (eval loss 0.2 above the data's floor: reached at
 /// step 50 of 100 in each repeat on the development VM).
-fn suite(kind: &str, name: &str, artifact: &str, build: &str) -> String {
+fn suite(kind: Kind, name: &str, artifact: &str, build: &str) -> String {
     let slot = match kind {
-        "compressor" => "compressor",
-        "batch-policy" => "batch_policy",
-        _ => "checkpoint",
+        Kind::Compressor => "compressor",
+        Kind::BatchPolicy => "batch_policy",
+        Kind::CheckpointPolicy => "checkpoint",
     };
-    let world = if kind == "compressor" { 2 } else { 1 };
+    let world = if kind == Kind::Compressor { 2 } else { 1 };
     format!(
         r#"# Runs the `{name}` plugin next to the built-in baseline on CPU.
 # Build the plugin first: {build}
@@ -272,6 +273,7 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
         bail!("plugin name `{name}` must start with a letter and use only letters, digits, '-' and '_'");
     }
     let t = template(kind)?;
+    let k = Kind::from_name(kind).with_context(|| format!("`{kind}` is not a plugin kind"))?;
     let root = dir.join(name);
     // A link there, dangling or not, is something there too.
     if std::fs::symlink_metadata(&root).is_ok() {
@@ -280,14 +282,14 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
     match lang {
         "rust" => {}
         "c" | "c-wasm" | "python" | "js" if kind == "compressor" || matches!(lang, "python" | "js") => {
-            let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match (lang, kind) {
+            let (template, artifact, build, ignore): (&[(&str, &str)], _, _, _) = match (lang, k) {
                 ("c", _) => (&C_COMPRESSOR, format!("lib{name}.so"), "make", "/*.so\n/results\n"),
                 ("c-wasm", _) => (&C_WASM_COMPRESSOR, format!("{name}.wasm"), "./build.sh", "/*.wasm\n/gen\n/results\n"),
                 ("python", k) => (
                     match k {
-                        "compressor" => &PY_COMPRESSOR,
-                        "batch-policy" => &PY_BATCH_POLICY,
-                        _ => &PY_CHECKPOINT_POLICY,
+                        Kind::Compressor => &PY_COMPRESSOR,
+                        Kind::BatchPolicy => &PY_BATCH_POLICY,
+                        Kind::CheckpointPolicy => &PY_CHECKPOINT_POLICY,
                     },
                     format!("{name}.wasm"),
                     "./build.sh",
@@ -295,9 +297,9 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
                 ),
                 (_, k) => (
                     match k {
-                        "compressor" => &JS_COMPRESSOR,
-                        "batch-policy" => &JS_BATCH_POLICY,
-                        _ => &JS_CHECKPOINT_POLICY,
+                        Kind::Compressor => &JS_COMPRESSOR,
+                        Kind::BatchPolicy => &JS_BATCH_POLICY,
+                        Kind::CheckpointPolicy => &JS_CHECKPOINT_POLICY,
                     },
                     format!("{name}.wasm"),
                     "./build.sh",
@@ -306,7 +308,7 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
             };
             let mut files: Vec<(&str, String)> =
                 template.iter().map(|(f, t)| (*f, t.replace("{{name}}", name).replace("{{world}}", kind))).collect();
-            files.push(("suite.toml", suite(kind, name, &artifact, build)));
+            files.push(("suite.toml", suite(k, name, &artifact, build)));
             files.push((".gitignore", ignore.to_owned()));
             write_files(&root, files)?;
             return Ok(root);
@@ -337,7 +339,7 @@ pub fn create(kind: &str, name: &str, dir: &Path, sdk: Option<&Path>, lang: &str
         ("README.md", fill(t.readme)),
         (
             "suite.toml",
-            suite(kind, name, &format!("target/wasm32-wasip2/release/{crate_name}.wasm"), "cargo build --release --target wasm32-wasip2"),
+            suite(k, name, &format!("target/wasm32-wasip2/release/{crate_name}.wasm"), "cargo build --release --target wasm32-wasip2"),
         ),
         (".gitignore", "/target\n/results\n".to_owned()),
     ];

@@ -30,6 +30,11 @@ impl Kind {
             Kind::CheckpointPolicy => "checkpoint-policy",
         }
     }
+
+    /// The kind of a WIT world name, if it is one.
+    pub fn from_name(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
 }
 
 /// How a plugin runs.
@@ -160,9 +165,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_strategy_kinds_are_the_plugin_kinds_names() {
-        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
-        assert_eq!(names, crate::suite::TRACK_KINDS);
+    fn a_kind_is_found_by_its_name_and_nothing_else() {
+        for k in Kind::ALL {
+            assert_eq!(Kind::from_name(k.name()), Some(k));
+        }
+        assert_eq!(Kind::from_name("checkpoint"), None);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use super::spec::{PluginSpec, Strategy, Track};
 use super::validate::Suite;
+use crate::plugin::Kind;
 
 /// A standard suite as released: its file in the repository and its text.
 pub struct Released {
@@ -43,11 +44,11 @@ pub fn released(text: &str) -> Option<&'static Released> {
 }
 
 /// The strategy slot a plugin kind fills.
-fn set_slot(st: &mut Strategy, kind: &str, plugin: &str, config: Option<toml::Table>) {
+fn set_slot(st: &mut Strategy, kind: Kind, plugin: &str, config: Option<toml::Table>) {
     match kind {
-        "compressor" => (st.compressor, st.compressor_config) = (plugin.to_owned(), config),
-        "batch-policy" => (st.batch_policy, st.batch_policy_config) = (plugin.to_owned(), config),
-        _ => (st.checkpoint, st.checkpoint_config) = (plugin.to_owned(), config),
+        Kind::Compressor => (st.compressor, st.compressor_config) = (plugin.to_owned(), config),
+        Kind::BatchPolicy => (st.batch_policy, st.batch_policy_config) = (plugin.to_owned(), config),
+        Kind::CheckpointPolicy => (st.checkpoint, st.checkpoint_config) = (plugin.to_owned(), config),
     }
 }
 
@@ -135,7 +136,8 @@ impl Suite {
                     .cloned()
                     .ok_or_else(|| format!("track `{}` names no baseline", t.name))?;
                 let mut st = Strategy { name: format!("submission-{}", t.name), baseline: false, ..base };
-                set_slot(&mut st, &e.kind, ENTERED_PLUGIN, e.config.clone());
+                let kind = Kind::from_name(&e.kind).ok_or_else(|| format!("`{}` is not a plugin kind", e.kind))?;
+                set_slot(&mut st, kind, ENTERED_PLUGIN, e.config.clone());
                 submissions.push((t.name.clone(), st));
             }
         }
@@ -178,6 +180,12 @@ fn default_plugin_limits() -> PluginSpec {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn the_strategy_kinds_are_the_plugin_kinds_names() {
+        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names, crate::suite::TRACK_KINDS);
+    }
 
     #[test]
     fn every_released_suite_validates_and_has_tracks_of_every_kind() {

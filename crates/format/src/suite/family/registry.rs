@@ -67,23 +67,67 @@ mod tests {
         }
     }
 
-    /// The backticked paths of docs/architecture.md's recipe for a model
-    /// family, `<kind>` replaced by each family's name, exist: a new
-    /// family that misses a file the recipe names fails here.
+    /// The recipes of docs/architecture.md's "How to add ..." section, as
+    /// (heading, text) pairs.
+    fn recipes(docs: &str) -> Vec<(&str, &str)> {
+        let section = docs.split("\n## How to add ...\n").nth(1).expect("docs/architecture.md has a \"How to add ...\" section");
+        let section = section.split("\n## ").next().unwrap();
+        section.split("\n### ").skip(1).map(|r| r.split_once('\n').unwrap_or((r, ""))).collect()
+    }
+
+    /// The folders a backticked path the recipes name starts with.
+    const CHECKED: [&str; 9] = ["crates/", "sdk/", "host/", "tests/", "docs/", "plugins/", "scripts/", "bench/", "suites/"];
+
+    /// What `path` in the recipe under `heading` stands for: `<kind>` is
+    /// each family's name in the model-family recipe, each plugin kind's
+    /// name in the strategy-kind one; any other placeholder cuts the path
+    /// to the folder that holds it.
+    fn expand(heading: &str, path: &str) -> Vec<String> {
+        let names: Vec<&str> = match heading {
+            "a model family" => FAMILIES.iter().map(|f| f.name()).collect(),
+            "a strategy kind" => crate::plugin::Kind::ALL.iter().map(|k| k.name()).collect(),
+            _ => Vec::new(),
+        };
+        let paths = if names.is_empty() { vec![path.to_owned()] } else { names.iter().map(|n| path.replace("<kind>", n)).collect() };
+        paths
+            .into_iter()
+            .map(|p| match p.find('<') {
+                Some(i) => p[..p[..i].rfind('/').map_or(0, |j| j + 1)].to_owned(),
+                None => p,
+            })
+            .collect()
+    }
+
+    /// Every backticked path of docs/architecture.md's "How to add ..."
+    /// recipes exists, `<kind>` read as every family's name (model family)
+    /// and every plugin kind's (strategy kind): a new family or kind that
+    /// misses a file its recipe names, or a recipe that names a file that
+    /// moved, fails here.
     #[test]
-    fn the_model_family_recipe_names_files_that_exist_for_every_family() {
+    fn every_how_to_add_recipe_names_paths_that_exist() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let docs = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
-        let recipe = docs.split("### a model family").nth(1).expect("docs/architecture.md has a model-family recipe");
-        let recipe = recipe.split("\n### ").next().unwrap();
-        let paths: Vec<&str> =
-            recipe.split('`').skip(1).step_by(2).filter(|s| ["crates/", "tests/", "docs/"].iter().any(|d| s.starts_with(d))).collect();
-        assert!(paths.iter().any(|p| p.contains("<kind>")), "the recipe names no file per family: {paths:?}");
-        for path in paths {
-            for f in FAMILIES {
-                let p = path.replace("<kind>", f.name());
-                assert!(root.join(&p).exists(), "docs/architecture.md's model-family recipe names {p}, which does not exist");
+        let recipes = recipes(&docs);
+        let headings: Vec<&str> = recipes.iter().map(|r| r.0).collect();
+        for want in ["a model family", "a strategy kind", "a fault type", "a metric"] {
+            assert!(headings.contains(&want), "docs/architecture.md has no recipe for {want}: {headings:?}");
+        }
+        let mut missing = Vec::new();
+        for (heading, text) in &recipes {
+            let paths: Vec<&str> = text.split('`').skip(1).step_by(2).filter(|s| CHECKED.iter().any(|d| s.starts_with(d))).collect();
+            assert!(!paths.is_empty(), "the recipe for {heading} names no path");
+            if ["a model family", "a strategy kind"].contains(heading) {
+                assert!(paths.iter().any(|p| p.contains("<kind>")), "the recipe for {heading} names no file per kind: {paths:?}");
+            }
+            for path in paths {
+                for p in expand(heading, path) {
+                    let line = format!("{heading}: {p}");
+                    if !root.join(&p).exists() && !missing.contains(&line) {
+                        missing.push(line);
+                    }
+                }
             }
         }
+        assert!(missing.is_empty(), "docs/architecture.md's recipes name paths that do not exist:\n{}", missing.join("\n"));
     }
 }
