@@ -90,7 +90,7 @@ pub fn projection(p: &Projection) -> String {
 /// The rows with a time to the target: training time only (evaluations
 /// left out), at the world size whose steps to the target were measured;
 /// and a line saying where it is not projected.
-fn time_to_target(p: &Projection) -> String {
+pub fn time_to_target(p: &Projection) -> String {
     let rows: Vec<&Row> = p.rows.iter().filter(|r| r.time_to_target.is_some()).collect();
     if rows.is_empty() {
         return String::new();
@@ -271,7 +271,6 @@ pub fn summary(p: &Projection) -> String {
         out.push_str(&t.to_string());
         out.push('\n');
     }
-    out.push_str(&time_to_target(p));
     out
 }
 

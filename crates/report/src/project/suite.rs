@@ -102,7 +102,7 @@ pub fn of_results(results: &[RunResult], sources: &[String]) -> Vec<SuiteProject
         }
         out.push(SuiteProjection {
             suite: r.suite.name.clone(),
-            text: format!("{}\n{}", render::calibration(&p), render::summary(&p)),
+            text: format!("{}\n{}{}", render::calibration(&p), render::summary(&p), render::time_to_target(&p)),
             series: render::workload_series(&p),
         });
     }

@@ -506,6 +506,10 @@ fn time_to_target_only_at_the_world_size_that_measured_its_steps() {
     assert!(row("fp16", 2).time_to_target.is_none(), "fp16 recorded no steps to target");
     let text = render::projection(&p);
     assert!(text.contains("time to the target (training steps only)") && text.contains("the model does not predict"), "{text}");
+    // `harness project --summary` prints the projection, then the summary:
+    // the table once.
+    assert!(!render::summary(&p).contains("time to the target"));
+    assert!(render::time_to_target(&p).contains("150 steps, gpu2-compressors.json#gpt2-124m-bf16/topk-5pct/r0"));
     // Without any steps to target, no such section.
     let plain =
         project(&sources(&["results/h200x2/harness-1gpu.json", "results/h200x2/gpu2-compressors.json"]), &b, &clusters, Some(1.0), &[])
