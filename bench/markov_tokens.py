@@ -33,6 +33,12 @@ def main():
     a = ap.parse_args()
     if not 2 <= a.vocab <= 65536:
         ap.error("--vocab must be in 2..65536 (u16 tokens)")
+    if not 1 <= a.branching <= a.vocab:
+        ap.error("--branching must be in 1..vocab")
+    if a.tokens < 2 or a.chains < 1:
+        ap.error("--tokens must be at least 2 and --chains at least 1")
+    # Each chain at least two tokens long (one transition to measure).
+    a.chains = min(a.chains, a.tokens // 2)
     rng = np.random.default_rng(a.seed)
     succ = rng.integers(0, a.vocab, size=(a.vocab, a.branching), dtype=np.int64)
     prob = rng.dirichlet(np.ones(a.branching), size=a.vocab)
