@@ -9,92 +9,53 @@ use wasmtime::component::Resource;
 use super::super::ops::KINDS;
 use super::{State, TensorRes};
 
+/// One contract version's worlds bound from its WIT package at `$path`:
+/// the compressor's (which defines the shared `log`, `types` and `tensor`
+/// interfaces, the tensor resource as the host's `TensorRes`), then each
+/// policy world `$module: $world` bound against those same interfaces.
+macro_rules! worlds {
+    ($path:tt, $($module:ident: $world:tt),*) => {
+        pub mod compressor {
+            wasmtime::component::bindgen!({
+                path: $path,
+                world: "compressor",
+                imports: { default: trappable },
+                with: { "harness:strategy/tensor.tensor": crate::plugin::wasm::TensorRes },
+                anyhow: true,
+            });
+        }
+        $(
+            pub mod $module {
+                wasmtime::component::bindgen!({
+                    path: $path,
+                    world: $world,
+                    imports: { default: trappable },
+                    with: {
+                        "harness:strategy/log": super::compressor::harness::strategy::log,
+                        "harness:strategy/types": super::compressor::harness::strategy::types,
+                    },
+                    anyhow: true,
+                });
+            }
+        )*
+    };
+}
+
 #[allow(missing_docs, clippy::all)]
 pub(super) mod bindings {
     /// Contract 0.1 (`sdk/wit-0.1`): loaded as it was.
     pub mod v0_1 {
-        pub mod compressor {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit-0.1",
-                world: "compressor",
-                imports: { default: trappable },
-                with: { "harness:strategy/tensor.tensor": crate::plugin::wasm::TensorRes },
-                anyhow: true,
-            });
-        }
-        pub mod batch_policy {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit-0.1",
-                world: "batch-policy",
-                imports: { default: trappable },
-                with: {
-                    "harness:strategy/log": super::compressor::harness::strategy::log,
-                    "harness:strategy/types": super::compressor::harness::strategy::types,
-                },
-                anyhow: true,
-            });
-        }
-        pub mod checkpoint_policy {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit-0.1",
-                world: "checkpoint-policy",
-                imports: { default: trappable },
-                with: {
-                    "harness:strategy/log": super::compressor::harness::strategy::log,
-                    "harness:strategy/types": super::compressor::harness::strategy::types,
-                },
-                anyhow: true,
-            });
-        }
-        pub mod tiered_checkpoint_policy {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit-0.1",
-                world: "tiered-checkpoint-policy",
-                imports: { default: trappable },
-                with: {
-                    "harness:strategy/log": super::compressor::harness::strategy::log,
-                    "harness:strategy/types": super::compressor::harness::strategy::types,
-                },
-                anyhow: true,
-            });
-        }
+        worlds!(
+            "../../sdk/wit-0.1",
+            batch_policy: "batch-policy",
+            checkpoint_policy: "checkpoint-policy",
+            tiered_checkpoint_policy: "tiered-checkpoint-policy"
+        );
     }
 
     /// Contract 0.2 (`sdk/wit`), the SDK's.
     pub mod v0_2 {
-        pub mod compressor {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit",
-                world: "compressor",
-                imports: { default: trappable },
-                with: { "harness:strategy/tensor.tensor": crate::plugin::wasm::TensorRes },
-                anyhow: true,
-            });
-        }
-        pub mod batch_policy {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit",
-                world: "batch-policy",
-                imports: { default: trappable },
-                with: {
-                    "harness:strategy/log": super::compressor::harness::strategy::log,
-                    "harness:strategy/types": super::compressor::harness::strategy::types,
-                },
-                anyhow: true,
-            });
-        }
-        pub mod checkpoint_policy {
-            wasmtime::component::bindgen!({
-                path: "../../sdk/wit",
-                world: "checkpoint-policy",
-                imports: { default: trappable },
-                with: {
-                    "harness:strategy/log": super::compressor::harness::strategy::log,
-                    "harness:strategy/types": super::compressor::harness::strategy::types,
-                },
-                anyhow: true,
-            });
-        }
+        worlds!("../../sdk/wit", batch_policy: "batch-policy", checkpoint_policy: "checkpoint-policy");
     }
 }
 
