@@ -392,40 +392,59 @@ fn plugin_new_in_javascript_builds_a_component_that_trains_like_the_rust_allredu
 fn plugin_new_makes_policies_in_python_and_javascript_that_build_and_run() {
     let _alone = exclusive();
     let dir = tempfile::tempdir().unwrap();
-    for lang in ["python", "js"] {
-        for kind in ["batch-policy", "checkpoint-policy"] {
-            let name = format!("{}-{}", if lang == "js" { "js" } else { "py" }, kind);
-            run_ok(installed_harness(dir.path()).args(["plugin", "new", kind, &name, "--lang", lang]));
-            let folder = dir.path().join(&name);
-            let build = std::process::Command::new("./build.sh").current_dir(&folder).output().expect("bash runs build.sh");
-            assert!(build.status.success(), "{lang} {kind} does not build:\n{}", String::from_utf8_lossy(&build.stderr));
-            let wasm = folder.join(format!("{name}.wasm"));
-            let config = if kind == "checkpoint-policy" { "every=10" } else { "micro_batch=16" };
-            let out = run_ok(installed_harness(&folder).args(["plugin", "test", "--plugin-config", config]).arg(&wasm));
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(text.contains("determinism") && !text.contains("FAILED"), "{lang} {kind}:\n{text}");
-            let bad = installed_harness(&folder).args(["plugin", "test", "--plugin-config", "nonsense=1"]).arg(&wasm).output().unwrap();
-            let said = format!("{}{}", String::from_utf8_lossy(&bad.stdout), String::from_utf8_lossy(&bad.stderr));
-            assert!(said.contains("unknown config key `nonsense`"), "{lang} {kind}:\n{said}");
-            let suite = std::fs::read_to_string(folder.join("suite.toml")).unwrap();
-            let slot = if kind == "checkpoint-policy" { "checkpoint" } else { "batch_policy" };
-            // Shortened: one repeat of 30 steps.
-            let suite = suite
-                .replace(
-                    &format!("{slot} = \"{name}\"\n"),
-                    &format!("{slot} = \"{name}\"\n{slot}_config = {{ {} }}\n", config.replace('=', " = ")),
-                )
-                .replace("repeats = 3", "repeats = 1")
-                .replace("steps = 100", "steps = 30");
-            std::fs::write(folder.join("suite.toml"), suite).unwrap();
-            let out_path = folder.join("r.json");
-            run_ok(installed_harness(&folder).args(["run", "suite.toml", "-q", "--out"]).arg(&out_path));
-            let r = results(&out_path);
-            let e = entry(&r, &format!("mlp-tiny/with-{name}/r0"));
-            assert_eq!(e["status"], "ok", "{lang} {kind}: {e}");
-            if kind == "checkpoint-policy" {
-                assert!(e["metrics"]["checkpoints_written"].as_u64().unwrap_or(0) >= 1, "{lang} {kind}: {e}");
+    let plugins: Vec<(&str, &str, String)> = ["batch-policy", "checkpoint-policy"]
+        .into_iter()
+        .flat_map(|kind| ["python", "js"].map(|lang| (lang, kind, format!("{}-{kind}", if lang == "js" { "js" } else { "py" }))))
+        .collect();
+    let config = |kind: &str| if kind == "checkpoint-policy" { "every=10" } else { "micro_batch=16" };
+    // Two at a time, a Python and a JavaScript one: built, then checked by
+    // `plugin test`, whose first call compiles the component (seconds of
+    // one core each: an interpreter inside); the two never install into
+    // the same folder when a machine builds its first. Then each plugin's
+    // other checks in turn.
+    for pair in plugins.chunks(2) {
+        std::thread::scope(|scope| {
+            for (lang, kind, name) in pair {
+                let dir = dir.path();
+                scope.spawn(move || {
+                    run_ok(installed_harness(dir).args(["plugin", "new", kind, name, "--lang", lang]));
+                    let folder = dir.join(name);
+                    let build = std::process::Command::new("./build.sh").current_dir(&folder).output().expect("bash runs build.sh");
+                    assert!(build.status.success(), "{lang} {kind} does not build:\n{}", String::from_utf8_lossy(&build.stderr));
+                    let wasm = folder.join(format!("{name}.wasm"));
+                    let out = run_ok(installed_harness(&folder).args(["plugin", "test", "--plugin-config", config(kind)]).arg(&wasm));
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    assert!(text.contains("determinism") && !text.contains("FAILED"), "{lang} {kind}:\n{text}");
+                });
             }
+        });
+    }
+    for (lang, kind, name) in &plugins {
+        let (lang, kind, name) = (*lang, *kind, name.as_str());
+        let folder = dir.path().join(name);
+        let wasm = folder.join(format!("{name}.wasm"));
+        let config = config(kind);
+        let bad = installed_harness(&folder).args(["plugin", "test", "--plugin-config", "nonsense=1"]).arg(&wasm).output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&bad.stdout), String::from_utf8_lossy(&bad.stderr));
+        assert!(said.contains("unknown config key `nonsense`"), "{lang} {kind}:\n{said}");
+        let suite = std::fs::read_to_string(folder.join("suite.toml")).unwrap();
+        let slot = if kind == "checkpoint-policy" { "checkpoint" } else { "batch_policy" };
+        // Shortened: one repeat of 30 steps.
+        let suite = suite
+            .replace(
+                &format!("{slot} = \"{name}\"\n"),
+                &format!("{slot} = \"{name}\"\n{slot}_config = {{ {} }}\n", config.replace('=', " = ")),
+            )
+            .replace("repeats = 3", "repeats = 1")
+            .replace("steps = 100", "steps = 30");
+        std::fs::write(folder.join("suite.toml"), suite).unwrap();
+        let out_path = folder.join("r.json");
+        run_ok(installed_harness(&folder).args(["run", "suite.toml", "-q", "--out"]).arg(&out_path));
+        let r = results(&out_path);
+        let e = entry(&r, &format!("mlp-tiny/with-{name}/r0"));
+        assert_eq!(e["status"], "ok", "{lang} {kind}: {e}");
+        if kind == "checkpoint-policy" {
+            assert!(e["metrics"]["checkpoints_written"].as_u64().unwrap_or(0) >= 1, "{lang} {kind}: {e}");
         }
     }
 }
