@@ -91,13 +91,12 @@ pub fn projection(p: &Projection) -> String {
 /// left out), at the world size whose steps to the target were measured;
 /// and a line saying where it is not projected.
 pub fn time_to_target(p: &Projection) -> String {
-    let rows: Vec<&Row> = p.rows.iter().filter(|r| r.time_to_target.is_some()).collect();
+    let rows: Vec<_> = p.rows.iter().filter_map(|r| r.time_to_target.as_ref().map(|t| (r, t))).collect();
     if rows.is_empty() {
         return String::new();
     }
     let mut t = table(vec!["workload", "strategy", "GPUs", "cluster", "time to target s [interval]", "steps to target measured by"]);
-    for r in &rows {
-        let Some(((mid, lo, hi), from)) = &r.time_to_target else { continue };
+    for (r, ((mid, lo, hi), from)) in rows {
         t.add_row(vec![
             shown(&r.workload),
             shown(&r.strategy),
