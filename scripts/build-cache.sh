@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The build cache of ./x test, outside the clone:
 #   scripts/build-cache.sh restore   copies the cache to target/ (if there is one)
-#   scripts/build-cache.sh save      makes target/ the cache
-# The cache is one copy of a target/ folder (about 4.5 GB after ./x test),
-# at ${HARNESS_CACHE:-~/.cache/harness}/target, replaced as a whole on each
-# save, so it never grows beyond one build. Copies keep modification times
-# (cargo compares the dependencies' with their sources'; the workspace's
-# crates are always rebuilt) and are taken under a lock, so
-# two clones on one machine do not mix halves of two builds. The docs and
-# scratch folders are left out.
+#   scripts/build-cache.sh save      makes target/'s third-party units the cache
+# The cache holds the third-party units of one target/ folder (wasmtime,
+# cranelift, tch, ...: about 3 GB) at ${HARNESS_CACHE:-~/.cache/harness}/target,
+# replaced as a whole on each save. The workspace's own units are never
+# copied either way (scripts/build-cache.py): a clone rebuilds them anyway,
+# and keeping them made the cache grow by a build on every save until a copy
+# filled the disk. Copies keep modification times (cargo compares the
+# dependencies' with their sources') and are taken under a lock, so two
+# clones on one machine do not mix halves of two builds. A restore that does
+# not fit on the disk, or fails, leaves no target/ behind and the build starts
+# from scratch; it never fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${HARNESS_CACHE:-$HOME/.cache/harness}
@@ -18,13 +21,19 @@ flock 9
 case "${1:-}" in
   restore)
     if [ -d "$cache/target" ]; then
-      cp -a --reflink=auto "$cache/target" target
-      # The workspace's own crates (harness*, plugins and fixtures
-      # included) lose their fingerprints, so cargo builds them from this
-      # clone's sources whatever the files' times (a cache saved after
-      # this clone was made would otherwise look newer than its sources).
-      find target -maxdepth 5 -path '*/.fingerprint/harness*' -prune -exec rm -rf {} +
-      echo "restored target/ from $cache/target ($(du -sh target | cut -f1)), the workspace's crates to rebuild"
+      need=$(python3 scripts/build-cache.py --size "$cache/target")
+      # Room for the copy and for the workspace's own build beside it.
+      need=$((need + 6 * 1024 * 1024 * 1024))
+      free=$(df -P -B1 . | awk 'NR == 2 { print $4 }')
+      if [ "$free" -lt "$need" ]; then
+        echo "build cache not restored: $((free >> 20)) MiB free here, $((need >> 20)) MiB needed" \
+             "(the cache and 6 GiB for the build); building from scratch"
+      elif python3 scripts/build-cache.py "$cache/target" target; then
+        echo "restored target/ from $cache/target ($(du -sh target | cut -f1)), the workspace's crates to rebuild"
+      else
+        rm -rf target
+        echo "build cache: the copy failed (above); building from scratch"
+      fi
     else
       echo "no build cache at $cache/target yet: building from scratch"
     fi ;;
@@ -33,12 +42,24 @@ case "${1:-}" in
     # the disk never holds two caches; a copy cut short leaves no cache,
     # never half of one.
     rm -rf "$cache/target" "$cache/target.new"
-    mkdir -p "$cache/target.new"
-    for d in target/*; do
-      case "${d#target/}" in doc|tmp) continue ;; esac
-      cp -a --reflink=auto "$d" "$cache/target.new/"
-    done
-    mv "$cache/target.new" "$cache/target"
-    echo "saved target/ to $cache/target ($(du -sh "$cache/target" | cut -f1))" ;;
+    copy() {
+      mkdir -p "$cache/target.new"
+      for d in target/*; do
+        case "${d#target/}" in doc|tmp) continue ;; esac
+        if [ -d "$d" ]; then
+          python3 scripts/build-cache.py "$d" "$cache/target.new/${d#target/}" || return 1
+        else
+          cp -a "$d" "$cache/target.new/" || return 1
+        fi
+      done
+    }
+    if copy; then
+      mv "$cache/target.new" "$cache/target"
+      echo "saved target/'s third-party units to $cache/target ($(du -sh "$cache/target" | cut -f1))"
+    else
+      # A full disk must not fail checks that passed: no cache this time.
+      rm -rf "$cache/target.new"
+      echo "build cache not saved: the copy failed (above); the next fresh clone builds from scratch"
+    fi ;;
   *) echo "usage: scripts/build-cache.sh restore|save" >&2; exit 2 ;;
 esac

@@ -19,11 +19,12 @@ step() {
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 # The build cache: a fresh clone (no target/ yet) starts from a copy of the
-# last fresh clone's target/ (scripts/build-cache.sh), so that the
-# dependencies (wasmtime, cranelift, tch, ...) are not compiled again:
-# cargo's fingerprints rebuild whatever changed, the workspace's crates
-# always (their sources are newer). After every check passed, the clone's
-# target/ becomes the cache. HARNESS_BUILD_CACHE=0 turns both off.
+# third-party units of the last fresh clone's target/ (scripts/build-cache.sh),
+# so that the dependencies (wasmtime, cranelift, tch, ...) are not compiled
+# again: cargo's fingerprints rebuild whatever changed, and the workspace's
+# crates always (the cache holds none of them). After every check passed,
+# the clone's third-party units become the cache. A cache that does not fit
+# on the disk is skipped, never fatal. HARNESS_BUILD_CACHE=0 turns both off.
 fresh_clone=false
 if [ ! -e target ] && [ "${HARNESS_BUILD_CACHE:-1}" != 0 ]; then
   fresh_clone=true
