@@ -32,17 +32,8 @@ if [ ! -e target ] && [ "${HARNESS_BUILD_CACHE:-1}" != 0 ]; then
   scripts/build-cache.sh restore
 fi
 
-step "format and report crates: the layers below libtorch and wasmtime, tested without them"
-# They must not depend on libtorch or wasmtime: the report and the verifier
-# build anywhere. Run without the libtorch environment to prove it.
-for c in harness-format harness-report; do
-  if cargo tree -p "$c" -e normal --prefix none | grep -Eq '^(tch|torch-sys|wasmtime|cudarc) '; then
-    echo "$c depends on libtorch, cudarc or wasmtime:" >&2
-    cargo tree -p "$c" -e normal -i tch -i wasmtime 2>/dev/null >&2 || true
-    exit 1
-  fi
-done
-env -u LIBTORCH_USE_PYTORCH -u LD_LIBRARY_PATH CI=${CI:-true} cargo test --release -p harness-format -p harness-report
+step "cargo fmt --check"
+cargo fmt --all -- --check
 
 step "circles between modules"
 # Its rules on the fixtures of scripts/module-cycles-fixtures/ first, then
@@ -64,8 +55,40 @@ fi
 step "plugins and fixtures (wasm32-wasip2 components and native libraries)"
 scripts/build-plugins.sh
 
-step "cargo fmt --check"
-cargo fmt --all -- --check
+step "build the tests (release: the tests train real models)"
+# One cargo invocation for every test of the workspace, so that each crate is
+# compiled once with one set of features: `-p` or `--exclude` would resolve
+# the features anew (the report's tests turn on the format's `testing`) and
+# compile the format and the report a second time.
+tests_json=$(mktemp)
+cargo test --workspace --release --no-run --message-format=json-render-diagnostics > "$tests_json"
+
+step "format and report crates: the layers below libtorch and wasmtime, tested without them"
+# They must not depend on libtorch or wasmtime: the report and the verifier
+# build anywhere. Their test programs run without the libtorch environment
+# to prove it (each in its crate's folder, as cargo test runs them).
+for c in harness-format harness-report; do
+  if cargo tree -p "$c" -e normal --prefix none | grep -Eq '^(tch|torch-sys|wasmtime|cudarc) '; then
+    echo "$c depends on libtorch, cudarc or wasmtime:" >&2
+    cargo tree -p "$c" -e normal -i tch -i wasmtime 2>/dev/null >&2 || true
+    exit 1
+  fi
+done
+python3 - "$tests_json" > "$tests_json.run" <<'PY'
+import json, os, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        folder = os.path.dirname(m["manifest_path"])
+        if folder.endswith(("/crates/format", "/crates/report")):
+            print(folder, m["executable"])
+PY
+[ "$(wc -l < "$tests_json.run")" -ge 2 ] || { echo "no test programs of harness-format and harness-report in the build" >&2; exit 1; }
+while read -r folder exe; do
+  echo "running ${exe#"$PWD/"}"
+  (cd "$folder" && env -u LIBTORCH_USE_PYTORCH -u LD_LIBRARY_PATH CI=${CI:-true} "$exe" -q)
+done < "$tests_json.run"
+rm -f "$tests_json" "$tests_json.run"
 
 # clippy and doc check in the release profile, as the tests build: the build
 # scripts (libtorch's C++ glue, cranelift's generated code) and the proc
@@ -77,12 +100,12 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 step "cargo doc (every crate's docs, warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --workspace --no-deps --document-private-items --quiet
 
-step "cargo test (release: the tests train real models)"
+step "cargo test (every crate's tests, built above)"
 # Snapshot mismatches fail instead of writing .snap.new files. One libtorch
 # CPU thread per test process (unless the caller sets OMP_NUM_THREADS): the
 # tests run one per core, and an OpenMP pool spanning every core in each of
 # them oversubscribes the cores and spins at every barrier.
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CI=${CI:-true} cargo test --workspace --release --exclude harness-format --exclude harness-report
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CI=${CI:-true} cargo test --workspace --release
 
 step "./x install (a harness command that runs from any folder)"
 repo=$PWD; tmp=$(mktemp -d)
