@@ -3,6 +3,7 @@
 
     build-cache.py SRC DST        copy SRC to DST (DST must not exist)
     build-cache.py --size SRC     print the bytes such a copy would take
+    build-cache.py --self-test    check what a copy keeps on a made-up target/
 
 The workspace's crates (harness*, the plugins, the test fixtures and every
 test, bench and build-script target of them) are rebuilt by every fresh
@@ -73,24 +74,47 @@ def walk(src, units):
             yield os.path.normpath(os.path.join(rel, f)), False
 
 
-def main(argv):
-    units = workspace_units()
-    if argv[:1] == ["--size"] and len(argv) == 2:
-        src = argv[1]
-        total = 0
-        for rel, is_dir in walk(src, units):
-            path = os.path.join(src, rel)
-            if not is_dir and not os.path.islink(path):
-                total += os.lstat(path).st_size
-        print(total)
-        return 0
-    if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    src, dst = argv
-    if os.path.exists(dst):
-        print(f"build-cache.py: {dst} exists; copy to a new folder", file=sys.stderr)
-        return 2
+def self_test():
+    """A made-up target/ with the workspace's units and third-party ones:
+    the copy keeps exactly the third-party ones, with their times."""
+    import tempfile
+    units = {"harness", "harness_format", "harness_kernels", "harness_plugin_topk", "harness_sdk", "cli"}
+    h = "0123456789abcdef"
+    keep = [f"release/deps/libserde-{h}.rlib", f"release/deps/serde-{h}.d",
+            f"release/.fingerprint/serde-{h}/lib-serde", f"release/build/torch-sys-{h}/out/harness.h",
+            f"release/build/torch-sys-{h}/build-script-build", f"wasm32-wasip2/release/deps/libwit_bindgen-{h}.rlib",
+            f"wasm32-wasip2/release/.fingerprint/serde-{h}/lib-serde", "plugins/topk.wasm", "plugins/harness.wasm", "CACHEDIR.TAG"]
+    drop = [f"release/deps/libharness_format-{h}.rlib", f"release/deps/harness_format-{h}", f"release/deps/cli-{h}",
+            f"release/deps/harness-{h}.d", f"release/.fingerprint/harness-kernels-{h}/lib-harness_kernels",
+            f"release/build/harness-kernels-{h}/out/k.o", "release/harness", "release/libharness_plugin_topk.so",
+            "release/libharness_plugin_topk.d", f"release/incremental/harness_sdk-{h}/s-1/dep-graph.bin",
+            f"wasm32-wasip2/release/deps/libharness_sdk-{h}.rlib", "wasm32-wasip2/release/harness_plugin_topk.wasm"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "target"), os.path.join(tmp, "copy")
+        for rel in keep + drop:
+            os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
+            with open(os.path.join(src, rel), "w") as f:
+                f.write(rel)
+            os.utime(os.path.join(src, rel), (1_000_000_000, 1_000_000_000))
+        copy(src, dst, units)
+        got = sorted(os.path.relpath(os.path.join(t, f), dst) for t, _, fs in os.walk(dst) for f in fs)
+        assert got == sorted(keep), f"kept {got}, not {sorted(keep)}"
+        assert all(os.stat(os.path.join(dst, k)).st_mtime == 1_000_000_000 for k in keep), "times not kept"
+        assert size(src, units) == sum(len(k) for k in keep), "the size counts other files"
+    print("build-cache.py: self-test passed")
+    return 0
+
+
+def size(src, units):
+    total = 0
+    for rel, is_dir in walk(src, units):
+        path = os.path.join(src, rel)
+        if not is_dir and not os.path.islink(path):
+            total += os.lstat(path).st_size
+    return total
+
+
+def copy(src, dst, units):
     os.makedirs(dst)
     dirs = []
     for rel, is_dir in walk(src, units):
@@ -105,6 +129,23 @@ def main(argv):
     # Folders' times last: filling a folder changes its time.
     for s, d in reversed(dirs):
         shutil.copystat(s, d)
+
+
+def main(argv):
+    if argv == ["--self-test"]:
+        return self_test()
+    units = workspace_units()
+    if argv[:1] == ["--size"] and len(argv) == 2:
+        print(size(argv[1], units))
+        return 0
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    src, dst = argv
+    if os.path.exists(dst):
+        print(f"build-cache.py: {dst} exists; copy to a new folder", file=sys.stderr)
+        return 2
+    copy(src, dst, units)
     return 0
 
 

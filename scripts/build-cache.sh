@@ -11,7 +11,9 @@
 # dependencies' with their sources') and are taken under a lock, so two
 # clones on one machine do not mix halves of two builds. A restore that does
 # not fit on the disk, or fails, leaves no target/ behind and the build starts
-# from scratch; it never fails the run.
+# from scratch; it never fails the run. Old versions of updated dependencies
+# ride along from save to save; past 6 GiB the cache is dropped and the next
+# fresh clone saves a clean one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${HARNESS_CACHE:-$HOME/.cache/harness}
@@ -42,6 +44,18 @@ case "${1:-}" in
     # the disk never holds two caches; a copy cut short leaves no cache,
     # never half of one.
     rm -rf "$cache/target" "$cache/target.new"
+    # A dependency updated leaves its old units beside the new ones (a
+    # restored cache carries them on): past 6 GiB the cache is dropped, and
+    # the next fresh clone builds from scratch and saves a clean one.
+    have=0
+    for d in target/*; do
+      case "${d#target/}" in doc|tmp) continue ;; esac
+      [ -d "$d" ] && have=$((have + $(python3 scripts/build-cache.py --size "$d")))
+    done
+    if [ "$have" -gt $((6 * 1024 * 1024 * 1024)) ]; then
+      echo "build cache dropped: target/'s third-party units take $((have >> 20)) MiB (more than 6 GiB: old versions piled up); the next fresh clone builds from scratch"
+      exit 0
+    fi
     copy() {
       mkdir -p "$cache/target.new"
       for d in target/*; do

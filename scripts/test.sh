@@ -41,6 +41,9 @@ step "circles between modules"
 python3 scripts/module-cycles.py --self-test
 python3 scripts/module-cycles.py
 
+step "what the build cache keeps (scripts/build-cache.py on a made-up target/)"
+python3 scripts/build-cache.py --self-test
+
 step "dependencies the code never names"
 python3 scripts/unused-deps.py --self-test
 python3 scripts/unused-deps.py
