@@ -7,11 +7,12 @@
 
 The workspace's crates (harness*, the plugins, the test fixtures and every
 test, bench and build-script target of them) are rebuilt by every fresh
-clone anyway: scripts/build-cache.sh removes their fingerprints on restore.
-Their outputs are most of a target/ folder (each clone path and each change
-gives them new hashes), so a cache that kept them grew by a build's worth on
+clone anyway (its sources are newer than anything saved before it). Their
+outputs are most of a target/ folder (each clone path and each change gives
+them new hashes), so a cache that kept them grew by a build's worth on
 every save. Only the third-party units (wasmtime, cranelift, tch, ...) are
-copied. Modification times are kept: cargo compares them with the sources'.
+copied, and neither target/doc nor target/tmp. Modification times are
+kept: cargo compares them with the sources'.
 """
 
 import json
@@ -57,12 +58,16 @@ def is_workspace(entry, units):
 # Where cargo puts one entry per unit; inside a unit's own folder (a build
 # script's out/, say) names are the unit's business and all kept.
 UNIT_FOLDERS = {"deps", ".fingerprint", "build", "incremental", "examples"}
+# Folders of target/ itself that are no build: the docs and scratch files.
+NOT_BUILDS = {"doc", "tmp"}
 
 
 def walk(src, units):
     """Yield (path relative to src, is_dir) for what the copy keeps."""
     for top, dirs, files in os.walk(src):
         rel = os.path.relpath(top, src)
+        if rel == ".":
+            dirs[:] = [d for d in dirs if d not in NOT_BUILDS]
         # A profile folder (release/, wasm32-wasip2/release/) holds the
         # final artifacts beside its .fingerprint/.
         if os.path.basename(top) in UNIT_FOLDERS or ".fingerprint" in dirs:
@@ -88,6 +93,7 @@ def self_test():
             f"release/deps/harness-{h}.d", f"release/.fingerprint/harness-kernels-{h}/lib-harness_kernels",
             f"release/build/harness-kernels-{h}/out/k.o", "release/harness", "release/libharness_plugin_topk.so",
             "release/libharness_plugin_topk.d", f"release/incremental/harness_sdk-{h}/s-1/dep-graph.bin",
+            "doc/harness/index.html", "tmp/scratch",
             f"wasm32-wasip2/release/deps/libharness_sdk-{h}.rlib", "wasm32-wasip2/release/harness_plugin_topk.wasm"]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "target"), os.path.join(tmp, "copy")

@@ -23,8 +23,9 @@ flock 9
 case "${1:-}" in
   restore)
     if [ -d "$cache/target" ]; then
-      need=$(python3 scripts/build-cache.py --size "$cache/target")
-      # Room for the copy and for the workspace's own build beside it.
+      # Room for the copy and for the workspace's own build beside it (a
+      # size that cannot be read leaves the copy to fail and say why).
+      need=$(python3 scripts/build-cache.py --size "$cache/target") || need=0
       need=$((need + 6 * 1024 * 1024 * 1024))
       free=$(df -P -B1 . | awk 'NR == 2 { print $4 }')
       if [ "$free" -lt "$need" ]; then
@@ -47,27 +48,11 @@ case "${1:-}" in
     # A dependency updated leaves its old units beside the new ones (a
     # restored cache carries them on): past 6 GiB the cache is dropped, and
     # the next fresh clone builds from scratch and saves a clean one.
-    have=0
-    for d in target/*; do
-      case "${d#target/}" in doc|tmp) continue ;; esac
-      [ -d "$d" ] && have=$((have + $(python3 scripts/build-cache.py --size "$d")))
-    done
+    # (A size that cannot be read leaves the copy to fail and say why.)
+    have=$(python3 scripts/build-cache.py --size target) || have=0
     if [ "$have" -gt $((6 * 1024 * 1024 * 1024)) ]; then
       echo "build cache dropped: target/'s third-party units take $((have >> 20)) MiB (more than 6 GiB: old versions piled up); the next fresh clone builds from scratch"
-      exit 0
-    fi
-    copy() {
-      mkdir -p "$cache/target.new"
-      for d in target/*; do
-        case "${d#target/}" in doc|tmp) continue ;; esac
-        if [ -d "$d" ]; then
-          python3 scripts/build-cache.py "$d" "$cache/target.new/${d#target/}" || return 1
-        else
-          cp -a "$d" "$cache/target.new/" || return 1
-        fi
-      done
-    }
-    if copy; then
+    elif python3 scripts/build-cache.py target "$cache/target.new"; then
       mv "$cache/target.new" "$cache/target"
       echo "saved target/'s third-party units to $cache/target ($(du -sh "$cache/target" | cut -f1))"
     else
