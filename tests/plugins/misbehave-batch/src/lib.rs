@@ -10,9 +10,11 @@
 //!   each time the telemetry's loss falls below 99% of the lowest loss it
 //!   has seen when it last doubled. Its decisions hang on the loss's exact
 //!   value: ranks told their own losses would part ways;
-//! - `diverge`: deliberately divergent: each instance in the process adds
-//!   its number (0, 1, ...: a counter the library's instances share, so
-//!   thread ranks of a native build differ) to the configured micro-batch.
+//! - `diverge`: deliberately divergent: each instance adds its number (0,
+//!   1, ...: a counter the library's instances in the process share, so
+//!   thread ranks of a native build differ) and its process's `RANK` (set
+//!   by the launcher for each rank process on GPUs, where every process
+//!   counts from 0) to the configured micro-batch.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -51,7 +53,8 @@ impl Plugin for MisbehaveBatch {
         if every == 0 || max == 0 {
             return Err(Error::new("`every` and `max` must be at least 1"));
         }
-        let instance = INSTANCES.fetch_add(1, Ordering::Relaxed);
+        let rank = std::env::var("RANK").ok().and_then(|r| r.parse::<u32>().ok()).unwrap_or(0);
+        let instance = INSTANCES.fetch_add(1, Ordering::Relaxed).saturating_add(rank);
         Ok(MisbehaveBatch { mode, every, max, configured: None, doublings: 0, bar: f64::INFINITY, instance })
     }
 }
