@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--tokens", help="train on random windows of this llm.c .bin token file (default: uniform random tokens)")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="the token file's held-out tail (harness's default)")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches evaluated after training (with --tokens)")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                    help="bf16 autocast (harness's precision = \"bf16\") or fp32 throughout, TF32 off (\"fp32\")")
     run_args(ap)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -148,7 +150,7 @@ def main():
 
     def step(i):
         x, y = data[i, :, :-1], data[i, :, 1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
             loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,7 +168,7 @@ def main():
         "impl": impl_name(a, (f"-ddp{world}" if use_ddp else "") + (f"-powersgd{a.powersgd_rank}" if a.powersgd_rank else "")),
         "world_size": world,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-        "preset": a.preset, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
+        "preset": a.preset, "precision": a.precision, "parameters": n_params, "batch": a.batch, "seq_len": a.seq,
         "steps": a.steps, "warmup": a.warmup, "tokens_per_s": tps, "ms_per_step": 1e3 * dt / a.steps,
         "achieved_tflops": flops_per_token * tps / 1e12,
         **memory(),
@@ -179,7 +181,7 @@ def main():
         out["loss_curve"] = [[i, v] for i, v in enumerate(curve) if i % 10 == 0 or i == len(curve) - 1]
         ev = torch.from_numpy(token_windows(a.tokens, a.eval_batches * a.batch, a.seq, a.val_fraction, True, 7)).to(dev)
         model.eval()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
             out["eval_loss"] = torch.stack([model(b[:, :-1], b[:, 1:]) for b in ev.view(a.eval_batches, a.batch, a.seq + 1)]).float().mean().item()
         model.train()
     if rank != 0:
