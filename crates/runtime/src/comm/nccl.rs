@@ -35,6 +35,10 @@ struct Lib {
     error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     /// Symmetric memory (NCCL 2.27 and later), absent before.
     symmetric: Option<Symmetric>,
+    /// ncclCommSplit (NCCL 2.18 and later): `check_call`'s own
+    /// communicator, split at set-up; without it the check runs on the
+    /// training one.
+    comm_split: Option<unsafe extern "C" fn(CommT, c_int, c_int, *mut CommT, *mut c_void) -> c_int>,
 }
 
 /// ncclMemAlloc, ncclMemFree, ncclCommWindowRegister and
@@ -73,6 +77,7 @@ fn lib() -> Result<&'static Lib, String> {
             })();
             Ok(Lib {
                 symmetric,
+                comm_split: lib.get(b"ncclCommSplit").ok().map(|f| *f),
                 get_unique_id: sym!(b"ncclGetUniqueId"),
                 init_rank: sym!(b"ncclCommInitRank"),
                 all_reduce: sym!(b"ncclAllReduce"),
@@ -180,6 +185,41 @@ pub struct NcclComm {
     /// memory: gathers between windows run on the copy engines.
     zero_cta: bool,
     device: tch::Device,
+    /// `check_call`'s communicator and stream, split at set-up.
+    checks: Option<Checks>,
+}
+
+/// The communicator (split from the training one), non-blocking stream and
+/// device buffers of `check_call`: a check waits for the other ranks to
+/// reach it, never for the work queued on the training stream.
+struct Checks {
+    comm: CommT,
+    stream: cudarc::driver::sys::CUstream,
+    /// This rank's signature (3 i64) and every rank's (3 x n), made with
+    /// `empty` (no fill kernel queued on the training stream that could
+    /// land after a gather).
+    mine: Tensor,
+    all: Tensor,
+}
+
+impl Checks {
+    /// Split from the training communicator `comm` as it is made, by every
+    /// rank together as the init before it, so that no plugin call waits
+    /// in a split (a collective of its own); None on one rank or without
+    /// ncclCommSplit.
+    fn split(l: &Lib, comm: CommT, rank: usize, n: usize, device: tch::Device) -> anyhow::Result<Option<Checks>> {
+        let Some(split) = l.comm_split.filter(|_| n > 1) else { return Ok(None) };
+        let mut child: CommT = std::ptr::null_mut();
+        // SAFETY: our live communicator; `child` receives the new one;
+        // colour 0 and this rank's key keep every rank, in order; a null
+        // configuration inherits the parent's.
+        check(unsafe { split(comm, 0, rank as c_int, &mut child, std::ptr::null_mut()) }, "ncclCommSplit")?;
+        let stream = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
+            .map_err(|e| anyhow::anyhow!("the checks' stream: {e}"))?;
+        let mine = Tensor::empty([3], (Kind::Int64, device));
+        let all = Tensor::empty([3 * n as i64], (Kind::Int64, device));
+        Ok(Some(Checks { comm: child, stream, mine, all }))
+    }
 }
 
 // SAFETY: the stream handle is used by one thread at a time (the owner,
@@ -206,6 +246,10 @@ impl NcclComm {
         // SAFETY: comm receives a communicator handle; id is by value.
         check(unsafe { (l.init_rank)(&mut comm, n as c_int, id, rank as c_int) }, "ncclCommInitRank")?;
         let link = link.map(|k| (k, Tensor::zeros([1], (Kind::Int64, device))));
+        let checks = Checks::split(l, comm, rank, n, device).inspect_err(|_| {
+            // SAFETY: the communicator made above, not handed out, destroyed once.
+            unsafe { (l.destroy)(comm) };
+        })?;
         Ok(NcclComm {
             comm,
             rank,
@@ -220,6 +264,7 @@ impl NcclComm {
             sum_in_windows,
             zero_cta: std::env::var("NCCL_CTA_POLICY").is_ok_and(|p| p.trim() == "2") && crate::device::peer_access_everywhere(),
             device,
+            checks,
         })
     }
 
@@ -630,20 +675,47 @@ impl Collective for NcclComm {
         check(code, "all_reduce").map_err(|e| self.fail("all_reduce", e))
     }
     fn check_call(&mut self, call: &str, t: &Tensor) -> Result<(), CommError> {
-        // Each rank's (call, elements, dtype), gathered on the device
-        // outside the accounting (a setup-sized collective), then read
-        // back: one small synchronous collective per plugin collective.
+        // Each rank's (call, elements, dtype), gathered outside the
+        // accounting (a setup-sized collective) and read back: one small
+        // synchronous collective per plugin collective. On its own
+        // communicator and stream it waits for the other ranks only; on
+        // the training one (NCCL before 2.18) it also waits for every
+        // kernel queued before it.
         let code = call.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64 & i64::MAX;
         let kind = dtype(t.kind()).unwrap_or(-1) as i64;
-        let mine = Tensor::from_slice(&[code, t.numel() as i64, kind]).to_device(t.device());
-        let all = Tensor::zeros([3 * self.n as i64], (tch::Kind::Int64, t.device()));
-        let (sp, rp) = (mine.data_ptr(), all.data_ptr());
-        let l = lib().map_err(|e| self.fail("check", e))?;
-        // SAFETY: 3 i64 read from `mine`, 3 x n written to `all`, live
-        // device buffers; the legacy default stream orders them.
-        let rc = unsafe { (l.all_gather)(sp, rp, 3, dtype(tch::Kind::Int64).unwrap_or(0), self.comm, std::ptr::null_mut()) };
-        check(rc, "check").map_err(|e| self.fail("check", e))?;
-        let got = Vec::<i64>::try_from(&all.to_device(tch::Device::Cpu)).map_err(|e| self.fail("check", e))?;
+        let sig = [code, t.numel() as i64, kind];
+        let got = match &self.checks {
+            Some(c) => {
+                let (comm, stream, mine, all) = (c.comm, c.stream, c.mine.data_ptr(), c.all.data_ptr());
+                let mut got = vec![0i64; 3 * self.n];
+                let l = lib().map_err(|e| self.fail("check", e))?;
+                // SAFETY: `mine` and `all` are our live device buffers of 3
+                // and 3 x n i64, used on our stream only; the copy from the
+                // host's `sig` is staged before it returns (pageable
+                // memory), the copy to `got` completes before it returns,
+                // and the stream is drained before the buffers are used
+                // again.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(mine as u64, &sig, stream).map_err(|e| self.fail("check", e))?;
+                    check((l.all_gather)(mine, all, 3, dtype(Kind::Int64).unwrap_or(0), comm, stream as *mut c_void), "check")
+                        .map_err(|e| self.fail("check", e))?;
+                    cudarc::driver::result::memcpy_dtoh_async(&mut got, all as u64, stream).map_err(|e| self.fail("check", e))?;
+                    cudarc::driver::result::stream::synchronize(stream).map_err(|e| self.fail("check", e))?;
+                }
+                got
+            }
+            None => {
+                let mine = Tensor::from_slice(&sig).to_device(t.device());
+                let all = Tensor::zeros([3 * self.n as i64], (Kind::Int64, t.device()));
+                let (sp, rp) = (mine.data_ptr(), all.data_ptr());
+                let l = lib().map_err(|e| self.fail("check", e))?;
+                // SAFETY: 3 i64 read from `mine`, 3 x n written to `all`, live
+                // device buffers; the legacy default stream orders them.
+                let rc = unsafe { (l.all_gather)(sp, rp, 3, dtype(Kind::Int64).unwrap_or(0), self.comm, std::ptr::null_mut()) };
+                check(rc, "check").map_err(|e| self.fail("check", e))?;
+                Vec::<i64>::try_from(&all.to_device(tch::Device::Cpu)).map_err(|e| self.fail("check", e))?
+            }
+        };
         if got.chunks(3).any(|c| c != &got[..3]) {
             let ranks: Vec<String> = got
                 .chunks(3)
@@ -691,6 +763,14 @@ impl Drop for NcclComm {
             }
         }
         if let Ok(l) = lib() {
+            if let Some(c) = self.checks.take() {
+                // SAFETY: the checks' communicator and stream, idle (each
+                // check drains its stream), destroyed once.
+                unsafe {
+                    (l.destroy)(c.comm);
+                    let _ = cudarc::driver::result::stream::destroy(c.stream);
+                }
+            }
             // SAFETY: the communicator is owned and destroyed once.
             unsafe { (l.destroy)(self.comm) };
         }
