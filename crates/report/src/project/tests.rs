@@ -46,7 +46,7 @@ const RESULTS: &[&str] = &[
     "results/h200x4/claims-b592d86/gpu4-claims.json",
     "results/h200/compressors-1gpu-2de43bd/gpu1-compressors.json",
     "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
-    "results/h200x2/powersgd-vs-hook-dc9e8f6/gpu2-1.3b-compressors.json",
+    "results/h200x2/check-comm-3e54f88/gpu2-1.3b-compressors.json",
 ];
 
 const BENCHES: &[&str] = &[
@@ -73,10 +73,7 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
     let c = check(&sources(RESULTS), &benches(BENCHES));
     println!("{}", render::check(&c));
     assert!(c.rows.len() >= 56, "rows: {}", c.rows.len());
-    // The per-matrix PowerSGD of the 1.3B from its one-GPU cost (+15%):
-    // its 80 small all-reduces a step cost 35 ms more on two GPUs than the
-    // bench's time for them, which a one-GPU cost cannot show.
-    let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/") || t.contains("1.3b-bf16/powersgd-r4-layers/");
+    let known = |t: &str| t.contains("encoder-claims5") || t.contains("/network/");
     for r in &c.rows {
         assert!(r.measured > 0.0 && r.predicted.tokens_per_s > 0.0);
         assert!(r.predicted.tokens_lo <= r.predicted.tokens_per_s && r.predicted.tokens_per_s <= r.predicted.tokens_hi, "{}", r.target);
@@ -104,7 +101,7 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
         assert!(c.rows.iter().any(|r| r.world == w), "no {w}-GPU entry");
     }
     let within = c.rows.iter().filter(|r| r.error.abs() <= 0.10).count();
-    assert!(within + 4 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
+    assert!(within + 3 >= c.rows.len(), "{within} of {} within 10%", c.rows.len());
     // Each compressor of both 2-GPU runs (NVLink and emulated 10 Gbps) from
     // its one-GPU cost: the cost from the one-GPU run, nothing timed of the
     // entry itself but its collectives' sizes.
@@ -123,9 +120,12 @@ fn check_predicts_the_committed_runs_within_ten_percent() {
             assert!(one.error.abs() <= 0.10, "{target} from its one-GPU cost: {:+.1}%", 100.0 * one.error);
         }
     }
-    assert!(render::check(&c).contains("calibrated on 1-GPU cost + sizes: 14 of 15 within 10%"));
-    // The 1.3B's fp16 and top-k on two GPUs from their one-GPU costs.
-    for s in ["fp16", "topk-5pct"] {
+    assert!(render::check(&c).contains("calibrated on 1-GPU cost + sizes: 15 of 15 within 10%"));
+    // The 1.3B's fp16, top-k and per-matrix PowerSGD on two GPUs from their
+    // one-GPU costs. The PowerSGD's 80 small collectives a step were +15%
+    // from it while each one's rank check drained the GPU's queue (dc9e8f6);
+    // the check now waits on its own stream (5be2fb3).
+    for s in ["fp16", "topk-5pct", "powersgd-r4-layers"] {
         let target = format!("gpu2-1.3b-compressors.json#gpt-1.3b-bf16/{s}/r0");
         let r = c.rows.iter().find(|r| r.target == target && r.basis == Basis::OneGpu).unwrap();
         assert!(r.error.abs() <= 0.10, "{target}: {:+.1}%", 100.0 * r.error);
@@ -457,7 +457,7 @@ fn workloads_of_one_name_and_other_work_are_told_apart() {
         "results/h200x4/scaling-625ab31/scaling-1.3b/harness-1.json",
         "results/h200x4/scaling-625ab31/scaling-1.3b/harness-2.json",
         "results/h200/compressors-1gpu-2de43bd/gpu1-1.3b-compressors.json",
-        "results/h200x2/powersgd-vs-hook-dc9e8f6/gpu2-1.3b-compressors.json",
+        "results/h200x2/check-comm-3e54f88/gpu2-1.3b-compressors.json",
     ];
     let b = benches(&["results/h200x4/scaling-625ab31/busbw/harness-busbw-1.3b-2.json"]);
     let p = project(&sources(&files), &b, &Cluster::parse("2x8:net=100Gbps").unwrap(), Some(1.0), &[]).unwrap();
