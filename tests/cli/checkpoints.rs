@@ -196,12 +196,14 @@ checkpoint_config = {{ every = 1, keep = 3 }}
     let root = checkpoint_root(&out);
     let (mut kills, mut seen, mut resumed) = (0, 0usize, 0);
     let mut rng = 0x2545_f491_4f6c_dd1du64;
-    // 110 kills: each round starts the run (resuming after the first) and
+    // 40 kills: each round starts the run (resuming after the first) and
     // kills it at a pseudo-random 0..150 ms once a checkpoint newer than
     // the last round's is on disk; so each round also shows the run
-    // resumed from what the previous kill left.
+    // resumed from what the previous kill left. (110 kills until
+    // 2026-11-29, none torn; each round costs a process start, about
+    // 0.4 s of libtorch's initialisation, on CI's 2 cores.)
     let mut newest = 0u64;
-    for round in 0..110 {
+    for round in 0..40 {
         let mut cmd = harness(dir.path());
         cmd.args(["run", "-q"]).arg(&suite).arg("--out").arg(&out);
         if round > 0 {
@@ -233,11 +235,11 @@ checkpoint_config = {{ every = 1, keep = 3 }}
         newest = all.last().unwrap().0;
         seen += all.len();
     }
-    assert_eq!(kills, 110);
+    assert_eq!(kills, 40);
     // Every round after the first went on from the checkpoint the kill left
     // and wrote newer ones.
-    assert_eq!(resumed, 109);
-    assert!(seen >= 110);
+    assert_eq!(resumed, 39);
+    assert!(seen >= 40);
 }
 
 /// The checkpoint directory of the only entry of the kill suite.
