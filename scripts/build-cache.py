@@ -3,6 +3,8 @@
 
     build-cache.py SRC DST        copy SRC to DST (DST must not exist)
     build-cache.py --size SRC     print the bytes such a copy would take
+    build-cache.py --same SRC DST exit 0 if DST holds what a copy of SRC
+                                  would (the same files, sizes and times)
     build-cache.py --self-test    check what a copy keeps on a made-up target/
 
 The workspace's crates (harness*, the plugins, the test fixtures and every
@@ -107,8 +109,42 @@ def self_test():
         assert got == sorted(keep), f"kept {got}, not {sorted(keep)}"
         assert all(os.stat(os.path.join(dst, k)).st_mtime == 1_000_000_000 for k in keep), "times not kept"
         assert size(src, units) == sum(len(k) for k in keep), "the size counts other files"
+        assert same(src, dst, units), "a copy differs from what it copied"
+        os.utime(os.path.join(src, keep[0]), (2_000_000_000, 2_000_000_000))
+        assert not same(src, dst, units), "a rebuilt unit (a newer time) went unseen"
+        os.utime(os.path.join(src, keep[0]), (1_000_000_000, 1_000_000_000))
+        with open(os.path.join(src, "release/deps/libnew-" + h + ".rlib"), "w") as f:
+            f.write("new")
+        assert not same(src, dst, units), "a new unit went unseen"
+        os.remove(os.path.join(src, "release/deps/libnew-" + h + ".rlib"))
+        os.remove(os.path.join(src, keep[0]))
+        assert not same(src, dst, units), "a removed unit went unseen"
     print("build-cache.py: self-test passed")
     return 0
+
+
+def listing(src, units):
+    """What a copy of src holds: each file's path, size and time; each
+    link's path and target."""
+    out = {}
+    for rel, is_dir in walk(src, units):
+        path = os.path.join(src, rel)
+        if os.path.islink(path):
+            out[rel] = ("link", os.readlink(path))
+        elif not is_dir:
+            st = os.lstat(path)
+            out[rel] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def same(src, dst, units):
+    """Whether dst (a copy made earlier) holds what a copy of src would:
+    then a save has nothing to write. Folders are not compared (their
+    times follow their files)."""
+    if not os.path.isdir(dst):
+        return False
+    # The copy of a copy keeps what it holds: its listing needs no filter.
+    return listing(src, units) == listing(dst, set())
 
 
 def size(src, units):
@@ -144,6 +180,8 @@ def main(argv):
     if argv[:1] == ["--size"] and len(argv) == 2:
         print(size(argv[1], units))
         return 0
+    if argv[:1] == ["--same"] and len(argv) == 3:
+        return 0 if same(argv[1], argv[2], units) else 1
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 # The build cache of ./x test, outside the clone:
 #   scripts/build-cache.sh restore   copies the cache to target/ (if there is one)
 #   scripts/build-cache.sh save      makes target/'s third-party units the cache
+#                                    (nothing written when they are the same)
 # The cache holds the third-party units of one target/ folder (wasmtime,
 # cranelift, tch, ...: about 3 GB) at ${HARNESS_CACHE:-~/.cache/harness}/target,
 # replaced as a whole on each save. The workspace's own units are never
@@ -41,6 +42,12 @@ case "${1:-}" in
       echo "no build cache at $cache/target yet: building from scratch"
     fi ;;
   save)
+    # Nothing to write when the cache holds target/'s third-party units as
+    # they are (no dependency was built again: the usual run).
+    if [ -d "$cache/target" ] && python3 scripts/build-cache.py --same target "$cache/target"; then
+      echo "build cache unchanged: target/'s third-party units are those of $cache/target"
+      exit 0
+    fi
     # The old cache goes first (under the lock no clone is reading it), so
     # the disk never holds two caches; a copy cut short leaves no cache,
     # never half of one.
