@@ -90,7 +90,8 @@ def self_test():
     keep = [f"release/deps/libserde-{h}.rlib", f"release/deps/serde-{h}.d",
             f"release/.fingerprint/serde-{h}/lib-serde", f"release/build/torch-sys-{h}/out/harness.h",
             f"release/build/torch-sys-{h}/build-script-build", f"wasm32-wasip2/release/deps/libwit_bindgen-{h}.rlib",
-            f"wasm32-wasip2/release/.fingerprint/serde-{h}/lib-serde", "plugins/topk.wasm", "plugins/harness.wasm", "CACHEDIR.TAG"]
+            f"wasm32-wasip2/release/.fingerprint/serde-{h}/lib-serde", "plugins/topk.wasm", "plugins/harness.wasm", "CACHEDIR.TAG",
+            "release/.cargo-lock", ".rustc_info.json"]
     drop = [f"release/deps/libharness_format-{h}.rlib", f"release/deps/harness_format-{h}", f"release/deps/cli-{h}",
             f"release/deps/harness-{h}.d", f"release/.fingerprint/harness-kernels-{h}/lib-harness_kernels",
             f"release/build/harness-kernels-{h}/out/k.o", "release/harness", "release/libharness_plugin_topk.so",
@@ -110,6 +111,8 @@ def self_test():
         assert all(os.stat(os.path.join(dst, k)).st_mtime == 1_000_000_000 for k in keep), "times not kept"
         assert size(src, units) == sum(len(k) for k in keep), "the size counts other files"
         assert same(src, dst, units), "a copy differs from what it copied"
+        os.utime(os.path.join(src, "release/.cargo-lock"), (2_000_000_000, 2_000_000_000))
+        assert same(src, dst, units), "cargo's lock file, touched by every build, counted as a unit"
         os.utime(os.path.join(src, keep[0]), (2_000_000_000, 2_000_000_000))
         assert not same(src, dst, units), "a rebuilt unit (a newer time) went unseen"
         os.utime(os.path.join(src, keep[0]), (1_000_000_000, 1_000_000_000))
@@ -137,14 +140,21 @@ def listing(src, units):
     return out
 
 
+# Cargo's own bookkeeping, rewritten by every build: no build unit.
+BOOKKEEPING = {".cargo-lock", ".rustc_info.json"}
+
+
 def same(src, dst, units):
     """Whether dst (a copy made earlier) holds what a copy of src would:
-    then a save has nothing to write. Folders are not compared (their
-    times follow their files)."""
+    then a save has nothing to write. Folders and cargo's bookkeeping files
+    are not compared (folders' times follow their files)."""
     if not os.path.isdir(dst):
         return False
+
+    def units_of(listed):
+        return {k: v for k, v in listed.items() if os.path.basename(k) not in BOOKKEEPING}
     # The copy of a copy keeps what it holds: its listing needs no filter.
-    return listing(src, units) == listing(dst, set())
+    return units_of(listing(src, units)) == units_of(listing(dst, set()))
 
 
 def size(src, units):
