@@ -40,7 +40,7 @@ def workspace_units():
     # Every package's build script is a target of this name; the package's
     # name, which cargo gives the script's folders, already covers it.
     names.discard("build-script-build")
-    return {n.replace("-", "_") for n in names}
+    return {n.replace("-", "_") for n in names} | SCAFFOLDED
 
 
 def unit_of(entry):
@@ -60,8 +60,14 @@ def is_workspace(entry, units):
 # Where cargo puts one entry per unit; inside a unit's own folder (a build
 # script's out/, say) names are the unit's business and all kept.
 UNIT_FOLDERS = {"deps", ".fingerprint", "build", "incremental", "examples"}
-# Folders of target/ itself that are no build: the docs and scratch files.
-NOT_BUILDS = {"doc", "tmp"}
+# Folders of target/ itself that are no build: the docs, scratch files and
+# the plugin artifacts (scripts/build-plugins.sh copies the workspace's
+# plugins there: rebuilt by every clone).
+NOT_BUILDS = {"doc", "tmp", "plugins"}
+# The crate tests/cli/plugins.rs scaffolds with `harness plugin new` and
+# builds into target/scaffold-test (to share its SDK's dependencies): new
+# sources in every run, so rebuilt by every run, as the workspace's are.
+SCAFFOLDED = {"my_avg"}
 
 
 def walk(src, units):
@@ -85,18 +91,19 @@ def self_test():
     """A made-up target/ with the workspace's units and third-party ones:
     the copy keeps exactly the third-party ones, with their times."""
     import tempfile
-    units = {"harness", "harness_format", "harness_kernels", "harness_plugin_topk", "harness_sdk", "cli"}
+    units = {"harness", "harness_format", "harness_kernels", "harness_plugin_topk", "harness_sdk", "cli"} | SCAFFOLDED
     h = "0123456789abcdef"
     keep = [f"release/deps/libserde-{h}.rlib", f"release/deps/serde-{h}.d",
             f"release/.fingerprint/serde-{h}/lib-serde", f"release/build/torch-sys-{h}/out/harness.h",
             f"release/build/torch-sys-{h}/build-script-build", f"wasm32-wasip2/release/deps/libwit_bindgen-{h}.rlib",
-            f"wasm32-wasip2/release/.fingerprint/serde-{h}/lib-serde", "plugins/topk.wasm", "plugins/harness.wasm", "CACHEDIR.TAG",
+            f"wasm32-wasip2/release/.fingerprint/serde-{h}/lib-serde", f"scaffold-test/wasm32-wasip2/release/deps/libwit_bindgen-{h}.rlib", "CACHEDIR.TAG",
             "release/.cargo-lock", ".rustc_info.json"]
     drop = [f"release/deps/libharness_format-{h}.rlib", f"release/deps/harness_format-{h}", f"release/deps/cli-{h}",
             f"release/deps/harness-{h}.d", f"release/.fingerprint/harness-kernels-{h}/lib-harness_kernels",
             f"release/build/harness-kernels-{h}/out/k.o", "release/harness", "release/libharness_plugin_topk.so",
             "release/libharness_plugin_topk.d", f"release/incremental/harness_sdk-{h}/s-1/dep-graph.bin",
-            "doc/harness/index.html", "tmp/scratch",
+            "doc/harness/index.html", "tmp/scratch", "plugins/topk.wasm", "plugins/harness.wasm",
+            "scaffold-test/wasm32-wasip2/release/deps/my_avg.wasm", f"scaffold-test/wasm32-wasip2/release/.fingerprint/my-avg-{h}/lib-my_avg",
             f"wasm32-wasip2/release/deps/libharness_sdk-{h}.rlib", "wasm32-wasip2/release/harness_plugin_topk.wasm"]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "target"), os.path.join(tmp, "copy")
