@@ -165,12 +165,7 @@ def same(src, dst, units):
 
 
 def size(src, units):
-    total = 0
-    for rel, is_dir in walk(src, units):
-        path = os.path.join(src, rel)
-        if not is_dir and not os.path.islink(path):
-            total += os.lstat(path).st_size
-    return total
+    return sum(v[0] for v in listing(src, units).values() if v[0] != "link")
 
 
 def copy(src, dst, units):

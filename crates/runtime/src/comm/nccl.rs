@@ -684,11 +684,11 @@ impl Collective for NcclComm {
         let code = call.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64 & i64::MAX;
         let kind = dtype(t.kind()).unwrap_or(-1) as i64;
         let sig = [code, t.numel() as i64, kind];
+        let l = lib().map_err(|e| self.fail("check", e))?;
         let got = match &self.checks {
             Some(c) => {
                 let (comm, stream, mine, all) = (c.comm, c.stream, c.mine.data_ptr(), c.all.data_ptr());
                 let mut got = vec![0i64; 3 * self.n];
-                let l = lib().map_err(|e| self.fail("check", e))?;
                 // SAFETY: `mine` and `all` are our live device buffers of 3
                 // and 3 x n i64, used on our stream only; the copy from the
                 // host's `sig` is staged before it returns (pageable
@@ -708,7 +708,6 @@ impl Collective for NcclComm {
                 let mine = Tensor::from_slice(&sig).to_device(t.device());
                 let all = Tensor::zeros([3 * self.n as i64], (Kind::Int64, t.device()));
                 let (sp, rp) = (mine.data_ptr(), all.data_ptr());
-                let l = lib().map_err(|e| self.fail("check", e))?;
                 // SAFETY: 3 i64 read from `mine`, 3 x n written to `all`, live
                 // device buffers; the legacy default stream orders them.
                 let rc = unsafe { (l.all_gather)(sp, rp, 3, dtype(Kind::Int64).unwrap_or(0), self.comm, std::ptr::null_mut()) };
