@@ -29,6 +29,9 @@ for t in $tests; do
   start=$EPOCHREALTIME
   HARNESS_TEST_DEVICE=cuda HARNESS_TEST_GPUS=$GPUS timeout 300 .carry/cli --exact "$t" --nocapture > "$OUT/$t.txt" 2>&1
   rc=$?
+  # A test stopped by the timeout leaves the harness it started running on
+  # the GPUs (and its binary busy): end it before the next test.
+  pkill -9 -f 'target/release/harness ' 2>/dev/null || true
   took=$(awk "BEGIN {print $EPOCHREALTIME - $start}")
   peak=$(sort -n "$OUT/gpu-memory.txt" | tail -1)
   res=ok; [ $rc = 0 ] || res="FAILED ($rc)"
